@@ -1,0 +1,5 @@
+import sys
+
+from dilocox.cli import main
+
+sys.exit(main())

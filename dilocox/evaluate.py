@@ -1,0 +1,65 @@
+"""`dilocox eval`: the loss of a run's checkpoint on its validation split or on any text.
+
+result = evaluate_run(Path("runs/dilocox"))                         # {"loss": ..., "perplexity": ...}
+result = evaluate_run(Path("runs/dilocox"), data_path="my_text.txt")
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dilocox.checkpoint import find_checkpoint, load_rank_state, read_meta
+from dilocox.config import from_dict
+from dilocox.data import Tokenizer, load_documents, prepare_tokens
+from dilocox.trainer import build_model, evaluate
+
+
+def evaluate_run(
+    run_dir: Path, *, data_path: str | None = None, checkpoint: str | None = None, max_batches: int = 0
+) -> dict[str, Any]:
+    if not (run_dir / "config.toml").is_file():
+        raise ValueError(f"{run_dir} is not a dilocox run directory (no config.toml); pass the run.out_dir of a run")
+    cfg = from_dict(tomllib.loads((run_dir / "config.toml").read_text()))
+    path = find_checkpoint(run_dir, checkpoint or "latest")
+    meta = read_meta(path)
+    if meta["pp_degree"] != 1:
+        raise ValueError(f"checkpoint {path} is pipeline-split (pp_degree {meta['pp_degree']}); eval needs pp_degree 1")
+    tokenizer_file = run_dir / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    if data_path:
+        docs = load_documents(data_path, text_field=cfg.data.text_field)
+        ids: list[int] = []
+        for encoded in tokenizer.encode_batch(docs):
+            ids.extend(encoded)
+            ids.append(tokenizer.eos_id)
+        tokens = np.asarray(ids[:-1], dtype=np.int64)
+        source = str(data_path)
+    else:
+        d = cfg.data
+        data = prepare_tokens(
+            path=d.path,
+            tokenizer=str(tokenizer_file),
+            val_fraction=d.val_fraction,
+            text_field=d.text_field,
+            seed=cfg.run.seed,
+        )
+        tokens, source = data.val, "validation split"
+    model = build_model(cfg, tokenizer.vocab_size)
+    model.load_state_dict(load_rank_state(path, 0)["model"])
+    seq_len, batch = cfg.train.seq_len, cfg.train.micro_batch_size
+    if len(tokens) < batch * (seq_len + 1):
+        batch = max(1, len(tokens) // (seq_len + 1))  # small user files still get evaluated
+    loss, num_tokens = evaluate(model, tokens, seq_len=seq_len, batch_size=batch, max_batches=max_batches or None)
+    return {
+        "source": source,
+        "checkpoint": str(path),
+        "step": meta["step"],
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "tokens": num_tokens,
+    }

@@ -1,0 +1,190 @@
+"""Start the ranks of a run: all `C x D x P` of them on this machine, or this one rank under `torchrun`.
+
+    dilocox train ...                          # spawns C x D x P local processes (gloo over loopback)
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29400 -m dilocox train ...   # one rank each
+
+Everything a user can get wrong (config, data files, tokenizer, run directory, checkpoint to resume) is checked
+before any rank starts, so a mistake ends with one line and exit code 2 and leaves no half-made run directory.
+A crashed rank stops all ranks; Ctrl+C stops them too, and the newest complete checkpoint stays usable.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from dilocox.checkpoint import check_resume, find_checkpoint, list_checkpoints, write_atomic
+from dilocox.config import Config, from_dict, to_dict, to_toml
+from dilocox.data import TokenData
+from dilocox.models import model_args
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def resolve_resume(cfg: Config) -> Path | None:
+    if not cfg.checkpoint.resume:
+        return None
+    path = find_checkpoint(Path(cfg.run.out_dir), cfg.checkpoint.resume)
+    check_resume(cfg, path)
+    return path
+
+
+def prepare_run_dir(cfg: Config, data: TokenData, resume: Path | None) -> Path:
+    """Create (or reopen, when resuming) the run directory and write config.toml and tokenizer.json into it."""
+    run_dir = Path(cfg.run.out_dir)
+    existing = run_dir.exists() and any(run_dir.iterdir()) if run_dir.is_dir() else run_dir.exists()
+    if existing and resume is None:
+        if not run_dir.is_dir():
+            raise ValueError(f"run.out_dir = {run_dir} is a file; choose a directory path")
+        if not cfg.run.overwrite:
+            raise ValueError(
+                f"run.out_dir = {run_dir} already holds a run; continue it with --checkpoint.resume=latest, "
+                "replace it with --run.overwrite=true, or choose another --run.out_dir"
+            )
+        shutil.rmtree(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / "config.toml", to_toml(cfg).encode())
+        tokenizer = run_dir / "tokenizer.json"
+        if Path(data.tokenizer_path).resolve() != tokenizer.resolve():
+            write_atomic(tokenizer, Path(data.tokenizer_path).read_bytes())
+    except OSError as exc:
+        raise ValueError(
+            f"run.out_dir = {run_dir} is not writable ({exc.strerror}); choose another --run.out_dir"
+        ) from None
+    return run_dir
+
+
+def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Path | None]:
+    """Every check that can fail on user input, before anything is written or any rank starts."""
+    from dilocox.trainer import prepare_data
+
+    cfg.validate(world_size)
+    resume = resolve_resume(cfg)
+    data = prepare_data(cfg)
+    model_args(cfg.model.flavor, vocab_size=data.vocab_size, max_seq_len=cfg.train.seq_len).validate()
+    return data, resume
+
+
+# ------------------------------------------------------------------------------------------------ one rank
+def run_rank(cfg: Config, rank: int, run_dir: Path, resume: Path | None, data: TokenData | None = None) -> None:
+    """Train as `rank` of an initialized default process group."""
+    from dilocox.trainer import Trainer
+
+    trainer = Trainer(cfg, rank=rank, run_dir=run_dir, data=data)
+    try:
+        if resume is not None:
+            trainer.resume(resume)
+        trainer.train()
+    finally:
+        trainer.close()
+
+
+def _local_rank_main(rank: int, cfg_dict: dict, world_size: int, init_file: str, error_dir: str, resume: str) -> None:
+    # The launching terminal's Ctrl+C reaches every process; the parent alone decides and stops the ranks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    cfg = from_dict(cfg_dict)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        run_rank(cfg, rank, Path(cfg.run.out_dir), Path(resume) if resume else None)
+    except ValueError as exc:
+        Path(error_dir, f"rank{rank}").write_text(str(exc))
+        sys.stdout.flush()
+        os._exit(EXIT_USER_ERROR)  # peers blocked in collectives are stopped by the parent
+    dist.destroy_process_group()
+
+
+def launch_local(cfg: Config, data: TokenData, resume: Path | None) -> int:
+    """Spawn the world on this machine and wait; returns the process exit code."""
+    world_size = cfg.world_size
+    with tempfile.TemporaryDirectory(prefix="dilocox-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        ctx = mp.start_processes(
+            _local_rank_main,
+            args=(to_dict(cfg), world_size, init_file, tmp, str(resume or "")),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        try:
+            while not ctx.join(timeout=0.5):
+                pass
+        except KeyboardInterrupt:
+            _stop(ctx)
+            newest = list_checkpoints(Path(cfg.run.out_dir))
+            hint = f"; resume from {newest[-1]} with --checkpoint.resume=latest" if newest else ""
+            print(f"\ndilocox: interrupted, all {world_size} ranks stopped{hint}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except ProcessException as exc:
+            _stop(ctx)
+            errors = sorted(Path(tmp).glob("rank*"))
+            if errors:
+                print(f"dilocox: error: {errors[0].read_text()}", file=sys.stderr)
+                return EXIT_USER_ERROR
+            detail = getattr(exc, "msg", str(exc)).rstrip()
+            print(
+                f"{detail}\ndilocox: rank {exc.error_index} failed ({exc.__class__.__name__}); all ranks stopped",
+                file=sys.stderr,
+            )
+            return 1
+    return 0
+
+
+def _stop(ctx) -> None:
+    for process in ctx.processes:
+        if process.is_alive():
+            process.terminate()
+    for process in ctx.processes:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+
+
+# ------------------------------------------------------------------------------------------------ torchrun
+def launch_torchrun(cfg: Config) -> int:
+    """Run as the rank torchrun assigned; rank 0 sets up the run directory and tells the others if it failed."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
+    try:
+        error = None
+        data = resume = None
+        try:
+            data, resume = preflight(cfg, world_size)
+            if rank == 0:
+                prepare_run_dir(cfg, data, resume)
+        except ValueError as exc:
+            error = str(exc)
+        errors = [error] * world_size
+        dist.all_gather_object(errors, error)
+        first = next((e for e in errors if e), None)
+        if first:
+            if rank == 0:
+                print(f"dilocox: error: {first}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        run_rank(cfg, rank, Path(cfg.run.out_dir), resume, data)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except Exception:
+        traceback.print_exc()
+        print(f"dilocox: rank {rank} failed; torchrun stops the other ranks", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

@@ -1,0 +1,471 @@
+"""The WAN channel: the one object through which every collective on the slow `cluster_group` goes.
+
+It runs each collective for real (gloo) on a background communicator thread, counts the exact bytes the ring
+algorithm puts on the wire (conventions in `dilocox.net.link`), and, in emulation mode, completes each transfer
+only when a FIFO model of the slow link says it would have arrived. Training overlaps with the transfer exactly
+as it would with a real slow link; time the trainer spends blocked in `wait()` is recorded as exposed.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from dilocox.net.link import (
+    LinkModel,
+    link_charge_bytes,
+    parse_bandwidth,
+    parse_duration,
+    ring_all_gather_bytes,
+    ring_all_reduce_bytes,
+)
+
+__all__ = [
+    "PendingTransfer",
+    "WanChannel",
+    "ring_all_gather_bytes",
+    "ring_all_reduce_bytes",
+]
+
+ResultT = TypeVar("ResultT")
+
+_REDUCE_OPS = ("sum", "avg")
+_LENGTH_BYTES = 8  # one int64 element count per rank in the length exchange of an all-gather
+_CANCEL_JOIN_S = 5.0  # how long close(cancel=True) waits for a collective already on the wire
+_STAT_KEYS = ("bytes_sent", "bytes_recv", "control_bytes", "link_busy_s", "exposed_s", "num_transfers")
+
+
+@dataclass(eq=False)
+class PendingTransfer(Generic[ResultT]):
+    """An in-flight collective of a `WanChannel`; `wait()` returns its result once the emulated link delivers it.
+
+        transfer = channel.launch_all_reduce(pseudo_grad, op="avg")
+        ...                                     # compute while the link is busy; do not touch pseudo_grad
+        avg_pseudo_grad = transfer.wait()
+
+    Times are `time.perf_counter()` seconds. The byte and time fields are final once `done()` is true (the
+    sizes of an all-gather are only known after its length exchange on the communicator thread).
+    """
+
+    kind: str
+    """"all_reduce" or "all_gather"."""
+    launch_time: float
+    """When the trainer launched the transfer."""
+    nbytes_sent: int = 0
+    """Payload bytes this rank put on the wire (ring convention, unpadded)."""
+    nbytes_recv: int = 0
+    """Payload bytes this rank took off the wire."""
+    start_time: float = 0.0
+    """When the transfer started on the (emulated) link: after its launch and after the previous one left."""
+    done_time: float = 0.0
+    """When the transfer completed: the link model's arrival, or later if the real collective was slower."""
+    link_s: float = 0.0
+    """`done_time - start_time`: link time of this transfer alone."""
+    _finished: threading.Event = field(default_factory=threading.Event, repr=False)
+    _result: Any = field(default=None, repr=False)
+    _error: BaseException | None = field(default=None, repr=False)
+    _channel: WanChannel | None = field(default=None, repr=False)
+
+    def done(self) -> bool:
+        """True once `wait()` would return (or raise) without blocking."""
+        return self._finished.is_set()
+
+    def wait(self) -> ResultT:
+        """Block until the transfer completes and return its result; the blocked time counts as exposed."""
+        if not self._finished.is_set():
+            blocked_from = time.perf_counter()
+            self._finished.wait()
+            if self._channel is not None:
+                self._channel._add_exposed(time.perf_counter() - blocked_from)
+        if self._error is not None:
+            raise RuntimeError(
+                f"WAN channel {self.kind} launched at t={self.launch_time:.3f}s failed on the communicator thread: "
+                f"{self._error!r}"
+            ) from self._error
+        return self._result
+
+    def _complete(self, result: Any) -> None:
+        self._result = result
+        self._finished.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._finished.set()
+
+
+@dataclass
+class _Outcome:
+    """What one collective did on this rank, measured on the communicator thread."""
+
+    result: Any
+    nbytes_sent: int
+    nbytes_recv: int
+    control_bytes: int = 0
+
+
+@dataclass
+class _Job:
+    transfer: PendingTransfer[Any]
+    run: Callable[[], _Outcome]
+
+
+class WanChannel:
+    """Every collective on the slow `cluster_group`, with exact byte counts and an emulated FIFO link (DiLoCoX §5).
+
+        with WanChannel.from_strings(groups.cluster_group, bandwidth="1Gbps", latency="10ms", num_sharing=dp) as ch:
+            transfer = ch.launch_all_reduce(shard, op="avg")   # returns at once; the link works in the background
+            avg_shard = transfer.wait()                        # blocked time is counted in ch.exposed_s
+
+    Collectives run in launch order on one background thread (so every rank issues the same sequence on the
+    group), each as a real blocking gloo collective. In emulation mode (`bandwidth` in bytes/s) the thread then
+    sleeps until a `LinkModel` says the transfer arrived: it starts when launched and the previous transfer has
+    left the wire, occupies it for `max(sent, recv) / bandwidth` (full duplex) and lands one `latency_s` later;
+    latency is paid once per collective and pipelined. If the real collective is slower, completion is later.
+    `bandwidth=None` turns emulation off: no sleeping (latency is ignored) and link time is the measured time of
+    the real collective.
+
+    Sharing model: `bandwidth` is the uplink of one cluster (DiLoCoX: 8 GPUs of a node share its 1 Gbps). The
+    `num_sharing` ranks of a cluster that use the slow link at the same time (the dp replicas syncing their
+    shards together) get an even share each: this rank's link model runs at `bandwidth / num_sharing`. Equal
+    shards launched together therefore finish when one cluster-wide transfer of their sum would.
+
+    `group` None or a group of one (a single cluster) makes every operation a local no-op that moves 0 bytes.
+    Note that None means "no slow link", not the default group. Counters (`stats()`) cover completed transfers:
+    payload bytes by the ring conventions of `dilocox.net.link` (unpadded), `control_bytes` for the length
+    exchange of all-gathers, `link_busy_s` as the union of the link model's [start, done] intervals (the measured
+    collective time when unlimited), and `exposed_s` as the trainer's time blocked in `wait()`.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        bandwidth: float | None,
+        latency_s: float,
+        num_sharing: int = 1,
+    ) -> None:
+        if isinstance(num_sharing, bool) or not isinstance(num_sharing, int) or num_sharing < 1:
+            raise ValueError(
+                f"num_sharing = {num_sharing!r} must be an int >= 1: the number of ranks of a cluster that use its "
+                "uplink at the same time (topology.dp_degree for a sharded outer sync, 1 otherwise)"
+            )
+        # LinkModel validates both values and names network.bandwidth / network.latency in its errors.
+        link = LinkModel(None if bandwidth is None else bandwidth / num_sharing, latency_s)
+        self._link: LinkModel | None = None if bandwidth is None else link
+        self.group = group
+        self.num_sharing = num_sharing
+        self.latency_s = latency_s
+        self.uplink_bytes_per_s = bandwidth
+        if group is None:
+            self.world_size, self.group_rank = 1, 0
+        else:
+            self.world_size, self.group_rank = dist.get_world_size(group), dist.get_rank(group)
+            if self.group_rank < 0:
+                raise ValueError("this rank is not a member of the WanChannel's group: pass its own cluster_group")
+
+        self._lock = threading.Lock()  # guards the counters and the lifecycle flags below
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._cancelled = False
+        self._failure: BaseException | None = None
+        self._bytes_sent = 0
+        self._bytes_recv = 0
+        self._control_bytes = 0
+        self._link_busy_s = 0.0
+        self._exposed_s = 0.0
+        self._num_transfers = 0
+
+    @classmethod
+    def from_strings(
+        cls, group: dist.ProcessGroup | None, *, bandwidth: str, latency: str, num_sharing: int = 1
+    ) -> WanChannel:
+        """Build from the `[network]` config strings, e.g. `bandwidth="1Gbps", latency="10ms"`."""
+        return cls(
+            group, bandwidth=parse_bandwidth(bandwidth), latency_s=parse_duration(latency), num_sharing=num_sharing
+        )
+
+    # ----------------------------------------------------------------------------------------- properties
+
+    @property
+    def emulated(self) -> bool:
+        """True when a finite bandwidth is emulated (completion waits for the link model)."""
+        return self._link is not None
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        """This rank's share of the uplink: `bandwidth / num_sharing` (None when unlimited)."""
+        return None if self._link is None else self._link.bytes_per_s
+
+    @property
+    def bytes_sent(self) -> int:
+        with self._lock:
+            return self._bytes_sent
+
+    @property
+    def bytes_recv(self) -> int:
+        with self._lock:
+            return self._bytes_recv
+
+    @property
+    def control_bytes(self) -> int:
+        with self._lock:
+            return self._control_bytes
+
+    @property
+    def link_busy_s(self) -> float:
+        with self._lock:
+            return self._link_busy_s
+
+    @property
+    def exposed_s(self) -> float:
+        with self._lock:
+            return self._exposed_s
+
+    @property
+    def num_transfers(self) -> int:
+        with self._lock:
+            return self._num_transfers
+
+    def stats(self) -> dict[str, float | int]:
+        """Cumulative counters: bytes_sent, bytes_recv, control_bytes, link_busy_s, exposed_s, num_transfers."""
+        with self._lock:
+            return {
+                "bytes_sent": self._bytes_sent,
+                "bytes_recv": self._bytes_recv,
+                "control_bytes": self._control_bytes,
+                "link_busy_s": self._link_busy_s,
+                "exposed_s": self._exposed_s,
+                "num_transfers": self._num_transfers,
+            }
+
+    def state_dict(self) -> dict[str, float | int]:
+        """The counters, so cumulative metrics survive a checkpoint resume (the link's clock does not)."""
+        return self.stats()
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """Restore counters saved by `state_dict()`; call before launching transfers."""
+        missing = [k for k in _STAT_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"WanChannel state is missing {missing}; expected the keys of WanChannel.state_dict()")
+        with self._lock:
+            self._bytes_sent = int(state["bytes_sent"])
+            self._bytes_recv = int(state["bytes_recv"])
+            self._control_bytes = int(state["control_bytes"])
+            self._link_busy_s = float(state["link_busy_s"])
+            self._exposed_s = float(state["exposed_s"])
+            self._num_transfers = int(state["num_transfers"])
+
+    # ----------------------------------------------------------------------------------------- collectives
+
+    def launch_all_reduce(self, tensor: torch.Tensor, *, op: str = "avg") -> PendingTransfer[torch.Tensor]:
+        """Start an in-place ring all-reduce ("sum" or "avg") of a floating `tensor` over the group.
+
+        The caller must not read or write `tensor` until `wait()`, which returns it reduced.
+        """
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"all_reduce op = {op!r} is not supported; use one of {list(_REDUCE_OPS)}")
+        if not tensor.is_floating_point():
+            raise ValueError(
+                f"all_reduce of a {tensor.dtype} tensor: integer sums wrap around on the wire; convert to a float "
+                "dtype first, or all_gather quantized payloads and reduce them locally"
+            )
+        if self.world_size == 1:
+            return self._completed("all_reduce", tensor)
+        return self._submit("all_reduce", functools.partial(self._run_all_reduce, tensor, op))
+
+    def launch_all_gather(self, tensor: torch.Tensor) -> PendingTransfer[list[torch.Tensor]]:
+        """Start an all-gather of 1-D tensors whose lengths may differ per rank (same dtype on every rank).
+
+        `wait()` returns one tensor per group rank, in group rank order; this rank's entry is `tensor` itself.
+        gloo gathers equal sizes only, so the lengths are exchanged first (one int64 per rank, counted in
+        `control_bytes` by the ring all-gather convention: `8 (C-1)` per call) and payloads padded to the longest;
+        payload bytes are counted unpadded, as a variable-size ring would send them. The link is charged the
+        payload's `max(sent, recv)` plus the length bytes and one latency (the lengths ride as a header).
+        """
+        if tensor.dim() != 1:
+            raise ValueError(
+                f"all_gather takes a 1-D tensor, got shape {tuple(tensor.shape)}; pass tensor.reshape(-1) and "
+                "restore the shape after the gather"
+            )
+        if self.world_size == 1:
+            return self._completed("all_gather", [tensor])
+        return self._submit("all_gather", functools.partial(self._run_all_gather, tensor))
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "avg") -> torch.Tensor:
+        """Blocking `launch_all_reduce(...).wait()`."""
+        return self.launch_all_reduce(tensor, op=op).wait()
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Blocking `launch_all_gather(...).wait()`."""
+        return self.launch_all_gather(tensor).wait()
+
+    # ----------------------------------------------------------------------------------------- lifecycle
+
+    def close(self, *, cancel: bool = False) -> None:
+        """Stop the communicator thread; idempotent, and a no-op if it never started.
+
+        By default every launched transfer is carried out first (peers expect them). With `cancel=True`
+        (error paths) transfers not yet started fail instead, and a collective already on the wire is waited for
+        only briefly, since a peer that went away would leave it blocked.
+        """
+        with self._lock:
+            if cancel:
+                self._cancelled = True
+            if self._closed:
+                thread = None
+            else:
+                self._closed = True
+                thread = self._thread
+        if thread is None:
+            return
+        if cancel:
+            # Fail queued transfers here rather than on the thread, which may be stuck behind a vanished peer.
+            while True:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job.transfer._fail(RuntimeError("the WanChannel was closed with cancel=True before this ran"))
+        self._queue.put(None)
+        thread.join(timeout=_CANCEL_JOIN_S if cancel else None)
+
+    def __enter__(self) -> WanChannel:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.close(cancel=exc_type is not None)
+
+    # ----------------------------------------------------------------------------------------- internals
+
+    def _completed(self, kind: str, result: Any) -> PendingTransfer[Any]:
+        now = time.perf_counter()
+        transfer: PendingTransfer[Any] = PendingTransfer(kind=kind, launch_time=now, start_time=now, done_time=now)
+        transfer._complete(result)
+        return transfer
+
+    def _submit(self, kind: str, run: Callable[[], _Outcome]) -> PendingTransfer[Any]:
+        transfer: PendingTransfer[Any] = PendingTransfer(kind=kind, launch_time=time.perf_counter(), _channel=self)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"cannot launch {kind}: the WanChannel is closed")
+            if self._failure is not None:
+                raise RuntimeError(
+                    f"cannot launch {kind}: an earlier transfer on this WanChannel failed ({self._failure!r})"
+                ) from self._failure
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="dilocox-wan-channel", daemon=True)
+                self._thread.start()
+            self._queue.put(_Job(transfer, run))
+        return transfer
+
+    def _add_exposed(self, seconds: float) -> None:
+        with self._lock:
+            self._exposed_s += seconds
+
+    def _serve(self) -> None:
+        """Communicator thread: run queued collectives in launch order until the stop sentinel."""
+        job: _Job | None = None
+        try:
+            while (job := self._queue.get()) is not None:
+                with self._lock:
+                    failure, cancelled = self._failure, self._cancelled
+                if cancelled:
+                    job.transfer._fail(RuntimeError("the WanChannel was closed with cancel=True before this ran"))
+                elif failure is not None:
+                    # The group's collective sequence is broken: running later ones could pair with the wrong peers.
+                    job.transfer._fail(RuntimeError(f"skipped: an earlier transfer failed ({failure!r})"))
+                else:
+                    try:
+                        self._execute(job)
+                    except BaseException as exc:  # handed to wait(); the thread itself must never die silently
+                        with self._lock:
+                            self._failure = exc
+                        job.transfer._fail(exc)
+                job = None
+        finally:
+            # Only reached early on an interpreter-level failure: never leave a waiter blocked forever.
+            if job is not None and not job.transfer.done():
+                job.transfer._fail(RuntimeError("the WanChannel communicator thread stopped"))
+            while True:
+                try:
+                    leftover = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if leftover is not None:
+                    leftover.transfer._fail(RuntimeError("the WanChannel communicator thread stopped"))
+
+    def _execute(self, job: _Job) -> None:
+        transfer = job.transfer
+        real_start = time.perf_counter()
+        outcome = job.run()
+        real_end = time.perf_counter()
+        if self._link is None:
+            start, done = real_start, real_end
+            busy_s = real_end - real_start
+        else:
+            charge = link_charge_bytes(outcome.nbytes_sent, outcome.nbytes_recv) + outcome.control_bytes
+            busy_before = self._link.busy_s
+            start, model_done = self._link.schedule(charge, transfer.launch_time)
+            busy_s = self._link.busy_s - busy_before
+            _sleep_until(model_done)
+            done = max(model_done, real_end)
+        transfer.nbytes_sent, transfer.nbytes_recv = outcome.nbytes_sent, outcome.nbytes_recv
+        transfer.start_time, transfer.done_time, transfer.link_s = start, done, done - start
+        with self._lock:
+            self._bytes_sent += outcome.nbytes_sent
+            self._bytes_recv += outcome.nbytes_recv
+            self._control_bytes += outcome.control_bytes
+            self._link_busy_s += busy_s
+            self._num_transfers += 1
+        transfer._complete(outcome.result)
+
+    def _run_all_reduce(self, tensor: torch.Tensor, op: str) -> _Outcome:
+        # gloo reduces contiguous buffers only; reduce a copy and write it back so the call stays in-place.
+        buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
+        if op == "avg":
+            buffer.div_(self.world_size)
+        if buffer is not tensor:
+            tensor.copy_(buffer)
+        sent, recv = ring_all_reduce_bytes(tensor.numel(), tensor.element_size(), self.world_size, self.group_rank)
+        return _Outcome(tensor, sent, recv)
+
+    def _run_all_gather(self, tensor: torch.Tensor) -> _Outcome:
+        world, rank = self.world_size, self.group_rank
+        # gloo gathers equal sizes only: exchange the lengths, pad to the longest, trim on arrival.
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(lengths, torch.tensor([tensor.numel()], dtype=torch.int64), group=self.group)
+        numels = [int(n.item()) for n in lengths]
+        control_bytes, _ = ring_all_gather_bytes([_LENGTH_BYTES] * world, rank)
+        longest = max(numels)
+        if longest == 0:
+            gathered = [torch.empty(0, dtype=tensor.dtype) for _ in range(world)]
+        else:
+            if tensor.numel() == longest and tensor.is_contiguous():
+                padded = tensor
+            else:
+                padded = torch.zeros(longest, dtype=tensor.dtype)
+                padded[: tensor.numel()] = tensor
+            slots = [torch.empty(longest, dtype=tensor.dtype) for _ in range(world)]
+            dist.all_gather(slots, padded, group=self.group)
+            gathered = [slot[:n] for slot, n in zip(slots, numels, strict=True)]
+        gathered[rank] = tensor
+        sizes = [n * tensor.element_size() for n in numels]
+        sent, recv = ring_all_gather_bytes(sizes, rank)
+        return _Outcome(gathered, sent, recv, control_bytes)
+
+
+def _sleep_until(deadline: float) -> None:
+    # time.sleep may wake a little early on some platforms; loop so completion is never before the model's time.
+    while (remaining := deadline - time.perf_counter()) > 0:
+        time.sleep(remaining)

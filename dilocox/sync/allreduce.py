@@ -1,0 +1,60 @@
+"""The AllReduce baseline: every inner step's gradients are averaged over every rank, the slow link included.
+
+sync = AllReduceSync(model.parameters(), channel=channel, dp_group=groups.dp_group)
+loss.backward(); sync.reduce_gradients(); inner_optimizer.step()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from dilocox.net.channel import WanChannel, ring_all_reduce_bytes
+from dilocox.sync.base import FlatParams, dp_mean_, group_size, launch_cross_cluster_mean, shard_bounds
+
+
+class AllReduceSync:
+    """Data parallelism across clusters (the DiLoCoX paper's AllReduce baseline): hierarchical gradient mean,
+    first over the fast dp_group, then each replica's 1/dp shard over the slow cluster_group."""
+
+    name = "allreduce"
+
+    def __init__(self, params, *, channel: WanChannel, dp_group: dist.ProcessGroup | None) -> None:
+        self.flat = FlatParams(params)
+        self.channel = channel
+        self.dp_group = dp_group
+        self.outer_step = 0
+
+    def reduce_gradients(self) -> None:
+        grads = dp_mean_(self.flat.gather_grads(), self.dp_group)
+        self.flat.scatter_grads(launch_cross_cluster_mean(grads, channel=self.channel, dp_group=self.dp_group).wait())
+
+    def after_inner_step(self, step: int) -> bool:
+        return True
+
+    def is_round_boundary(self, step: int) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def allreduce_bytes_per_step(
+    numel: int, *, dp_group: dist.ProcessGroup | None, cluster_group: dist.ProcessGroup | None, elem_size: int = 4
+) -> int:
+    """Bytes this rank sends on the slow link for one AllReduce step of `numel` fp32 gradients (exact, per the
+    channel's ring convention): the yardstick `allreduce_equiv_bytes` of every strategy's summary."""
+    clusters = group_size(cluster_group)
+    if clusters == 1:
+        return 0
+    dp_size = group_size(dp_group)
+    start, end = shard_bounds(numel, dp_size, dist.get_rank(dp_group) if dp_size > 1 else 0)
+    sent, _ = ring_all_reduce_bytes(end - start, elem_size, clusters, dist.get_rank(cluster_group))
+    return sent

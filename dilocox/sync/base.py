@@ -1,0 +1,139 @@
+"""What every synchronization strategy shares: the protocol, flat buffers, and the sharded cross-cluster mean.
+
+A strategy is called by the trainer at two points of every inner step:
+
+    loss.backward()
+    sync.reduce_gradients()          # allreduce: mean over every rank; diloco: mean over dp_group only
+    clip, inner_optimizer.step()
+    sync.after_inner_step(step)      # diloco: at a round boundary, the outer sync and outer step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from dilocox.net.channel import PendingTransfer, WanChannel
+
+
+class SyncStrategy(Protocol):
+    """One way of keeping the clusters' models together (DESIGN.md section 6)."""
+
+    name: str
+    outer_step: int
+
+    def reduce_gradients(self) -> None:
+        """Average this step's gradients over the ranks that must agree on them, before the inner step."""
+
+    def after_inner_step(self, step: int) -> bool:
+        """Called after inner step `step` (1-based); returns True when the replicas now agree (a round ended)."""
+
+    def is_round_boundary(self, step: int) -> bool:
+        """Whether the replicas agree after inner step `step` (checkpoints and evaluations of record go there)."""
+
+    def flush(self) -> None:
+        """Apply anything pending (the end of training); afterwards every cluster holds the same parameters."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class FlatParams:
+    """A fixed list of parameters seen as one flat fp32 vector (one collective per step instead of one per tensor).
+
+    flat = FlatParams(model.parameters())
+    g = flat.gather_grads()        # (numel,)
+    flat.scatter_grads(g)
+    """
+
+    def __init__(self, params) -> None:
+        self.params: list[torch.nn.Parameter] = [p for p in params if p.requires_grad]
+        self.numels = [p.numel() for p in self.params]
+        self.numel = sum(self.numels)
+
+    def gather_data(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+
+    def scatter_data(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            for p, chunk in zip(self.params, flat.split(self.numels), strict=True):
+                p.copy_(chunk.view_as(p))
+
+    def gather_grads(self) -> torch.Tensor:
+        return torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in self.params]
+        )
+
+    def scatter_grads(self, flat: torch.Tensor) -> None:
+        for p, chunk in zip(self.params, flat.split(self.numels), strict=True):
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.copy_(chunk.view_as(p))
+
+
+def dp_mean_(flat: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """In-place mean over the fast data-parallel group; a no-op for a group of one."""
+    size = group_size(group)
+    if size > 1:
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+    return flat
+
+
+def shard_bounds(numel: int, num_shards: int, index: int) -> tuple[int, int]:
+    """Equal shards (the last ones one element shorter), like torch.tensor_split."""
+    base, extra = divmod(numel, num_shards)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+@dataclass
+class PendingMean:
+    """An in-flight cross-cluster mean of one flat vector (see `launch_cross_cluster_mean`)."""
+
+    flat: torch.Tensor
+    shard: torch.Tensor
+    transfer: PendingTransfer
+    dp_group: dist.ProcessGroup | None
+
+    def wait(self) -> torch.Tensor:
+        """Block until the slow-link part is done, then all-gather the shards over the fast dp_group."""
+        self.transfer.wait()
+        size = group_size(self.dp_group)
+        if size == 1:
+            return self.shard  # the shard is the whole vector
+        width = -(-self.flat.numel() // size)
+        padded = torch.zeros(width, dtype=self.shard.dtype)
+        padded[: self.shard.numel()] = self.shard
+        parts = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(parts, padded, group=self.dp_group)
+        for index, part in enumerate(parts):
+            start, end = shard_bounds(self.flat.numel(), size, index)
+            self.flat[start:end] = part[: end - start]
+        return self.flat
+
+
+def launch_cross_cluster_mean(
+    flat: torch.Tensor, *, channel: WanChannel, dp_group: dist.ProcessGroup | None
+) -> PendingMean:
+    """Start averaging `flat` over the clusters; it must already be identical on all dp replicas of this cluster.
+
+    The slow-link transfer is sharded over the cluster's `dp_degree` replicas (DESIGN.md section 2): replica d
+    averages only shard d over `cluster_group`, then the shards are all-gathered over the fast `dp_group` in
+    `wait()`, so each rank puts 1/dp of the vector on the slow link.
+    """
+    size = group_size(dp_group)
+    if size == 1:
+        shard = flat
+    else:
+        start, end = shard_bounds(flat.numel(), size, dist.get_rank(dp_group))
+        shard = flat[start:end].clone()
+    return PendingMean(flat=flat, shard=shard, transfer=channel.launch_all_reduce(shard, op="avg"), dp_group=dp_group)

@@ -1,0 +1,321 @@
+"""The Trainer: one rank's model, inner optimizer, sync strategy, data stream and slow-link channel.
+
+    trainer = Trainer(cfg, rank=rank, run_dir=run_dir)
+    summary = trainer.train()        # on rank 0: the summary dict also written to summary.json
+    trainer.close()
+
+Every rank runs the same code; the topology decides what it talks to (DESIGN.md sections 2-3).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dilocox.checkpoint import check_resume, list_checkpoints, load_rank_state, run_identity, save_checkpoint
+from dilocox.config import Config, to_dict
+from dilocox.data import ShardedTokenStream, TokenData, iter_eval_batches, prepare_tokens
+from dilocox.metrics import MetricsLogger, format_summary, truncate_metrics, write_summary
+from dilocox.models import Decoder, model_args
+from dilocox.net.channel import WanChannel
+from dilocox.net.link import parse_bandwidth, parse_duration
+from dilocox.sync import allreduce_bytes_per_step, build_sync
+from dilocox.topology import Topology, build_process_groups
+
+
+def prepare_data(cfg: Config) -> TokenData:
+    """Load (or build and cache) the tokenizer and the token arrays named by the `data` section."""
+    d = cfg.data
+    return prepare_tokens(
+        path=d.path,
+        tokenizer=d.tokenizer,
+        vocab_size=d.vocab_size,
+        val_fraction=d.val_fraction,
+        text_field=d.text_field,
+        seed=cfg.run.seed,
+    )
+
+
+def build_model(cfg: Config, vocab_size: int) -> Decoder:
+    """The model of `model.flavor`, built on the meta device and materialized with seed-keyed weights, so every
+    cluster starts from the same parameters without sending them over the slow link."""
+    args = model_args(cfg.model.flavor, vocab_size=vocab_size, max_seq_len=cfg.train.seq_len)
+    with torch.device("meta"):
+        model = Decoder(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=cfg.run.seed)
+    return model
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """Inner learning rate of 0-based step `step`: linear warm-up, then cosine decay to lr x min_lr_ratio."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps - 1)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_inner_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    t = cfg.train
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=t.lr)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms and biases are not decayed
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+    )
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # logits (batch, seq, vocab), targets (batch, seq)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, tokens, *, seq_len: int, batch_size: int, max_batches: int | None
+) -> tuple[float, int]:
+    """(mean token loss, tokens scored) of `model` on the non-overlapping windows at the start of `tokens`."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for inputs, targets in iter_eval_batches(tokens, seq_len=seq_len, batch_size=batch_size, max_batches=max_batches):
+        total += cross_entropy(model(inputs), targets).item() * targets.numel()
+        count += targets.numel()
+    model.train(was_training)
+    return total / count, count
+
+
+class Trainer:
+    """Runs `train.steps` inner steps on this rank and keeps it in step with the others through `sync`."""
+
+    def __init__(self, cfg: Config, *, rank: int, run_dir: Path, data: TokenData | None = None) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.run_dir = Path(run_dir)
+        torch.set_num_threads(cfg.run.num_threads)
+        torch.manual_seed(cfg.run.seed + rank)
+        self.topology = Topology(cfg.topology.num_clusters, cfg.topology.dp_degree, cfg.topology.pp_degree)
+        self.coords = self.topology.coords(rank)
+        self.groups = build_process_groups(self.topology, rank)
+        self.data = data if data is not None else prepare_data(cfg)
+        self.model = build_model(cfg, self.data.vocab_size)
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+        self.inner_optimizer = build_inner_optimizer(cfg, self.model)
+        self.channel = WanChannel(
+            self.groups.cluster_group,
+            bandwidth=parse_bandwidth(cfg.network.bandwidth),
+            latency_s=parse_duration(cfg.network.latency),
+            num_sharing=cfg.topology.dp_degree * cfg.topology.pp_degree,
+        )
+        self.sync = build_sync(cfg, self.model.parameters(), channel=self.channel, dp_group=self.groups.dp_group)
+        self.stream = ShardedTokenStream(
+            self.data.train,
+            seq_len=cfg.train.seq_len,
+            batch_size=cfg.train.micro_batch_size,
+            shard_index=self.topology.shard_index(rank),
+            num_shards=self.topology.num_shards,
+            seed=cfg.run.seed,
+        )
+        self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len * self.topology.num_shards
+        self.step = 0
+        self.elapsed_before = 0.0  # training seconds of the run before a resume
+        self.initial_eval_loss: float | None = None
+        self.last_eval_loss: float | None = None
+        self.losses: list[float] = []
+
+    # ---------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "inner_optimizer": self.inner_optimizer.state_dict(),
+            "sync": self.sync.state_dict(),
+            "data": self.stream.state_dict(),
+            "channel": self.channel.state_dict(),
+            "rng": torch.get_rng_state(),
+            "trainer": {
+                "step": self.step,
+                "elapsed_s": self.elapsed_before + self._elapsed(),
+                "initial_eval_loss": self.initial_eval_loss,
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self.sync.load_state_dict(state["sync"])
+        self.stream.load_state_dict(state["data"])
+        self.channel.load_state_dict(state["channel"])
+        torch.set_rng_state(state["rng"])
+        self.step = int(state["trainer"]["step"])
+        self.elapsed_before = float(state["trainer"]["elapsed_s"])
+        self.initial_eval_loss = state["trainer"]["initial_eval_loss"]
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {**run_identity(self.cfg), "config": to_dict(self.cfg)}
+
+    def resume(self, path: Path) -> None:
+        check_resume(self.cfg, path)
+        self.load_state_dict(load_rank_state(path, self.rank))
+
+    def save(self) -> Path:
+        return save_checkpoint(
+            self.run_dir,
+            self.step,
+            self.state_dict(),
+            rank=self.rank,
+            meta=self.checkpoint_meta(),
+            keep=self.cfg.checkpoint.keep,
+        )
+
+    # ---------------------------------------------------------------------------------------------- steps
+    def train_step(self) -> float:
+        inputs, targets = self.stream.next_batch()  # (batch, seq) each
+        loss = cross_entropy(self.model(inputs), targets)
+        loss.backward()
+        self.sync.reduce_gradients()
+        if self.cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+        lr = lr_at(self.cfg, self.step)
+        for group in self.inner_optimizer.param_groups:
+            group["lr"] = lr
+        self.inner_optimizer.step()
+        self.inner_optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.sync.after_inner_step(self.step)
+        return loss.item()
+
+    def evaluate(self) -> float:
+        c = self.cfg
+        max_batches = c.eval.max_batches or None
+        loss, _ = evaluate(
+            self.model,
+            self.data.val,
+            seq_len=c.train.seq_len,
+            batch_size=c.train.micro_batch_size,
+            max_batches=max_batches,
+        )
+        return loss
+
+    def _elapsed(self) -> float:
+        return time.perf_counter() - self._start if hasattr(self, "_start") else 0.0
+
+    def _due(self, interval: int) -> bool:
+        return interval > 0 and self.step % interval == 0
+
+    # ---------------------------------------------------------------------------------------------- loop
+    def train(self) -> dict[str, Any] | None:
+        """Train to `train.steps`; rank 0 logs, every rank checkpoints; returns the summary on rank 0."""
+        cfg = self.cfg
+        logger = None
+        if self.rank == 0:
+            truncate_metrics(self.run_dir, self.step)
+            logger = MetricsLogger(
+                self.run_dir, total_steps=cfg.train.steps, start_step=self.step, progress=cfg.metrics.progress
+            )
+            if self.initial_eval_loss is None:
+                self.initial_eval_loss = self.evaluate()
+        self._start = time.perf_counter()
+        window_start, window_step = self._start, self.step
+        try:
+            while self.step < cfg.train.steps:
+                self.losses.append(self.train_step())
+                boundary = self.sync.is_round_boundary(self.step)
+                last = self.step == cfg.train.steps
+                if last:
+                    self.sync.flush()
+                eval_loss = None
+                if self.rank == 0 and (self._due(cfg.eval.interval) or last):
+                    eval_loss = self.evaluate()
+                    self.last_eval_loss = eval_loss
+                if logger is not None and (self._due(cfg.metrics.log_interval) or last or eval_loss is not None):
+                    now = time.perf_counter()
+                    logger.log(
+                        self._record(eval_loss, (self.step - window_step) * self.tokens_per_step / (now - window_start))
+                    )
+                    self.losses.clear()
+                    window_start, window_step = now, self.step
+                if boundary and (self._due(cfg.checkpoint.interval) or last):
+                    path = self.save()
+                    if logger is not None:
+                        logger.print(f"checkpoint saved: {path}")
+            wall_s = self.elapsed_before + self._elapsed()
+            return self._summary(wall_s, logger)
+        finally:
+            if logger is not None:
+                logger.close()
+
+    def _record(self, eval_loss: float | None, tokens_per_s: float) -> dict[str, Any]:
+        stats = self.channel.stats()
+        record = {
+            "step": self.step,
+            "outer_step": self.sync.outer_step,
+            "loss": sum(self.losses) / len(self.losses) if self.losses else float("nan"),
+            "lr": lr_at(self.cfg, self.step - 1),
+            "tokens": self.step * self.tokens_per_step,
+            "tokens_per_s": tokens_per_s,
+            "wan_bytes_sent": stats["bytes_sent"],
+            "wan_bytes_recv": stats["bytes_recv"],
+            "link_busy_s": stats["link_busy_s"],
+            "exposed_comm_s": stats["exposed_s"],
+            "elapsed_s": self.elapsed_before + self._elapsed(),
+        }
+        if eval_loss is not None:
+            record["eval_loss"] = eval_loss
+        return record
+
+    def _summary(self, wall_s: float, logger: MetricsLogger | None) -> dict[str, Any] | None:
+        """Gather every rank's link counters (a small control message, not counted as slow-link payload)."""
+        stats = self.channel.stats()
+        per_step = allreduce_bytes_per_step(
+            self.sync.flat.numel, dp_group=self.groups.dp_group, cluster_group=self.groups.cluster_group
+        )
+        mine = {"bytes_sent": stats["bytes_sent"], "allreduce_equiv": per_step * self.step}
+        gathered: list[dict[str, Any]] = [mine] * dist.get_world_size()
+        if dist.get_world_size() > 1:
+            dist.all_gather_object(gathered, mine)
+        if self.rank != 0:
+            return None
+        final_eval_loss = self.last_eval_loss if self.last_eval_loss is not None else self.evaluate()
+        tokens = self.step * self.tokens_per_step
+        c = self.cfg
+        summary = {
+            "final_eval_loss": final_eval_loss,
+            "initial_eval_loss": self.initial_eval_loss,
+            "tokens": tokens,
+            "wall_s": wall_s,
+            "tokens_per_s": tokens / wall_s if wall_s > 0 else float("nan"),
+            "wan_bytes_total": sum(g["bytes_sent"] for g in gathered),
+            "allreduce_equiv_bytes": sum(g["allreduce_equiv"] for g in gathered),
+            "link_busy_s": stats["link_busy_s"],
+            "exposed_comm_s": stats["exposed_s"],
+            "steps": self.step,
+            "outer_steps": self.sync.outer_step,
+            "sync_kind": c.sync.kind,
+            "flavor": c.model.flavor,
+            "num_params": self.num_params,
+            "num_clusters": c.topology.num_clusters,
+            "dp_degree": c.topology.dp_degree,
+            "pp_degree": c.topology.pp_degree,
+            "bandwidth": c.network.bandwidth,
+            "latency": c.network.latency,
+            "checkpoint": str(list_checkpoints(self.run_dir)[-1]) if list_checkpoints(self.run_dir) else None,
+            "run_dir": str(self.run_dir),
+        }
+        write_summary(self.run_dir, summary)
+        if logger is not None:
+            logger.print(format_summary(summary))
+        return summary
+
+    def close(self) -> None:
+        self.channel.close()

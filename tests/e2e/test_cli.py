@@ -1,0 +1,265 @@
+"""`dilocox` as a user runs it: a subprocess, real ranks, real files."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEBUG = str(REPO / "configs" / "debug.toml")
+pytestmark = pytest.mark.e2e
+
+
+def dilocox(*args, timeout=240, env=None, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dilocox", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=REPO,
+        **kwargs,
+    )
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def debug_run(tmp_path_factory):
+    """One DiLoCo debug run shared by the tests that only read its outputs."""
+    run_dir = tmp_path_factory.mktemp("e2e") / "debug"
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--checkpoint.keep=5")
+    return run_dir, result
+
+
+def test_train_debug_writes_everything_and_learns(debug_run):
+    run_dir, result = debug_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("config.toml", "metrics.jsonl", "summary.json", "tokenizer.json"):
+        assert (run_dir / name).is_file(), name
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
+    assert summary["steps"] == 40 and summary["outer_steps"] == 4
+    assert summary["tokens"] == 40 * 8 * 64 * 2
+    # H = 10: DiLoCo sends one model-sized all-reduce per round where AllReduce sends one per step
+    assert summary["wan_bytes_total"] > 0
+    assert summary["allreduce_equiv_bytes"] == 10 * summary["wan_bytes_total"]
+    assert summary["link_busy_s"] > 0
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(5, 41, 5))
+    for key in (
+        "step",
+        "outer_step",
+        "loss",
+        "tokens",
+        "tokens_per_s",
+        "wan_bytes_sent",
+        "wan_bytes_recv",
+        "exposed_comm_s",
+        "elapsed_s",
+    ):
+        assert key in rows[-1], key
+    assert [r["step"] for r in rows if "eval_loss" in r] == [20, 40]
+    assert rows[-1]["eval_loss"] == pytest.approx(summary["final_eval_loss"])
+    assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step_00000020", "step_00000040"]
+    assert "eval loss" in result.stdout and "AllReduce would send" in result.stdout
+
+
+def test_eval_command_matches_training_eval(debug_run):
+    run_dir, _ = debug_run
+    result = dilocox("eval", run_dir, "--json", "--max-batches", "4")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert out["step"] == 40
+    assert out["loss"] == pytest.approx(summary["final_eval_loss"], abs=1e-6)
+    text = run_dir / "some.txt"
+    text.write_text("To be, or not to be, that is the question:\n" * 200)
+    result = dilocox("eval", run_dir, "--data.path", text)
+    assert result.returncode == 0, result.stderr
+    assert "perplexity" in result.stdout and str(text) in result.stdout
+
+
+def test_resume_equals_uninterrupted_run(debug_run, tmp_path):
+    """Steps 1-20, checkpoint, resume, steps 21-40 give the losses of the straight 40-step run."""
+    run_dir, _ = debug_run
+    resumed = tmp_path / "resumed"
+    result = dilocox(
+        "train",
+        "--config",
+        DEBUG,
+        f"--run.out_dir={resumed}",
+        f"--checkpoint.resume={run_dir / 'checkpoints' / 'step_00000020'}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    straight = {r["step"]: r for r in metrics(run_dir)}
+    again = metrics(resumed)
+    assert [r["step"] for r in again] == [25, 30, 35, 40]
+    for row in again:
+        assert row["loss"] == straight[row["step"]]["loss"]
+        assert row["wan_bytes_sent"] == straight[row["step"]]["wan_bytes_sent"]
+    assert again[-1]["eval_loss"] == straight[40]["eval_loss"]
+
+    # resuming "latest" in place re-runs nothing past the last step and keeps metrics.jsonl one line per step
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "checkpoints" / "step_00000040")
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={copy}", "--checkpoint.resume=latest")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["step"] for r in metrics(copy)] == [r["step"] for r in metrics(run_dir)]
+    assert metrics(copy)[-1]["loss"] == metrics(run_dir)[-1]["loss"]
+
+
+def test_allreduce_baseline_sends_its_own_yardstick(tmp_path):
+    run_dir = tmp_path / "ar"
+    result = dilocox(
+        "train",
+        "--config",
+        DEBUG,
+        f"--run.out_dir={run_dir}",
+        "--sync.kind=allreduce",
+        "--train.steps=20",
+        "--eval.interval=0",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["wan_bytes_total"] == summary["allreduce_equiv_bytes"] > 0
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["--sync.inner_steps=0"], "sync.inner_steps"),
+        (["--model.flavor=huge"], "model.flavor"),
+        (["--data.path=/nonexistent/corpus.txt"], "data.path"),
+        (["--train.stepz=3"], "train.steps"),
+        (["--checkpoint.resume=latest"], "checkpoint.resume"),
+    ],
+)
+def test_bad_config_exits_nonzero_naming_the_field(tmp_path, args, field):
+    run_dir = tmp_path / "bad"
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", *args, timeout=60)
+    assert result.returncode == 2
+    assert field in result.stderr
+    assert result.stderr.startswith("dilocox: error:")
+    assert "Traceback" not in result.stderr
+    assert not run_dir.exists()
+
+
+def test_existing_run_dir_is_not_overwritten(debug_run):
+    run_dir, _ = debug_run
+    before = (run_dir / "summary.json").read_text()
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", timeout=60)
+    assert result.returncode == 2 and "already holds a run" in result.stderr
+    assert (run_dir / "summary.json").read_text() == before
+
+
+def test_help_lists_options_with_docstrings():
+    result = dilocox("train", "--help", timeout=60)
+    assert result.returncode == 0
+    assert "--sync.inner_steps=INT" in result.stdout
+    assert "H: local inner steps between two outer syncs" in result.stdout
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _wait_for_training(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip():
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError("training did not start")
+
+
+def _start_long_run(run_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dilocox",
+            "train",
+            "--config",
+            DEBUG,
+            f"--run.out_dir={run_dir}",
+            "--train.steps=100000",
+            "--metrics.log_interval=1",
+            "--eval.interval=0",
+            "--checkpoint.interval=0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+
+
+def test_ctrl_c_stops_all_ranks(tmp_path):
+    run_dir = tmp_path / "interrupted"
+    proc = _start_long_run(run_dir)
+    _wait_for_training(run_dir, proc)
+    ranks = _children(proc.pid)
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "interrupted" in stderr
+    time.sleep(0.5)
+    assert not [
+        pid
+        for pid in ranks
+        if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    ]
+
+
+def test_crashed_rank_stops_the_others(tmp_path):
+    run_dir = tmp_path / "crashed"
+    proc = _start_long_run(run_dir)
+    _wait_for_training(run_dir, proc)
+    ranks = [pid for pid in _children(proc.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(ranks) == 2
+    os.kill(ranks[-1], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "failed" in stderr and "all ranks stopped" in stderr
+
+
+def test_torchrun_runs_each_rank(tmp_path):
+    run_dir = tmp_path / "torchrun"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "dilocox",
+            "train",
+            "--config",
+            DEBUG,
+            f"--run.out_dir={run_dir}",
+            "--train.steps=20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["outer_steps"] == 2
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]

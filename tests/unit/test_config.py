@@ -1,0 +1,112 @@
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from dilocox.config import Config, field_docs, from_dict, load_config, options, to_dict, to_toml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_precedence_defaults_then_file_then_flags(tmp_path):
+    path = write(tmp_path, "[sync]\ninner_steps = 20\nouter_lr = 0.5\n[train]\nlr = 1e-3\n")
+    cfg = load_config(path, ["--sync.inner_steps=10", "--train.steps", "77", "--run.overwrite"])
+    assert cfg.sync.inner_steps == 10  # flag beats file
+    assert cfg.sync.outer_lr == 0.5  # file beats default
+    assert cfg.train.lr == 1e-3
+    assert cfg.train.steps == 77  # "--key value" form
+    assert cfg.run.overwrite is True  # bare boolean flag
+    assert cfg.sync.outer_momentum == 0.9  # default
+
+
+def test_int_in_toml_accepted_for_float_field(tmp_path):
+    cfg = load_config(write(tmp_path, "[sync]\nouter_lr = 1\n"))
+    assert cfg.sync.outer_lr == 1.0 and isinstance(cfg.sync.outer_lr, float)
+
+
+@pytest.mark.parametrize(
+    ("toml", "overrides", "message"),
+    [
+        ("[sync]\ninner_step = 3\n", [], "sync.inner_step"),
+        ("[synk]\nkind = 'diloco'\n", [], "unknown section"),
+        ("[sync]\ninner_steps = 'ten'\n", [], "sync.inner_steps"),
+        ("[run]\noverwrite = 1\n", [], "run.overwrite"),
+        ("", ["--sync.inner_stepz=3"], "did you mean sync.inner_steps"),
+        ("", ["--train.steps=many"], "train.steps"),
+        ("", ["--run.overwrite=maybe"], "run.overwrite"),
+        ("", ["train.steps=3"], "--section.key=value"),
+        ("", ["--train.lr"], "needs a value"),
+    ],
+)
+def test_load_errors_name_the_field(tmp_path, toml, overrides, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        load_config(write(tmp_path, toml), overrides)
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_config(write(tmp_path, "[sync\n"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--train.steps=0"], "train.steps = 0 must be > 0"),
+        (["--topology.num_clusters=0"], "topology.num_clusters"),
+        (["--sync.kind=gossip"], "sync.kind = 'gossip' is not one of: allreduce, diloco"),
+        (["--compression.kind=int4"], "compression.kind"),
+        (["--train.optimizer=lion"], "train.optimizer"),
+        (["--train.lr=-1"], "train.lr"),
+        (["--train.lr=nan"], "finite"),
+        (["--sync.outer_momentum=1.0"], "sync.outer_momentum"),
+        (["--data.val_fraction=0.9"], "data.val_fraction"),
+        (["--sync.sync_delay=1"], "sync.sync_delay"),
+        (["--topology.pp_degree=2"], "topology.pp_degree"),
+        (["--train.warmup_steps=400"], "train.warmup_steps"),
+        (["--checkpoint.interval=75"], "checkpoint.interval = 75 must be a multiple of sync.inner_steps = 50"),
+        (["--network.bandwidth=fast"], "network.bandwidth"),
+        (["--network.latency=-3ms"], "network.latency"),
+        (["--checkpoint.resume=latest", "--run.overwrite=true"], "contradict"),
+    ],
+)
+def test_validate_errors_name_the_field(overrides, message):
+    cfg = load_config(None, overrides)
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(").replace(")", r"\)")):
+        cfg.validate()
+
+
+def test_world_size_contradiction():
+    cfg = load_config(None, ["--topology.num_clusters=2", "--topology.dp_degree=2"])
+    cfg.validate(world_size=4)
+    with pytest.raises(ValueError, match=r"started 3 ranks but .* = 2 x 2 x 1 = 4"):
+        cfg.validate(world_size=3)
+
+
+def test_allreduce_does_not_need_round_aligned_checkpoints():
+    load_config(None, ["--sync.kind=allreduce", "--checkpoint.interval=75"]).validate()
+
+
+def test_toml_round_trip_keeps_every_field():
+    cfg = load_config(None, ["--sync.inner_steps=7", '--data.path=some dir/with "quotes"', "--run.overwrite"])
+    again = from_dict(tomllib.loads(to_toml(cfg)))
+    assert to_dict(again) == to_dict(cfg)
+
+
+def test_every_field_has_a_docstring():
+    assert options(), "no options found"
+    missing = [name for name, _, _, doc in options() if not doc]
+    assert not missing, f"fields without a docstring: {missing}"
+    assert "H: local inner steps" in field_docs(type(Config().sync))["inner_steps"]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_configs_parse_and_validate(path):
+    load_config(path).validate()
