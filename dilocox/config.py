@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SYNC_KINDS = ("allreduce", "diloco")
+SYNC_KINDS = ("allreduce", "diloco", "dilocox")
+MERGE_RULES = ("reset", "keep_local")
 COMPRESSION_KINDS = ("none",)
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -98,7 +99,7 @@ class TopologyConfig:
 @dataclass
 class SyncConfig:
     kind: str = "diloco"
-    """Strategy: allreduce (gradients averaged over every rank every step) or diloco (H local steps, outer sync)."""
+    """Strategy: allreduce (every step), diloco (H local steps, outer sync) or dilocox (diloco + one-step delay)."""
     inner_steps: int = 50
     """H: local inner steps between two outer syncs (diloco)."""
     outer_lr: float = 0.7
@@ -108,7 +109,9 @@ class SyncConfig:
     nesterov: bool = True
     """Use Nesterov momentum in the outer SGD."""
     sync_delay: int = 0
-    """Rounds between launching an outer sync and applying it: 0 = blocking DiLoCo."""
+    """Rounds between launching an outer sync and applying it: 0 = blocking, 1 = overlapped (dilocox: 1 unless set)."""
+    merge: str = "reset"
+    """With sync_delay 1, where a round starts: reset (at the outer params) or keep_local (plus own last progress)."""
 
 
 @dataclass
@@ -200,11 +203,13 @@ class Config:
             raise ValueError(f"data.val_fraction = {self.data.val_fraction} must be in (0, 0.5]")
         if self.sync.outer_momentum >= 1.0:
             raise ValueError(f"sync.outer_momentum = {self.sync.outer_momentum} must be < 1")
-        if self.sync.sync_delay != 0:
+        if self.sync.sync_delay not in (0, 1):
             raise ValueError(
-                f"sync.sync_delay = {self.sync.sync_delay}: only 0 (blocking DiLoCo) is available in this version; "
-                "set --sync.sync_delay=0"
+                f"sync.sync_delay = {self.sync.sync_delay} must be 0 (blocking) or 1 (one-step-delay overlap)"
             )
+        _choice("sync.merge", self.sync.merge, MERGE_RULES)
+        if self.sync.kind == "allreduce" and self.sync.sync_delay:
+            raise ValueError("sync.sync_delay = 1 needs an outer loop: use sync.kind = diloco or dilocox")
         if self.topology.pp_degree != 1:
             raise ValueError(
                 f"topology.pp_degree = {self.topology.pp_degree}: pipeline parallelism is not available in this "
@@ -214,7 +219,7 @@ class Config:
             raise ValueError(
                 f"train.warmup_steps = {self.train.warmup_steps} must be smaller than train.steps = {self.train.steps}"
             )
-        if self.sync.kind == "diloco":
+        if self.sync.kind != "allreduce":
             h = self.sync.inner_steps
             if self.checkpoint.interval % h:
                 fix = _round_up(self.checkpoint.interval, h)
@@ -392,9 +397,16 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+# Settings a strategy changes from the global defaults, unless the file or a flag sets them explicitly.
+KIND_DEFAULTS: dict[str, dict[str, Any]] = {"dilocox": {"sync.sync_delay": 1}}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file at `path`, then `--section.key=value` overrides (not yet validated)."""
+    """Defaults, then the TOML file at `path`, then `--section.key=value` overrides (not yet validated).
+
+    The strategy's own defaults (`KIND_DEFAULTS`) fill the keys that neither the file nor a flag set."""
     cfg = Config()
+    explicit: set[str] = set()
     if path:
         p = Path(path)
         if not p.is_file():
@@ -404,8 +416,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"--config {path}: not valid TOML ({exc})") from None
         apply_toml(cfg, data, source=str(path))
+        explicit |= {f"{section}.{key}" for section, values in data.items() for key in values}
     for name, value in parse_overrides(overrides or []):
         _set(cfg, name, value, from_text=True)
+        explicit.add(name)
+    for name, value in KIND_DEFAULTS.get(cfg.sync.kind, {}).items():
+        if name not in explicit:
+            _set(cfg, name, value, from_text=False)
     return cfg
 
 

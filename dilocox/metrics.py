@@ -116,7 +116,8 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  throughput  {s['tokens']:,} tokens in {s['wall_s']:.1f} s = {s['tokens_per_s']:,.0f} tokens/s",
             f"  slow link   {fmt_bytes(s['wan_bytes_total'])} sent by all ranks; AllReduce would send "
             f"{fmt_bytes(s['allreduce_equiv_bytes'])} ({ratio:,.1f}x)",
-            f"  link time   busy {s['link_busy_s']:.2f} s, trainer blocked {s['exposed_comm_s']:.2f} s (rank 0)",
+            f"  link time   busy {s['link_busy_s']:.2f} s, trainer blocked {s['exposed_comm_s']:.2f} s (rank 0)"
+            + (f", {100 * s['hidden_comm_fraction']:.0f}% hidden" if s.get("hidden_comm_fraction") is not None else ""),
             f"  run dir     {s['run_dir']}",
         ]
     )

@@ -132,20 +132,23 @@ class Trainer:
         self.elapsed_before = 0.0  # training seconds of the run before a resume
         self.initial_eval_loss: float | None = None
         self.last_eval_loss: float | None = None
+        self.eval_s = 0.0  # rank 0's time spent evaluating during training (excluded from tokens_per_s)
         self.losses: list[float] = []
 
     # ---------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
+        sync_state = self.sync.state_dict()  # first: it may wait for a sync in flight, which the counters include
         return {
             "model": self.model.state_dict(),
             "inner_optimizer": self.inner_optimizer.state_dict(),
-            "sync": self.sync.state_dict(),
+            "sync": sync_state,
             "data": self.stream.state_dict(),
             "channel": self.channel.state_dict(),
             "rng": torch.get_rng_state(),
             "trainer": {
                 "step": self.step,
                 "elapsed_s": self.elapsed_before + self._elapsed(),
+                "eval_s": self.eval_s,
                 "initial_eval_loss": self.initial_eval_loss,
             },
         }
@@ -159,6 +162,7 @@ class Trainer:
         torch.set_rng_state(state["rng"])
         self.step = int(state["trainer"]["step"])
         self.elapsed_before = float(state["trainer"]["elapsed_s"])
+        self.eval_s = float(state["trainer"]["eval_s"])
         self.initial_eval_loss = state["trainer"]["initial_eval_loss"]
 
     def checkpoint_meta(self) -> dict[str, Any]:
@@ -232,17 +236,20 @@ class Trainer:
                 self.losses.append(self.train_step())
                 boundary = self.sync.is_round_boundary(self.step)
                 last = self.step == cfg.train.steps
+                while self.sync.warnings and logger is not None:
+                    logger.print(self.sync.warnings.pop(0))
                 if last:
                     self.sync.flush()
                 eval_loss = None
                 if self.rank == 0 and (self._due(cfg.eval.interval) or last):
-                    eval_loss = self.evaluate()
-                    self.last_eval_loss = eval_loss
+                    eval_start = time.perf_counter()
+                    eval_loss = self.last_eval_loss = self.evaluate()
+                    self.eval_s += time.perf_counter() - eval_start
+                    window_start += time.perf_counter() - eval_start  # throughput counts training time only
                 if logger is not None and (self._due(cfg.metrics.log_interval) or last or eval_loss is not None):
                     now = time.perf_counter()
-                    logger.log(
-                        self._record(eval_loss, (self.step - window_step) * self.tokens_per_step / (now - window_start))
-                    )
+                    tokens_per_s = (self.step - window_step) * self.tokens_per_step / (now - window_start)
+                    logger.log(self._record(eval_loss, tokens_per_s, round_stats=boundary))
                     self.losses.clear()
                     window_start, window_step = now, self.step
                 if boundary and (self._due(cfg.checkpoint.interval) or last):
@@ -255,7 +262,7 @@ class Trainer:
             if logger is not None:
                 logger.close()
 
-    def _record(self, eval_loss: float | None, tokens_per_s: float) -> dict[str, Any]:
+    def _record(self, eval_loss: float | None, tokens_per_s: float, *, round_stats: bool) -> dict[str, Any]:
         stats = self.channel.stats()
         record = {
             "step": self.step,
@@ -272,6 +279,8 @@ class Trainer:
         }
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
+        if round_stats:
+            record.update(self.sync.last_round)  # link, exposed and hidden time of the sync waited for this round
         return record
 
     def _summary(self, wall_s: float, logger: MetricsLogger | None) -> dict[str, Any] | None:
@@ -294,14 +303,21 @@ class Trainer:
             "initial_eval_loss": self.initial_eval_loss,
             "tokens": tokens,
             "wall_s": wall_s,
-            "tokens_per_s": tokens / wall_s if wall_s > 0 else float("nan"),
+            "tokens_per_s": tokens / (wall_s - self.eval_s) if wall_s > self.eval_s else float("nan"),
+            "eval_s": self.eval_s,
             "wan_bytes_total": sum(g["bytes_sent"] for g in gathered),
             "allreduce_equiv_bytes": sum(g["allreduce_equiv"] for g in gathered),
             "link_busy_s": stats["link_busy_s"],
             "exposed_comm_s": stats["exposed_s"],
+            "hidden_comm_fraction": (
+                min(1.0, max(0.0, 1.0 - stats["exposed_s"] / stats["link_busy_s"])) if stats["link_busy_s"] else None
+            ),
             "steps": self.step,
             "outer_steps": self.sync.outer_step,
             "sync_kind": c.sync.kind,
+            "sync_delay": c.sync.sync_delay,
+            "merge": c.sync.merge,
+            "inner_steps": c.sync.inner_steps,
             "flavor": c.model.flavor,
             "num_params": self.num_params,
             "num_clusters": c.topology.num_clusters,

@@ -1,4 +1,4 @@
-"""Synchronization strategies behind one protocol (`sync.kind`): allreduce and diloco."""
+"""Synchronization strategies behind one protocol (`sync.kind`): allreduce, diloco and dilocox."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def build_sync(cfg: Config, params, *, channel: WanChannel, dp_group: dist.Proce
     """The strategy named by `sync.kind`, over this rank's parameters."""
     if cfg.sync.kind == "allreduce":
         return AllReduceSync(params, channel=channel, dp_group=dp_group)
-    if cfg.sync.kind == "diloco":
+    if cfg.sync.kind in ("diloco", "dilocox"):
         return DiLoCoSync(
             params,
             channel=channel,
@@ -26,6 +26,8 @@ def build_sync(cfg: Config, params, *, channel: WanChannel, dp_group: dist.Proce
             outer_lr=cfg.sync.outer_lr,
             outer_momentum=cfg.sync.outer_momentum,
             nesterov=cfg.sync.nesterov,
+            sync_delay=cfg.sync.sync_delay,
+            merge=cfg.sync.merge,
             total_steps=cfg.train.steps,
         )
-    raise ValueError(f"sync.kind = {cfg.sync.kind!r} is not one of: allreduce, diloco")
+    raise ValueError(f"sync.kind = {cfg.sync.kind!r} is not one of: allreduce, diloco, dilocox")

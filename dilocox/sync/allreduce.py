@@ -25,6 +25,8 @@ class AllReduceSync:
         self.channel = channel
         self.dp_group = dp_group
         self.outer_step = 0
+        self.last_round: dict[str, float] = {}
+        self.warnings: list[str] = []
 
     def reduce_gradients(self) -> None:
         grads = dp_mean_(self.flat.gather_grads(), self.dp_group)

@@ -24,6 +24,10 @@ class SyncStrategy(Protocol):
 
     name: str
     outer_step: int
+    last_round: dict[str, float]
+    """Link accounting of the outer sync waited for at the last round boundary (logged with that step)."""
+    warnings: list[str]
+    """Messages for the user (e.g. the link cannot keep up), printed once by the trainer."""
 
     def reduce_gradients(self) -> None:
         """Average this step's gradients over the ranks that must agree on them, before the inner step."""

@@ -1,26 +1,40 @@
-"""DiLoCo (Douillard et al. 2023, arXiv 2311.08105; OpenDiLoCo): H local steps, then an outer step on the
-averaged pseudo-gradient. This is the blocking form (`sync_delay = 0`), the "OpenDiLoCo" row of DiLoCoX's table.
+"""DiLoCo (Douillard et al. 2023, arXiv 2311.08105) and its one-step-delay form from DiLoCoX (arXiv 2506.21263).
 
-    sync = DiLoCoSync(model.parameters(), channel=channel, dp_group=dp_group, inner_steps=50)
-    ...inner step...; sync.after_inner_step(step)     # every H steps: outer sync + outer step
+H local steps, then an outer step on the pseudo-gradient averaged over the clusters. With `sync_delay = 0` the
+trainer waits for the average (blocking DiLoCo, the "OpenDiLoCo" row of DiLoCoX's table). With `sync_delay = 1`
+the sync of round t travels while round t+1 trains and is applied at the end of round t+1, one round stale.
+
+    sync = DiLoCoSync(model.parameters(), channel=channel, dp_group=dp_group, inner_steps=50, sync_delay=1)
+    ...inner step...; sync.after_inner_step(step)     # every H steps: launch this round's sync, apply the last one
+    sync.flush()                                      # end of training: apply the update still in flight
 """
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dilocox.net.channel import WanChannel
-from dilocox.sync.base import FlatParams, dp_mean_, launch_cross_cluster_mean
+from dilocox.sync.base import FlatParams, PendingMean, dp_mean_, launch_cross_cluster_mean
+
+MERGE_RULES = ("reset", "keep_local")
 
 
 class DiLoCoSync:
     """Keeps `outer_params` (phi, fp32) and the outer SGD with Nesterov momentum for this rank's parameters.
 
-    End of round t (DESIGN.md section 3): `pseudo_grad = phi - theta`, averaged over the clusters (sharded over
-    the dp replicas), fed as the gradient of phi to the outer optimizer, and theta = phi for the next round.
+    End of round t (DESIGN.md section 3), with `pseudo_grad = round start - theta`:
+    - `sync_delay = 0`: wait for `avg_pseudo_grad` of round t, `phi = outer_step(phi, avg)`, theta = phi.
+    - `sync_delay = 1`: launch round t's sync, wait for round t-1's (it had all of round t to travel), apply it.
+      The merge rule says where round t+1 starts:
+      - `reset`: at phi, like every cluster (round t's own progress returns, averaged, one round later);
+      - `keep_local`: at phi minus this cluster's round-t pseudo-gradient, so local progress is not thrown away
+        while its average is in flight (the idea of eager updates, arXiv 2502.12996, and Streaming DiLoCo,
+        arXiv 2501.18512). Clusters then differ by their last round's progress until `flush()`.
     """
 
     name = "diloco"
@@ -35,13 +49,21 @@ class DiLoCoSync:
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
+        sync_delay: int = 0,
+        merge: str = "reset",
         total_steps: int | None = None,
     ) -> None:
+        if sync_delay not in (0, 1):
+            raise ValueError(f"sync.sync_delay = {sync_delay} must be 0 (blocking) or 1 (one-step delay)")
+        if merge not in MERGE_RULES:
+            raise ValueError(f"sync.merge = {merge!r} is not one of: {', '.join(MERGE_RULES)}")
         self.flat = FlatParams(params)
         self.channel = channel
         self.dp_group = dp_group
         self.inner_steps = inner_steps
         self.total_steps = total_steps
+        self.sync_delay = sync_delay
+        self.merge = merge
         self.outer_params = self.flat.gather_data().clone()  # (numel,) fp32, phi
         self.outer_optimizer = torch.optim.SGD(
             [self.outer_params],
@@ -49,8 +71,14 @@ class DiLoCoSync:
             momentum=outer_momentum,
             nesterov=nesterov and outer_momentum > 0,  # torch rejects Nesterov without momentum
         )
-        self.outer_step = 0
+        self.round_start = self.outer_params.clone()  # theta at the start of the round (phi, except keep_local)
+        self.pending: PendingMean | torch.Tensor | None = None  # the delayed sync: in flight, or already arrived
+        self.outer_step = 0  # rounds completed
+        self.last_round: dict[str, float] = {}  # link accounting of the sync waited for at the last boundary
+        self.warnings: list[str] = []  # for the trainer to print once (the link cannot keep up)
+        self._warned = False
 
+    # ---------------------------------------------------------------------------------------------- protocol
     def reduce_gradients(self) -> None:
         self.flat.scatter_grads(dp_mean_(self.flat.gather_grads(), self.dp_group))
 
@@ -60,26 +88,90 @@ class DiLoCoSync:
     def after_inner_step(self, step: int) -> bool:
         if not self.is_round_boundary(step):
             return False
-        self.outer_sync()
+        self.end_round()
         return True
 
-    def outer_sync(self) -> None:
-        """Average this round's pseudo-gradient over the clusters and take one outer step; theta = phi after."""
-        pseudo_grad = self.outer_params - self.flat.gather_data()  # (numel,) delta = phi - theta
-        avg_pseudo_grad = launch_cross_cluster_mean(pseudo_grad, channel=self.channel, dp_group=self.dp_group).wait()
-        self.outer_params.grad = avg_pseudo_grad
-        self.outer_optimizer.step()
-        self.outer_params.grad = None
-        self.flat.scatter_data(self.outer_params)
+    def end_round(self) -> None:
+        """Launch this round's sync and apply the one that is due (this one when blocking, the last one if delayed)."""
+        pseudo_grad = self.round_start - self.flat.gather_data()  # (numel,) delta = round start - theta
+        # the sync averages in place on the communicator thread; keep_local still needs this cluster's own delta
+        launched = self.launch_sync(pseudo_grad.clone() if self.merge == "keep_local" else pseudo_grad)
+        if self.sync_delay == 0:
+            self.apply(self.wait_sync(launched))
+            theta = self.outer_params
+        else:
+            due, self.pending = self.pending, launched
+            if due is not None:
+                self.apply(self.wait_sync(due))
+            theta = self.outer_params - pseudo_grad if self.merge == "keep_local" else self.outer_params
+        self.flat.scatter_data(theta)
+        self.round_start = theta.clone()
         self.outer_step += 1
 
     def flush(self) -> None:
-        pass  # blocking: nothing is ever pending after a round boundary; the last step is always a boundary
+        """Apply the sync still in flight; afterwards every cluster holds the same parameters (phi)."""
+        if self.pending is None:
+            return
+        due, self.pending = self.pending, None
+        self.apply(self.wait_sync(due))
+        self.flat.scatter_data(self.outer_params)
+        self.round_start = self.outer_params.clone()
 
+    # ---------------------------------------------------------------------------------------------- steps
+    def launch_sync(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        """Start averaging a pseudo-gradient over the clusters (the codec hook: compression plugs in here)."""
+        return launch_cross_cluster_mean(pseudo_grad, channel=self.channel, dp_group=self.dp_group)
+
+    def wait_sync(self, pending: PendingMean | torch.Tensor) -> torch.Tensor:
+        """The averaged pseudo-gradient of a launched sync, with the link time it took and the part that was hidden."""
+        if isinstance(pending, torch.Tensor):
+            return pending  # arrived already (waited for before a checkpoint, or restored from one)
+        compute_s = time.perf_counter() - pending.transfer.launch_time
+        blocked_from = time.perf_counter()
+        avg = pending.wait()
+        exposed = time.perf_counter() - blocked_from
+        link_s = pending.transfer.link_s
+        self.last_round = {
+            "round_link_s": link_s,
+            "round_exposed_s": exposed,
+            "round_hidden_s": max(0.0, link_s - exposed),
+            "round_bytes_sent": pending.transfer.nbytes_sent,
+        }
+        if self.sync_delay == 1 and link_s > compute_s > 0 and not self._warned:
+            self._warned = True
+            self.warnings.append(self._slow_link_advice(link_s, compute_s, pending.transfer.nbytes_sent))
+        return avg
+
+    def apply(self, avg_pseudo_grad: torch.Tensor) -> None:
+        """One outer step: the averaged pseudo-gradient is the gradient of phi."""
+        self.outer_params.grad = avg_pseudo_grad
+        self.outer_optimizer.step()
+        self.outer_params.grad = None
+
+    def _slow_link_advice(self, link_s: float, compute_s: float, nbytes: int) -> str:
+        need_h = math.ceil(self.inner_steps * link_s / compute_s)
+        latency = self.channel.latency_s
+        fit = (
+            f" or network.bandwidth >= {nbytes * 8 * self.channel.num_sharing / (compute_s - latency) / 1e6:,.0f}Mbps"
+            if compute_s > latency
+            else ""
+        )
+        return (
+            f"warning: the slow link cannot keep up: one outer sync takes {link_s:.2f} s on the link but a round "
+            f"computes in {compute_s:.2f} s, so training waits for it; use sync.inner_steps >= {need_h}{fit}"
+        )
+
+    # ---------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
+        """The outer state, including the delayed sync: an in-flight one is waited for (not applied) so that a
+        resumed run applies it at the same step as an uninterrupted one."""
+        if isinstance(self.pending, PendingMean):
+            self.pending = self.wait_sync(self.pending)
         return {
             "outer_params": self.outer_params.detach().clone(),
             "outer_optimizer": self.outer_optimizer.state_dict(),
+            "round_start": self.round_start.clone(),
+            "pending": None if self.pending is None else self.pending.clone(),
             "outer_step": self.outer_step,
         }
 
@@ -87,4 +179,6 @@ class DiLoCoSync:
         with torch.no_grad():
             self.outer_params.copy_(state["outer_params"])
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.round_start = state["round_start"].clone()
+        self.pending = None if state["pending"] is None else state["pending"].clone()
         self.outer_step = int(state["outer_step"])

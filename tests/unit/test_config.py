@@ -61,14 +61,16 @@ def test_missing_and_invalid_files(tmp_path):
     [
         (["--train.steps=0"], "train.steps = 0 must be > 0"),
         (["--topology.num_clusters=0"], "topology.num_clusters"),
-        (["--sync.kind=gossip"], "sync.kind = 'gossip' is not one of: allreduce, diloco"),
+        (["--sync.kind=gossip"], "sync.kind = 'gossip' is not one of: allreduce, diloco, dilocox"),
         (["--compression.kind=int4"], "compression.kind"),
         (["--train.optimizer=lion"], "train.optimizer"),
         (["--train.lr=-1"], "train.lr"),
         (["--train.lr=nan"], "finite"),
         (["--sync.outer_momentum=1.0"], "sync.outer_momentum"),
         (["--data.val_fraction=0.9"], "data.val_fraction"),
-        (["--sync.sync_delay=1"], "sync.sync_delay"),
+        (["--sync.sync_delay=2"], "sync.sync_delay = 2 must be 0"),
+        (["--sync.kind=allreduce", "--sync.sync_delay=1"], "needs an outer loop"),
+        (["--sync.merge=eager"], "sync.merge"),
         (["--topology.pp_degree=2"], "topology.pp_degree"),
         (["--train.warmup_steps=400"], "train.warmup_steps"),
         (["--checkpoint.interval=75"], "checkpoint.interval = 75 must be a multiple of sync.inner_steps = 50"),
@@ -110,3 +112,15 @@ def test_every_field_has_a_docstring():
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_parse_and_validate(path):
     load_config(path).validate()
+
+
+def test_dilocox_kind_defaults_apply_unless_set(tmp_path):
+    assert load_config(None, ["--sync.kind=dilocox"]).sync.sync_delay == 1
+    assert load_config(None, ["--sync.kind=diloco"]).sync.sync_delay == 0
+    # an explicit value wins, from a flag or from the file: the "without overlap" ablation
+    assert load_config(None, ["--sync.kind=dilocox", "--sync.sync_delay=0"]).sync.sync_delay == 0
+    path = write(tmp_path, "[sync]\nkind = 'dilocox'\nsync_delay = 0\n")
+    assert load_config(path).sync.sync_delay == 0
+    # the resolved config written to a run directory reloads to the same values
+    cfg = load_config(None, ["--sync.kind=dilocox"])
+    assert to_dict(from_dict(tomllib.loads(to_toml(cfg)))) == to_dict(cfg)

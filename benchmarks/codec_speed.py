@@ -1,0 +1,103 @@
+"""Time encode + local decode (with error feedback) of every codec on a model-shaped pseudo-gradient.
+
+    python benchmarks/codec_speed.py                         # tiny and small, 1 thread
+    python benchmarks/codec_speed.py --flavors small --threads 2 --rounds 10
+    python benchmarks/codec_speed.py --out benchmarks/codec_speed.md
+
+The pseudo-gradient has one random tensor per parameter of `dilocox.models` at vocab 2048 (shapes from a model
+built on the meta device). Random tensors are a worst case for the low-rank codecs' error (a flat spectrum), not
+for their speed. Each timed round is `ErrorFeedback.compress`: encode(pseudo_grad + residual) and decode, which is
+what a sender does every outer round (a receiver's decode is the decode part). The first rounds are warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from dilocox.compress import CODEC_KINDS, ErrorFeedback, build_codec, compression_ratio
+from dilocox.models import Decoder, model_args
+
+
+def pseudo_grad_shapes(flavor: str, vocab_size: int = 2048) -> list[torch.Size]:
+    """Parameter shapes of the whole model of `flavor` (no memory: built on the meta device)."""
+    with torch.device("meta"):
+        model = Decoder(model_args(flavor, vocab_size=vocab_size))
+    return [parameter.shape for parameter in model.parameters()]
+
+
+def time_codec(kind: str, shapes: list[torch.Size], *, rounds: int, warmup: int, options: dict) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    codec = build_codec(kind, **options)
+    feedback = ErrorFeedback()
+    times: list[float] = []
+    numel = sum(shape.numel() for shape in shapes)
+    payload_bytes = 0
+    rel_error = 0.0
+    for index in range(warmup + rounds):
+        # 1e-3: about the size of a pseudo-gradient over tens of AdamW steps.
+        pseudo_grads = [torch.randn(shape, generator=generator) * 1e-3 for shape in shapes]
+        start = time.perf_counter()
+        payload, decoded = feedback.compress(codec, pseudo_grads)
+        elapsed = time.perf_counter() - start
+        if index >= warmup:
+            times.append(elapsed)
+        payload_bytes = payload.nbytes
+        if index == 0:
+            error = sum(float((a - b).square().sum()) for a, b in zip(decoded, pseudo_grads, strict=True))
+            rel_error = (error / sum(float(g.square().sum()) for g in pseudo_grads)) ** 0.5
+    return {
+        "codec": kind,
+        "bytes": payload_bytes,
+        "ratio": compression_ratio(payload_bytes, numel),
+        "rel_err": rel_error,
+        "ms": 1e3 * statistics.median(times),
+        "rank": getattr(getattr(codec, "policy", None), "rank", options["rank"] if "lowrank" in kind else ""),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flavors", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--codecs", nargs="+", default=list(CODEC_KINDS), choices=CODEC_KINDS)
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per codec (median reported)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (a training rank uses 1)")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--out", default="", help="also write the table (markdown) to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    options = {"rank": args.rank, "group_size": args.group_size, "rank_min": 2, "rank_max": 32}
+
+    lines = [
+        f"torch {torch.__version__}, {args.threads} thread(s), median of {args.rounds} rounds after {args.warmup} "
+        f"warm-up; rank {args.rank} (adaptive: 2..32, energy 0.9), int4 groups of {args.group_size}; "
+        "rel_err: first round, random input",
+        "",
+        "| flavor | params | codec | bytes | ratio vs fp32 | rel_err | rank | ms |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for flavor in args.flavors:
+        shapes = pseudo_grad_shapes(flavor)
+        numel = sum(shape.numel() for shape in shapes)
+        for kind in args.codecs:
+            row = time_codec(kind, shapes, rounds=args.rounds, warmup=args.warmup, options=options)
+            lines.append(
+                f"| {flavor} | {numel / 1e6:.2f}M | {row['codec']} | {row['bytes']:,} | {row['ratio']:.1f} | "
+                f"{row['rel_err']:.3f} | {row['rank']} | {row['ms']:.1f} |"
+            )
+            print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    print()
+    print(table)
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

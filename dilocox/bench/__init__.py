@@ -1,0 +1,1 @@
+"""Benchmarks and projections: the paper-scale planner (`dilocox.bench.planner`, `dilocox plan`)."""

@@ -1,0 +1,64 @@
+"""Pseudo-gradient compression for the slow link: codecs, error feedback and the adaptive rank.
+
+Pure tensor functions and small stateful objects; nothing here touches torch.distributed or a process group.
+The byte layout of every codec is documented in `dilocox.compress.codecs`.
+"""
+
+from dilocox.compress.adaptive import AGGREGATES, SCHEDULES, AdaptiveCodec, AdaptiveRank, RankDecision
+from dilocox.compress.codecs import (
+    CODEC_KINDS,
+    FACTOR_DTYPES,
+    SMALL_TENSOR_MODES,
+    CastFormat,
+    Codec,
+    ElementwiseCodec,
+    Int4Format,
+    LowRankCodec,
+    ValueFormat,
+    build_codec,
+)
+from dilocox.compress.feedback import ErrorFeedback
+from dilocox.compress.int4 import (
+    decode_int4,
+    dequantize_int4,
+    encode_int4,
+    int4_nbytes,
+    int4_scales,
+    pack_int4,
+    quantize_int4,
+    unpack_int4,
+)
+from dilocox.compress.lowrank import Factors, factorize, randomized_factors
+from dilocox.compress.payload import Payload, compression_ratio
+
+__all__ = [
+    "AGGREGATES",
+    "CODEC_KINDS",
+    "FACTOR_DTYPES",
+    "SCHEDULES",
+    "SMALL_TENSOR_MODES",
+    "AdaptiveCodec",
+    "AdaptiveRank",
+    "CastFormat",
+    "Codec",
+    "ElementwiseCodec",
+    "ErrorFeedback",
+    "Factors",
+    "Int4Format",
+    "LowRankCodec",
+    "Payload",
+    "RankDecision",
+    "ValueFormat",
+    "build_codec",
+    "compression_ratio",
+    "decode_int4",
+    "dequantize_int4",
+    "encode_int4",
+    "factorize",
+    "int4_nbytes",
+    "int4_scales",
+    "pack_int4",
+    "quantize_int4",
+    "randomized_factors",
+    "unpack_int4",
+]

@@ -1,0 +1,503 @@
+"""Codecs for pseudo-gradients on the slow link: none, fp16, bf16, int4, lowrank, lowrank_int4 (and adaptive).
+
+A codec turns tensors into one `Payload` whose size is exact and, for every kind but `adaptive`, fixed by the
+shapes. A list of tensors is encoded as the concatenation of each tensor's bytes, in order, with no list header.
+Byte counts, with `k` the number of values, `g = group_size`, `int4(k) = 2 * ceil(k / g) + ceil(k / 2)`:
+
+| kind | tensor with k values | matrix (m, n) at rank r = min(rank, m, n), low-rank | ... sent dense |
+| --- | --- | --- | --- |
+| none | 4k | | |
+| fp16, bf16 | 2k | | |
+| int4 | int4(k) | | |
+| lowrank | 1-D: 4k (raw) or int4(k) | 2 + 4 r (m + n) | 2 + 4 m n |
+| lowrank, factor_dtype fp16/bf16 | 1-D: as above | 2 + 2 r (m + n) | 2 + 2 m n |
+| lowrank_int4, adaptive | 1-D: as above | 2 + int4(r m) + int4(r n) | 2 + int4(m n) |
+
+The low-rank kinds treat a tensor of 2 or more dims as the matrix (shape[0], numel / shape[0]) and a 0-D or
+1-D tensor (norms, biases) as a "small tensor" sent raw fp32 or int4 (`small_tensors`). A matrix goes dense
+(the whole matrix in the factors' encoding: raw fp32 for `lowrank`) when r (m + n) >= m n, i.e. when the
+factors would hold at least as many values as the matrix. Its 2-byte header is the rank as little-endian
+uint16, 0 meaning dense; then come P^T (r, m) and Q^T (r, n) row-major with matrix ~= P Q^T, or the dense
+matrix row-major.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dilocox.compress.int4 import decode_int4, encode_int4, int4_nbytes
+from dilocox.compress.lowrank import Factors, factorize
+from dilocox.compress.payload import ByteReader, Payload, numel_of, tensor_bytes, uint16_bytes
+
+CODEC_KINDS = ("none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive")
+"""Every `compression.kind` that `build_codec` accepts."""
+FACTOR_DTYPES = ("fp32", "fp16", "bf16")
+"""Encodings of the `lowrank` codec's factors (`lowrank_int4` and `adaptive` always use int4)."""
+SMALL_TENSOR_MODES = ("raw", "int4")
+"""How the low-rank codecs send 0-D and 1-D tensors."""
+MAX_RANK = (1 << 16) - 1
+"""The largest rank the 2-byte (uint16) rank header can carry."""
+
+Shape = Sequence[int]
+
+
+# --------------------------------------------------------------------------------------------------- value formats
+
+
+class ValueFormat(ABC):
+    """How a flat run of fp32 values is written to bytes; the building block of every codec.
+
+    fmt = Int4Format(group_size=64)
+    data = fmt.encode(values)                       # values: (k,) fp32 -> (fmt.nbytes(k),) uint8
+    values = fmt.decode(ByteReader(data), k)        # (k,) fp32
+    """
+
+    name: str
+
+    @abstractmethod
+    def nbytes(self, numel: int) -> int:
+        """Exact bytes of `numel` values."""
+
+    @abstractmethod
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        """(k,) fp32 -> (nbytes(k),) uint8."""
+
+    @abstractmethod
+    def decode(self, reader: ByteReader, numel: int) -> torch.Tensor:
+        """Reads nbytes(numel) bytes -> (numel,) fp32."""
+
+
+class CastFormat(ValueFormat):
+    """Values cast to a float dtype and sent as its raw bytes (fp32: exact; fp16/bf16: rounded to nearest).
+
+    fmt = CastFormat(torch.float16)
+    data = fmt.encode(values)                        # (2k,) uint8
+    values = fmt.decode(ByteReader(data), k)
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+        self._itemsize = torch.empty(0, dtype=dtype).element_size()
+
+    def nbytes(self, numel: int) -> int:
+        return self._itemsize * numel
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        return tensor_bytes(values.to(self.dtype))
+
+    def decode(self, reader: ByteReader, numel: int) -> torch.Tensor:
+        return reader.read(self.dtype, numel).to(torch.float32)
+
+
+class Int4Format(ValueFormat):
+    """Group-wise absmax int4 (see `dilocox.compress.int4`): fp16 scales then packed 4-bit codes.
+
+    fmt = Int4Format(group_size=64, generator=torch.Generator().manual_seed(0))  # stochastic rounding
+    data = fmt.encode(values)                        # (int4_nbytes(k, 64),) uint8
+    values = fmt.decode(ByteReader(data), k)
+    """
+
+    name = "int4"
+
+    def __init__(self, group_size: int, generator: torch.Generator | None = None) -> None:
+        self.group_size = group_size
+        self.generator = generator
+
+    def nbytes(self, numel: int) -> int:
+        return int4_nbytes(numel, self.group_size)
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        return encode_int4(values, self.group_size, generator=self.generator)
+
+    def decode(self, reader: ByteReader, numel: int) -> torch.Tensor:
+        return decode_int4(reader.take(self.nbytes(numel)), numel, self.group_size)
+
+
+# ---------------------------------------------------------------------------------------------------------- codecs
+
+
+class Codec(ABC):
+    """Encodes tensors into one exact-size `Payload` and decodes it back to fp32 from the shapes alone.
+
+    The interface of DiLoCoX's pseudo-gradient compression (Qi et al. 2025, arXiv 2506.21263, section 4 of
+    DESIGN.md). Encoding may update per-instance state (warm starts, the RNG of stochastic rounding, an adaptive
+    rank): `state_dict()` captures it for checkpoints. Decoding is stateless.
+
+        codec = build_codec("lowrank_int4", rank=8)
+        payload = codec.encode_list(pseudo_grads)        # one uint8 payload for the whole list
+        decoded = codec.decode_list(payload, [g.shape for g in pseudo_grads])
+    """
+
+    name: str
+
+    def __init__(self, *, generator: torch.Generator | None = None) -> None:
+        # The codec's RNG (stochastic rounding, random warm starts); its formats hold the same object.
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+
+    # encoding -----------------------------------------------------------------------------------------------------
+
+    def encode(self, tensor: torch.Tensor, *, slot: int = 0) -> Payload:
+        """One tensor -> its payload. `slot` names the tensor for per-tensor state (warm starts)."""
+        return self.encode_list([tensor], first_slot=slot)
+
+    def encode_list(self, tensors: Sequence[torch.Tensor], *, first_slot: int = 0) -> Payload:
+        """Many tensors (e.g. one per parameter of a stage) -> one payload: their encodings back to back.
+
+        Tensor i uses state slot `first_slot + i`; give distinct ranges to lists encoded by the same codec.
+        """
+        values = [tensor.detach().to(torch.float32) for tensor in tensors]
+        chunks = self._encode_values(values, first_slot)
+        if not chunks:
+            device = tensors[0].device if tensors else None
+            return Payload(torch.empty(0, dtype=torch.uint8, device=device))
+        return Payload(torch.cat(chunks))
+
+    def _encode_values(self, values: list[torch.Tensor], first_slot: int) -> list[torch.Tensor]:
+        chunks: list[torch.Tensor] = []
+        for index, value in enumerate(values):
+            chunks.extend(self._encode_tensor(value, first_slot + index))
+        return chunks
+
+    @abstractmethod
+    def _encode_tensor(self, values: torch.Tensor, slot: int) -> list[torch.Tensor]:
+        """fp32 tensor of any shape -> its byte chunks, (x,) uint8 each."""
+
+    # decoding -----------------------------------------------------------------------------------------------------
+
+    def decode(self, payload: Payload, shape: Shape) -> torch.Tensor:
+        """The payload of one tensor -> fp32 tensor of `shape`."""
+        return self.decode_list(payload, [shape])[0]
+
+    def decode_list(self, payload: Payload, shapes: Sequence[Shape]) -> list[torch.Tensor]:
+        """The payload of `encode_list` -> fp32 tensors of `shapes`; every byte must be used."""
+        reader = ByteReader(payload.data)
+        tensors = [self._decode_tensor(reader, torch.Size(shape)) for shape in shapes]
+        reader.expect_end()
+        return tensors
+
+    def decode_list_at(
+        self, payload: Payload, shapes: Sequence[Shape], offset: int = 0
+    ) -> tuple[list[torch.Tensor], int]:
+        """Decode one sender's tensors starting at byte `offset`; returns them and the offset just past them.
+
+        Lets a receiver walk a concatenation of payloads of different sizes (adaptive ranks) without their sizes.
+        """
+        reader = ByteReader(payload.data, offset)
+        tensors = [self._decode_tensor(reader, torch.Size(shape)) for shape in shapes]
+        return tensors, reader.offset
+
+    @abstractmethod
+    def _decode_tensor(self, reader: ByteReader, shape: torch.Size) -> torch.Tensor:
+        """Reads one tensor's bytes -> fp32 tensor of `shape`."""
+
+    # sizes --------------------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def expected_nbytes(self, shape: Shape) -> int | None:
+        """Exact payload bytes of one tensor of `shape`, or None when the size varies (adaptive rank)."""
+
+    def max_nbytes(self, shape: Shape) -> int:
+        """An upper bound on the payload bytes of one tensor of `shape` (== expected_nbytes when fixed)."""
+        expected = self.expected_nbytes(shape)
+        assert expected is not None, f"{type(self).__name__} must override max_nbytes"
+        return expected
+
+    def expected_nbytes_list(self, shapes: Sequence[Shape]) -> int | None:
+        """Exact payload bytes of `encode_list` over tensors of `shapes`, or None when it varies."""
+        sizes = [self.expected_nbytes(shape) for shape in shapes]
+        return None if any(size is None for size in sizes) else sum(sizes)  # type: ignore[arg-type]
+
+    def max_nbytes_list(self, shapes: Sequence[Shape]) -> int:
+        """An upper bound on the payload bytes of `encode_list` over tensors of `shapes`."""
+        return sum(self.max_nbytes(shape) for shape in shapes)
+
+    # state --------------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything encoding depends on besides the inputs: the RNG and, in subclasses, warm starts."""
+        return {"kind": self.name, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != self.name:
+            raise ValueError(
+                f"codec state of kind {state.get('kind')!r} cannot be loaded into a {self.name!r} codec; resume "
+                f"with the compression.kind the checkpoint was written with"
+            )
+        self.generator.set_state(state["generator"])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class ElementwiseCodec(Codec):
+    """Every value encoded independently: `none` (raw fp32, bit-exact), `fp16`, `bf16`, `int4` (group absmax).
+
+    The fixed-size codecs of DiLoCoX's comparison (Qi et al. 2025, arXiv 2506.21263): `int4` is its quantizer
+    applied to the whole pseudo-gradient; `none` is the "without compression" ablation.
+
+        codec = build_codec("int4", group_size=64)
+        payload = codec.encode(pseudo_grad)              # payload.nbytes == codec.expected_nbytes(shape)
+        approx = codec.decode(payload, pseudo_grad.shape)
+    """
+
+    def __init__(self, name: str, value_format: ValueFormat, *, generator: torch.Generator | None = None) -> None:
+        super().__init__(generator=generator)
+        self.name = name
+        self.value_format = value_format
+
+    def _encode_tensor(self, values: torch.Tensor, slot: int) -> list[torch.Tensor]:
+        return [self.value_format.encode(values.reshape(-1))]
+
+    def _decode_tensor(self, reader: ByteReader, shape: torch.Size) -> torch.Tensor:
+        return self.value_format.decode(reader, numel_of(shape)).view(shape)
+
+    def expected_nbytes(self, shape: Shape) -> int:
+        return self.value_format.nbytes(numel_of(shape))
+
+
+class LowRankCodec(Codec):
+    """Rank-r factors P (m, r), Q (n, r) of each matrix, matrix ~= P Q^T, from warm-started power iteration.
+
+    DiLoCoX (Qi et al. 2025, arXiv 2506.21263) compresses pseudo-gradients with low-rank factors quantized to
+    int4 (`lowrank_int4`: factor_format=Int4Format). One subspace iteration per round starts from the previous
+    round's right singular vectors of the same slot (PowerSGD's warm start), so the factors sharpen over rounds
+    while error feedback carries what they miss. Tensors of 3+ dims are matrices (shape[0], numel / shape[0]);
+    0-D/1-D tensors use `small_format`; a matrix whose factors would not be smaller is sent dense.
+
+        codec = build_codec("lowrank_int4", rank=8, group_size=64)
+        payload = codec.encode_list(pseudo_grads)        # state: codec.warm_starts, one (n, r) per slot
+        decoded = codec.decode_list(payload, shapes)     # a fresh codec with the same settings decodes it
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        rank: int,
+        factor_format: ValueFormat,
+        small_format: ValueFormat,
+        power_iterations: int = 1,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__(generator=generator)
+        check_int("rank", rank, 1, "use the number of singular directions to send per matrix, e.g. 8")
+        check_int("power_iterations", power_iterations, 1, "1 is enough with warm starts")
+        if rank > MAX_RANK:
+            raise ValueError(f"compression.rank = {rank} must be <= {MAX_RANK} (the rank header is 16 bits)")
+        self.name = name
+        self.rank = rank
+        self.factor_format = factor_format
+        self.small_format = small_format
+        self.power_iterations = power_iterations
+        self.warm_starts: dict[str, torch.Tensor] = {}
+        """Right singular vectors (n, r) of the last round, per slot and matrix shape: the next round's start."""
+
+    # encoding -----------------------------------------------------------------------------------------------------
+
+    def current_rank(self) -> int:
+        """The rank the next matrix is encoded at (before the min(m, n) cap)."""
+        return self.rank
+
+    def _encode_tensor(self, values: torch.Tensor, slot: int) -> list[torch.Tensor]:
+        if values.dim() <= 1:
+            return [self.small_format.encode(values.reshape(-1))]
+        matrix = as_matrix(values)  # (m, n)
+        num_rows, num_cols = matrix.shape
+        rank = min(self.current_rank(), num_rows, num_cols)
+        if sent_dense(rank, num_rows, num_cols):
+            return [uint16_bytes(0, matrix.device), self.factor_format.encode(matrix.reshape(-1))]
+        left, right = self._matrix_factors(matrix, rank, slot).balanced()  # (r, m), (r, n)
+        return [
+            uint16_bytes(rank, matrix.device),
+            self.factor_format.encode(left.reshape(-1)),
+            self.factor_format.encode(right.reshape(-1)),
+        ]
+
+    def _matrix_factors(self, matrix: torch.Tensor, rank: int, slot: int) -> Factors:
+        return self._factorize(matrix, rank, slot)
+
+    def _factorize(self, matrix: torch.Tensor, rank: int, slot: int) -> Factors:
+        """Rank-`rank` factors of `matrix` (m, n) warm-started from the slot's previous right vectors."""
+        num_rows, num_cols = matrix.shape
+        key = f"{slot}:{num_rows}x{num_cols}"
+        previous = self.warm_starts.get(key)  # (n, r_prev) or None
+        have = 0 if previous is None else previous.shape[1]
+        if have >= rank:
+            start = previous[:, :rank].to(matrix)  # type: ignore[index]
+        else:
+            # New directions start random: a generic start recovers an exactly rank-r matrix in one iteration.
+            fresh = torch.randn(num_cols, rank - have, generator=self.generator, dtype=torch.float32).to(matrix)
+            start = fresh if previous is None else torch.cat([previous.to(matrix), fresh], dim=1)  # (n, rank)
+        factors = factorize(matrix, start, iterations=self.power_iterations)
+        self.warm_starts[key] = factors.right
+        return factors
+
+    # decoding -----------------------------------------------------------------------------------------------------
+
+    def _decode_tensor(self, reader: ByteReader, shape: torch.Size) -> torch.Tensor:
+        if len(shape) <= 1:
+            return self.small_format.decode(reader, numel_of(shape)).view(shape)
+        num_rows, num_cols = shape[0], numel_of(shape[1:])
+        rank = reader.read_uint16()
+        if rank == 0:
+            return self.factor_format.decode(reader, num_rows * num_cols).view(shape)
+        if rank > min(num_rows, num_cols):
+            raise ValueError(
+                f"payload header says rank {rank} for a tensor of shape {tuple(shape)} (at most "
+                f"{min(num_rows, num_cols)}); sender and receiver must use the same compression settings and shapes"
+            )
+        left = self.factor_format.decode(reader, rank * num_rows).view(rank, num_rows)
+        right = self.factor_format.decode(reader, rank * num_cols).view(rank, num_cols)
+        return (left.T @ right).view(shape)  # (m, r) @ (r, n)
+
+    # sizes --------------------------------------------------------------------------------------------------------
+
+    def nbytes_at_rank(self, shape: Shape, rank: int) -> int:
+        """Exact payload bytes of one tensor of `shape` encoded at `rank` (see the module's table)."""
+        if len(shape) <= 1:
+            return self.small_format.nbytes(numel_of(shape))
+        num_rows, num_cols = shape[0], numel_of(shape[1:])
+        rank = min(rank, num_rows, num_cols)
+        if sent_dense(rank, num_rows, num_cols):
+            return 2 + self.factor_format.nbytes(num_rows * num_cols)
+        return 2 + self.factor_format.nbytes(rank * num_rows) + self.factor_format.nbytes(rank * num_cols)
+
+    def expected_nbytes(self, shape: Shape) -> int | None:
+        return self.nbytes_at_rank(shape, self.rank)
+
+    # state --------------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["warm_starts"] = dict(self.warm_starts)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.warm_starts = {key: value.clone() for key, value in state["warm_starts"].items()}
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, factors={self.factor_format.name}, "
+            f"small_tensors={self.small_format.name}, power_iterations={self.power_iterations})"
+        )
+
+
+def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of 2+ dims viewed as the matrix (shape[0], numel / shape[0]) that the low-rank codecs factorize."""
+    return tensor.reshape(tensor.shape[0], numel_of(tensor.shape[1:]))
+
+
+def sent_dense(rank: int, num_rows: int, num_cols: int) -> bool:
+    # Factors hold r (m + n) values against m n for the matrix: send whichever has fewer.
+    return rank * (num_rows + num_cols) >= num_rows * num_cols
+
+
+# ---------------------------------------------------------------------------------------------------------- build
+
+
+def build_codec(
+    kind: str,
+    *,
+    rank: int = 8,
+    group_size: int = 64,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    factor_dtype: str = "fp32",
+    small_tensors: str = "raw",
+    power_iterations: int = 1,
+    rank_min: int = 2,
+    rank_max: int = 32,
+    energy: float = 0.9,
+    energy_floor: float = 0.5,
+    window: int = 4,
+    schedule: str = "spectrum",
+    ramp_rounds: int = 100,
+    aggregate: str = "pooled",
+) -> Codec:
+    """The codec `kind` (one of CODEC_KINDS); options that do not apply to `kind` are ignored.
+
+    - rank: factors per matrix of `lowrank`/`lowrank_int4` (capped at min(m, n)); `adaptive` uses
+      rank_min..rank_max instead.
+    - group_size: values per fp16 scale of every int4 encoding.
+    - stochastic_rounding: int4 rounds stochastically (unbiased; reproducible from `seed`).
+    - factor_dtype: fp32 | fp16 | bf16, the factors of `lowrank` (fp16 overflows above 65504, bf16 does not).
+    - small_tensors: raw | int4, how the low-rank kinds send 0-D/1-D tensors.
+    - power_iterations: subspace iterations per round of the low-rank kinds.
+    - rank_min, rank_max, energy, energy_floor, window, schedule, ramp_rounds, aggregate: `AdaptiveRank`.
+    """
+    check_int("group_size", group_size, 1, "use e.g. 64 or 128 values per int4 scale")
+    if kind not in CODEC_KINDS:
+        raise ValueError(f"compression.kind = {kind!r} is not a codec; choose one of {', '.join(CODEC_KINDS)}")
+    if small_tensors not in SMALL_TENSOR_MODES:
+        raise ValueError(
+            f"compression.small_tensors = {small_tensors!r} is not supported; choose one of "
+            f"{', '.join(SMALL_TENSOR_MODES)}"
+        )
+    if factor_dtype not in FACTOR_DTYPES:
+        raise ValueError(
+            f"compression.factor_dtype = {factor_dtype!r} is not supported; choose one of {', '.join(FACTOR_DTYPES)} "
+            "(or compression.kind = 'lowrank_int4' for int4 factors)"
+        )
+    if not isinstance(stochastic_rounding, bool):
+        raise ValueError(f"compression.stochastic_rounding = {stochastic_rounding!r} must be true or false")
+    check_int("seed", seed, 0, "use a non-negative integer seed")
+
+    # One CPU generator per codec, shared by its int4 rounding and its random warm starts: reproducible from the
+    # seed, saved in state_dict, and never the global RNG that training's reproducibility depends on.
+    generator = torch.Generator().manual_seed(seed)
+    int4 = Int4Format(group_size, generator if stochastic_rounding else None)
+    fp32 = CastFormat(torch.float32)
+    small = int4 if small_tensors == "int4" else fp32
+    if kind in ("none", "fp16", "bf16"):
+        return ElementwiseCodec(kind, CastFormat(_KIND_DTYPES[kind]), generator=generator)
+    if kind == "int4":
+        return ElementwiseCodec(kind, int4, generator=generator)
+    if kind == "adaptive":
+        # adaptive.py builds on LowRankCodec, so importing it at module level would be circular.
+        from dilocox.compress.adaptive import AdaptiveCodec, AdaptiveRank
+
+        policy = AdaptiveRank(
+            rank_min=rank_min,
+            rank_max=rank_max,
+            energy=energy,
+            energy_floor=energy_floor,
+            window=window,
+            schedule=schedule,
+            ramp_rounds=ramp_rounds,
+            aggregate=aggregate,
+            seed=seed,
+        )
+        return AdaptiveCodec(
+            policy, factor_format=int4, small_format=small, power_iterations=power_iterations, generator=generator
+        )
+    factor = int4 if kind == "lowrank_int4" else CastFormat(_KIND_DTYPES[factor_dtype])
+    return LowRankCodec(
+        kind,
+        rank=rank,
+        factor_format=factor,
+        small_format=small,
+        power_iterations=power_iterations,
+        generator=generator,
+    )
+
+
+_KIND_DTYPES = {"none": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_int(field: str, value: Any, minimum: int, fix: str) -> None:
+    """ValueError naming `compression.<field>` unless value is an integer >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"compression.{field} = {value!r} must be an integer >= {minimum}; {fix}")
+
+
+def check_fraction(field: str, value: Any, *, low: float, high: float, fix: str) -> None:
+    """ValueError naming `compression.<field>` unless low < value <= high."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (low < value <= high) or math.isnan(value):
+        raise ValueError(f"compression.{field} = {value!r} must be in ({low}, {high}]; {fix}")

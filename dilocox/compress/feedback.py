@@ -1,0 +1,76 @@
+"""Error feedback: what a codec lost this round is added to the next round's pseudo-gradient."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dilocox.compress.codecs import Codec
+from dilocox.compress.payload import Payload
+
+
+class ErrorFeedback:
+    """Per-tensor residuals that make a lossy codec lossless over time: nothing a round drops is lost for good.
+
+    DiLoCoX (Qi et al. 2025, arXiv 2506.21263) keeps an error-feedback buffer beside its low-rank int4 codec.
+    Each round encodes `pseudo_grad + residual`, decodes it locally (the exact tensors the other clusters will
+    see) and keeps `residual = (pseudo_grad + residual) - decoded`. Hence, to float rounding, the sum over rounds
+    of the decoded tensors plus the final residual equals the sum of the inputs. `enabled=False` is a pass-through
+    (encode, decode, no residual) for the ablation.
+
+        feedback = ErrorFeedback()
+        payload, decoded = feedback.compress(codec, pseudo_grads)   # send payload; decoded is what others receive
+        checkpoint["feedback"] = feedback.state_dict()
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.residuals: list[torch.Tensor] | None = None
+        """fp32, one per tensor, shaped like the inputs; None until the first round."""
+
+    def compress(self, codec: Codec, tensors: Sequence[torch.Tensor]) -> tuple[Payload, list[torch.Tensor]]:
+        """Encode `tensors` (plus the residuals) with `codec`; return the payload and its local decoding (fp32)."""
+        shapes = [tensor.shape for tensor in tensors]
+        if not self.enabled:
+            payload = codec.encode_list(tensors)
+            return payload, codec.decode_list(payload, shapes)
+        self._check_shapes(shapes)
+        if self.residuals is None:
+            self.residuals = [tensor.detach().to(torch.float32, copy=True) for tensor in tensors]
+        else:
+            # In place: the residual buffers become this round's codec input, then what the codec lost. On a
+            # 10M-parameter shard this saves two 40 MB allocations a round; the arithmetic is the same.
+            for residual, tensor in zip(self.residuals, tensors, strict=True):
+                residual.add_(tensor.detach())
+        payload = codec.encode_list(self.residuals)
+        decoded = codec.decode_list(payload, shapes)
+        for residual, approx in zip(self.residuals, decoded, strict=True):
+            residual.sub_(approx)
+        return payload, decoded
+
+    def _check_shapes(self, shapes: list[torch.Size]) -> None:
+        if self.residuals is None:
+            return
+        held = [residual.shape for residual in self.residuals]
+        if held != shapes:
+            raise ValueError(
+                f"error feedback holds residuals for {len(held)} tensors of shapes {[tuple(s) for s in held]} but got "
+                f"{len(shapes)} tensors of shapes {[tuple(s) for s in shapes]}; use one ErrorFeedback per list of "
+                "tensors (per stage shard) and pass them in the same order every round"
+            )
+
+    def reset(self) -> None:
+        """Forget the residuals (e.g. after the parameters were replaced)."""
+        self.residuals = None
+
+    def state_dict(self) -> dict[str, Any]:
+        # Residuals keyed by index so that torch.distributed.checkpoint sees a flat dict of tensors.
+        residuals = {} if self.residuals is None else {str(i): r for i, r in enumerate(self.residuals)}
+        return {"enabled": self.enabled, "residuals": residuals}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.enabled = bool(state["enabled"])
+        residuals = state["residuals"]
+        self.residuals = [residuals[str(i)].clone() for i in range(len(residuals))] if residuals else None
