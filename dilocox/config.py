@@ -26,6 +26,7 @@ SYNC_KINDS = ("allreduce", "diloco", "dilocox")
 MERGE_RULES = ("reset", "keep_local")
 COMPRESSION_KINDS = ("none",)
 OPTIMIZERS = ("adamw", "sgd")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass
@@ -67,7 +68,11 @@ class TrainConfig:
     seq_len: int = 256
     """Tokens per training sequence."""
     micro_batch_size: int = 16
-    """Sequences per rank per step."""
+    """Sequences per data-parallel rank (one pipeline) per step."""
+    num_microbatches: int = 0
+    """Pipeline microbatches per step (they split micro_batch_size); 0 = pp_degree."""
+    pipeline_schedule: str = "1f1b"
+    """Pipeline schedule when pp_degree > 1: 1f1b or gpipe."""
     lr: float = 2e-3
     """Peak learning rate of the inner optimizer."""
     warmup_steps: int = 20
@@ -169,6 +174,11 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
+    def microbatches(self) -> int:
+        """Resolved `train.num_microbatches` (0 means one per pipeline stage)."""
+        return self.train.num_microbatches or self.topology.pp_degree
+
+    @property
     def world_size(self) -> int:
         t = self.topology
         return t.num_clusters * t.dp_degree * t.pp_degree
@@ -210,10 +220,19 @@ class Config:
         _choice("sync.merge", self.sync.merge, MERGE_RULES)
         if self.sync.kind == "allreduce" and self.sync.sync_delay:
             raise ValueError("sync.sync_delay = 1 needs an outer loop: use sync.kind = diloco or dilocox")
-        if self.topology.pp_degree != 1:
+        _choice("train.pipeline_schedule", self.train.pipeline_schedule, PIPELINE_SCHEDULES)
+        if self.train.num_microbatches < 0:
+            raise ValueError(f"train.num_microbatches = {self.train.num_microbatches} must be >= 0 (0 = pp_degree)")
+        m, p = self.microbatches, self.topology.pp_degree
+        if self.train.micro_batch_size % m:
             raise ValueError(
-                f"topology.pp_degree = {self.topology.pp_degree}: pipeline parallelism is not available in this "
-                "version; set --topology.pp_degree=1 and use dp_degree for more ranks per cluster"
+                f"train.num_microbatches = {m} does not divide train.micro_batch_size = {self.train.micro_batch_size}; "
+                "choose a divisor of the batch"
+            )
+        if p > 1 and self.train.pipeline_schedule == "1f1b" and m < p:
+            raise ValueError(
+                f"train.num_microbatches = {m} is fewer than the {p} pipeline stages, which 1f1b needs; "
+                f"use --train.num_microbatches={p} or more, or --train.pipeline_schedule=gpipe"
             )
         if self.train.warmup_steps >= self.train.steps and self.train.steps > 1:
             raise ValueError(

@@ -16,7 +16,7 @@ import numpy as np
 from dilocox.checkpoint import find_checkpoint, load_rank_state, read_meta
 from dilocox.config import from_dict
 from dilocox.data import Tokenizer, load_documents, prepare_tokens
-from dilocox.trainer import build_model, evaluate
+from dilocox.trainer import build_model, evaluate, model_eval_step
 
 
 def evaluate_run(
@@ -54,7 +54,9 @@ def evaluate_run(
     seq_len, batch = cfg.train.seq_len, cfg.train.micro_batch_size
     if len(tokens) < batch * (seq_len + 1):
         batch = max(1, len(tokens) // (seq_len + 1))  # small user files still get evaluated
-    loss, num_tokens = evaluate(model, tokens, seq_len=seq_len, batch_size=batch, max_batches=max_batches or None)
+    loss, num_tokens = evaluate(
+        model_eval_step(model), tokens, seq_len=seq_len, batch_size=batch, max_batches=max_batches or None
+    )
     return {
         "source": source,
         "checkpoint": str(path),

@@ -22,9 +22,10 @@ from dilocox.checkpoint import check_resume, list_checkpoints, load_rank_state, 
 from dilocox.config import Config, to_dict
 from dilocox.data import ShardedTokenStream, TokenData, iter_eval_batches, prepare_tokens
 from dilocox.metrics import MetricsLogger, format_summary, truncate_metrics, write_summary
-from dilocox.models import Decoder, model_args
+from dilocox.models import Decoder, count_parameters, model_args
 from dilocox.net.channel import WanChannel
 from dilocox.net.link import parse_bandwidth, parse_duration
+from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
 from dilocox.sync import allreduce_bytes_per_step, build_sync
 from dilocox.topology import Topology, build_process_groups
 
@@ -42,15 +43,12 @@ def prepare_data(cfg: Config) -> TokenData:
     )
 
 
-def build_model(cfg: Config, vocab_size: int) -> Decoder:
-    """The model of `model.flavor`, built on the meta device and materialized with seed-keyed weights, so every
-    cluster starts from the same parameters without sending them over the slow link."""
+def build_model(cfg: Config, vocab_size: int, *, stage: int = 0, num_stages: int = 1) -> Decoder:
+    """Pipeline stage `stage` of the model of `model.flavor` (the whole model for one stage), built on the meta
+    device and materialized with seed-keyed weights, so every cluster starts from the same parameters without
+    sending them over the slow link and no rank ever allocates more than its stage."""
     args = model_args(cfg.model.flavor, vocab_size=vocab_size, max_seq_len=cfg.train.seq_len)
-    with torch.device("meta"):
-        model = Decoder(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=cfg.run.seed)
-    return model
+    return build_stage(args, stage, num_stages, seed=cfg.run.seed)
 
 
 def lr_at(cfg: Config, step: int) -> float:
@@ -82,18 +80,28 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(
-    model: torch.nn.Module, tokens, *, seq_len: int, batch_size: int, max_batches: int | None
-) -> tuple[float, int]:
-    """(mean token loss, tokens scored) of `model` on the non-overlapping windows at the start of `tokens`."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
+def evaluate(eval_step, tokens, *, seq_len: int, batch_size: int, max_batches: int | None) -> tuple[float | None, int]:
+    """(mean token loss, tokens scored) on the non-overlapping windows at the start of `tokens`.
+
+    `eval_step(inputs, targets)` returns a batch's mean loss, or None on a pipeline stage that has no loss (every
+    batch has the same number of tokens, so the mean of batch means is the token mean)."""
+    losses, count = [], 0
     for inputs, targets in iter_eval_batches(tokens, seq_len=seq_len, batch_size=batch_size, max_batches=max_batches):
-        total += cross_entropy(model(inputs), targets).item() * targets.numel()
+        losses.append(eval_step(inputs, targets))
         count += targets.numel()
-    model.train(was_training)
-    return total / count, count
+    return (None if losses[0] is None else sum(losses) / len(losses)), count
+
+
+def model_eval_step(model: torch.nn.Module):
+    """`eval_step` of a whole (unsplit) model."""
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        model.eval()
+        loss = cross_entropy(model(inputs), targets).item()
+        model.train()
+        return loss
+
+    return step
 
 
 class Trainer:
@@ -109,8 +117,24 @@ class Trainer:
         self.coords = self.topology.coords(rank)
         self.groups = build_process_groups(self.topology, rank)
         self.data = data if data is not None else prepare_data(cfg)
-        self.model = build_model(cfg, self.data.vocab_size)
-        self.num_params = sum(p.numel() for p in self.model.parameters())
+        self.model_args = model_args(cfg.model.flavor, vocab_size=self.data.vocab_size, max_seq_len=cfg.train.seq_len)
+        self.num_stages = cfg.topology.pp_degree
+        self.model = build_model(cfg, self.data.vocab_size, stage=self.coords.pp, num_stages=self.num_stages)
+        self.num_params = count_parameters(self.model_args)
+        self.runner = PipelineRunner(
+            self.model,
+            stage_index=self.coords.pp,
+            num_stages=self.num_stages,
+            pp_group=self.groups.pp_group,
+            schedule=cfg.train.pipeline_schedule,
+            num_microbatches=cfg.microbatches,
+            microbatch_size=cfg.train.micro_batch_size // cfg.microbatches,
+            seq_len=cfg.train.seq_len,
+            dim=self.model_args.dim,
+            vocab_size=self.model_args.vocab_size,
+        )
+        # the pipeline of cluster 0, replica 0 (it contains rank 0) evaluates; its last stage has the loss
+        self.in_eval_pipeline = self.coords.cluster == 0 and self.coords.dp == 0
         self.inner_optimizer = build_inner_optimizer(cfg, self.model)
         self.channel = WanChannel(
             self.groups.cluster_group,
@@ -184,12 +208,12 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------- steps
     def train_step(self) -> float:
-        inputs, targets = self.stream.next_batch()  # (batch, seq) each
-        loss = cross_entropy(self.model(inputs), targets)
-        loss.backward()
+        """One inner step; returns the training loss (the last stage's, on every stage of the pipeline)."""
+        inputs, targets = self.stream.next_batch()  # (batch, seq) each; every stage of a pipeline reads the same
+        loss = self.runner.train_step(inputs, targets)  # forward + backward over all microbatches
         self.sync.reduce_gradients()
         if self.cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+            clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip, pp_group=self.groups.pp_group)
         lr = lr_at(self.cfg, self.step)
         for group in self.inner_optimizer.param_groups:
             group["lr"] = lr
@@ -197,19 +221,19 @@ class Trainer:
         self.inner_optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.sync.after_inner_step(self.step)
-        return loss.item()
+        return broadcast_from_last_stage(loss, self.groups.pp_group)
 
     def evaluate(self) -> float:
+        """Validation loss of the model held by the evaluating pipeline (collective over its stages)."""
         c = self.cfg
-        max_batches = c.eval.max_batches or None
         loss, _ = evaluate(
-            self.model,
+            self.runner.eval_step,
             self.data.val,
             seq_len=c.train.seq_len,
             batch_size=c.train.micro_batch_size,
-            max_batches=max_batches,
+            max_batches=c.eval.max_batches or None,
         )
-        return loss
+        return broadcast_from_last_stage(loss, self.groups.pp_group)
 
     def _elapsed(self) -> float:
         return time.perf_counter() - self._start if hasattr(self, "_start") else 0.0
@@ -227,8 +251,9 @@ class Trainer:
             logger = MetricsLogger(
                 self.run_dir, total_steps=cfg.train.steps, start_step=self.step, progress=cfg.metrics.progress
             )
-            if self.initial_eval_loss is None:
-                self.initial_eval_loss = self.evaluate()
+        if self.in_eval_pipeline and self.initial_eval_loss is None:
+            self.initial_eval_loss = self.evaluate()
+        self.memory = self._memory_report(logger)
         self._start = time.perf_counter()
         window_start, window_step = self._start, self.step
         try:
@@ -241,7 +266,7 @@ class Trainer:
                 if last:
                     self.sync.flush()
                 eval_loss = None
-                if self.rank == 0 and (self._due(cfg.eval.interval) or last):
+                if self.in_eval_pipeline and (self._due(cfg.eval.interval) or last):
                     eval_start = time.perf_counter()
                     eval_loss = self.last_eval_loss = self.evaluate()
                     self.eval_s += time.perf_counter() - eval_start
@@ -293,9 +318,11 @@ class Trainer:
         gathered: list[dict[str, Any]] = [mine] * dist.get_world_size()
         if dist.get_world_size() > 1:
             dist.all_gather_object(gathered, mine)
+        if self.in_eval_pipeline and self.last_eval_loss is None:
+            self.last_eval_loss = self.evaluate()  # resumed at the last step: nothing was evaluated in the loop
         if self.rank != 0:
             return None
-        final_eval_loss = self.last_eval_loss if self.last_eval_loss is not None else self.evaluate()
+        final_eval_loss = self.last_eval_loss
         tokens = self.step * self.tokens_per_step
         c = self.cfg
         summary = {
@@ -320,6 +347,7 @@ class Trainer:
             "inner_steps": c.sync.inner_steps,
             "flavor": c.model.flavor,
             "num_params": self.num_params,
+            "rank_state_bytes": self.memory,
             "num_clusters": c.topology.num_clusters,
             "dp_degree": c.topology.dp_degree,
             "pp_degree": c.topology.pp_degree,
@@ -332,6 +360,42 @@ class Trainer:
         if logger is not None:
             logger.print(format_summary(summary))
         return summary
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's training state: its stage's parameters, gradients, inner and outer optimizer state
+        (optimizer states counted at their full size even before the first step allocates them)."""
+        numel = sum(p.numel() for p in self.model.parameters())
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        inner = 2 * 4 * numel if self.cfg.train.optimizer == "adamw" else 0  # AdamW: two fp32 moments
+        outer = self.sync.state_bytes()
+        return {
+            "rank": self.rank,
+            "stage": self.coords.pp,
+            "params": params,
+            "grads": params,
+            "inner_state": inner,
+            "outer_state": outer,
+            "total": 2 * params + inner + outer,
+        }
+
+    def _memory_report(self, logger: MetricsLogger | None) -> list[dict[str, int]]:
+        """Every rank's state bytes (a small control message), printed by rank 0 at the start."""
+        mine = self.state_bytes()
+        report: list[dict[str, int]] = [mine] * dist.get_world_size()
+        if dist.get_world_size() > 1:
+            dist.all_gather_object(report, mine)
+        if logger is not None:
+            if self.num_stages > 1:
+                logger.print(format_split(self.model_args, self.num_stages))
+            worst = max(report, key=lambda r: r["total"])
+            mb = 1e6
+            logger.print(
+                f"model {self.cfg.model.flavor}: {self.num_params:,} parameters; largest rank state (rank "
+                f"{worst['rank']}, stage {worst['stage']}): params {worst['params'] / mb:,.1f} MB, grads "
+                f"{worst['grads'] / mb:,.1f} MB, inner {worst['inner_state'] / mb:,.1f} MB, outer "
+                f"{worst['outer_state'] / mb:,.1f} MB, total {worst['total'] / mb:,.1f} MB"
+            )
+        return report
 
     def close(self) -> None:
         self.channel.close()

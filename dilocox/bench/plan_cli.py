@@ -132,7 +132,10 @@ def build_input(argv: list[str]) -> tuple[PlanInput, argparse.Namespace]:
     if args.vocab_size is not None and args.flavor is None:
         raise ValueError("--vocab-size only applies to --flavor; give --flavor NAME or drop --vocab-size")
     if args.flavor is not None:
-        num_params, num_layers = resolve_flavor(args.flavor, args.vocab_size)
+        try:
+            num_params, num_layers = resolve_flavor(args.flavor, args.vocab_size)
+        except ValueError as exc:
+            raise ValueError(f"--flavor: {exc}") from None
         fields |= {"num_params": num_params, "num_layers": num_layers, "label": args.flavor}
     elif args.num_params is not None:
         if not (math.isfinite(args.num_params) and args.num_params >= 1 and args.num_params == int(args.num_params)):

@@ -328,10 +328,12 @@ class PlanInput:
 
     @property
     def ranks_per_cluster(self) -> int:
+        """dp_degree * tp_degree * pp_degree."""
         return self.dp_degree * self.tp_degree * self.pp_degree
 
     @property
     def effective_mfu(self) -> float:
+        """mfu, or the GPU's default_mfu when mfu is None."""
         return self.gpu.default_mfu if self.mfu is None else self.mfu
 
     def resolved_num_microbatches(self) -> int:
@@ -342,13 +344,8 @@ class PlanInput:
     @property
     def tokens_per_step(self) -> int:
         """T = clusters * dp * m * microbatch_size * seq_len."""
-        return (
-            self.num_clusters
-            * self.dp_degree
-            * self.resolved_num_microbatches()
-            * self.microbatch_size
-            * (self.seq_len)
-        )
+        per_microbatch = self.num_clusters * self.dp_degree * self.microbatch_size * self.seq_len
+        return per_microbatch * self.resolved_num_microbatches()
 
     def _microbatches(self) -> int:
         per_microbatch = self.num_clusters * self.dp_degree * self.microbatch_size * self.seq_len
@@ -359,13 +356,21 @@ class PlanInput:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field (and its CLI option) with the fix."""
-        _positive_int(self.num_params, "num_params", "e.g. 107_000_000_000, or --flavor NAME")
-        _positive_int(self.seq_len, "seq_len", "e.g. 2048")
-        _positive_int(self.microbatch_size, "microbatch_size", "e.g. 1")
-        for name in ("num_clusters", "dp_degree", "pp_degree", "tp_degree", "gpus_per_node", "inner_steps"):
-            _positive_int(getattr(self, name), name, "e.g. 1")
+        _positive_int(self.num_params, "num_params", "7e9 (or give --flavor NAME)")
+        _positive_int(self.seq_len, "seq_len", "2048")
+        _positive_int(self.microbatch_size, "microbatch_size", "1")
+        examples = {
+            "num_clusters": "2",
+            "dp_degree": "1",
+            "pp_degree": "1",
+            "tp_degree": "1",
+            "gpus_per_node": "8",
+            "inner_steps": "100",
+        }
+        for name, example in examples.items():
+            _positive_int(getattr(self, name), name, example)
         if self.num_layers is not None:
-            _positive_int(self.num_layers, "num_layers", "e.g. 32")
+            _positive_int(self.num_layers, "num_layers", "32")
             if self.pp_degree > self.num_layers:
                 raise ValueError(
                     f"{_opt('pp_degree')} = {self.pp_degree} exceeds the model's {self.num_layers} layers; every "
@@ -374,9 +379,9 @@ class PlanInput:
         if self.global_batch_tokens is None and self.num_microbatches is None:
             raise ValueError(f"the batch is not set: give {_opt('global_batch_tokens')} or {_opt('num_microbatches')}")
         if self.num_microbatches is not None:
-            _positive_int(self.num_microbatches, "num_microbatches", "e.g. 8")
+            _positive_int(self.num_microbatches, "num_microbatches", "8")
         if self.global_batch_tokens is not None:
-            _positive_int(self.global_batch_tokens, "global_batch_tokens", "e.g. 32768")
+            _positive_int(self.global_batch_tokens, "global_batch_tokens", "32768")
             per_microbatch = self.num_clusters * self.dp_degree * self.microbatch_size * self.seq_len
             if self.global_batch_tokens % per_microbatch:
                 raise ValueError(
@@ -423,7 +428,8 @@ class PlanInput:
 
 def _positive_int(value: Any, name: str, example: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{_opt(name)} = {value!r} must be a positive integer; {example}")
+        flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+        raise ValueError(f"{_opt(name)} = {value!r} must be a whole number >= 1, e.g. {flag} {example}")
 
 
 def _positive_float(value: Any, name: str, example: str) -> None:
@@ -530,6 +536,7 @@ class PlanResult:
         return self.strategies[name].tokens_per_s
 
     def speedup_vs_allreduce(self, name: str) -> float | None:
+        """tokens/s of `name` over AllReduce's; None when either cannot run."""
         tokens = self.tokens_per_s(name)
         base = self.tokens_per_s("allreduce")
         return None if tokens is None or not base else tokens / base

@@ -260,6 +260,7 @@ class AdaptiveCodec(LowRankCodec):
             generator=generator,
         )
         self.policy = policy
+        self.sorted_factors = True
         self._round_factors: dict[int, Factors] = {}
 
     def current_rank(self) -> int:

@@ -1,24 +1,31 @@
 """Codecs for pseudo-gradients on the slow link: none, fp16, bf16, int4, lowrank, lowrank_int4 (and adaptive).
 
-A codec turns tensors into one `Payload` whose size is exact and, for every kind but `adaptive`, fixed by the
-shapes. A list of tensors is encoded as the concatenation of each tensor's bytes, in order, with no list header.
-Byte counts, with `k` the number of values, `g = group_size`, `int4(k) = 2 * ceil(k / g) + ceil(k / 2)`:
+A codec turns a list of tensors into one `Payload` whose size is exact and, for every kind but `adaptive`, fixed
+by the shapes: the sum over the tensors of the sizes below, with `k` a tensor's number of values,
+`g = group_size` and `int4(k) = 2 * ceil(k / g) + ceil(k / 2)`:
 
-| kind | tensor with k values | matrix (m, n) at rank r = min(rank, m, n), low-rank | ... sent dense |
+| kind | tensor of k values | matrix (m, n), r = min(rank, m, n), low-rank | ... sent dense |
 | --- | --- | --- | --- |
 | none | 4k | | |
 | fp16, bf16 | 2k | | |
 | int4 | int4(k) | | |
-| lowrank | 1-D: 4k (raw) or int4(k) | 2 + 4 r (m + n) | 2 + 4 m n |
-| lowrank, factor_dtype fp16/bf16 | 1-D: as above | 2 + 2 r (m + n) | 2 + 2 m n |
-| lowrank_int4, adaptive | 1-D: as above | 2 + int4(r m) + int4(r n) | 2 + int4(m n) |
+| lowrank | 0-D/1-D: 4k (raw) or int4(k) | 2 + 4 r (m + n) | 2 + 4 m n |
+| lowrank, factor_dtype fp16/bf16 | 0-D/1-D: as above | 2 + 2 r (m + n) | 2 + 2 m n |
+| lowrank_int4, adaptive | 0-D/1-D: as above | 2 + int4(r m) + int4(r n) | 2 + int4(m n) |
 
-The low-rank kinds treat a tensor of 2 or more dims as the matrix (shape[0], numel / shape[0]) and a 0-D or
-1-D tensor (norms, biases) as a "small tensor" sent raw fp32 or int4 (`small_tensors`). A matrix goes dense
-(the whole matrix in the factors' encoding: raw fp32 for `lowrank`) when r (m + n) >= m n, i.e. when the
-factors would hold at least as many values as the matrix. Its 2-byte header is the rank as little-endian
-uint16, 0 meaning dense; then come P^T (r, m) and Q^T (r, n) row-major with matrix ~= P Q^T, or the dense
-matrix row-major.
+The low-rank kinds treat a tensor of 2 or more dims as the matrix (shape[0], numel / shape[0]) and a 0-D or 1-D
+tensor (norms, biases) as a small tensor sent raw fp32 or int4 (`small_tensors`). A matrix is sent dense (in the
+factors' encoding: raw fp32 for `lowrank`) when r (m + n) >= m n, i.e. when its factors would not hold fewer
+values than the matrix itself.
+
+Byte layout of a list (no list header; the receiver knows the shapes):
+1. low-rank kinds only: one little-endian uint16 per matrix, in order: its rank, 0 meaning dense;
+2. low-rank kinds only: the small tensors, in order, as one run each (`small_tensors` encoding);
+3. the value runs, in order: for an elementwise kind every tensor flattened; for a low-rank kind, per matrix,
+   either the dense matrix (row-major) or P^T (r, m) then Q^T (r, n) row-major, with matrix ~= P Q^T.
+A section of fp32/fp16/bf16 runs is their values back to back; a section of int4 runs is the fp16 scales of
+every run, then the packed codes of every run (`dilocox.compress.int4`). All headers come first so that a
+receiver learns every run's length before the values, and a section is encoded and decoded in one batched pass.
 """
 
 from __future__ import annotations
@@ -30,9 +37,9 @@ from typing import Any
 
 import torch
 
-from dilocox.compress.int4 import decode_int4, encode_int4, int4_nbytes
+from dilocox.compress.int4 import decode_int4_runs, encode_int4_runs, int4_nbytes
 from dilocox.compress.lowrank import Factors, factorize
-from dilocox.compress.payload import ByteReader, Payload, numel_of, tensor_bytes, uint16_bytes
+from dilocox.compress.payload import ByteReader, Payload, numel_of, tensor_bytes
 
 CODEC_KINDS = ("none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive")
 """Every `compression.kind` that `build_codec` accepts."""
@@ -50,34 +57,36 @@ Shape = Sequence[int]
 
 
 class ValueFormat(ABC):
-    """How a flat run of fp32 values is written to bytes; the building block of every codec.
+    """How runs of fp32 values are written to bytes, many runs at once; the building block of every codec.
 
     fmt = Int4Format(group_size=64)
-    data = fmt.encode(values)                       # values: (k,) fp32 -> (fmt.nbytes(k),) uint8
-    values = fmt.decode(ByteReader(data), k)        # (k,) fp32
+    data = fmt.encode_runs([a, b])                   # (fmt.nbytes(a.numel()) + fmt.nbytes(b.numel()),) uint8
+    a2, b2 = fmt.decode_runs(ByteReader(data), [a.numel(), b.numel()])   # flat fp32
     """
 
     name: str
 
     @abstractmethod
     def nbytes(self, numel: int) -> int:
-        """Exact bytes of `numel` values."""
+        """Exact bytes of one run of `numel` values (a section's size is the sum over its runs)."""
 
     @abstractmethod
-    def encode(self, values: torch.Tensor) -> torch.Tensor:
-        """(k,) fp32 -> (nbytes(k),) uint8."""
+    def encode_runs(self, runs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """fp32 tensors (flattened) -> (sum of nbytes,) uint8."""
 
     @abstractmethod
-    def decode(self, reader: ByteReader, numel: int) -> torch.Tensor:
-        """Reads nbytes(numel) bytes -> (numel,) fp32."""
+    def decode_runs(self, reader: ByteReader, lengths: Sequence[int]) -> list[torch.Tensor]:
+        """Reads the section of runs of `lengths` -> one (k,) fp32 tensor per run."""
 
 
 class CastFormat(ValueFormat):
     """Values cast to a float dtype and sent as its raw bytes (fp32: exact; fp16/bf16: rounded to nearest).
 
-    fmt = CastFormat(torch.float16)
-    data = fmt.encode(values)                        # (2k,) uint8
-    values = fmt.decode(ByteReader(data), k)
+    fp16 turns values above 65504 into inf; bf16 keeps fp32's range with 8 bits of mantissa.
+
+        fmt = CastFormat(torch.float16)
+        data = fmt.encode_runs([values])                 # (2k,) uint8
+        (values,) = fmt.decode_runs(ByteReader(data), [k])
     """
 
     def __init__(self, dtype: torch.dtype) -> None:
@@ -88,19 +97,21 @@ class CastFormat(ValueFormat):
     def nbytes(self, numel: int) -> int:
         return self._itemsize * numel
 
-    def encode(self, values: torch.Tensor) -> torch.Tensor:
-        return tensor_bytes(values.to(self.dtype))
+    def encode_runs(self, runs: Sequence[torch.Tensor]) -> torch.Tensor:
+        flat = torch.cat([run.reshape(-1) for run in runs])  # (sum k,) fp32
+        return tensor_bytes(flat.to(self.dtype))
 
-    def decode(self, reader: ByteReader, numel: int) -> torch.Tensor:
-        return reader.read(self.dtype, numel).to(torch.float32)
+    def decode_runs(self, reader: ByteReader, lengths: Sequence[int]) -> list[torch.Tensor]:
+        values = reader.read(self.dtype, sum(lengths)).to(torch.float32)
+        return list(torch.split(values, list(lengths)))
 
 
 class Int4Format(ValueFormat):
-    """Group-wise absmax int4 (see `dilocox.compress.int4`): fp16 scales then packed 4-bit codes.
+    """Group-wise absmax int4 (see `dilocox.compress.int4`): every run's fp16 scales, then every run's codes.
 
-    fmt = Int4Format(group_size=64, generator=torch.Generator().manual_seed(0))  # stochastic rounding
-    data = fmt.encode(values)                        # (int4_nbytes(k, 64),) uint8
-    values = fmt.decode(ByteReader(data), k)
+    fmt = Int4Format(group_size=64, generator=torch.Generator().manual_seed(0))   # stochastic rounding
+    data = fmt.encode_runs([values])                 # (int4_nbytes(k, 64),) uint8
+    (values,) = fmt.decode_runs(ByteReader(data), [k])
     """
 
     name = "int4"
@@ -112,11 +123,12 @@ class Int4Format(ValueFormat):
     def nbytes(self, numel: int) -> int:
         return int4_nbytes(numel, self.group_size)
 
-    def encode(self, values: torch.Tensor) -> torch.Tensor:
-        return encode_int4(values, self.group_size, generator=self.generator)
+    def encode_runs(self, runs: Sequence[torch.Tensor]) -> torch.Tensor:
+        return encode_int4_runs(runs, self.group_size, generator=self.generator)
 
-    def decode(self, reader: ByteReader, numel: int) -> torch.Tensor:
-        return decode_int4(reader.take(self.nbytes(numel)), numel, self.group_size)
+    def decode_runs(self, reader: ByteReader, lengths: Sequence[int]) -> list[torch.Tensor]:
+        data = reader.take(sum(self.nbytes(length) for length in lengths))
+        return decode_int4_runs(data, lengths, self.group_size)
 
 
 # ---------------------------------------------------------------------------------------------------------- codecs
@@ -125,9 +137,9 @@ class Int4Format(ValueFormat):
 class Codec(ABC):
     """Encodes tensors into one exact-size `Payload` and decodes it back to fp32 from the shapes alone.
 
-    The interface of DiLoCoX's pseudo-gradient compression (Qi et al. 2025, arXiv 2506.21263, section 4 of
-    DESIGN.md). Encoding may update per-instance state (warm starts, the RNG of stochastic rounding, an adaptive
-    rank): `state_dict()` captures it for checkpoints. Decoding is stateless.
+    The interface of DiLoCoX's pseudo-gradient compression (Qi et al. 2025, arXiv 2506.21263; DESIGN.md
+    section 4). Encoding may update per-instance state (warm starts, the RNG of stochastic rounding, an adaptive
+    rank), which `state_dict()` captures for checkpoints; decoding is stateless.
 
         codec = build_codec("lowrank_int4", rank=8)
         payload = codec.encode_list(pseudo_grads)        # one uint8 payload for the whole list
@@ -147,26 +159,19 @@ class Codec(ABC):
         return self.encode_list([tensor], first_slot=slot)
 
     def encode_list(self, tensors: Sequence[torch.Tensor], *, first_slot: int = 0) -> Payload:
-        """Many tensors (e.g. one per parameter of a stage) -> one payload: their encodings back to back.
+        """Many tensors (e.g. one per parameter of a stage) -> one payload (layout in the module docstring).
 
         Tensor i uses state slot `first_slot + i`; give distinct ranges to lists encoded by the same codec.
         """
         values = [tensor.detach().to(torch.float32) for tensor in tensors]
-        chunks = self._encode_values(values, first_slot)
+        chunks = [chunk for chunk in self._encode_values(values, first_slot) if chunk.numel()]
         if not chunks:
-            device = tensors[0].device if tensors else None
-            return Payload(torch.empty(0, dtype=torch.uint8, device=device))
+            return Payload(torch.empty(0, dtype=torch.uint8, device=tensors[0].device if tensors else None))
         return Payload(torch.cat(chunks))
 
-    def _encode_values(self, values: list[torch.Tensor], first_slot: int) -> list[torch.Tensor]:
-        chunks: list[torch.Tensor] = []
-        for index, value in enumerate(values):
-            chunks.extend(self._encode_tensor(value, first_slot + index))
-        return chunks
-
     @abstractmethod
-    def _encode_tensor(self, values: torch.Tensor, slot: int) -> list[torch.Tensor]:
-        """fp32 tensor of any shape -> its byte chunks, (x,) uint8 each."""
+    def _encode_values(self, values: list[torch.Tensor], first_slot: int) -> list[torch.Tensor]:
+        """fp32 tensors -> the payload's byte chunks, (x,) uint8 each, in wire order."""
 
     # decoding -----------------------------------------------------------------------------------------------------
 
@@ -177,7 +182,7 @@ class Codec(ABC):
     def decode_list(self, payload: Payload, shapes: Sequence[Shape]) -> list[torch.Tensor]:
         """The payload of `encode_list` -> fp32 tensors of `shapes`; every byte must be used."""
         reader = ByteReader(payload.data)
-        tensors = [self._decode_tensor(reader, torch.Size(shape)) for shape in shapes]
+        tensors = self._decode_values(reader, [torch.Size(shape) for shape in shapes])
         reader.expect_end()
         return tensors
 
@@ -189,12 +194,12 @@ class Codec(ABC):
         Lets a receiver walk a concatenation of payloads of different sizes (adaptive ranks) without their sizes.
         """
         reader = ByteReader(payload.data, offset)
-        tensors = [self._decode_tensor(reader, torch.Size(shape)) for shape in shapes]
+        tensors = self._decode_values(reader, [torch.Size(shape) for shape in shapes])
         return tensors, reader.offset
 
     @abstractmethod
-    def _decode_tensor(self, reader: ByteReader, shape: torch.Size) -> torch.Tensor:
-        """Reads one tensor's bytes -> fp32 tensor of `shape`."""
+    def _decode_values(self, reader: ByteReader, shapes: list[torch.Size]) -> list[torch.Tensor]:
+        """Reads one list's bytes -> fp32 tensors of `shapes`."""
 
     # sizes --------------------------------------------------------------------------------------------------------
 
@@ -209,7 +214,7 @@ class Codec(ABC):
         return expected
 
     def expected_nbytes_list(self, shapes: Sequence[Shape]) -> int | None:
-        """Exact payload bytes of `encode_list` over tensors of `shapes`, or None when it varies."""
+        """Exact payload bytes of `encode_list` over tensors of `shapes` (the sum per shape), or None if it varies."""
         sizes = [self.expected_nbytes(shape) for shape in shapes]
         return None if any(size is None for size in sizes) else sum(sizes)  # type: ignore[arg-type]
 
@@ -227,7 +232,7 @@ class Codec(ABC):
         if state.get("kind") != self.name:
             raise ValueError(
                 f"codec state of kind {state.get('kind')!r} cannot be loaded into a {self.name!r} codec; resume "
-                f"with the compression.kind the checkpoint was written with"
+                "with the compression.kind the checkpoint was written with"
             )
         self.generator.set_state(state["generator"])
 
@@ -236,10 +241,10 @@ class Codec(ABC):
 
 
 class ElementwiseCodec(Codec):
-    """Every value encoded independently: `none` (raw fp32, bit-exact), `fp16`, `bf16`, `int4` (group absmax).
+    """Every value encoded on its own: `none` (raw fp32, bit-exact), `fp16`, `bf16`, `int4` (group absmax).
 
-    The fixed-size codecs of DiLoCoX's comparison (Qi et al. 2025, arXiv 2506.21263): `int4` is its quantizer
-    applied to the whole pseudo-gradient; `none` is the "without compression" ablation.
+    The fixed-size codecs around DiLoCoX's scheme (Qi et al. 2025, arXiv 2506.21263): `none` is its "without
+    compression" ablation, `int4` its quantizer applied to the whole pseudo-gradient.
 
         codec = build_codec("int4", group_size=64)
         payload = codec.encode(pseudo_grad)              # payload.nbytes == codec.expected_nbytes(shape)
@@ -251,24 +256,28 @@ class ElementwiseCodec(Codec):
         self.name = name
         self.value_format = value_format
 
-    def _encode_tensor(self, values: torch.Tensor, slot: int) -> list[torch.Tensor]:
-        return [self.value_format.encode(values.reshape(-1))]
+    def _encode_values(self, values: list[torch.Tensor], first_slot: int) -> list[torch.Tensor]:
+        return [self.value_format.encode_runs(values)] if values else []
 
-    def _decode_tensor(self, reader: ByteReader, shape: torch.Size) -> torch.Tensor:
-        return self.value_format.decode(reader, numel_of(shape)).view(shape)
+    def _decode_values(self, reader: ByteReader, shapes: list[torch.Size]) -> list[torch.Tensor]:
+        runs = self.value_format.decode_runs(reader, [numel_of(shape) for shape in shapes]) if shapes else []
+        return [run.view(shape) for run, shape in zip(runs, shapes, strict=True)]
 
     def expected_nbytes(self, shape: Shape) -> int:
         return self.value_format.nbytes(numel_of(shape))
+
+    def __repr__(self) -> str:
+        return f"ElementwiseCodec(name={self.name!r}, values={self.value_format.name})"
 
 
 class LowRankCodec(Codec):
     """Rank-r factors P (m, r), Q (n, r) of each matrix, matrix ~= P Q^T, from warm-started power iteration.
 
     DiLoCoX (Qi et al. 2025, arXiv 2506.21263) compresses pseudo-gradients with low-rank factors quantized to
-    int4 (`lowrank_int4`: factor_format=Int4Format). One subspace iteration per round starts from the previous
-    round's right singular vectors of the same slot (PowerSGD's warm start), so the factors sharpen over rounds
-    while error feedback carries what they miss. Tensors of 3+ dims are matrices (shape[0], numel / shape[0]);
-    0-D/1-D tensors use `small_format`; a matrix whose factors would not be smaller is sent dense.
+    int4 (`lowrank_int4`). One subspace iteration per round starts from the previous round's right singular
+    vectors of the same slot (PowerSGD's warm start), so the factors sharpen over rounds while error feedback
+    carries what they miss. Tensors of 3+ dims are matrices (shape[0], numel / shape[0]); 0-D/1-D tensors use
+    `small_format`; a matrix whose factors would not be smaller is sent dense.
 
         codec = build_codec("lowrank_int4", rank=8, group_size=64)
         payload = codec.encode_list(pseudo_grads)        # state: codec.warm_starts, one (n, r) per slot
@@ -287,14 +296,16 @@ class LowRankCodec(Codec):
     ) -> None:
         super().__init__(generator=generator)
         check_int("rank", rank, 1, "use the number of singular directions to send per matrix, e.g. 8")
-        check_int("power_iterations", power_iterations, 1, "1 is enough with warm starts")
         if rank > MAX_RANK:
             raise ValueError(f"compression.rank = {rank} must be <= {MAX_RANK} (the rank header is 16 bits)")
+        check_int("power_iterations", power_iterations, 1, "1 is enough with warm starts")
         self.name = name
         self.rank = rank
         self.factor_format = factor_format
         self.small_format = small_format
         self.power_iterations = power_iterations
+        self.sorted_factors = False
+        """Rayleigh-Ritz sorting of the factors: only needed to truncate them (the adaptive rank)."""
         self.warm_starts: dict[str, torch.Tensor] = {}
         """Right singular vectors (n, r) of the last round, per slot and matrix shape: the next round's start."""
 
@@ -304,20 +315,31 @@ class LowRankCodec(Codec):
         """The rank the next matrix is encoded at (before the min(m, n) cap)."""
         return self.rank
 
-    def _encode_tensor(self, values: torch.Tensor, slot: int) -> list[torch.Tensor]:
-        if values.dim() <= 1:
-            return [self.small_format.encode(values.reshape(-1))]
-        matrix = as_matrix(values)  # (m, n)
-        num_rows, num_cols = matrix.shape
-        rank = min(self.current_rank(), num_rows, num_cols)
-        if sent_dense(rank, num_rows, num_cols):
-            return [uint16_bytes(0, matrix.device), self.factor_format.encode(matrix.reshape(-1))]
-        left, right = self._matrix_factors(matrix, rank, slot).balanced()  # (r, m), (r, n)
-        return [
-            uint16_bytes(rank, matrix.device),
-            self.factor_format.encode(left.reshape(-1)),
-            self.factor_format.encode(right.reshape(-1)),
-        ]
+    def _encode_values(self, values: list[torch.Tensor], first_slot: int) -> list[torch.Tensor]:
+        ranks: list[int] = []
+        small_runs: list[torch.Tensor] = []
+        matrix_runs: list[torch.Tensor] = []
+        for index, value in enumerate(values):
+            if value.dim() <= 1:
+                small_runs.append(value.reshape(-1))
+                continue
+            matrix = as_matrix(value)  # (m, n)
+            num_rows, num_cols = matrix.shape
+            rank = min(self.current_rank(), num_rows, num_cols)
+            if sent_dense(rank, num_rows, num_cols):
+                ranks.append(0)
+                matrix_runs.append(matrix.reshape(-1))
+                continue
+            left, right = self._matrix_factors(matrix, rank, first_slot + index).balanced()  # (r, m), (r, n)
+            ranks.append(rank)
+            matrix_runs.extend([left.reshape(-1), right.reshape(-1)])
+        device = values[0].device if values else None
+        chunks = [_uint16_bytes(ranks, device)]
+        if small_runs:
+            chunks.append(self.small_format.encode_runs(small_runs))
+        if matrix_runs:
+            chunks.append(self.factor_format.encode_runs(matrix_runs))
+        return chunks
 
     def _matrix_factors(self, matrix: torch.Tensor, rank: int, slot: int) -> Factors:
         return self._factorize(matrix, rank, slot)
@@ -328,33 +350,49 @@ class LowRankCodec(Codec):
         key = f"{slot}:{num_rows}x{num_cols}"
         previous = self.warm_starts.get(key)  # (n, r_prev) or None
         have = 0 if previous is None else previous.shape[1]
-        if have >= rank:
-            start = previous[:, :rank].to(matrix)  # type: ignore[index]
+        if previous is not None and have >= rank:
+            start = previous[:, :rank].to(matrix)
         else:
             # New directions start random: a generic start recovers an exactly rank-r matrix in one iteration.
             fresh = torch.randn(num_cols, rank - have, generator=self.generator, dtype=torch.float32).to(matrix)
             start = fresh if previous is None else torch.cat([previous.to(matrix), fresh], dim=1)  # (n, rank)
-        factors = factorize(matrix, start, iterations=self.power_iterations)
+        factors = factorize(matrix, start, iterations=self.power_iterations, sort=self.sorted_factors)
         self.warm_starts[key] = factors.right
         return factors
 
     # decoding -----------------------------------------------------------------------------------------------------
 
-    def _decode_tensor(self, reader: ByteReader, shape: torch.Size) -> torch.Tensor:
-        if len(shape) <= 1:
-            return self.small_format.decode(reader, numel_of(shape)).view(shape)
-        num_rows, num_cols = shape[0], numel_of(shape[1:])
-        rank = reader.read_uint16()
-        if rank == 0:
-            return self.factor_format.decode(reader, num_rows * num_cols).view(shape)
-        if rank > min(num_rows, num_cols):
-            raise ValueError(
-                f"payload header says rank {rank} for a tensor of shape {tuple(shape)} (at most "
-                f"{min(num_rows, num_cols)}); sender and receiver must use the same compression settings and shapes"
-            )
-        left = self.factor_format.decode(reader, rank * num_rows).view(rank, num_rows)
-        right = self.factor_format.decode(reader, rank * num_cols).view(rank, num_cols)
-        return (left.T @ right).view(shape)  # (m, r) @ (r, n)
+    def _decode_values(self, reader: ByteReader, shapes: list[torch.Size]) -> list[torch.Tensor]:
+        matrix_dims = [(shape[0], numel_of(shape[1:])) for shape in shapes if len(shape) > 1]  # (m, n) each
+        ranks = _read_uint16s(reader, len(matrix_dims))
+        lengths: list[int] = []
+        for rank, (num_rows, num_cols) in zip(ranks, matrix_dims, strict=True):
+            if rank > min(num_rows, num_cols) or (rank and sent_dense(rank, num_rows, num_cols)):
+                raise ValueError(
+                    f"payload header says rank {rank} for a ({num_rows}, {num_cols}) matrix; sender and receiver "
+                    "must use the same compression settings and tensor shapes"
+                )
+            lengths.extend([rank * num_rows, rank * num_cols] if rank else [num_rows * num_cols])
+        small_shapes = [shape for shape in shapes if len(shape) <= 1]
+        small_runs = iter(
+            self.small_format.decode_runs(reader, [numel_of(s) for s in small_shapes]) if small_shapes else []
+        )
+        matrix_runs = iter(self.factor_format.decode_runs(reader, lengths) if lengths else [])
+        matrix_ranks = iter(ranks)
+        tensors: list[torch.Tensor] = []
+        for shape in shapes:
+            if len(shape) <= 1:
+                tensors.append(next(small_runs).view(shape))
+                continue
+            num_rows, num_cols = shape[0], numel_of(shape[1:])
+            rank = next(matrix_ranks)
+            if rank == 0:
+                tensors.append(next(matrix_runs).view(shape))
+                continue
+            left = next(matrix_runs).view(rank, num_rows)
+            right = next(matrix_runs).view(rank, num_cols)
+            tensors.append((left.T @ right).view(shape))  # (m, r) @ (r, n)
+        return tensors
 
     # sizes --------------------------------------------------------------------------------------------------------
 
@@ -390,13 +428,26 @@ class LowRankCodec(Codec):
 
 
 def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor of 2+ dims viewed as the matrix (shape[0], numel / shape[0]) that the low-rank codecs factorize."""
+    """A tensor of 2+ dims as the matrix (shape[0], numel / shape[0]) that the low-rank codecs factorize."""
     return tensor.reshape(tensor.shape[0], numel_of(tensor.shape[1:]))
 
 
 def sent_dense(rank: int, num_rows: int, num_cols: int) -> bool:
-    # Factors hold r (m + n) values against m n for the matrix: send whichever has fewer.
+    """Whether the low-rank codecs send an (m, n) matrix dense at `rank` (already capped at min(m, n))."""
+    # The factors hold r (m + n) values against m n for the matrix: send whichever has fewer.
     return rank * (num_rows + num_cols) >= num_rows * num_cols
+
+
+def _uint16_bytes(values: list[int], device: torch.device | None) -> torch.Tensor:
+    """Little-endian uint16s: (2 * len(values),) uint8."""
+    return torch.tensor(
+        [byte for value in values for byte in (value & 0xFF, value >> 8)], dtype=torch.uint8, device=device
+    )
+
+
+def _read_uint16s(reader: ByteReader, count: int) -> list[int]:
+    data = reader.take(2 * count).tolist()
+    return [low | (high << 8) for low, high in zip(data[0::2], data[1::2], strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------------------- build

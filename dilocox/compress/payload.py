@@ -110,20 +110,9 @@ class ByteReader:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         return self.take(numel * itemsize).view(dtype)
 
-    def read_uint16(self) -> int:
-        low, high = self.take(2).tolist()
-        return low | (high << 8)
-
     def expect_end(self) -> None:
         if self.remaining:
             raise ValueError(
                 f"payload has {self.remaining} bytes left over after decoding all tensors; sender and receiver "
                 "must use the same compression settings and tensor shapes"
             )
-
-
-def uint16_bytes(value: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """`value` as 2 little-endian bytes: (2,) uint8."""
-    if not 0 <= value < 1 << 16:
-        raise ValueError(f"header value {value} does not fit in 16 bits")
-    return torch.tensor([value & 0xFF, value >> 8], dtype=torch.uint8, device=device)

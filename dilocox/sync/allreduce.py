@@ -41,6 +41,9 @@ class AllReduceSync:
     def flush(self) -> None:
         pass
 
+    def state_bytes(self) -> int:
+        return 0  # no outer state
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

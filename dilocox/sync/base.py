@@ -41,6 +41,9 @@ class SyncStrategy(Protocol):
     def flush(self) -> None:
         """Apply anything pending (the end of training); afterwards every cluster holds the same parameters."""
 
+    def state_bytes(self) -> int:
+        """Bytes of the strategy's own state on this rank (outer params, momentum, ...), for the memory report."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...

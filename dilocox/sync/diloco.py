@@ -162,6 +162,11 @@ class DiLoCoSync:
         )
 
     # ---------------------------------------------------------------------------------------------- state
+    def state_bytes(self) -> int:
+        """Bytes of the outer state: outer params, momentum, the round start and the delayed sync (all fp32)."""
+        vectors = 2 + (self.outer_optimizer.defaults["momentum"] > 0) + (self.sync_delay == 1)
+        return 4 * self.flat.numel * vectors
+
     def state_dict(self) -> dict[str, Any]:
         """The outer state, including the delayed sync: an in-flight one is waited for (not applied) so that a
         resumed run applies it at the same step as an uninterrupted one."""

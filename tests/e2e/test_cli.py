@@ -135,6 +135,57 @@ def test_allreduce_baseline_sends_its_own_yardstick(tmp_path):
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
 
 
+def test_dilocox_resume_with_a_delayed_update_in_flight(tmp_path):
+    """The checkpoint at step 20 holds round 2's sync, not yet applied; the resumed run applies it at step 30."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = ["--config", DEBUG, "--sync.kind=dilocox", "--checkpoint.keep=5", "--metrics.log_interval=1"]
+    result = dilocox("train", *common, f"--run.out_dir={straight}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["sync_delay"] == 1 and summary["hidden_comm_fraction"] is not None
+    result = dilocox(
+        "train",
+        *common,
+        f"--run.out_dir={resumed}",
+        f"--checkpoint.resume={straight / 'checkpoints' / 'step_00000020'}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    want = {r["step"]: r for r in metrics(straight)}
+    got = metrics(resumed)
+    assert [r["step"] for r in got] == list(range(21, 41))
+    for row in got:
+        assert row["loss"] == want[row["step"]]["loss"], row["step"]
+    assert got[-1]["eval_loss"] == want[40]["eval_loss"]
+    assert json.loads((resumed / "summary.json").read_text())["wan_bytes_total"] == summary["wan_bytes_total"]
+
+
+def test_pipeline_two_stages_matches_unsplit_and_resumes(debug_run, tmp_path):
+    """2 clusters x 2 stages (4 ranks) follow the 1-stage loss curve, and resume exactly."""
+    unsplit, _ = debug_run
+    staged, resumed = tmp_path / "staged", tmp_path / "staged-resumed"
+    common = ["--config", DEBUG, "--topology.pp_degree=2", "--checkpoint.keep=5"]
+    result = dilocox("train", *common, f"--run.out_dir={staged}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "stage" in result.stdout and "largest rank state" in result.stdout
+    want = {r["step"]: r for r in metrics(unsplit)}
+    for row in metrics(staged):
+        assert row["loss"] == pytest.approx(want[row["step"]]["loss"], abs=1e-4)
+        assert row["wan_bytes_sent"] < want[row["step"]]["wan_bytes_sent"] or row["wan_bytes_sent"] == 0
+    summary = json.loads((staged / "summary.json").read_text())
+    assert summary["final_eval_loss"] == pytest.approx(
+        json.loads((unsplit / "summary.json").read_text())["final_eval_loss"], abs=1e-4
+    )
+    assert len(summary["rank_state_bytes"]) == 4
+    assert {r["stage"] for r in summary["rank_state_bytes"]} == {0, 1}
+    result = dilocox(
+        "train", *common, f"--run.out_dir={resumed}", f"--checkpoint.resume={staged / 'checkpoints' / 'step_00000020'}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    straight = {r["step"]: r for r in metrics(staged)}
+    for row in metrics(resumed):
+        assert row["loss"] == straight[row["step"]]["loss"]
+
+
 @pytest.mark.parametrize(
     ("args", "field"),
     [

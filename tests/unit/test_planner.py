@@ -99,9 +99,9 @@ def test_allreduce_slow_link_per_step_cluster_uplink():
     per_step = 3e9 / 1.25e8 + 0.01  # 24 s + one latency
     assert allreduce.slow_comm_per_round_s == pytest.approx(10 * per_step)
     assert allreduce.exposed_slow_comm_per_round_s == allreduce.slow_comm_per_round_s  # blocking
-    # T = 4 clusters x 4 microbatches x 1000 = 16000 tokens over 8 GPUs: 12 s ideal, 15 s with the bubble.
-    assert allreduce.step_compute_s == pytest.approx(15.0)
-    assert allreduce.tokens_per_s == pytest.approx(16000 / (15.0 + per_step))
+    # T = 4 clusters x 4 microbatches x 1000 = 16000 tokens over 8 GPUs: still 24 s ideal, 30 s with the bubble.
+    assert allreduce.step_compute_s == pytest.approx(30.0)
+    assert allreduce.tokens_per_s == pytest.approx(16000 / (30.0 + per_step))
 
 
 def test_node_uplinks_are_shared_by_their_gpus_and_add_up():
@@ -124,28 +124,28 @@ def test_one_cluster_uses_no_slow_link():
 
 def test_dilocox_compressed_payload_and_exposed_comm():
     # Ratio 8 vs fp32: payload 1e9 * 4 / 8 = 5e8 bytes; ring over 4 clusters: 1.5 x 5e8 = 7.5e8 bytes -> 6 s + 10 ms.
-    # Compute: T = 16000 tokens over 8 GPUs, 15 s per step. H = 10 -> a round of 150 s hides the transfer.
+    # Compute: T = 16000 tokens over 8 GPUs, 30 s per step. H = 10 -> a round of 300 s hides the transfer.
     result = plan(base(num_clusters=4))
     dilocox = result.strategies["dilocox"]
     assert dilocox.slow_bytes_per_round == pytest.approx(7.5e8)
     assert dilocox.slow_comm_per_round_s == pytest.approx(6.01)
     assert dilocox.exposed_slow_comm_per_round_s == 0.0
-    assert dilocox.round_s == pytest.approx(150.0)
+    assert dilocox.round_s == pytest.approx(300.0)
     no_overlap = result.strategies["dilocox_no_overlap"]
     assert no_overlap.exposed_slow_comm_per_round_s == pytest.approx(6.01)
-    assert no_overlap.round_s == pytest.approx(156.01)
+    assert no_overlap.round_s == pytest.approx(306.01)
     assert no_overlap.exposed_comm_per_step_s == pytest.approx(0.601)
 
 
 def test_one_step_delay_exposes_only_what_exceeds_the_round():
-    # 10 Mbps = 1.25e6 B/s: the 7.5e8-byte transfer takes 600 s + 10 ms against a 150 s round.
+    # 10 Mbps = 1.25e6 B/s: the 7.5e8-byte transfer takes 600 s + 10 ms against a 300 s round.
     result = plan(base(num_clusters=4, slow_link_bps=1e7))
     dilocox = result.strategies["dilocox"]
-    assert dilocox.exposed_slow_comm_per_round_s == pytest.approx(600.01 - 150.0)
+    assert dilocox.exposed_slow_comm_per_round_s == pytest.approx(600.01 - 300.0)
     assert dilocox.round_s == pytest.approx(600.01)
     assert dilocox.tokens_per_s == pytest.approx(10 * 16000 / 600.01)
     off = plan(base(num_clusters=4, slow_link_bps=1e7, overlap=False)).strategies["dilocox"]
-    assert off.round_s == pytest.approx(750.01)
+    assert off.round_s == pytest.approx(900.01)
 
 
 def test_uncompressed_and_all_gather_variants():
@@ -342,17 +342,14 @@ def test_cli_help_exits_0(capsys):
     assert "--calibrate-tokens-per-s" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_in_a_subprocess():
-    code = "import sys; from dilocox.bench.plan_cli import main; sys.exit(main(sys.argv[1:]))"
-    ok = subprocess.run(
-        [sys.executable, "-c", code, "--flavor", "tiny", "--json"], capture_output=True, text=True, timeout=120
+    # One interpreter start (torch's import dominates): a good run prints JSON, then a bad one sets the exit code.
+    code = (
+        "import sys; from dilocox.bench.plan_cli import main; "
+        "main(['--flavor', 'tiny', '--json']); sys.exit(main(['--flavor', 'tiny', '--dp-degree', '-1']))"
     )
-    assert ok.returncode == 0, ok.stderr
-    assert json.loads(ok.stdout)["dilocox_tokens_per_s"] > 0
-    bad = subprocess.run(
-        [sys.executable, "-c", code, "--flavor", "tiny", "--dp-degree", "-1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert bad.returncode == 2 and bad.stderr.startswith("dilocox: error: ") and "--dp-degree" in bad.stderr
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert json.loads(proc.stdout)["dilocox_tokens_per_s"] > 0
+    assert proc.stderr.startswith("dilocox: error: ") and "--dp-degree" in proc.stderr
