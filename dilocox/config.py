@@ -24,7 +24,8 @@ from typing import Any
 
 SYNC_KINDS = ("allreduce", "diloco", "dilocox")
 MERGE_RULES = ("reset", "keep_local")
-COMPRESSION_KINDS = ("none",)
+COMPRESSION_KINDS = ("none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive")
+RANK_SCHEDULES = ("spectrum", "early_strong", "late_strong")
 OPTIMIZERS = ("adamw", "sgd")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
@@ -63,11 +64,11 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
+    steps: int = 400
     """Inner steps every rank runs (tokens per rank = steps x micro_batch_size x seq_len)."""
     seq_len: int = 256
     """Tokens per training sequence."""
-    micro_batch_size: int = 16
+    micro_batch_size: int = 8
     """Sequences per data-parallel rank (one pipeline) per step."""
     num_microbatches: int = 0
     """Pipeline microbatches per step (they split micro_batch_size); 0 = pp_degree."""
@@ -115,14 +116,34 @@ class SyncConfig:
     """Use Nesterov momentum in the outer SGD."""
     sync_delay: int = 0
     """Rounds between launching an outer sync and applying it: 0 = blocking, 1 = overlapped (dilocox: 1 unless set)."""
-    merge: str = "reset"
-    """With sync_delay 1, where a round starts: reset (at the outer params) or keep_local (plus own last progress)."""
+    merge: str = "keep_local"
+    """With sync_delay 1, where a round starts: keep_local (outer params plus own last progress) or reset."""
 
 
 @dataclass
 class CompressionConfig:
     kind: str = "none"
-    """Codec for pseudo-gradients on the slow link: none (full fp32)."""
+    """Pseudo-gradient codec: none (fp32), fp16, bf16, int4, lowrank, lowrank_int4, adaptive (dilocox: adaptive)."""
+    rank: int = 8
+    """Factors per matrix of lowrank and lowrank_int4."""
+    group_size: int = 64
+    """Values per fp16 scale in int4 encodings."""
+    stochastic_rounding: bool = False
+    """Round int4 values stochastically (unbiased) instead of to nearest."""
+    error_feedback: bool = True
+    """Add what the codec lost to the next round's pseudo-gradient."""
+    rank_min: int = 2
+    """adaptive: the smallest rank it may choose."""
+    rank_max: int = 32
+    """adaptive: the largest rank it may choose."""
+    energy: float = 0.9
+    """adaptive: share of the pseudo-gradient's spectral energy the chosen rank keeps."""
+    window: int = 4
+    """adaptive: rounds over which the chosen rank is smoothed."""
+    schedule: str = "spectrum"
+    """adaptive: spectrum (energy as set), early_strong or late_strong (energy target ramps up or down)."""
+    ramp_rounds: int = 100
+    """adaptive: rounds over which early_strong / late_strong ramp the energy target."""
 
 
 @dataclass
@@ -199,6 +220,21 @@ class Config:
         _choice("train.optimizer", self.train.optimizer, OPTIMIZERS)
         _choice("sync.kind", self.sync.kind, SYNC_KINDS)
         _choice("compression.kind", self.compression.kind, COMPRESSION_KINDS)
+        _choice("compression.schedule", self.compression.schedule, RANK_SCHEDULES)
+        _positive(self, "compression.rank", "compression.group_size", "compression.rank_min", "compression.window")
+        _positive(self, "compression.ramp_rounds")
+        if self.compression.rank_max < self.compression.rank_min:
+            raise ValueError(
+                f"compression.rank_max = {self.compression.rank_max} is below compression.rank_min = "
+                f"{self.compression.rank_min}"
+            )
+        if not 0.0 < self.compression.energy <= 1.0:
+            raise ValueError(f"compression.energy = {self.compression.energy} must be in (0, 1]")
+        if self.sync.kind == "allreduce" and self.compression.kind != "none":
+            raise ValueError(
+                f"compression.kind = {self.compression.kind!r} compresses pseudo-gradients: use sync.kind = diloco or "
+                "dilocox (allreduce sends fp32 gradients)"
+            )
         if self.train.lr <= 0:
             raise ValueError(f"train.lr = {self.train.lr} must be > 0")
         if self.sync.outer_lr <= 0:
@@ -417,7 +453,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 
 # Settings a strategy changes from the global defaults, unless the file or a flag sets them explicitly.
-KIND_DEFAULTS: dict[str, dict[str, Any]] = {"dilocox": {"sync.sync_delay": 1}}
+KIND_DEFAULTS: dict[str, dict[str, Any]] = {"dilocox": {"sync.sync_delay": 1, "compression.kind": "adaptive"}}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -307,7 +307,7 @@ class LowRankCodec(Codec):
         self.sorted_factors = False
         """Rayleigh-Ritz sorting of the factors: only needed to truncate them (the adaptive rank)."""
         self.warm_starts: dict[str, torch.Tensor] = {}
-        """Right singular vectors (n, r) of the last round, per slot and matrix shape: the next round's start."""
+        """Right factors (n, r), unit columns, of the last round per slot and matrix shape: the next round's start."""
 
     # encoding -----------------------------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Low-rank factorization by subspace (power) iteration with a warm start: pure tensor functions.
 
-`factorize` is the PowerSGD-style step (Vogels et al. 2019) followed by a Rayleigh-Ritz rotation: after
-P = orth(M Q) and Q' = M^T P we have M ~= P Q'^T, and the SVD of the small (n, r) matrix Q' turns that into
+`factorize` is the PowerSGD-style step (Vogels et al. 2019): P = orth(M Q), Q' = M^T P, so M ~= P Q'^T, optionally
+followed by a Rayleigh-Ritz rotation that the eigendecomposition of the small (r, r) matrix Q'^T Q' turns into
 sorted singular triplets. Sorted triplets let a caller keep any leading subset (the adaptive rank) and give
 singular-value estimates for free (the "small core" of the iteration), never a full SVD of a big matrix.
 """
@@ -57,7 +57,7 @@ def factorize(matrix: torch.Tensor, warm_start: torch.Tensor, *, iterations: int
 
     One iteration from last round's right vectors is enough when the pseudo-gradient's dominant subspace moves
     slowly between rounds; error feedback carries what it misses. An exactly rank-r matrix is recovered in one
-    iteration from a generic start. `sort=False` skips the Rayleigh-Ritz step (an (n, r) SVD per matrix) when
+    iteration from a generic start. `sort=False` skips the Rayleigh-Ritz step (an (r, r) eigendecomposition) when
     the caller needs neither sorted triplets nor singular values: `right` then has unit but not orthogonal columns
     and `sigma` holds their norms before normalization (the same approximation, not sorted).
     """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from dilocox.compress import build_codec
 from dilocox.config import Config
 from dilocox.net.channel import WanChannel
 from dilocox.sync.allreduce import AllReduceSync, allreduce_bytes_per_step
@@ -28,6 +29,28 @@ def build_sync(cfg: Config, params, *, channel: WanChannel, dp_group: dist.Proce
             nesterov=cfg.sync.nesterov,
             sync_delay=cfg.sync.sync_delay,
             merge=cfg.sync.merge,
+            codec=build_pseudo_grad_codec(cfg),
+            error_feedback=cfg.compression.error_feedback,
             total_steps=cfg.train.steps,
         )
     raise ValueError(f"sync.kind = {cfg.sync.kind!r} is not one of: allreduce, diloco, dilocox")
+
+
+def build_pseudo_grad_codec(cfg: Config):
+    """The codec of `compression.kind`, or None for the uncompressed fp32 all-reduce."""
+    c = cfg.compression
+    if c.kind == "none":
+        return None
+    return build_codec(
+        c.kind,
+        rank=c.rank,
+        group_size=c.group_size,
+        stochastic_rounding=c.stochastic_rounding,
+        seed=cfg.run.seed,
+        rank_min=c.rank_min,
+        rank_max=c.rank_max,
+        energy=c.energy,
+        window=c.window,
+        schedule=c.schedule,
+        ramp_rounds=c.ramp_rounds,
+    )

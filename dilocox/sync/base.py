@@ -10,7 +10,8 @@ A strategy is called by the trainer at two points of every inner step:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -64,6 +65,7 @@ class FlatParams:
     def __init__(self, params) -> None:
         self.params: list[torch.nn.Parameter] = [p for p in params if p.requires_grad]
         self.numels = [p.numel() for p in self.params]
+        self.shapes = [p.shape for p in self.params]
         self.numel = sum(self.numels)
 
     def gather_data(self) -> torch.Tensor:
@@ -104,26 +106,32 @@ def shard_bounds(numel: int, num_shards: int, index: int) -> tuple[int, int]:
 
 @dataclass
 class PendingMean:
-    """An in-flight cross-cluster mean of one flat vector (see `launch_cross_cluster_mean`)."""
+    """An in-flight cross-cluster mean of one flat vector (see `launch_cross_cluster_mean`).
+
+    `finish()` waits for the slow-link part and returns this dp replica's averaged slice; `wait()` then
+    all-gathers the slices over the fast dp_group into `flat`. `info` collects what the sync cost (bytes, codec
+    seconds) for the per-round log."""
 
     flat: torch.Tensor
-    shard: torch.Tensor
+    bounds: list[tuple[int, int]]  # every dp replica's slice of `flat`
+    finish: Callable[[], torch.Tensor]
     transfer: PendingTransfer
     dp_group: dist.ProcessGroup | None
+    info: dict[str, float] = field(default_factory=dict)
 
     def wait(self) -> torch.Tensor:
-        """Block until the slow-link part is done, then all-gather the shards over the fast dp_group."""
-        self.transfer.wait()
+        """Block until the slow-link part is done, then all-gather the slices over the fast dp_group."""
+        shard = self.finish()
         size = group_size(self.dp_group)
         if size == 1:
-            return self.shard  # the shard is the whole vector
-        width = -(-self.flat.numel() // size)
-        padded = torch.zeros(width, dtype=self.shard.dtype)
-        padded[: self.shard.numel()] = self.shard
+            self.flat.copy_(shard)
+            return self.flat
+        width = max(end - start for start, end in self.bounds)
+        padded = torch.zeros(width, dtype=shard.dtype)
+        padded[: shard.numel()] = shard
         parts = [torch.empty_like(padded) for _ in range(size)]
         dist.all_gather(parts, padded, group=self.dp_group)
-        for index, part in enumerate(parts):
-            start, end = shard_bounds(self.flat.numel(), size, index)
+        for (start, end), part in zip(self.bounds, parts, strict=True):
             self.flat[start:end] = part[: end - start]
         return self.flat
 
@@ -138,9 +146,12 @@ def launch_cross_cluster_mean(
     `wait()`, so each rank puts 1/dp of the vector on the slow link.
     """
     size = group_size(dp_group)
-    if size == 1:
-        shard = flat
-    else:
-        start, end = shard_bounds(flat.numel(), size, dist.get_rank(dp_group))
-        shard = flat[start:end].clone()
-    return PendingMean(flat=flat, shard=shard, transfer=channel.launch_all_reduce(shard, op="avg"), dp_group=dp_group)
+    bounds = [shard_bounds(flat.numel(), size, index) for index in range(size)]
+    start, end = bounds[dist.get_rank(dp_group) if size > 1 else 0]
+    shard = flat if size == 1 else flat[start:end].clone()
+    transfer = channel.launch_all_reduce(shard, op="avg")
+
+    def finish() -> torch.Tensor:
+        return transfer.wait()
+
+    return PendingMean(flat=flat, bounds=bounds, finish=finish, transfer=transfer, dp_group=dp_group)

@@ -18,8 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dilocox.compress import Codec, ErrorFeedback, compression_ratio
 from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, PendingMean, dp_mean_, launch_cross_cluster_mean
+from dilocox.sync.compressed import launch_compressed_mean
 
 MERGE_RULES = ("reset", "keep_local")
 
@@ -51,6 +53,8 @@ class DiLoCoSync:
         nesterov: bool = True,
         sync_delay: int = 0,
         merge: str = "reset",
+        codec: Codec | None = None,
+        error_feedback: bool = True,
         total_steps: int | None = None,
     ) -> None:
         if sync_delay not in (0, 1):
@@ -64,6 +68,8 @@ class DiLoCoSync:
         self.total_steps = total_steps
         self.sync_delay = sync_delay
         self.merge = merge
+        self.codec = codec  # None: the fp32 all-reduce; else payloads are gathered and averaged (sync/compressed.py)
+        self.feedback = ErrorFeedback(enabled=error_feedback)
         self.outer_params = self.flat.gather_data().clone()  # (numel,) fp32, phi
         self.outer_optimizer = torch.optim.SGD(
             [self.outer_params],
@@ -119,8 +125,17 @@ class DiLoCoSync:
 
     # ---------------------------------------------------------------------------------------------- steps
     def launch_sync(self, pseudo_grad: torch.Tensor) -> PendingMean:
-        """Start averaging a pseudo-gradient over the clusters (the codec hook: compression plugs in here)."""
-        return launch_cross_cluster_mean(pseudo_grad, channel=self.channel, dp_group=self.dp_group)
+        """Start averaging a pseudo-gradient over the clusters, compressed by the codec if there is one."""
+        if self.codec is None:
+            return launch_cross_cluster_mean(pseudo_grad, channel=self.channel, dp_group=self.dp_group)
+        return launch_compressed_mean(
+            pseudo_grad,
+            shapes=self.flat.shapes,
+            codec=self.codec,
+            feedback=self.feedback,
+            channel=self.channel,
+            dp_group=self.dp_group,
+        )
 
     def wait_sync(self, pending: PendingMean | torch.Tensor) -> torch.Tensor:
         """The averaged pseudo-gradient of a launched sync, with the link time it took and the part that was hidden."""
@@ -137,6 +152,15 @@ class DiLoCoSync:
             "round_hidden_s": max(0.0, link_s - exposed),
             "round_bytes_sent": pending.transfer.nbytes_sent,
         }
+        if pending.info.get("payload_bytes"):  # compressed: what this rank's payload cost and saved
+            self.last_round["round_codec_s"] = pending.info["codec_s"]
+            self.last_round["round_payload_bytes"] = pending.info["payload_bytes"]
+            self.last_round["round_compression_ratio"] = compression_ratio(
+                pending.info["payload_bytes"], pending.info["dense_bytes"] // 4
+            )
+            current_rank = getattr(self.codec, "current_rank", None)
+            if current_rank is not None:
+                self.last_round["round_rank"] = current_rank()
         if self.sync_delay == 1 and link_s > compute_s > 0 and not self._warned:
             self._warned = True
             self.warnings.append(self._slow_link_advice(link_s, compute_s, pending.transfer.nbytes_sent))
@@ -165,7 +189,8 @@ class DiLoCoSync:
     def state_bytes(self) -> int:
         """Bytes of the outer state: outer params, momentum, the round start and the delayed sync (all fp32)."""
         vectors = 2 + (self.outer_optimizer.defaults["momentum"] > 0) + (self.sync_delay == 1)
-        return 4 * self.flat.numel * vectors
+        residuals = sum(r.numel() * 4 for r in self.feedback.residuals or [])
+        return 4 * self.flat.numel * vectors + residuals
 
     def state_dict(self) -> dict[str, Any]:
         """The outer state, including the delayed sync: an in-flight one is waited for (not applied) so that a
@@ -178,6 +203,8 @@ class DiLoCoSync:
             "round_start": self.round_start.clone(),
             "pending": None if self.pending is None else self.pending.clone(),
             "outer_step": self.outer_step,
+            "feedback": self.feedback.state_dict(),
+            "codec": None if self.codec is None else self.codec.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -187,3 +214,6 @@ class DiLoCoSync:
         self.round_start = state["round_start"].clone()
         self.pending = None if state["pending"] is None else state["pending"].clone()
         self.outer_step = int(state["outer_step"])
+        self.feedback.load_state_dict(state["feedback"])
+        if self.codec is not None:
+            self.codec.load_state_dict(state["codec"])

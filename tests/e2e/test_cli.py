@@ -135,14 +135,21 @@ def test_allreduce_baseline_sends_its_own_yardstick(tmp_path):
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
 
 
-def test_dilocox_resume_with_a_delayed_update_in_flight(tmp_path):
-    """The checkpoint at step 20 holds round 2's sync, not yet applied; the resumed run applies it at step 30."""
+def test_dilocox_compressed_trains_and_resumes_with_a_delayed_update_in_flight(tmp_path):
+    """lowrank_int4 trains; the checkpoint at step 20 holds round 2's sync (not yet applied), the error-feedback
+    residuals and the codec's warm starts; the resumed run continues exactly."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = ["--config", DEBUG, "--sync.kind=dilocox", "--checkpoint.keep=5", "--metrics.log_interval=1"]
+    common = ["--config", DEBUG, "--sync.kind=dilocox", "--compression.kind=lowrank_int4", "--checkpoint.keep=5",
+              "--metrics.log_interval=1"]
     result = dilocox("train", *common, f"--run.out_dir={straight}")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["sync_delay"] == 1 and summary["hidden_comm_fraction"] is not None
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
+    # 10 steps per round and a ~40x codec: far fewer bytes than AllReduce
+    assert summary["allreduce_equiv_bytes"] > 100 * summary["wan_bytes_total"]
+    rounds = [r for r in metrics(straight) if "round_compression_ratio" in r]
+    assert rounds and all(r["round_compression_ratio"] > 10 and r["round_rank"] == 8 for r in rounds)
     result = dilocox(
         "train",
         *common,

@@ -62,7 +62,10 @@ def test_missing_and_invalid_files(tmp_path):
         (["--train.steps=0"], "train.steps = 0 must be > 0"),
         (["--topology.num_clusters=0"], "topology.num_clusters"),
         (["--sync.kind=gossip"], "sync.kind = 'gossip' is not one of: allreduce, diloco, dilocox"),
-        (["--compression.kind=int4"], "compression.kind"),
+        (["--compression.kind=zip"], "compression.kind"),
+        (["--sync.kind=allreduce", "--compression.kind=int4"], "compresses pseudo-gradients"),
+        (["--compression.rank_max=1"], "compression.rank_max = 1 is below"),
+        (["--compression.schedule=sometimes"], "compression.schedule"),
         (["--train.optimizer=lion"], "train.optimizer"),
         (["--train.lr=-1"], "train.lr"),
         (["--train.lr=nan"], "finite"),
@@ -72,7 +75,7 @@ def test_missing_and_invalid_files(tmp_path):
         (["--sync.kind=allreduce", "--sync.sync_delay=1"], "needs an outer loop"),
         (["--sync.merge=eager"], "sync.merge"),
         (["--topology.pp_degree=4", "--train.num_microbatches=2"], "fewer than the 4 pipeline stages"),
-        (["--train.num_microbatches=3"], "does not divide train.micro_batch_size = 16"),
+        (["--train.num_microbatches=3"], "does not divide train.micro_batch_size = 8"),
         (["--train.pipeline_schedule=zb"], "train.pipeline_schedule"),
         (["--train.warmup_steps=400"], "train.warmup_steps"),
         (["--checkpoint.interval=75"], "checkpoint.interval = 75 must be a multiple of sync.inner_steps = 50"),
@@ -118,7 +121,10 @@ def test_shipped_configs_parse_and_validate(path):
 
 def test_dilocox_kind_defaults_apply_unless_set(tmp_path):
     assert load_config(None, ["--sync.kind=dilocox"]).sync.sync_delay == 1
+    assert load_config(None, ["--sync.kind=dilocox"]).compression.kind == "adaptive"
     assert load_config(None, ["--sync.kind=diloco"]).sync.sync_delay == 0
+    assert load_config(None, ["--sync.kind=diloco"]).compression.kind == "none"
+    assert load_config(None, ["--sync.kind=dilocox", "--compression.kind=none"]).compression.kind == "none"
     # an explicit value wins, from a flag or from the file: the "without overlap" ablation
     assert load_config(None, ["--sync.kind=dilocox", "--sync.sync_delay=0"]).sync.sync_delay == 0
     path = write(tmp_path, "[sync]\nkind = 'dilocox'\nsync_delay = 0\n")
