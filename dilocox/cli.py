@@ -20,6 +20,7 @@ USAGE = """usage: dilocox <command> [options]
 commands:
   train     train a model across emulated (or real, under torchrun) clusters
   eval      evaluate a run's latest checkpoint on its validation split or on any text
+  bench     run strategies side by side on one setting: table, results.json, plots
   plan      project tokens/s of AllReduce, DiLoCo and DiLoCoX at sizes this machine cannot run
   flavors   list the model flavors and their parameter counts
   env       print versions of dilocox, torch and the platform (for bug reports)
@@ -168,13 +169,26 @@ def cmd_env(argv: list[str]) -> int:
     return 0
 
 
+def cmd_bench(argv: list[str]) -> int:
+    from dilocox.bench.harness import main as bench_main
+
+    return bench_main(argv)
+
+
 def cmd_plan(argv: list[str]) -> int:
     from dilocox.bench.plan_cli import main as plan_main
 
     return plan_main(argv)
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plan": cmd_plan, "flavors": cmd_flavors, "env": cmd_env}
+COMMANDS = {
+    "train": cmd_train,
+    "eval": cmd_eval,
+    "bench": cmd_bench,
+    "plan": cmd_plan,
+    "flavors": cmd_flavors,
+    "env": cmd_env,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

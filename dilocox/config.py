@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SYNC_KINDS = ("allreduce", "diloco", "dilocox")
+SYNC_KINDS = ("allreduce", "cocktail", "diloco", "dilocox")
 MERGE_RULES = ("reset", "keep_local")
 COMPRESSION_KINDS = ("none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive")
 RANK_SCHEDULES = ("spectrum", "early_strong", "late_strong")
@@ -105,7 +105,7 @@ class TopologyConfig:
 @dataclass
 class SyncConfig:
     kind: str = "diloco"
-    """Strategy: allreduce (every step), diloco (H local steps, outer sync) or dilocox (diloco + one-step delay)."""
+    """Strategy: allreduce, cocktail (compressed every step), diloco (H local steps + outer sync), dilocox."""
     inner_steps: int = 50
     """H: local inner steps between two outer syncs (diloco)."""
     outer_lr: float = 0.7
@@ -144,6 +144,10 @@ class CompressionConfig:
     """adaptive: spectrum (energy as set), early_strong or late_strong (energy target ramps up or down)."""
     ramp_rounds: int = 100
     """adaptive: rounds over which early_strong / late_strong ramp the energy target."""
+    sample_ratio: float = 0.1
+    """cocktail: share of the gradient randomly sampled each step (the same sample on every cluster)."""
+    topk_ratio: float = 0.01
+    """cocktail: share of the gradient sent (the largest of the sample), as int4 values with positions."""
 
 
 @dataclass
@@ -230,10 +234,15 @@ class Config:
             )
         if not 0.0 < self.compression.energy <= 1.0:
             raise ValueError(f"compression.energy = {self.compression.energy} must be in (0, 1]")
-        if self.sync.kind == "allreduce" and self.compression.kind != "none":
+        if self.sync.kind in ("allreduce", "cocktail") and self.compression.kind != "none":
             raise ValueError(
                 f"compression.kind = {self.compression.kind!r} compresses pseudo-gradients: use sync.kind = diloco or "
-                "dilocox (allreduce sends fp32 gradients)"
+                f"dilocox ({self.sync.kind} has its own gradient format)"
+            )
+        if not 0.0 < self.compression.topk_ratio <= self.compression.sample_ratio <= 1.0:
+            raise ValueError(
+                f"compression.topk_ratio = {self.compression.topk_ratio} and sample_ratio = "
+                f"{self.compression.sample_ratio} must satisfy 0 < topk_ratio <= sample_ratio <= 1"
             )
         if self.train.lr <= 0:
             raise ValueError(f"train.lr = {self.train.lr} must be > 0")
@@ -254,7 +263,7 @@ class Config:
                 f"sync.sync_delay = {self.sync.sync_delay} must be 0 (blocking) or 1 (one-step-delay overlap)"
             )
         _choice("sync.merge", self.sync.merge, MERGE_RULES)
-        if self.sync.kind == "allreduce" and self.sync.sync_delay:
+        if self.sync.kind in ("allreduce", "cocktail") and self.sync.sync_delay:
             raise ValueError("sync.sync_delay = 1 needs an outer loop: use sync.kind = diloco or dilocox")
         _choice("train.pipeline_schedule", self.train.pipeline_schedule, PIPELINE_SCHEDULES)
         if self.train.num_microbatches < 0:

@@ -1,1 +1,2 @@
-"""Benchmarks and projections: the paper-scale planner (`dilocox.bench.planner`, `dilocox plan`)."""
+"""Benchmarks and projections: the strategy comparison harness (`dilocox bench`) and the paper-scale planner
+(`dilocox plan`)."""

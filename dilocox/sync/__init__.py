@@ -1,4 +1,4 @@
-"""Synchronization strategies behind one protocol (`sync.kind`): allreduce, diloco and dilocox."""
+"""Synchronization strategies behind one protocol (`sync.kind`): allreduce, cocktail, diloco and dilocox."""
 
 from __future__ import annotations
 
@@ -9,15 +9,28 @@ from dilocox.config import Config
 from dilocox.net.channel import WanChannel
 from dilocox.sync.allreduce import AllReduceSync, allreduce_bytes_per_step
 from dilocox.sync.base import SyncStrategy
+from dilocox.sync.cocktail import CocktailSync
 from dilocox.sync.diloco import DiLoCoSync
 
-__all__ = ["AllReduceSync", "DiLoCoSync", "SyncStrategy", "allreduce_bytes_per_step", "build_sync"]
+__all__ = ["AllReduceSync", "CocktailSync", "DiLoCoSync", "SyncStrategy", "allreduce_bytes_per_step", "build_sync"]
 
 
 def build_sync(cfg: Config, params, *, channel: WanChannel, dp_group: dist.ProcessGroup | None) -> SyncStrategy:
     """The strategy named by `sync.kind`, over this rank's parameters."""
     if cfg.sync.kind == "allreduce":
         return AllReduceSync(params, channel=channel, dp_group=dp_group)
+    if cfg.sync.kind == "cocktail":
+        c = cfg.compression
+        return CocktailSync(
+            params,
+            channel=channel,
+            dp_group=dp_group,
+            sample_ratio=c.sample_ratio,
+            topk_ratio=c.topk_ratio,
+            group_size=c.group_size,
+            error_feedback=c.error_feedback,
+            seed=cfg.run.seed,
+        )
     if cfg.sync.kind in ("diloco", "dilocox"):
         return DiLoCoSync(
             params,
@@ -33,7 +46,7 @@ def build_sync(cfg: Config, params, *, channel: WanChannel, dp_group: dist.Proce
             error_feedback=cfg.compression.error_feedback,
             total_steps=cfg.train.steps,
         )
-    raise ValueError(f"sync.kind = {cfg.sync.kind!r} is not one of: allreduce, diloco, dilocox")
+    raise ValueError(f"sync.kind = {cfg.sync.kind!r} is not one of: allreduce, cocktail, diloco, dilocox")
 
 
 def build_pseudo_grad_codec(cfg: Config):

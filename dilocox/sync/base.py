@@ -121,19 +121,25 @@ class PendingMean:
 
     def wait(self) -> torch.Tensor:
         """Block until the slow-link part is done, then all-gather the slices over the fast dp_group."""
-        shard = self.finish()
-        size = group_size(self.dp_group)
-        if size == 1:
-            self.flat.copy_(shard)
-            return self.flat
-        width = max(end - start for start, end in self.bounds)
-        padded = torch.zeros(width, dtype=shard.dtype)
-        padded[: shard.numel()] = shard
-        parts = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(parts, padded, group=self.dp_group)
-        for (start, end), part in zip(self.bounds, parts, strict=True):
-            self.flat[start:end] = part[: end - start]
-        return self.flat
+        return gather_slices_(self.flat, self.finish(), self.bounds, self.dp_group)
+
+
+def gather_slices_(
+    flat: torch.Tensor, shard: torch.Tensor, bounds: list[tuple[int, int]], dp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Write every dp replica's `shard` (replica i owns `flat[bounds[i]]`) into `flat` on all replicas."""
+    size = group_size(dp_group)
+    if size == 1:
+        flat.copy_(shard)
+        return flat
+    width = max(end - start for start, end in bounds)  # gloo all-gathers equal sizes only: pad to the longest
+    padded = torch.zeros(width, dtype=shard.dtype)
+    padded[: shard.numel()] = shard
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(parts, padded, group=dp_group)
+    for (start, end), part in zip(bounds, parts, strict=True):
+        flat[start:end] = part[: end - start]
+    return flat
 
 
 def launch_cross_cluster_mean(

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from dilocox.compress.payload import Payload
 from dilocox.compress.sparse import SparseInt4Codec
 from dilocox.net.channel import WanChannel, ring_all_gather_bytes, ring_all_reduce_bytes
-from dilocox.sync.base import FlatParams, PendingMean, dp_mean_, shard_bounds
+from dilocox.sync.base import FlatParams, dp_mean_, gather_slices_, shard_bounds
 from dilocox.sync.base import group_size as num_ranks  # `group_size` is the int4 option here
 
 
@@ -101,10 +101,8 @@ class CocktailSync:
                 corrected.index_add_(0, indices, values, alpha=-1.0)
                 self.residual = corrected
         avg_shard.div_(self.num_clusters)
-        # The slow-link part is done (the transfer has completed); PendingMean does the fast dp all-gather of the
-        # averaged shards into `grads`, exactly as for the uncompressed mean.
-        pending = PendingMean(flat=grads, shard=avg_shard, transfer=transfer, dp_group=self.dp_group)
-        self.flat.scatter_grads(pending.wait())
+        bounds = [shard_bounds(self.flat.numel, num_ranks(self.dp_group), i) for i in range(num_ranks(self.dp_group))]
+        self.flat.scatter_grads(gather_slices_(grads, avg_shard, bounds, self.dp_group))
         self.sync_step += 1
         self.last_round = {
             "round_link_s": transfer.link_s,

@@ -139,8 +139,14 @@ def test_dilocox_compressed_trains_and_resumes_with_a_delayed_update_in_flight(t
     """lowrank_int4 trains; the checkpoint at step 20 holds round 2's sync (not yet applied), the error-feedback
     residuals and the codec's warm starts; the resumed run continues exactly."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = ["--config", DEBUG, "--sync.kind=dilocox", "--compression.kind=lowrank_int4", "--checkpoint.keep=5",
-              "--metrics.log_interval=1"]
+    common = [
+        "--config",
+        DEBUG,
+        "--sync.kind=dilocox",
+        "--compression.kind=lowrank_int4",
+        "--checkpoint.keep=5",
+        "--metrics.log_interval=1",
+    ]
     result = dilocox("train", *common, f"--run.out_dir={straight}")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((straight / "summary.json").read_text())
@@ -321,3 +327,23 @@ def test_torchrun_runs_each_rank(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 20 and summary["outer_steps"] == 2
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+
+
+def test_bench_quick_produces_a_complete_table(tmp_path):
+    out = tmp_path / "bench"
+    result = dilocox("bench", REPO / "benchmarks" / "configs" / "default.toml", "--quick", "--out", out, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    names = [r["name"] for r in results["runs"]]
+    assert names == ["allreduce", "cocktail", "diloco", "dilocox", "dilocox-no-overlap", "dilocox-no-compression"]
+    for row in results["runs"]:
+        for key in ("final_eval_loss", "tokens_per_s", "wan_bytes_per_token", "gap_to_baseline_pct", "wall_s"):
+            assert row[key] is not None and row[key] == row[key], (row["name"], key)  # present and not NaN
+    by_name = {r["name"]: r for r in results["runs"]}
+    assert by_name["allreduce"]["compression_vs_allreduce"] == pytest.approx(1.0)
+    assert by_name["diloco"]["compression_vs_allreduce"] == pytest.approx(5.0)  # H = 5 in --quick
+    assert by_name["dilocox"]["compression_vs_allreduce"] > by_name["diloco"]["compression_vs_allreduce"]
+    table = (out / "results.md").read_text()
+    assert table.count("\n| ") == 1 + 6  # separator row + one row per strategy
+    for png in ("loss_vs_tokens.png", "loss_vs_time.png", "throughput.png"):
+        assert (out / png).stat().st_size > 1000

@@ -61,11 +61,12 @@ def test_missing_and_invalid_files(tmp_path):
     [
         (["--train.steps=0"], "train.steps = 0 must be > 0"),
         (["--topology.num_clusters=0"], "topology.num_clusters"),
-        (["--sync.kind=gossip"], "sync.kind = 'gossip' is not one of: allreduce, diloco, dilocox"),
+        (["--sync.kind=gossip"], "sync.kind = 'gossip' is not one of: allreduce, cocktail, diloco, dilocox"),
         (["--compression.kind=zip"], "compression.kind"),
         (["--sync.kind=allreduce", "--compression.kind=int4"], "compresses pseudo-gradients"),
         (["--compression.rank_max=1"], "compression.rank_max = 1 is below"),
         (["--compression.schedule=sometimes"], "compression.schedule"),
+        (["--compression.topk_ratio=0.5"], "topk_ratio <= sample_ratio"),
         (["--train.optimizer=lion"], "train.optimizer"),
         (["--train.lr=-1"], "train.lr"),
         (["--train.lr=nan"], "finite"),
