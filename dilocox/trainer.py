@@ -154,6 +154,7 @@ class Trainer:
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len * self.topology.num_shards
         self.step = 0
         self.elapsed_before = 0.0  # training seconds of the run before a resume
+        self._start: float | None = None  # perf_counter() when this process started training
         self.initial_eval_loss: float | None = None
         self.last_eval_loss: float | None = None
         self.eval_s = 0.0  # rank 0's time spent evaluating during training (excluded from tokens_per_s)
@@ -161,11 +162,10 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        sync_state = self.sync.state_dict()  # first: it may wait for a sync in flight, which the counters include
         return {
             "model": self.model.state_dict(),
             "inner_optimizer": self.inner_optimizer.state_dict(),
-            "sync": sync_state,
+            "sync": self.sync.state_dict(),
             "data": self.stream.state_dict(),
             "channel": self.channel.state_dict(),
             "rng": torch.get_rng_state(),
@@ -180,9 +180,9 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self.channel.load_state_dict(state["channel"])  # before the sync, which may send a saved transfer again
         self.sync.load_state_dict(state["sync"])
         self.stream.load_state_dict(state["data"])
-        self.channel.load_state_dict(state["channel"])
         torch.set_rng_state(state["rng"])
         self.step = int(state["trainer"]["step"])
         self.elapsed_before = float(state["trainer"]["elapsed_s"])
@@ -236,7 +236,7 @@ class Trainer:
         return broadcast_from_last_stage(loss, self.groups.pp_group)
 
     def _elapsed(self) -> float:
-        return time.perf_counter() - self._start if hasattr(self, "_start") else 0.0
+        return time.perf_counter() - self._start if self._start is not None else 0.0
 
     def _due(self, interval: int) -> bool:
         return interval > 0 and self.step % interval == 0

@@ -24,6 +24,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,11 +127,13 @@ def run_bench(path: Path, *, out_dir: Path | None = None, quick: bool = False, o
         command = _train_command(spec, run, run_dir, quick)
         print(f"[{index}/{len(selected)}] {run.name}: dilocox train {' '.join(command[5:])}", flush=True)
         log = out_dir / f"{run.name}.log"
+        started = time.perf_counter()
         with open(log, "w") as f:
             status = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT).returncode
         if status != 0:
             tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
             raise RuntimeError(f"bench run {run.name} failed (exit {status}); last lines of {log}:\n{tail}")
+        write_atomic(run_dir / "process_s.txt", f"{time.perf_counter() - started:.1f}\n".encode())
         summary = json.loads((run_dir / "summary.json").read_text())
         print(
             f"    eval loss {summary['final_eval_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
@@ -156,12 +159,15 @@ def collect(spec: BenchSpec, out_dir: Path, names: list[str]) -> dict[str, Any]:
         summary = json.loads((run_dir / "summary.json").read_text())
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         run = next(r for r in spec.runs if r.name == name)
+        process_file = run_dir / "process_s.txt"
         rows.append(
             {
                 "name": name,
                 "label": run.label or name,
                 "overrides": run.overrides,
                 "summary": summary,
+                # the whole `dilocox train` process: start-up, data preparation, training, evaluation, checkpoints
+                "process_s": float(process_file.read_text()) if process_file.exists() else None,
                 "curve": [
                     {"tokens": m["tokens"], "elapsed_s": m["elapsed_s"], "eval_loss": m["eval_loss"]}
                     for m in metrics

@@ -69,6 +69,9 @@ class PendingTransfer(Generic[ResultT]):
     """When the transfer completed: the link model's arrival, or later if the real collective was slower."""
     link_s: float = 0.0
     """`done_time - start_time`: link time of this transfer alone."""
+    seq: int = -1
+    """Position among this channel's accounted transfers (the first is 0); -1 when not accounted. Transfers
+    complete in order, so transfer `seq` is in the counters exactly when `num_transfers > seq`."""
     _finished: threading.Event = field(default_factory=threading.Event, repr=False)
     _result: Any = field(default=None, repr=False)
     _error: BaseException | None = field(default=None, repr=False)
@@ -115,6 +118,7 @@ class _Outcome:
 class _Job:
     transfer: PendingTransfer[Any]
     run: Callable[[], _Outcome]
+    account: bool = True
 
 
 class WanChannel:
@@ -183,6 +187,7 @@ class WanChannel:
         self._link_busy_s = 0.0
         self._exposed_s = 0.0
         self._num_transfers = 0
+        self._submitted = 0  # accounted transfers launched so far (the next one's `seq`)
 
     @classmethod
     def from_strings(
@@ -263,13 +268,18 @@ class WanChannel:
             self._link_busy_s = float(state["link_busy_s"])
             self._exposed_s = float(state["exposed_s"])
             self._num_transfers = int(state["num_transfers"])
+            self._submitted = self._num_transfers
 
     # ----------------------------------------------------------------------------------------- collectives
 
-    def launch_all_reduce(self, tensor: torch.Tensor, *, op: str = "avg") -> PendingTransfer[torch.Tensor]:
+    def launch_all_reduce(
+        self, tensor: torch.Tensor, *, op: str = "avg", account: bool = True
+    ) -> PendingTransfer[torch.Tensor]:
         """Start an in-place ring all-reduce ("sum" or "avg") of a floating `tensor` over the group.
 
-        The caller must not read or write `tensor` until `wait()`, which returns it reduced.
+        The caller must not read or write `tensor` until `wait()`, which returns it reduced. `account=False` runs
+        the collective without counting it or emulating its link time: for a transfer that a resumed run sends
+        again although the counters restored from its checkpoint already hold it.
         """
         if op not in _REDUCE_OPS:
             raise ValueError(f"all_reduce op = {op!r} is not supported; use one of {list(_REDUCE_OPS)}")
@@ -280,9 +290,9 @@ class WanChannel:
             )
         if self.world_size == 1:
             return self._completed("all_reduce", tensor)
-        return self._submit("all_reduce", functools.partial(self._run_all_reduce, tensor, op))
+        return self._submit("all_reduce", functools.partial(self._run_all_reduce, tensor, op), account)
 
-    def launch_all_gather(self, tensor: torch.Tensor) -> PendingTransfer[list[torch.Tensor]]:
+    def launch_all_gather(self, tensor: torch.Tensor, *, account: bool = True) -> PendingTransfer[list[torch.Tensor]]:
         """Start an all-gather of 1-D tensors whose lengths may differ per rank (same dtype on every rank).
 
         `wait()` returns one tensor per group rank, in group rank order; this rank's entry is `tensor` itself.
@@ -298,7 +308,7 @@ class WanChannel:
             )
         if self.world_size == 1:
             return self._completed("all_gather", [tensor])
-        return self._submit("all_gather", functools.partial(self._run_all_gather, tensor))
+        return self._submit("all_gather", functools.partial(self._run_all_gather, tensor), account)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "avg") -> torch.Tensor:
         """Blocking `launch_all_reduce(...).wait()`."""
@@ -353,7 +363,7 @@ class WanChannel:
         transfer._complete(result)
         return transfer
 
-    def _submit(self, kind: str, run: Callable[[], _Outcome]) -> PendingTransfer[Any]:
+    def _submit(self, kind: str, run: Callable[[], _Outcome], account: bool = True) -> PendingTransfer[Any]:
         transfer: PendingTransfer[Any] = PendingTransfer(kind=kind, launch_time=time.perf_counter(), _channel=self)
         with self._lock:
             if self._closed:
@@ -365,7 +375,10 @@ class WanChannel:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="dilocox-wan-channel", daemon=True)
                 self._thread.start()
-            self._queue.put(_Job(transfer, run))
+            if account:
+                transfer.seq = self._submitted
+                self._submitted += 1
+            self._queue.put(_Job(transfer, run, account))
         return transfer
 
     def _add_exposed(self, seconds: float) -> None:
@@ -409,6 +422,11 @@ class WanChannel:
         real_start = time.perf_counter()
         outcome = job.run()
         real_end = time.perf_counter()
+        if not job.account:
+            transfer.nbytes_sent, transfer.nbytes_recv = outcome.nbytes_sent, outcome.nbytes_recv
+            transfer.start_time, transfer.done_time, transfer.link_s = real_start, real_end, real_end - real_start
+            transfer._complete(outcome.result)
+            return
         if self._link is None:
             start, done = real_start, real_end
             busy_s = real_end - real_start

@@ -109,14 +109,17 @@ class PendingMean:
     """An in-flight cross-cluster mean of one flat vector (see `launch_cross_cluster_mean`).
 
     `finish()` waits for the slow-link part and returns this dp replica's averaged slice; `wait()` then
-    all-gathers the slices over the fast dp_group into `flat`. `info` collects what the sync cost (bytes, codec
-    seconds) for the per-round log."""
+    all-gathers the slices over the fast dp_group into `flat`. `sent` is what this rank put on the link, kept
+    until `wait()` so that a checkpoint taken while the sync is in flight can save it and a resumed run can send
+    it again (instead of stalling the checkpoint until the transfer arrives). `info` collects what the sync cost
+    (bytes, codec seconds) for the per-round log."""
 
     flat: torch.Tensor
     bounds: list[tuple[int, int]]  # every dp replica's slice of `flat`
     finish: Callable[[], torch.Tensor]
     transfer: PendingTransfer
     dp_group: dist.ProcessGroup | None
+    sent: torch.Tensor
     info: dict[str, float] = field(default_factory=dict)
 
     def wait(self) -> torch.Tensor:
@@ -143,21 +146,22 @@ def gather_slices_(
 
 
 def launch_cross_cluster_mean(
-    flat: torch.Tensor, *, channel: WanChannel, dp_group: dist.ProcessGroup | None
+    flat: torch.Tensor, *, channel: WanChannel, dp_group: dist.ProcessGroup | None, account: bool = True
 ) -> PendingMean:
     """Start averaging `flat` over the clusters; it must already be identical on all dp replicas of this cluster.
 
     The slow-link transfer is sharded over the cluster's `dp_degree` replicas (DESIGN.md section 2): replica d
     averages only shard d over `cluster_group`, then the shards are all-gathered over the fast `dp_group` in
-    `wait()`, so each rank puts 1/dp of the vector on the slow link.
+    `wait()`, so each rank puts 1/dp of the vector on the slow link. `flat` itself stays untouched until `wait()`
+    (the all-reduce works on a copy of the shard), so it is what a resumed run sends again.
     """
     size = group_size(dp_group)
     bounds = [shard_bounds(flat.numel(), size, index) for index in range(size)]
     start, end = bounds[dist.get_rank(dp_group) if size > 1 else 0]
-    shard = flat if size == 1 else flat[start:end].clone()
-    transfer = channel.launch_all_reduce(shard, op="avg")
+    shard = flat[start:end].clone()
+    transfer = channel.launch_all_reduce(shard, op="avg", account=account)
 
     def finish() -> torch.Tensor:
         return transfer.wait()
 
-    return PendingMean(flat=flat, bounds=bounds, finish=finish, transfer=transfer, dp_group=dp_group)
+    return PendingMean(flat=flat, bounds=bounds, finish=finish, transfer=transfer, dp_group=dp_group, sent=flat)

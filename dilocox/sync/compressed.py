@@ -43,6 +43,19 @@ def param_aligned_bounds(numels: Sequence[int], num_shards: int) -> list[tuple[i
     return bounds
 
 
+def _my_slice(shapes: Sequence[torch.Size], dp_group: dist.ProcessGroup | None):
+    """Every replica's parameter-aligned bounds, and this replica's (start, end, tensor offsets, shapes)."""
+    size = group_size(dp_group)
+    numels = [shape.numel() for shape in shapes]
+    bounds = param_aligned_bounds(numels, size)
+    start, end = bounds[dist.get_rank(dp_group) if size > 1 else 0]
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + n)
+    mine = [i for i in range(len(shapes)) if start <= offsets[i] and offsets[i + 1] <= end]
+    return bounds, start, end, [(offsets[i], offsets[i + 1]) for i in mine], [shapes[i] for i in mine]
+
+
 def launch_compressed_mean(
     flat: torch.Tensor,
     *,
@@ -53,24 +66,49 @@ def launch_compressed_mean(
     dp_group: dist.ProcessGroup | None,
 ) -> PendingMean:
     """Encode this replica's slice of `flat` (identical on all dp replicas of the cluster) and start the gather."""
-    size = group_size(dp_group)
-    numels = [shape.numel() for shape in shapes]
-    bounds = param_aligned_bounds(numels, size)
-    start, end = bounds[dist.get_rank(dp_group) if size > 1 else 0]
-    offsets = [0]
-    for n in numels:
-        offsets.append(offsets[-1] + n)
-    mine = [i for i in range(len(shapes)) if start <= offsets[i] and offsets[i + 1] <= end]
-    my_shapes = [shapes[i] for i in mine]
-    tensors = [flat[offsets[i] : offsets[i + 1]].view(shapes[i]) for i in mine]
+    _, start, end, spans, my_shapes = _my_slice(shapes, dp_group)
+    tensors = [flat[a:b].view(shape) for (a, b), shape in zip(spans, my_shapes, strict=True)]
     encode_from = time.perf_counter()
     payload, own_decoded = feedback.compress(codec, tensors)
-    info = {
-        "payload_bytes": payload.nbytes,
-        "dense_bytes": 4 * (end - start),
-        "codec_s": time.perf_counter() - encode_from,
-    }
-    transfer = channel.launch_all_gather(payload.data)
+    codec_s = time.perf_counter() - encode_from
+    return _launch_payload(flat, payload, own_decoded, shapes=shapes, codec=codec, channel=channel,
+                           dp_group=dp_group, codec_s=codec_s)  # fmt: skip
+
+
+def relaunch_compressed_mean(
+    sent: torch.Tensor,
+    numel: int,
+    *,
+    shapes: Sequence[torch.Size],
+    codec: Codec,
+    channel: WanChannel,
+    dp_group: dist.ProcessGroup | None,
+    account: bool = True,
+) -> PendingMean:
+    """Send again a payload saved in a checkpoint while it was in flight (the codec and error feedback already
+    ran for it, so they are not run again: the resumed run sends exactly the same bytes)."""
+    _, _, _, _, my_shapes = _my_slice(shapes, dp_group)
+    payload = Payload(sent)
+    own_decoded = codec.decode_list(payload, my_shapes)
+    return _launch_payload(torch.zeros(numel), payload, own_decoded, shapes=shapes, codec=codec, channel=channel,
+                           dp_group=dp_group, codec_s=0.0, account=account)  # fmt: skip
+
+
+def _launch_payload(
+    flat: torch.Tensor,
+    payload: Payload,
+    own_decoded: list[torch.Tensor],
+    *,
+    shapes: Sequence[torch.Size],
+    codec: Codec,
+    channel: WanChannel,
+    dp_group: dist.ProcessGroup | None,
+    codec_s: float,
+    account: bool = True,
+) -> PendingMean:
+    bounds, start, end, _, my_shapes = _my_slice(shapes, dp_group)
+    info = {"payload_bytes": payload.nbytes, "dense_bytes": 4 * (end - start), "codec_s": codec_s}
+    transfer = channel.launch_all_gather(payload.data, account=account)
     own_index = channel.group_rank
 
     def finish() -> torch.Tensor:
@@ -84,4 +122,5 @@ def launch_compressed_mean(
         info["codec_s"] += time.perf_counter() - decode_from
         return total.div_(len(payloads))
 
-    return PendingMean(flat=flat, bounds=bounds, finish=finish, transfer=transfer, dp_group=dp_group, info=info)
+    return PendingMean(flat=flat, bounds=bounds, finish=finish, transfer=transfer, dp_group=dp_group,
+                       sent=payload.data, info=info)  # fmt: skip

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dilocox.compress import Codec, ErrorFeedback, compression_ratio
 from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, PendingMean, dp_mean_, launch_cross_cluster_mean
-from dilocox.sync.compressed import launch_compressed_mean
+from dilocox.sync.compressed import launch_compressed_mean, relaunch_compressed_mean
 
 MERGE_RULES = ("reset", "keep_local")
 
@@ -78,7 +78,7 @@ class DiLoCoSync:
             nesterov=nesterov and outer_momentum > 0,  # torch rejects Nesterov without momentum
         )
         self.round_start = self.outer_params.clone()  # theta at the start of the round (phi, except keep_local)
-        self.pending: PendingMean | torch.Tensor | None = None  # the delayed sync: in flight, or already arrived
+        self.pending: PendingMean | None = None  # the delayed sync, in flight
         self.outer_step = 0  # rounds completed
         self.last_round: dict[str, float] = {}  # link accounting of the sync waited for at the last boundary
         self.warnings: list[str] = []  # for the trainer to print once (the link cannot keep up)
@@ -100,8 +100,7 @@ class DiLoCoSync:
     def end_round(self) -> None:
         """Launch this round's sync and apply the one that is due (this one when blocking, the last one if delayed)."""
         pseudo_grad = self.round_start - self.flat.gather_data()  # (numel,) delta = round start - theta
-        # the sync averages in place on the communicator thread; keep_local still needs this cluster's own delta
-        launched = self.launch_sync(pseudo_grad.clone() if self.merge == "keep_local" else pseudo_grad)
+        launched = self.launch_sync(pseudo_grad)  # pseudo_grad stays intact until the sync is waited for
         if self.sync_delay == 0:
             self.apply(self.wait_sync(launched))
             theta = self.outer_params
@@ -137,10 +136,19 @@ class DiLoCoSync:
             dp_group=self.dp_group,
         )
 
-    def wait_sync(self, pending: PendingMean | torch.Tensor) -> torch.Tensor:
+    def relaunch_sync(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
+        """Send again what a checkpoint saved of a sync that was in flight (see `state_dict`); not accounted when
+        the restored link counters already hold it (it had arrived on this rank before the checkpoint)."""
+        if self.codec is None:
+            return launch_cross_cluster_mean(sent.clone(), channel=self.channel, dp_group=self.dp_group,
+                                             account=account)  # fmt: skip
+        return relaunch_compressed_mean(
+            sent, self.flat.numel, shapes=self.flat.shapes, codec=self.codec, channel=self.channel,
+            dp_group=self.dp_group, account=account,
+        )  # fmt: skip
+
+    def wait_sync(self, pending: PendingMean) -> torch.Tensor:
         """The averaged pseudo-gradient of a launched sync, with the link time it took and the part that was hidden."""
-        if isinstance(pending, torch.Tensor):
-            return pending  # arrived already (waited for before a checkpoint, or restored from one)
         compute_s = time.perf_counter() - pending.transfer.launch_time
         blocked_from = time.perf_counter()
         avg = pending.wait()
@@ -193,15 +201,15 @@ class DiLoCoSync:
         return 4 * self.flat.numel * vectors + residuals
 
     def state_dict(self) -> dict[str, Any]:
-        """The outer state, including the delayed sync: an in-flight one is waited for (not applied) so that a
-        resumed run applies it at the same step as an uninterrupted one."""
-        if isinstance(self.pending, PendingMean):
-            self.pending = self.wait_sync(self.pending)
+        """The outer state, including the delayed sync in flight: not waited for (a checkpoint must not stall the
+        overlap) but saved as what this rank sent, which a resumed run sends again (`load_state_dict`), so it
+        arrives and is applied at the same step as in an uninterrupted run."""
         return {
             "outer_params": self.outer_params.detach().clone(),
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "round_start": self.round_start.clone(),
-            "pending": None if self.pending is None else self.pending.clone(),
+            "pending_sent": None if self.pending is None else self.pending.sent.clone(),
+            "pending_seq": -1 if self.pending is None else self.pending.transfer.seq,
             "outer_step": self.outer_step,
             "feedback": self.feedback.state_dict(),
             "codec": None if self.codec is None else self.codec.state_dict(),
@@ -212,8 +220,14 @@ class DiLoCoSync:
             self.outer_params.copy_(state["outer_params"])
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.round_start = state["round_start"].clone()
-        self.pending = None if state["pending"] is None else state["pending"].clone()
         self.outer_step = int(state["outer_step"])
         self.feedback.load_state_dict(state["feedback"])
         if self.codec is not None:
             self.codec.load_state_dict(state["codec"])
+        # Every rank resumes from the same step and loads in the same order, so the re-sends pair up across
+        # clusters. The link counters (restored first) hold the transfer exactly when it had arrived on this rank.
+        if state["pending_sent"] is not None:
+            counted = state["pending_seq"] < self.channel.num_transfers
+            self.pending = self.relaunch_sync(state["pending_sent"], account=not counted)
+        else:
+            self.pending = None
