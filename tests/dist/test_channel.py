@@ -1,0 +1,277 @@
+import time
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dilocox.net.channel import PendingTransfer, WanChannel, ring_all_gather_bytes, ring_all_reduce_bytes
+from tests.multiproc import run_ranks
+
+BANDWIDTH = 5e6  # bytes/s (40 Mbps): a 1 MiB transfer takes ~0.21 s, long enough to dominate scheduling noise
+LATENCY_S = 0.02
+TOLERANCE = 0.2
+
+
+def _assert_zero_stats(channel: WanChannel) -> None:
+    assert channel.stats() == {
+        "bytes_sent": 0,
+        "bytes_recv": 0,
+        "control_bytes": 0,
+        "link_busy_s": 0.0,
+        "exposed_s": 0.0,
+        "num_transfers": 0,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- no process group
+
+
+def test_group_of_none_is_a_local_noop():
+    with WanChannel(None, bandwidth=BANDWIDTH, latency_s=LATENCY_S) as channel:
+        grads = torch.arange(5.0)
+        assert channel.all_reduce(grads, op="sum") is grads
+        assert torch.equal(grads, torch.arange(5.0))
+        payload = torch.arange(3, dtype=torch.uint8)
+        transfer = channel.launch_all_gather(payload)
+        assert transfer.done()
+        assert transfer.wait()[0] is payload and len(transfer.wait()) == 1
+        _assert_zero_stats(channel)
+        assert channel.bytes_per_s == BANDWIDTH and channel.emulated
+    channel.close()  # idempotent
+
+
+def test_channel_argument_errors():
+    channel = WanChannel(None, bandwidth=None, latency_s=0.0)
+    with pytest.raises(ValueError, match=r"int64.*float"):
+        channel.launch_all_reduce(torch.arange(4))
+    with pytest.raises(ValueError, match="'max'.*'sum', 'avg'"):
+        channel.all_reduce(torch.zeros(2), op="max")
+    with pytest.raises(ValueError, match=r"1-D.*\(2, 3\).*reshape"):
+        channel.all_gather(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"network\.bandwidth"):
+        WanChannel(None, bandwidth=0.0, latency_s=0.0)
+    with pytest.raises(ValueError, match=r"network\.latency"):
+        WanChannel(None, bandwidth=1e6, latency_s=-1.0)
+    with pytest.raises(ValueError, match="num_sharing = 0"):
+        WanChannel(None, bandwidth=1e6, latency_s=0.0, num_sharing=0)
+    with pytest.raises(ValueError, match="missing"):
+        channel.load_state_dict({"bytes_sent": 3})
+    built = WanChannel.from_strings(None, bandwidth="1Gbps", latency="10ms", num_sharing=4)
+    assert built.bytes_per_s == pytest.approx(1.25e8 / 4) and built.latency_s == pytest.approx(0.01)
+    assert WanChannel.from_strings(None, bandwidth="unlimited", latency="0").bytes_per_s is None
+
+
+# ---------------------------------------------------------------------------------------------- real gloo ranks
+
+
+def _exact_worker(rank: int, world_size: int) -> dict[str, float | int]:
+    cluster_group = dist.new_group(list(range(world_size)))
+    solo_groups = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group, in order
+    expected_sent = expected_recv = expected_control = 0
+    channel = WanChannel(cluster_group, bandwidth=None, latency_s=0.01)
+    assert channel.world_size == world_size and channel.group_rank == rank and not channel.emulated
+
+    # avg of an odd number of fp32 elements
+    grads = torch.arange(7, dtype=torch.float32) + 10.0 * rank
+    transfer = channel.launch_all_reduce(grads)
+    assert isinstance(transfer, PendingTransfer)
+    assert transfer.wait() is grads
+    torch.testing.assert_close(grads, torch.arange(7, dtype=torch.float32) + 10.0 * (world_size - 1) / 2)
+    sent, recv = ring_all_reduce_bytes(7, 4, world_size, rank)
+    assert (transfer.nbytes_sent, transfer.nbytes_recv) == (sent, recv)
+    expected_sent, expected_recv = expected_sent + sent, expected_recv + recv
+
+    # sum in fp64, odd size again
+    values = torch.full((11,), float(rank + 1), dtype=torch.float64)
+    channel.all_reduce(values, op="sum")
+    assert torch.equal(values, torch.full((11,), world_size * (world_size + 1) / 2, dtype=torch.float64))
+    sent, recv = ring_all_reduce_bytes(11, 8, world_size, rank)
+    expected_sent, expected_recv = expected_sent + sent, expected_recv + recv
+
+    # a non-contiguous view is reduced in place, and bf16 works
+    base = torch.ones(4, 6)
+    view = base[:, ::2]
+    channel.all_reduce(view, op="sum")
+    assert torch.equal(base[:, ::2], torch.full((4, 3), float(world_size))) and torch.equal(
+        base[:, 1::2], torch.ones(4, 3)
+    )
+    sent, recv = ring_all_reduce_bytes(12, 4, world_size, rank)
+    expected_sent, expected_recv = expected_sent + sent, expected_recv + recv
+    half = torch.full((5,), float(rank), dtype=torch.bfloat16)
+    channel.all_reduce(half)
+    assert torch.equal(half, torch.full((5,), (world_size - 1) / 2, dtype=torch.bfloat16))
+    sent, recv = ring_all_reduce_bytes(5, 2, world_size, rank)
+    expected_sent, expected_recv = expected_sent + sent, expected_recv + recv
+
+    # all-gather of unequal lengths (one rank empty when there are three), fp32 then uint8
+    numels = [3, 5, 0, 2][:world_size]
+    mine = torch.arange(numels[rank], dtype=torch.float32) + 100.0 * rank
+    transfer = channel.launch_all_gather(mine)
+    gathered = transfer.wait()
+    assert len(gathered) == world_size and gathered[rank] is mine
+    for r, tensor in enumerate(gathered):
+        torch.testing.assert_close(tensor, torch.arange(numels[r], dtype=torch.float32) + 100.0 * r)
+    sent, recv = ring_all_gather_bytes([4 * n for n in numels], rank)
+    assert (transfer.nbytes_sent, transfer.nbytes_recv) == (sent, recv)
+    expected_sent, expected_recv = expected_sent + sent, expected_recv + recv
+    expected_control += 8 * (world_size - 1)
+
+    payload = torch.full((rank * 3 + 1,), rank, dtype=torch.uint8)
+    gathered = channel.all_gather(payload)
+    assert [t.tolist() for t in gathered] == [[r] * (r * 3 + 1) for r in range(world_size)]
+    sent, recv = ring_all_gather_bytes([r * 3 + 1 for r in range(world_size)], rank)
+    expected_sent, expected_recv = expected_sent + sent, expected_recv + recv
+    expected_control += 8 * (world_size - 1)
+
+    empty = channel.all_gather(torch.empty(0))
+    assert [t.numel() for t in empty] == [0] * world_size
+    expected_control += 8 * (world_size - 1)
+
+    with pytest.raises(ValueError, match="int32"):
+        channel.launch_all_reduce(torch.ones(3, dtype=torch.int32))
+
+    stats = channel.stats()
+    assert stats["bytes_sent"] == expected_sent and stats["bytes_recv"] == expected_recv, stats
+    assert stats["control_bytes"] == expected_control and stats["num_transfers"] == 7, stats
+    assert stats["link_busy_s"] > 0.0 and stats["exposed_s"] >= 0.0
+    resumed = WanChannel(cluster_group, bandwidth=None, latency_s=0.0)
+    resumed.load_state_dict(channel.state_dict())
+    assert resumed.stats() == stats
+    channel.close()
+    channel.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        channel.launch_all_reduce(torch.zeros(1))
+
+    # a real group of one: nothing moves, nothing is counted
+    with WanChannel(solo_groups[rank], bandwidth=BANDWIDTH, latency_s=LATENCY_S) as solo:
+        alone = torch.arange(4.0)
+        assert solo.all_reduce(alone) is alone and torch.equal(alone, torch.arange(4.0))
+        assert solo.all_gather(alone)[0] is alone
+        _assert_zero_stats(solo)
+
+    _check_failures(cluster_group)
+    return stats
+
+
+def _check_failures(group: dist.ProcessGroup) -> None:
+    """Faults injected on every rank alike, so no rank is left inside a real collective."""
+    with mock.patch("torch.distributed.all_reduce", side_effect=RuntimeError("injected gloo failure")):
+        channel = WanChannel(group, bandwidth=BANDWIDTH, latency_s=LATENCY_S)
+        first = channel.launch_all_reduce(torch.zeros(3))
+        with pytest.raises(RuntimeError, match="all_reduce.*failed on the communicator thread") as info:
+            first.wait()
+        assert "injected gloo failure" in str(info.value.__cause__)
+        with pytest.raises(RuntimeError, match="earlier transfer"):
+            channel.launch_all_reduce(torch.zeros(3))
+        started = time.perf_counter()
+        channel.close()  # must not hang after an error
+        assert time.perf_counter() - started < 2.0
+        assert channel.num_transfers == 0
+
+    def slow_collective(*args, **kwargs):
+        time.sleep(0.3)
+
+    # Leaving the context on an exception cancels what has not started and returns promptly.
+    with mock.patch("torch.distributed.all_reduce", side_effect=slow_collective):
+        started = time.perf_counter()
+        with pytest.raises(KeyError), WanChannel(group, bandwidth=None, latency_s=0.0) as channel:
+            transfers = [channel.launch_all_reduce(torch.zeros(2)) for _ in range(3)]
+            raise KeyError("trainer crashed")
+        assert time.perf_counter() - started < 2.0
+        assert all(t.done() for t in transfers)
+        with pytest.raises(RuntimeError, match="cancel"):
+            transfers[-1].wait()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_channel_results_and_exact_bytes(world_size):
+    stats = run_ranks(_exact_worker, world_size)
+    # Every byte one rank sends, another receives.
+    assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_recv"] for s in stats)
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def _timing_worker(rank: int, world_size: int) -> dict[str, float]:
+    cluster_group = dist.new_group(list(range(world_size)))
+    out: dict[str, float] = {}
+    one_mib = 262_144  # fp32 elements
+    with WanChannel(cluster_group, bandwidth=BANDWIDTH, latency_s=LATENCY_S) as channel:
+        channel.all_reduce(torch.zeros(1))  # start the thread and warm the gloo pairs
+        sent, recv = ring_all_reduce_bytes(one_mib, 4, world_size, rank)
+        out["wire_s"] = max(sent, recv) / BANDWIDTH
+
+        # Blocking: launch -> wait takes latency + bytes / bandwidth, and all of it is exposed.
+        dist.barrier()
+        exposed_before = channel.exposed_s
+        transfer = channel.launch_all_reduce(torch.ones(one_mib))
+        out["blocking_s"] = _timed(transfer.wait)
+        out["blocking_link_s"] = transfer.link_s
+        out["blocking_exposed_s"] = channel.exposed_s - exposed_before
+
+        # Overlapped: the same transfer hidden behind as much compute is (almost) not exposed.
+        dist.barrier()
+        exposed_before = channel.exposed_s
+        transfer = channel.launch_all_reduce(torch.ones(one_mib))
+        time.sleep(1.1 * (LATENCY_S + out["wire_s"]))  # stands in for inner steps
+        transfer.wait()
+        out["overlap_link_s"] = transfer.link_s
+        out["overlap_exposed_s"] = channel.exposed_s - exposed_before
+
+        # FIFO: two back-to-back transfers queue on the wire; the latencies overlap.
+        dist.barrier()
+        busy_before = channel.link_busy_s
+        started = time.perf_counter()
+        first = channel.launch_all_reduce(torch.ones(one_mib))
+        second = channel.launch_all_reduce(torch.ones(one_mib))
+        first.wait()
+        out["fifo_first_s"] = time.perf_counter() - started
+        second.wait()
+        out["fifo_both_s"] = time.perf_counter() - started
+        out["fifo_start_gap_s"] = second.start_time - first.start_time
+        out["fifo_busy_s"] = channel.link_busy_s - busy_before
+
+        # Unequal all-gather: charged max(sent, recv) payload bytes plus the length header.
+        dist.barrier()
+        sizes = [800_000, 400_000, 600_000][:world_size]
+        transfer = channel.launch_all_gather(torch.zeros(sizes[rank], dtype=torch.uint8))
+        out["gather_s"] = _timed(transfer.wait)
+        out["gather_model_s"] = LATENCY_S + (max(ring_all_gather_bytes(sizes, rank)) + 8 * (world_size - 1)) / BANDWIDTH
+
+    # Two ranks of a cluster sharing its uplink each get half of it.
+    with WanChannel(cluster_group, bandwidth=BANDWIDTH, latency_s=LATENCY_S, num_sharing=2) as shared:
+        assert shared.bytes_per_s == BANDWIDTH / 2
+        dist.barrier()
+        transfer = shared.launch_all_reduce(torch.ones(one_mib))
+        out["shared_s"] = _timed(transfer.wait)
+    return out
+
+
+def _within(measured: float, expected: float, name: str) -> None:
+    assert abs(measured - expected) <= TOLERANCE * expected, (
+        f"{name}: measured {measured:.3f}s, expected {expected:.3f}s"
+    )
+
+
+@pytest.mark.dist
+def test_channel_emulated_timing():
+    for rank, out in enumerate(run_ranks(_timing_worker, 2)):
+        one = LATENCY_S + out["wire_s"]  # ~0.23 s
+        assert out["wire_s"] == pytest.approx(2**20 / BANDWIDTH)  # two ranks: each sends and receives N
+        _within(out["blocking_s"], one, f"rank {rank} blocking all_reduce")
+        _within(out["blocking_link_s"], one, f"rank {rank} blocking link_s")
+        assert out["blocking_exposed_s"] >= (1 - TOLERANCE) * out["blocking_link_s"], out
+        _within(out["overlap_link_s"], one, f"rank {rank} overlapped link_s")
+        assert out["overlap_exposed_s"] <= TOLERANCE * out["overlap_link_s"], out
+        _within(out["fifo_first_s"], one, f"rank {rank} first of two")
+        _within(out["fifo_both_s"], 2 * out["wire_s"] + LATENCY_S, f"rank {rank} second of two (~2x)")
+        _within(out["fifo_start_gap_s"], out["wire_s"], f"rank {rank} start of the second")
+        _within(out["fifo_busy_s"], 2 * out["wire_s"] + LATENCY_S, f"rank {rank} busy time of two")
+        _within(out["gather_s"], out["gather_model_s"], f"rank {rank} unequal all_gather")
+        _within(out["shared_s"], LATENCY_S + 2 * out["wire_s"], f"rank {rank} half the bandwidth")

@@ -1,0 +1,263 @@
+"""One-step-delay overlap (`sync_delay = 1`) on real gloo ranks.
+
+The golden trace in `golden/delayed_diloco.json` holds the outer parameters after each of 3 rounds (and after the
+final flush) of a hand-written single-process reference; regenerate it with
+`DILOCOX_REGEN_GOLDEN=1 python -m pytest tests/dist/test_overlap.py` after a deliberate change of the algorithm.
+"""
+
+import copy
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dilocox.net.channel import WanChannel
+from dilocox.sync import DiLoCoSync
+from tests.multiproc import run_ranks
+
+GOLDEN = Path(__file__).parent / "golden" / "delayed_diloco.json"
+STEPS, H, LR, OUTER_LR, MOMENTUM = 6, 2, 0.1, 0.7, 0.9
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 2)
+
+
+def batch(cluster: int, step: int):
+    g = torch.Generator().manual_seed(100 * cluster + step)
+    return torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)
+
+
+def inner_step(model, optimizer, cluster, step):
+    x, y = batch(cluster, step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def reference(merge: str, num_clusters: int = 2) -> list[list[float]]:
+    """Delayed DiLoCo by hand: Delta_t is applied at the end of round t+1; the outer step is Nesterov SGD."""
+    models = [make_model() for _ in range(num_clusters)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in models]
+    flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
+
+    def load(m, vector):
+        with torch.no_grad():
+            for p, chunk in zip(m.parameters(), vector.split([p.numel() for p in m.parameters()]), strict=True):
+                p.copy_(chunk.view_as(p))
+
+    phi = flat(models[0]).clone()
+    buf = torch.zeros_like(phi)
+    round_start = [phi.clone() for _ in models]
+    pending = None
+    trace = []
+
+    def outer_step(phi, buf, g):
+        buf = MOMENTUM * buf + g
+        return phi - OUTER_LR * (g + MOMENTUM * buf), buf
+
+    for step in range(1, STEPS + 1):
+        for c, (m, o) in enumerate(zip(models, optimizers, strict=True)):
+            inner_step(m, o, c, step)
+        if step % H:
+            continue
+        deltas = [round_start[c] - flat(m) for c, m in enumerate(models)]
+        avg = torch.stack(deltas).mean(0)
+        if pending is not None:
+            phi, buf = outer_step(phi, buf, pending)
+        pending = avg
+        for c, m in enumerate(models):
+            round_start[c] = phi - deltas[c] if merge == "keep_local" else phi.clone()
+            load(m, round_start[c])
+        trace.append(phi.tolist())
+    phi, buf = outer_step(phi, buf, pending)
+    trace.append(phi.tolist())
+    return trace
+
+
+def _delayed(rank, world_size, merge, sync_delay):
+    model = make_model()
+    channel = WanChannel(torch.distributed.group.WORLD, bandwidth=None, latency_s=0.0)
+    sync = DiLoCoSync(
+        model.parameters(),
+        channel=channel,
+        dp_group=None,
+        inner_steps=H,
+        outer_lr=OUTER_LR,
+        outer_momentum=MOMENTUM,
+        sync_delay=sync_delay,
+        merge=merge,
+        total_steps=STEPS,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    trace, models = [], []
+    for step in range(1, STEPS + 1):
+        inner_step(model, optimizer, rank, step)
+        if sync.after_inner_step(step):
+            trace.append(sync.outer_params.tolist())
+            models.append(sync.flat.gather_data())
+    sync.flush()
+    trace.append(sync.outer_params.tolist())
+    models.append(sync.flat.gather_data())
+    channel.close()
+    return trace, models
+
+
+def _all_variants(rank, world_size):
+    return {
+        (merge, delay): _delayed(rank, world_size, merge, delay)
+        for merge in ("reset", "keep_local")
+        for delay in (0, 1)
+    }
+
+
+@pytest.fixture(scope="module")
+def variants():
+    return run_ranks(_all_variants, 2)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("merge", ["reset", "keep_local"])
+def test_delayed_trace_matches_golden_and_reference(variants, merge):
+    want = reference(merge)
+    if os.environ.get("DILOCOX_REGEN_GOLDEN"):
+        golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+        golden[merge] = want
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(golden, indent=1) + "\n")
+    golden = json.loads(GOLDEN.read_text())[merge]
+    assert len(golden) == STEPS // H + 1
+    torch.testing.assert_close(torch.tensor(want), torch.tensor(golden), rtol=0, atol=1e-6)
+    for rank_result in variants:
+        trace, models = rank_result[(merge, 1)]
+        torch.testing.assert_close(torch.tensor(trace), torch.tensor(golden), rtol=0, atol=1e-6)
+        # after the flush every cluster holds phi
+        torch.testing.assert_close(models[-1], torch.tensor(golden[-1]), rtol=0, atol=1e-6)
+    # the first round has nothing to apply yet: phi is still the initial point
+    assert golden[0] == torch.cat([p.detach().reshape(-1) for p in make_model().parameters()]).tolist()
+
+
+@pytest.mark.dist
+def test_delay_zero_is_blocking_diloco_bit_for_bit(variants):
+    """The merge rule only matters with a delay: both blocking variants are the same computation."""
+    for rank_result in variants:
+        reset_trace, reset_models = rank_result[("reset", 0)]
+        keep_trace, keep_models = rank_result[("keep_local", 0)]
+        assert reset_trace == keep_trace
+        for a, b in zip(reset_models, keep_models, strict=True):
+            assert torch.equal(a, b)
+
+
+def _exposure(rank, world_size, sync_delay):
+    """Rounds of H sleeps (emulated compute) with a link that needs about half a round per sync."""
+    step_s, inner_steps, rounds = 0.06, 4, 5
+    model = torch.nn.Linear(64, 64)  # 4160 fp32 values: 16,640 bytes per sync on 2 ranks
+    nbytes = sum(p.numel() for p in model.parameters()) * 4
+    link_s = 0.5 * step_s * inner_steps
+    latency = 0.01
+    channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / (link_s - latency), latency_s=latency)
+    sync = DiLoCoSync(
+        model.parameters(), channel=channel, dp_group=None, inner_steps=inner_steps, sync_delay=sync_delay
+    )
+    for step in range(1, rounds * inner_steps + 1):
+        time.sleep(step_s)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        sync.after_inner_step(step)
+    stats = channel.stats()  # before the flush: the final wait is the end of training, not a round
+    sync.flush()
+    channel.close()
+    return stats
+
+
+@pytest.mark.dist
+def test_overlap_hides_the_link():
+    delayed = run_ranks(_exposure, 2, args=(1,))
+    blocking = run_ranks(_exposure, 2, args=(0,))
+    for stats in delayed:
+        assert stats["link_busy_s"] > 0.4  # 4 completed syncs of ~0.12 s
+        assert stats["exposed_s"] < 0.1 * stats["link_busy_s"], stats
+    for stats in blocking:
+        assert stats["exposed_s"] > 0.8 * stats["link_busy_s"], stats
+
+
+def _checkpoint_in_flight(rank, world_size):
+    """6 rounds on a slow link, checkpointed at the end of round 3 while that round's sync is on the wire."""
+    inner_steps, rounds, step_s = 2, 6, 0.03
+    nbytes = sum(p.numel() for p in make_model().parameters()) * 4
+    bandwidth = nbytes / 0.25  # each sync needs ~0.25 s of link: far longer than the ~0.06 s of a round
+
+    def fresh():
+        model = make_model()
+        channel = WanChannel(torch.distributed.group.WORLD, bandwidth=bandwidth, latency_s=0.0)
+        sync = DiLoCoSync(model.parameters(), channel=channel, dp_group=None, inner_steps=inner_steps,
+                          outer_lr=OUTER_LR, outer_momentum=MOMENTUM, sync_delay=1, total_steps=rounds * inner_steps)
+        return model, channel, sync, torch.optim.SGD(model.parameters(), lr=LR)
+
+    def run(model, channel, sync, optimizer, steps, saved=None):
+        for step in steps:
+            time.sleep(step_s)
+            inner_step(model, optimizer, rank, step)
+            sync.after_inner_step(step)
+            if step == 3 * inner_steps and saved is not None:
+                started = time.perf_counter()
+                saved["sync"] = copy.deepcopy(sync.state_dict())  # as torch.save would freeze it
+                saved["save_s"] = time.perf_counter() - started
+                saved["channel"] = channel.state_dict()
+                saved["model"] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model, channel, sync, optimizer = fresh()
+    saved: dict = {}
+    run(model, channel, sync, optimizer, range(1, rounds * inner_steps + 1), saved)
+    sync.flush()
+    straight = (sync.outer_params.clone(), channel.stats()["bytes_sent"])
+    channel.close()
+
+    model, channel, sync, optimizer = fresh()  # the resumed run: a new process would build exactly this
+    model.load_state_dict(saved["model"])
+    channel.load_state_dict(saved["channel"])
+    in_flight = saved["sync"]["pending_seq"] >= channel.num_transfers
+    sync.load_state_dict(saved["sync"])
+    run(model, channel, sync, optimizer, range(3 * inner_steps + 1, rounds * inner_steps + 1))
+    sync.flush()
+    resumed = (sync.outer_params.clone(), channel.stats()["bytes_sent"])
+    channel.close()
+    return straight, resumed, saved["save_s"], in_flight
+
+
+@pytest.mark.dist
+def test_checkpoint_does_not_wait_for_the_sync_in_flight_and_resume_is_exact():
+    for straight, resumed, save_s, in_flight in run_ranks(_checkpoint_in_flight, 2):
+        assert in_flight  # the transfer was still on the wire when the state was saved
+        assert save_s < 0.1  # ... and saving did not wait for its ~0.25 s
+        assert torch.equal(straight[0], resumed[0])
+        assert straight[1] == resumed[1]  # the re-sent transfer is counted once
+
+
+def _too_slow_link(rank, world_size):
+    """A link that needs ~3 rounds per sync: the delayed sync cannot be hidden and the user is told what fits."""
+    model = torch.nn.Linear(16, 16)
+    nbytes = sum(p.numel() for p in model.parameters()) * 4
+    channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.3, latency_s=0.0)
+    sync = DiLoCoSync(model.parameters(), channel=channel, dp_group=None, inner_steps=2, sync_delay=1)
+    for step in range(1, 7):
+        time.sleep(0.05)  # a round computes in ~0.1 s
+        sync.after_inner_step(step)
+    sync.flush()
+    channel.close()
+    return sync.warnings
+
+
+@pytest.mark.dist
+def test_warns_once_when_the_link_cannot_keep_up():
+    for warnings in run_ranks(_too_slow_link, 2):
+        assert len(warnings) == 1
+        assert "cannot keep up" in warnings[0]
+        needed = int(warnings[0].split("sync.inner_steps >= ")[1].split()[0])
+        assert 4 <= needed <= 8  # ~0.3 s of link over ~0.1 s rounds of 2 steps: H of about 6
+        assert "network.bandwidth >=" in warnings[0]
