@@ -25,6 +25,7 @@ from typing import Any
 SYNC_KINDS = ("allreduce", "cocktail", "diloco", "dilocox")
 MERGE_RULES = ("reset", "keep_local")
 COMPRESSION_KINDS = ("none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive")
+REDUCTIONS = ("gather", "scalable")
 RANK_SCHEDULES = ("spectrum", "early_strong", "late_strong")
 OPTIMIZERS = ("adamw", "sgd")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
@@ -144,6 +145,12 @@ class CompressionConfig:
     """adaptive: spectrum (energy as set), early_strong or late_strong (energy target ramps up or down)."""
     ramp_rounds: int = 100
     """adaptive: rounds over which early_strong / late_strong ramp the energy target."""
+    reduction: str = "gather"
+    """Averaging of payloads: gather ((C-1) x payload per rank, any codec) or scalable (~2 x payload; not adaptive)."""
+    fit_link: bool = False
+    """With sync_delay 1: raise H each round so that one sync's measured link time fits in the next round's compute."""
+    fit_link_max_steps: int = 0
+    """fit_link: the largest H it may choose; 0 = 8 x sync.inner_steps."""
     sample_ratio: float = 0.1
     """cocktail: share of the gradient randomly sampled each step (the same sample on every cluster)."""
     topk_ratio: float = 0.01
@@ -231,6 +238,24 @@ class Config:
             raise ValueError(
                 f"compression.rank_max = {self.compression.rank_max} is below compression.rank_min = "
                 f"{self.compression.rank_min}"
+            )
+        _choice("compression.reduction", self.compression.reduction, REDUCTIONS)
+        _non_negative(self, "compression.fit_link_max_steps")
+        if self.compression.reduction == "scalable" and self.compression.kind == "adaptive":
+            raise ValueError(
+                "compression.reduction = 'scalable' needs one rank that every cluster agrees on before a sync starts, "
+                "but compression.kind = 'adaptive' picks it from each cluster's own spectrum; use "
+                "compression.reduction = 'gather', or compression.kind = 'lowrank_int4' with a fixed compression.rank"
+            )
+        if self.compression.fit_link and self.sync.sync_delay != 1:
+            raise ValueError(
+                "compression.fit_link = true sizes H so that a sync travels during the next round, which needs "
+                "sync.sync_delay = 1 (sync.kind = dilocox sets it); with a blocking sync raise sync.inner_steps instead"
+            )
+        if self.compression.fit_link and 0 < self.compression.fit_link_max_steps < self.sync.inner_steps:
+            raise ValueError(
+                f"compression.fit_link_max_steps = {self.compression.fit_link_max_steps} is below sync.inner_steps = "
+                f"{self.sync.inner_steps}: fit_link only raises H; use 0 (8 x H) or a value >= {self.sync.inner_steps}"
             )
         if not 0.0 < self.compression.energy <= 1.0:
             raise ValueError(f"compression.energy = {self.compression.energy} must be in (0, 1]")

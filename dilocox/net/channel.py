@@ -31,6 +31,7 @@ from dilocox.net.link import (
 __all__ = [
     "PendingTransfer",
     "WanChannel",
+    "Wire",
     "ring_all_gather_bytes",
     "ring_all_reduce_bytes",
 ]
@@ -56,7 +57,7 @@ class PendingTransfer(Generic[ResultT]):
     """
 
     kind: str
-    """"all_reduce" or "all_gather"."""
+    """"all_reduce", "all_gather", or the kind given to `launch_program`."""
     launch_time: float
     """When the trainer launched the transfer."""
     nbytes_sent: int = 0
@@ -112,6 +113,78 @@ class _Outcome:
     nbytes_sent: int
     nbytes_recv: int
     control_bytes: int = 0
+    phases: int = 1
+    """Dependent communication steps (each pays one latency): 1 for a single collective."""
+
+
+class Wire:
+    """The slow-link steps a multi-step program may take on the communicator thread, each counted exactly.
+
+    A `WanChannel.launch_program` program receives a `Wire` and may call its steps in any order, with local
+    compute in between (e.g. decode what arrived, average, encode again). Every rank of the group must call the
+    same steps with the same sizes. Bytes follow `dilocox.net.link`'s conventions, unpadded; sizes are passed in
+    by the caller (who knows them from the shapes), so no length exchange is needed or counted.
+
+        def program(wire: Wire):
+            mine = wire.all_to_all(chunks, recv_sizes)   # chunk j to rank j; returns what each rank sent me
+            ...                                          # reduce my chunk
+            return wire.all_gather(reduced, sizes)       # everyone's reduced chunk
+    """
+
+    def __init__(self, group: dist.ProcessGroup, world_size: int, rank: int) -> None:
+        self.group = group
+        self.world_size = world_size
+        self.rank = rank
+        self.nbytes_sent = 0
+        self.nbytes_recv = 0
+        self.phases = 0
+
+    def all_to_all(self, chunks: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:
+        """Send 1-D uint8 `chunks[j]` to rank j; return the chunk every rank i sent here, of `recv_sizes[i]` bytes.
+
+        A direct exchange (each chunk crosses the link once): this rank sends `sum(chunks) - chunks[rank]` and
+        receives `sum(recv_sizes) - recv_sizes[rank]` bytes; its own chunk stays local.
+        """
+        world, rank = self.world_size, self.rank
+        if len(chunks) != world or len(recv_sizes) != world:
+            raise ValueError(f"all_to_all needs one chunk and one receive size per rank ({world})")
+        if any(chunk.dim() != 1 or chunk.dtype != torch.uint8 for chunk in chunks):
+            raise ValueError("all_to_all takes 1-D uint8 chunks (encoded payloads)")
+        if recv_sizes[rank] != chunks[rank].numel():
+            raise ValueError(f"rank {rank} keeps its own chunk of {chunks[rank].numel()} bytes, not {recv_sizes[rank]}")
+        send_sizes = [chunk.numel() for chunk in chunks]
+        self.phases += 1
+        if not any(send_sizes) and not any(recv_sizes):  # sizes follow the shapes: then every rank has nothing
+            return list(chunks)
+        received = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        dist.all_to_all_single(
+            received, torch.cat(chunks), output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=self.group
+        )
+        self.nbytes_sent += sum(send_sizes) - send_sizes[rank]
+        self.nbytes_recv += sum(recv_sizes) - recv_sizes[rank]
+        parts = list(torch.split(received, recv_sizes))
+        parts[rank] = chunks[rank]
+        return parts
+
+    def all_gather(self, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """Ring all-gather of 1-D uint8 payloads, rank i's of `sizes[i]` bytes; returns them in rank order."""
+        world, rank = self.world_size, self.rank
+        if len(sizes) != world or sizes[rank] != tensor.numel() or tensor.dim() != 1:
+            raise ValueError(f"all_gather needs this rank's 1-D payload of sizes[{rank}] bytes and one size per rank")
+        self.phases += 1
+        longest = max(sizes)
+        if longest == 0:
+            return [tensor[:0] for _ in range(world)]
+        padded = torch.zeros(longest, dtype=tensor.dtype)  # gloo gathers equal sizes only
+        padded[: tensor.numel()] = tensor
+        slots = [torch.empty(longest, dtype=tensor.dtype) for _ in range(world)]
+        dist.all_gather(slots, padded, group=self.group)
+        gathered = [slot[:n] for slot, n in zip(slots, sizes, strict=True)]
+        gathered[rank] = tensor
+        sent, recv = ring_all_gather_bytes(list(sizes), rank)
+        self.nbytes_sent += sent
+        self.nbytes_recv += recv
+        return gathered
 
 
 @dataclass
@@ -310,6 +383,22 @@ class WanChannel:
             return self._completed("all_gather", [tensor])
         return self._submit("all_gather", functools.partial(self._run_all_gather, tensor), account)
 
+    def launch_program(
+        self, program: Callable[[Wire], ResultT], *, kind: str = "program", account: bool = True
+    ) -> PendingTransfer[ResultT]:
+        """Start a multi-step collective: `program(wire)` runs on the communicator thread and returns the result.
+
+        For reductions that decode, average and re-encode between steps (the scalable compressed mean). The program
+        runs on the same thread and in the same launch order as every other collective of this channel, so state it
+        reads or writes is never raced by another transfer; it must not touch tensors the trainer is using. The
+        link is charged the program's `max(sent, recv)` bytes and one latency per step. `wait()` raises what the
+        program raised.
+        """
+        if self.world_size == 1:
+            assert self.group is None or dist.get_world_size(self.group) == 1
+            return self._completed(kind, program(_LocalWire()))
+        return self._submit(kind, functools.partial(self._run_program, program), account)
+
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "avg") -> torch.Tensor:
         """Blocking `launch_all_reduce(...).wait()`."""
         return self.launch_all_reduce(tensor, op=op).wait()
@@ -433,7 +522,7 @@ class WanChannel:
         else:
             charge = link_charge_bytes(outcome.nbytes_sent, outcome.nbytes_recv) + outcome.control_bytes
             busy_before = self._link.busy_s
-            start, model_done = self._link.schedule(charge, transfer.launch_time)
+            start, model_done = self._link.schedule(charge, transfer.launch_time, phases=max(1, outcome.phases))
             busy_s = self._link.busy_s - busy_before
             _sleep_until(model_done)
             done = max(model_done, real_end)
@@ -481,6 +570,25 @@ class WanChannel:
         sizes = [n * tensor.element_size() for n in numels]
         sent, recv = ring_all_gather_bytes(sizes, rank)
         return _Outcome(gathered, sent, recv, control_bytes)
+
+    def _run_program(self, program: Callable[[Wire], Any]) -> _Outcome:
+        assert self.group is not None
+        wire = Wire(self.group, self.world_size, self.group_rank)
+        result = program(wire)
+        return _Outcome(result, wire.nbytes_sent, wire.nbytes_recv, phases=wire.phases)
+
+
+class _LocalWire(Wire):
+    """The wire of a group of one: every step is local and moves nothing."""
+
+    def __init__(self) -> None:
+        super().__init__(group=None, world_size=1, rank=0)  # type: ignore[arg-type]
+
+    def all_to_all(self, chunks: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:
+        return list(chunks)
+
+    def all_gather(self, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        return [tensor]
 
 
 def _sleep_until(deadline: float) -> None:

@@ -182,12 +182,19 @@ class LinkModel:
         """Seconds from start to completion of one transfer on an idle link: `latency + nbytes / bandwidth`."""
         return self.serialize_s(nbytes) + self.latency_s
 
-    def schedule(self, nbytes: int, launch_time: float) -> tuple[float, float]:
-        """Queue a transfer of `nbytes` launched at `launch_time`; return its (start, done) times."""
+    def schedule(self, nbytes: int, launch_time: float, *, phases: int = 1) -> tuple[float, float]:
+        """Queue a transfer of `nbytes` launched at `launch_time`; return its (start, done) times.
+
+        `phases` > 1 is a transfer of dependent steps (a reduce-scatter whose result is all-gathered): each step
+        waits one latency for the previous one, so it completes `phases` latencies after its last byte left.
+        The wire is counted free once the bytes are out (the next transfer's bytes may use those waits).
+        """
+        if phases < 1:
+            raise ValueError(f"phases {phases} must be >= 1")
         wire_s = self.serialize_s(nbytes)
         start = max(launch_time, self.free_at)
         self.free_at = start + wire_s
-        done = self.free_at + self.latency_s
+        done = self.free_at + phases * self.latency_s
         # Starts never decrease (each is >= the previous free_at), so a running end point gives the union.
         self.busy_s += max(0.0, done - max(start, self._covered_until))
         self._covered_until = max(self._covered_until, done)

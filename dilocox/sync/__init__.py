@@ -44,6 +44,8 @@ def build_sync(cfg: Config, params, *, channel: WanChannel, dp_group: dist.Proce
             merge=cfg.sync.merge,
             codec=build_pseudo_grad_codec(cfg),
             error_feedback=cfg.compression.error_feedback,
+            reduction=cfg.compression.reduction,
+            seed=cfg.run.seed,
             total_steps=cfg.train.steps,
         )
     raise ValueError(f"sync.kind = {cfg.sync.kind!r} is not one of: allreduce, cocktail, diloco, dilocox")

@@ -22,6 +22,7 @@ from dilocox.compress import Codec, ErrorFeedback, compression_ratio
 from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, PendingMean, dp_mean_, launch_cross_cluster_mean
 from dilocox.sync.compressed import launch_compressed_mean, relaunch_compressed_mean
+from dilocox.sync.scalable import REDUCTIONS, ScalableMean
 
 MERGE_RULES = ("reset", "keep_local")
 
@@ -55,12 +56,16 @@ class DiLoCoSync:
         merge: str = "reset",
         codec: Codec | None = None,
         error_feedback: bool = True,
+        reduction: str = "gather",
+        seed: int = 0,
         total_steps: int | None = None,
     ) -> None:
         if sync_delay not in (0, 1):
             raise ValueError(f"sync.sync_delay = {sync_delay} must be 0 (blocking) or 1 (one-step delay)")
         if merge not in MERGE_RULES:
             raise ValueError(f"sync.merge = {merge!r} is not one of: {', '.join(MERGE_RULES)}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"compression.reduction = {reduction!r} is not one of: {', '.join(REDUCTIONS)}")
         self.flat = FlatParams(params)
         self.channel = channel
         self.dp_group = dp_group
@@ -70,6 +75,12 @@ class DiLoCoSync:
         self.merge = merge
         self.codec = codec  # None: the fp32 all-reduce; else payloads are gathered and averaged (sync/compressed.py)
         self.feedback = ErrorFeedback(enabled=error_feedback)
+        # compression.reduction = "scalable": ~2 x payload per rank for any C (sync/scalable.py), its own feedback
+        self.scalable = (
+            ScalableMean(codec, error_feedback=error_feedback, seed=seed)
+            if codec is not None and reduction == "scalable"
+            else None
+        )
         self.outer_params = self.flat.gather_data().clone()  # (numel,) fp32, phi
         self.outer_optimizer = torch.optim.SGD(
             [self.outer_params],
@@ -98,16 +109,20 @@ class DiLoCoSync:
         return True
 
     def end_round(self) -> None:
-        """Launch this round's sync and apply the one that is due (this one when blocking, the last one if delayed)."""
+        """Launch this round's sync and apply the one that is due (this one when blocking, the last one if delayed).
+
+        Delayed: the last round's sync is waited for before this round's is launched. The link is FIFO, so this
+        round's transfer could not start earlier anyway, and the launch then sees everything the last sync left
+        behind (error-feedback residuals and shared warm starts of the scalable path)."""
         pseudo_grad = self.round_start - self.flat.gather_data()  # (numel,) delta = round start - theta
-        launched = self.launch_sync(pseudo_grad)  # pseudo_grad stays intact until the sync is waited for
         if self.sync_delay == 0:
-            self.apply(self.wait_sync(launched))
+            self.apply(self.wait_sync(self.launch_sync(pseudo_grad)))
             theta = self.outer_params
         else:
-            due, self.pending = self.pending, launched
+            due, self.pending = self.pending, None
             if due is not None:
                 self.apply(self.wait_sync(due))
+            self.pending = self.launch_sync(pseudo_grad)  # pseudo_grad stays intact until the sync is waited for
             theta = self.outer_params - pseudo_grad if self.merge == "keep_local" else self.outer_params
         self.flat.scatter_data(theta)
         self.round_start = theta.clone()
@@ -127,6 +142,9 @@ class DiLoCoSync:
         """Start averaging a pseudo-gradient over the clusters, compressed by the codec if there is one."""
         if self.codec is None:
             return launch_cross_cluster_mean(pseudo_grad, channel=self.channel, dp_group=self.dp_group)
+        if self.scalable is not None:
+            return self.scalable.launch(pseudo_grad, shapes=self.flat.shapes, channel=self.channel,
+                                        dp_group=self.dp_group)  # fmt: skip
         return launch_compressed_mean(
             pseudo_grad,
             shapes=self.flat.shapes,
@@ -142,6 +160,9 @@ class DiLoCoSync:
         if self.codec is None:
             return launch_cross_cluster_mean(sent.clone(), channel=self.channel, dp_group=self.dp_group,
                                              account=account)  # fmt: skip
+        if self.scalable is not None:
+            return self.scalable.relaunch(sent, self.flat.numel, shapes=self.flat.shapes, channel=self.channel,
+                                          dp_group=self.dp_group, account=account)  # fmt: skip
         return relaunch_compressed_mean(
             sent, self.flat.numel, shapes=self.flat.shapes, codec=self.codec, channel=self.channel,
             dp_group=self.dp_group, account=account,
@@ -198,7 +219,8 @@ class DiLoCoSync:
         """Bytes of the outer state: outer params, momentum, the round start and the delayed sync (all fp32)."""
         vectors = 2 + (self.outer_optimizer.defaults["momentum"] > 0) + (self.sync_delay == 1)
         residuals = sum(r.numel() * 4 for r in self.feedback.residuals or [])
-        return 4 * self.flat.numel * vectors + residuals
+        scalable = 0 if self.scalable is None else self.scalable.state_bytes()
+        return 4 * self.flat.numel * vectors + residuals + scalable
 
     def state_dict(self) -> dict[str, Any]:
         """The outer state, including the delayed sync in flight: not waited for (a checkpoint must not stall the
@@ -213,6 +235,7 @@ class DiLoCoSync:
             "outer_step": self.outer_step,
             "feedback": self.feedback.state_dict(),
             "codec": None if self.codec is None else self.codec.state_dict(),
+            "scalable": None if self.scalable is None else self.scalable.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -224,6 +247,12 @@ class DiLoCoSync:
         self.feedback.load_state_dict(state["feedback"])
         if self.codec is not None:
             self.codec.load_state_dict(state["codec"])
+        if self.scalable is not None:
+            if state.get("scalable") is None:
+                raise ValueError(
+                    "this checkpoint was written with compression.reduction = 'gather'; resume with the same reduction"
+                )
+            self.scalable.load_state_dict(state["scalable"])
         # Every rank resumes from the same step and loads in the same order, so the re-sends pair up across
         # clusters. The link counters (restored first) hold the transfer exactly when it had arrived on this rank.
         if state["pending_sent"] is not None:

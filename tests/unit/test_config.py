@@ -66,6 +66,13 @@ def test_missing_and_invalid_files(tmp_path):
         (["--sync.kind=allreduce", "--compression.kind=int4"], "compresses pseudo-gradients"),
         (["--compression.rank_max=1"], "compression.rank_max = 1 is below"),
         (["--compression.schedule=sometimes"], "compression.schedule"),
+        (["--compression.reduction=tree"], "compression.reduction"),
+        (["--sync.kind=dilocox", "--compression.reduction=scalable"], "picks it from each cluster's own spectrum"),
+        (["--compression.fit_link=true"], "needs sync.sync_delay = 1"),
+        (
+            ["--sync.kind=dilocox", "--compression.fit_link=true", "--compression.fit_link_max_steps=10"],
+            "compression.fit_link_max_steps = 10 is below sync.inner_steps = 50",
+        ),
         (["--compression.topk_ratio=0.5"], "topk_ratio <= sample_ratio"),
         (["--train.optimizer=lion"], "train.optimizer"),
         (["--train.lr=-1"], "train.lr"),

@@ -1,0 +1,420 @@
+"""The scalable cross-cluster mean of a compressed pseudo-gradient: about 2 x payload per rank for any number of
+clusters, where the gather path (`sync/compressed.py`) costs (C-1) x payload (`compression.reduction`).
+
+Both ways below average with the same step, `_average_sections`: the vector is cut into C chunks, chunk j of every
+cluster goes to cluster j (all-to-all, (C-1)/C of the payload out), cluster j decodes the C versions, averages
+them, encodes the mean again (re-quantization, always round-to-nearest) and the means are all-gathered ((C-1)/C
+out). Every cluster decodes the same bytes, so all end with the same mean.
+
+- Elementwise codecs (fp16, bf16, int4): the dp slice of the pseudo-gradient is averaged that way.
+- Low-rank codecs (lowrank, lowrank_int4): PowerSGD's linear factors (Vogels et al. 2019, arXiv 1905.13727).
+  Low-rank payloads cannot be summed (P1 Q1^T + P2 Q2^T is not a rank-r product), but with a right factor Q (n, r)
+  that every cluster shares, P_i = M_i Q is linear in M_i: the mean of the P_i is (mean M) Q. So P is averaged,
+  orthonormalized the same way on every cluster into P^, then Q_i = M_i^T P^ is averaged, and
+  mean M ~= P^ mean(Q_i)^T. Small tensors and matrices sent dense ride with P. The averaged Q is the next round's
+  shared warm start. Two averages one after the other: four link steps, four latencies.
+- `adaptive` is not offered: its rank comes from each cluster's own spectrum, and this path needs one rank that
+  every cluster agrees on before it starts (config validation says so).
+
+Error feedback (per rank, `compression.error_feedback`): what this rank's encoding lost is added to its next
+pseudo-gradient; for a low-rank matrix that is `u_i - P^ Q_i^T`, the part of the input outside the shared subspace
+(plus Q_i's own quantization error). Re-quantizing a mean loses a little more, which is not fed back: it is bounded
+by half an int4 step of the mean and does not accumulate (an fp32 or fp16 factor format re-encodes exactly or near).
+
+Bytes per rank r for one average of chunks of s_j bytes: all-to-all sends sum(s) - s_r and receives (C-1) s_r;
+the ring all-gather sends sum(s) - s_(r+1) and receives sum(s) - s_r (`chunk_nbytes` gives s).
+
+    mean = ScalableMean(codec, error_feedback=True, seed=0)
+    pending = mean.launch(pseudo_grad, shapes=flat.shapes, channel=channel, dp_group=dp_group)
+    avg_pseudo_grad = pending.wait()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dilocox.compress import Codec, ElementwiseCodec, Int4Format, LowRankCodec, ValueFormat
+from dilocox.compress.codecs import as_matrix, sent_dense
+from dilocox.compress.lowrank import orthonormalize
+from dilocox.compress.payload import ByteReader, tensor_bytes
+from dilocox.net.channel import WanChannel, Wire
+from dilocox.sync.base import PendingMean, shard_bounds
+from dilocox.sync.compressed import _my_slice
+
+REDUCTIONS = ("gather", "scalable")
+"""`compression.reduction`: gather-and-average (exact per payload, (C-1) x payload) or scalable (~2 x payload)."""
+SCALABLE_KINDS = ("fp16", "bf16", "int4", "lowrank", "lowrank_int4")
+"""The codecs the scalable path can average."""
+
+
+@dataclass(frozen=True)
+class Section:
+    """A vector averaged in one format: chunk j of it travels as `fmt.nbytes(len_j)` bytes."""
+
+    numel: int
+    fmt: ValueFormat
+
+
+def chunk_lengths(numel: int, world: int) -> list[int]:
+    """Values of each of the `world` chunks of a vector (equal, the first ones one longer)."""
+    return [end - start for start, end in (shard_bounds(numel, world, j) for j in range(world))]
+
+
+def chunk_nbytes(sections: Sequence[Section], world: int) -> list[int]:
+    """Exact bytes of chunk j (every section's chunk j, back to back) for j in range(world)."""
+    sizes = [0] * world
+    for section in sections:
+        for j, length in enumerate(chunk_lengths(section.numel, world)):
+            sizes[j] += section.fmt.nbytes(length)
+    return sizes
+
+
+def averaged_bytes(sections: Sequence[Section], world: int, rank: int) -> tuple[int, int]:
+    """(sent, received) bytes of `rank` for one `_average_sections` of `sections` over `world` clusters."""
+    if world == 1:
+        return 0, 0
+    sizes = chunk_nbytes(sections, world)
+    total = sum(sizes)
+    sent = (total - sizes[rank]) + (total - sizes[(rank + 1) % world])
+    recv = (world - 1) * sizes[rank] + (total - sizes[rank])
+    return sent, recv
+
+
+def _encode_chunks(values: Sequence[torch.Tensor], sections: Sequence[Section], world: int) -> list[torch.Tensor]:
+    """One uint8 payload per chunk index: every section's chunk j encoded in its format."""
+    pieces: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    for vector, section in zip(values, sections, strict=True):
+        for j in range(world):
+            start, end = shard_bounds(section.numel, world, j)
+            if end > start:
+                pieces[j].append(section.fmt.encode_runs([vector[start:end]]))
+    return [torch.cat(p) if p else torch.empty(0, dtype=torch.uint8) for p in pieces]
+
+
+def _decode_chunk(data: torch.Tensor, sections: Sequence[Section], world: int, index: int) -> list[torch.Tensor]:
+    """The payload of chunk `index` -> that chunk of every section (fp32)."""
+    reader = ByteReader(data)
+    out = []
+    for section in sections:
+        start, end = shard_bounds(section.numel, world, index)
+        out.append(section.fmt.decode_runs(reader, [end - start])[0] if end > start else torch.zeros(0))
+    reader.expect_end()
+    return out
+
+
+def _nearest(fmt: ValueFormat) -> ValueFormat:
+    """The format without stochastic rounding: re-quantization on the communicator thread must not draw from the
+    codec's generator, which the trainer's thread uses (and must be the same bytes on a resumed run)."""
+    if isinstance(fmt, Int4Format) and fmt.generator is not None:
+        return Int4Format(fmt.group_size)
+    return fmt
+
+
+def _average_sections(wire: Wire, chunks: list[torch.Tensor], sections: Sequence[Section]) -> list[torch.Tensor]:
+    """Average over the clusters the vectors whose encoded chunks are `chunks`; every cluster gets the same result."""
+    world, rank = wire.world_size, wire.rank
+    sizes = chunk_nbytes(sections, world)
+    mine = wire.all_to_all(chunks, [sizes[rank]] * world)  # chunk `rank` of every cluster
+    decoded = [_decode_chunk(data, sections, world, rank) for data in mine]
+    means = [torch.stack([d[k] for d in decoded]).sum(0).div_(world) for k in range(len(sections))]
+    requant = [Section(s.numel, _nearest(s.fmt)) for s in sections]
+    reduced = torch.cat(
+        [s.fmt.encode_runs([mean]) for s, mean in zip(requant, means, strict=True) if mean.numel()]
+        or [torch.empty(0, dtype=torch.uint8)]
+    )
+    gathered = wire.all_gather(reduced, sizes)
+    parts = [_decode_chunk(data, requant, world, j) for j, data in enumerate(gathered)]
+    return [torch.cat([part[k] for part in parts]) for k in range(len(sections))]
+
+
+@dataclass
+class _Plan:
+    """How this rank's slice is split for the low-rank path: which tensors go low-rank, dense, or small."""
+
+    shapes: list[torch.Size]
+    lowrank: list[int]  # tensor indices sent as factors
+    dense: list[int]  # matrices sent whole in the factor format
+    small: list[int]  # 0-D / 1-D tensors in the small format
+    ranks: dict[int, int]
+
+
+class ScalableMean:
+    """The scalable reduction (module docstring), with its state: error feedback and the shared warm starts."""
+
+    def __init__(self, codec: Codec, *, error_feedback: bool = True, seed: int = 0) -> None:
+        if isinstance(codec, LowRankCodec) and codec.name not in ("lowrank", "lowrank_int4"):
+            raise ValueError(
+                f"compression.reduction = 'scalable' cannot average the {codec.name!r} codec: its rank is chosen per "
+                "cluster, and this path needs one rank every cluster agrees on; use compression.reduction = 'gather' "
+                "or compression.kind = 'lowrank_int4' with a fixed compression.rank"
+            )
+        if not isinstance(codec, ElementwiseCodec | LowRankCodec) or codec.name == "none":
+            raise ValueError(
+                f"compression.reduction = 'scalable' supports {', '.join(SCALABLE_KINDS)}, not {codec.name}"
+            )
+        self.codec = codec
+        self.error_feedback = error_feedback
+        self.seed = seed
+        self.residuals: list[torch.Tensor] | None = None  # per tensor of this rank's slice (fp32)
+        self.warm_starts: dict[int, torch.Tensor] = {}  # shared (n, r) per low-rank tensor index
+
+    # ---------------------------------------------------------------------------------------------- launch
+    def launch(
+        self,
+        flat: torch.Tensor,
+        *,
+        shapes: Sequence[torch.Size],
+        channel: WanChannel,
+        dp_group: dist.ProcessGroup | None,
+    ) -> PendingMean:
+        """Add the residuals to this replica's slice of `flat`, encode what goes first, and start the program."""
+        bounds, start, end, spans, my_shapes = _my_slice(shapes, dp_group)
+        encode_from = time.perf_counter()
+        tensors = [flat[a:b].view(shape).float().clone() for (a, b), shape in zip(spans, my_shapes, strict=True)]
+        if self.error_feedback and self.residuals is not None:
+            for tensor, residual in zip(tensors, self.residuals, strict=True):
+                tensor.add_(residual)
+        u = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+        first = self._first_payload(u, my_shapes, channel.world_size)
+        sent = torch.cat([tensor_bytes(u), first]) if self._is_lowrank else first
+        return self._start(
+            flat,
+            bounds,
+            sent,
+            u.numel(),
+            my_shapes,
+            channel,
+            dp_group,
+            codec_s=time.perf_counter() - encode_from,
+            account=True,
+        )
+
+    def relaunch(
+        self,
+        sent: torch.Tensor,
+        numel: int,
+        *,
+        shapes: Sequence[torch.Size],
+        channel: WanChannel,
+        dp_group: dist.ProcessGroup | None,
+        account: bool = True,
+    ) -> PendingMean:
+        """Run again a sync a checkpoint saved while it was in flight: the same bytes, the same result."""
+        bounds, start, end, _, my_shapes = _my_slice(shapes, dp_group)
+        return self._start(
+            torch.zeros(numel), bounds, sent, end - start, my_shapes, channel, dp_group, codec_s=0.0, account=account
+        )
+
+    @property
+    def _is_lowrank(self) -> bool:
+        return isinstance(self.codec, LowRankCodec)
+
+    def _plan(self, shapes: Sequence[torch.Size]) -> _Plan:
+        plan = _Plan(list(shapes), [], [], [], {})
+        if not self._is_lowrank:  # elementwise: the whole slice is one vector
+            return plan
+        for index, shape in enumerate(shapes):
+            if len(shape) <= 1:
+                plan.small.append(index)
+                continue
+            rows, cols = shape[0], shape.numel() // shape[0]
+            rank = min(self.codec.rank, rows, cols)  # type: ignore[attr-defined]
+            if sent_dense(rank, rows, cols):
+                plan.dense.append(index)
+            else:
+                plan.lowrank.append(index)
+                plan.ranks[index] = rank
+        return plan
+
+    def _sections_first(self, plan: _Plan) -> list[Section]:
+        """Elementwise: the slice. Low-rank: [P factors + dense matrices] in the factor format, [small] in small."""
+        if not self._is_lowrank:
+            return [Section(sum(s.numel() for s in plan.shapes), self.codec.value_format)]  # type: ignore[attr-defined]
+        codec: LowRankCodec = self.codec  # type: ignore[assignment]
+        factor_numel = sum(plan.shapes[i][0] * plan.ranks[i] for i in plan.lowrank)
+        factor_numel += sum(plan.shapes[i].numel() for i in plan.dense)
+        return [
+            Section(factor_numel, codec.factor_format),
+            Section(sum(plan.shapes[i].numel() for i in plan.small), codec.small_format),
+        ]
+
+    def _sections_second(self, plan: _Plan) -> list[Section]:
+        codec: LowRankCodec = self.codec  # type: ignore[assignment]
+        numel = sum((plan.shapes[i].numel() // plan.shapes[i][0]) * plan.ranks[i] for i in plan.lowrank)
+        return [Section(numel, codec.factor_format)]
+
+    def _warm_start(self, index: int, cols: int, rank: int) -> torch.Tensor:
+        """The shared right factor of tensor `index`: seeded the same on every cluster, then the averaged Q."""
+        q = self.warm_starts.get(index)
+        if q is None or q.shape != (cols, rank) or not bool(torch.isfinite(q).all()) or float(q.norm()) == 0.0:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+            q = torch.randn(cols, rank, generator=generator)
+        return q
+
+    def _split(self, u: torch.Tensor, plan: _Plan) -> list[torch.Tensor]:
+        return list(torch.split(u, [s.numel() for s in plan.shapes]))
+
+    def _first_payload(self, u: torch.Tensor, shapes: Sequence[torch.Size], world: int) -> torch.Tensor:
+        """Encode the first step's chunks on the trainer's thread (the codec's own RNG may round stochastically)
+        and, for the parts sent as they are (elementwise, dense, small), keep their encoding error as residual."""
+        plan = self._plan(shapes)
+        sections = self._sections_first(plan)
+        tensors = self._split(u, plan)
+        if not self._is_lowrank:
+            values = [u]
+        else:
+            factors = [
+                as_matrix(tensors[i].view(plan.shapes[i]))
+                @ self._warm_start(i, plan.shapes[i].numel() // plan.shapes[i][0], plan.ranks[i])
+                for i in plan.lowrank
+            ]
+            dense = [tensors[i] for i in plan.dense]
+            small = [tensors[i] for i in plan.small]
+            values = [
+                torch.cat([f.reshape(-1) for f in factors] + dense) if factors or dense else torch.zeros(0),
+                torch.cat(small) if small else torch.zeros(0),
+            ]
+        chunks = _encode_chunks(values, sections, world)
+        if self.error_feedback:
+            local = [
+                torch.cat(parts) if parts else torch.zeros(0)
+                for parts in zip(*[_decode_chunk(c, sections, world, j) for j, c in enumerate(chunks)], strict=True)
+            ]
+            self._set_local_residuals(tensors, plan, local)
+        return torch.cat(chunks)
+
+    def _set_local_residuals(self, tensors: list[torch.Tensor], plan: _Plan, local: list[torch.Tensor]) -> None:
+        """Residual of the parts sent as they are; low-rank tensors get theirs when the sync finishes."""
+        residuals = [torch.zeros_like(t) for t in tensors]
+        if not self._is_lowrank:
+            decoded = self._split(local[0], plan)
+            for index in range(len(tensors)):
+                residuals[index] = tensors[index] - decoded[index]
+        else:
+            factor_numel = sum(plan.shapes[i][0] * plan.ranks[i] for i in plan.lowrank)
+            dense = local[0][factor_numel:].split([plan.shapes[i].numel() for i in plan.dense]) if plan.dense else []
+            small = local[1].split([plan.shapes[i].numel() for i in plan.small]) if plan.small else []
+            for index, decoded in zip(plan.dense + plan.small, list(dense) + list(small), strict=True):
+                residuals[index] = tensors[index] - decoded
+        self.residuals = [r.view(s) for r, s in zip(residuals, plan.shapes, strict=True)]
+
+    # ---------------------------------------------------------------------------------------------- program
+    def _start(
+        self,
+        flat: torch.Tensor,
+        bounds: list[tuple[int, int]],
+        sent: torch.Tensor,
+        numel: int,
+        shapes: list[torch.Size],
+        channel: WanChannel,
+        dp_group: dist.ProcessGroup | None,
+        *,
+        codec_s: float,
+        account: bool,
+    ) -> PendingMean:
+        plan = self._plan(shapes)
+        world = channel.world_size
+        first_sections = self._sections_first(plan)
+        first_sizes = chunk_nbytes(first_sections, world)
+        if self._is_lowrank:  # the input itself rides in front of the first step's chunks (see `launch`)
+            u, first = sent[: 4 * numel].view(torch.float32), sent[4 * numel :]
+        else:
+            u, first = torch.zeros(0), sent
+        chunks = list(torch.split(first, first_sizes))
+        second_sections = self._sections_second(plan) if self._is_lowrank else []
+        info = {
+            "payload_bytes": sum(first_sizes) + sum(chunk_nbytes(second_sections, world)),
+            "dense_bytes": 4 * numel,
+            "codec_s": codec_s,
+        }
+
+        def program(wire: Wire) -> dict[str, Any]:
+            compute_from = time.perf_counter()
+            result: dict[str, Any] = {}
+            t0 = time.perf_counter()
+            first_mean = _average_sections(wire, chunks, first_sections)
+            wire_s = time.perf_counter() - t0
+            if not self._is_lowrank:
+                result["mean"] = first_mean[0]
+            else:
+                tensors = self._split(u, plan)
+                offset, bases = 0, {}
+                for i in plan.lowrank:
+                    rows = plan.shapes[i][0]
+                    length = rows * plan.ranks[i]
+                    bases[i] = orthonormalize(first_mean[0][offset : offset + length].view(rows, plan.ranks[i]))
+                    offset += length
+                own_q = [(bases[i].T @ as_matrix(tensors[i].view(plan.shapes[i]))).T for i in plan.lowrank]  # (n, r)
+                q_vector = torch.cat([q.reshape(-1) for q in own_q]) if own_q else torch.zeros(0)
+                second_format = [Section(s.numel, _nearest(s.fmt)) for s in second_sections]
+                q_chunks = _encode_chunks([q_vector], second_format, world)
+                own_q_decoded = torch.cat(
+                    [_decode_chunk(c, second_format, world, j)[0] for j, c in enumerate(q_chunks)]
+                )
+                t0 = time.perf_counter()
+                (mean_q,) = _average_sections(wire, q_chunks, second_format)
+                wire_s += time.perf_counter() - t0
+                result.update(first=first_mean, bases=bases, mean_q=mean_q, own_q=own_q_decoded)
+            result["compute_s"] = time.perf_counter() - compute_from - wire_s
+            return result
+
+        transfer = channel.launch_program(program, kind="scalable_mean", account=account)
+
+        def finish() -> torch.Tensor:
+            out = transfer.wait()
+            finish_from = time.perf_counter()
+            mean = out["mean"] if not self._is_lowrank else self._assemble(out, plan, u)
+            info["codec_s"] += out["compute_s"] + time.perf_counter() - finish_from
+            return mean
+
+        return PendingMean(
+            flat=flat, bounds=bounds, finish=finish, transfer=transfer, dp_group=dp_group, sent=sent, info=info
+        )
+
+    def _assemble(self, out: dict[str, Any], plan: _Plan, u: torch.Tensor) -> torch.Tensor:
+        """The averaged slice of the low-rank path, the new warm starts, and the low-rank residuals."""
+        tensors = self._split(u, plan)
+        result = [torch.zeros(s.numel()) for s in plan.shapes]
+        factor_numel = sum(plan.shapes[i][0] * plan.ranks[i] for i in plan.lowrank)
+        first_factor, first_small = out["first"]
+        for index, values in zip(
+            plan.dense, first_factor[factor_numel:].split([plan.shapes[i].numel() for i in plan.dense]), strict=True
+        ):
+            result[index] = values
+        for index, values in zip(
+            plan.small, first_small.split([plan.shapes[i].numel() for i in plan.small]), strict=True
+        ):
+            result[index] = values
+        offset = 0
+        for i in plan.lowrank:
+            cols = plan.shapes[i].numel() // plan.shapes[i][0]
+            length = cols * plan.ranks[i]
+            mean_q = out["mean_q"][offset : offset + length].view(cols, plan.ranks[i])
+            own_q = out["own_q"][offset : offset + length].view(cols, plan.ranks[i])
+            offset += length
+            basis = out["bases"][i]  # (m, r)
+            result[i] = (basis @ mean_q.T).reshape(-1)
+            self.warm_starts[i] = mean_q.clone()
+            if self.error_feedback and self.residuals is not None:
+                self.residuals[i] = (tensors[i] - (basis @ own_q.T).reshape(-1)).view(plan.shapes[i])
+        return torch.cat(result) if result else torch.zeros(0)
+
+    # ---------------------------------------------------------------------------------------------- state
+    def state_bytes(self) -> int:
+        residual = sum(r.numel() * 4 for r in self.residuals or [])
+        return residual + sum(q.numel() * 4 for q in self.warm_starts.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        residuals = {} if self.residuals is None else {str(i): r.clone() for i, r in enumerate(self.residuals)}
+        return {"residuals": residuals, "warm_starts": {str(i): q.clone() for i, q in self.warm_starts.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        residuals = state["residuals"]
+        self.residuals = [residuals[str(i)].clone() for i in range(len(residuals))] if residuals else None
+        self.warm_starts = {int(i): q.clone() for i, q in state["warm_starts"].items()}
