@@ -176,7 +176,7 @@ class EvalConfig:
 @dataclass
 class CheckpointConfig:
     interval: int = 100
-    """Save a checkpoint every this many steps (diloco: a multiple of sync.inner_steps) and at the end; 0 = end only."""
+    """Save a checkpoint every this many steps (diloco: a multiple of H unless fit_link) and at the end; 0 = end."""
     keep: int = 2
     """Keep the newest this many checkpoints; older ones are deleted."""
     resume: str = ""
@@ -308,7 +308,7 @@ class Config:
             raise ValueError(
                 f"train.warmup_steps = {self.train.warmup_steps} must be smaller than train.steps = {self.train.steps}"
             )
-        if self.sync.kind != "allreduce":
+        if self.sync.kind not in ("allreduce", "cocktail") and not self.compression.fit_link:
             h = self.sync.inner_steps
             if self.checkpoint.interval % h:
                 fix = _round_up(self.checkpoint.interval, h)

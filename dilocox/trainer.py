@@ -153,6 +153,7 @@ class Trainer:
         )
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len * self.topology.num_shards
         self.step = 0
+        self._last_checkpoint_step = 0  # the step of the last checkpoint saved or resumed from
         self.elapsed_before = 0.0  # training seconds of the run before a resume
         self._start: float | None = None  # perf_counter() when this process started training
         self.initial_eval_loss: float | None = None
@@ -184,7 +185,7 @@ class Trainer:
         self.sync.load_state_dict(state["sync"])
         self.stream.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"])
-        self.step = int(state["trainer"]["step"])
+        self.step = self._last_checkpoint_step = int(state["trainer"]["step"])
         self.elapsed_before = float(state["trainer"]["elapsed_s"])
         self.eval_s = float(state["trainer"]["eval_s"])
         self.initial_eval_loss = state["trainer"]["initial_eval_loss"]
@@ -197,6 +198,7 @@ class Trainer:
         self.load_state_dict(load_rank_state(path, self.rank))
 
     def save(self) -> Path:
+        self._last_checkpoint_step = self.step
         return save_checkpoint(
             self.run_dir,
             self.step,
@@ -241,6 +243,11 @@ class Trainer:
     def _due(self, interval: int) -> bool:
         return interval > 0 and self.step % interval == 0
 
+    def _checkpoint_due(self, interval: int) -> bool:
+        """At a round boundary: whether a multiple of `interval` was passed since the last checkpoint (the same as
+        `_due` when rounds end on multiples of it; with compression.fit_link they may not)."""
+        return interval > 0 and self.step // interval > self._last_checkpoint_step // interval
+
     # ---------------------------------------------------------------------------------------------- loop
     def train(self) -> dict[str, Any] | None:
         """Train to `train.steps`; rank 0 logs, every rank checkpoints; returns the summary on rank 0."""
@@ -277,7 +284,7 @@ class Trainer:
                     logger.log(self._record(eval_loss, tokens_per_s, round_stats=boundary))
                     self.losses.clear()
                     window_start, window_step = now, self.step
-                if boundary and (self._due(cfg.checkpoint.interval) or last):
+                if boundary and (self._checkpoint_due(cfg.checkpoint.interval) or last):
                     path = self.save()
                     if logger is not None:
                         logger.print(f"checkpoint saved: {path}")
@@ -345,6 +352,7 @@ class Trainer:
             "sync_delay": c.sync.sync_delay,
             "merge": c.sync.merge,
             "inner_steps": c.sync.inner_steps,
+            "final_inner_steps": getattr(self.sync, "inner_steps", c.sync.inner_steps),
             "flavor": c.model.flavor,
             "num_params": self.num_params,
             "rank_state_bytes": self.memory,

@@ -45,6 +45,8 @@ def build_sync(cfg: Config, params, *, channel: WanChannel, dp_group: dist.Proce
             codec=build_pseudo_grad_codec(cfg),
             error_feedback=cfg.compression.error_feedback,
             reduction=cfg.compression.reduction,
+            fit_link=cfg.compression.fit_link,
+            fit_link_max_steps=cfg.compression.fit_link_max_steps,
             seed=cfg.run.seed,
             total_steps=cfg.train.steps,
         )

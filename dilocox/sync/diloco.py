@@ -25,6 +25,8 @@ from dilocox.sync.compressed import launch_compressed_mean, relaunch_compressed_
 from dilocox.sync.scalable import REDUCTIONS, ScalableMean
 
 MERGE_RULES = ("reset", "keep_local")
+FIT_HEADROOM = 1.1
+"""`fit_link` sizes a round so that its compute is at least this multiple of the last sync's link time."""
 
 
 class DiLoCoSync:
@@ -58,6 +60,8 @@ class DiLoCoSync:
         error_feedback: bool = True,
         reduction: str = "gather",
         seed: int = 0,
+        fit_link: bool = False,
+        fit_link_max_steps: int = 0,
         total_steps: int | None = None,
     ) -> None:
         if sync_delay not in (0, 1):
@@ -69,7 +73,14 @@ class DiLoCoSync:
         self.flat = FlatParams(params)
         self.channel = channel
         self.dp_group = dp_group
-        self.inner_steps = inner_steps
+        self.inner_steps = inner_steps  # H of the round in progress (fit_link may change it between rounds)
+        self.base_inner_steps = inner_steps
+        if fit_link and sync_delay != 1:
+            raise ValueError("compression.fit_link needs sync.sync_delay = 1: it hides a sync behind the next round")
+        self.fit_link = fit_link
+        self.max_inner_steps = fit_link_max_steps or 8 * inner_steps
+        self.round_end = inner_steps  # the step at which the round in progress ends
+        self.last_boundary = 0  # the step at which the last round ended
         self.total_steps = total_steps
         self.sync_delay = sync_delay
         self.merge = merge
@@ -100,33 +111,38 @@ class DiLoCoSync:
         self.flat.scatter_grads(dp_mean_(self.flat.gather_grads(), self.dp_group))
 
     def is_round_boundary(self, step: int) -> bool:
-        return step % self.inner_steps == 0 or step == self.total_steps
+        return step in (self.round_end, self.total_steps) or (step > 0 and step == self.last_boundary)
 
     def after_inner_step(self, step: int) -> bool:
-        if not self.is_round_boundary(step):
+        if step not in (self.round_end, self.total_steps):
             return False
-        self.end_round()
+        self.end_round(step)
         return True
 
-    def end_round(self) -> None:
+    def end_round(self, step: int | None = None) -> None:
         """Launch this round's sync and apply the one that is due (this one when blocking, the last one if delayed).
 
         Delayed: the last round's sync is waited for before this round's is launched. The link is FIFO, so this
         round's transfer could not start earlier anyway, and the launch then sees everything the last sync left
         behind (error-feedback residuals and shared warm starts of the scalable path)."""
+        step = self.round_end if step is None else step
+        round_steps = step - self.last_boundary
         pseudo_grad = self.round_start - self.flat.gather_data()  # (numel,) delta = round start - theta
         if self.sync_delay == 0:
-            self.apply(self.wait_sync(self.launch_sync(pseudo_grad)))
+            self.apply(self.wait_sync(self.launch_sync(pseudo_grad), round_steps=round_steps))
             theta = self.outer_params
         else:
             due, self.pending = self.pending, None
             if due is not None:
-                self.apply(self.wait_sync(due))
+                self.apply(self.wait_sync(due, round_steps=round_steps))
+                if self.fit_link:
+                    self._fit_inner_steps(round_steps)
             self.pending = self.launch_sync(pseudo_grad)  # pseudo_grad stays intact until the sync is waited for
             theta = self.outer_params - pseudo_grad if self.merge == "keep_local" else self.outer_params
         self.flat.scatter_data(theta)
         self.round_start = theta.clone()
         self.outer_step += 1
+        self.last_boundary, self.round_end = step, step + self.inner_steps
 
     def flush(self) -> None:
         """Apply the sync still in flight; afterwards every cluster holds the same parameters (phi)."""
@@ -168,8 +184,11 @@ class DiLoCoSync:
             dp_group=self.dp_group, account=account,
         )  # fmt: skip
 
-    def wait_sync(self, pending: PendingMean) -> torch.Tensor:
-        """The averaged pseudo-gradient of a launched sync, with the link time it took and the part that was hidden."""
+    def wait_sync(self, pending: PendingMean, *, round_steps: int | None = None) -> torch.Tensor:
+        """The averaged pseudo-gradient of a launched sync, with the link time it took and the part that was hidden.
+
+        `round_steps`: inner steps computed since the sync was launched (this round's H), for the per-round log."""
+        round_steps = self.inner_steps if round_steps is None else round_steps
         compute_s = time.perf_counter() - pending.transfer.launch_time
         blocked_from = time.perf_counter()
         avg = pending.wait()
@@ -180,6 +199,8 @@ class DiLoCoSync:
             "round_exposed_s": exposed,
             "round_hidden_s": max(0.0, link_s - exposed),
             "round_bytes_sent": pending.transfer.nbytes_sent,
+            "round_compute_s": compute_s,
+            "round_inner_steps": round_steps,
         }
         if pending.info.get("payload_bytes"):  # compressed: what this rank's payload cost and saved
             self.last_round["round_codec_s"] = pending.info["codec_s"]
@@ -190,10 +211,35 @@ class DiLoCoSync:
             current_rank = getattr(self.codec, "current_rank", None)
             if current_rank is not None:
                 self.last_round["round_rank"] = current_rank()
-        if self.sync_delay == 1 and link_s > compute_s > 0 and not self._warned:
+        if self.sync_delay == 1 and link_s > compute_s > 0 and not self._warned and not self.fit_link:
             self._warned = True
-            self.warnings.append(self._slow_link_advice(link_s, compute_s, pending.transfer.nbytes_sent))
+            self.warnings.append(
+                self._slow_link_advice(link_s, compute_s, pending.transfer.nbytes_sent, round_steps=round_steps)
+            )
         return avg
+
+    def _fit_inner_steps(self, round_steps: int) -> None:
+        """compression.fit_link: choose the next round's H so that the sync launched now, which travels during
+        it, fits in its compute with `FIT_HEADROOM`, judged by the sync just waited for (same size, same link).
+
+        Never below the configured H (the user's choice when the link is fast) nor above `max_inner_steps`. Every
+        rank measures its own link and step time, so they agree on the largest wish with one 8-byte all-reduce
+        over every rank (a control message, not counted as slow-link payload): all clusters and stages must end
+        their rounds at the same steps."""
+        link_s, compute_s = self.last_round["round_link_s"], self.last_round["round_compute_s"]
+        step_s = compute_s / max(1, round_steps)
+        needed = math.ceil(FIT_HEADROOM * link_s / step_s) if step_s > 0 else self.inner_steps
+        wish = torch.tensor([min(max(needed, self.base_inner_steps), self.max_inner_steps)], dtype=torch.int64)
+        if dist.is_initialized():
+            dist.all_reduce(wish, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+        self.inner_steps = int(wish.item())
+        if needed > self.max_inner_steps and not self._warned:
+            self._warned = True
+            self.warnings.append(
+                f"warning: compression.fit_link wants H = {needed} to hide a {link_s:.2f} s sync behind "
+                f"{step_s:.3f} s steps, above compression.fit_link_max_steps = {self.max_inner_steps}; training waits "
+                "for the link: raise fit_link_max_steps, compress harder or use a faster link"
+            )
 
     def apply(self, avg_pseudo_grad: torch.Tensor) -> None:
         """One outer step: the averaged pseudo-gradient is the gradient of phi."""
@@ -201,8 +247,8 @@ class DiLoCoSync:
         self.outer_optimizer.step()
         self.outer_params.grad = None
 
-    def _slow_link_advice(self, link_s: float, compute_s: float, nbytes: int) -> str:
-        need_h = math.ceil(self.inner_steps * link_s / compute_s)
+    def _slow_link_advice(self, link_s: float, compute_s: float, nbytes: int, *, round_steps: int) -> str:
+        need_h = math.ceil(round_steps * link_s / compute_s)
         latency = self.channel.latency_s
         fit = (
             f" or network.bandwidth >= {nbytes * 8 * self.channel.num_sharing / (compute_s - latency) / 1e6:,.0f}Mbps"
@@ -211,7 +257,8 @@ class DiLoCoSync:
         )
         return (
             f"warning: the slow link cannot keep up: one outer sync takes {link_s:.2f} s on the link but a round "
-            f"computes in {compute_s:.2f} s, so training waits for it; use sync.inner_steps >= {need_h}{fit}"
+            f"computes in {compute_s:.2f} s, so training waits for it; use sync.inner_steps >= {need_h}{fit} "
+            "(or compression.fit_link = true to size H to the link as it goes)"
         )
 
     # ---------------------------------------------------------------------------------------------- state
@@ -233,6 +280,9 @@ class DiLoCoSync:
             "pending_sent": None if self.pending is None else self.pending.sent.clone(),
             "pending_seq": -1 if self.pending is None else self.pending.transfer.seq,
             "outer_step": self.outer_step,
+            "inner_steps": self.inner_steps,
+            "round_end": self.round_end,
+            "last_boundary": self.last_boundary,
             "feedback": self.feedback.state_dict(),
             "codec": None if self.codec is None else self.codec.state_dict(),
             "scalable": None if self.scalable is None else self.scalable.state_dict(),
@@ -244,6 +294,9 @@ class DiLoCoSync:
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.round_start = state["round_start"].clone()
         self.outer_step = int(state["outer_step"])
+        self.inner_steps = int(state["inner_steps"])
+        self.round_end = int(state["round_end"])
+        self.last_boundary = int(state["last_boundary"])
         self.feedback.load_state_dict(state["feedback"])
         if self.codec is not None:
             self.codec.load_state_dict(state["codec"])

@@ -195,8 +195,16 @@ def _checkpoint_in_flight(rank, world_size):
     def fresh():
         model = make_model()
         channel = WanChannel(torch.distributed.group.WORLD, bandwidth=bandwidth, latency_s=0.0)
-        sync = DiLoCoSync(model.parameters(), channel=channel, dp_group=None, inner_steps=inner_steps,
-                          outer_lr=OUTER_LR, outer_momentum=MOMENTUM, sync_delay=1, total_steps=rounds * inner_steps)
+        sync = DiLoCoSync(
+            model.parameters(),
+            channel=channel,
+            dp_group=None,
+            inner_steps=inner_steps,
+            outer_lr=OUTER_LR,
+            outer_momentum=MOMENTUM,
+            sync_delay=1,
+            total_steps=rounds * inner_steps,
+        )
         return model, channel, sync, torch.optim.SGD(model.parameters(), lr=LR)
 
     def run(model, channel, sync, optimizer, steps, saved=None):
@@ -261,3 +269,43 @@ def test_warns_once_when_the_link_cannot_keep_up():
         needed = int(warnings[0].split("sync.inner_steps >= ")[1].split()[0])
         assert 4 <= needed <= 8  # ~0.3 s of link over ~0.1 s rounds of 2 steps: H of about 6
         assert "network.bandwidth >=" in warnings[0]
+
+
+def _fit_link(rank, world_size, max_steps):
+    """A sync needs ~0.3 s of link; a step computes in ~0.05 s, so H = 2 leaves it exposed and fit_link raises H."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    nbytes = sum(p.numel() for p in model.parameters()) * 4
+    channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.3, latency_s=0.0)
+    sync = DiLoCoSync(model.parameters(), channel=channel, dp_group=None, inner_steps=2, sync_delay=1,
+                      fit_link=True, fit_link_max_steps=max_steps, total_steps=60)  # fmt: skip
+    rounds = []
+    for step in range(1, 61):
+        time.sleep(0.05)
+        with torch.no_grad():
+            model.weight.add_(0.01 * (rank + 1))  # each cluster moves its own way
+        if sync.after_inner_step(step) and sync.last_round:
+            rounds.append((step, sync.last_round["round_inner_steps"], sync.last_round["round_exposed_s"]))
+    sync.flush()
+    channel.close()
+    return rounds, sync.inner_steps, sync.warnings, sync.outer_params
+
+
+@pytest.mark.dist
+def test_fit_link_raises_h_until_the_sync_is_hidden():
+    results = run_ranks(_fit_link, 2, args=(0,))
+    (rounds, final_h, warnings, params), other = results
+    assert [r[:2] for r in rounds] == [r[:2] for r in other[0]]  # both clusters end their rounds at the same steps
+    assert torch.equal(params, other[3])
+    assert rounds[0][1] == 2 and rounds[0][2] > 0.1  # the first syncs are exposed at H = 2
+    assert 5 <= final_h <= 12  # ~1.1 x 0.3 s / 0.05 s = 7 steps
+    assert all(exposed < 0.05 for _, h, exposed in rounds[-3:])  # then hidden behind the longer rounds
+    assert warnings == []
+
+
+@pytest.mark.dist
+def test_fit_link_stops_at_its_maximum_and_says_so():
+    for rounds, final_h, warnings, _ in run_ranks(_fit_link, 2, args=(4,)):
+        assert final_h == 4
+        assert max(h for _, h, _ in rounds) == 4
+        assert len(warnings) == 1 and "fit_link_max_steps = 4" in warnings[0]
