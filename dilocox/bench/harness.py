@@ -47,6 +47,12 @@ QUICK_OVERRIDES = [
 ]
 
 
+REGIMES = ("as-configured", "paper")
+NO_COMM_RUN = "no-communication"
+"""The reference the paper regime adds: every cluster trains alone (one sync at the very end), link off."""
+LINK_OFF = ["--network.bandwidth=unlimited", "--network.latency=0"]
+
+
 @dataclass
 class BenchRun:
     name: str
@@ -63,6 +69,8 @@ class BenchSpec:
     baseline: str = "allreduce"
     notes: str = ""
     source: Path = field(default_factory=Path)
+    regime: str = "as-configured"
+    """"as-configured" (every run on the config's link) or "paper" (see `run_paper_regime`)."""
 
 
 def load_bench(path: Path) -> BenchSpec:
@@ -76,7 +84,7 @@ def load_bench(path: Path) -> BenchSpec:
     bench = data.get("bench")
     if not isinstance(bench, dict) or "base" not in bench:
         raise ValueError(f'bench config {path}: needs a [bench] table with base = "path/to/train.toml"')
-    unknown = set(bench) - {"name", "base", "overrides", "baseline", "notes"}
+    unknown = set(bench) - {"name", "base", "overrides", "baseline", "notes", "regime"}
     if unknown or set(data) - {"bench", "runs"}:
         raise ValueError(f"bench config {path}: unknown keys {sorted(unknown | (set(data) - {'bench', 'runs'}))}")
     runs = []
@@ -100,50 +108,199 @@ def load_bench(path: Path) -> BenchSpec:
         baseline=bench.get("baseline", "allreduce"),
         notes=bench.get("notes", ""),
         source=path,
+        regime=bench.get("regime", "as-configured"),
     )
+    if spec.regime not in REGIMES:
+        raise ValueError(f"bench config {path}: regime = {spec.regime!r} is not one of {list(REGIMES)}")
     if spec.baseline not in names:
         raise ValueError(f"bench config {path}: baseline {spec.baseline!r} is not one of the runs {names}")
     return spec
 
 
-def _train_command(spec: BenchSpec, run: BenchRun, run_dir: Path, quick: bool) -> list[str]:
+def _run_overrides(spec: BenchSpec, run: BenchRun, quick: bool) -> list[str]:
+    return [*spec.overrides, *(QUICK_OVERRIDES if quick else []), *run.overrides]
+
+
+def _train_command(
+    spec: BenchSpec, run: BenchRun, run_dir: Path, quick: bool, extra: list[str] | tuple[str, ...] = ()
+) -> list[str]:
     return [
-        sys.executable, "-m", "dilocox", "train", "--config", spec.base,
-        *spec.overrides, *(QUICK_OVERRIDES if quick else []), *run.overrides,
+        sys.executable, "-m", "dilocox", "train", "--config", spec.base, *_run_overrides(spec, run, quick), *extra,
         f"--run.out_dir={run_dir}", "--run.overwrite=true", "--metrics.progress=false",
     ]  # fmt: skip
 
 
-def run_bench(path: Path, *, out_dir: Path | None = None, quick: bool = False, only: list[str] | None = None) -> dict:
-    """Run every run of the bench file (or those named in `only`), then write the table, JSON and plots."""
+def _train(spec: BenchSpec, run: BenchRun, run_dir: Path, log: Path, quick: bool, extra: list[str], tag: str) -> dict:
+    """One `dilocox train` subprocess; returns its summary.json (raises RuntimeError with the log's tail)."""
+    command = _train_command(spec, run, run_dir, quick, extra)
+    print(f"{tag} {run.name}: dilocox train {' '.join(command[5:])}", flush=True)
+    started = time.perf_counter()
+    with open(log, "w") as f:
+        status = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT).returncode
+    if status != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"bench run {run.name} failed (exit {status}); last lines of {log}:\n{tail}")
+    write_atomic(run_dir / "process_s.txt", f"{time.perf_counter() - started:.1f}\n".encode())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    print(
+        f"    eval loss {summary['final_eval_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
+        f"{summary['wan_bytes_total'] / 1e6:,.2f} MB on the slow link, {summary['wall_s']:.1f} s",
+        flush=True,
+    )
+    return summary
+
+
+def run_bench(
+    path: Path,
+    *,
+    out_dir: Path | None = None,
+    quick: bool = False,
+    only: list[str] | None = None,
+    regime: str | None = None,
+) -> dict:
+    """Run every run of the bench file (or those named in `only`), then write the table, JSON and plots.
+
+    `regime` overrides the file's: "paper" runs `run_paper_regime` instead of one run per strategy."""
     spec = load_bench(path)
-    out_dir = out_dir or Path("benchmarks/results") / (spec.name + ("-quick" if quick else ""))
+    if regime is not None:
+        if regime not in REGIMES:
+            raise ValueError(f"--regime {regime!r} is not one of {list(REGIMES)}")
+        spec.regime = regime
+    suffix = ("-paper" if spec.regime == "paper" and not spec.name.endswith("paper") else "") + ("-quick" * quick)
+    out_dir = out_dir or Path("benchmarks/results") / (spec.name + suffix)
     out_dir.mkdir(parents=True, exist_ok=True)
     selected = [r for r in spec.runs if not only or r.name in only]
     if only and len(selected) != len(only):
         raise ValueError(f"--only {only}: unknown run names; the bench has {[r.name for r in spec.runs]}")
+    if spec.regime == "paper":
+        return run_paper_regime(spec, selected, out_dir, quick=quick)
     for index, run in enumerate(selected, 1):
-        run_dir = out_dir / "runs" / run.name
-        command = _train_command(spec, run, run_dir, quick)
-        print(f"[{index}/{len(selected)}] {run.name}: dilocox train {' '.join(command[5:])}", flush=True)
-        log = out_dir / f"{run.name}.log"
-        started = time.perf_counter()
-        with open(log, "w") as f:
-            status = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT).returncode
-        if status != 0:
-            tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-            raise RuntimeError(f"bench run {run.name} failed (exit {status}); last lines of {log}:\n{tail}")
-        write_atomic(run_dir / "process_s.txt", f"{time.perf_counter() - started:.1f}\n".encode())
-        summary = json.loads((run_dir / "summary.json").read_text())
-        print(
-            f"    eval loss {summary['final_eval_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
-            f"{summary['wan_bytes_total'] / 1e6:,.2f} MB on the slow link, {summary['wall_s']:.1f} s",
-            flush=True,
-        )
+        _train(spec, run, out_dir / "runs" / run.name, out_dir / f"{run.name}.log", quick, [],
+               f"[{index}/{len(selected)}]")  # fmt: skip
     results = collect(
         spec, out_dir, [r.name for r in spec.runs if (out_dir / "runs" / r.name / "summary.json").exists()]
     )
     results["quick"] = quick
+    write_atomic(out_dir / "results.json", json.dumps(results, indent=2).encode())
+    write_atomic(out_dir / "results.md", format_table(results).encode())
+    plot(results, out_dir)
+    print(format_table(results))
+    return results
+
+
+def _is_per_step(kind: str) -> bool:
+    """Strategies that talk over the slow link every step (their "round" is one step)."""
+    return kind in ("allreduce", "cocktail")
+
+
+def window_steps(kind: str, inner_steps: int) -> int:
+    """Steps of a timed run in the paper regime: enough for one steady round before the last step.
+
+    Per-step strategies: 2 steps (AllReduce's take minutes each there). Outer-loop strategies: 2H + 1, so that the
+    window (H, 2H] holds a whole round and the wait for the sync launched at step H, while the last step, which
+    flushes the delayed sync and evaluates, stays outside it."""
+    return 2 if _is_per_step(kind) else 2 * inner_steps + 1
+
+
+def steady_tokens_per_s(metrics: list[dict[str, Any]], kind: str, inner_steps: int, steps: int) -> float:
+    """Tokens/s over the steady window of a timed run (`window_steps`), from its per-step metrics records."""
+    by_step = {m["step"]: m for m in metrics}
+    start, end = (0 if _is_per_step(kind) else inner_steps), steps - 1
+    missing = [s for s in (start, end) if s and s not in by_step]
+    if missing:
+        raise RuntimeError(f"metrics lack steps {missing}; timed runs must log every step (--metrics.log_interval=1)")
+    t0, k0 = (0.0, 0) if start == 0 else (by_step[start]["elapsed_s"], by_step[start]["tokens"])
+    return (by_step[end]["tokens"] - k0) / (by_step[end]["elapsed_s"] - t0)
+
+
+def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *, quick: bool) -> dict[str, Any]:
+    """DiLoCoX's comparison in the paper's regime (docs/planner.md, "The paper regime"), in three steps:
+
+    1. Convergence, link off: every run for the whole token budget, plus `no-communication` (every cluster alone,
+       one sync at the very end), the compute-only reference. Loss, bytes and curves come from these runs (loss
+       does not depend on bandwidth: the delay is one round whatever the link; fit_link must be off).
+    2. The bandwidth: `paper_regime_bandwidth` from the reference's measured compute time per step and the fp32
+       gradient, so one AllReduce step waits on the link 357.5 times its compute, as in the paper.
+    3. Throughput, link on at that bandwidth: every run again for `window_steps`, tokens/s over its steady window
+       (`steady_tokens_per_s`), hidden communication from those runs.
+    """
+    from dilocox.bench.planner import format_bandwidth, paper_regime_bandwidth, paper_regime_ratio
+    from dilocox.config import load_config
+    from dilocox.net.link import parse_duration
+
+    configs = {run.name: load_config(spec.base, _run_overrides(spec, run, quick)) for run in selected}
+    for name, cfg in configs.items():
+        if cfg.compression.fit_link:
+            raise ValueError(f"run {name}: compression.fit_link changes H with the link; the paper regime needs it off")
+    steps = next(iter(configs.values())).train.steps
+    reference = BenchRun(NO_COMM_RUN, ["--sync.kind=diloco", f"--sync.inner_steps={steps}", "--checkpoint.interval=0"],
+                         "no communication (each cluster alone)")  # fmt: skip
+    runs = [reference, *selected]
+    total = 2 * len(runs) - 1
+    converged: dict[str, dict] = {}
+    for index, run in enumerate(runs, 1):
+        converged[run.name] = _train(spec, run, out_dir / "runs" / run.name, out_dir / f"{run.name}.log", quick,
+                                     LINK_OFF, f"[{index}/{total}] link off:")  # fmt: skip
+
+    ref = converged[NO_COMM_RUN]
+    compute_s = ref["tokens"] / ref["tokens_per_s"] / ref["steps"]  # one step of every cluster, no communication
+    latency_s = parse_duration(next(iter(configs.values())).network.latency)
+    grad_bytes = 4 * ref["num_params"]
+    bandwidth = paper_regime_bandwidth(compute_s, grad_bytes, num_clusters=ref["num_clusters"], latency_s=latency_s)
+    regime = {
+        "ratio": paper_regime_ratio(),
+        "compute_s_per_step": compute_s,
+        "grad_bytes": grad_bytes,
+        "bandwidth_bytes_per_s": bandwidth,
+        "bandwidth": format_bandwidth(bandwidth),
+        "latency_s": latency_s,
+        "no_communication_tokens_per_s": ref["tokens_per_s"],
+    }
+    print(
+        f"paper regime: {compute_s:.3f} s of compute per step, fp32 gradient {grad_bytes / 1e6:.2f} MB -> "
+        f"{bandwidth * 8 / 1e6:.4g} Mbps (AllReduce waits {regime['ratio']:.1f}x its compute per step)",
+        flush=True,
+    )
+    timed: dict[str, dict] = {}
+    for index, run in enumerate(selected, len(runs) + 1):
+        cfg = configs[run.name]
+        window = window_steps(cfg.sync.kind, cfg.sync.inner_steps)
+        extra = [
+            f"--network.bandwidth={regime['bandwidth']}",
+            f"--train.steps={window}",
+            "--train.warmup_steps=0",
+            "--eval.interval=0",
+            "--eval.max_batches=1",
+            "--checkpoint.interval=0",
+            "--metrics.log_interval=1",
+        ]
+        run_dir = out_dir / "timed" / run.name
+        summary = _train(spec, run, run_dir, out_dir / f"{run.name}.timed.log", quick, extra,
+                         f"[{index}/{total}] paper link:")  # fmt: skip
+        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        summary["steady_tokens_per_s"] = steady_tokens_per_s(metrics, cfg.sync.kind, cfg.sync.inner_steps, window)
+        summary["window_steps"] = window
+        timed[run.name] = summary
+        print(f"    steady {summary['steady_tokens_per_s']:,.1f} tokens/s", flush=True)
+
+    spec.runs = [reference, *[r for r in spec.runs if r.name != NO_COMM_RUN]]
+    results = collect(spec, out_dir, [r.name for r in runs])
+    results["quick"] = quick
+    results["regime"] = regime
+    base_tps = timed[spec.baseline]["steady_tokens_per_s"] if spec.baseline in timed else None
+    for row in results["runs"]:
+        t = timed.get(row["name"])
+        if t is None:  # the no-communication reference: its own link-off throughput
+            row.update(tokens_per_s=ref["tokens_per_s"], speedup_vs_baseline=None, hidden_comm_fraction=None)
+        else:
+            row.update(
+                tokens_per_s=t["steady_tokens_per_s"],
+                speedup_vs_baseline=t["steady_tokens_per_s"] / base_tps if base_tps else None,
+                hidden_comm_fraction=t.get("hidden_comm_fraction"),
+                timed_window_steps=t["window_steps"],
+                timed_wall_s=t["wall_s"],
+            )
+        row["of_no_communication"] = row["tokens_per_s"] / ref["tokens_per_s"]
     write_atomic(out_dir / "results.json", json.dumps(results, indent=2).encode())
     write_atomic(out_dir / "results.md", format_table(results).encode())
     plot(results, out_dir)
@@ -217,6 +374,8 @@ def _fmt(value: Any, spec: str, none: str = "-") -> str:
 
 def format_table(results: dict[str, Any]) -> str:
     """The markdown table of a bench (one row per run)."""
+    if results.get("regime"):
+        return format_paper_table(results)
     head = (
         "| run | eval loss | gap to {b} | tokens/s | speedup vs {b} | slow-link bytes/token | "
         "bytes vs AllReduce | hidden comm | wall s |".format(b=results["baseline"])
@@ -250,6 +409,51 @@ def format_table(results: dict[str, Any]) -> str:
         f"Bench `{results['bench']}` ({results['source']}), {results['date']}{quick}: "
         f"{setting}. Every run: base config `{results['base_config']}` with {results['common_overrides'] or 'no'} "
         "common overrides.",
+    ]
+    if results.get("notes"):
+        footer.append(results["notes"])
+    return "\n".join(lines + footer) + "\n"
+
+
+def format_paper_table(results: dict[str, Any]) -> str:
+    """The paper-regime table: loss from the link-off runs, tokens/s from the timed runs on the paper's link."""
+    b = results["baseline"]
+    lines = [
+        f"| run | eval loss (link off) | gap to {b} | tokens/s (paper link) | speedup vs {b} | of no-comm throughput "
+        "| slow-link bytes/token | bytes vs AllReduce | hidden comm |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in results["runs"]:
+        gap, speed, hidden = row["gap_to_baseline_pct"], row["speedup_vs_baseline"], row["hidden_comm_fraction"]
+        lines.append(
+            "| {label} | {loss} | {gap} | {tps} | {speed} | {nocomm} | {bpt} | {ratio} | {hidden} |".format(
+                label=row["label"],
+                loss=_fmt(row["final_eval_loss"], ".4f"),
+                gap=("+" if gap is not None and gap > 0 else "") + _fmt(gap, ".2f") + ("%" if gap is not None else ""),
+                tps=_fmt(row["tokens_per_s"], ",.1f"),
+                speed=_fmt(speed, ",.1f") + ("x" if speed else ""),
+                nocomm=_fmt(100 * row["of_no_communication"], ".1f") + "%",
+                bpt=_fmt(row["wan_bytes_per_token"], ",.1f"),
+                ratio="1/" + _fmt(row["compression_vs_allreduce"], ",.0f") if row["wan_bytes_per_token"] else "0",
+                hidden=_fmt(None if hidden is None else 100 * hidden, ".0f") + ("%" if hidden is not None else ""),
+            )
+        )
+    r = results["regime"]
+    s = results["runs"][0]["summary"] if results["runs"] else {}
+    quick = " (quick)" if results.get("quick") else ""
+    footer = [
+        "",
+        f"Bench `{results['bench']}` in the paper regime ({results['source']}), {results['date']}{quick}: "
+        f"{s.get('flavor')} ({s.get('num_params', 0):,} params), {s.get('num_clusters')} clusters x dp "
+        f"{s.get('dp_degree')} x pp {s.get('pp_degree')}, {s.get('tokens', 0):,} tokens per convergence run.",
+        f"Link: {r['bandwidth_bytes_per_s'] * 8 / 1e6:.4g} Mbps per cluster uplink, {r['latency_s'] * 1e3:g} ms, "
+        f"chosen so that one AllReduce step's transfer of the fp32 gradient ({r['grad_bytes'] / 1e6:.2f} MB) takes "
+        f"{r['ratio']:.1f} x the measured compute time of a step ({r['compute_s_per_step']:.3f} s, from the "
+        "no-communication run), as AllReduce did in the paper (3,728 / 10.4 - 1).",
+        "Eval loss, gaps and bytes come from the convergence runs with the link off; tokens/s, speedups and hidden "
+        "communication from timed runs on that link (2 steps for per-step strategies, 2H + 1 for outer-loop ones; "
+        "tokens/s over the last whole round before the final step). The no-communication row is its own link-off "
+        "run.",
     ]
     if results.get("notes"):
         footer.append(results["notes"])
@@ -306,6 +510,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default=None, help="output directory (default benchmarks/results/NAME)")
     parser.add_argument("--quick", action="store_true", help="debug flavor, 20 steps: a smoke check of the table")
     parser.add_argument("--only", default="", help="comma-separated run names to (re)run; others are kept")
+    parser.add_argument(
+        "--regime",
+        choices=REGIMES,
+        default=None,
+        help="paper: convergence with the link off, throughput on a link as slow relative to compute as the paper's",
+    )
     args = parser.parse_args(argv)
     try:
         run_bench(
@@ -313,6 +523,7 @@ def main(argv: list[str]) -> int:
             out_dir=Path(args.out) if args.out else None,
             quick=args.quick,
             only=[n for n in args.only.split(",") if n] or None,
+            regime=args.regime,
         )
     except ValueError as exc:
         print(f"dilocox: error: {exc}", file=sys.stderr)

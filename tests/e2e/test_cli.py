@@ -347,3 +347,28 @@ def test_bench_quick_produces_a_complete_table(tmp_path):
     assert table.count("\n| ") == 1 + 6  # separator row + one row per strategy
     for png in ("loss_vs_tokens.png", "loss_vs_time.png", "throughput.png"):
         assert (out / png).stat().st_size > 1000
+
+
+def test_bench_quick_paper_regime_produces_a_complete_table(tmp_path):
+    out = tmp_path / "paper"
+    result = dilocox("bench", REPO / "benchmarks" / "configs" / "paper.toml", "--quick", "--only", "allreduce,dilocox",
+                     "--out", out, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert [r["name"] for r in results["runs"]] == ["no-communication", "allreduce", "dilocox"]
+    regime = results["regime"]
+    # the link makes one AllReduce step's fp32 gradient transfer 357.5 x the measured compute of a step
+    grad_bytes = 4 * results["runs"][0]["summary"]["num_params"]
+    transfer_s = regime["latency_s"] + grad_bytes / regime["bandwidth_bytes_per_s"]  # ring of 2: 2 (C-1)/C = 1
+    assert transfer_s == pytest.approx(357.46 * regime["compute_s_per_step"], rel=1e-3)
+    by_name = {r["name"]: r for r in results["runs"]}
+    for name in ("allreduce", "dilocox"):
+        row = by_name[name]
+        assert row["timed_window_steps"] == (2 if name == "allreduce" else 11)
+        assert (out / "timed" / name / "summary.json").exists() and (out / "runs" / name / "summary.json").exists()
+        assert 0 < row["tokens_per_s"] < by_name["no-communication"]["tokens_per_s"] * 1.5
+    # AllReduce waits ~357 x its compute per step on that link: far below the no-communication throughput
+    assert by_name["allreduce"]["of_no_communication"] < 0.01
+    assert by_name["dilocox"]["speedup_vs_baseline"] > 10
+    table = (out / "results.md").read_text()
+    assert table.count("\n| ") == 1 + 3 and "paper regime" in table

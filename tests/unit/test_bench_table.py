@@ -1,6 +1,6 @@
 import pytest
 
-from dilocox.bench.harness import compare, format_table, load_bench
+from dilocox.bench.harness import compare, format_table, load_bench, steady_tokens_per_s, window_steps
 
 
 def summary(loss, tps, wan, equiv, hidden=None, tokens=1000):
@@ -58,3 +58,38 @@ def test_bench_file_errors(tmp_path):
         load_bench(path)
     with pytest.raises(ValueError, match="no such file"):
         load_bench(tmp_path / "missing.toml")
+
+
+def test_paper_regime_windows_and_steady_throughput():
+    assert window_steps("allreduce", 50) == 2 and window_steps("cocktail", 50) == 2
+    assert window_steps("dilocox", 50) == 101  # the round (50, 100] and the flushing last step
+    # outer loop, H = 2, 5 steps: the steady window is steps (2, 4]: 2 steps x 100 tokens in 7.0 - 3.0 s
+    records = [{"step": s, "tokens": 100 * s, "elapsed_s": t} for s, t in ((1, 1.0), (2, 3.0), (3, 4.0), (4, 7.0),
+                                                                          (5, 30.0))]  # fmt: skip
+    assert steady_tokens_per_s(records, "diloco", 2, 5) == pytest.approx(200 / 4.0)
+    # per step, 2 steps: from the start to step 1 (the second step flushes nothing but is left out alike)
+    assert steady_tokens_per_s(records[:2], "allreduce", 50, 2) == pytest.approx(100 / 1.0)
+    with pytest.raises(RuntimeError, match="log every step"):
+        steady_tokens_per_s(records[::2], "diloco", 2, 5)
+
+
+def test_paper_table_names_where_each_number_comes_from():
+    base = summary(4.0, 100.0, 8000, 8000)
+    fast = summary(4.1, 250.0, 80, 8000, hidden=0.95)
+    runs = []
+    for name, s, tps, nocomm in (("no-communication", base, 1000.0, 1.0), ("allreduce", base, 2.5, 0.0025),
+                                  ("dilocox", fast, 980.0, 0.98)):  # fmt: skip
+        row = {"name": name, "label": name, "summary": s, **compare(s, base)}
+        row.update(tokens_per_s=tps, speedup_vs_baseline=tps / 2.5, of_no_communication=nocomm)
+        runs.append(row)
+    regime = {"ratio": 357.46, "compute_s_per_step": 0.3, "grad_bytes": 5_250_000, "bandwidth_bytes_per_s": 48_958.0,
+              "latency_s": 0.01}  # fmt: skip
+    table = format_table({"bench": "paper", "source": "p.toml", "date": "2026-11-21", "baseline": "allreduce",
+                          "runs": runs, "regime": regime})  # fmt: skip
+    lines = table.splitlines()
+    assert lines[0].startswith("| run | eval loss (link off) | gap to allreduce | tokens/s (paper link) |")
+    assert lines[3] == "| allreduce | 4.0000 | 0.00% | 2.5 | 1.0x | 0.2% | 8.0 | 1/1 | - |"
+    assert lines[4] == "| dilocox | 4.1000 | +2.50% | 980.0 | 392.0x | 98.0% | 0.1 | 1/100 | 95% |"
+    assert "0.3917 Mbps per cluster uplink, 10 ms" in table
+    assert "357.5 x the measured compute time of a step (0.300 s" in table
+    assert "with the link off" in table and "timed runs on that link" in table
