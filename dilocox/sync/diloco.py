@@ -208,6 +208,9 @@ class DiLoCoSync:
             self.last_round["round_compression_ratio"] = compression_ratio(
                 pending.info["payload_bytes"], pending.info["dense_bytes"] // 4
             )
+            # bits on the wire per pseudo-gradient value (32 for fp32, ~4.5 for int4 with its scales)
+            values = pending.info["dense_bytes"] / 4
+            self.last_round["round_bits_per_value"] = 8 * pending.info["payload_bytes"] / values
             current_rank = getattr(self.codec, "current_rank", None)
             if current_rank is not None:
                 self.last_round["round_rank"] = current_rank()

@@ -135,15 +135,18 @@ def test_allreduce_baseline_sends_its_own_yardstick(tmp_path):
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
 
 
-def test_dilocox_compressed_trains_and_resumes_with_a_delayed_update_in_flight(tmp_path):
+@pytest.mark.parametrize("reduction", ["gather", "scalable"])
+def test_dilocox_compressed_trains_and_resumes_with_a_delayed_update_in_flight(tmp_path, reduction):
     """lowrank_int4 trains; the checkpoint at step 20 holds round 2's sync (not yet applied), the error-feedback
-    residuals and the codec's warm starts; the resumed run continues exactly."""
+    residuals and the codec's warm starts (shared ones, for the scalable reduction); the resumed run continues
+    exactly."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = [
         "--config",
         DEBUG,
         "--sync.kind=dilocox",
         "--compression.kind=lowrank_int4",
+        f"--compression.reduction={reduction}",
         "--checkpoint.keep=5",
         "--metrics.log_interval=1",
     ]
@@ -156,6 +159,7 @@ def test_dilocox_compressed_trains_and_resumes_with_a_delayed_update_in_flight(t
     assert summary["allreduce_equiv_bytes"] > 100 * summary["wan_bytes_total"]
     rounds = [r for r in metrics(straight) if "round_compression_ratio" in r]
     assert rounds and all(r["round_compression_ratio"] > 10 and r["round_rank"] == 8 for r in rounds)
+    assert all(r["round_bits_per_value"] == pytest.approx(32 / r["round_compression_ratio"]) for r in rounds)
     result = dilocox(
         "train",
         *common,
