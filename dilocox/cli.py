@@ -1,4 +1,4 @@
-"""The `dilocox` command: train, eval, flavors, env.
+"""The `dilocox` command: train, eval, bench, plan, linkcheck, flavors, env.
 
     dilocox train                                   # the embedded default: 2 clusters over an emulated 1 Gbps link
     dilocox train --config configs/debug.toml --sync.kind=allreduce
@@ -22,6 +22,7 @@ commands:
   eval      evaluate a run's latest checkpoint on its validation split or on any text
   bench     run strategies side by side on one setting: table, results.json, plots
   plan      project tokens/s of AllReduce, DiLoCo and DiLoCoX at sizes this machine cannot run
+  linkcheck time real transfers over a Linux link shaped with tc against the emulated link (root only)
   flavors   list the model flavors and their parameter counts
   env       print versions of dilocox, torch and the platform (for bug reports)
 
@@ -181,11 +182,18 @@ def cmd_plan(argv: list[str]) -> int:
     return plan_main(argv)
 
 
+def cmd_linkcheck(argv: list[str]) -> int:
+    from dilocox.net.shaping import main as linkcheck_main
+
+    return linkcheck_main(argv)
+
+
 COMMANDS = {
     "train": cmd_train,
     "eval": cmd_eval,
     "bench": cmd_bench,
     "plan": cmd_plan,
+    "linkcheck": cmd_linkcheck,
     "flavors": cmd_flavors,
     "env": cmd_env,
 }
