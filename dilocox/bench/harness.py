@@ -235,56 +235,62 @@ def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *
     steps = next(iter(configs.values())).train.steps
     reference = BenchRun(NO_COMM_RUN, ["--sync.kind=diloco", f"--sync.inner_steps={steps}", "--checkpoint.interval=0"],
                          "no communication (each cluster alone)")  # fmt: skip
-    runs = [reference, *selected]
-    total = 2 * len(runs) - 1
-    converged: dict[str, dict] = {}
+    earlier = out_dir / "results.json"
+    partial = len(selected) < len(spec.runs)
+    reuse = partial and earlier.exists() and "regime" in json.loads(earlier.read_text())
+    # A partial re-run keeps the earlier bandwidth, so that its rows stay comparable with the rows it keeps.
+    runs = selected if reuse else [reference, *selected]
+    total = len(runs) + len(selected)
     for index, run in enumerate(runs, 1):
-        converged[run.name] = _train(spec, run, out_dir / "runs" / run.name, out_dir / f"{run.name}.log", quick,
-                                     LINK_OFF, f"[{index}/{total}] link off:")  # fmt: skip
-
-    ref = converged[NO_COMM_RUN]
-    compute_s = ref["tokens"] / ref["tokens_per_s"] / ref["steps"]  # one step of every cluster, no communication
-    latency_s = parse_duration(next(iter(configs.values())).network.latency)
-    grad_bytes = 4 * ref["num_params"]
-    bandwidth = paper_regime_bandwidth(compute_s, grad_bytes, num_clusters=ref["num_clusters"], latency_s=latency_s)
-    regime = {
-        "ratio": paper_regime_ratio(),
-        "compute_s_per_step": compute_s,
-        "grad_bytes": grad_bytes,
-        "bandwidth_bytes_per_s": bandwidth,
-        "bandwidth": format_bandwidth(bandwidth),
-        "latency_s": latency_s,
-        "no_communication_tokens_per_s": ref["tokens_per_s"],
-    }
-    print(
-        f"paper regime: {compute_s:.3f} s of compute per step, fp32 gradient {grad_bytes / 1e6:.2f} MB -> "
-        f"{bandwidth * 8 / 1e6:.4g} Mbps (AllReduce waits {regime['ratio']:.1f}x its compute per step)",
-        flush=True,
-    )
-    timed: dict[str, dict] = {}
+        _train(spec, run, out_dir / "runs" / run.name, out_dir / f"{run.name}.log", quick, LINK_OFF,
+               f"[{index}/{total}] link off:")  # fmt: skip
+    ref_dir = out_dir / "runs" / NO_COMM_RUN
+    ref = json.loads((ref_dir / "summary.json").read_text())
+    if reuse:
+        regime = json.loads(earlier.read_text())["regime"]
+        print(f"paper regime: keeping the earlier link of {regime['bandwidth']} (a partial re-run)", flush=True)
+    else:
+        compute_s = ref["tokens"] / ref["tokens_per_s"] / ref["steps"]  # one step of every cluster, no comm
+        latency_s = parse_duration(next(iter(configs.values())).network.latency)
+        grad_bytes = 4 * ref["num_params"]
+        bandwidth = paper_regime_bandwidth(compute_s, grad_bytes, num_clusters=ref["num_clusters"],
+                                           latency_s=latency_s)  # fmt: skip
+        regime = {
+            "ratio": paper_regime_ratio(),
+            "compute_s_per_step": compute_s,
+            "grad_bytes": grad_bytes,
+            "bandwidth_bytes_per_s": bandwidth,
+            "bandwidth": format_bandwidth(bandwidth),
+            "latency_s": latency_s,
+            "no_communication_tokens_per_s": ref["tokens_per_s"],
+        }
+        print(
+            f"paper regime: {compute_s:.3f} s of compute per step, fp32 gradient {grad_bytes / 1e6:.2f} MB -> "
+            f"{bandwidth * 8 / 1e6:.4g} Mbps (AllReduce waits {regime['ratio']:.1f}x its compute per step)",
+            flush=True,
+        )
     for index, run in enumerate(selected, len(runs) + 1):
         cfg = configs[run.name]
         window = window_steps(cfg.sync.kind, cfg.sync.inner_steps)
-        extra = [
-            f"--network.bandwidth={regime['bandwidth']}",
-            f"--train.steps={window}",
-            "--train.warmup_steps=0",
-            "--eval.interval=0",
-            "--eval.max_batches=1",
-            "--checkpoint.interval=0",
-            "--metrics.log_interval=1",
-        ]
+        extra = [f"--network.bandwidth={regime['bandwidth']}", f"--train.steps={window}", "--train.warmup_steps=0",
+                 "--eval.interval=0", "--eval.max_batches=1", "--checkpoint.interval=0", "--metrics.log_interval=1"]
+        _train(spec, run, out_dir / "timed" / run.name, out_dir / f"{run.name}.timed.log", quick, extra,
+               f"[{index}/{total}] paper link:")  # fmt: skip
+    timed: dict[str, dict] = {}
+    for run in spec.runs:  # this call's timed runs and, after a partial re-run, the earlier ones
         run_dir = out_dir / "timed" / run.name
-        summary = _train(spec, run, run_dir, out_dir / f"{run.name}.timed.log", quick, extra,
-                         f"[{index}/{total}] paper link:")  # fmt: skip
+        if not (run_dir / "summary.json").exists():
+            continue
+        summary = json.loads((run_dir / "summary.json").read_text())
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        summary["steady_tokens_per_s"] = steady_tokens_per_s(metrics, cfg.sync.kind, cfg.sync.inner_steps, window)
-        summary["window_steps"] = window
+        kind, inner_steps = summary["sync_kind"], summary["inner_steps"]
+        summary["window_steps"] = summary["steps"]
+        summary["steady_tokens_per_s"] = steady_tokens_per_s(metrics, kind, inner_steps, summary["steps"])
         timed[run.name] = summary
-        print(f"    steady {summary['steady_tokens_per_s']:,.1f} tokens/s", flush=True)
 
     spec.runs = [reference, *[r for r in spec.runs if r.name != NO_COMM_RUN]]
-    results = collect(spec, out_dir, [r.name for r in runs])
+    names = [NO_COMM_RUN, *[r.name for r in spec.runs if r.name in timed and (out_dir / "runs" / r.name).exists()]]
+    results = collect(spec, out_dir, names)
     results["quick"] = quick
     results["regime"] = regime
     base_tps = timed[spec.baseline]["steady_tokens_per_s"] if spec.baseline in timed else None

@@ -172,15 +172,7 @@ class Wire:
         if len(sizes) != world or sizes[rank] != tensor.numel() or tensor.dim() != 1:
             raise ValueError(f"all_gather needs this rank's 1-D payload of sizes[{rank}] bytes and one size per rank")
         self.phases += 1
-        longest = max(sizes)
-        if longest == 0:
-            return [tensor[:0] for _ in range(world)]
-        padded = torch.zeros(longest, dtype=tensor.dtype)  # gloo gathers equal sizes only
-        padded[: tensor.numel()] = tensor
-        slots = [torch.empty(longest, dtype=tensor.dtype) for _ in range(world)]
-        dist.all_gather(slots, padded, group=self.group)
-        gathered = [slot[:n] for slot, n in zip(slots, sizes, strict=True)]
-        gathered[rank] = tensor
+        gathered = _gather_payloads(self.group, tensor, list(sizes), rank)
         sent, recv = ring_all_gather_bytes(list(sizes), rank)
         self.nbytes_sent += sent
         self.nbytes_recv += recv
@@ -554,18 +546,7 @@ class WanChannel:
         dist.all_gather(lengths, torch.tensor([tensor.numel()], dtype=torch.int64), group=self.group)
         numels = [int(n.item()) for n in lengths]
         control_bytes, _ = ring_all_gather_bytes([_LENGTH_BYTES] * world, rank)
-        longest = max(numels)
-        if longest == 0:
-            gathered = [torch.empty(0, dtype=tensor.dtype) for _ in range(world)]
-        else:
-            if tensor.numel() == longest and tensor.is_contiguous():
-                padded = tensor
-            else:
-                padded = torch.zeros(longest, dtype=tensor.dtype)
-                padded[: tensor.numel()] = tensor
-            slots = [torch.empty(longest, dtype=tensor.dtype) for _ in range(world)]
-            dist.all_gather(slots, padded, group=self.group)
-            gathered = [slot[:n] for slot, n in zip(slots, numels, strict=True)]
+        gathered = _gather_payloads(self.group, tensor, numels, rank)
         gathered[rank] = tensor
         sizes = [n * tensor.element_size() for n in numels]
         sent, recv = ring_all_gather_bytes(sizes, rank)
@@ -576,6 +557,44 @@ class WanChannel:
         wire = Wire(self.group, self.world_size, self.group_rank)
         result = program(wire)
         return _Outcome(result, wire.nbytes_sent, wire.nbytes_recv, phases=wire.phases)
+
+
+def _gather_payloads(
+    group: dist.ProcessGroup, tensor: torch.Tensor, numels: list[int], rank: int
+) -> list[torch.Tensor]:
+    """Every rank's 1-D `tensor` of `numels[i]` elements, in rank order (this rank's entry is `tensor` itself).
+
+    Two ranks swap their payloads directly, the receive posted before the send, so both directions of the link
+    are busy at once and nothing is padded; gloo's all-gather, measured on a tc-shaped link
+    (`benchmarks/results/shaped_link/`), often ran the two directions one after the other (up to 2x the time).
+    More ranks use gloo's all-gather padded to the longest payload (it gathers equal sizes only)."""
+    world = len(numels)
+    if world == 2:
+        peer = 1 - rank
+        received = torch.empty(numels[peer], dtype=tensor.dtype)
+        if numels[peer] or numels[rank]:
+            peer_global = dist.get_global_rank(group, peer)
+            pending = []
+            if numels[peer]:
+                pending.append(dist.irecv(received, src=peer_global, group=group))
+            if numels[rank]:
+                pending.append(dist.isend(tensor.contiguous(), dst=peer_global, group=group))
+            for work in pending:
+                work.wait()
+        return [tensor, received] if rank == 0 else [received, tensor]
+    longest = max(numels)
+    if longest == 0:
+        return [tensor[:0] for _ in range(world)]
+    if tensor.numel() == longest and tensor.is_contiguous():
+        padded = tensor
+    else:
+        padded = torch.zeros(longest, dtype=tensor.dtype)
+        padded[: tensor.numel()] = tensor
+    slots = [torch.empty(longest, dtype=tensor.dtype) for _ in range(world)]
+    dist.all_gather(slots, padded, group=group)
+    gathered = [slot[:n] for slot, n in zip(slots, numels, strict=True)]
+    gathered[rank] = tensor
+    return gathered
 
 
 class _LocalWire(Wire):

@@ -35,8 +35,8 @@ def train(rank, topo_args, codec_kind, *, capture=None):
             capture.append({"transfer": pending.transfer})
             return pending
 
-        def wait_and_keep(pending):
-            avg = wait(pending).clone()
+        def wait_and_keep(pending, **kwargs):
+            avg = wait(pending, **kwargs).clone()
             capture[-1]["avg"] = avg
             return avg
 
