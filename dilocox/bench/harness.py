@@ -213,6 +213,19 @@ def steady_tokens_per_s(metrics: list[dict[str, Any]], kind: str, inner_steps: i
     return (by_step[end]["tokens"] - k0) / (by_step[end]["elapsed_s"] - t0)
 
 
+def steady_hidden_fraction(
+    metrics: list[dict[str, Any]], kind: str, inner_steps: int, steps: int, whole_run: float | None
+) -> float | None:
+    """Share of the link time hidden behind compute for the syncs waited for inside the steady window (per-step
+    strategies log no per-sync times: their whole run's figure, which for them is the same every step)."""
+    start, end = (0 if _is_per_step(kind) else inner_steps), steps - 1
+    rounds = [m for m in metrics if start < m["step"] <= end and m.get("round_link_s")]
+    link = sum(m["round_link_s"] for m in rounds)
+    if not link:
+        return whole_run
+    return max(0.0, 1.0 - sum(m["round_exposed_s"] for m in rounds) / link)
+
+
 def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *, quick: bool) -> dict[str, Any]:
     """DiLoCoX's comparison in the paper's regime (docs/planner.md, "The paper regime"), in three steps:
 
@@ -222,7 +235,8 @@ def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *
     2. The bandwidth: `paper_regime_bandwidth` from the reference's measured compute time per step and the fp32
        gradient, so one AllReduce step waits on the link 357.5 times its compute, as in the paper.
     3. Throughput, link on at that bandwidth: every run again for `window_steps`, tokens/s over its steady window
-       (`steady_tokens_per_s`), hidden communication from those runs.
+       (`steady_tokens_per_s`), hidden communication from those runs; and the reference on the outer-loop runs'
+       window (no sync inside it), the "no communication" throughput the others are divided by.
     """
     from dilocox.bench.planner import format_bandwidth, paper_regime_bandwidth, paper_regime_ratio
     from dilocox.config import load_config
@@ -240,7 +254,7 @@ def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *
     reuse = partial and earlier.exists() and "regime" in json.loads(earlier.read_text())
     # A partial re-run keeps the earlier bandwidth, so that its rows stay comparable with the rows it keeps.
     runs = selected if reuse else [reference, *selected]
-    total = len(runs) + len(selected)
+    total = len(runs) + len(selected) + 1
     for index, run in enumerate(runs, 1):
         _train(spec, run, out_dir / "runs" / run.name, out_dir / f"{run.name}.log", quick, LINK_OFF,
                f"[{index}/{total}] link off:")  # fmt: skip
@@ -269,44 +283,69 @@ def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *
             f"{bandwidth * 8 / 1e6:.4g} Mbps (AllReduce waits {regime['ratio']:.1f}x its compute per step)",
             flush=True,
         )
-    for index, run in enumerate(selected, len(runs) + 1):
-        cfg = configs[run.name]
-        window = window_steps(cfg.sync.kind, cfg.sync.inner_steps)
-        extra = [f"--network.bandwidth={regime['bandwidth']}", f"--train.steps={window}", "--train.warmup_steps=0",
-                 "--eval.interval=0", "--eval.max_batches=1", "--checkpoint.interval=0", "--metrics.log_interval=1"]
+    # The compute-only reference on the same window as the outer-loop runs: H steps after H steps, no sync between.
+    outer = [cfg.sync.inner_steps for cfg in configs.values() if not _is_per_step(cfg.sync.kind)]
+    ref_window = window_steps("diloco", outer[0] if outer else 1)
+    timed_runs = [(reference, ref_window)] if outer else []
+    timed_runs += [(run, window_steps(configs[run.name].sync.kind, configs[run.name].sync.inner_steps))
+                   for run in selected]  # fmt: skip
+    total = len(runs) + len(timed_runs)
+    for index, (run, window) in enumerate(timed_runs, len(runs) + 1):
+        extra = [
+            f"--network.bandwidth={regime['bandwidth']}",
+            f"--train.steps={window}",
+            "--train.warmup_steps=0",
+            "--eval.interval=0",
+            "--eval.max_batches=1",
+            "--checkpoint.interval=0",
+            "--metrics.log_interval=1",
+        ]
         _train(spec, run, out_dir / "timed" / run.name, out_dir / f"{run.name}.timed.log", quick, extra,
                f"[{index}/{total}] paper link:")  # fmt: skip
     timed: dict[str, dict] = {}
-    for run in spec.runs:  # this call's timed runs and, after a partial re-run, the earlier ones
+    for run in [reference, *spec.runs]:  # this call's timed runs and, after a partial re-run, the earlier ones
         run_dir = out_dir / "timed" / run.name
         if not (run_dir / "summary.json").exists():
             continue
         summary = json.loads((run_dir / "summary.json").read_text())
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         kind, inner_steps = summary["sync_kind"], summary["inner_steps"]
+        if run.name == NO_COMM_RUN:  # no sync before the last step: its window is the outer-loop runs' one
+            inner_steps = (summary["steps"] - 1) // 2
         summary["window_steps"] = summary["steps"]
         summary["steady_tokens_per_s"] = steady_tokens_per_s(metrics, kind, inner_steps, summary["steps"])
+        summary["steady_hidden_comm_fraction"] = steady_hidden_fraction(
+            metrics, kind, inner_steps, summary["steps"], summary.get("hidden_comm_fraction")
+        )
         timed[run.name] = summary
 
     spec.runs = [reference, *[r for r in spec.runs if r.name != NO_COMM_RUN]]
-    names = [NO_COMM_RUN, *[r.name for r in spec.runs if r.name in timed and (out_dir / "runs" / r.name).exists()]]
+    names = [NO_COMM_RUN]
+    names += [
+        r.name for r in spec.runs if r.name in timed and r.name != NO_COMM_RUN and (out_dir / "runs" / r.name).exists()
+    ]
     results = collect(spec, out_dir, names)
     results["quick"] = quick
     results["regime"] = regime
     base_tps = timed[spec.baseline]["steady_tokens_per_s"] if spec.baseline in timed else None
+    # "no communication" throughput: the timed compute-only run when there is one, else the link-off run's
+    no_comm_tps = timed[NO_COMM_RUN]["steady_tokens_per_s"] if NO_COMM_RUN in timed else ref["tokens_per_s"]
+    regime["no_communication_steady_tokens_per_s"] = no_comm_tps
     for row in results["runs"]:
         t = timed.get(row["name"])
-        if t is None:  # the no-communication reference: its own link-off throughput
-            row.update(tokens_per_s=ref["tokens_per_s"], speedup_vs_baseline=None, hidden_comm_fraction=None)
+        if row["name"] == NO_COMM_RUN:
+            row.update(tokens_per_s=no_comm_tps, speedup_vs_baseline=None, hidden_comm_fraction=None)
+        elif t is None:
+            raise RuntimeError(f"run {row['name']} has no timed run in {out_dir / 'timed'}")
         else:
             row.update(
                 tokens_per_s=t["steady_tokens_per_s"],
                 speedup_vs_baseline=t["steady_tokens_per_s"] / base_tps if base_tps else None,
-                hidden_comm_fraction=t.get("hidden_comm_fraction"),
+                hidden_comm_fraction=t["steady_hidden_comm_fraction"],
                 timed_window_steps=t["window_steps"],
                 timed_wall_s=t["wall_s"],
             )
-        row["of_no_communication"] = row["tokens_per_s"] / ref["tokens_per_s"]
+        row["of_no_communication"] = row["tokens_per_s"] / no_comm_tps
     write_atomic(out_dir / "results.json", json.dumps(results, indent=2).encode())
     write_atomic(out_dir / "results.md", format_table(results).encode())
     plot(results, out_dir)
@@ -457,9 +496,10 @@ def format_paper_table(results: dict[str, Any]) -> str:
         f"{r['ratio']:.1f} x the measured compute time of a step ({r['compute_s_per_step']:.3f} s, from the "
         "no-communication run), as AllReduce did in the paper (3,728 / 10.4 - 1).",
         "Eval loss, gaps and bytes come from the convergence runs with the link off; tokens/s, speedups and hidden "
-        "communication from timed runs on that link (2 steps for per-step strategies, 2H + 1 for outer-loop ones; "
-        "tokens/s over the last whole round before the final step). The no-communication row is its own link-off "
-        "run.",
+        "communication (of the syncs waited for inside the window) from timed runs on that link (2 steps for "
+        "per-step strategies, 2H + 1 for outer-loop ones; tokens/s over the last whole round before the final step). "
+        "The no-communication row (every cluster alone) is timed on the same window as the outer-loop runs, with no "
+        "sync inside it; its loss is from its link-off run.",
     ]
     if results.get("notes"):
         footer.append(results["notes"])

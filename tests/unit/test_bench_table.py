@@ -1,6 +1,13 @@
 import pytest
 
-from dilocox.bench.harness import compare, format_table, load_bench, steady_tokens_per_s, window_steps
+from dilocox.bench.harness import (
+    compare,
+    format_table,
+    load_bench,
+    steady_hidden_fraction,
+    steady_tokens_per_s,
+    window_steps,
+)
 
 
 def summary(loss, tps, wan, equiv, hidden=None, tokens=1000):
@@ -71,6 +78,11 @@ def test_paper_regime_windows_and_steady_throughput():
     assert steady_tokens_per_s(records[:2], "allreduce", 50, 2) == pytest.approx(100 / 1.0)
     with pytest.raises(RuntimeError, match="log every step"):
         steady_tokens_per_s(records[::2], "diloco", 2, 5)
+    # hidden: the syncs waited for inside the window (2, 4]; the flush at step 5 is outside it
+    syncs = [{"step": 2, "round_link_s": 8.0, "round_exposed_s": 8.0}, {"step": 4, "round_link_s": 4.0,
+             "round_exposed_s": 1.0}, {"step": 5, "round_link_s": 4.0, "round_exposed_s": 4.0}]  # fmt: skip
+    assert steady_hidden_fraction(syncs, "dilocox", 2, 5, 0.2) == pytest.approx(0.75)
+    assert steady_hidden_fraction(records[:2], "allreduce", 50, 2, 0.0) == 0.0  # no per-sync log: the whole run
 
 
 def test_paper_table_names_where_each_number_comes_from():
