@@ -130,6 +130,11 @@ def test_shipped_configs_parse_and_validate(path):
 def test_dilocox_kind_defaults_apply_unless_set(tmp_path):
     assert load_config(None, ["--sync.kind=dilocox"]).sync.sync_delay == 1
     assert load_config(None, ["--sync.kind=dilocox"]).compression.kind == "adaptive"
+    dilocox = load_config(None, ["--sync.kind=dilocox"]).sync
+    assert (dilocox.outer_lr, dilocox.outer_momentum) == (1.0, 0.0)  # plain averaging under the delay
+    diloco = load_config(None, ["--sync.kind=diloco"]).sync
+    assert (diloco.outer_lr, diloco.outer_momentum) == (0.7, 0.9)
+    assert load_config(None, ["--sync.kind=dilocox", "--sync.outer_momentum=0.5"]).sync.outer_momentum == 0.5
     assert load_config(None, ["--sync.kind=diloco"]).sync.sync_delay == 0
     assert load_config(None, ["--sync.kind=diloco"]).compression.kind == "none"
     assert load_config(None, ["--sync.kind=dilocox", "--compression.kind=none"]).compression.kind == "none"
