@@ -188,6 +188,11 @@ def run_bench(
     return results
 
 
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """A run directory's metrics.jsonl, one dict per logged step."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
 def _is_per_step(kind: str) -> bool:
     """Strategies that talk over the slow link every step (their "round" is one step)."""
     return kind in ("allreduce", "cocktail")
@@ -254,7 +259,12 @@ def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *
     reuse = partial and earlier.exists() and "regime" in json.loads(earlier.read_text())
     # A partial re-run keeps the earlier bandwidth, so that its rows stay comparable with the rows it keeps.
     runs = selected if reuse else [reference, *selected]
-    total = len(runs) + len(selected) + 1
+    # The compute-only reference on the same window as the outer-loop runs: H steps after H steps, no sync between.
+    outer = [cfg.sync.inner_steps for cfg in configs.values() if not _is_per_step(cfg.sync.kind)]
+    timed_runs = [(reference, window_steps("diloco", outer[0]))] if outer else []
+    timed_runs += [(run, window_steps(configs[run.name].sync.kind, configs[run.name].sync.inner_steps))
+                   for run in selected]  # fmt: skip
+    total = len(runs) + len(timed_runs)
     for index, run in enumerate(runs, 1):
         _train(spec, run, out_dir / "runs" / run.name, out_dir / f"{run.name}.log", quick, LINK_OFF,
                f"[{index}/{total}] link off:")  # fmt: skip
@@ -283,13 +293,6 @@ def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *
             f"{bandwidth * 8 / 1e6:.4g} Mbps (AllReduce waits {regime['ratio']:.1f}x its compute per step)",
             flush=True,
         )
-    # The compute-only reference on the same window as the outer-loop runs: H steps after H steps, no sync between.
-    outer = [cfg.sync.inner_steps for cfg in configs.values() if not _is_per_step(cfg.sync.kind)]
-    ref_window = window_steps("diloco", outer[0] if outer else 1)
-    timed_runs = [(reference, ref_window)] if outer else []
-    timed_runs += [(run, window_steps(configs[run.name].sync.kind, configs[run.name].sync.inner_steps))
-                   for run in selected]  # fmt: skip
-    total = len(runs) + len(timed_runs)
     for index, (run, window) in enumerate(timed_runs, len(runs) + 1):
         extra = [
             f"--network.bandwidth={regime['bandwidth']}",
@@ -308,7 +311,7 @@ def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *
         if not (run_dir / "summary.json").exists():
             continue
         summary = json.loads((run_dir / "summary.json").read_text())
-        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        metrics = read_metrics(run_dir)
         kind, inner_steps = summary["sync_kind"], summary["inner_steps"]
         if run.name == NO_COMM_RUN:  # no sync before the last step: its window is the outer-loop runs' one
             inner_steps = (summary["steps"] - 1) // 2
@@ -359,7 +362,7 @@ def collect(spec: BenchSpec, out_dir: Path, names: list[str]) -> dict[str, Any]:
     for name in names:
         run_dir = out_dir / "runs" / name
         summary = json.loads((run_dir / "summary.json").read_text())
-        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        metrics = read_metrics(run_dir)
         run = next(r for r in spec.runs if r.name == name)
         process_file = run_dir / "process_s.txt"
         rows.append(
@@ -417,6 +420,18 @@ def _fmt(value: Any, spec: str, none: str = "-") -> str:
     return format(value, spec)
 
 
+def _gap_cell(gap: float | None) -> str:
+    return ("+" if gap is not None and gap > 0 else "") + _fmt(gap, ".2f") + ("%" if gap is not None else "")
+
+
+def _bytes_ratio_cell(row: dict[str, Any]) -> str:
+    return "1/" + _fmt(row["compression_vs_allreduce"], ",.0f") if row["wan_bytes_per_token"] else "0"
+
+
+def _hidden_cell(hidden: float | None) -> str:
+    return _fmt(None if hidden is None else 100 * hidden, ".0f") + ("%" if hidden is not None else "")
+
+
 def format_table(results: dict[str, Any]) -> str:
     """The markdown table of a bench (one row per run)."""
     if results.get("regime"):
@@ -432,13 +447,12 @@ def format_table(results: dict[str, Any]) -> str:
             "| {label} | {loss} | {gap} | {tps} | {speed} | {bpt} | {ratio} | {hidden} | {wall} |".format(
                 label=row["label"],
                 loss=_fmt(row["final_eval_loss"], ".4f"),
-                gap=("+" if gap is not None and gap > 0 else "") + _fmt(gap, ".2f") + ("%" if gap is not None else ""),
+                gap=_gap_cell(gap),
                 tps=_fmt(row["tokens_per_s"], ",.0f"),
                 speed=_fmt(row["speedup_vs_baseline"], ".2f") + ("x" if row["speedup_vs_baseline"] else ""),
                 bpt=_fmt(row["wan_bytes_per_token"], ",.1f"),
-                ratio="1/" + _fmt(row["compression_vs_allreduce"], ",.0f") if row["wan_bytes_per_token"] else "0",
-                hidden=_fmt(None if row["hidden_comm_fraction"] is None else 100 * row["hidden_comm_fraction"], ".0f")
-                + ("%" if row["hidden_comm_fraction"] is not None else ""),
+                ratio=_bytes_ratio_cell(row),
+                hidden=_hidden_cell(row["hidden_comm_fraction"]),
                 wall=_fmt(row["wall_s"], ".1f"),
             )
         )
@@ -474,13 +488,13 @@ def format_paper_table(results: dict[str, Any]) -> str:
             "| {label} | {loss} | {gap} | {tps} | {speed} | {nocomm} | {bpt} | {ratio} | {hidden} |".format(
                 label=row["label"],
                 loss=_fmt(row["final_eval_loss"], ".4f"),
-                gap=("+" if gap is not None and gap > 0 else "") + _fmt(gap, ".2f") + ("%" if gap is not None else ""),
+                gap=_gap_cell(gap),
                 tps=_fmt(row["tokens_per_s"], ",.1f"),
                 speed=_fmt(speed, ",.1f") + ("x" if speed else ""),
                 nocomm=_fmt(100 * row["of_no_communication"], ".1f") + "%",
                 bpt=_fmt(row["wan_bytes_per_token"], ",.1f"),
-                ratio="1/" + _fmt(row["compression_vs_allreduce"], ",.0f") if row["wan_bytes_per_token"] else "0",
-                hidden=_fmt(None if hidden is None else 100 * hidden, ".0f") + ("%" if hidden is not None else ""),
+                ratio=_bytes_ratio_cell(row),
+                hidden=_hidden_cell(hidden),
             )
         )
     r = results["regime"]

@@ -119,13 +119,12 @@ class DiLoCoSync:
         self.end_round(step)
         return True
 
-    def end_round(self, step: int | None = None) -> None:
+    def end_round(self, step: int) -> None:
         """Launch this round's sync and apply the one that is due (this one when blocking, the last one if delayed).
 
         Delayed: the last round's sync is waited for before this round's is launched. The link is FIFO, so this
         round's transfer could not start earlier anyway, and the launch then sees everything the last sync left
         behind (error-feedback residuals and shared warm starts of the scalable path)."""
-        step = self.round_end if step is None else step
         round_steps = step - self.last_boundary
         pseudo_grad = self.round_start - self.flat.gather_data()  # (numel,) delta = round start - theta
         if self.sync_delay == 0:

@@ -143,6 +143,29 @@ class _Plan:
     small: list[int]  # 0-D / 1-D tensors in the small format
     ranks: dict[int, int]
 
+    def cols(self, index: int) -> int:
+        """n of tensor `index` seen as the matrix (shape[0], numel / shape[0])."""
+        return self.shapes[index].numel() // self.shapes[index][0]
+
+    def numels(self, indices: list[int]) -> list[int]:
+        return [self.shapes[i].numel() for i in indices]
+
+    @property
+    def p_numel(self) -> int:
+        """Values of all left factors P (m, r), which open the first step's factor section."""
+        return sum(self.shapes[i][0] * self.ranks[i] for i in self.lowrank)
+
+    @property
+    def q_numel(self) -> int:
+        """Values of all right factors Q (n, r): the second step's section."""
+        return sum(self.cols(i) * self.ranks[i] for i in self.lowrank)
+
+    def sent_whole(self, first: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+        """(index, values) of the dense matrices and small tensors in the first step's two sections."""
+        factor, small = first
+        parts = list(zip(self.dense, factor[self.p_numel :].split(self.numels(self.dense)), strict=True))
+        return parts + list(zip(self.small, small.split(self.numels(self.small)), strict=True))
+
 
 class ScalableMean:
     """The scalable reduction (module docstring), with its state: error feedback and the shared warm starts."""
@@ -237,17 +260,14 @@ class ScalableMean:
         if not self._is_lowrank:
             return [Section(sum(s.numel() for s in plan.shapes), self.codec.value_format)]  # type: ignore[attr-defined]
         codec: LowRankCodec = self.codec  # type: ignore[assignment]
-        factor_numel = sum(plan.shapes[i][0] * plan.ranks[i] for i in plan.lowrank)
-        factor_numel += sum(plan.shapes[i].numel() for i in plan.dense)
         return [
-            Section(factor_numel, codec.factor_format),
-            Section(sum(plan.shapes[i].numel() for i in plan.small), codec.small_format),
+            Section(plan.p_numel + sum(plan.numels(plan.dense)), codec.factor_format),
+            Section(sum(plan.numels(plan.small)), codec.small_format),
         ]
 
     def _sections_second(self, plan: _Plan) -> list[Section]:
         codec: LowRankCodec = self.codec  # type: ignore[assignment]
-        numel = sum((plan.shapes[i].numel() // plan.shapes[i][0]) * plan.ranks[i] for i in plan.lowrank)
-        return [Section(numel, codec.factor_format)]
+        return [Section(plan.q_numel, codec.factor_format)]
 
     def _warm_start(self, index: int, cols: int, rank: int) -> torch.Tensor:
         """The shared right factor of tensor `index`: seeded the same on every cluster, then the averaged Q."""
@@ -270,8 +290,7 @@ class ScalableMean:
             values = [u]
         else:
             factors = [
-                as_matrix(tensors[i].view(plan.shapes[i]))
-                @ self._warm_start(i, plan.shapes[i].numel() // plan.shapes[i][0], plan.ranks[i])
+                as_matrix(tensors[i].view(plan.shapes[i])) @ self._warm_start(i, plan.cols(i), plan.ranks[i])
                 for i in plan.lowrank
             ]
             dense = [tensors[i] for i in plan.dense]
@@ -297,10 +316,7 @@ class ScalableMean:
             for index in range(len(tensors)):
                 residuals[index] = tensors[index] - decoded[index]
         else:
-            factor_numel = sum(plan.shapes[i][0] * plan.ranks[i] for i in plan.lowrank)
-            dense = local[0][factor_numel:].split([plan.shapes[i].numel() for i in plan.dense]) if plan.dense else []
-            small = local[1].split([plan.shapes[i].numel() for i in plan.small]) if plan.small else []
-            for index, decoded in zip(plan.dense + plan.small, list(dense) + list(small), strict=True):
+            for index, decoded in plan.sent_whole(local):
                 residuals[index] = tensors[index] - decoded
         self.residuals = [r.view(s) for r, s in zip(residuals, plan.shapes, strict=True)]
 
@@ -381,19 +397,11 @@ class ScalableMean:
         """The averaged slice of the low-rank path, the new warm starts, and the low-rank residuals."""
         tensors = self._split(u, plan)
         result = [torch.zeros(s.numel()) for s in plan.shapes]
-        factor_numel = sum(plan.shapes[i][0] * plan.ranks[i] for i in plan.lowrank)
-        first_factor, first_small = out["first"]
-        for index, values in zip(
-            plan.dense, first_factor[factor_numel:].split([plan.shapes[i].numel() for i in plan.dense]), strict=True
-        ):
-            result[index] = values
-        for index, values in zip(
-            plan.small, first_small.split([plan.shapes[i].numel() for i in plan.small]), strict=True
-        ):
+        for index, values in plan.sent_whole(out["first"]):
             result[index] = values
         offset = 0
         for i in plan.lowrank:
-            cols = plan.shapes[i].numel() // plan.shapes[i][0]
+            cols = plan.cols(i)
             length = cols * plan.ranks[i]
             mean_q = out["mean_q"][offset : offset + length].view(cols, plan.ranks[i])
             own_q = out["own_q"][offset : offset + length].view(cols, plan.ranks[i])
