@@ -1,6 +1,5 @@
 """The scalable compressed mean (compression.reduction = "scalable") on real gloo ranks: C = 2, 3, 4."""
 
-import copy
 import math
 import time
 
@@ -11,6 +10,7 @@ from dilocox.compress import build_codec
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync
 from dilocox.sync.scalable import ScalableMean
+from tests.dist.resume import straight_and_resumed
 from tests.multiproc import run_ranks
 
 SHAPES = [torch.Size([12, 10]), torch.Size([10]), torch.Size([6, 10]), torch.Size([6])]
@@ -144,39 +144,16 @@ def _delayed_resume(rank, world_size):
         )
         return model, channel, sync, torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def run(model, channel, sync, optimizer, steps, saved=None):
-        for step in steps:
-            time.sleep(0.03)
-            g = torch.Generator().manual_seed(100 * rank + step)
-            x, y = torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            sync.after_inner_step(step)
-            if step == 3 * inner_steps and saved is not None:
-                saved["sync"] = copy.deepcopy(sync.state_dict())
-                saved["channel"] = channel.state_dict()
-                saved["model"] = {k: v.clone() for k, v in model.state_dict().items()}
-                saved["optimizer"] = copy.deepcopy(optimizer.state_dict())
+    def train_step(model, optimizer, step):
+        time.sleep(0.03)
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x, y = torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
-    model, channel, sync, optimizer = fresh()
-    saved: dict = {}
-    run(model, channel, sync, optimizer, range(1, rounds * inner_steps + 1), saved)
-    sync.flush()
-    straight = (sync.outer_params.clone(), channel.stats()["bytes_sent"])
-    channel.close()
-
-    model, channel, sync, optimizer = fresh()
-    model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-    channel.load_state_dict(saved["channel"])
-    in_flight = saved["sync"]["pending_seq"] >= channel.num_transfers
-    sync.load_state_dict(saved["sync"])
-    run(model, channel, sync, optimizer, range(3 * inner_steps + 1, rounds * inner_steps + 1))
-    sync.flush()
-    resumed = (sync.outer_params.clone(), channel.stats()["bytes_sent"])
-    channel.close()
-    return straight, resumed, in_flight
+    out = straight_and_resumed(fresh, train_step, total_steps=rounds * inner_steps, save_after=3 * inner_steps)
+    return out["straight"], out["resumed"], out["in_flight"]
 
 
 @pytest.mark.dist
