@@ -16,19 +16,27 @@ import difflib
 import functools
 import inspect
 import json
-import math
 import tomllib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SYNC_KINDS = ("allreduce", "cocktail", "diloco", "dilocox")
-MERGE_RULES = ("reset", "keep_local")
-COMPRESSION_KINDS = ("none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive")
-REDUCTIONS = ("gather", "scalable")
-RANK_SCHEDULES = ("spectrum", "early_strong", "late_strong")
+from dilocox.checks import check_choice, check_non_negative, check_positive, check_types
+from dilocox.compress.config import CocktailConfig, CompressionConfig
+from dilocox.net.config import NetworkConfig
+from dilocox.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from dilocox.sync.config import KIND_DEFAULTS, SyncConfig
+
 OPTIMIZERS = ("adamw", "sgd")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+"""`train.optimizer`: the inner optimizer."""
+MOVED_KEYS = {
+    "compression.fit_link": "sync.fit_link",
+    "compression.fit_link_max_steps": "sync.fit_link_max_steps",
+    "compression.sample_ratio": "cocktail.sample_ratio",
+    "compression.topk_ratio": "cocktail.topk_ratio",
+}
+"""Keys of earlier versions and where they live now (read with a warning, so older run directories still load)."""
 
 
 @dataclass
@@ -104,68 +112,6 @@ class TopologyConfig:
 
 
 @dataclass
-class SyncConfig:
-    kind: str = "diloco"
-    """Strategy: allreduce, cocktail (compressed every step), diloco (H local steps + outer sync), dilocox."""
-    inner_steps: int = 50
-    """H: local inner steps between two outer syncs (diloco)."""
-    outer_lr: float = 0.7
-    """Learning rate of the outer SGD applied to the averaged pseudo-gradient (dilocox: 1.0 unless set)."""
-    outer_momentum: float = 0.9
-    """Momentum of the outer SGD (dilocox: 0, plain averaging, unless set)."""
-    nesterov: bool = True
-    """Use Nesterov momentum in the outer SGD."""
-    sync_delay: int = 0
-    """Rounds between launching an outer sync and applying it: 0 = blocking, 1 = overlapped (dilocox: 1 unless set)."""
-    merge: str = "keep_local"
-    """With sync_delay 1, where a round starts: keep_local (outer params plus own last progress) or reset."""
-
-
-@dataclass
-class CompressionConfig:
-    kind: str = "none"
-    """Pseudo-gradient codec: none (fp32), fp16, bf16, int4, lowrank, lowrank_int4, adaptive (dilocox: adaptive)."""
-    rank: int = 8
-    """Factors per matrix of lowrank and lowrank_int4."""
-    group_size: int = 64
-    """Values per fp16 scale in int4 encodings."""
-    stochastic_rounding: bool = False
-    """Round int4 values stochastically (unbiased) instead of to nearest."""
-    error_feedback: bool = True
-    """Add what the codec lost to the next round's pseudo-gradient."""
-    rank_min: int = 2
-    """adaptive: the smallest rank it may choose."""
-    rank_max: int = 32
-    """adaptive: the largest rank it may choose."""
-    energy: float = 0.9
-    """adaptive: share of the pseudo-gradient's spectral energy the chosen rank keeps."""
-    window: int = 4
-    """adaptive: rounds over which the chosen rank is smoothed."""
-    schedule: str = "spectrum"
-    """adaptive: spectrum (energy as set), early_strong or late_strong (energy target ramps up or down)."""
-    ramp_rounds: int = 100
-    """adaptive: rounds over which early_strong / late_strong ramp the energy target."""
-    reduction: str = "gather"
-    """Averaging of payloads: gather ((C-1) x payload per rank, any codec) or scalable (~2 x payload; not adaptive)."""
-    fit_link: bool = False
-    """With sync_delay 1: raise H each round so that one sync's measured link time fits in the next round's compute."""
-    fit_link_max_steps: int = 0
-    """fit_link: the largest H it may choose; 0 = 8 x sync.inner_steps."""
-    sample_ratio: float = 0.1
-    """cocktail: share of the gradient randomly sampled each step (the same sample on every cluster)."""
-    topk_ratio: float = 0.01
-    """cocktail: share of the gradient sent (the largest of the sample), as int4 values with positions."""
-
-
-@dataclass
-class NetworkConfig:
-    bandwidth: str = "1Gbps"
-    """Uplink bandwidth of one cluster, shared by its ranks that sync at once: e.g. 1Gbps, 100Mbps, unlimited."""
-    latency: str = "10ms"
-    """One-way latency added to every slow-link collective: e.g. 10ms, 0."""
-
-
-@dataclass
 class EvalConfig:
     interval: int = 50
     """Evaluate the validation loss every this many steps (and at the end); 0 = only at the end."""
@@ -200,6 +146,7 @@ class Config:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    cocktail: CocktailConfig = field(default_factory=CocktailConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -216,81 +163,42 @@ class Config:
         return t.num_clusters * t.dp_degree * t.pp_degree
 
     def validate(self, world_size: int | None = None) -> None:
-        """Raise ValueError naming the first impossible or contradictory setting and how to fix it."""
-        from dilocox.net.link import parse_bandwidth, parse_duration
+        """Raise ValueError naming the first impossible or contradictory setting and how to fix it.
 
-        _positive(self, "run.num_threads", "train.steps", "train.seq_len", "train.micro_batch_size")
-        _positive(self, "topology.num_clusters", "topology.dp_degree", "topology.pp_degree", "sync.inner_steps")
-        _positive(self, "data.vocab_size", "metrics.log_interval", "checkpoint.keep")
-        _non_negative(self, "train.warmup_steps", "train.weight_decay", "train.grad_clip", "run.seed")
-        _non_negative(self, "eval.interval", "eval.max_batches", "checkpoint.interval", "sync.outer_momentum")
-        _finite(self)
+        Each component's section validates itself (`SyncConfig`, `CompressionConfig`, `CocktailConfig`,
+        `NetworkConfig`); this checks the sections that only the trainer reads and the settings across sections."""
+        for section in (self.sync, self.compression, self.cocktail, self.network):
+            section.validate()
+        for name in ("run", "model", "data", "train", "topology", "eval", "checkpoint", "metrics"):
+            check_types(name, getattr(self, name))
+        check_positive("run", self.run, "num_threads")
+        check_non_negative("run", self.run, "seed")
+        check_positive("train", self.train, "steps", "seq_len", "micro_batch_size")
+        check_non_negative("train", self.train, "warmup_steps", "weight_decay", "grad_clip")
+        check_positive("topology", self.topology, "num_clusters", "dp_degree", "pp_degree")
+        check_positive("data", self.data, "vocab_size")
+        check_positive("metrics", self.metrics, "log_interval")
+        check_positive("checkpoint", self.checkpoint, "keep")
+        check_non_negative("eval", self.eval, "interval", "max_batches")
+        check_non_negative("checkpoint", self.checkpoint, "interval")
         from dilocox.models import list_flavors
 
-        _choice("model.flavor", self.model.flavor, tuple(list_flavors()))
-        _choice("train.optimizer", self.train.optimizer, OPTIMIZERS)
-        _choice("sync.kind", self.sync.kind, SYNC_KINDS)
-        _choice("compression.kind", self.compression.kind, COMPRESSION_KINDS)
-        _choice("compression.schedule", self.compression.schedule, RANK_SCHEDULES)
-        _positive(self, "compression.rank", "compression.group_size", "compression.rank_min", "compression.window")
-        _positive(self, "compression.ramp_rounds")
-        if self.compression.rank_max < self.compression.rank_min:
-            raise ValueError(
-                f"compression.rank_max = {self.compression.rank_max} is below compression.rank_min = "
-                f"{self.compression.rank_min}"
-            )
-        _choice("compression.reduction", self.compression.reduction, REDUCTIONS)
-        _non_negative(self, "compression.fit_link_max_steps")
-        if self.compression.reduction == "scalable" and self.compression.kind == "adaptive":
-            raise ValueError(
-                "compression.reduction = 'scalable' needs one rank that every cluster agrees on before a sync starts, "
-                "but compression.kind = 'adaptive' picks it from each cluster's own spectrum; use "
-                "compression.reduction = 'gather', or compression.kind = 'lowrank_int4' with a fixed compression.rank"
-            )
-        if self.compression.fit_link and self.sync.sync_delay != 1:
-            raise ValueError(
-                "compression.fit_link = true sizes H so that a sync travels during the next round, which needs "
-                "sync.sync_delay = 1 (sync.kind = dilocox sets it); with a blocking sync raise sync.inner_steps instead"
-            )
-        if self.compression.fit_link and 0 < self.compression.fit_link_max_steps < self.sync.inner_steps:
-            raise ValueError(
-                f"compression.fit_link_max_steps = {self.compression.fit_link_max_steps} is below sync.inner_steps = "
-                f"{self.sync.inner_steps}: fit_link only raises H; use 0 (8 x H) or a value >= {self.sync.inner_steps}"
-            )
-        if not 0.0 < self.compression.energy <= 1.0:
-            raise ValueError(f"compression.energy = {self.compression.energy} must be in (0, 1]")
-        if self.sync.kind in ("allreduce", "cocktail") and self.compression.kind != "none":
+        check_choice("model.flavor", self.model.flavor, tuple(list_flavors()))
+        check_choice("train.optimizer", self.train.optimizer, OPTIMIZERS)
+        if not self.sync.has_outer_loop and self.compression.kind != "none":
             raise ValueError(
                 f"compression.kind = {self.compression.kind!r} compresses pseudo-gradients: use sync.kind = diloco or "
                 f"dilocox ({self.sync.kind} has its own gradient format)"
             )
-        if not 0.0 < self.compression.topk_ratio <= self.compression.sample_ratio <= 1.0:
-            raise ValueError(
-                f"compression.topk_ratio = {self.compression.topk_ratio} and sample_ratio = "
-                f"{self.compression.sample_ratio} must satisfy 0 < topk_ratio <= sample_ratio <= 1"
-            )
         if self.train.lr <= 0:
             raise ValueError(f"train.lr = {self.train.lr} must be > 0")
-        if self.sync.outer_lr <= 0:
-            raise ValueError(
-                f"sync.outer_lr = {self.sync.outer_lr} must be > 0 (1.0 with momentum 0 = plain averaging)"
-            )
         if not 0.0 <= self.train.min_lr_ratio <= 1.0:
             raise ValueError(f"train.min_lr_ratio = {self.train.min_lr_ratio} must be in [0, 1]")
         if not 0.0 <= self.train.beta1 < 1.0 or not 0.0 <= self.train.beta2 < 1.0:
             raise ValueError(f"train.beta1/beta2 = {self.train.beta1}/{self.train.beta2} must be in [0, 1)")
         if not 0.0 < self.data.val_fraction <= 0.5:
             raise ValueError(f"data.val_fraction = {self.data.val_fraction} must be in (0, 0.5]")
-        if self.sync.outer_momentum >= 1.0:
-            raise ValueError(f"sync.outer_momentum = {self.sync.outer_momentum} must be < 1")
-        if self.sync.sync_delay not in (0, 1):
-            raise ValueError(
-                f"sync.sync_delay = {self.sync.sync_delay} must be 0 (blocking) or 1 (one-step-delay overlap)"
-            )
-        _choice("sync.merge", self.sync.merge, MERGE_RULES)
-        if self.sync.kind in ("allreduce", "cocktail") and self.sync.sync_delay:
-            raise ValueError("sync.sync_delay = 1 needs an outer loop: use sync.kind = diloco or dilocox")
-        _choice("train.pipeline_schedule", self.train.pipeline_schedule, PIPELINE_SCHEDULES)
+        check_choice("train.pipeline_schedule", self.train.pipeline_schedule, PIPELINE_SCHEDULES)
         if self.train.num_microbatches < 0:
             raise ValueError(f"train.num_microbatches = {self.train.num_microbatches} must be >= 0 (0 = pp_degree)")
         m, p = self.microbatches, self.topology.pp_degree
@@ -308,7 +216,7 @@ class Config:
             raise ValueError(
                 f"train.warmup_steps = {self.train.warmup_steps} must be smaller than train.steps = {self.train.steps}"
             )
-        if self.sync.kind not in ("allreduce", "cocktail") and not self.compression.fit_link:
+        if self.sync.has_outer_loop and not self.sync.fit_link:
             h = self.sync.inner_steps
             if self.checkpoint.interval % h:
                 fix = _round_up(self.checkpoint.interval, h)
@@ -320,8 +228,6 @@ class Config:
             raise ValueError(
                 "checkpoint.resume and run.overwrite contradict each other: resuming keeps the run directory"
             )
-        parse_bandwidth(self.network.bandwidth)
-        parse_duration(self.network.latency)
         if world_size is not None and world_size != self.world_size:
             t = self.topology
             raise ValueError(
@@ -336,36 +242,6 @@ SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
 
 def _round_up(value: int, multiple: int) -> int:
     return max(multiple, -(-value // multiple) * multiple)
-
-
-def _get(cfg: Config, dotted: str) -> Any:
-    section, key = dotted.split(".")
-    return getattr(getattr(cfg, section), key)
-
-
-def _positive(cfg: Config, *names: str) -> None:
-    for name in names:
-        if _get(cfg, name) <= 0:
-            raise ValueError(f"{name} = {_get(cfg, name)} must be > 0")
-
-
-def _non_negative(cfg: Config, *names: str) -> None:
-    for name in names:
-        if _get(cfg, name) < 0:
-            raise ValueError(f"{name} = {_get(cfg, name)} must be >= 0")
-
-
-def _finite(cfg: Config) -> None:
-    for section in SECTIONS:
-        for f in dataclasses.fields(getattr(cfg, section)):
-            value = getattr(getattr(cfg, section), f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{section}.{f.name} = {value} must be a finite number")
-
-
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} = {value!r} is not one of: {', '.join(choices)}")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -433,6 +309,9 @@ def _coerce(name: str, value: Any, typ: type, *, from_text: bool) -> Any:
 
 
 def _set(cfg: Config, name: str, value: Any, *, from_text: bool) -> None:
+    if name in MOVED_KEYS:
+        warnings.warn(f"{name} is now {MOVED_KEYS[name]}; update the config or flag", UserWarning, stacklevel=2)
+        name = MOVED_KEYS[name]
     parts = name.split(".")
     known = {opt[0]: opt[1] for opt in options()}
     if len(parts) != 2 or name not in known:
@@ -484,19 +363,6 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
         pairs.append((name, value))
         i += 1
     return pairs
-
-
-# Settings a strategy changes from the global defaults, unless the file or a flag sets them explicitly. dilocox
-# averages plainly (outer lr 1, no momentum): Nesterov 0.9 on one-round-stale updates overshoots; on the default
-# setting plain averaging gave 4.731 against 5.213 (benchmarks/results/outer/).
-KIND_DEFAULTS: dict[str, dict[str, Any]] = {
-    "dilocox": {
-        "sync.sync_delay": 1,
-        "compression.kind": "adaptive",
-        "sync.outer_lr": 1.0,
-        "sync.outer_momentum": 0.0,
-    }
-}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

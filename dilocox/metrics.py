@@ -10,9 +10,11 @@ Only rank 0 logs. The progress bar is drawn with rich when stdout is a terminal;
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,13 +91,73 @@ class MetricsLogger:
         self.file.close()
 
 
-def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    write_atomic(
-        Path(run_dir) / SUMMARY_FILE, json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2).encode()
-    )
+@dataclass
+class RunSummary:
+    """The result of a run, written by rank 0 to `summary.json` and read back by `RunSummary.read` (the bench)."""
+
+    final_eval_loss: float | None
+    """Validation loss of cluster 0's model at the end (after the flush, so every cluster holds it)."""
+    initial_eval_loss: float | None
+    """Validation loss before the first step."""
+    tokens: int
+    """Training tokens of all ranks."""
+    wall_s: float
+    """Seconds of training, evaluation included, across resumes."""
+    tokens_per_s: float
+    """tokens / (wall_s - eval_s)."""
+    eval_s: float
+    """Seconds rank 0 spent evaluating during training."""
+    wan_bytes_total: int
+    """Bytes all ranks put on the slow link."""
+    allreduce_equiv_bytes: int
+    """Bytes an AllReduce run of the same steps would have put on it (every strategy's yardstick)."""
+    link_busy_s: float
+    """Link time of rank 0's transfers."""
+    exposed_comm_s: float
+    """Time rank 0 was blocked waiting for the link."""
+    hidden_comm_fraction: float | None
+    """1 - exposed / busy, in [0, 1]; None when nothing crossed the link."""
+    steps: int
+    outer_steps: int
+    sync_kind: str
+    sync_delay: int
+    merge: str
+    inner_steps: int
+    """The configured H."""
+    final_inner_steps: int
+    """H of the last round (sync.fit_link may raise it)."""
+    flavor: str
+    num_params: int
+    rank_state_bytes: list[dict[str, int]]
+    """Every rank's training state bytes (params, grads, inner and outer state)."""
+    num_clusters: int
+    dp_degree: int
+    pp_degree: int
+    bandwidth: str
+    latency: str
+    checkpoint: str | None
+    """The newest checkpoint directory."""
+    run_dir: str
+
+    def write(self, run_dir: Path) -> None:
+        data = {k: _clean(v) for k, v in dataclasses.asdict(self).items()}
+        write_atomic(Path(run_dir) / SUMMARY_FILE, json.dumps(data, indent=2).encode())
+
+    @classmethod
+    def read(cls, run_dir: Path) -> RunSummary:
+        """The summary of a finished run (ValueError when the run did not finish or wrote another layout)."""
+        path = Path(run_dir) / SUMMARY_FILE
+        if not path.is_file():
+            raise ValueError(f"{run_dir} has no {SUMMARY_FILE}: the run did not finish (see its output)")
+        data = json.loads(path.read_text())
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(names - set(data))
+        if missing:
+            raise ValueError(f"{path} lacks {', '.join(missing)}: written by another dilocox version; run it again")
+        return cls(**{name: data[name] for name in names})
 
 
-def format_summary(s: dict[str, Any]) -> str:
+def format_summary(s: RunSummary) -> str:
     """A short human summary printed at the end of a run."""
 
     def fmt_bytes(n: float) -> str:
@@ -105,19 +167,19 @@ def format_summary(s: dict[str, Any]) -> str:
             n /= 1000
         return f"{n:,.1f} TB"
 
-    ratio = s["allreduce_equiv_bytes"] / s["wan_bytes_total"] if s["wan_bytes_total"] else float("inf")
-    first = s.get("initial_eval_loss")
-    loss = f"{first:.3f} -> {s['final_eval_loss']:.3f}" if first is not None else f"{s['final_eval_loss']:.3f}"
+    ratio = s.allreduce_equiv_bytes / s.wan_bytes_total if s.wan_bytes_total else float("inf")
+    first = s.initial_eval_loss
+    loss = f"{first:.3f} -> {s.final_eval_loss:.3f}" if first is not None else f"{s.final_eval_loss:.3f}"
     return "\n".join(
         [
-            f"done: {s['sync_kind']} on {s['num_clusters']} clusters x dp {s['dp_degree']} x pp {s['pp_degree']}, "
-            f"{s['steps']} steps, {s['outer_steps']} outer steps, link {s['bandwidth']} / {s['latency']}",
-            f"  eval loss   {loss}   (perplexity {math.exp(min(s['final_eval_loss'], 50)):,.1f})",
-            f"  throughput  {s['tokens']:,} tokens in {s['wall_s']:.1f} s = {s['tokens_per_s']:,.0f} tokens/s",
-            f"  slow link   {fmt_bytes(s['wan_bytes_total'])} sent by all ranks; AllReduce would send "
-            f"{fmt_bytes(s['allreduce_equiv_bytes'])} ({ratio:,.1f}x)",
-            f"  link time   busy {s['link_busy_s']:.2f} s, trainer blocked {s['exposed_comm_s']:.2f} s (rank 0)"
-            + (f", {100 * s['hidden_comm_fraction']:.0f}% hidden" if s.get("hidden_comm_fraction") is not None else ""),
-            f"  run dir     {s['run_dir']}",
+            f"done: {s.sync_kind} on {s.num_clusters} clusters x dp {s.dp_degree} x pp {s.pp_degree}, "
+            f"{s.steps} steps, {s.outer_steps} outer steps, link {s.bandwidth} / {s.latency}",
+            f"  eval loss   {loss}   (perplexity {math.exp(min(s.final_eval_loss, 50)):,.1f})",
+            f"  throughput  {s.tokens:,} tokens in {s.wall_s:.1f} s = {s.tokens_per_s:,.0f} tokens/s",
+            f"  slow link   {fmt_bytes(s.wan_bytes_total)} sent by all ranks; AllReduce would send "
+            f"{fmt_bytes(s.allreduce_equiv_bytes)} ({ratio:,.1f}x)",
+            f"  link time   busy {s.link_busy_s:.2f} s, trainer blocked {s.exposed_comm_s:.2f} s (rank 0)"
+            + (f", {100 * s.hidden_comm_fraction:.0f}% hidden" if s.hidden_comm_fraction is not None else ""),
+            f"  run dir     {s.run_dir}",
         ]
     )

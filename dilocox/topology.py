@@ -1,4 +1,4 @@
-"""Parallel degrees -> rank coordinates -> the three process groups of DESIGN.md section 2.
+"""Parallel degrees -> rank coordinates -> the three process groups of docs/design.md §2.
 
 Ranks are ordered cluster-major: `rank = (cluster * dp_degree + dp) * pp_degree + pp`.
 
@@ -17,6 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in `group`; None stands for "no group": one process that needs no communication."""
+    return 1 if group is None else dist.get_world_size(group)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """The Trainer: one rank's model, inner optimizer, sync strategy, data stream and slow-link channel.
 
     trainer = Trainer(cfg, rank=rank, run_dir=run_dir)
-    summary = trainer.train()        # on rank 0: the summary dict also written to summary.json
+    summary = trainer.train()        # on rank 0: the RunSummary also written to summary.json
     trainer.close()
 
-Every rank runs the same code; the topology decides what it talks to (DESIGN.md sections 2-3).
+Every rank runs the same code; the topology decides what it talks to (docs/design.md §2-3).
 """
 
 from __future__ import annotations
@@ -16,17 +16,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from dilocox.checkpoint import check_resume, list_checkpoints, load_rank_state, run_identity, save_checkpoint
 from dilocox.config import Config, to_dict
 from dilocox.data import ShardedTokenStream, TokenData, iter_eval_batches, prepare_tokens
-from dilocox.metrics import MetricsLogger, format_summary, truncate_metrics, write_summary
+from dilocox.metrics import MetricsLogger, RunSummary, format_summary, truncate_metrics
 from dilocox.models import Decoder, count_parameters, model_args
 from dilocox.net.channel import WanChannel
-from dilocox.net.link import parse_bandwidth, parse_duration
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
-from dilocox.sync import allreduce_bytes_per_step, build_sync
+from dilocox.parallel.pipeline import mean_token_cross_entropy
+from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync
 from dilocox.topology import Topology, build_process_groups
 
 
@@ -74,11 +73,6 @@ def build_inner_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Op
     )
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # logits (batch, seq, vocab), targets (batch, seq)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 @torch.no_grad()
 def evaluate(eval_step, tokens, *, seq_len: int, batch_size: int, max_batches: int | None) -> tuple[float | None, int]:
     """(mean token loss, tokens scored) on the non-overlapping windows at the start of `tokens`.
@@ -97,7 +91,7 @@ def model_eval_step(model: torch.nn.Module):
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
         model.eval()
-        loss = cross_entropy(model(inputs), targets).item()
+        loss = mean_token_cross_entropy(model(inputs), targets).item()
         model.train()
         return loss
 
@@ -138,8 +132,8 @@ class Trainer:
         self.inner_optimizer = build_inner_optimizer(cfg, self.model)
         self.channel = WanChannel(
             self.groups.cluster_group,
-            bandwidth=parse_bandwidth(cfg.network.bandwidth),
-            latency_s=parse_duration(cfg.network.latency),
+            bandwidth=cfg.network.bandwidth_bytes_per_s,
+            latency_s=cfg.network.latency_s,
             num_sharing=cfg.topology.dp_degree * cfg.topology.pp_degree,
         )
         self.sync = build_sync(cfg, self.model.parameters(), channel=self.channel, dp_group=self.groups.dp_group)
@@ -160,6 +154,7 @@ class Trainer:
         self.last_eval_loss: float | None = None
         self.eval_s = 0.0  # rank 0's time spent evaluating during training (excluded from tokens_per_s)
         self.losses: list[float] = []
+        self.round_stats: RoundStats | None = None  # what the sync waited for at the last step cost, if anything
 
     # ---------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -222,7 +217,7 @@ class Trainer:
         self.inner_optimizer.step()
         self.inner_optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self.sync.after_inner_step(self.step)
+        self.round_stats = self.sync.after_inner_step(self.step)
         return broadcast_from_last_stage(loss, self.groups.pp_group)
 
     def evaluate(self) -> float:
@@ -249,7 +244,7 @@ class Trainer:
         return interval > 0 and self.step // interval > self._last_checkpoint_step // interval
 
     # ---------------------------------------------------------------------------------------------- loop
-    def train(self) -> dict[str, Any] | None:
+    def train(self) -> RunSummary | None:
         """Train to `train.steps`; rank 0 logs, every rank checkpoints; returns the summary on rank 0."""
         cfg = self.cfg
         logger = None
@@ -271,7 +266,7 @@ class Trainer:
                 while self.sync.warnings and logger is not None:
                     logger.print(self.sync.warnings.pop(0))
                 if last:
-                    self.sync.flush()
+                    self.round_stats = self.sync.flush() or self.round_stats
                 eval_loss = None
                 if self.in_eval_pipeline and (self._due(cfg.eval.interval) or last):
                     eval_start = time.perf_counter()
@@ -281,7 +276,7 @@ class Trainer:
                 if logger is not None and (self._due(cfg.metrics.log_interval) or last or eval_loss is not None):
                     now = time.perf_counter()
                     tokens_per_s = (self.step - window_step) * self.tokens_per_step / (now - window_start)
-                    logger.log(self._record(eval_loss, tokens_per_s, round_stats=boundary))
+                    logger.log(self._record(eval_loss, tokens_per_s))
                     self.losses.clear()
                     window_start, window_step = now, self.step
                 if boundary and (self._checkpoint_due(cfg.checkpoint.interval) or last):
@@ -294,7 +289,7 @@ class Trainer:
             if logger is not None:
                 logger.close()
 
-    def _record(self, eval_loss: float | None, tokens_per_s: float, *, round_stats: bool) -> dict[str, Any]:
+    def _record(self, eval_loss: float | None, tokens_per_s: float) -> dict[str, Any]:
         stats = self.channel.stats()
         record = {
             "step": self.step,
@@ -311,15 +306,15 @@ class Trainer:
         }
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
-        if round_stats:
-            record.update(self.sync.last_round)  # link, exposed and hidden time of the sync waited for this round
+        if self.round_stats is not None:  # link, exposed and hidden time of the sync waited for at this step
+            record.update(self.round_stats.to_record())
         return record
 
-    def _summary(self, wall_s: float, logger: MetricsLogger | None) -> dict[str, Any] | None:
+    def _summary(self, wall_s: float, logger: MetricsLogger | None) -> RunSummary | None:
         """Gather every rank's link counters (a small control message, not counted as slow-link payload)."""
         stats = self.channel.stats()
         per_step = allreduce_bytes_per_step(
-            self.sync.flat.numel, dp_group=self.groups.dp_group, cluster_group=self.groups.cluster_group
+            self.sync.numel, dp_group=self.groups.dp_group, cluster_group=self.groups.cluster_group
         )
         mine = {"bytes_sent": stats["bytes_sent"], "allreduce_equiv": per_step * self.step}
         gathered: list[dict[str, Any]] = [mine] * dist.get_world_size()
@@ -332,39 +327,40 @@ class Trainer:
         final_eval_loss = self.last_eval_loss
         tokens = self.step * self.tokens_per_step
         c = self.cfg
-        summary = {
-            "final_eval_loss": final_eval_loss,
-            "initial_eval_loss": self.initial_eval_loss,
-            "tokens": tokens,
-            "wall_s": wall_s,
-            "tokens_per_s": tokens / (wall_s - self.eval_s) if wall_s > self.eval_s else float("nan"),
-            "eval_s": self.eval_s,
-            "wan_bytes_total": sum(g["bytes_sent"] for g in gathered),
-            "allreduce_equiv_bytes": sum(g["allreduce_equiv"] for g in gathered),
-            "link_busy_s": stats["link_busy_s"],
-            "exposed_comm_s": stats["exposed_s"],
-            "hidden_comm_fraction": (
+        checkpoints = list_checkpoints(self.run_dir)
+        summary = RunSummary(
+            final_eval_loss=final_eval_loss,
+            initial_eval_loss=self.initial_eval_loss,
+            tokens=tokens,
+            wall_s=wall_s,
+            tokens_per_s=tokens / (wall_s - self.eval_s) if wall_s > self.eval_s else float("nan"),
+            eval_s=self.eval_s,
+            wan_bytes_total=sum(g["bytes_sent"] for g in gathered),
+            allreduce_equiv_bytes=sum(g["allreduce_equiv"] for g in gathered),
+            link_busy_s=stats["link_busy_s"],
+            exposed_comm_s=stats["exposed_s"],
+            hidden_comm_fraction=(
                 min(1.0, max(0.0, 1.0 - stats["exposed_s"] / stats["link_busy_s"])) if stats["link_busy_s"] else None
             ),
-            "steps": self.step,
-            "outer_steps": self.sync.outer_step,
-            "sync_kind": c.sync.kind,
-            "sync_delay": c.sync.sync_delay,
-            "merge": c.sync.merge,
-            "inner_steps": c.sync.inner_steps,
-            "final_inner_steps": getattr(self.sync, "inner_steps", c.sync.inner_steps),
-            "flavor": c.model.flavor,
-            "num_params": self.num_params,
-            "rank_state_bytes": self.memory,
-            "num_clusters": c.topology.num_clusters,
-            "dp_degree": c.topology.dp_degree,
-            "pp_degree": c.topology.pp_degree,
-            "bandwidth": c.network.bandwidth,
-            "latency": c.network.latency,
-            "checkpoint": str(list_checkpoints(self.run_dir)[-1]) if list_checkpoints(self.run_dir) else None,
-            "run_dir": str(self.run_dir),
-        }
-        write_summary(self.run_dir, summary)
+            steps=self.step,
+            outer_steps=self.sync.outer_step,
+            sync_kind=c.sync.kind,
+            sync_delay=c.sync.sync_delay,
+            merge=c.sync.merge,
+            inner_steps=c.sync.inner_steps,
+            final_inner_steps=self.sync.inner_steps,
+            flavor=c.model.flavor,
+            num_params=self.num_params,
+            rank_state_bytes=self.memory,
+            num_clusters=c.topology.num_clusters,
+            dp_degree=c.topology.dp_degree,
+            pp_degree=c.topology.pp_degree,
+            bandwidth=c.network.bandwidth,
+            latency=c.network.latency,
+            checkpoint=str(checkpoints[-1]) if checkpoints else None,
+            run_dir=str(self.run_dir),
+        )
+        summary.write(self.run_dir)
         if logger is not None:
             logger.print(format_summary(summary))
         return summary

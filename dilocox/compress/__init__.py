@@ -4,19 +4,20 @@ Pure tensor functions and small stateful objects; nothing here touches torch.dis
 The byte layout of every codec is documented in `dilocox.compress.codecs`.
 """
 
-from dilocox.compress.adaptive import AGGREGATES, SCHEDULES, AdaptiveCodec, AdaptiveRank, RankDecision
-from dilocox.compress.codecs import (
+from dilocox.compress.adaptive import AdaptiveCodec, AdaptiveRank, RankDecision
+from dilocox.compress.codecs import CastFormat, Codec, ElementwiseCodec, Int4Format, LowRankCodec, ValueFormat
+from dilocox.compress.config import (
+    AGGREGATES,
     CODEC_KINDS,
     FACTOR_DTYPES,
+    REDUCTIONS,
+    SCALABLE_KINDS,
+    SCHEDULES,
     SMALL_TENSOR_MODES,
-    CastFormat,
-    Codec,
-    ElementwiseCodec,
-    Int4Format,
-    LowRankCodec,
-    ValueFormat,
-    build_codec,
+    CocktailConfig,
+    CompressionConfig,
 )
+from dilocox.compress.factory import build_codec
 from dilocox.compress.feedback import ErrorFeedback
 from dilocox.compress.int4 import (
     decode_int4,
@@ -37,12 +38,16 @@ __all__ = [
     "AGGREGATES",
     "CODEC_KINDS",
     "FACTOR_DTYPES",
+    "REDUCTIONS",
+    "SCALABLE_KINDS",
     "SCHEDULES",
     "SMALL_TENSOR_MODES",
     "AdaptiveCodec",
     "AdaptiveRank",
     "CastFormat",
+    "CocktailConfig",
     "Codec",
+    "CompressionConfig",
     "ElementwiseCodec",
     "ErrorFeedback",
     "Factors",

@@ -9,22 +9,10 @@ from typing import Any
 
 import torch
 
-from dilocox.compress.codecs import (
-    MAX_RANK,
-    LowRankCodec,
-    ValueFormat,
-    as_matrix,
-    check_fraction,
-    check_int,
-    sent_dense,
-)
+from dilocox.compress.codecs import LowRankCodec, ValueFormat, as_matrix, sent_dense
+from dilocox.compress.config import CompressionConfig
 from dilocox.compress.lowrank import Factors, randomized_factors
 from dilocox.compress.payload import numel_of
-
-SCHEDULES = ("spectrum", "early_strong", "late_strong")
-"""How the energy target moves over rounds (see `AdaptiveRank.target_energy`)."""
-AGGREGATES = ("pooled", "mean", "max")
-"""How one rank is chosen from the spectra of several matrices (see `AdaptiveRank.update_from_spectra`)."""
 
 _ENERGY_TOLERANCE = 1e-6  # a spectrum built to hold exactly the target must not miss it by a rounding error
 
@@ -56,61 +44,20 @@ class AdaptiveRank:
     values the codec's power iteration yields), never a full SVD; the total energy is the exact squared Frobenius
     norm, so the kept share is underestimated, never over: the rank errs high.
 
-        policy = AdaptiveRank(rank_min=2, rank_max=32, energy=0.9, window=4)
+        policy = AdaptiveRank(CompressionConfig(kind="adaptive", rank_min=2, rank_max=32, energy=0.9, window=4))
         rank = policy.update(pseudo_grads)               # once per round
         policy.ranks                                     # the chosen rank of every round so far
     """
 
-    def __init__(
-        self,
-        *,
-        rank_min: int = 2,
-        rank_max: int = 32,
-        energy: float = 0.9,
-        energy_floor: float = 0.5,
-        window: int = 4,
-        schedule: str = "spectrum",
-        ramp_rounds: int = 100,
-        aggregate: str = "pooled",
-        oversample: int = 8,
-        spectrum_iterations: int = 2,
-        seed: int = 0,
-    ) -> None:
-        check_int("rank_min", rank_min, 1, "use the smallest rank worth sending, e.g. 2")
-        check_int("rank_max", rank_max, rank_min, f"it must be at least compression.rank_min = {rank_min}")
-        if rank_max > MAX_RANK:
-            raise ValueError(f"compression.rank_max = {rank_max} must be <= {MAX_RANK} (the rank header is 16 bits)")
-        check_fraction("energy", energy, low=0.0, high=1.0, fix="use the share of spectral energy to keep, e.g. 0.9")
-        check_fraction(
-            "energy_floor",
-            energy_floor,
-            low=0.0,
-            high=energy,
-            fix=f"it is the target at the strongest compression, at most compression.energy = {energy}",
-        )
-        check_int("window", window, 1, "use the number of rounds to average the rank over, e.g. 4")
-        check_int("ramp_rounds", ramp_rounds, 1, "use the number of rounds the schedule's ramp lasts, e.g. 100")
-        check_int("oversample", oversample, 0, "use a few extra directions for the spectrum estimate, e.g. 8")
-        check_int("spectrum_iterations", spectrum_iterations, 1, "2 is accurate for decaying spectra")
-        check_int("seed", seed, 0, "use a non-negative integer seed")
-        if schedule not in SCHEDULES:
-            raise ValueError(
-                f"compression.schedule = {schedule!r} is not supported; choose one of {', '.join(SCHEDULES)}"
-            )
-        if aggregate not in AGGREGATES:
-            raise ValueError(
-                f"compression.aggregate = {aggregate!r} is not supported; choose one of {', '.join(AGGREGATES)}"
-            )
-        self.rank_min = rank_min
-        self.rank_max = rank_max
-        self.energy = float(energy)
-        self.energy_floor = float(energy_floor)
-        self.window = window
-        self.schedule = schedule
-        self.ramp_rounds = ramp_rounds
-        self.aggregate = aggregate
-        self.oversample = oversample
-        self.spectrum_iterations = spectrum_iterations
+    OVERSAMPLE = 8
+    """Extra directions of the randomized spectrum estimate (`update`)."""
+    SPECTRUM_ITERATIONS = 2
+    """Subspace iterations of the randomized spectrum estimate: accurate for decaying spectra."""
+
+    def __init__(self, cfg: CompressionConfig, *, seed: int = 0) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        """The options: rank_min, rank_max, energy, energy_floor, window, schedule, ramp_rounds, aggregate."""
         self.generator = torch.Generator().manual_seed(seed)
         self.history: list[RankDecision] = []
         """One decision per round, oldest first."""
@@ -122,7 +69,7 @@ class AdaptiveRank:
     @property
     def rank(self) -> int:
         """The latest chosen rank (rank_max before the first round)."""
-        return self.history[-1].rank if self.history else self.rank_max
+        return self.history[-1].rank if self.history else self.cfg.rank_max
 
     @property
     def ranks(self) -> list[int]:
@@ -132,13 +79,13 @@ class AdaptiveRank:
     def target_energy(self, round_index: int | None = None) -> float:
         """The energy target of round `round_index` (default: the next round) under the schedule."""
         index = self.rounds if round_index is None else round_index
-        progress = min(1.0, index / self.ramp_rounds)
-        span = self.energy - self.energy_floor
-        if self.schedule == "early_strong":
-            return self.energy_floor + span * progress
-        if self.schedule == "late_strong":
-            return self.energy - span * progress
-        return self.energy
+        progress = min(1.0, index / self.cfg.ramp_rounds)
+        span = self.cfg.energy - self.cfg.energy_floor
+        if self.cfg.schedule == "early_strong":
+            return self.cfg.energy_floor + span * progress
+        if self.cfg.schedule == "late_strong":
+            return self.cfg.energy - span * progress
+        return self.cfg.energy
 
     def update(self, tensors: Sequence[torch.Tensor]) -> int:
         """Measure the spectra of the 2+-D `tensors` (as matrices (shape[0], -1)), record and return the rank."""
@@ -152,9 +99,9 @@ class AdaptiveRank:
                 continue
             factors = randomized_factors(
                 matrix,
-                self.rank_max,
-                oversample=self.oversample,
-                iterations=self.spectrum_iterations,
+                self.cfg.rank_max,
+                oversample=self.OVERSAMPLE,
+                iterations=self.SPECTRUM_ITERATIONS,
                 generator=self.generator,
             )
             sigmas.append(factors.sigma)
@@ -170,10 +117,14 @@ class AdaptiveRank:
         if len(sigmas) != len(total_energies):
             raise ValueError(f"got {len(sigmas)} spectra but {len(total_energies)} total energies; pass one per matrix")
         target = self.target_energy()
-        raw_rank = self._raw_rank([sigma[: self.rank_max].double().cpu() for sigma in sigmas], total_energies, target)
-        recent = [decision.raw_rank for decision in self.history[-(self.window - 1) :]] if self.window > 1 else []
+        raw_rank = self._raw_rank(
+            [sigma[: self.cfg.rank_max].double().cpu() for sigma in sigmas], total_energies, target
+        )
+        recent = (
+            [decision.raw_rank for decision in self.history[-(self.cfg.window - 1) :]] if self.cfg.window > 1 else []
+        )
         smoothed = math.ceil(sum([*recent, raw_rank]) / (len(recent) + 1) - 1e-9)
-        rank = min(max(smoothed, self.rank_min), self.rank_max)
+        rank = min(max(smoothed, self.cfg.rank_min), self.cfg.rank_max)
         self.history.append(RankDecision(self.rounds, target, raw_rank, rank))
         return rank
 
@@ -181,16 +132,16 @@ class AdaptiveRank:
         matrices = [(sigma, total) for sigma, total in zip(sigmas, totals, strict=True) if total > 0]
         if not matrices:
             return 1  # nothing to keep: the smallest rank, which the clip raises to rank_min
-        if self.aggregate == "pooled":
-            kept = torch.zeros(self.rank_max, dtype=torch.float64)  # (rank_max,) energy kept at rank k + 1
+        if self.cfg.aggregate == "pooled":
+            kept = torch.zeros(self.cfg.rank_max, dtype=torch.float64)  # (rank_max,) energy kept at rank k + 1
             for sigma, _ in matrices:
-                kept += _padded_cumulative(sigma.square(), self.rank_max)
-            return _first_reaching(kept / sum(total for _, total in matrices), target, self.rank_max)
+                kept += _padded_cumulative(sigma.square(), self.cfg.rank_max)
+            return _first_reaching(kept / sum(total for _, total in matrices), target, self.cfg.rank_max)
         per_matrix = [
-            _first_reaching(_padded_cumulative(sigma.square(), self.rank_max) / total, target, self.rank_max)
+            _first_reaching(_padded_cumulative(sigma.square(), self.cfg.rank_max) / total, target, self.cfg.rank_max)
             for sigma, total in matrices
         ]
-        if self.aggregate == "max":
+        if self.cfg.aggregate == "max":
             return max(per_matrix)
         return math.ceil(sum(per_matrix) / len(per_matrix) - 1e-9)
 
@@ -210,9 +161,9 @@ class AdaptiveRank:
 
     def __repr__(self) -> str:
         return (
-            f"AdaptiveRank(rank_min={self.rank_min}, rank_max={self.rank_max}, energy={self.energy}, "
-            f"energy_floor={self.energy_floor}, window={self.window}, schedule={self.schedule!r}, "
-            f"ramp_rounds={self.ramp_rounds}, aggregate={self.aggregate!r})"
+            f"AdaptiveRank(rank_min={self.cfg.rank_min}, rank_max={self.cfg.rank_max}, energy={self.cfg.energy}, "
+            f"energy_floor={self.cfg.energy_floor}, window={self.cfg.window}, schedule={self.cfg.schedule!r}, "
+            f"ramp_rounds={self.cfg.ramp_rounds}, aggregate={self.cfg.aggregate!r})"
         )
 
 
@@ -240,7 +191,7 @@ class AdaptiveCodec(LowRankCodec):
     that builds up (directions the rounds keep dropping) raises the rank until it is sent. The measurement costs
     a power iteration at rank_max, not at the chosen rank: about 2.5x `lowrank_int4` at rank 8 for rank_max 32.
 
-        codec = build_codec("adaptive", rank_min=2, rank_max=32, energy=0.9)
+        codec = build_codec(CompressionConfig(kind="adaptive", rank_min=2, rank_max=32, energy=0.9))
         payload = codec.encode_list(pseudo_grads)        # size varies with the rank: codec.max_nbytes_list bounds it
         codec.policy.ranks                               # the rank of every round
     """
@@ -256,7 +207,7 @@ class AdaptiveCodec(LowRankCodec):
     ) -> None:
         super().__init__(
             "adaptive",
-            rank=policy.rank_max,
+            rank=policy.cfg.rank_max,
             factor_format=factor_format,
             small_format=small_format,
             power_iterations=power_iterations,
@@ -277,10 +228,10 @@ class AdaptiveCodec(LowRankCodec):
                 continue
             matrix = as_matrix(value)  # (m, n)
             num_rows, num_cols = matrix.shape
-            if sent_dense(min(self.policy.rank_min, num_rows, num_cols), num_rows, num_cols):
+            if sent_dense(min(self.policy.cfg.rank_min, num_rows, num_cols), num_rows, num_cols):
                 continue  # dense at every rank the policy can pick: nothing to measure
             slot = first_slot + index
-            factors = self._factorize(matrix, min(self.policy.rank_max, num_rows, num_cols), slot)
+            factors = self._factorize(matrix, min(self.policy.cfg.rank_max, num_rows, num_cols), slot)
             self._round_factors[slot] = factors
             sigmas.append(factors.sigma)
             totals.append(float(torch.linalg.vector_norm(matrix)) ** 2)
@@ -298,8 +249,8 @@ class AdaptiveCodec(LowRankCodec):
         if len(shape) <= 1:
             return self.small_format.nbytes(numel_of(shape))
         num_rows, num_cols = shape[0], numel_of(shape[1:])
-        top = min(self.policy.rank_max, num_rows, num_cols)
-        low = min(self.policy.rank_min, top)
+        top = min(self.policy.cfg.rank_max, num_rows, num_cols)
+        low = min(self.policy.cfg.rank_min, top)
         # Fixed when the min(m, n) cap leaves one possible rank, or the matrix is dense even at the lowest.
         if low == top or sent_dense(low, num_rows, num_cols):
             return self.nbytes_at_rank(shape, low)
@@ -308,8 +259,8 @@ class AdaptiveCodec(LowRankCodec):
     def max_nbytes(self, shape: Sequence[int]) -> int:
         if len(shape) <= 1:
             return self.small_format.nbytes(numel_of(shape))
-        top = min(self.policy.rank_max, shape[0], numel_of(shape[1:]))
-        low = min(self.policy.rank_min, top)
+        top = min(self.policy.cfg.rank_max, shape[0], numel_of(shape[1:]))
+        low = min(self.policy.cfg.rank_min, top)
         # Not monotone in the rank near the dense switch (int4 scale rounding), so take the maximum over all ranks.
         return max(self.nbytes_at_rank(shape, rank) for rank in range(low, top + 1))
 

@@ -30,25 +30,16 @@ receiver learns every run's length before the values, and a section is encoded a
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from dilocox.compress.config import MAX_RANK
 from dilocox.compress.int4 import decode_int4_runs, encode_int4_runs, int4_nbytes
 from dilocox.compress.lowrank import Factors, factorize
 from dilocox.compress.payload import ByteReader, Payload, numel_of, tensor_bytes
-
-CODEC_KINDS = ("none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive")
-"""Every `compression.kind` that `build_codec` accepts."""
-FACTOR_DTYPES = ("fp32", "fp16", "bf16")
-"""Encodings of the `lowrank` codec's factors (`lowrank_int4` and `adaptive` always use int4)."""
-SMALL_TENSOR_MODES = ("raw", "int4")
-"""How the low-rank codecs send 0-D and 1-D tensors."""
-MAX_RANK = (1 << 16) - 1
-"""The largest rank the 2-byte (uint16) rank header can carry."""
 
 Shape = Sequence[int]
 
@@ -141,7 +132,7 @@ class Codec(ABC):
     section 4). Encoding may update per-instance state (warm starts, the RNG of stochastic rounding, an adaptive
     rank), which `state_dict()` captures for checkpoints; decoding is stateless.
 
-        codec = build_codec("lowrank_int4", rank=8)
+        codec = build_codec(CompressionConfig(kind="lowrank_int4", rank=8))
         payload = codec.encode_list(pseudo_grads)        # one uint8 payload for the whole list
         decoded = codec.decode_list(payload, [g.shape for g in pseudo_grads])
     """
@@ -153,6 +144,10 @@ class Codec(ABC):
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
 
     # encoding -----------------------------------------------------------------------------------------------------
+
+    def current_rank(self) -> int | None:
+        """The rank the next matrix is encoded at, for low-rank codecs (before the min(m, n) cap); else None."""
+        return None
 
     def encode(self, tensor: torch.Tensor, *, slot: int = 0) -> Payload:
         """One tensor -> its payload. `slot` names the tensor for per-tensor state (warm starts)."""
@@ -246,7 +241,7 @@ class ElementwiseCodec(Codec):
     The fixed-size codecs around DiLoCoX's scheme (Qi et al. 2025, arXiv 2506.21263): `none` is its "without
     compression" ablation, `int4` its quantizer applied to the whole pseudo-gradient.
 
-        codec = build_codec("int4", group_size=64)
+        codec = build_codec(CompressionConfig(kind="int4", group_size=64))
         payload = codec.encode(pseudo_grad)              # payload.nbytes == codec.expected_nbytes(shape)
         approx = codec.decode(payload, pseudo_grad.shape)
     """
@@ -279,7 +274,7 @@ class LowRankCodec(Codec):
     carries what they miss. Tensors of 3+ dims are matrices (shape[0], numel / shape[0]); 0-D/1-D tensors use
     `small_format`; a matrix whose factors would not be smaller is sent dense.
 
-        codec = build_codec("lowrank_int4", rank=8, group_size=64)
+        codec = build_codec(CompressionConfig(kind="lowrank_int4", rank=8, group_size=64))
         payload = codec.encode_list(pseudo_grads)        # state: codec.warm_starts, one (n, r) per slot
         decoded = codec.decode_list(payload, shapes)     # a fresh codec with the same settings decodes it
     """
@@ -295,10 +290,8 @@ class LowRankCodec(Codec):
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__(generator=generator)
-        check_int("rank", rank, 1, "use the number of singular directions to send per matrix, e.g. 8")
-        if rank > MAX_RANK:
-            raise ValueError(f"compression.rank = {rank} must be <= {MAX_RANK} (the rank header is 16 bits)")
-        check_int("power_iterations", power_iterations, 1, "1 is enough with warm starts")
+        # The options were validated by CompressionConfig.validate(); these guard the payload format itself.
+        assert 1 <= rank <= MAX_RANK and power_iterations >= 1, (rank, power_iterations)
         self.name = name
         self.rank = rank
         self.factor_format = factor_format
@@ -312,7 +305,6 @@ class LowRankCodec(Codec):
     # encoding -----------------------------------------------------------------------------------------------------
 
     def current_rank(self) -> int:
-        """The rank the next matrix is encoded at (before the min(m, n) cap)."""
         return self.rank
 
     def _encode_values(self, values: list[torch.Tensor], first_slot: int) -> list[torch.Tensor]:
@@ -448,107 +440,3 @@ def _uint16_bytes(values: list[int], device: torch.device | None) -> torch.Tenso
 def _read_uint16s(reader: ByteReader, count: int) -> list[int]:
     data = reader.take(2 * count).tolist()
     return [low | (high << 8) for low, high in zip(data[0::2], data[1::2], strict=True)]
-
-
-# ---------------------------------------------------------------------------------------------------------- build
-
-
-def build_codec(
-    kind: str,
-    *,
-    rank: int = 8,
-    group_size: int = 64,
-    stochastic_rounding: bool = False,
-    seed: int = 0,
-    factor_dtype: str = "fp32",
-    small_tensors: str = "raw",
-    power_iterations: int = 1,
-    rank_min: int = 2,
-    rank_max: int = 32,
-    energy: float = 0.9,
-    energy_floor: float = 0.5,
-    window: int = 4,
-    schedule: str = "spectrum",
-    ramp_rounds: int = 100,
-    aggregate: str = "pooled",
-) -> Codec:
-    """The codec `kind` (one of CODEC_KINDS); options that do not apply to `kind` are ignored.
-
-    - rank: factors per matrix of `lowrank`/`lowrank_int4` (capped at min(m, n)); `adaptive` uses
-      rank_min..rank_max instead.
-    - group_size: values per fp16 scale of every int4 encoding.
-    - stochastic_rounding: int4 rounds stochastically (unbiased; reproducible from `seed`).
-    - factor_dtype: fp32 | fp16 | bf16, the factors of `lowrank` (fp16 overflows above 65504, bf16 does not).
-    - small_tensors: raw | int4, how the low-rank kinds send 0-D/1-D tensors.
-    - power_iterations: subspace iterations per round of the low-rank kinds.
-    - rank_min, rank_max, energy, energy_floor, window, schedule, ramp_rounds, aggregate: `AdaptiveRank`.
-    """
-    check_int("group_size", group_size, 1, "use e.g. 64 or 128 values per int4 scale")
-    if kind not in CODEC_KINDS:
-        raise ValueError(f"compression.kind = {kind!r} is not a codec; choose one of {', '.join(CODEC_KINDS)}")
-    if small_tensors not in SMALL_TENSOR_MODES:
-        raise ValueError(
-            f"compression.small_tensors = {small_tensors!r} is not supported; choose one of "
-            f"{', '.join(SMALL_TENSOR_MODES)}"
-        )
-    if factor_dtype not in FACTOR_DTYPES:
-        raise ValueError(
-            f"compression.factor_dtype = {factor_dtype!r} is not supported; choose one of {', '.join(FACTOR_DTYPES)} "
-            "(or compression.kind = 'lowrank_int4' for int4 factors)"
-        )
-    if not isinstance(stochastic_rounding, bool):
-        raise ValueError(f"compression.stochastic_rounding = {stochastic_rounding!r} must be true or false")
-    check_int("seed", seed, 0, "use a non-negative integer seed")
-
-    # One CPU generator per codec, shared by its int4 rounding and its random warm starts: reproducible from the
-    # seed, saved in state_dict, and never the global RNG that training's reproducibility depends on.
-    generator = torch.Generator().manual_seed(seed)
-    int4 = Int4Format(group_size, generator if stochastic_rounding else None)
-    fp32 = CastFormat(torch.float32)
-    small = int4 if small_tensors == "int4" else fp32
-    if kind in ("none", "fp16", "bf16"):
-        return ElementwiseCodec(kind, CastFormat(_KIND_DTYPES[kind]), generator=generator)
-    if kind == "int4":
-        return ElementwiseCodec(kind, int4, generator=generator)
-    if kind == "adaptive":
-        # adaptive.py builds on LowRankCodec, so importing it at module level would be circular.
-        from dilocox.compress.adaptive import AdaptiveCodec, AdaptiveRank
-
-        policy = AdaptiveRank(
-            rank_min=rank_min,
-            rank_max=rank_max,
-            energy=energy,
-            energy_floor=energy_floor,
-            window=window,
-            schedule=schedule,
-            ramp_rounds=ramp_rounds,
-            aggregate=aggregate,
-            seed=seed,
-        )
-        return AdaptiveCodec(
-            policy, factor_format=int4, small_format=small, power_iterations=power_iterations, generator=generator
-        )
-    factor = int4 if kind == "lowrank_int4" else CastFormat(_KIND_DTYPES[factor_dtype])
-    return LowRankCodec(
-        kind,
-        rank=rank,
-        factor_format=factor,
-        small_format=small,
-        power_iterations=power_iterations,
-        generator=generator,
-    )
-
-
-_KIND_DTYPES = {"none": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def check_int(field: str, value: Any, minimum: int, fix: str) -> None:
-    """ValueError naming `compression.<field>` unless value is an integer >= minimum."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"compression.{field} = {value!r} must be an integer >= {minimum}; {fix}")
-
-
-def check_fraction(field: str, value: Any, *, low: float, high: float, fix: str) -> None:
-    """ValueError naming `compression.<field>` unless low < value <= high."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not (low < value <= high) or math.isnan(value):
-        raise ValueError(f"compression.{field} = {value!r} must be in ({low}, {high}]; {fix}")

@@ -23,6 +23,13 @@ class ErrorFeedback:
         feedback = ErrorFeedback()
         payload, decoded = feedback.compress(codec, pseudo_grads)   # send payload; decoded is what others receive
         checkpoint["feedback"] = feedback.state_dict()
+
+    A reducer whose encoding is not one `codec.encode_list` call (the scalable reduction's shared factors,
+    CocktailSGD's sparse payload) uses the two halves of `compress` itself:
+
+        corrected = feedback.corrected(tensors)          # tensors + residuals: this round's codec input
+        ...encode corrected, decode what the others will receive as `sent`...
+        feedback.keep([c - s for c, s in zip(corrected, sent)])
     """
 
     def __init__(self, enabled: bool = True) -> None:
@@ -49,6 +56,36 @@ class ErrorFeedback:
         for residual, approx in zip(self.residuals, decoded, strict=True):
             residual.sub_(approx)
         return payload, decoded
+
+    def corrected(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """This round's codec input: each tensor plus its residual, as new fp32 tensors (the tensors as they are
+        in the first round or when disabled, copied)."""
+        shapes = [tensor.shape for tensor in tensors]
+        self._check_shapes(shapes)
+        if not self.enabled or self.residuals is None:
+            return [tensor.detach().to(torch.float32, copy=True) for tensor in tensors]
+        return [tensor.detach().float() + residual for tensor, residual in zip(tensors, self.residuals, strict=True)]
+
+    def keep(self, residuals: Sequence[torch.Tensor]) -> None:
+        """Store what this round's encoding lost, one tensor per input (a no-op when disabled)."""
+        if not self.enabled:
+            return
+        self._check_shapes([residual.shape for residual in residuals])
+        self.residuals = [residual.to(torch.float32) for residual in residuals]
+
+    def keep_one(self, index: int, residual: torch.Tensor) -> None:
+        """Replace the residual of input `index` (for a part whose loss is known only when its sync finishes)."""
+        if not self.enabled or self.residuals is None:
+            return
+        if residual.shape != self.residuals[index].shape:
+            raise ValueError(
+                f"residual {index} has shape {tuple(self.residuals[index].shape)}, got {tuple(residual.shape)}"
+            )
+        self.residuals[index] = residual.to(torch.float32)
+
+    def state_bytes(self, numel: int) -> int:
+        """Bytes of the residuals for inputs of `numel` values in all, counted before the first round too."""
+        return 4 * numel if self.enabled else 0
 
     def _check_shapes(self, shapes: list[torch.Size]) -> None:
         if self.residuals is None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from dilocox.compress.codecs import check_fraction, check_int
+from dilocox.compress.config import CocktailConfig
 from dilocox.compress.int4 import decode_int4, encode_int4, int4_nbytes
 from dilocox.compress.payload import ByteReader, Payload
 
@@ -57,32 +57,20 @@ class SparseInt4Codec:
     combines a random subset shared by every worker, top-k inside it and 4-bit quantization, with error feedback
     (kept by the caller, `dilocox.sync.cocktail.CocktailSync`). The payload size is fixed by `n` (module docstring).
 
-        codec = SparseInt4Codec(sample_ratio=0.1, topk_ratio=0.01, group_size=64, seed=0)
+        codec = SparseInt4Codec(CocktailConfig(sample_ratio=0.1, topk_ratio=0.01, group_size=64), seed=0)
         payload = codec.encode(grad_shard, step=step)          # payload.nbytes == codec.expected_nbytes(n)
         dense = codec.decode(payload, grad_shard.numel(), step=step)   # (n,) fp32, zero off the top-k
     """
 
     name = "sparse_int4"
 
-    def __init__(
-        self, *, sample_ratio: float = 0.1, topk_ratio: float = 0.01, group_size: int = 64, seed: int = 0
-    ) -> None:
-        check_fraction(
-            "sample_ratio", sample_ratio, low=0.0, high=1.0, fix="use the share of coordinates top-k looks at, e.g. 0.1"
-        )
-        check_fraction(
-            "topk_ratio", topk_ratio, low=0.0, high=1.0, fix="use the share of coordinates sent per step, e.g. 0.01"
-        )
-        if topk_ratio > sample_ratio:
-            raise ValueError(
-                f"compression.topk_ratio = {topk_ratio!r} must be <= compression.sample_ratio = {sample_ratio!r}: "
-                "the top-k values are chosen inside the random sample; lower topk_ratio or raise sample_ratio"
-            )
-        check_int("group_size", group_size, 1, "use e.g. 64 or 128 values per int4 scale")
-        check_int("seed", seed, 0, "any non-negative integer, the same on every cluster")
-        self.sample_ratio = float(sample_ratio)
-        self.topk_ratio = float(topk_ratio)
-        self.group_size = group_size
+    def __init__(self, cfg: CocktailConfig, *, seed: int = 0) -> None:
+        cfg.validate()
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"run.seed = {seed!r} must be an integer >= 0, the same on every cluster")
+        self.sample_ratio = float(cfg.sample_ratio)
+        self.topk_ratio = float(cfg.topk_ratio)
+        self.group_size = cfg.group_size
         self.seed = seed
 
     # sizes --------------------------------------------------------------------------------------------------------
@@ -112,7 +100,7 @@ class SparseInt4Codec:
         m = self.sample_size(numel)
         if m > MAX_SAMPLE:
             raise ValueError(
-                f"a sample of {m} coordinates does not fit the int32 positions of compression.sample_ratio = "
+                f"a sample of {m} coordinates does not fit the int32 positions of cocktail.sample_ratio = "
                 f"{self.sample_ratio}; lower it or shard the gradient over more replicas (topology.dp_degree)"
             )
         generator = torch.Generator().manual_seed(sample_seed(self.seed, step))
@@ -148,7 +136,7 @@ class SparseInt4Codec:
         if payload.nbytes != expected:
             raise ValueError(
                 f"a sparse int4 payload for {numel} values must have {expected} bytes but has {payload.nbytes}; "
-                "sender and receiver must use the same compression.sample_ratio, topk_ratio and group_size"
+                "sender and receiver must use the same cocktail.sample_ratio, topk_ratio and group_size"
             )
         if numel == 0:
             _check_step(step)

@@ -25,13 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from dilocox.topology import group_size
+
 SCHEDULES = ("gpipe", "1f1b")
 """Pipeline schedules `PipelineRunner` accepts (`train.pipeline_schedule`)."""
-
-
-def _group_size(group: dist.ProcessGroup | None) -> int:
-    # None stands for "no group": a single process that needs no communication (the dilocox.sync convention).
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def mean_token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -99,10 +96,10 @@ class PipelineRunner:
             )
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"train.seq_len = {seq_len!r} must be a positive integer")
-        group_size = _group_size(pp_group)
-        if num_stages > 1 and group_size != num_stages:
+        pp_size = group_size(pp_group)
+        if num_stages > 1 and pp_size != num_stages:
             raise ValueError(
-                f"topology.pp_degree = {num_stages} but pp_group has {group_size} ranks; build the groups with "
+                f"topology.pp_degree = {num_stages} but pp_group has {pp_size} ranks; build the groups with "
                 "dilocox.topology.build_process_groups for the same topology"
             )
         if num_stages > 1 and dist.get_rank(pp_group) != stage_index:
@@ -227,7 +224,7 @@ class PipelineRunner:
 
 def broadcast_from_last_stage(value: float | None, pp_group: dist.ProcessGroup | None) -> float:
     """The last stage's `value` (e.g. the loss) on every stage of the pipeline; a no-op for a group of one."""
-    size = _group_size(pp_group)
+    size = group_size(pp_group)
     is_last = size == 1 or dist.get_rank(pp_group) == size - 1
     if is_last and value is None:
         raise ValueError("broadcast_from_last_stage needs a value on the last stage of the pipeline")
@@ -253,7 +250,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, *, pp_group
     squared = torch.zeros((), dtype=torch.float64)
     for grad in grads:
         squared += torch.linalg.vector_norm(grad.detach(), 2.0, dtype=torch.float32).double().square()
-    if _group_size(pp_group) > 1:
+    if group_size(pp_group) > 1:
         dist.all_reduce(squared, group=pp_group)
     total_norm = math.sqrt(squared.item())
     # The same coefficient as torch.nn.utils.clip_grad_norm_ (including its 1e-6 guard), clamped to never scale up.

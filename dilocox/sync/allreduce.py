@@ -11,7 +11,9 @@ from typing import Any
 import torch.distributed as dist
 
 from dilocox.net.channel import WanChannel, ring_all_reduce_bytes
-from dilocox.sync.base import FlatParams, dp_mean_, group_size, launch_cross_cluster_mean, shard_bounds
+from dilocox.sync.base import FlatParams, RoundStats, dp_mean_, shard_bounds
+from dilocox.sync.reducers import DenseReducer
+from dilocox.topology import group_size
 
 
 class AllReduceSync:
@@ -19,27 +21,28 @@ class AllReduceSync:
     first over the fast dp_group, then each replica's 1/dp shard over the slow cluster_group."""
 
     name = "allreduce"
+    outer_step = 0  # no outer optimizer
+    inner_steps = 1  # every step is a round: the replicas agree after each
 
     def __init__(self, params, *, channel: WanChannel, dp_group: dist.ProcessGroup | None) -> None:
         self.flat = FlatParams(params)
-        self.channel = channel
+        self.numel = self.flat.numel
         self.dp_group = dp_group
-        self.outer_step = 0
-        self.last_round: dict[str, float] = {}
+        self.reducer = DenseReducer(self.numel, channel=channel, dp_group=dp_group)
         self.warnings: list[str] = []
 
     def reduce_gradients(self) -> None:
         grads = dp_mean_(self.flat.gather_grads(), self.dp_group)
-        self.flat.scatter_grads(launch_cross_cluster_mean(grads, channel=self.channel, dp_group=self.dp_group).wait())
+        self.flat.scatter_grads(self.reducer.launch(grads).wait())
 
-    def after_inner_step(self, step: int) -> bool:
-        return True
+    def after_inner_step(self, step: int) -> RoundStats | None:
+        return None  # the exchange happened inside reduce_gradients; its link time is in the channel's totals
 
     def is_round_boundary(self, step: int) -> bool:
         return True
 
-    def flush(self) -> None:
-        pass
+    def flush(self) -> RoundStats | None:
+        return None
 
     def state_bytes(self) -> int:
         return 0  # no outer state

@@ -1,4 +1,4 @@
-"""What every synchronization strategy shares: the protocol, flat buffers, and the sharded cross-cluster mean.
+"""What every synchronization strategy shares: the protocol, the per-round record, flat buffers and shards.
 
 A strategy is called by the trainer at two points of every inner step:
 
@@ -10,37 +10,101 @@ A strategy is called by the trainer at two points of every inner step:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from dilocox.net.channel import PendingTransfer, WanChannel
+from dilocox.compress import compression_ratio
+from dilocox.topology import group_size
+
+
+@dataclass
+class CodecCost:
+    """What encoding one pseudo-gradient slice cost: its payload against the fp32 slice, and the codec's time."""
+
+    payload_bytes: int
+    """Bytes of this rank's payload (for the scalable reduction: the sum over its link steps)."""
+    dense_bytes: int
+    """Bytes of the same slice in fp32."""
+    codec_s: float
+    """Seconds spent encoding and decoding (grows when the sync finishes and decodes what arrived)."""
+
+
+@dataclass
+class RoundStats:
+    """What the sync waited for at a round boundary cost (or, for cocktail, one step's exchange): logged with that
+    step in metrics.jsonl under the `round_*` keys of `to_record()`."""
+
+    link_s: float
+    """Link time of the transfer (emulated or measured)."""
+    exposed_s: float
+    """Time the trainer was blocked waiting for it."""
+    bytes_sent: int
+    """Bytes this rank put on the slow link for it."""
+    compute_s: float | None = None
+    """Seconds from its launch to the wait (outer loops only): the compute it could hide behind."""
+    inner_steps: int | None = None
+    """Inner steps computed since its launch (outer loops only): this round's H."""
+    cost: CodecCost | None = None
+    """Payload size and codec time of a compressed sync."""
+    rank: int | None = None
+    """The low-rank codec's rank of the next encoding (adaptive: the rank it chose)."""
+
+    @property
+    def hidden_s(self) -> float:
+        """Link time that overlapped compute."""
+        return max(0.0, self.link_s - self.exposed_s)
+
+    def to_record(self) -> dict[str, float]:
+        record: dict[str, float] = {
+            "round_link_s": self.link_s,
+            "round_exposed_s": self.exposed_s,
+            "round_hidden_s": self.hidden_s,
+            "round_bytes_sent": self.bytes_sent,
+        }
+        if self.compute_s is not None:
+            record["round_compute_s"] = self.compute_s
+        if self.inner_steps is not None:
+            record["round_inner_steps"] = self.inner_steps
+        if self.cost is not None and self.cost.payload_bytes:
+            record["round_codec_s"] = self.cost.codec_s
+            record["round_payload_bytes"] = self.cost.payload_bytes
+            record["round_compression_ratio"] = compression_ratio(self.cost.payload_bytes, self.cost.dense_bytes // 4)
+            # bits on the wire per pseudo-gradient value (32 for fp32, ~4.5 for int4 with its scales)
+            record["round_bits_per_value"] = 8 * self.cost.payload_bytes / (self.cost.dense_bytes / 4)
+            if self.rank is not None:
+                record["round_rank"] = self.rank
+        return record
 
 
 class SyncStrategy(Protocol):
-    """One way of keeping the clusters' models together (DESIGN.md section 6)."""
+    """One way of keeping the clusters' models together (docs/design.md §6): everything the trainer uses."""
 
     name: str
     outer_step: int
-    last_round: dict[str, float]
-    """Link accounting of the outer sync waited for at the last round boundary (logged with that step)."""
+    """Rounds completed (per-step strategies: 0, they have no outer optimizer)."""
+    inner_steps: int
+    """H of the round in progress (1 for per-step strategies); fit_link may change it between rounds."""
+    numel: int
+    """Values of this rank's parameters that the strategy keeps in step."""
     warnings: list[str]
     """Messages for the user (e.g. the link cannot keep up), printed once by the trainer."""
 
     def reduce_gradients(self) -> None:
         """Average this step's gradients over the ranks that must agree on them, before the inner step."""
 
-    def after_inner_step(self, step: int) -> bool:
-        """Called after inner step `step` (1-based); returns True when the replicas now agree (a round ended)."""
+    def after_inner_step(self, step: int) -> RoundStats | None:
+        """Called after inner step `step` (1-based); returns what the sync waited for at this step cost, or None
+        when nothing was waited for (no round ended, or a delayed sync's first round)."""
 
     def is_round_boundary(self, step: int) -> bool:
         """Whether the replicas agree after inner step `step` (checkpoints and evaluations of record go there)."""
 
-    def flush(self) -> None:
-        """Apply anything pending (the end of training); afterwards every cluster holds the same parameters."""
+    def flush(self) -> RoundStats | None:
+        """Apply anything pending (the end of training); afterwards every cluster holds the same parameters.
+        Returns what the sync it waited for cost, or None when nothing was pending."""
 
     def state_bytes(self) -> int:
         """Bytes of the strategy's own state on this rank (outer params, momentum, ...), for the memory report."""
@@ -48,10 +112,6 @@ class SyncStrategy(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-def group_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 class FlatParams:
@@ -102,66 +162,3 @@ def shard_bounds(numel: int, num_shards: int, index: int) -> tuple[int, int]:
     base, extra = divmod(numel, num_shards)
     start = index * base + min(index, extra)
     return start, start + base + (1 if index < extra else 0)
-
-
-@dataclass
-class PendingMean:
-    """An in-flight cross-cluster mean of one flat vector (see `launch_cross_cluster_mean`).
-
-    `finish()` waits for the slow-link part and returns this dp replica's averaged slice; `wait()` then
-    all-gathers the slices over the fast dp_group into `flat`. `sent` is what this rank put on the link, kept
-    until `wait()` so that a checkpoint taken while the sync is in flight can save it and a resumed run can send
-    it again (instead of stalling the checkpoint until the transfer arrives). `info` collects what the sync cost
-    (bytes, codec seconds) for the per-round log."""
-
-    flat: torch.Tensor
-    bounds: list[tuple[int, int]]  # every dp replica's slice of `flat`
-    finish: Callable[[], torch.Tensor]
-    transfer: PendingTransfer
-    dp_group: dist.ProcessGroup | None
-    sent: torch.Tensor
-    info: dict[str, float] = field(default_factory=dict)
-
-    def wait(self) -> torch.Tensor:
-        """Block until the slow-link part is done, then all-gather the slices over the fast dp_group."""
-        return gather_slices_(self.flat, self.finish(), self.bounds, self.dp_group)
-
-
-def gather_slices_(
-    flat: torch.Tensor, shard: torch.Tensor, bounds: list[tuple[int, int]], dp_group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    """Write every dp replica's `shard` (replica i owns `flat[bounds[i]]`) into `flat` on all replicas."""
-    size = group_size(dp_group)
-    if size == 1:
-        flat.copy_(shard)
-        return flat
-    width = max(end - start for start, end in bounds)  # gloo all-gathers equal sizes only: pad to the longest
-    padded = torch.zeros(width, dtype=shard.dtype)
-    padded[: shard.numel()] = shard
-    parts = [torch.empty_like(padded) for _ in range(size)]
-    dist.all_gather(parts, padded, group=dp_group)
-    for (start, end), part in zip(bounds, parts, strict=True):
-        flat[start:end] = part[: end - start]
-    return flat
-
-
-def launch_cross_cluster_mean(
-    flat: torch.Tensor, *, channel: WanChannel, dp_group: dist.ProcessGroup | None, account: bool = True
-) -> PendingMean:
-    """Start averaging `flat` over the clusters; it must already be identical on all dp replicas of this cluster.
-
-    The slow-link transfer is sharded over the cluster's `dp_degree` replicas (DESIGN.md section 2): replica d
-    averages only shard d over `cluster_group`, then the shards are all-gathered over the fast `dp_group` in
-    `wait()`, so each rank puts 1/dp of the vector on the slow link. `flat` itself stays untouched until `wait()`
-    (the all-reduce works on a copy of the shard), so it is what a resumed run sends again.
-    """
-    size = group_size(dp_group)
-    bounds = [shard_bounds(flat.numel(), size, index) for index in range(size)]
-    start, end = bounds[dist.get_rank(dp_group) if size > 1 else 0]
-    shard = flat[start:end].clone()
-    transfer = channel.launch_all_reduce(shard, op="avg", account=account)
-
-    def finish() -> torch.Tensor:
-        return transfer.wait()
-
-    return PendingMean(flat=flat, bounds=bounds, finish=finish, transfer=transfer, dp_group=dp_group, sent=flat)

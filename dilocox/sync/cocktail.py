@@ -1,7 +1,7 @@
 """The CocktailSGD baseline: every step's gradients cross the slow link sparse and 4-bit, with error feedback.
 
-sync = CocktailSync(model.parameters(), channel=channel, dp_group=groups.dp_group, sample_ratio=0.1,
-                    topk_ratio=0.01, group_size=64)
+sync = CocktailSync(model.parameters(), CocktailConfig(sample_ratio=0.1, topk_ratio=0.01), channel=channel,
+                    dp_group=groups.dp_group)
 loss.backward(); sync.reduce_gradients(); inner_optimizer.step()
 """
 
@@ -13,24 +13,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dilocox.compress import CocktailConfig, ErrorFeedback
 from dilocox.compress.payload import Payload
 from dilocox.compress.sparse import SparseInt4Codec
 from dilocox.net.channel import WanChannel, ring_all_gather_bytes, ring_all_reduce_bytes
-from dilocox.sync.base import FlatParams, dp_mean_, gather_slices_, shard_bounds
-from dilocox.sync.base import group_size as num_ranks  # `group_size` is the int4 option here
+from dilocox.sync.base import FlatParams, RoundStats, dp_mean_, shard_bounds
+from dilocox.sync.reducers import gather_slices_
+from dilocox.topology import group_size
 
 
 class CocktailSync:
     """CocktailSGD (Wang et al. 2023, "CocktailSGD: Fine-tuning Foundation Models over 500Mbps Networks", ICML),
-    the compressed per-step baseline of DiLoCoX's comparison (arXiv 2506.21263, DESIGN.md section 6).
+    the compressed per-step baseline of DiLoCoX's comparison (arXiv 2506.21263, docs/design.md §6).
 
-    Every step, on each rank (DESIGN.md section 2 for the groups):
+    Every step, on each rank (docs/design.md §2 for the groups):
     1. the gradients are averaged over the fast dp_group, and this rank takes its contiguous 1/dp shard;
     2. `corrected = shard + residual` is encoded by `SparseInt4Codec` (shared random sample, top-k, int4) with the
        sync's step counter, which every cluster advances in lockstep, so all draw the same sample;
     3. the payloads are all-gathered over the slow cluster_group (`(C-1) x payload` per rank, exact for any
        codec), every one is decoded and their sum divided by C is this shard's averaged gradient;
-    4. `residual = corrected - decoded(own payload)` (error feedback: what this step did not send is sent later);
+    4. `residual = corrected - decoded(own payload)` (`ErrorFeedback`: what this step did not send is sent later);
     5. the averaged shards are all-gathered over the fast dp_group and written into the gradients.
 
     With a single cluster nothing crosses a slow link, so the gradients pass through exact (steps 2-4 skipped):
@@ -39,33 +41,30 @@ class CocktailSync:
 
     name = "cocktail"
 
+    outer_step = 0  # no outer optimizer: every step is a plain data-parallel step, as for allreduce
+    inner_steps = 1  # every step is a round: the replicas agree after each
+
     def __init__(
         self,
         params,
+        cfg: CocktailConfig,
         *,
         channel: WanChannel,
         dp_group: dist.ProcessGroup | None,
-        sample_ratio: float,
-        topk_ratio: float,
-        group_size: int,
-        error_feedback: bool = True,
         seed: int = 0,
     ) -> None:
-        self.codec = SparseInt4Codec(
-            sample_ratio=sample_ratio, topk_ratio=topk_ratio, group_size=group_size, seed=seed
-        )  # validates the options, naming the compression.* fields
+        self.codec = SparseInt4Codec(cfg, seed=seed)  # validates the [cocktail] options
         self.flat = FlatParams(params)
+        self.numel = self.flat.numel
         self.channel = channel
         self.dp_group = dp_group
-        self.error_feedback = error_feedback
-        dp_size = num_ranks(dp_group)
+        dp_size = group_size(dp_group)
         self.shard_start, self.shard_end = shard_bounds(
             self.flat.numel, dp_size, dist.get_rank(dp_group) if dp_size > 1 else 0
         )
-        self.residual = torch.zeros(self.shard_numel if error_feedback else 0)  # (shard,) fp32
+        self.feedback = ErrorFeedback(enabled=cfg.error_feedback)  # one residual: this rank's shard, fp32
         self.sync_step = 0  # compressed syncs done: the step of the shared sample, saved for an exact resume
-        self.outer_step = 0  # no outer optimizer: every step is a plain data-parallel step, as for allreduce
-        self.last_round: dict[str, float] = {}  # link accounting of this step's exchange
+        self.last_step_stats: RoundStats | None = None  # link accounting of this step's exchange
         self.warnings: list[str] = []
         self._checked_cost = False
 
@@ -85,7 +84,7 @@ class CocktailSync:
             self.flat.scatter_grads(grads)
             return
         shard = grads[self.shard_start : self.shard_end]  # (shard,)
-        corrected = shard + self.residual if self.error_feedback else shard
+        (corrected,) = self.feedback.corrected([shard])
         payload = self.codec.encode(corrected, step=self.sync_step)
         blocked_from = time.perf_counter()
         transfer = self.channel.launch_all_gather(payload.data)
@@ -95,33 +94,29 @@ class CocktailSync:
         for cluster, data in enumerate(payloads):
             indices, values = self.codec.decode_sparse(Payload(data), self.shard_numel, step=self.sync_step)
             avg_shard.index_add_(0, indices, values)
-            if self.error_feedback and cluster == self.channel.group_rank:
+            if cluster == self.channel.group_rank:
                 # From the bytes, not the values before quantization: the residual must hold exactly what the
                 # other clusters did not receive.
-                corrected.index_add_(0, indices, values, alpha=-1.0)
-                self.residual = corrected
+                self.feedback.keep([corrected.index_add_(0, indices, values, alpha=-1.0)])
         avg_shard.div_(self.num_clusters)
-        bounds = [shard_bounds(self.flat.numel, num_ranks(self.dp_group), i) for i in range(num_ranks(self.dp_group))]
+        dp_size = group_size(self.dp_group)
+        bounds = [shard_bounds(self.flat.numel, dp_size, i) for i in range(dp_size)]
         self.flat.scatter_grads(gather_slices_(grads, avg_shard, bounds, self.dp_group))
         self.sync_step += 1
-        self.last_round = {
-            "round_link_s": transfer.link_s,
-            "round_exposed_s": exposed,
-            "round_hidden_s": max(0.0, transfer.link_s - exposed),
-            "round_bytes_sent": transfer.nbytes_sent,
-        }
+        self.last_step_stats = RoundStats(link_s=transfer.link_s, exposed_s=exposed, bytes_sent=transfer.nbytes_sent)
         if not self._checked_cost:
             self._checked_cost = True
             self._check_cost(transfer.nbytes_sent)
 
-    def after_inner_step(self, step: int) -> bool:
-        return True
+    def after_inner_step(self, step: int) -> RoundStats | None:
+        stats, self.last_step_stats = self.last_step_stats, None
+        return stats
 
     def is_round_boundary(self, step: int) -> bool:
         return True
 
-    def flush(self) -> None:
-        pass  # every exchange completes within its step
+    def flush(self) -> RoundStats | None:
+        return None  # every exchange completes within its step
 
     def _check_cost(self, nbytes_sent: int) -> None:
         """Warn when the all-gather of payloads sends more than the fp32 all-reduce it replaces (many clusters)."""
@@ -130,7 +125,7 @@ class CocktailSync:
             self.warnings.append(
                 f"warning: CocktailSGD sends {nbytes_sent:,} bytes per step on the slow link, not less than the "
                 f"{dense_sent:,} of an fp32 all-reduce: an all-gather of payloads grows with the {self.num_clusters} "
-                "clusters; lower compression.topk_ratio or use sync.kind = 'allreduce'"
+                "clusters; lower cocktail.topk_ratio or use sync.kind = 'allreduce'"
             )
 
     # ---------------------------------------------------------------------------------------------- accounting
@@ -148,18 +143,17 @@ class CocktailSync:
     # ---------------------------------------------------------------------------------------------- state
     def state_bytes(self) -> int:
         """Bytes of the error-feedback residual (fp32, this rank's shard; 0 without error feedback)."""
-        return 4 * self.residual.numel()
+        return self.feedback.state_bytes(self.shard_numel)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"residual": self.residual.clone(), "sync_step": self.sync_step, "outer_step": self.outer_step}
+        return {"feedback": self.feedback.state_dict(), "sync_step": self.sync_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        residual = state["residual"]
-        if residual.shape != self.residual.shape:
+        residuals = state["feedback"]["residuals"]
+        if residuals and residuals["0"].numel() != self.shard_numel:
             raise ValueError(
-                f"the checkpoint's CocktailSGD residual has {residual.numel()} values but this rank's holds "
-                f"{self.residual.numel()}; resume with the topology and compression.error_feedback it was saved with"
+                f"the checkpoint's CocktailSGD residual has {residuals['0'].numel()} values but this rank's shard has "
+                f"{self.shard_numel}; resume with the topology it was saved with"
             )
-        self.residual = residual.to(torch.float32).clone()
+        self.feedback.load_state_dict(state["feedback"])
         self.sync_step = int(state["sync_step"])
-        self.outer_step = int(state["outer_step"])

@@ -1,15 +1,17 @@
-"""The scalable cross-cluster mean of a compressed pseudo-gradient: about 2 x payload per rank for any number of
-clusters, where the gather path (`sync/compressed.py`) costs (C-1) x payload (`compression.reduction`).
+"""The scalable reducers of a compressed pseudo-gradient: about 2 x payload per rank for any number of clusters,
+where `GatherReducer` (`sync/reducers.py`) costs (C-1) x payload (`compression.reduction`).
 
 Both ways below average with the same step, `_average_sections`: the vector is cut into C chunks, chunk j of every
 cluster goes to cluster j (all-to-all, (C-1)/C of the payload out), cluster j decodes the C versions, averages
 them, encodes the mean again (re-quantization, always round-to-nearest) and the means are all-gathered ((C-1)/C
 out). Every cluster decodes the same bytes, so all end with the same mean.
 
-- Elementwise codecs (fp16, bf16, int4): the dp slice of the pseudo-gradient is averaged that way.
-- Low-rank codecs (lowrank, lowrank_int4): PowerSGD's linear factors (Vogels et al. 2019, arXiv 1905.13727).
-  Low-rank payloads cannot be summed (P1 Q1^T + P2 Q2^T is not a rank-r product), but with a right factor Q (n, r)
-  that every cluster shares, P_i = M_i Q is linear in M_i: the mean of the P_i is (mean M) Q. So P is averaged,
+- Elementwise codecs (fp16, bf16, int4), `ScalableElementwiseReducer`: the dp slice of the pseudo-gradient is
+  averaged that way.
+- Low-rank codecs (lowrank, lowrank_int4), `ScalableLowRankReducer`: PowerSGD's linear factors (Vogels et al.
+  2019, arXiv 1905.13727). Low-rank payloads cannot be summed (P1 Q1^T + P2 Q2^T is not a rank-r product),
+  but with a right factor Q (n, r) that every cluster shares, P_i = M_i Q is linear in M_i: the mean of the P_i
+  is (mean M) Q. So P is averaged,
   orthonormalized the same way on every cluster into P^, then Q_i = M_i^T P^ is averaged, and
   mean M ~= P^ mean(Q_i)^T. Small tensors and matrices sent dense ride with P. The averaged Q is the next round's
   shared warm start. Two averages one after the other: four link steps, four latencies.
@@ -24,33 +26,28 @@ by half an int4 step of the mean and does not accumulate (an fp32 or fp16 factor
 Bytes per rank r for one average of chunks of s_j bytes: all-to-all sends sum(s) - s_r and receives (C-1) s_r;
 the ring all-gather sends sum(s) - s_(r+1) and receives sum(s) - s_r (`chunk_nbytes` gives s).
 
-    mean = ScalableMean(codec, error_feedback=True, seed=0)
-    pending = mean.launch(pseudo_grad, shapes=flat.shapes, channel=channel, dp_group=dp_group)
+    reducer = build_scalable_reducer(codec, flat.shapes, error_feedback=True, channel=channel, dp_group=dp_group)
+    pending = reducer.launch(pseudo_grad)
     avg_pseudo_grad = pending.wait()
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dilocox.compress import Codec, ElementwiseCodec, Int4Format, LowRankCodec, ValueFormat
-from dilocox.compress.codecs import as_matrix, sent_dense
+from dilocox.compress import ElementwiseCodec, ErrorFeedback, Int4Format, LowRankCodec, ValueFormat
+from dilocox.compress.codecs import Codec, as_matrix, sent_dense
 from dilocox.compress.lowrank import orthonormalize
 from dilocox.compress.payload import ByteReader, tensor_bytes
 from dilocox.net.channel import WanChannel, Wire
-from dilocox.sync.base import PendingMean, shard_bounds
-from dilocox.sync.compressed import _my_slice
-
-REDUCTIONS = ("gather", "scalable")
-"""`compression.reduction`: gather-and-average (exact per payload, (C-1) x payload) or scalable (~2 x payload)."""
-SCALABLE_KINDS = ("fp16", "bf16", "int4", "lowrank", "lowrank_int4")
-"""The codecs the scalable path can average."""
+from dilocox.sync.base import CodecCost, shard_bounds
+from dilocox.sync.reducers import PendingMean, ReplicaSlice
 
 
 @dataclass(frozen=True)
@@ -73,17 +70,6 @@ def chunk_nbytes(sections: Sequence[Section], world: int) -> list[int]:
         for j, length in enumerate(chunk_lengths(section.numel, world)):
             sizes[j] += section.fmt.nbytes(length)
     return sizes
-
-
-def averaged_bytes(sections: Sequence[Section], world: int, rank: int) -> tuple[int, int]:
-    """(sent, received) bytes of `rank` for one `_average_sections` of `sections` over `world` clusters."""
-    if world == 1:
-        return 0, 0
-    sizes = chunk_nbytes(sections, world)
-    total = sum(sizes)
-    sent = (total - sizes[rank]) + (total - sizes[(rank + 1) % world])
-    recv = (world - 1) * sizes[rank] + (total - sizes[rank])
-    return sent, recv
 
 
 def _encode_chunks(values: Sequence[torch.Tensor], sections: Sequence[Section], world: int) -> list[torch.Tensor]:
@@ -167,82 +153,128 @@ class _Plan:
         return parts + list(zip(self.small, small.split(self.numels(self.small)), strict=True))
 
 
-class ScalableMean:
-    """The scalable reduction (module docstring), with its state: error feedback and the shared warm starts."""
+class _ScalableReducer:
+    """What both scalable reducers share: this replica's slice, its error feedback, launch/relaunch and state."""
 
-    def __init__(self, codec: Codec, *, error_feedback: bool = True, seed: int = 0) -> None:
-        if isinstance(codec, LowRankCodec) and codec.name not in ("lowrank", "lowrank_int4"):
-            raise ValueError(
-                f"compression.reduction = 'scalable' cannot average the {codec.name!r} codec: its rank is chosen per "
-                "cluster, and this path needs one rank every cluster agrees on; use compression.reduction = 'gather' "
-                "or compression.kind = 'lowrank_int4' with a fixed compression.rank"
-            )
-        if not isinstance(codec, ElementwiseCodec | LowRankCodec) or codec.name == "none":
-            raise ValueError(
-                f"compression.reduction = 'scalable' supports {', '.join(SCALABLE_KINDS)}, not {codec.name}"
-            )
+    name = "scalable"
+
+    def __init__(
+        self,
+        codec: Codec,
+        shapes: Sequence[torch.Size],
+        *,
+        error_feedback: bool,
+        channel: WanChannel,
+        dp_group: dist.ProcessGroup | None,
+        seed: int = 0,
+    ) -> None:
         self.codec = codec
-        self.error_feedback = error_feedback
+        self.numel = sum(shape.numel() for shape in shapes)
+        self.slice = ReplicaSlice.of(shapes, dp_group)
+        self.feedback = ErrorFeedback(enabled=error_feedback)
+        self.channel = channel
+        self.dp_group = dp_group
         self.seed = seed
-        self.residuals: list[torch.Tensor] | None = None  # per tensor of this rank's slice (fp32)
+
+    def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        """Add the residuals to this replica's slice, encode what goes first (on the trainer's thread: the codec's
+        RNG may round stochastically) and start the program on the communicator thread."""
+        encode_from = time.perf_counter()
+        corrected = self.feedback.corrected(self.slice.tensors(pseudo_grad))
+        u = torch.cat([t.reshape(-1) for t in corrected]) if corrected else torch.zeros(0)  # (slice,)
+        sent = self._encode(u)
+        return self._start(pseudo_grad, sent, codec_s=time.perf_counter() - encode_from, account=True)
+
+    def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
+        return self._start(torch.zeros(self.numel), sent, codec_s=0.0, account=account)
+
+    def current_rank(self) -> int | None:
+        return self.codec.current_rank()
+
+    def _split(self, u: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.split(u, [shape.numel() for shape in self.slice.shapes]))
+
+    def _encode(self, u: torch.Tensor) -> torch.Tensor:
+        """What this rank sends (saved by a checkpoint in flight); keeps the residuals known at launch."""
+        raise NotImplementedError
+
+    def _program(
+        self, sent: torch.Tensor
+    ) -> tuple[Callable[[Wire], dict[str, Any]], Callable[[dict[str, Any]], torch.Tensor], int]:
+        """(the program run on the communicator thread, the finishing step on the trainer's, payload bytes)."""
+        raise NotImplementedError
+
+    def _start(self, flat: torch.Tensor, sent: torch.Tensor, *, codec_s: float, account: bool) -> PendingMean:
+        program, assemble, payload_bytes = self._program(sent)
+        cost = CodecCost(payload_bytes=payload_bytes, dense_bytes=4 * self.slice.numel, codec_s=codec_s)
+        transfer = self.channel.launch_program(program, kind="scalable_mean", account=account)
+
+        def finish() -> torch.Tensor:
+            out = transfer.wait()
+            finish_from = time.perf_counter()
+            mean = assemble(out)
+            cost.codec_s += out["compute_s"] + time.perf_counter() - finish_from
+            return mean
+
+        return PendingMean(flat, self.slice.bounds, finish, transfer, self.dp_group, sent=sent, cost=cost)
+
+    def _own_decoding(self, sections: Sequence[Section], chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's own decoding of the first step's chunks, one vector per section."""
+        world = self.channel.world_size
+        return [
+            torch.cat(parts) if parts else torch.zeros(0)
+            for parts in zip(*[_decode_chunk(c, sections, world, j) for j, c in enumerate(chunks)], strict=True)
+        ]
+
+    def state_bytes(self) -> int:
+        return self.feedback.state_bytes(self.slice.numel)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"codec": self.codec.state_dict(), "feedback": self.feedback.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.codec.load_state_dict(state["codec"])
+        self.feedback.load_state_dict(state["feedback"])
+
+
+class ScalableElementwiseReducer(_ScalableReducer):
+    """fp16, bf16 or int4: the slice is averaged in one `_average_sections` (module docstring)."""
+
+    def _sections(self) -> list[Section]:
+        return [Section(self.slice.numel, self.codec.value_format)]  # type: ignore[attr-defined]
+
+    def _encode(self, u: torch.Tensor) -> torch.Tensor:
+        sections = self._sections()
+        chunks = _encode_chunks([u], sections, self.channel.world_size)
+        if self.feedback.enabled:
+            (local,) = self._own_decoding(sections, chunks)
+            residuals = self._split(u - local)
+            self.feedback.keep([r.view(s) for r, s in zip(residuals, self.slice.shapes, strict=True)])
+        return torch.cat(chunks)
+
+    def _program(self, sent: torch.Tensor):
+        sections = self._sections()
+        sizes = chunk_nbytes(sections, self.channel.world_size)
+        chunks = list(torch.split(sent, sizes))
+
+        def program(wire: Wire) -> dict[str, Any]:
+            (mean,) = _average_sections(wire, chunks, sections)
+            return {"mean": mean, "compute_s": 0.0}  # decoding is part of the link steps
+
+        return program, lambda out: out["mean"], sum(sizes)
+
+
+class ScalableLowRankReducer(_ScalableReducer):
+    """lowrank or lowrank_int4: PowerSGD's shared right factors, two averages (module docstring)."""
+
+    def __init__(self, codec: Codec, shapes: Sequence[torch.Size], **kwargs: Any) -> None:
+        super().__init__(codec, shapes, **kwargs)
+        self.plan = self._make_plan()
         self.warm_starts: dict[int, torch.Tensor] = {}  # shared (n, r) per low-rank tensor index
 
-    # ---------------------------------------------------------------------------------------------- launch
-    def launch(
-        self,
-        flat: torch.Tensor,
-        *,
-        shapes: Sequence[torch.Size],
-        channel: WanChannel,
-        dp_group: dist.ProcessGroup | None,
-    ) -> PendingMean:
-        """Add the residuals to this replica's slice of `flat`, encode what goes first, and start the program."""
-        bounds, start, end, spans, my_shapes = _my_slice(shapes, dp_group)
-        encode_from = time.perf_counter()
-        tensors = [flat[a:b].view(shape).float().clone() for (a, b), shape in zip(spans, my_shapes, strict=True)]
-        if self.error_feedback and self.residuals is not None:
-            for tensor, residual in zip(tensors, self.residuals, strict=True):
-                tensor.add_(residual)
-        u = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
-        first = self._first_payload(u, my_shapes, channel.world_size)
-        sent = torch.cat([tensor_bytes(u), first]) if self._is_lowrank else first
-        return self._start(
-            flat,
-            bounds,
-            sent,
-            u.numel(),
-            my_shapes,
-            channel,
-            dp_group,
-            codec_s=time.perf_counter() - encode_from,
-            account=True,
-        )
-
-    def relaunch(
-        self,
-        sent: torch.Tensor,
-        numel: int,
-        *,
-        shapes: Sequence[torch.Size],
-        channel: WanChannel,
-        dp_group: dist.ProcessGroup | None,
-        account: bool = True,
-    ) -> PendingMean:
-        """Run again a sync a checkpoint saved while it was in flight: the same bytes, the same result."""
-        bounds, start, end, _, my_shapes = _my_slice(shapes, dp_group)
-        return self._start(
-            torch.zeros(numel), bounds, sent, end - start, my_shapes, channel, dp_group, codec_s=0.0, account=account
-        )
-
-    @property
-    def _is_lowrank(self) -> bool:
-        return isinstance(self.codec, LowRankCodec)
-
-    def _plan(self, shapes: Sequence[torch.Size]) -> _Plan:
-        plan = _Plan(list(shapes), [], [], [], {})
-        if not self._is_lowrank:  # elementwise: the whole slice is one vector
-            return plan
-        for index, shape in enumerate(shapes):
+    def _make_plan(self) -> _Plan:
+        plan = _Plan(list(self.slice.shapes), [], [], [], {})
+        for index, shape in enumerate(plan.shapes):
             if len(shape) <= 1:
                 plan.small.append(index)
                 continue
@@ -255,19 +287,18 @@ class ScalableMean:
                 plan.ranks[index] = rank
         return plan
 
-    def _sections_first(self, plan: _Plan) -> list[Section]:
-        """Elementwise: the slice. Low-rank: [P factors + dense matrices] in the factor format, [small] in small."""
-        if not self._is_lowrank:
-            return [Section(sum(s.numel() for s in plan.shapes), self.codec.value_format)]  # type: ignore[attr-defined]
+    def _sections_first(self) -> list[Section]:
+        """[P factors + dense matrices] in the factor format, [small tensors] in the small format."""
         codec: LowRankCodec = self.codec  # type: ignore[assignment]
+        plan = self.plan
         return [
             Section(plan.p_numel + sum(plan.numels(plan.dense)), codec.factor_format),
             Section(sum(plan.numels(plan.small)), codec.small_format),
         ]
 
-    def _sections_second(self, plan: _Plan) -> list[Section]:
+    def _sections_second(self) -> list[Section]:
         codec: LowRankCodec = self.codec  # type: ignore[assignment]
-        return [Section(plan.q_numel, codec.factor_format)]
+        return [Section(self.plan.q_numel, codec.factor_format)]
 
     def _warm_start(self, index: int, cols: int, rank: int) -> torch.Tensor:
         """The shared right factor of tensor `index`: seeded the same on every cluster, then the averaged Q."""
@@ -277,125 +308,72 @@ class ScalableMean:
             q = torch.randn(cols, rank, generator=generator)
         return q
 
-    def _split(self, u: torch.Tensor, plan: _Plan) -> list[torch.Tensor]:
-        return list(torch.split(u, [s.numel() for s in plan.shapes]))
-
-    def _first_payload(self, u: torch.Tensor, shapes: Sequence[torch.Size], world: int) -> torch.Tensor:
-        """Encode the first step's chunks on the trainer's thread (the codec's own RNG may round stochastically)
-        and, for the parts sent as they are (elementwise, dense, small), keep their encoding error as residual."""
-        plan = self._plan(shapes)
-        sections = self._sections_first(plan)
-        tensors = self._split(u, plan)
-        if not self._is_lowrank:
-            values = [u]
-        else:
-            factors = [
-                as_matrix(tensors[i].view(plan.shapes[i])) @ self._warm_start(i, plan.cols(i), plan.ranks[i])
-                for i in plan.lowrank
-            ]
-            dense = [tensors[i] for i in plan.dense]
-            small = [tensors[i] for i in plan.small]
-            values = [
-                torch.cat([f.reshape(-1) for f in factors] + dense) if factors or dense else torch.zeros(0),
-                torch.cat(small) if small else torch.zeros(0),
-            ]
-        chunks = _encode_chunks(values, sections, world)
-        if self.error_feedback:
-            local = [
-                torch.cat(parts) if parts else torch.zeros(0)
-                for parts in zip(*[_decode_chunk(c, sections, world, j) for j, c in enumerate(chunks)], strict=True)
-            ]
-            self._set_local_residuals(tensors, plan, local)
-        return torch.cat(chunks)
-
-    def _set_local_residuals(self, tensors: list[torch.Tensor], plan: _Plan, local: list[torch.Tensor]) -> None:
-        """Residual of the parts sent as they are; low-rank tensors get theirs when the sync finishes."""
-        residuals = [torch.zeros_like(t) for t in tensors]
-        if not self._is_lowrank:
-            decoded = self._split(local[0], plan)
-            for index in range(len(tensors)):
-                residuals[index] = tensors[index] - decoded[index]
-        else:
-            for index, decoded in plan.sent_whole(local):
+    def _encode(self, u: torch.Tensor) -> torch.Tensor:
+        """The input u itself rides in front of the first step's chunks (the second step needs it, and a resumed
+        run must be able to run both steps again). Residuals: the parts sent as they are (dense matrices, small
+        tensors) get theirs now, low-rank tensors when the sync finishes (`_assemble`)."""
+        plan, sections = self.plan, self._sections_first()
+        tensors = self._split(u)
+        factors = [
+            as_matrix(tensors[i].view(plan.shapes[i])) @ self._warm_start(i, plan.cols(i), plan.ranks[i])
+            for i in plan.lowrank
+        ]
+        dense = [tensors[i] for i in plan.dense]
+        small = [tensors[i] for i in plan.small]
+        values = [
+            torch.cat([f.reshape(-1) for f in factors] + dense) if factors or dense else torch.zeros(0),
+            torch.cat(small) if small else torch.zeros(0),
+        ]
+        chunks = _encode_chunks(values, sections, self.channel.world_size)
+        if self.feedback.enabled:
+            residuals = [torch.zeros_like(t) for t in tensors]
+            for index, decoded in plan.sent_whole(self._own_decoding(sections, chunks)):
                 residuals[index] = tensors[index] - decoded
-        self.residuals = [r.view(s) for r, s in zip(residuals, plan.shapes, strict=True)]
+            self.feedback.keep([r.view(s) for r, s in zip(residuals, plan.shapes, strict=True)])
+        return torch.cat([tensor_bytes(u), *chunks])
 
-    # ---------------------------------------------------------------------------------------------- program
-    def _start(
-        self,
-        flat: torch.Tensor,
-        bounds: list[tuple[int, int]],
-        sent: torch.Tensor,
-        numel: int,
-        shapes: list[torch.Size],
-        channel: WanChannel,
-        dp_group: dist.ProcessGroup | None,
-        *,
-        codec_s: float,
-        account: bool,
-    ) -> PendingMean:
-        plan = self._plan(shapes)
-        world = channel.world_size
-        first_sections = self._sections_first(plan)
+    def _program(self, sent: torch.Tensor):
+        plan, world = self.plan, self.channel.world_size
+        first_sections, second_sections = self._sections_first(), self._sections_second()
         first_sizes = chunk_nbytes(first_sections, world)
-        if self._is_lowrank:  # the input itself rides in front of the first step's chunks (see `launch`)
-            u, first = sent[: 4 * numel].view(torch.float32), sent[4 * numel :]
-        else:
-            u, first = torch.zeros(0), sent
+        u, first = sent[: 4 * self.slice.numel].view(torch.float32), sent[4 * self.slice.numel :]
         chunks = list(torch.split(first, first_sizes))
-        second_sections = self._sections_second(plan) if self._is_lowrank else []
-        info = {
-            "payload_bytes": sum(first_sizes) + sum(chunk_nbytes(second_sections, world)),
-            "dense_bytes": 4 * numel,
-            "codec_s": codec_s,
-        }
 
         def program(wire: Wire) -> dict[str, Any]:
             compute_from = time.perf_counter()
-            result: dict[str, Any] = {}
             t0 = time.perf_counter()
             first_mean = _average_sections(wire, chunks, first_sections)
             wire_s = time.perf_counter() - t0
-            if not self._is_lowrank:
-                result["mean"] = first_mean[0]
-            else:
-                tensors = self._split(u, plan)
-                offset, bases = 0, {}
-                for i in plan.lowrank:
-                    rows = plan.shapes[i][0]
-                    length = rows * plan.ranks[i]
-                    bases[i] = orthonormalize(first_mean[0][offset : offset + length].view(rows, plan.ranks[i]))
-                    offset += length
-                own_q = [(bases[i].T @ as_matrix(tensors[i].view(plan.shapes[i]))).T for i in plan.lowrank]  # (n, r)
-                q_vector = torch.cat([q.reshape(-1) for q in own_q]) if own_q else torch.zeros(0)
-                second_format = [Section(s.numel, _nearest(s.fmt)) for s in second_sections]
-                q_chunks = _encode_chunks([q_vector], second_format, world)
-                own_q_decoded = torch.cat(
-                    [_decode_chunk(c, second_format, world, j)[0] for j, c in enumerate(q_chunks)]
-                )
-                t0 = time.perf_counter()
-                (mean_q,) = _average_sections(wire, q_chunks, second_format)
-                wire_s += time.perf_counter() - t0
-                result.update(first=first_mean, bases=bases, mean_q=mean_q, own_q=own_q_decoded)
-            result["compute_s"] = time.perf_counter() - compute_from - wire_s
-            return result
+            tensors = self._split(u)
+            offset, bases = 0, {}
+            for i in plan.lowrank:
+                rows = plan.shapes[i][0]
+                length = rows * plan.ranks[i]
+                bases[i] = orthonormalize(first_mean[0][offset : offset + length].view(rows, plan.ranks[i]))
+                offset += length
+            own_q = [(bases[i].T @ as_matrix(tensors[i].view(plan.shapes[i]))).T for i in plan.lowrank]  # (n, r)
+            q_vector = torch.cat([q.reshape(-1) for q in own_q]) if own_q else torch.zeros(0)
+            second_format = [Section(s.numel, _nearest(s.fmt)) for s in second_sections]
+            q_chunks = _encode_chunks([q_vector], second_format, world)
+            own_q_decoded = torch.cat([_decode_chunk(c, second_format, world, j)[0] for j, c in enumerate(q_chunks)])
+            t0 = time.perf_counter()
+            (mean_q,) = _average_sections(wire, q_chunks, second_format)
+            wire_s += time.perf_counter() - t0
+            return {
+                "first": first_mean,
+                "bases": bases,
+                "mean_q": mean_q,
+                "own_q": own_q_decoded,
+                "compute_s": time.perf_counter() - compute_from - wire_s,
+            }
 
-        transfer = channel.launch_program(program, kind="scalable_mean", account=account)
+        payload_bytes = sum(first_sizes) + sum(chunk_nbytes(second_sections, world))
+        return program, lambda out: self._assemble(out, u), payload_bytes
 
-        def finish() -> torch.Tensor:
-            out = transfer.wait()
-            finish_from = time.perf_counter()
-            mean = out["mean"] if not self._is_lowrank else self._assemble(out, plan, u)
-            info["codec_s"] += out["compute_s"] + time.perf_counter() - finish_from
-            return mean
-
-        return PendingMean(
-            flat=flat, bounds=bounds, finish=finish, transfer=transfer, dp_group=dp_group, sent=sent, info=info
-        )
-
-    def _assemble(self, out: dict[str, Any], plan: _Plan, u: torch.Tensor) -> torch.Tensor:
-        """The averaged slice of the low-rank path, the new warm starts, and the low-rank residuals."""
-        tensors = self._split(u, plan)
+    def _assemble(self, out: dict[str, Any], u: torch.Tensor) -> torch.Tensor:
+        """The averaged slice, the new warm starts, and the low-rank residuals."""
+        plan = self.plan
+        tensors = self._split(u)
         result = [torch.zeros(s.numel()) for s in plan.shapes]
         for index, values in plan.sent_whole(out["first"]):
             result[index] = values
@@ -409,20 +387,35 @@ class ScalableMean:
             basis = out["bases"][i]  # (m, r)
             result[i] = (basis @ mean_q.T).reshape(-1)
             self.warm_starts[i] = mean_q.clone()
-            if self.error_feedback and self.residuals is not None:
-                self.residuals[i] = (tensors[i] - (basis @ own_q.T).reshape(-1)).view(plan.shapes[i])
+            self.feedback.keep_one(i, (tensors[i] - (basis @ own_q.T).reshape(-1)).view(plan.shapes[i]))
         return torch.cat(result) if result else torch.zeros(0)
 
-    # ---------------------------------------------------------------------------------------------- state
     def state_bytes(self) -> int:
-        residual = sum(r.numel() * 4 for r in self.residuals or [])
-        return residual + sum(q.numel() * 4 for q in self.warm_starts.values())
+        return super().state_bytes() + sum(q.numel() * 4 for q in self.warm_starts.values())
 
     def state_dict(self) -> dict[str, Any]:
-        residuals = {} if self.residuals is None else {str(i): r.clone() for i, r in enumerate(self.residuals)}
-        return {"residuals": residuals, "warm_starts": {str(i): q.clone() for i, q in self.warm_starts.items()}}
+        state = super().state_dict()
+        state["warm_starts"] = {str(i): q.clone() for i, q in self.warm_starts.items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        residuals = state["residuals"]
-        self.residuals = [residuals[str(i)].clone() for i in range(len(residuals))] if residuals else None
+        super().load_state_dict(state)
         self.warm_starts = {int(i): q.clone() for i, q in state["warm_starts"].items()}
+
+
+def build_scalable_reducer(
+    codec: Codec,
+    shapes: Sequence[torch.Size],
+    *,
+    error_feedback: bool,
+    channel: WanChannel,
+    dp_group: dist.ProcessGroup | None,
+    seed: int = 0,
+) -> _ScalableReducer:
+    """The scalable reducer of `codec` (one of SCALABLE_KINDS; `CompressionConfig.validate` refuses the others)."""
+    options = {"error_feedback": error_feedback, "channel": channel, "dp_group": dp_group, "seed": seed}
+    if isinstance(codec, LowRankCodec):
+        assert codec.name in ("lowrank", "lowrank_int4"), codec.name  # adaptive ranks differ per cluster
+        return ScalableLowRankReducer(codec, shapes, **options)
+    assert isinstance(codec, ElementwiseCodec) and codec.name != "none", codec
+    return ScalableElementwiseReducer(codec, shapes, **options)

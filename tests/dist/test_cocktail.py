@@ -6,6 +6,7 @@ import struct
 import pytest
 import torch
 
+from dilocox.compress import CocktailConfig
 from dilocox.compress.sparse import SparseInt4Codec
 from dilocox.net.channel import WanChannel
 from dilocox.net.link import ring_all_gather_bytes, ring_all_reduce_bytes
@@ -58,9 +59,8 @@ def _train(rank, topo, groups, *, steps, error_feedback=True, resume_at=None):
     channel = RecordingChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
 
     def build():
-        return CocktailSync(
-            model.parameters(), channel=channel, dp_group=groups.dp_group, error_feedback=error_feedback, **OPTIONS
-        )
+        cfg = CocktailConfig(error_feedback=error_feedback, **OPTIONS)
+        return CocktailSync(model.parameters(), cfg, channel=channel, dp_group=groups.dp_group)
 
     sync = build()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -134,7 +134,7 @@ def slow_decode(data: torch.Tensor, numel: int, step: int, codec: SparseInt4Code
 def check_against_reference(results, topo):
     """Replay every step in one process: dp mean, error feedback, the payload each rank must send, its slow
     decoding and the mean over clusters; every rank's averaged gradient must equal it."""
-    codec = SparseInt4Codec(**OPTIONS)
+    codec = SparseInt4Codec(CocktailConfig(**OPTIONS))
     by_coords = {r["coords"]: r["main"] for r in results}
     dp = topo.dp_degree
     residuals = {coords: None for coords in by_coords}
@@ -166,7 +166,7 @@ def test_cocktail_matches_reference_counts_bytes_and_trains(num_clusters):
     topo = Topology(num_clusters, 1, 1)
     results = run_ranks(_worker, num_clusters, args=((num_clusters, 1, 1), num_clusters == 2))
     check_against_reference(results, topo)
-    codec = SparseInt4Codec(**OPTIONS)
+    codec = SparseInt4Codec(CocktailConfig(**OPTIONS))
     payload = codec.expected_nbytes(NUMEL)
     for result in results:
         run, (cluster, _) = result["main"], result["coords"]
@@ -196,7 +196,7 @@ def test_cocktail_two_clusters_by_two_replicas():
     topo = Topology(2, 2, 1)
     results = run_ranks(_worker, 4, args=((2, 2, 1), False))
     check_against_reference(results, topo)
-    codec = SparseInt4Codec(**OPTIONS)
+    codec = SparseInt4Codec(CocktailConfig(**OPTIONS))
     for result in results:
         run, (cluster, dp) = result["main"], result["coords"]
         start, end = shard_bounds(NUMEL, 2, dp)

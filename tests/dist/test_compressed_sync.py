@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from dilocox.compress import Payload, build_codec
+from dilocox.compress import CompressionConfig, Payload, build_codec
 from dilocox.net.channel import WanChannel
 from dilocox.net.link import ring_all_gather_bytes
-from dilocox.sync import DiLoCoSync
-from dilocox.sync.compressed import param_aligned_bounds
+from dilocox.sync import DiLoCoSync, GatherReducer, SyncConfig
+from dilocox.sync.reducers import param_aligned_bounds
 from dilocox.topology import Topology, build_process_groups
 from tests.multiproc import run_ranks
 
@@ -24,11 +24,14 @@ def train(rank, topo_args, codec_kind, *, capture=None):
     groups = build_process_groups(topo, rank)
     model = make_model()
     channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
-    codec = None if codec_kind is None else build_codec(codec_kind, rank=2, group_size=8)
-    sync = DiLoCoSync(model.parameters(), channel=channel, dp_group=groups.dp_group, inner_steps=H, codec=codec,
-                      total_steps=STEPS)
+    compression = CompressionConfig(kind=codec_kind or "none", rank=2, group_size=8)
+    sync = DiLoCoSync(model.parameters(), SyncConfig(inner_steps=H), compression, channel=channel,
+                      dp_group=groups.dp_group, total_steps=STEPS)  # fmt: skip
+    if codec_kind == "none":  # the fp32 identity codec through the gather path, against the dense all-reduce
+        sync.reducer = GatherReducer(build_codec("none"), sync.flat.shapes, error_feedback=True, channel=channel,
+                                     dp_group=groups.dp_group)  # fmt: skip
     if capture is not None:  # record what each sync sent and what it averaged to
-        launch, wait = sync.launch_sync, sync.wait_sync
+        launch, wait = sync.reducer.launch, sync.wait_sync
 
         def launch_and_keep(pseudo_grad):
             pending = launch(pseudo_grad)
@@ -36,11 +39,11 @@ def train(rank, topo_args, codec_kind, *, capture=None):
             return pending
 
         def wait_and_keep(pending, **kwargs):
-            avg = wait(pending, **kwargs).clone()
-            capture[-1]["avg"] = avg
-            return avg
+            avg, stats = wait(pending, **kwargs)
+            capture[-1]["avg"] = avg.clone()
+            return avg, stats
 
-        sync.launch_sync, sync.wait_sync = launch_and_keep, wait_and_keep
+        sync.reducer.launch, sync.wait_sync = launch_and_keep, wait_and_keep
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     shard = topo.shard_index(rank)
     for step in range(1, STEPS + 1):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dilocox.net.channel import WanChannel
-from dilocox.sync import DiLoCoSync
+from dilocox.sync import DiLoCoSync, SyncConfig
 from tests.dist.resume import straight_and_resumed
 from tests.multiproc import run_ranks
 
@@ -82,22 +82,14 @@ def reference(merge: str, num_clusters: int = 2) -> list[list[float]]:
 def _delayed(rank, world_size, merge, sync_delay):
     model = make_model()
     channel = WanChannel(torch.distributed.group.WORLD, bandwidth=None, latency_s=0.0)
-    sync = DiLoCoSync(
-        model.parameters(),
-        channel=channel,
-        dp_group=None,
-        inner_steps=H,
-        outer_lr=OUTER_LR,
-        outer_momentum=MOMENTUM,
-        sync_delay=sync_delay,
-        merge=merge,
-        total_steps=STEPS,
-    )
+    cfg = SyncConfig(inner_steps=H, outer_lr=OUTER_LR, outer_momentum=MOMENTUM, sync_delay=sync_delay, merge=merge)
+    sync = DiLoCoSync(model.parameters(), cfg, channel=channel, dp_group=None, total_steps=STEPS)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     trace, models = [], []
     for step in range(1, STEPS + 1):
         inner_step(model, optimizer, rank, step)
-        if sync.after_inner_step(step):
+        sync.after_inner_step(step)
+        if sync.is_round_boundary(step):
             trace.append(sync.outer_params.tolist())
             models.append(sync.flat.gather_data())
     sync.flush()
@@ -161,7 +153,7 @@ def _exposure(rank, world_size, sync_delay):
     latency = 0.01
     channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / (link_s - latency), latency_s=latency)
     sync = DiLoCoSync(
-        model.parameters(), channel=channel, dp_group=None, inner_steps=inner_steps, sync_delay=sync_delay
+        model.parameters(), SyncConfig(inner_steps=inner_steps, sync_delay=sync_delay), channel=channel, dp_group=None
     )
     for step in range(1, rounds * inner_steps + 1):
         time.sleep(step_s)
@@ -195,16 +187,8 @@ def _checkpoint_in_flight(rank, world_size):
     def fresh():
         model = make_model()
         channel = WanChannel(torch.distributed.group.WORLD, bandwidth=bandwidth, latency_s=0.0)
-        sync = DiLoCoSync(
-            model.parameters(),
-            channel=channel,
-            dp_group=None,
-            inner_steps=inner_steps,
-            outer_lr=OUTER_LR,
-            outer_momentum=MOMENTUM,
-            sync_delay=1,
-            total_steps=rounds * inner_steps,
-        )
+        cfg = SyncConfig(inner_steps=inner_steps, outer_lr=OUTER_LR, outer_momentum=MOMENTUM, sync_delay=1)
+        sync = DiLoCoSync(model.parameters(), cfg, channel=channel, dp_group=None, total_steps=rounds * inner_steps)
         return model, channel, sync, torch.optim.SGD(model.parameters(), lr=LR)
 
     def train_step(model, optimizer, step):
@@ -229,7 +213,7 @@ def _too_slow_link(rank, world_size):
     model = torch.nn.Linear(16, 16)
     nbytes = sum(p.numel() for p in model.parameters()) * 4
     channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.3, latency_s=0.0)
-    sync = DiLoCoSync(model.parameters(), channel=channel, dp_group=None, inner_steps=2, sync_delay=1)
+    sync = DiLoCoSync(model.parameters(), SyncConfig(inner_steps=2, sync_delay=1), channel=channel, dp_group=None)
     for step in range(1, 7):
         time.sleep(0.05)  # a round computes in ~0.1 s
         sync.after_inner_step(step)
@@ -254,15 +238,16 @@ def _fit_link(rank, world_size, max_steps):
     model = torch.nn.Linear(16, 16)
     nbytes = sum(p.numel() for p in model.parameters()) * 4
     channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.3, latency_s=0.0)
-    sync = DiLoCoSync(model.parameters(), channel=channel, dp_group=None, inner_steps=2, sync_delay=1,
-                      fit_link=True, fit_link_max_steps=max_steps, total_steps=60)  # fmt: skip
+    cfg = SyncConfig(inner_steps=2, sync_delay=1, fit_link=True, fit_link_max_steps=max_steps)
+    sync = DiLoCoSync(model.parameters(), cfg, channel=channel, dp_group=None, total_steps=60)
     rounds = []
     for step in range(1, 61):
         time.sleep(0.05)
         with torch.no_grad():
             model.weight.add_(0.01 * (rank + 1))  # each cluster moves its own way
-        if sync.after_inner_step(step) and sync.last_round:
-            rounds.append((step, sync.last_round["round_inner_steps"], sync.last_round["round_exposed_s"]))
+        stats = sync.after_inner_step(step)
+        if stats is not None:
+            rounds.append((step, stats.inner_steps, stats.exposed_s))
     sync.flush()
     channel.close()
     return rounds, sync.inner_steps, sync.warnings, sync.outer_params
@@ -286,4 +271,4 @@ def test_fit_link_stops_at_its_maximum_and_says_so():
     for rounds, final_h, warnings, _ in run_ranks(_fit_link, 2, args=(4,)):
         assert final_h == 4
         assert max(h for _, h, _ in rounds) == 4
-        assert len(warnings) == 1 and "fit_link_max_steps = 4" in warnings[0]
+        assert len(warnings) == 1 and "sync.fit_link_max_steps = 4" in warnings[0]

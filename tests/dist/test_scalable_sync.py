@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 
-from dilocox.compress import build_codec
+from dilocox.compress import CompressionConfig, build_codec
 from dilocox.net.channel import WanChannel
-from dilocox.sync import DiLoCoSync
-from dilocox.sync.scalable import ScalableMean
+from dilocox.sync import DiLoCoSync, SyncConfig
+from dilocox.sync.scalable import build_scalable_reducer
 from tests.dist.resume import straight_and_resumed
 from tests.multiproc import run_ranks
 
@@ -39,12 +39,12 @@ def low_rank_inputs(cluster: int, round_index: int, rank: int) -> torch.Tensor:
 
 def _mean_once(rank, world_size, kind, codec_rank):
     codec = build_codec(kind, rank=codec_rank, group_size=8)
-    reducer = ScalableMean(codec, error_feedback=True, seed=0)
     with WanChannel(torch.distributed.group.WORLD, bandwidth=None, latency_s=0.0) as channel:
+        reducer = build_scalable_reducer(codec, SHAPES, error_feedback=True, channel=channel, dp_group=None)
         x = inputs(rank) if kind == "int4" else low_rank_inputs(rank, 0, codec_rank)
-        pending = reducer.launch(x, shapes=SHAPES, channel=channel, dp_group=None)
+        pending = reducer.launch(x)
         mean = pending.wait().clone()
-        return mean, channel.stats(), pending.info["payload_bytes"]
+        return mean, channel.stats(), pending.cost.payload_bytes
 
 
 def int4_bytes(k: int, group: int = 8) -> int:
@@ -96,14 +96,14 @@ def test_lowrank_mean_of_rank_r_inputs_is_exact_and_bytes_follow_the_formula(wor
 
 def _feedback_rounds(rank, world_size):
     codec = build_codec("lowrank", rank=1)  # rank 1 of random matrices: most of each round is left behind
-    reducer = ScalableMean(codec, error_feedback=True, seed=3)
     total_in, total_out = torch.zeros(NUMEL), torch.zeros(NUMEL)
     with WanChannel(torch.distributed.group.WORLD, bandwidth=None, latency_s=0.0) as channel:
+        reducer = build_scalable_reducer(codec, SHAPES, error_feedback=True, channel=channel, dp_group=None, seed=3)
         for round_index in range(4):
             x = inputs(rank, round_index)
             total_in += x
-            total_out += reducer.launch(x, shapes=SHAPES, channel=channel, dp_group=None).wait()
-    residual = torch.cat([r.reshape(-1) for r in reducer.residuals])
+            total_out += reducer.launch(x).wait()
+    residual = torch.cat([r.reshape(-1) for r in reducer.feedback.residuals])
     return total_in, total_out, residual
 
 
@@ -131,17 +131,11 @@ def _delayed_resume(rank, world_size):
     def fresh():
         model = make_model()
         channel = WanChannel(torch.distributed.group.WORLD, bandwidth=bandwidth, latency_s=0.0)
-        codec = build_codec("lowrank_int4", rank=2, group_size=8, stochastic_rounding=True, seed=rank)
-        sync = DiLoCoSync(
-            model.parameters(),
-            channel=channel,
-            dp_group=None,
-            inner_steps=inner_steps,
-            sync_delay=1,
-            codec=codec,
-            reduction="scalable",
-            total_steps=rounds * inner_steps,
+        compression = CompressionConfig(
+            kind="lowrank_int4", rank=2, group_size=8, stochastic_rounding=True, reduction="scalable"
         )
+        sync = DiLoCoSync(model.parameters(), SyncConfig(inner_steps=inner_steps, sync_delay=1), compression,
+                          channel=channel, dp_group=None, total_steps=rounds * inner_steps)  # fmt: skip
         return model, channel, sync, torch.optim.SGD(model.parameters(), lr=0.1)
 
     def train_step(model, optimizer, step):

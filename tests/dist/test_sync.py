@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dilocox.net.channel import WanChannel, ring_all_reduce_bytes
-from dilocox.sync import AllReduceSync, DiLoCoSync
+from dilocox.sync import AllReduceSync, DiLoCoSync, SyncConfig
 from dilocox.sync.base import shard_bounds
 from dilocox.topology import Topology, build_process_groups
 from tests.multiproc import run_ranks
@@ -44,15 +44,8 @@ def _run_strategy(rank, world_size, kind, topo_args, steps, inner_steps, outer_l
     if kind == "allreduce":
         sync = AllReduceSync(model.parameters(), channel=channel, dp_group=groups.dp_group)
     else:
-        sync = DiLoCoSync(
-            model.parameters(),
-            channel=channel,
-            dp_group=groups.dp_group,
-            inner_steps=inner_steps,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            total_steps=steps,
-        )
+        cfg = SyncConfig(inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum)
+        sync = DiLoCoSync(model.parameters(), cfg, channel=channel, dp_group=groups.dp_group, total_steps=steps)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     trajectory = []
     for step in range(1, steps + 1):

@@ -13,6 +13,7 @@ import dilocox.compress as compress_package
 from dilocox.compress import (
     CODEC_KINDS,
     AdaptiveRank,
+    CompressionConfig,
     ErrorFeedback,
     Payload,
     build_codec,
@@ -29,6 +30,10 @@ from dilocox.compress import int4 as int4_module
 
 MIXED_SHAPES = [(64, 48), (48,), (3, 5, 7), (1,), (), (2, 2), (0, 4), (4, 5), (33,), (0,), (31, 17), (1, 100)]
 NBYTES_SHAPES = [*MIXED_SHAPES, (7,), (64,), (65,), (4, 4), (100, 1), (128, 256), (2, 3, 4, 5)]
+
+
+def adaptive_rank(**options) -> AdaptiveRank:
+    return AdaptiveRank(CompressionConfig(kind="adaptive", **options))
 
 
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -359,7 +364,7 @@ def test_warm_start_state_dict_round_trip_gives_identical_next_payload():
 def test_lowrank_does_not_touch_the_global_rng():
     state = torch.random.get_rng_state()
     build_codec("lowrank_int4", rank=4).encode_list(random_list([(30, 20), (20,)]))
-    AdaptiveRank(rank_max=4).update([randn(30, 20)])
+    adaptive_rank(rank_max=4).update([randn(30, 20)])
     assert torch.equal(torch.random.get_rng_state(), state)
 
 
@@ -415,23 +420,23 @@ def test_error_feedback_state_and_pass_through():
 def test_adaptive_rank_finds_the_90_percent_energy_rank():
     for rank in (3, 5, 7):
         matrix = matrix_with_spectrum(spectrum_keeping(rank, 64), 96, 64, seed=rank)
-        policy = AdaptiveRank(rank_min=1, rank_max=16, energy=0.9, window=1)
+        policy = adaptive_rank(rank_min=1, rank_max=16, energy=0.9, window=1)
         assert policy.update([matrix, randn(64)]) == rank  # 1-D tensors carry no spectrum
         assert policy.history[-1].raw_rank == rank and policy.ranks == [rank]
 
 
 def test_adaptive_rank_clips_to_its_range():
     matrix = matrix_with_spectrum(spectrum_keeping(5, 64), 96, 64)
-    assert AdaptiveRank(rank_min=7, rank_max=16, window=1).update([matrix]) == 7
-    assert AdaptiveRank(rank_min=1, rank_max=3, window=1).update([matrix]) == 3
-    assert AdaptiveRank(rank_min=2, rank_max=16).update([torch.zeros(10, 8)]) == 2  # no energy: the minimum
+    assert adaptive_rank(rank_min=7, rank_max=16, window=1).update([matrix]) == 7
+    assert adaptive_rank(rank_min=1, rank_max=3, window=1).update([matrix]) == 3
+    assert adaptive_rank(rank_min=2, rank_max=16).update([torch.zeros(10, 8)]) == 2  # no energy: the minimum
 
 
 def test_adaptive_rank_aggregates_matrices():
     large = matrix_with_spectrum(spectrum_keeping(3, 64), 96, 64, seed=1) * math.sqrt(20)
     small = matrix_with_spectrum(spectrum_keeping(7, 64), 96, 64, seed=2)
     picks = {
-        aggregate: AdaptiveRank(rank_min=1, rank_max=16, window=1, aggregate=aggregate).update([large, small])
+        aggregate: adaptive_rank(rank_min=1, rank_max=16, window=1, aggregate=aggregate).update([large, small])
         for aggregate in ("pooled", "mean", "max")
     }
     # Pooled energy is dominated by the large matrix; the mean of (3, 7) is 5; the max is 7.
@@ -441,12 +446,12 @@ def test_adaptive_rank_aggregates_matrices():
 def test_adaptive_rank_smooths_over_its_window():
     low = matrix_with_spectrum(spectrum_keeping(3, 64), 96, 64)
     high = matrix_with_spectrum(spectrum_keeping(7, 64), 96, 64)
-    policy = AdaptiveRank(rank_min=1, rank_max=16, window=2)
+    policy = adaptive_rank(rank_min=1, rank_max=16, window=2)
     ranks = [policy.update([matrix]) for matrix in (low, high, high, low)]
     assert [d.raw_rank for d in policy.history] == [3, 7, 7, 3]
     assert ranks == [3, 5, 7, 5] == policy.ranks
     # The state carries the window: a restored policy makes the same next choice.
-    restored = AdaptiveRank(rank_min=1, rank_max=16, window=2)
+    restored = adaptive_rank(rank_min=1, rank_max=16, window=2)
     restored.load_state_dict(copy.deepcopy(policy.state_dict()))
     assert restored.ranks == policy.ranks
     assert restored.update([high]) == policy.update([high]) == 5
@@ -454,9 +459,9 @@ def test_adaptive_rank_smooths_over_its_window():
 
 def test_adaptive_schedules_move_the_target_in_opposite_directions():
     options = {"energy": 0.9, "energy_floor": 0.5, "ramp_rounds": 4, "rank_min": 1, "rank_max": 24, "window": 1}
-    early = AdaptiveRank(schedule="early_strong", **options)
-    late = AdaptiveRank(schedule="late_strong", **options)
-    flat = AdaptiveRank(schedule="spectrum", **options)
+    early = adaptive_rank(schedule="early_strong", **options)
+    late = adaptive_rank(schedule="late_strong", **options)
+    flat = adaptive_rank(schedule="spectrum", **options)
     assert [early.target_energy(t) for t in (0, 2, 4, 9)] == pytest.approx([0.5, 0.7, 0.9, 0.9])
     assert [late.target_energy(t) for t in (0, 2, 4, 9)] == pytest.approx([0.9, 0.7, 0.5, 0.5])
     assert [flat.target_energy(t) for t in (0, 2, 4, 9)] == pytest.approx([0.9] * 4)
@@ -517,7 +522,7 @@ def test_payloads_of_different_sizes_are_walked_in_a_concatenation():
         ("lowrank", {"small_tensors": "fp8"}, "compression.small_tensors"),
         ("lowrank", {"factor_dtype": "int8"}, "compression.factor_dtype"),
         ("int4", {"stochastic_rounding": "yes"}, "compression.stochastic_rounding"),
-        ("int4", {"seed": -1}, "compression.seed"),
+        ("int4", {"seed": -1}, "run.seed"),
         ("lowrank", {"power_iterations": 0}, "compression.power_iterations"),
         ("adaptive", {"rank_min": 0}, "compression.rank_min"),
         ("adaptive", {"rank_min": 8, "rank_max": 4}, "compression.rank_max"),

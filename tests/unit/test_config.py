@@ -67,13 +67,18 @@ def test_missing_and_invalid_files(tmp_path):
         (["--compression.rank_max=1"], "compression.rank_max = 1 is below"),
         (["--compression.schedule=sometimes"], "compression.schedule"),
         (["--compression.reduction=tree"], "compression.reduction"),
-        (["--sync.kind=dilocox", "--compression.reduction=scalable"], "picks it from each cluster's own spectrum"),
-        (["--compression.fit_link=true"], "needs sync.sync_delay = 1"),
         (
-            ["--sync.kind=dilocox", "--compression.fit_link=true", "--compression.fit_link_max_steps=10"],
-            "compression.fit_link_max_steps = 10 is below sync.inner_steps = 50",
+            ["--sync.kind=dilocox", "--compression.reduction=scalable"],
+            "picks the rank from each cluster's own spectrum",
         ),
-        (["--compression.topk_ratio=0.5"], "topk_ratio <= sample_ratio"),
+        (["--sync.fit_link=true"], "needs sync.sync_delay = 1"),
+        (
+            ["--sync.kind=dilocox", "--sync.fit_link=true", "--sync.fit_link_max_steps=10"],
+            "sync.fit_link_max_steps = 10 is below sync.inner_steps = 50",
+        ),
+        (["--cocktail.topk_ratio=0.5"], "cocktail.topk_ratio = 0.5 must be <= cocktail.sample_ratio = 0.1"),
+        (["--compression.kind=lowrank", "--compression.factor_dtype=int8"], "compression.factor_dtype"),
+        (["--compression.energy=0.4"], "compression.energy_floor = 0.5 must be in (0.0, 0.4]"),
         (["--train.optimizer=lion"], "train.optimizer"),
         (["--train.lr=-1"], "train.lr"),
         (["--train.lr=nan"], "finite"),
@@ -96,6 +101,33 @@ def test_validate_errors_name_the_field(overrides, message):
     cfg = load_config(None, overrides)
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(").replace(")", r"\)")):
         cfg.validate()
+
+
+def test_moved_keys_are_read_where_they_live_now(tmp_path):
+    """Options that moved sections (compression.fit_link -> sync.fit_link, ...) still load, with a warning, so an
+    older run's config.toml or command line keeps working."""
+    with pytest.warns(UserWarning, match="compression.fit_link is now sync.fit_link"):
+        cfg = load_config(None, ["--sync.kind=dilocox", "--compression.fit_link=true"])
+    assert cfg.sync.fit_link is True
+    with pytest.warns(UserWarning, match="cocktail.topk_ratio"):
+        cfg = load_config(write(tmp_path, "[compression]\ntopk_ratio = 0.02\n"))
+    assert cfg.cocktail.topk_ratio == 0.02
+
+
+def test_each_section_validates_itself():
+    """A component's config is checked where it is defined, so one built in Python fails the same way."""
+    from dilocox.compress import CocktailConfig, CompressionConfig
+    from dilocox.net.config import NetworkConfig
+    from dilocox.sync import SyncConfig
+
+    for section, message in [
+        (SyncConfig(kind="gossip"), "sync.kind"),
+        (CompressionConfig(rank="8"), "compression.rank = '8' must be a int"),
+        (CocktailConfig(sample_ratio=float("inf")), "cocktail.sample_ratio = inf must be a finite number"),
+        (NetworkConfig(bandwidth="fast"), "network.bandwidth"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            section.validate()
 
 
 def test_world_size_contradiction():

@@ -5,11 +5,16 @@ import math
 import pytest
 import torch
 
+from dilocox.compress import CocktailConfig
 from dilocox.compress.int4 import QMAX
 from dilocox.compress.payload import Payload
 from dilocox.compress.sparse import SparseInt4Codec, sample_seed
 from dilocox.net.channel import WanChannel
 from dilocox.sync.cocktail import CocktailSync
+
+
+def sparse_codec(seed: int = 0, **options) -> SparseInt4Codec:
+    return SparseInt4Codec(CocktailConfig(**options), seed=seed)
 
 
 def randn(numel: int, seed: int = 0) -> torch.Tensor:
@@ -40,7 +45,7 @@ def hand_nbytes(numel: int, sample_ratio: float, topk_ratio: float, group_size: 
     ],
 )
 def test_exact_nbytes(numel, sample_ratio, topk_ratio, group_size, nbytes):
-    codec = SparseInt4Codec(sample_ratio=sample_ratio, topk_ratio=topk_ratio, group_size=group_size)
+    codec = sparse_codec(sample_ratio=sample_ratio, topk_ratio=topk_ratio, group_size=group_size)
     assert hand_nbytes(numel, sample_ratio, topk_ratio, group_size) == nbytes
     assert codec.expected_nbytes(numel) == nbytes
     payload = codec.encode(randn(numel), step=3)
@@ -49,7 +54,7 @@ def test_exact_nbytes(numel, sample_ratio, topk_ratio, group_size, nbytes):
 
 
 def test_empty_shard_is_an_empty_payload():
-    codec = SparseInt4Codec()
+    codec = sparse_codec()
     payload = codec.encode(torch.empty(0), step=0)
     assert payload.nbytes == codec.expected_nbytes(0) == 0
     assert codec.decode(payload, 0, step=0).shape == (0,)
@@ -57,14 +62,14 @@ def test_empty_shard_is_an_empty_payload():
 
 def test_sample_is_shared_by_seed_and_step_and_changes_every_step():
     numel = 10_007
-    first, second = SparseInt4Codec(seed=5), SparseInt4Codec(seed=5, topk_ratio=0.05, group_size=32)
+    first, second = sparse_codec(seed=5), sparse_codec(seed=5, topk_ratio=0.05, group_size=32)
     sample = first.sample_indices(numel, step=11)
     assert torch.equal(sample, second.sample_indices(numel, step=11))  # another instance (another cluster)
     assert sample.numel() == first.sample_size(numel) == 1001
     assert torch.equal(sample.unique(), sample)  # distinct and sorted
     assert 0 <= int(sample.min()) and int(sample.max()) < numel
     assert not torch.equal(sample, first.sample_indices(numel, step=12))
-    assert not torch.equal(sample, SparseInt4Codec(seed=6).sample_indices(numel, step=11))
+    assert not torch.equal(sample, sparse_codec(seed=6).sample_indices(numel, step=11))
     assert sample_seed(5, 11) != sample_seed(5, 12)
     # over many steps every coordinate is sampled about sample_ratio of the time
     counts = torch.zeros(numel)
@@ -77,7 +82,7 @@ def test_sample_is_shared_by_seed_and_step_and_changes_every_step():
 @pytest.mark.parametrize(("numel", "sample_ratio", "topk_ratio"), [(5000, 0.2, 0.02), (999, 1.0, 0.1), (300, 0.5, 0.5)])
 def test_round_trip_keeps_the_largest_sampled_values(numel, sample_ratio, topk_ratio):
     group_size = 16
-    codec = SparseInt4Codec(sample_ratio=sample_ratio, topk_ratio=topk_ratio, group_size=group_size, seed=1)
+    codec = sparse_codec(sample_ratio=sample_ratio, topk_ratio=topk_ratio, group_size=group_size, seed=1)
     values = randn(numel, seed=2) * torch.linspace(0.1, 3.0, numel)
     decoded = codec.decode(codec.encode(values, step=4), numel, step=4)
 
@@ -98,48 +103,29 @@ def test_round_trip_keeps_the_largest_sampled_values(numel, sample_ratio, topk_r
         assert float(errors.max()) <= bound
 
 
-def test_error_feedback_sums_to_what_was_sent():
-    """residual = (input + residual) - decoded, over several steps: sent + residual == sum of the inputs."""
-    numel = 777
-    codec = SparseInt4Codec(sample_ratio=0.3, topk_ratio=0.05, group_size=8)
-    residual = torch.zeros(numel, dtype=torch.float64)
-    sent = torch.zeros(numel, dtype=torch.float64)
-    inputs = torch.zeros(numel, dtype=torch.float64)
-    for step in range(12):
-        grad = randn(numel, seed=step)
-        inputs += grad.double()
-        corrected = grad + residual.float()
-        decoded = codec.decode(codec.encode(corrected, step=step), numel, step=step)
-        residual = corrected.double() - decoded.double()
-        sent += decoded.double()
-    torch.testing.assert_close(sent + residual, inputs, rtol=0, atol=1e-5)
-    # and the residual does not blow up: error feedback sends what accumulates
-    assert float(residual.abs().max()) < 12 * float(inputs.abs().max())
-
-
 @pytest.mark.parametrize(
     ("options", "field"),
     [
-        ({"sample_ratio": 0.0}, "compression.sample_ratio"),
-        ({"sample_ratio": 1.5}, "compression.sample_ratio"),
-        ({"sample_ratio": float("nan")}, "compression.sample_ratio"),
-        ({"topk_ratio": 0.0}, "compression.topk_ratio"),
-        ({"topk_ratio": -0.1}, "compression.topk_ratio"),
-        ({"sample_ratio": 0.1, "topk_ratio": 0.2}, "compression.topk_ratio"),
-        ({"group_size": 0}, "compression.group_size"),
-        ({"group_size": 2.5}, "compression.group_size"),
-        ({"seed": -1}, "compression.seed"),
+        ({"sample_ratio": 0.0}, "cocktail.sample_ratio"),
+        ({"sample_ratio": 1.5}, "cocktail.sample_ratio"),
+        ({"sample_ratio": float("nan")}, "cocktail.sample_ratio"),
+        ({"topk_ratio": 0.0}, "cocktail.topk_ratio"),
+        ({"topk_ratio": -0.1}, "cocktail.topk_ratio"),
+        ({"sample_ratio": 0.1, "topk_ratio": 0.2}, "cocktail.topk_ratio"),
+        ({"group_size": 0}, "cocktail.group_size"),
+        ({"group_size": 2.5}, "cocktail.group_size"),
+        ({"seed": -1}, "run.seed"),
     ],
 )
 def test_bad_options_name_the_field(options, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        SparseInt4Codec(**options)
+        sparse_codec(**options)
 
 
 def test_bad_calls_say_what_to_fix():
-    codec = SparseInt4Codec(sample_ratio=0.5, topk_ratio=0.1)
+    codec = sparse_codec(sample_ratio=0.5, topk_ratio=0.1)
     payload = codec.encode(randn(100), step=0)
-    with pytest.raises(ValueError, match="same compression.sample_ratio"):
+    with pytest.raises(ValueError, match="same cocktail.sample_ratio"):
         codec.decode(payload, 200, step=0)
     with pytest.raises(ValueError, match="step"):
         codec.encode(randn(100), step=-1)
@@ -155,23 +141,24 @@ def test_sync_with_one_cluster_passes_gradients_through_and_keeps_its_state():
     """No slow link, nothing to spare: exact gradients; the counter and residual round-trip through state_dict."""
     model = torch.nn.Linear(6, 3)
     channel = WanChannel(None, bandwidth=None, latency_s=0.0)
-    sync = CocktailSync(
-        model.parameters(), channel=channel, dp_group=None, sample_ratio=0.5, topk_ratio=0.1, group_size=4
-    )
+    cfg = CocktailConfig(sample_ratio=0.5, topk_ratio=0.1, group_size=4)
+    sync = CocktailSync(model.parameters(), cfg, channel=channel, dp_group=None)
     model(torch.randn(2, 6)).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     sync.reduce_gradients()
     for p, g in zip(model.parameters(), grads, strict=True):
         assert torch.equal(p.grad, g)
-    assert sync.after_inner_step(1) and sync.is_round_boundary(1)
+    assert sync.after_inner_step(1) is None and sync.is_round_boundary(1)  # nothing crossed a link
     assert sync.payload_nbytes() == 0 and sync.bytes_per_step() == (0, 0)
     assert sync.state_bytes() == 4 * 21  # the fp32 residual of the whole (unsharded) gradient
     state = sync.state_dict()
     state["sync_step"] = 7
-    state["residual"] = torch.arange(21, dtype=torch.float32)
+    state["feedback"] = {"enabled": True, "residuals": {"0": torch.arange(21, dtype=torch.float32)}}
     sync.load_state_dict(state)
-    assert sync.sync_step == 7 and torch.equal(sync.residual, state["residual"])
-    with pytest.raises(ValueError, match="error_feedback"):
-        sync.load_state_dict({**state, "residual": torch.zeros(5)})
-    with pytest.raises(ValueError, match="compression.topk_ratio"):
-        CocktailSync(model.parameters(), channel=channel, dp_group=None, sample_ratio=0.1, topk_ratio=0.5, group_size=4)
+    assert sync.sync_step == 7 and torch.equal(sync.feedback.residuals[0], torch.arange(21, dtype=torch.float32))
+    with pytest.raises(ValueError, match="resume with the topology"):
+        sync.load_state_dict({**state, "feedback": {"enabled": True, "residuals": {"0": torch.zeros(5)}}})
+    with pytest.raises(ValueError, match="cocktail.topk_ratio"):
+        CocktailSync(
+            model.parameters(), CocktailConfig(sample_ratio=0.1, topk_ratio=0.5), channel=channel, dp_group=None
+        )

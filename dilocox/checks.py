@@ -1,0 +1,53 @@
+"""Checks that config dataclasses run in their `validate()`: each raises a ValueError naming the field and the fix.
+
+A component's config calls these once, in its own `validate()` (docs/design.md §7), with its section name, so
+every message reads like the option the user typed:
+
+    check_positive("compression", self, "rank", "group_size")      # compression.rank = 0 must be > 0
+    check_choice("compression.kind", self.kind, CODEC_KINDS)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+def check_types(section: str, cfg: Any) -> None:
+    """Every field holds the type of its default (an int is accepted for a float); bools are not ints here."""
+    defaults = type(cfg)()
+    for f in dataclasses.fields(cfg):
+        value, expected = getattr(cfg, f.name), type(getattr(defaults, f.name))
+        ok = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise ValueError(
+                f"{section}.{f.name} = {value!r} must be a {expected.__name__}, got {type(value).__name__}"
+            )
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{section}.{f.name} = {value} must be a finite number")
+
+
+def check_positive(section: str, cfg: Any, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) <= 0:
+            raise ValueError(f"{section}.{name} = {getattr(cfg, name)} must be > 0")
+
+
+def check_non_negative(section: str, cfg: Any, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{section}.{name} = {getattr(cfg, name)} must be >= 0")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} = {value!r} is not one of: {', '.join(choices)}")
+
+
+def check_fraction(name: str, value: float, *, low: float, high: float, fix: str = "") -> None:
+    """low < value <= high."""
+    if not low < value <= high:
+        raise ValueError(f"{name} = {value!r} must be in ({low}, {high}]" + (f"; {fix}" if fix else ""))

@@ -1,0 +1,135 @@
+"""`[compression]`: how pseudo-gradients are encoded for the slow link, owned and validated here.
+
+The allowed values of every option live in this module and nowhere else; the codec factory (`factory.py`), the
+adaptive rank (`adaptive.py`) and the reducers (`dilocox/sync/reducers.py`) read a validated `CompressionConfig`.
+
+    cfg = CompressionConfig(kind="lowrank_int4", rank=8)
+    cfg.validate()                                   # ValueError naming compression.<field> and the fix
+    codec = build_codec(cfg, seed=0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dilocox.checks import check_choice, check_fraction, check_positive, check_types
+
+CODEC_KINDS = ("none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive")
+"""Every `compression.kind`; `none` sends fp32 (the uncompressed outer sync)."""
+FACTOR_DTYPES = ("fp32", "fp16", "bf16")
+"""Encodings of the `lowrank` codec's factors (`lowrank_int4` and `adaptive` always use int4)."""
+SMALL_TENSOR_MODES = ("raw", "int4")
+"""How the low-rank codecs send 0-D and 1-D tensors."""
+SCHEDULES = ("spectrum", "early_strong", "late_strong")
+"""How the adaptive rank's energy target moves over rounds (see `AdaptiveRank.target_energy`)."""
+AGGREGATES = ("pooled", "mean", "max")
+"""How the adaptive rank chooses one rank from the spectra of several matrices."""
+REDUCTIONS = ("gather", "scalable")
+"""Averaging of payloads over clusters: gather ((C-1) x payload per rank, any codec) or scalable (~2 x payload)."""
+SCALABLE_KINDS = ("fp16", "bf16", "int4", "lowrank", "lowrank_int4")
+"""The codecs the scalable reduction can average (one rank that every cluster agrees on beforehand)."""
+MAX_RANK = (1 << 16) - 1
+"""The largest rank the low-rank payload's 2-byte (uint16) rank header can carry."""
+
+
+@dataclass
+class CompressionConfig:
+    kind: str = "none"
+    """Pseudo-gradient codec: none (fp32), fp16, bf16, int4, lowrank, lowrank_int4, adaptive (dilocox: adaptive)."""
+    rank: int = 8
+    """Factors per matrix of lowrank and lowrank_int4."""
+    group_size: int = 64
+    """Values per fp16 scale in int4 encodings."""
+    stochastic_rounding: bool = False
+    """Round int4 values stochastically (unbiased) instead of to nearest."""
+    error_feedback: bool = True
+    """Add what the codec lost to the next round's pseudo-gradient."""
+    factor_dtype: str = "fp32"
+    """lowrank: encoding of the factors, fp32, fp16 or bf16 (lowrank_int4 and adaptive use int4)."""
+    small_tensors: str = "raw"
+    """Low-rank kinds: how 0-D/1-D tensors (norms, biases) are sent, raw (fp32) or int4."""
+    power_iterations: int = 1
+    """Low-rank kinds: subspace iterations per round (1 is enough with the warm start from the last round)."""
+    rank_min: int = 2
+    """adaptive: the smallest rank it may choose."""
+    rank_max: int = 32
+    """adaptive: the largest rank it may choose."""
+    energy: float = 0.9
+    """adaptive: share of the pseudo-gradient's spectral energy the chosen rank keeps."""
+    energy_floor: float = 0.5
+    """adaptive: the energy target at the strongest compression of early_strong / late_strong."""
+    window: int = 4
+    """adaptive: rounds over which the chosen rank is smoothed."""
+    schedule: str = "spectrum"
+    """adaptive: spectrum (energy as set), early_strong or late_strong (energy target ramps up or down)."""
+    ramp_rounds: int = 100
+    """adaptive: rounds over which early_strong / late_strong ramp the energy target."""
+    aggregate: str = "pooled"
+    """adaptive: one rank from several matrices' spectra: pooled energy, or the mean or max of per-matrix ranks."""
+    reduction: str = "gather"
+    """Averaging of payloads: gather ((C-1) x payload per rank, any codec) or scalable (~2 x payload; not adaptive)."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first impossible setting of `[compression]` and how to fix it."""
+        check_types("compression", self)
+        check_choice("compression.kind", self.kind, CODEC_KINDS)
+        check_positive("compression", self, "rank", "group_size", "power_iterations", "rank_min", "window")
+        check_positive("compression", self, "ramp_rounds")
+        check_choice("compression.factor_dtype", self.factor_dtype, FACTOR_DTYPES)
+        check_choice("compression.small_tensors", self.small_tensors, SMALL_TENSOR_MODES)
+        check_choice("compression.schedule", self.schedule, SCHEDULES)
+        check_choice("compression.aggregate", self.aggregate, AGGREGATES)
+        check_choice("compression.reduction", self.reduction, REDUCTIONS)
+        for name in ("rank", "rank_max"):
+            if getattr(self, name) > MAX_RANK:
+                raise ValueError(
+                    f"compression.{name} = {getattr(self, name)} must be <= {MAX_RANK} (the rank header is 16 bits)"
+                )
+        if self.rank_max < self.rank_min:
+            raise ValueError(
+                f"compression.rank_max = {self.rank_max} is below compression.rank_min = {self.rank_min}; "
+                "raise rank_max or lower rank_min"
+            )
+        check_fraction("compression.energy", self.energy, low=0.0, high=1.0, fix="e.g. 0.9 of the spectral energy")
+        check_fraction(
+            "compression.energy_floor",
+            self.energy_floor,
+            low=0.0,
+            high=self.energy,
+            fix=f"it is the target at the strongest compression, at most compression.energy = {self.energy}",
+        )
+        if self.reduction == "scalable" and self.kind not in (*SCALABLE_KINDS, "none"):  # none: a ring all-reduce
+            raise ValueError(
+                f"compression.reduction = 'scalable' cannot average compression.kind = {self.kind!r}: "
+                + (
+                    "it picks the rank from each cluster's own spectrum, and this path needs one rank that every "
+                    "cluster agrees on before a sync starts; use compression.reduction = 'gather', or "
+                    "compression.kind = 'lowrank_int4' with a fixed compression.rank"
+                    if self.kind == "adaptive"
+                    else f"it supports {', '.join(SCALABLE_KINDS)}; use compression.reduction = 'gather'"
+                )
+            )
+
+
+@dataclass
+class CocktailConfig:
+    sample_ratio: float = 0.1
+    """Share of the gradient randomly sampled each step (the same sample on every cluster)."""
+    topk_ratio: float = 0.01
+    """Share of the gradient sent each step (the largest of the sample), as int4 values with positions."""
+    group_size: int = 64
+    """Values per fp16 scale of the int4 values."""
+    error_feedback: bool = True
+    """Add what a step did not send to the next step's gradient."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first impossible setting of `[cocktail]` and how to fix it."""
+        check_types("cocktail", self)
+        check_fraction("cocktail.sample_ratio", self.sample_ratio, low=0.0, high=1.0, fix="e.g. 0.1")
+        check_fraction("cocktail.topk_ratio", self.topk_ratio, low=0.0, high=1.0, fix="e.g. 0.01")
+        if self.topk_ratio > self.sample_ratio:
+            raise ValueError(
+                f"cocktail.topk_ratio = {self.topk_ratio!r} must be <= cocktail.sample_ratio = {self.sample_ratio!r}: "
+                "the top-k values are chosen inside the random sample; lower topk_ratio or raise sample_ratio"
+            )
+        check_positive("cocktail", self, "group_size")

@@ -1,0 +1,90 @@
+"""`[sync]`: which strategy keeps the clusters together, and the outer loop's settings, owned and validated here.
+
+cfg = SyncConfig(kind="dilocox", inner_steps=50, sync_delay=1)
+cfg.validate()                                   # ValueError naming sync.<field> and the fix
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dilocox.checks import check_choice, check_non_negative, check_positive, check_types
+
+SYNC_KINDS = ("allreduce", "cocktail", "diloco", "dilocox")
+"""Every `sync.kind` (docs/design.md §6)."""
+OUTER_LOOP_KINDS = ("diloco", "dilocox")
+"""The kinds with H local steps and an outer sync of pseudo-gradients; the others sync every step."""
+MERGE_RULES = ("reset", "keep_local")
+"""Where a round starts under the one-step delay (see `DiLoCoSync`)."""
+FIT_HEADROOM = 1.1
+"""`fit_link` sizes a round so that its compute is at least this multiple of the last sync's link time."""
+
+KIND_DEFAULTS: dict[str, dict[str, Any]] = {
+    "dilocox": {
+        "sync.sync_delay": 1,
+        "compression.kind": "adaptive",
+        "sync.outer_lr": 1.0,
+        "sync.outer_momentum": 0.0,
+    }
+}
+"""Settings a strategy changes from the global defaults, unless the file or a flag sets them explicitly. dilocox
+averages plainly (outer lr 1, no momentum): Nesterov 0.9 on one-round-stale updates overshoots; on the default
+setting plain averaging gave 4.731 against 5.213 (benchmarks/results/outer/)."""
+
+
+@dataclass
+class SyncConfig:
+    kind: str = "diloco"
+    """Strategy: allreduce, cocktail (compressed every step), diloco (H local steps + outer sync), dilocox."""
+    inner_steps: int = 50
+    """H: local inner steps between two outer syncs (diloco)."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer SGD applied to the averaged pseudo-gradient (dilocox: 1.0 unless set)."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer SGD (dilocox: 0, plain averaging, unless set)."""
+    nesterov: bool = True
+    """Use Nesterov momentum in the outer SGD."""
+    sync_delay: int = 0
+    """Rounds between launching an outer sync and applying it: 0 = blocking, 1 = overlapped (dilocox: 1 unless set)."""
+    merge: str = "keep_local"
+    """With sync_delay 1, where a round starts: keep_local (outer params plus own last progress) or reset."""
+    fit_link: bool = False
+    """With sync_delay 1: raise H each round so that one sync's measured link time fits in the next round's compute."""
+    fit_link_max_steps: int = 0
+    """fit_link: the largest H it may choose; 0 = 8 x sync.inner_steps."""
+
+    @property
+    def has_outer_loop(self) -> bool:
+        return self.kind in OUTER_LOOP_KINDS
+
+    @property
+    def max_inner_steps(self) -> int:
+        """The largest H that fit_link may choose."""
+        return self.fit_link_max_steps or 8 * self.inner_steps
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first impossible setting of `[sync]` and how to fix it."""
+        check_types("sync", self)
+        check_choice("sync.kind", self.kind, SYNC_KINDS)
+        check_positive("sync", self, "inner_steps")
+        check_non_negative("sync", self, "outer_momentum", "fit_link_max_steps")
+        if self.outer_lr <= 0:
+            raise ValueError(f"sync.outer_lr = {self.outer_lr} must be > 0 (1.0 with momentum 0 = plain averaging)")
+        if self.outer_momentum >= 1.0:
+            raise ValueError(f"sync.outer_momentum = {self.outer_momentum} must be < 1")
+        if self.sync_delay not in (0, 1):
+            raise ValueError(f"sync.sync_delay = {self.sync_delay} must be 0 (blocking) or 1 (one-step-delay overlap)")
+        check_choice("sync.merge", self.merge, MERGE_RULES)
+        if not self.has_outer_loop and self.sync_delay:
+            raise ValueError("sync.sync_delay = 1 needs an outer loop: use sync.kind = diloco or dilocox")
+        if self.fit_link and self.sync_delay != 1:
+            raise ValueError(
+                "sync.fit_link = true sizes H so that a sync travels during the next round, which needs "
+                "sync.sync_delay = 1 (sync.kind = dilocox sets it); with a blocking sync raise sync.inner_steps instead"
+            )
+        if self.fit_link and 0 < self.fit_link_max_steps < self.inner_steps:
+            raise ValueError(
+                f"sync.fit_link_max_steps = {self.fit_link_max_steps} is below sync.inner_steps = {self.inner_steps}: "
+                f"fit_link only raises H; use 0 (8 x H) or a value >= {self.inner_steps}"
+            )

@@ -1,0 +1,301 @@
+"""Reducers: the ways one flat pseudo-gradient is averaged over the clusters (docs/design.md §4.4).
+
+Every reducer has the same two-phase protocol, `launch` now and `PendingMean.wait()` later, so the one-step delay
+can overlap any of them with the next round, and each owns the state its averaging needs between rounds (error
+feedback, codec warm starts, shared factors):
+
+| reducer | codecs | slow-link bytes per rank |
+| --- | --- | --- |
+| `DenseReducer` | none (fp32) | ring all-reduce of its shard: 2 (C-1)/C x 4 x shard sent |
+| `GatherReducer` | any, adaptive ranks that differ per cluster too | all-gather: (C-1) x payload received |
+| `ScalableElementwiseReducer` (`scalable.py`) | fp16, bf16, int4 | ~2 x payload for any C |
+| `ScalableLowRankReducer` (`scalable.py`) | lowrank, lowrank_int4 | ~2 x payload for any C, four link steps |
+
+The vector to average must be identical on every dp replica of the cluster; each replica averages its own slice
+over `cluster_group` (docs/design.md §2) and `PendingMean.wait()` all-gathers the slices over the fast dp_group.
+
+    reducer = build_reducer(CompressionConfig(kind="lowrank_int4"), flat.shapes, channel=channel, dp_group=dp_group)
+    pending = reducer.launch(pseudo_grad)             # encodes now, the transfer runs on the communicator thread
+    avg_pseudo_grad = pending.wait()                  # (numel,) fp32, the same on every cluster
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from dilocox.compress import Codec, CompressionConfig, ErrorFeedback, Payload, build_codec
+from dilocox.net.channel import PendingTransfer, WanChannel
+from dilocox.sync.base import CodecCost, shard_bounds
+from dilocox.topology import group_size
+
+
+@dataclass
+class PendingMean:
+    """An in-flight cross-cluster mean of one flat vector.
+
+    `finish()` waits for the slow-link part and returns this dp replica's averaged slice; `wait()` then
+    all-gathers the slices over the fast dp_group into `flat`. `sent` is what this rank put on the link, kept
+    until `wait()` so that a checkpoint taken while the sync is in flight can save it and a resumed run can send
+    it again (`Reducer.relaunch`) instead of stalling the checkpoint until the transfer arrives. `cost` is what
+    compressing it cost (None for the uncompressed mean)."""
+
+    flat: torch.Tensor
+    bounds: list[tuple[int, int]]  # every dp replica's slice of `flat`
+    finish: Callable[[], torch.Tensor]
+    transfer: PendingTransfer
+    dp_group: dist.ProcessGroup | None
+    sent: torch.Tensor
+    cost: CodecCost | None = None
+
+    def wait(self) -> torch.Tensor:
+        """Block until the slow-link part is done, then all-gather the slices over the fast dp_group."""
+        return gather_slices_(self.flat, self.finish(), self.bounds, self.dp_group)
+
+
+class Reducer(Protocol):
+    """Averages a flat pseudo-gradient over the clusters, in a launch phase and a wait phase."""
+
+    name: str
+    """dense, gather or scalable: a checkpoint resumes only into the reducer that wrote it."""
+
+    def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        """Start averaging `pseudo_grad` (numel,), identical on the cluster's dp replicas; it is not modified."""
+
+    def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
+        """Send again what a checkpoint saved of a sync in flight (`PendingMean.sent`): the same bytes, the same
+        result; `account=False` when the restored link counters already hold the transfer."""
+
+    def current_rank(self) -> int | None:
+        """The low-rank codec's rank of the next encoding (adaptive: the last chosen), None for other codecs."""
+
+    def state_bytes(self) -> int:
+        """Bytes of the reducer's own state on this rank (residuals, warm starts)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def gather_slices_(
+    flat: torch.Tensor, shard: torch.Tensor, bounds: list[tuple[int, int]], dp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Write every dp replica's `shard` (replica i owns `flat[bounds[i]]`) into `flat` on all replicas."""
+    size = group_size(dp_group)
+    if size == 1:
+        flat.copy_(shard)
+        return flat
+    width = max(end - start for start, end in bounds)  # gloo all-gathers equal sizes only: pad to the longest
+    padded = torch.zeros(width, dtype=shard.dtype)
+    padded[: shard.numel()] = shard
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(parts, padded, group=dp_group)
+    for (start, end), part in zip(bounds, parts, strict=True):
+        flat[start:end] = part[: end - start]
+    return flat
+
+
+def _dp_rank(dp_group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(dp_group) if group_size(dp_group) > 1 else 0
+
+
+# ------------------------------------------------------------------------------------------------------ dense
+
+
+class DenseReducer:
+    """The uncompressed mean: each dp replica all-reduces its equal 1/dp shard of the fp32 vector (AVG).
+
+    Also the gradient mean of the AllReduce baseline, every step. No state between rounds."""
+
+    name = "dense"
+
+    def __init__(self, numel: int, *, channel: WanChannel, dp_group: dist.ProcessGroup | None) -> None:
+        self.numel = numel
+        self.channel = channel
+        self.dp_group = dp_group
+        size = group_size(dp_group)
+        self.bounds = [shard_bounds(numel, size, index) for index in range(size)]
+        self.start, self.end = self.bounds[_dp_rank(dp_group)]
+
+    def launch(self, pseudo_grad: torch.Tensor, *, account: bool = True) -> PendingMean:
+        # The all-reduce works on a copy of the shard, so `pseudo_grad` stays intact until wait() (what a resumed
+        # run sends again).
+        shard = pseudo_grad[self.start : self.end].clone()
+        transfer = self.channel.launch_all_reduce(shard, op="avg", account=account)
+        return PendingMean(pseudo_grad, self.bounds, transfer.wait, transfer, self.dp_group, sent=pseudo_grad)
+
+    def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
+        return self.launch(sent.clone(), account=account)
+
+    def current_rank(self) -> int | None:
+        return None
+
+    def state_bytes(self) -> int:
+        return 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------------ gather
+
+
+def param_aligned_bounds(numels: Sequence[int], num_shards: int) -> list[tuple[int, int]]:
+    """Split a flat vector of consecutive tensors into `num_shards` slices that start and end on tensor borders
+    (a low-rank codec needs whole matrices), each close to an equal share of the elements."""
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + n)
+    total = offsets[-1]
+    bounds, start, index = [], 0, 0
+    for shard in range(num_shards):
+        target = total * (shard + 1) / num_shards
+        end_index = index
+        # take whole tensors while the slice is closer to its target with the next tensor than without it
+        while end_index < len(numels) and abs(offsets[end_index + 1] - target) <= abs(offsets[end_index] - target):
+            end_index += 1
+        if shard == num_shards - 1:
+            end_index = len(numels)
+        bounds.append((start, offsets[end_index]))
+        start, index = offsets[end_index], end_index
+    return bounds
+
+
+@dataclass(frozen=True)
+class ReplicaSlice:
+    """This dp replica's part of a flat vector of whole tensors: the compressed reducers encode whole matrices."""
+
+    bounds: list[tuple[int, int]]
+    """Every replica's (start, end), parameter-aligned."""
+    spans: list[tuple[int, int]]
+    """(start, end) in the flat vector of each tensor of this replica."""
+    shapes: list[torch.Size]
+    """Their shapes."""
+
+    @classmethod
+    def of(cls, shapes: Sequence[torch.Size], dp_group: dist.ProcessGroup | None) -> ReplicaSlice:
+        numels = [shape.numel() for shape in shapes]
+        bounds = param_aligned_bounds(numels, group_size(dp_group))
+        start, end = bounds[_dp_rank(dp_group)]
+        offsets = [0]
+        for n in numels:
+            offsets.append(offsets[-1] + n)
+        mine = [i for i in range(len(shapes)) if start <= offsets[i] and offsets[i + 1] <= end]
+        return cls(bounds, [(offsets[i], offsets[i + 1]) for i in mine], [shapes[i] for i in mine])
+
+    @property
+    def numel(self) -> int:
+        """Values of this replica's slice."""
+        return sum(shape.numel() for shape in self.shapes)
+
+    def tensors(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of this replica's tensors in `flat`."""
+        return [flat[a:b].view(shape) for (a, b), shape in zip(self.spans, self.shapes, strict=True)]
+
+
+class GatherReducer:
+    """Any codec: encode this replica's slice (with error feedback), all-gather the payloads over the slow
+    cluster_group (their sizes may differ per cluster, e.g. adaptive ranks), decode every cluster's and average.
+    Exact for any codec; costs (C-1) x payload received per rank, exact in the channel's counters."""
+
+    name = "gather"
+
+    def __init__(
+        self,
+        codec: Codec,
+        shapes: Sequence[torch.Size],
+        *,
+        error_feedback: bool,
+        channel: WanChannel,
+        dp_group: dist.ProcessGroup | None,
+    ) -> None:
+        self.codec = codec
+        self.numel = sum(shape.numel() for shape in shapes)
+        self.slice = ReplicaSlice.of(shapes, dp_group)
+        self.feedback = ErrorFeedback(enabled=error_feedback)
+        self.channel = channel
+        self.dp_group = dp_group
+
+    def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        encode_from = time.perf_counter()
+        payload, own_decoded = self.feedback.compress(self.codec, self.slice.tensors(pseudo_grad))
+        return self._start(pseudo_grad, payload, own_decoded, codec_s=time.perf_counter() - encode_from)
+
+    def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
+        # The codec and error feedback already ran for it, so they are not run again: the same bytes go out.
+        payload = Payload(sent)
+        own_decoded = self.codec.decode_list(payload, self.slice.shapes)
+        return self._start(torch.zeros(self.numel), payload, own_decoded, codec_s=0.0, account=account)
+
+    def _start(
+        self,
+        flat: torch.Tensor,
+        payload: Payload,
+        own_decoded: list[torch.Tensor],
+        *,
+        codec_s: float,
+        account: bool = True,
+    ) -> PendingMean:
+        cost = CodecCost(payload_bytes=payload.nbytes, dense_bytes=4 * self.slice.numel, codec_s=codec_s)
+        transfer = self.channel.launch_all_gather(payload.data, account=account)
+        own_index = self.channel.group_rank
+
+        def finish() -> torch.Tensor:
+            payloads = transfer.wait()
+            decode_from = time.perf_counter()
+            total = torch.zeros(self.slice.numel, dtype=torch.float32)  # (slice,)
+            for index, data in enumerate(payloads):
+                decoded = (
+                    own_decoded if index == own_index else self.codec.decode_list(Payload(data), self.slice.shapes)
+                )
+                if decoded:
+                    total += torch.cat([d.reshape(-1) for d in decoded])
+            cost.codec_s += time.perf_counter() - decode_from
+            return total.div_(len(payloads))
+
+        return PendingMean(flat, self.slice.bounds, finish, transfer, self.dp_group, sent=payload.data, cost=cost)
+
+    def current_rank(self) -> int | None:
+        return self.codec.current_rank()
+
+    def state_bytes(self) -> int:
+        return self.feedback.state_bytes(self.slice.numel)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"codec": self.codec.state_dict(), "feedback": self.feedback.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.codec.load_state_dict(state["codec"])
+        self.feedback.load_state_dict(state["feedback"])
+
+
+# ------------------------------------------------------------------------------------------------------ factory
+
+
+def build_reducer(
+    cfg: CompressionConfig,
+    shapes: Sequence[torch.Size],
+    *,
+    channel: WanChannel,
+    dp_group: dist.ProcessGroup | None,
+    seed: int = 0,
+) -> Reducer:
+    """The reducer of `compression.kind` and `compression.reduction` over tensors of `shapes` (validated here)."""
+    cfg.validate()
+    if cfg.kind == "none":
+        return DenseReducer(sum(shape.numel() for shape in shapes), channel=channel, dp_group=dp_group)
+    codec = build_codec(cfg, seed=seed)
+    if cfg.reduction == "gather":
+        return GatherReducer(codec, shapes, error_feedback=cfg.error_feedback, channel=channel, dp_group=dp_group)
+    from dilocox.sync.scalable import build_scalable_reducer
+
+    return build_scalable_reducer(codec, shapes, error_feedback=cfg.error_feedback, channel=channel,
+                                  dp_group=dp_group, seed=seed)  # fmt: skip
