@@ -3,7 +3,7 @@
 Layout of `RUN_DIR/checkpoints/`:
 
     step_00000100/          a complete checkpoint (it has meta.json)
-        rank_00000.pt       model, inner optimizer, scheduler, sync state (outer params and outer optimizer),
+        rank_00000.pt       model, inner optimizer, sync state (outer params, outer optimizer, reducer),
         rank_00001.pt       data position, RNG states and channel counters of that rank
         meta.json           step, world size, topology, config; written last
     .step_00000200.partial  a checkpoint being written; never read, removed by the next save
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox.config import Config
+from dilocox.fileio import write_atomic  # noqa: F401 - also imported from here by older tools
 
 CHECKPOINT_DIR = "checkpoints"
 META = "meta.json"
@@ -41,16 +42,6 @@ def _step_dir(root: Path, step: int) -> Path:
 def _barrier(group: dist.ProcessGroup | None) -> None:
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.barrier(group=group)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a file so that readers see either the old content or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def save_checkpoint(

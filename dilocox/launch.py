@@ -22,9 +22,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from dilocox.checkpoint import check_resume, find_checkpoint, list_checkpoints, write_atomic
+from dilocox.checkpoint import check_resume, find_checkpoint, list_checkpoints
 from dilocox.config import Config, from_dict, to_dict, to_toml
 from dilocox.data import TokenData
+from dilocox.fileio import write_atomic
 from dilocox.models import model_args
 
 EXIT_USER_ERROR = 2

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dilocox.checkpoint import write_atomic
+from dilocox.fileio import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"

@@ -128,8 +128,8 @@ class Int4Format(ValueFormat):
 class Codec(ABC):
     """Encodes tensors into one exact-size `Payload` and decodes it back to fp32 from the shapes alone.
 
-    The interface of DiLoCoX's pseudo-gradient compression (Qi et al. 2025, arXiv 2506.21263; DESIGN.md
-    section 4). Encoding may update per-instance state (warm starts, the RNG of stochastic rounding, an adaptive
+    The interface of DiLoCoX's pseudo-gradient compression (Qi et al. 2025, arXiv 2506.21263;
+    docs/design.md §4). Encoding may update per-instance state (warm starts, the RNG of stochastic rounding, an adaptive
     rank), which `state_dict()` captures for checkpoints; decoding is stateless.
 
         codec = build_codec(CompressionConfig(kind="lowrank_int4", rank=8))

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from dilocox.data.corpus import corpus_fingerprint, load_documents
-from dilocox.data.tokenizer import Tokenizer, atomic_write_bytes, check_vocab_size, train_bpe
+from dilocox.data.tokenizer import Tokenizer, check_vocab_size, train_bpe
+from dilocox.fileio import write_atomic
 
 # Bumped whenever the split or the layout of the cached arrays changes, so old caches are not reused.
 _TOKENS_FORMAT_VERSION = 1
@@ -338,8 +339,8 @@ def _npy_bytes(array: np.ndarray) -> bytes:
 
 
 def _save_cached_tokens(entry: Path, data: TokenData) -> None:
-    atomic_write_bytes(entry / "train.npy", _npy_bytes(data.train))
-    atomic_write_bytes(entry / "val.npy", _npy_bytes(data.val))
+    write_atomic(entry / "train.npy", _npy_bytes(data.train))
+    write_atomic(entry / "val.npy", _npy_bytes(data.val))
     # meta.json goes last: its presence is what tells a reader that both arrays are complete.
     meta = {
         "vocab_size": data.vocab_size,
@@ -347,7 +348,7 @@ def _save_cached_tokens(entry: Path, data: TokenData) -> None:
         "num_train_documents": data.num_train_documents,
         "num_val_documents": data.num_val_documents,
     }
-    atomic_write_bytes(entry / "meta.json", json.dumps(meta, indent=1).encode())
+    write_atomic(entry / "meta.json", json.dumps(meta, indent=1).encode())
 
 
 def _load_cached_tokens(entry: Path, tokenizer_file: Path) -> TokenData | None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from dilocox.fileio import write_atomic
 
 EOS_TOKEN = "<|endoftext|>"
 MIN_VOCAB_SIZE = 256 + 1
@@ -54,7 +55,7 @@ class Tokenizer:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write tokenizer.json atomically, so a concurrent reader never sees a half-written file."""
-        atomic_write_bytes(path, self.backend.to_str(pretty=False).encode("utf-8"))
+        write_atomic(path, self.backend.to_str(pretty=False).encode("utf-8"))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -106,24 +107,3 @@ def check_vocab_size(vocab_size: int) -> None:
             f"data.vocab_size={vocab_size!r} is too small: a byte-level BPE needs the 256 byte tokens plus "
             f"{EOS_TOKEN}; set data.vocab_size >= {MIN_VOCAB_SIZE} (2048 suits the default corpus)"
         )
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same directory and ``os.replace``.
-
-    Readers in other processes (ranks preparing the same cache) see either the old file or the complete new one.
-    """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        # mkstemp makes the file private (0600); a cache is meant to be shared like any other file.
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp_name, target)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise

@@ -72,7 +72,7 @@ class RoundStats:
             record["round_codec_s"] = self.cost.codec_s
             record["round_payload_bytes"] = self.cost.payload_bytes
             record["round_compression_ratio"] = compression_ratio(self.cost.payload_bytes, self.cost.dense_bytes // 4)
-            # bits on the wire per pseudo-gradient value (32 for fp32, ~4.5 for int4 with its scales)
+            # bits on the wire per pseudo-gradient value (32 for fp32, 4.25 for int4 in groups of 64)
             record["round_bits_per_value"] = 8 * self.cost.payload_bytes / (self.cost.dense_bytes / 4)
             if self.rank is not None:
                 record["round_rank"] = self.rank

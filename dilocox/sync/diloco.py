@@ -40,8 +40,6 @@ class DiLoCoSync:
     The average itself is its `reducer`'s (`compression.kind` and `compression.reduction`, docs/design.md §4.4).
     """
 
-    name = "diloco"
-
     def __init__(
         self,
         params,
@@ -55,6 +53,7 @@ class DiLoCoSync:
     ) -> None:
         cfg.validate()
         self.cfg = cfg
+        self.name = cfg.kind  # diloco or dilocox: the same code, other defaults
         self.flat = FlatParams(params)
         self.numel = self.flat.numel
         self.channel = channel

@@ -1,4 +1,4 @@
-"""CocktailSGD on real gloo ranks against a slow single-process reference (DESIGN.md section 8)."""
+"""CocktailSGD on real gloo ranks against a slow single-process reference (docs/design.md §8)."""
 
 import math
 import struct

@@ -1,4 +1,4 @@
-"""The strategies on real gloo ranks against slow single-process references (DESIGN.md section 8)."""
+"""The strategies on real gloo ranks against slow single-process references (docs/design.md §8)."""
 
 import pytest
 import torch
@@ -67,7 +67,7 @@ def _both(rank, world_size, topo_args, steps):
 @pytest.mark.dist
 @pytest.mark.parametrize("topo_args", [(2, 1, 1), (2, 2, 1)], ids=["C2", "C2xD2"])
 def test_diloco_h1_plain_sgd_equals_allreduce(topo_args):
-    """DiLoCo with plain SGD inner, H = 1, outer lr 1, momentum 0 is data parallelism (DESIGN.md section 8)."""
+    """DiLoCo with plain SGD inner, H = 1, outer lr 1, momentum 0 is data parallelism (docs/design.md §8)."""
     world = topo_args[0] * topo_args[1]
     results = run_ranks(_both, world, args=(topo_args, 6))
     for (ar_traj, ar_stats, numel), (dl_traj, dl_stats, _) in results:

@@ -27,7 +27,7 @@ from dilocox.data import (
     train_bpe,
     validation_document_indices,
 )
-from dilocox.data.tokenizer import atomic_write_bytes
+from dilocox.fileio import write_atomic
 
 WORDS = "the king queen sword crown night day love death river stone fire hope fear bright dark".split()
 UNICODE_SAMPLES = [
@@ -328,8 +328,8 @@ def test_prepare_tokens_rejects_bad_arguments(tmp_path):
 
 def test_atomic_write_replaces_whole_file(tmp_path):
     target = tmp_path / "dir" / "file.bin"
-    atomic_write_bytes(target, b"old")
-    atomic_write_bytes(target, b"new contents")
+    write_atomic(target, b"old")
+    write_atomic(target, b"new contents")
     assert target.read_bytes() == b"new contents"
     assert os.listdir(target.parent) == ["file.bin"]
 
