@@ -371,26 +371,6 @@ def test_lowrank_does_not_touch_the_global_rng():
 # --------------------------------------------------------------------------------------------------- error feedback
 
 
-@pytest.mark.parametrize("kind", ["int4", "lowrank_int4", "adaptive"])
-def test_error_feedback_sums_to_what_was_sent(kind):
-    shapes = [(24, 16), (16,), (6, 2, 4)]
-    codec = build_codec(kind, rank=2, rank_min=1, rank_max=4, stochastic_rounding=True)
-    feedback = ErrorFeedback()
-    sent = [torch.zeros(shape) for shape in shapes]
-    received = [torch.zeros(shape) for shape in shapes]
-    for round_index in range(6):
-        pseudo_grads = random_list(shapes, seed=20 + round_index)
-        payload, decoded = feedback.compress(codec, pseudo_grads)
-        assert payload.nbytes <= codec.max_nbytes_list(shapes)
-        assert all(torch.equal(a, b) for a, b in zip(decoded, codec.decode_list(payload, shapes), strict=True))
-        sent = [total + grad for total, grad in zip(sent, pseudo_grads, strict=True)]
-        received = [total + approx for total, approx in zip(received, decoded, strict=True)]
-    for total_sent, total_received, residual in zip(sent, received, feedback.residuals, strict=True):
-        assert torch.allclose(total_received + residual, total_sent, atol=1e-5)
-    # A lossy codec leaves something behind; it is what error feedback will send later.
-    assert any(float(residual.abs().max()) > 1e-3 for residual in feedback.residuals)
-
-
 def test_error_feedback_state_and_pass_through():
     shapes = [(12, 10), (10,)]
     rounds = [random_list(shapes, seed=30 + index) for index in range(3)]
