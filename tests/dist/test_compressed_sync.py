@@ -96,7 +96,7 @@ def _sharded(rank, world_size):
 @pytest.mark.dist
 def test_compressed_sync_sharded_over_dp_replicas():
     results = run_ranks(_sharded, 4)
-    for params, sent in results[1:]:
+    for params, _sent in results[1:]:
         assert torch.equal(params, results[0][0])  # every rank of every cluster ends with the same model
     assert all(sent > 0 for _, sent in results)
 

@@ -61,11 +61,11 @@ def _one_run(cfg, rank, data, run_dir: Path, resume: Path | None = None) -> dict
     after_inner_step = sync.after_inner_step
 
     def after_and_record(step):  # at each round boundary: the outer params, and where the next round starts
-        ended = after_inner_step(step)
-        if ended:
+        stats = after_inner_step(step)
+        if sync.is_round_boundary(step):
             start = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
             rounds.append({"step": step, "outer": sync.outer_params.clone(), "start": start})
-        return ended
+        return stats
 
     sync.after_inner_step = after_and_record
     trainer.train()  # flushes the last sync at the last step

@@ -110,7 +110,8 @@ def _run(rank, world_size):
         trace = []
         for step in range(1, STEPS + 1):
             inner_step(model, optimizer, rank, step, sync)
-            if sync.after_inner_step(step):
+            sync.after_inner_step(step)
+            if sync.is_round_boundary(step):
                 trace.append((sync.outer_params.clone(), flat(model)))
         sync.flush()
         trace.append((sync.outer_params.clone(), flat(model)))

@@ -70,7 +70,7 @@ def test_diloco_h1_plain_sgd_equals_allreduce(topo_args):
     """DiLoCo with plain SGD inner, H = 1, outer lr 1, momentum 0 is data parallelism (docs/design.md §8)."""
     world = topo_args[0] * topo_args[1]
     results = run_ranks(_both, world, args=(topo_args, 6))
-    for (ar_traj, ar_stats, numel), (dl_traj, dl_stats, _) in results:
+    for (ar_traj, ar_stats, _numel), (dl_traj, dl_stats, _) in results:
         assert len(ar_traj) == len(dl_traj) == 6
         for ar_params, dl_params in zip(ar_traj, dl_traj, strict=True):
             for a, d in zip(ar_params, dl_params, strict=True):
@@ -125,7 +125,7 @@ def test_outer_nesterov_matches_reference():
     steps, inner_steps = 9, 3
     reference = reference_diloco(3, steps, inner_steps, 0.7, 0.9, 0.05)
     results = run_ranks(_diloco_only, 3, args=(steps, inner_steps))
-    for trajectory, stats, numel in results:
+    for trajectory, _stats, _numel in results:
         assert len(trajectory) == 3
         for got, want in zip(trajectory, reference, strict=True):
             for g, w in zip(got, want, strict=True):
