@@ -1,6 +1,6 @@
 import pytest
 
-from dilocox.bench.harness import (
+from dilocox.tools.bench.harness import (
     compare,
     format_table,
     load_bench,

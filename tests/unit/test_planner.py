@@ -8,8 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from dilocox.bench.plan_cli import main
-from dilocox.bench.planner import (
+from dilocox.models import count_parameters, model_args
+from dilocox.net.link import parse_bandwidth
+from dilocox.tools.bench.plan_cli import main
+from dilocox.tools.bench.planner import (
     GIB,
     INT4_COMPRESSION_RATIO,
     PAPER,
@@ -27,8 +29,6 @@ from dilocox.bench.planner import (
     plan,
     resolve_flavor,
 )
-from dilocox.models import count_parameters, model_args
-from dilocox.net.link import parse_bandwidth
 
 # A round number GPU: 1 TFLOP/s peak, 80 GiB.
 GPU = GpuSpec("test", peak_flops=1e12, memory_bytes=80 * GIB)
@@ -346,7 +346,7 @@ def test_cli_help_exits_0(capsys):
 def test_cli_in_a_subprocess():
     # One interpreter start (torch's import dominates): a good run prints JSON, then a bad one sets the exit code.
     code = (
-        "import sys; from dilocox.bench.plan_cli import main; "
+        "import sys; from dilocox.tools.bench.plan_cli import main; "
         "main(['--flavor', 'tiny', '--json']); sys.exit(main(['--flavor', 'tiny', '--dp-degree', '-1']))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -19,9 +19,9 @@ Names are `dlxshape-<pid>-hub` and `dlxshape-<pid>-c<i>`, so concurrent runs nev
 deleted in `finally` (also on Ctrl+C and SIGTERM); namespaces left by a run that was killed with SIGKILL (its pid
 no longer exists) are removed by the next run. Deleting a namespace also deletes its veth ends.
 
-Each cluster runs one worker process (`ip netns exec NS python -m dilocox.net.shaping worker`), one gloo rank
-bound to `wan0`. For every payload size it runs a ring all-reduce (fp32) and an all-gather (uint8 payload) through
-a `WanChannel(group, bandwidth=None, latency_s=0)`, which runs the real collective and records its measured time
+Each cluster runs one worker process (`ip netns exec NS python -m dilocox.tools.linkcheck.shaping worker`), one
+gloo rank bound to `wan0`. For every payload size it runs a ring all-reduce (fp32) and an all-gather (uint8 payload)
+through a `WanChannel(group, bandwidth=None, latency_s=0)`, which runs the real collective and records its measured time
 and its exact byte counts; the emulated time is what `LinkModel` would charge for those bytes at the same rate.
 The same transfers are timed once on the unshaped veth (the overhead floor), then under each requested rate.
 """
@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import dilocox
 from dilocox.net.link import LinkModel, link_charge_bytes, parse_bandwidth
 
 __all__ = [
@@ -101,7 +102,7 @@ TBF_MIN_BURST = 16384
 TBF_BURST_S = 1e-4
 TBF_LATENCY = "50ms"  # queue limit as a delay: deep enough that TCP is never tail-dropped on a local veth
 
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the `dilocox` package
+_PACKAGE_ROOT = str(Path(dilocox.__file__).resolve().parents[1])  # the directory holding the `dilocox` package
 
 # The prefix is case-free ("kB" = "KB"), the unit must be "B": "Mb" would be megabits, which no payload is.
 _SIZE = re.compile(r"^(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?:(?P<prefix>(?i:[kmg]i?))?B)?$")
@@ -783,8 +784,9 @@ def _run_workers(
                 # the worker must import this very dilocox, whatever the current directory or install
                 PYTHONPATH=os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")) if p),
             )
-            command = ["ip", "netns", "exec", net.cluster_ns(rank), sys.executable, "-m", "dilocox.net.shaping"]
-            command += ["worker", "--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats)]
+            command = ["ip", "netns", "exec", net.cluster_ns(rank), sys.executable]
+            command += ["-m", "dilocox.tools.linkcheck.shaping", "worker"]
+            command += ["--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats)]
             command += ["--warmup", str(warmup), "--out", str(out)]
             with open(log_path, "wb") as log_file:
                 procs.append(subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT))
@@ -927,7 +929,7 @@ def run_linkcheck(
 
 def _worker(argv: list[str]) -> int:
     """One cluster's rank, inside its namespace: time every transfer through an unlimited WanChannel."""
-    parser = argparse.ArgumentParser(prog="python -m dilocox.net.shaping worker")
+    parser = argparse.ArgumentParser(prog="python -m dilocox.tools.linkcheck.shaping worker")
     parser.add_argument("--sizes", required=True, help="comma-separated payload bytes per rank")
     parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--warmup", type=int, default=NUM_WARMUP)

@@ -243,9 +243,9 @@ def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *
        (`steady_tokens_per_s`), hidden communication from those runs; and the reference on the outer-loop runs'
        window (no sync inside it), the "no communication" throughput the others are divided by.
     """
-    from dilocox.bench.planner import format_bandwidth, paper_regime_bandwidth, paper_regime_ratio
     from dilocox.config import load_config
     from dilocox.net.link import parse_duration
+    from dilocox.tools.bench.planner import format_bandwidth, paper_regime_bandwidth, paper_regime_ratio
 
     configs = {run.name: load_config(spec.base, _run_overrides(spec, run, quick)) for run in selected}
     for name, cfg in configs.items():

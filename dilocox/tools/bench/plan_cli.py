@@ -17,7 +17,8 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from dilocox.bench.planner import (
+from dilocox.net.link import parse_bandwidth, parse_duration
+from dilocox.tools.bench.planner import (
     GIB,
     GPU_PRESETS,
     INT4_COMPRESSION_RATIO,
@@ -33,7 +34,6 @@ from dilocox.bench.planner import (
     plan,
     resolve_flavor,
 )
-from dilocox.net.link import parse_bandwidth, parse_duration
 
 PRESETS = ("paper-107b",)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dilocox.net import shaping
-from dilocox.net.shaping import (
+from dilocox.tools.linkcheck import shaping
+from dilocox.tools.linkcheck.shaping import (
     LinkcheckResult,
     LinkcheckRow,
     ShapedLink,
