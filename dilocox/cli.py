@@ -183,7 +183,7 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def cmd_linkcheck(argv: list[str]) -> int:
-    from dilocox.tools.linkcheck.shaping import main as linkcheck_main
+    from dilocox.tools.linkcheck.cli import main as linkcheck_main
 
     return linkcheck_main(argv)
 
