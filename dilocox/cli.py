@@ -171,7 +171,7 @@ def cmd_env(argv: list[str]) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    from dilocox.tools.bench.harness import main as bench_main
+    from dilocox.tools.bench.bench_cli import main as bench_main
 
     return bench_main(argv)
 
