@@ -1,7 +1,9 @@
 """What `dilocox plan` prints: the projection table, and the paper's measured numbers beside it for the preset.
 
-print(format_plan_table(plan(paper_107b_input()), paper=True))
-paper_section(result)                # the same comparison as a JSON-ready dict
+The table, and for `--json` the same comparison with the paper as a dict:
+
+    print(format_plan_table(plan(paper_107b_input()), paper=True))
+    paper_section(plan(paper_107b_input()))
 """
 
 from __future__ import annotations

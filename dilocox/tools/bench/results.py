@@ -1,7 +1,9 @@
 """A bench's results: one row per run, read from its run directory, compared with the baseline, and written out.
 
-results = collect(spec, out_dir, ["allreduce", "dilocox"])
-write_results(results, out_dir)          # results.json, results.md and the plots
+Rows come from each run directory's summary.json and metrics.jsonl; `write_results` writes them out:
+
+    results = collect(spec, out_dir, ["allreduce", "dilocox"])
+    write_results(results, out_dir)          # results.json, results.md and the plots
 """
 
 from __future__ import annotations

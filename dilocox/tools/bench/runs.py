@@ -2,7 +2,8 @@
 
     summary = train_run(spec, run, out_dir / "runs" / run.name, out_dir / f"{run.name}.log", quick=False)
 
-A run's outputs are read back with the runtime's readers and names (`dilocox.metrics`), never parsed here.
+The bench reads a run's metrics.jsonl with the runtime's `dilocox.metrics.read_metrics`, and its summary.json,
+which the runtime writes but has no reader for, only through `read_summary` here.
 """
 
 from __future__ import annotations

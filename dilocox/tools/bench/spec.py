@@ -1,14 +1,16 @@
 """The bench file: a base training config, overrides shared by every run, and the runs (TOML).
 
-[bench]
-name = "default"
-base = "configs/default.toml"
-overrides = ["--train.steps=400"]
-[[runs]]
-name = "allreduce"
-overrides = ["--sync.kind=allreduce"]
+A bench file looks like this (benchmarks/configs/ has the real ones) and is read with `load_bench`:
 
-spec = load_bench(Path("benchmarks/configs/default.toml"))
+    [bench]
+    name = "default"
+    base = "configs/default.toml"
+    overrides = ["--train.steps=400"]
+    [[runs]]
+    name = "allreduce"
+    overrides = ["--sync.kind=allreduce"]
+
+    spec = load_bench(Path("benchmarks/configs/default.toml"))
 """
 
 from __future__ import annotations

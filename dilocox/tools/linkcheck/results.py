@@ -1,7 +1,9 @@
 """The comparison's arithmetic and records: measured times against what the emulated link charges.
 
-rows = summarize(records_by_rank, bytes_per_s=12_500_000.0)     # the workers' records -> one row per transfer
-rows[0].shaped_s, rows[0].emulated_s, rows[0].diff_pct
+The workers' records become one row per transfer, its measured time beside the model's:
+
+    rows = summarize(records_by_rank, bytes_per_s=12_500_000.0)
+    rows[0].shaped_s, rows[0].emulated_s, rows[0].diff_pct
 """
 
 from __future__ import annotations

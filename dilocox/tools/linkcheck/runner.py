@@ -1,6 +1,8 @@
 """One linkcheck run: the workers timed on the unshaped veth, then under each shaped rate.
 
-result = run_linkcheck([("100Mbps", 12_500_000.0)], num_clusters=2, sizes=[1_000_000])
+Needs root; the namespaces are removed afterwards, also on errors, Ctrl+C and SIGTERM:
+
+    result = run_linkcheck([("100Mbps", 12_500_000.0)], num_clusters=2, sizes=[1_000_000])
 """
 
 from __future__ import annotations
