@@ -2,5 +2,5 @@
 (`dilocox linkcheck`).
 
 They drive the runtime (`dilocox train` subprocesses, `WanChannel`, `LinkModel`) from the outside; nothing in the
-runtime imports them (tests/unit/test_tools_layout.py checks it).
+runtime imports them (tests/unit/test_tools.py checks it).
 """
