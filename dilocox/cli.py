@@ -171,19 +171,19 @@ def cmd_env(argv: list[str]) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    from dilocox.bench.harness import main as bench_main
+    from dilocox.tools.bench.bench_cli import main as bench_main
 
     return bench_main(argv)
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from dilocox.bench.plan_cli import main as plan_main
+    from dilocox.tools.bench.plan_cli import main as plan_main
 
     return plan_main(argv)
 
 
 def cmd_linkcheck(argv: list[str]) -> int:
-    from dilocox.net.shaping import main as linkcheck_main
+    from dilocox.tools.linkcheck.cli import main as linkcheck_main
 
     return linkcheck_main(argv)
 

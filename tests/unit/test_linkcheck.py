@@ -9,33 +9,31 @@ from pathlib import Path
 
 import pytest
 
-from dilocox.net import shaping
-from dilocox.net.shaping import (
-    LinkcheckResult,
-    LinkcheckRow,
-    ShapedLink,
+from dilocox.tools.linkcheck import cli, namespaces, worker
+from dilocox.tools.linkcheck.namespaces import (
     ShapedNetwork,
-    emulated_seconds,
-    estimate_transfer_s,
-    format_markdown,
-    format_size,
-    format_table,
     fresh_tcp_commands,
-    median_of_slowest,
-    parse_bandwidths,
-    parse_sizes,
-    relative_diff_pct,
     setup_commands,
     shape_commands,
-    slowest_per_repeat,
     stale_namespaces,
-    summarize,
     tbf_burst_bytes,
     tbf_rate_bits,
     teardown_commands,
     unshape_commands,
-    write_results,
 )
+from dilocox.tools.linkcheck.report import format_markdown, format_table, write_results
+from dilocox.tools.linkcheck.results import (
+    LinkcheckResult,
+    LinkcheckRow,
+    ShapedLink,
+    emulated_seconds,
+    median_of_slowest,
+    relative_diff_pct,
+    slowest_per_repeat,
+    summarize,
+)
+from dilocox.tools.linkcheck.runner import estimate_transfer_s
+from dilocox.tools.linkcheck.units import format_size, parse_bandwidths, parse_sizes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -331,7 +329,7 @@ def test_results_files(tmp_path):
 
 
 def test_help_needs_no_root(capsys):
-    assert shaping.main(["--help"]) == 0
+    assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "usage: dilocox linkcheck" in out and "--bandwidth" in out and "--out" in out
 
@@ -348,10 +346,10 @@ def test_help_needs_no_root(capsys):
 )
 def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys, monkeypatch):
     # Argument errors come first, even as root: nothing is created for a command that cannot run.
-    monkeypatch.setattr(shaping, "check_prerequisites", _must_not_be_called)
-    assert shaping.main(argv) == 2
+    monkeypatch.setattr(namespaces, "check_prerequisites", _must_not_be_called)
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("dilocox: error: ") and message in err
+    assert err.startswith("dilocox: error: ") and message in err and err.count("\n") == 1
     assert "Traceback" not in err
 
 
@@ -361,7 +359,7 @@ def _must_not_be_called() -> None:
 
 def test_not_root_says_what_to_do(capsys, monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert shaping.main(["--sizes", "4KB"]) == 2
+    assert cli.main(["--sizes", "4KB"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dilocox: error: ") and "needs root" in err and "sudo" in err and "NET_ADMIN" in err
 
@@ -369,7 +367,7 @@ def test_not_root_says_what_to_do(capsys, monkeypatch):
 def test_missing_tc_says_what_to_install(capsys, monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
-    assert shaping.main([]) == 2
+    assert cli.main([]) == 2
     err = capsys.readouterr().err
     assert "`tc` is not on PATH" in err and "iproute2" in err
 
@@ -381,11 +379,26 @@ def test_failing_command_names_the_command_and_the_fix(monkeypatch):
         )
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    with pytest.raises(shaping.ShapingError) as info:
-        shaping._run(["ip", "netns", "add", "dlxshape-1-hub"])
+    with pytest.raises(namespaces.ShapingError) as info:
+        namespaces.run_command(["ip", "netns", "add", "dlxshape-1-hub"])
     message = str(info.value)
     assert "`ip netns add dlxshape-1-hub` failed (exit 2)" in message
     assert "CAP_SYS_ADMIN" in message
+
+
+def test_worker_bad_arguments_exit_2_before_touching_torch(capsys):
+    assert worker.main(["--sizes", "1000", "--repeats", "x", "--out", "w.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dilocox: error: ") and "--repeats" in err and err.count("\n") == 1
+
+
+def test_worker_runs_by_module_name():
+    # The runner starts workers as `python -m dilocox.tools.linkcheck.worker ...` inside each namespace.
+    done = subprocess.run(
+        [sys.executable, "-m", "dilocox.tools.linkcheck.worker", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "usage: python -m dilocox.tools.linkcheck.worker" in done.stdout and "--warmup" in done.stdout
 
 
 # ---------------------------------------------------------------------------------------------- real run
@@ -396,7 +409,7 @@ def _our_namespaces() -> set[str]:
         listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return set()
-    return {line.split(" ", 1)[0] for line in listing.splitlines() if line.startswith(shaping.PREFIX)}
+    return {line.split(" ", 1)[0] for line in listing.splitlines() if line.startswith(namespaces.PREFIX)}
 
 
 @pytest.mark.e2e
@@ -404,7 +417,7 @@ def _our_namespaces() -> set[str]:
 @pytest.mark.timeout(90)
 def test_linkcheck_for_real(tmp_path):
     """`dilocox linkcheck` on real namespaces: complete table, times near the model, nothing left behind."""
-    reason = shaping.unavailable_reason()  # builds and removes a shaped 2-cluster network: uid alone is not enough
+    reason = namespaces.unavailable_reason()  # builds and removes a shaped 2-cluster network: uid alone is not enough
     if reason is not None:
         pytest.skip(f"real link shaping is unavailable here: {reason}")
     before = _our_namespaces()
@@ -419,11 +432,11 @@ def test_linkcheck_for_real(tmp_path):
     assert json.loads((out_dir / "results.json").read_text()) == result
     assert "| all_gather uint8 | 1 MB |" in (out_dir / "results.md").read_text()
     assert result["num_clusters"] == 2 and result["repeats"] == 2
-    assert set(result["unshaped_s"]) == {f"{op}/{size}" for op in shaping.OPS for size in (256_000, 1_000_000)}
+    assert set(result["unshaped_s"]) == {f"{op}/{size}" for op in worker.OPS for size in (256_000, 1_000_000)}
     (link,) = result["links"]
     assert link["bandwidth"] == "200Mbps" and link["bytes_per_s"] == 25_000_000.0
     rows = {(row["op"], row["size_bytes"]): row for row in link["rows"]}
-    assert set(rows) == {(op, size) for op in shaping.OPS for size in (256_000, 1_000_000)}
+    assert set(rows) == {(op, size) for op in worker.OPS for size in (256_000, 1_000_000)}
     for (op, size), row in rows.items():
         assert row["charged_bytes"] >= size  # 2 ranks: an all-reduce and an all-gather each move ~1 x payload
         assert len(row["samples_s"]) == 2

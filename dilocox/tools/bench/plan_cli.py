@@ -17,23 +17,21 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from dilocox.bench.planner import (
-    GIB,
+from dilocox.net.link import parse_bandwidth, parse_duration
+from dilocox.tools.args import ToolParser, user_error
+from dilocox.tools.bench.plan_report import format_plan_table, paper_section
+from dilocox.tools.bench.planner import (
     GPU_PRESETS,
     INT4_COMPRESSION_RATIO,
-    PAPER,
     PlanInput,
-    PlanResult,
     calibrate_cpu_core,
     codec_compression_ratio,
     flavor_param_shapes,
     gpu_preset,
     paper_107b_input,
-    paper_regime,
     plan,
     resolve_flavor,
 )
-from dilocox.net.link import parse_bandwidth, parse_duration
 
 PRESETS = ("paper-107b",)
 
@@ -45,15 +43,8 @@ Without --preset, give the model (--flavor or --num-params) and the batch (--glo
 --num-microbatches; default: as many microbatches as pipeline stages)."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises ValueError instead of printing usage and exiting, so main() owns the exit code."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ValueError(f"{message} (see `dilocox plan --help`)")
-
-
-def _parser() -> _Parser:
-    parser = _Parser(prog="dilocox plan", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter)
+def _parser() -> ToolParser:
+    parser = ToolParser(prog="dilocox plan", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter)
     add = parser.add_argument
     add("--preset", choices=PRESETS, help="start from a named setting; other options override its values")
     model = parser.add_argument_group("model")
@@ -209,169 +200,6 @@ def build_input(argv: list[str]) -> tuple[PlanInput, argparse.Namespace]:
     return inp, args
 
 
-def _fmt_tokens(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
-
-
-def _fmt_s(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds == 0.0:
-        return "0"
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} us"
-    if seconds < 1.0:
-        return f"{seconds * 1e3:.1f} ms"
-    if seconds < 600.0:
-        return f"{seconds:.2f} s"
-    return f"{seconds / 60.0:.1f} min"
-
-
-def _fmt_count(value: float) -> str:
-    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if value >= scale:
-            return f"{value / scale:,.4g}{unit}"
-    return f"{value:,.0f}"
-
-
-def _fmt_flops(value: float) -> str:
-    for scale, unit in ((1e15, "PFLOP/s"), (1e12, "TFLOP/s"), (1e9, "GFLOP/s"), (1e6, "MFLOP/s")):
-        if value >= scale:
-            return f"{value / scale:,.4g} {unit}"
-    return f"{value:,.4g} FLOP/s"
-
-
-def _fmt_bytes(value: float) -> str:
-    for scale, unit in ((GIB, "GiB"), (1024**2, "MiB"), (1024, "KiB")):
-        if value >= scale:
-            return f"{value / scale:,.1f} {unit}"
-    return f"{value:,.0f} B"
-
-
-def _fmt_speedup(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.2f}x" if value < 10 else f"{value:,.0f}x"
-
-
-def _fmt_rate(bits_per_s: float | None) -> str:
-    if bits_per_s is None:
-        return "unlimited"
-    for scale, unit in ((1e12, "Tbps"), (1e9, "Gbps"), (1e6, "Mbps"), (1e3, "Kbps")):
-        if bits_per_s >= scale:
-            return f"{bits_per_s / scale:g} {unit}"
-    return f"{bits_per_s:g} bps"
-
-
-def _paper_columns() -> dict[str, tuple[float | None, str]]:
-    return {
-        "allreduce": (PAPER.allreduce_tokens_per_s, _fmt_tokens(PAPER.allreduce_tokens_per_s)),
-        "diloco": (None, "could not run"),
-        "dilocox": (PAPER.dilocox_tokens_per_s, _fmt_tokens(PAPER.dilocox_tokens_per_s)),
-        "dilocox_no_overlap": (
-            PAPER.dilocox_no_overlap_tokens_per_s,
-            "~" + _fmt_tokens(PAPER.dilocox_no_overlap_tokens_per_s),
-        ),
-        "dilocox_no_compression": (
-            PAPER.dilocox_no_compression_tokens_per_s,
-            _fmt_tokens(PAPER.dilocox_no_compression_tokens_per_s),
-        ),
-    }
-
-
-def _paper_section(result: PlanResult) -> dict[str, Any]:
-    regime = paper_regime()
-    allreduce = result.strategies["allreduce"]
-    model_over_paper = {}
-    for name, (measured, _) in _paper_columns().items():
-        projected = result.tokens_per_s(name)
-        model_over_paper[name] = None if measured is None or projected is None else projected / measured
-    return {
-        "allreduce_tokens_per_s": PAPER.allreduce_tokens_per_s,
-        "diloco_tokens_per_s": None,
-        "dilocox_tokens_per_s": PAPER.dilocox_tokens_per_s,
-        "dilocox_no_overlap_tokens_per_s": PAPER.dilocox_no_overlap_tokens_per_s,
-        "dilocox_no_compression_tokens_per_s": PAPER.dilocox_no_compression_tokens_per_s,
-        "reported_speedup": PAPER.reported_speedup,
-        "model_over_paper": model_over_paper,
-        "allreduce_comm_over_compute": {
-            "paper": regime.allreduce_comm_over_compute,
-            "model": allreduce.slow_comm_per_round_s / (allreduce.inner_steps * allreduce.step_compute_s),
-        },
-        "implied_compression_ratio": regime.implied_compression_ratio,
-        "implied_inner_steps": regime.implied_inner_steps,
-    }
-
-
-def _table(result: PlanResult, paper: bool) -> str:
-    inp = result.input
-    model = inp.label or "model"
-    lines = [
-        f"model    {model}, {_fmt_count(inp.num_params)} parameters"
-        + (f", {inp.num_layers} layers" if inp.num_layers else ""),
-        f"layout   {inp.num_clusters} clusters x dp {inp.dp_degree} x tp {inp.tp_degree} x pp {inp.pp_degree} = "
-        f"{inp.num_gpus} x {inp.gpu.name} ({_fmt_flops(inp.gpu.peak_flops)}, "
-        f"{_fmt_bytes(inp.gpu.memory_bytes)}), MFU {inp.effective_mfu:.2f}",
-        f"batch    {inp.tokens_per_step:,} tokens/step = {inp.num_clusters} x {inp.dp_degree} x "
-        f"{result.num_microbatches} microbatches x {inp.microbatch_size} x {inp.seq_len:,} tokens; "
-        f"pipeline bubble {result.strategies['allreduce'].bubble_fraction:.1%}",
-        f"links    slow {_fmt_rate(inp.slow_link_bps)} per {inp.slow_link_scope} uplink, {_fmt_s(inp.slow_latency_s)}; "
-        f"intra {_fmt_rate(inp.intra_link_bps)} per rank",
-        f"sync     H = {inp.inner_steps}, DiLoCoX payload {inp.compression_ratio:.3g}x smaller than fp32 "
-        f"({inp.compressed_reduce}), overlap {'on' if inp.overlap else 'off'}; AllReduce gradients "
-        f"{inp.grad_bytes_per_element:g} B/element, pseudo-gradients {inp.pseudo_grad_bytes_per_element:g}",
-        "",
-    ]
-    header = ["strategy", "tokens/s", "step compute", "comm/step", "vs AllReduce", "state/GPU"]
-    if paper:
-        header += ["paper tokens/s", "model/paper"]
-    rows = [header]
-    columns = _paper_columns()
-    for name, item in result.strategies.items():
-        speedup = result.speedup_vs_allreduce(name)
-        memory = _fmt_bytes(item.memory_bytes_per_gpu) + ("" if item.fits_memory else " (!)")
-        row = [
-            item.label,
-            _fmt_tokens(item.tokens_per_s) if item.can_run else "cannot run",
-            _fmt_s(item.step_compute_s) if item.can_run else "-",
-            _fmt_s(item.exposed_comm_per_step_s) if item.can_run else "-",
-            _fmt_speedup(speedup),
-            memory,
-        ]
-        if paper:
-            measured, shown = columns[name]
-            projected = item.tokens_per_s
-            row += [shown, "-" if measured is None or projected is None else f"{projected / measured:.2f}"]
-        rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for index, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells).rstrip())
-        if index == 0:
-            lines.append("  ".join("-" * width for width in widths))
-    lines.append("")
-    lines.append(
-        f"comm/step: communication the trainer waits for per step. No-communication limit: "
-        f"{_fmt_tokens(result.compute_only_tokens_per_s)} tokens/s."
-    )
-    for item in result.strategies.values():
-        if item.reason:
-            lines.append(f"{item.label}: {item.reason}.")
-    if any(not item.fits_memory for item in result.strategies.values() if item.can_run):
-        lines.append("(!) the estimated training state exceeds the GPU's memory.")
-    if paper:
-        section = _paper_section(result)
-        ratio = section["allreduce_comm_over_compute"]
-        lines.append(
-            f"AllReduce slow-link time / compute per step: model {ratio['model']:,.0f}, paper {ratio['paper']:,.1f} "
-            f"(3,728 / 10.4 - 1). The paper's ablations imply a payload {section['implied_compression_ratio']:.1f}x "
-            f"smaller than uncompressed and H ~ {section['implied_inner_steps']:.0f} (docs/planner.md)."
-        )
-    return "\n".join(lines)
-
-
 def main(argv: list[str]) -> int:
     """Run `dilocox plan` with `argv` (the arguments after `plan`); returns the exit code."""
     try:
@@ -380,16 +208,15 @@ def main(argv: list[str]) -> int:
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except ValueError as exc:
-        print(f"dilocox: error: {exc}", file=sys.stderr)
-        return 2
+        return user_error(exc)
     paper = args.preset == "paper-107b"
     if args.json:
         payload = result.to_dict()
         if paper:
-            payload["paper"] = _paper_section(result)
+            payload["paper"] = paper_section(result)
         print(json.dumps(payload, indent=2, allow_nan=False))
     else:
-        print(_table(result, paper))
+        print(format_plan_table(result, paper))
     return 0
 
 

@@ -1,13 +1,15 @@
+"""`dilocox bench`: the bench file, the derived columns, the tables, the paper regime's windows, the exit codes."""
+
+import json
+
 import pytest
 
-from dilocox.bench.harness import (
-    compare,
-    format_table,
-    load_bench,
-    steady_hidden_fraction,
-    steady_tokens_per_s,
-    window_steps,
-)
+from dilocox.metrics import METRICS_FILE, write_summary
+from dilocox.tools.bench.bench_cli import main as bench_main
+from dilocox.tools.bench.paper_regime import steady_hidden_fraction, steady_tokens_per_s, window_steps
+from dilocox.tools.bench.results import collect, compare
+from dilocox.tools.bench.spec import load_bench
+from dilocox.tools.bench.table import format_table
 
 
 def summary(loss, tps, wan, equiv, hidden=None, tokens=1000):
@@ -105,3 +107,44 @@ def test_paper_table_names_where_each_number_comes_from():
     assert "0.3917 Mbps per cluster uplink, 10 ms" in table
     assert "357.5 x the measured compute time of a step (0.300 s" in table
     assert "with the link off" in table and "timed runs on that link" in table
+
+
+def test_collect_reads_what_the_runtime_wrote(tmp_path):
+    # A run directory as `dilocox train` leaves it: summary.json by the runtime's writer, metrics.jsonl, process_s.
+    run_dir = tmp_path / "runs" / "allreduce"
+    run_dir.mkdir(parents=True)
+    write_summary(run_dir, summary(4.0, 100.0, 8000, 8000))
+    records = [
+        {"step": 5, "tokens": 500, "elapsed_s": 1.0, "eval_loss": None},
+        {"step": 10, "tokens": 1000, "elapsed_s": 2.0, "eval_loss": 4.0},
+    ]
+    (run_dir / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run_dir / "process_s.txt").write_text("12.5\n")
+    path = tmp_path / "b.toml"
+    path.write_text("[bench]\nbase = 'x.toml'\n[[runs]]\nname = 'allreduce'\nlabel = 'AllReduce'\n")
+    results = collect(load_bench(path), tmp_path, ["allreduce"])
+    (row,) = results["runs"]
+    assert row["label"] == "AllReduce" and row["summary"] == summary(4.0, 100.0, 8000, 8000)
+    assert row["curve"] == [{"tokens": 1000, "elapsed_s": 2.0, "eval_loss": 4.0}]  # only the evaluated steps
+    assert row["process_s"] == 12.5
+    assert row["gap_to_baseline_pct"] == 0 and row["speedup_vs_baseline"] == 1.0
+
+
+def test_cli_help_exits_0(capsys):
+    assert bench_main(["--help"]) == 0
+    assert "usage: dilocox bench" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--nonsense"], "unrecognized arguments: --nonsense"),
+        (["--regime", "fast"], "--regime"),
+        (["missing.toml"], "no such file"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(capsys, argv, named):
+    assert bench_main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("dilocox: error: ") and named in captured.err and captured.err.count("\n") == 1

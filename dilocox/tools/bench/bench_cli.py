@@ -1,0 +1,52 @@
+"""`dilocox bench [CONFIG] [--out DIR] [--quick] [--only a,b] [--regime paper]`: arguments and exit codes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from dilocox.tools.args import ToolParser, user_error
+from dilocox.tools.bench.harness import run_bench
+from dilocox.tools.bench.spec import REGIMES
+
+
+def _parser() -> ToolParser:
+    parser = ToolParser(prog="dilocox bench", description="Compare strategies on one setting.")
+    parser.add_argument("config", nargs="?", default="benchmarks/configs/default.toml", help="bench TOML file")
+    parser.add_argument("--out", default=None, help="output directory (default benchmarks/results/NAME)")
+    parser.add_argument("--quick", action="store_true", help="debug flavor, 20 steps: a smoke check of the table")
+    parser.add_argument("--only", default="", help="comma-separated run names to (re)run; others are kept")
+    parser.add_argument(
+        "--regime",
+        choices=REGIMES,
+        default=None,
+        help="paper: convergence with the link off, throughput on a link as slow relative to compute as the paper's",
+    )
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """Run `dilocox bench` with `argv` (the arguments after `bench`); returns the exit code.
+
+    Bad arguments or a bad bench file: one `dilocox: error: ...` line, exit 2; a failed training run: exit 1."""
+    try:
+        args = _parser().parse_args(argv)
+        run_bench(
+            Path(args.config),
+            out_dir=Path(args.out) if args.out else None,
+            quick=args.quick,
+            only=[n for n in args.only.split(",") if n] or None,
+            regime=args.regime,
+        )
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except ValueError as exc:
+        return user_error(exc)
+    except RuntimeError as exc:
+        print(f"dilocox: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

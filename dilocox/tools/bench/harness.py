@@ -1,0 +1,56 @@
+"""`dilocox bench`: run strategies on the same model, data, topology, seeds, tokens and link; tabulate and plot.
+
+A bench file (`spec.py`) names a base training config, overrides shared by every run, and the runs. Each run is a
+real `dilocox train` in a subprocess (`runs.py`; its own ranks, its own run directory under `OUT/runs/`); the
+harness then writes `OUT/results.json`, `OUT/results.md` and plots (eval loss vs tokens, eval loss vs wall time,
+throughput; `results.py`). `--quick` shrinks every run to the debug flavor and a few steps, for tests and smoke
+checks; the paper regime (`paper_regime.py`) replaces the one run per strategy by convergence and timed runs.
+
+    results = run_bench(Path("benchmarks/configs/default.toml"), out_dir=Path("benchmarks/results/default"))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dilocox.tools.bench.paper_regime import run_paper_regime
+from dilocox.tools.bench.results import collect, write_results
+from dilocox.tools.bench.runs import has_summary, train_run
+from dilocox.tools.bench.spec import REGIMES, load_bench
+from dilocox.tools.bench.table import format_table
+
+
+def run_bench(
+    path: Path,
+    *,
+    out_dir: Path | None = None,
+    quick: bool = False,
+    only: list[str] | None = None,
+    regime: str | None = None,
+) -> dict[str, Any]:
+    """Run every run of the bench file (or those named in `only`), then write the table, JSON and plots.
+
+    `regime` overrides the file's: "paper" runs `run_paper_regime` instead of one run per strategy."""
+    spec = load_bench(path)
+    if regime is not None:
+        if regime not in REGIMES:
+            raise ValueError(f"--regime {regime!r} is not one of {list(REGIMES)}")
+        spec.regime = regime
+    suffix = ("-paper" if spec.regime == "paper" and not spec.name.endswith("paper") else "") + ("-quick" * quick)
+    out_dir = out_dir or Path("benchmarks/results") / (spec.name + suffix)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    selected = [r for r in spec.runs if not only or r.name in only]
+    if only and len(selected) != len(only):
+        raise ValueError(f"--only {only}: unknown run names; the bench has {[r.name for r in spec.runs]}")
+    if spec.regime == "paper":
+        results = run_paper_regime(spec, selected, out_dir, quick=quick)
+    else:
+        for index, run in enumerate(selected, 1):
+            run_dir, log = out_dir / "runs" / run.name, out_dir / f"{run.name}.log"
+            train_run(spec, run, run_dir, log, quick=quick, tag=f"[{index}/{len(selected)}]")
+        results = collect(spec, out_dir, [r.name for r in spec.runs if has_summary(out_dir / "runs" / r.name)])
+        results["quick"] = quick
+    write_results(results, out_dir)
+    print(format_table(results))
+    return results

@@ -1,0 +1,180 @@
+"""DiLoCoX's comparison in the paper's regime (docs/planner.md, "The paper regime"): convergence with the link
+off, throughput on a link as slow relative to compute as the paper's, over one steady round of short timed runs.
+
+    results = run_paper_regime(spec, spec.runs, Path("benchmarks/results/paper"), quick=False)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dilocox.config import load_config
+from dilocox.metrics import read_metrics
+from dilocox.net.link import parse_duration
+from dilocox.tools.bench.planner import format_bandwidth, paper_regime_bandwidth, paper_regime_ratio
+from dilocox.tools.bench.results import collect
+from dilocox.tools.bench.runs import has_summary, read_summary, train_run
+from dilocox.tools.bench.spec import BenchRun, BenchSpec, run_overrides
+
+NO_COMM_RUN = "no-communication"
+"""The reference the paper regime adds: every cluster trains alone (one sync at the very end), link off."""
+LINK_OFF = ["--network.bandwidth=unlimited", "--network.latency=0"]
+"""Overrides of the convergence runs: loss does not depend on the bandwidth, so they run without the link."""
+
+
+def _is_per_step(kind: str) -> bool:
+    """Strategies that talk over the slow link every step (their "round" is one step)."""
+    return kind in ("allreduce", "cocktail")
+
+
+def window_steps(kind: str, inner_steps: int) -> int:
+    """Steps of a timed run in the paper regime: enough for one steady round before the last step.
+
+    Per-step strategies: 2 steps (AllReduce's take minutes each there). Outer-loop strategies: 2H + 1, so that the
+    window (H, 2H] holds a whole round and the wait for the sync launched at step H, while the last step, which
+    flushes the delayed sync and evaluates, stays outside it."""
+    return 2 if _is_per_step(kind) else 2 * inner_steps + 1
+
+
+def steady_tokens_per_s(metrics: list[dict[str, Any]], kind: str, inner_steps: int, steps: int) -> float:
+    """Tokens/s over the steady window of a timed run (`window_steps`), from its per-step metrics records."""
+    by_step = {m["step"]: m for m in metrics}
+    start, end = (0 if _is_per_step(kind) else inner_steps), steps - 1
+    missing = [s for s in (start, end) if s and s not in by_step]
+    if missing:
+        raise RuntimeError(f"metrics lack steps {missing}; timed runs must log every step (--metrics.log_interval=1)")
+    t0, k0 = (0.0, 0) if start == 0 else (by_step[start]["elapsed_s"], by_step[start]["tokens"])
+    return (by_step[end]["tokens"] - k0) / (by_step[end]["elapsed_s"] - t0)
+
+
+def steady_hidden_fraction(
+    metrics: list[dict[str, Any]], kind: str, inner_steps: int, steps: int, whole_run: float | None
+) -> float | None:
+    """Share of the link time hidden behind compute for the syncs waited for inside the steady window (per-step
+    strategies log no per-sync times: their whole run's figure, which for them is the same every step)."""
+    start, end = (0 if _is_per_step(kind) else inner_steps), steps - 1
+    rounds = [m for m in metrics if start < m["step"] <= end and m.get("round_link_s")]
+    link = sum(m["round_link_s"] for m in rounds)
+    if not link:
+        return whole_run
+    return max(0.0, 1.0 - sum(m["round_exposed_s"] for m in rounds) / link)
+
+
+def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *, quick: bool) -> dict[str, Any]:
+    """DiLoCoX's comparison in the paper's regime (docs/planner.md, "The paper regime"), in three steps; returns the
+    results (`run_bench` writes them):
+
+    1. Convergence, link off: every run for the whole token budget, plus `no-communication` (every cluster alone,
+       one sync at the very end), the compute-only reference. Loss, bytes and curves come from these runs (loss
+       does not depend on bandwidth: the delay is one round whatever the link; fit_link must be off).
+    2. The bandwidth: `paper_regime_bandwidth` from the reference's measured compute time per step and the fp32
+       gradient, so one AllReduce step waits on the link 357.5 times its compute, as in the paper.
+    3. Throughput, link on at that bandwidth: every run again for `window_steps`, tokens/s over its steady window
+       (`steady_tokens_per_s`), hidden communication from those runs; and the reference on the outer-loop runs'
+       window (no sync inside it), the "no communication" throughput the others are divided by.
+    """
+    configs = {run.name: load_config(spec.base, run_overrides(spec, run, quick)) for run in selected}
+    for name, cfg in configs.items():
+        if cfg.compression.fit_link:
+            raise ValueError(f"run {name}: compression.fit_link changes H with the link; the paper regime needs it off")
+    steps = next(iter(configs.values())).train.steps
+    reference = BenchRun(NO_COMM_RUN, ["--sync.kind=diloco", f"--sync.inner_steps={steps}", "--checkpoint.interval=0"],
+                         "no communication (each cluster alone)")  # fmt: skip
+    earlier = out_dir / "results.json"
+    partial = len(selected) < len(spec.runs)
+    reuse = partial and earlier.exists() and "regime" in json.loads(earlier.read_text())
+    # A partial re-run keeps the earlier bandwidth, so that its rows stay comparable with the rows it keeps.
+    runs = selected if reuse else [reference, *selected]
+    # The compute-only reference on the same window as the outer-loop runs: H steps after H steps, no sync between.
+    outer = [cfg.sync.inner_steps for cfg in configs.values() if not _is_per_step(cfg.sync.kind)]
+    timed_runs = [(reference, window_steps("diloco", outer[0]))] if outer else []
+    timed_runs += [(run, window_steps(configs[run.name].sync.kind, configs[run.name].sync.inner_steps))
+                   for run in selected]  # fmt: skip
+    total = len(runs) + len(timed_runs)
+    for index, run in enumerate(runs, 1):
+        run_dir, log = out_dir / "runs" / run.name, out_dir / f"{run.name}.log"
+        train_run(spec, run, run_dir, log, quick=quick, extra=LINK_OFF, tag=f"[{index}/{total}] link off:")
+    ref_dir = out_dir / "runs" / NO_COMM_RUN
+    ref = read_summary(ref_dir)
+    if reuse:
+        regime = json.loads(earlier.read_text())["regime"]
+        print(f"paper regime: keeping the earlier link of {regime['bandwidth']} (a partial re-run)", flush=True)
+    else:
+        compute_s = ref["tokens"] / ref["tokens_per_s"] / ref["steps"]  # one step of every cluster, no comm
+        latency_s = parse_duration(next(iter(configs.values())).network.latency)
+        grad_bytes = 4 * ref["num_params"]
+        bandwidth = paper_regime_bandwidth(compute_s, grad_bytes, num_clusters=ref["num_clusters"],
+                                           latency_s=latency_s)  # fmt: skip
+        regime = {
+            "ratio": paper_regime_ratio(),
+            "compute_s_per_step": compute_s,
+            "grad_bytes": grad_bytes,
+            "bandwidth_bytes_per_s": bandwidth,
+            "bandwidth": format_bandwidth(bandwidth),
+            "latency_s": latency_s,
+            "no_communication_tokens_per_s": ref["tokens_per_s"],
+        }
+        print(
+            f"paper regime: {compute_s:.3f} s of compute per step, fp32 gradient {grad_bytes / 1e6:.2f} MB -> "
+            f"{bandwidth * 8 / 1e6:.4g} Mbps (AllReduce waits {regime['ratio']:.1f}x its compute per step)",
+            flush=True,
+        )
+    for index, (run, window) in enumerate(timed_runs, len(runs) + 1):
+        extra = [
+            f"--network.bandwidth={regime['bandwidth']}",
+            f"--train.steps={window}",
+            "--train.warmup_steps=0",
+            "--eval.interval=0",
+            "--eval.max_batches=1",
+            "--checkpoint.interval=0",
+            "--metrics.log_interval=1",
+        ]
+        run_dir, log = out_dir / "timed" / run.name, out_dir / f"{run.name}.timed.log"
+        train_run(spec, run, run_dir, log, quick=quick, extra=extra, tag=f"[{index}/{total}] paper link:")
+    timed: dict[str, dict] = {}
+    for run in [reference, *spec.runs]:  # this call's timed runs and, after a partial re-run, the earlier ones
+        run_dir = out_dir / "timed" / run.name
+        if not has_summary(run_dir):
+            continue
+        summary = read_summary(run_dir)
+        metrics = read_metrics(run_dir)
+        kind, inner_steps = summary["sync_kind"], summary["inner_steps"]
+        if run.name == NO_COMM_RUN:  # no sync before the last step: its window is the outer-loop runs' one
+            inner_steps = (summary["steps"] - 1) // 2
+        summary["window_steps"] = summary["steps"]
+        summary["steady_tokens_per_s"] = steady_tokens_per_s(metrics, kind, inner_steps, summary["steps"])
+        summary["steady_hidden_comm_fraction"] = steady_hidden_fraction(
+            metrics, kind, inner_steps, summary["steps"], summary.get("hidden_comm_fraction")
+        )
+        timed[run.name] = summary
+
+    spec.runs = [reference, *[r for r in spec.runs if r.name != NO_COMM_RUN]]
+    names = [NO_COMM_RUN]
+    names += [
+        r.name for r in spec.runs if r.name in timed and r.name != NO_COMM_RUN and (out_dir / "runs" / r.name).exists()
+    ]
+    results = collect(spec, out_dir, names)
+    results["quick"] = quick
+    results["regime"] = regime
+    base_tps = timed[spec.baseline]["steady_tokens_per_s"] if spec.baseline in timed else None
+    # "no communication" throughput: the timed compute-only run when there is one, else the link-off run's
+    no_comm_tps = timed[NO_COMM_RUN]["steady_tokens_per_s"] if NO_COMM_RUN in timed else ref["tokens_per_s"]
+    regime["no_communication_steady_tokens_per_s"] = no_comm_tps
+    for row in results["runs"]:
+        t = timed.get(row["name"])
+        if row["name"] == NO_COMM_RUN:
+            row.update(tokens_per_s=no_comm_tps, speedup_vs_baseline=None, hidden_comm_fraction=None)
+        elif t is None:
+            raise RuntimeError(f"run {row['name']} has no timed run in {out_dir / 'timed'}")
+        else:
+            row.update(
+                tokens_per_s=t["steady_tokens_per_s"],
+                speedup_vs_baseline=t["steady_tokens_per_s"] / base_tps if base_tps else None,
+                hidden_comm_fraction=t["steady_hidden_comm_fraction"],
+                timed_window_steps=t["window_steps"],
+                timed_wall_s=t["wall_s"],
+            )
+        row["of_no_communication"] = row["tokens_per_s"] / no_comm_tps
+    return results

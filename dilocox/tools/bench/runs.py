@@ -1,0 +1,70 @@
+"""One bench run: a real `dilocox train` in a subprocess, with its own ranks and run directory.
+
+    summary = train_run(spec, run, out_dir / "runs" / run.name, out_dir / f"{run.name}.log", quick=False)
+
+The bench reads a run's metrics.jsonl with the runtime's `dilocox.metrics.read_metrics`, and its summary.json,
+which the runtime writes but has no reader for, only through `read_summary` here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dilocox.checkpoint import write_atomic
+from dilocox.metrics import SUMMARY_FILE
+from dilocox.tools.bench.spec import BenchRun, BenchSpec, run_overrides
+
+PROCESS_FILE = "process_s.txt"
+"""Seconds of the whole `dilocox train` process (start-up, data, training, evaluation, checkpoints), in a run dir."""
+
+
+def train_command(spec: BenchSpec, run: BenchRun, run_dir: Path, quick: bool, extra: Sequence[str] = ()) -> list[str]:
+    return [
+        sys.executable, "-m", "dilocox", "train", "--config", spec.base, *run_overrides(spec, run, quick), *extra,
+        f"--run.out_dir={run_dir}", "--run.overwrite=true", "--metrics.progress=false",
+    ]  # fmt: skip
+
+
+def has_summary(run_dir: Path) -> bool:
+    """Whether the run in `run_dir` finished (a run writes its summary last)."""
+    return (run_dir / SUMMARY_FILE).exists()
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """The summary a finished run wrote (`dilocox.metrics.write_summary`), as the string-keyed dict it wrote."""
+    return json.loads((run_dir / SUMMARY_FILE).read_text())
+
+
+def train_run(
+    spec: BenchSpec,
+    run: BenchRun,
+    run_dir: Path,
+    log: Path,
+    *,
+    quick: bool,
+    extra: Sequence[str] = (),
+    tag: str = "",
+) -> dict[str, Any]:
+    """One `dilocox train` subprocess; returns its summary (raises RuntimeError with the log's tail)."""
+    command = train_command(spec, run, run_dir, quick, extra)
+    print(f"{tag} {run.name}: dilocox train {' '.join(command[5:])}", flush=True)
+    started = time.perf_counter()
+    with open(log, "w") as f:
+        status = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT).returncode
+    if status != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"bench run {run.name} failed (exit {status}); last lines of {log}:\n{tail}")
+    write_atomic(run_dir / PROCESS_FILE, f"{time.perf_counter() - started:.1f}\n".encode())
+    summary = read_summary(run_dir)
+    print(
+        f"    eval loss {summary['final_eval_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
+        f"{summary['wan_bytes_total'] / 1e6:,.2f} MB on the slow link, {summary['wall_s']:.1f} s",
+        flush=True,
+    )
+    return summary

@@ -1,0 +1,107 @@
+"""The bench file: a base training config, overrides shared by every run, and the runs (TOML).
+
+A bench file looks like this (benchmarks/configs/ has the real ones) and is read with `load_bench`:
+
+    [bench]
+    name = "default"
+    base = "configs/default.toml"
+    overrides = ["--train.steps=400"]
+    [[runs]]
+    name = "allreduce"
+    overrides = ["--sync.kind=allreduce"]
+
+    spec = load_bench(Path("benchmarks/configs/default.toml"))
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+QUICK_OVERRIDES = [
+    "--model.flavor=debug",
+    "--data.vocab_size=512",
+    "--train.steps=20",
+    "--train.seq_len=64",
+    "--train.micro_batch_size=4",
+    "--train.warmup_steps=2",
+    "--sync.inner_steps=5",
+    "--eval.interval=10",
+    "--eval.max_batches=2",
+    "--checkpoint.interval=0",
+    "--metrics.log_interval=5",
+]
+"""What `--quick` adds to every run: the debug flavor and a few steps, for tests and smoke checks."""
+
+REGIMES = ("as-configured", "paper")
+"""How a bench runs (`BenchSpec.regime`, `--regime`)."""
+
+
+@dataclass
+class BenchRun:
+    name: str
+    overrides: list[str]
+    label: str = ""
+
+
+@dataclass
+class BenchSpec:
+    name: str
+    base: str
+    overrides: list[str]
+    runs: list[BenchRun]
+    baseline: str = "allreduce"
+    notes: str = ""
+    source: Path = field(default_factory=Path)
+    regime: str = "as-configured"
+    """"as-configured" (every run on the config's link) or "paper" (see `run_paper_regime`)."""
+
+
+def load_bench(path: Path) -> BenchSpec:
+    """Read and check a bench file; errors name the file and the key."""
+    if not path.is_file():
+        raise ValueError(f"bench config {path}: no such file (see benchmarks/configs/)")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"bench config {path}: not valid TOML ({exc})") from None
+    bench = data.get("bench")
+    if not isinstance(bench, dict) or "base" not in bench:
+        raise ValueError(f'bench config {path}: needs a [bench] table with base = "path/to/train.toml"')
+    unknown = set(bench) - {"name", "base", "overrides", "baseline", "notes", "regime"}
+    if unknown or set(data) - {"bench", "runs"}:
+        raise ValueError(f"bench config {path}: unknown keys {sorted(unknown | (set(data) - {'bench', 'runs'}))}")
+    runs = []
+    for index, run in enumerate(data.get("runs", [])):
+        if "name" not in run or set(run) - {"name", "overrides", "label"}:
+            raise ValueError(f"bench config {path}: runs[{index}] needs name (and only overrides, label)")
+        runs.append(BenchRun(run["name"], list(run.get("overrides", [])), run.get("label", "")))
+    if not runs:
+        raise ValueError(f"bench config {path}: no [[runs]]")
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"bench config {path}: run names repeat: {names}")
+    base = Path(bench["base"])
+    if not base.is_absolute():
+        base = (path.parent / base) if (path.parent / base).is_file() else base
+    spec = BenchSpec(
+        name=bench.get("name", path.stem),
+        base=str(base),
+        overrides=list(bench.get("overrides", [])),
+        runs=runs,
+        baseline=bench.get("baseline", "allreduce"),
+        notes=bench.get("notes", ""),
+        source=path,
+        regime=bench.get("regime", "as-configured"),
+    )
+    if spec.regime not in REGIMES:
+        raise ValueError(f"bench config {path}: regime = {spec.regime!r} is not one of {list(REGIMES)}")
+    if spec.baseline not in names:
+        raise ValueError(f"bench config {path}: baseline {spec.baseline!r} is not one of the runs {names}")
+    return spec
+
+
+def run_overrides(spec: BenchSpec, run: BenchRun, quick: bool) -> list[str]:
+    """The `dilocox train` overrides of one run: the bench's, then `--quick`'s, then the run's own."""
+    return [*spec.overrides, *(QUICK_OVERRIDES if quick else []), *run.overrides]

@@ -1,0 +1,112 @@
+"""The markdown tables of a bench: one row per run, and the paper regime's, which says where each number comes from."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def _fmt(value: Any, spec: str, none: str = "-") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return none if value is None else "inf"
+    return format(value, spec)
+
+
+def _gap_cell(gap: float | None) -> str:
+    return ("+" if gap is not None and gap > 0 else "") + _fmt(gap, ".2f") + ("%" if gap is not None else "")
+
+
+def _bytes_ratio_cell(row: dict[str, Any]) -> str:
+    return "1/" + _fmt(row["compression_vs_allreduce"], ",.0f") if row["wan_bytes_per_token"] else "0"
+
+
+def _hidden_cell(hidden: float | None) -> str:
+    return _fmt(None if hidden is None else 100 * hidden, ".0f") + ("%" if hidden is not None else "")
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """The markdown table of a bench (one row per run)."""
+    if results.get("regime"):
+        return format_paper_table(results)
+    head = (
+        "| run | eval loss | gap to {b} | tokens/s | speedup vs {b} | slow-link bytes/token | "
+        "bytes vs AllReduce | hidden comm | wall s |".format(b=results["baseline"])
+    )
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in results["runs"]:
+        gap = row["gap_to_baseline_pct"]
+        lines.append(
+            "| {label} | {loss} | {gap} | {tps} | {speed} | {bpt} | {ratio} | {hidden} | {wall} |".format(
+                label=row["label"],
+                loss=_fmt(row["final_eval_loss"], ".4f"),
+                gap=_gap_cell(gap),
+                tps=_fmt(row["tokens_per_s"], ",.0f"),
+                speed=_fmt(row["speedup_vs_baseline"], ".2f") + ("x" if row["speedup_vs_baseline"] else ""),
+                bpt=_fmt(row["wan_bytes_per_token"], ",.1f"),
+                ratio=_bytes_ratio_cell(row),
+                hidden=_hidden_cell(row["hidden_comm_fraction"]),
+                wall=_fmt(row["wall_s"], ".1f"),
+            )
+        )
+    s = results["runs"][0]["summary"] if results["runs"] else {}
+    setting = (
+        f"{s.get('flavor')} ({s.get('num_params', 0):,} params), {s.get('num_clusters')} clusters x dp "
+        f"{s.get('dp_degree')} x pp {s.get('pp_degree')}, {s.get('tokens', 0):,} tokens per run, link "
+        f"{s.get('bandwidth')} / {s.get('latency')}"
+    )
+    quick = " (quick)" if results.get("quick") else ""
+    footer = [
+        "",
+        f"Bench `{results['bench']}` ({results['source']}), {results['date']}{quick}: "
+        f"{setting}. Every run: base config `{results['base_config']}` with {results['common_overrides'] or 'no'} "
+        "common overrides.",
+    ]
+    if results.get("notes"):
+        footer.append(results["notes"])
+    return "\n".join(lines + footer) + "\n"
+
+
+def format_paper_table(results: dict[str, Any]) -> str:
+    """The paper-regime table: loss from the link-off runs, tokens/s from the timed runs on the paper's link."""
+    b = results["baseline"]
+    lines = [
+        f"| run | eval loss (link off) | gap to {b} | tokens/s (paper link) | speedup vs {b} | of no-comm throughput "
+        "| slow-link bytes/token | bytes vs AllReduce | hidden comm |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in results["runs"]:
+        gap, speed, hidden = row["gap_to_baseline_pct"], row["speedup_vs_baseline"], row["hidden_comm_fraction"]
+        lines.append(
+            "| {label} | {loss} | {gap} | {tps} | {speed} | {nocomm} | {bpt} | {ratio} | {hidden} |".format(
+                label=row["label"],
+                loss=_fmt(row["final_eval_loss"], ".4f"),
+                gap=_gap_cell(gap),
+                tps=_fmt(row["tokens_per_s"], ",.1f"),
+                speed=_fmt(speed, ",.1f") + ("x" if speed else ""),
+                nocomm=_fmt(100 * row["of_no_communication"], ".1f") + "%",
+                bpt=_fmt(row["wan_bytes_per_token"], ",.1f"),
+                ratio=_bytes_ratio_cell(row),
+                hidden=_hidden_cell(hidden),
+            )
+        )
+    r = results["regime"]
+    s = results["runs"][0]["summary"] if results["runs"] else {}
+    quick = " (quick)" if results.get("quick") else ""
+    footer = [
+        "",
+        f"Bench `{results['bench']}` in the paper regime ({results['source']}), {results['date']}{quick}: "
+        f"{s.get('flavor')} ({s.get('num_params', 0):,} params), {s.get('num_clusters')} clusters x dp "
+        f"{s.get('dp_degree')} x pp {s.get('pp_degree')}, {s.get('tokens', 0):,} tokens per convergence run.",
+        f"Link: {r['bandwidth_bytes_per_s'] * 8 / 1e6:.4g} Mbps per cluster uplink, {r['latency_s'] * 1e3:g} ms, "
+        f"chosen so that one AllReduce step's transfer of the fp32 gradient ({r['grad_bytes'] / 1e6:.2f} MB) takes "
+        f"{r['ratio']:.1f} x the measured compute time of a step ({r['compute_s_per_step']:.3f} s, from the "
+        "no-communication run), as AllReduce did in the paper (3,728 / 10.4 - 1).",
+        "Eval loss, gaps and bytes come from the convergence runs with the link off; tokens/s, speedups and hidden "
+        "communication (of the syncs waited for inside the window) from timed runs on that link (2 steps for "
+        "per-step strategies, 2H + 1 for outer-loop ones; tokens/s over the last whole round before the final step). "
+        "The no-communication row (every cluster alone) is timed on the same window as the outer-loop runs, with no "
+        "sync inside it; its loss is from its link-off run.",
+    ]
+    if results.get("notes"):
+        footer.append(results["notes"])
+    return "\n".join(lines + footer) + "\n"
