@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox.config import Config
-from dilocox.fileio import write_atomic  # noqa: F401 - also imported from here by older tools
+from dilocox.fileio import write_atomic
 
 CHECKPOINT_DIR = "checkpoints"
 META = "meta.json"

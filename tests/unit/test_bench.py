@@ -1,10 +1,11 @@
 """`dilocox bench`: the bench file, the derived columns, the tables, the paper regime's windows, the exit codes."""
 
+import dataclasses
 import json
 
 import pytest
 
-from dilocox.metrics import METRICS_FILE, write_summary
+from dilocox.metrics import METRICS_FILE, RunSummary
 from dilocox.tools.bench.bench_cli import main as bench_main
 from dilocox.tools.bench.paper_regime import steady_hidden_fraction, steady_tokens_per_s, window_steps
 from dilocox.tools.bench.results import collect, compare
@@ -12,12 +13,14 @@ from dilocox.tools.bench.spec import load_bench
 from dilocox.tools.bench.table import format_table
 
 
-def summary(loss, tps, wan, equiv, hidden=None, tokens=1000):
-    return {
-        "final_eval_loss": loss, "tokens_per_s": tps, "wan_bytes_total": wan, "allreduce_equiv_bytes": equiv,
-        "hidden_comm_fraction": hidden, "tokens": tokens, "wall_s": 10.0, "flavor": "tiny", "num_params": 5,
-        "num_clusters": 2, "dp_degree": 1, "pp_degree": 1, "bandwidth": "1Gbps", "latency": "10ms",
-    }  # fmt: skip
+def summary(loss, tps, wan, equiv, hidden=None, tokens=1000) -> RunSummary:
+    return RunSummary(
+        final_eval_loss=loss, initial_eval_loss=7.0, tokens=tokens, wall_s=10.0, tokens_per_s=tps, eval_s=0.5,
+        wan_bytes_total=wan, allreduce_equiv_bytes=equiv, link_busy_s=1.0, exposed_comm_s=0.1,
+        hidden_comm_fraction=hidden, steps=10, outer_steps=1, sync_kind="diloco", sync_delay=0, merge="keep_local",
+        inner_steps=10, final_inner_steps=10, flavor="tiny", num_params=5, rank_state_bytes=[], num_clusters=2,
+        dp_degree=1, pp_degree=1, bandwidth="1Gbps", latency="10ms", checkpoint=None, run_dir="r",
+    )  # fmt: skip
 
 
 def test_compare_against_the_baseline():
@@ -35,7 +38,7 @@ def test_table_has_a_row_per_run_with_the_columns():
     base = summary(4.0, 100.0, 8000, 8000)
     runs = []
     for name, s in (("allreduce", base), ("dilocox", summary(4.1, 250.0, 80, 8000, hidden=0.95))):
-        runs.append({"name": name, "label": name, "summary": s, **compare(s, base)})
+        runs.append({"name": name, "label": name, "summary": dataclasses.asdict(s), **compare(s, base)})
     table = format_table(
         {
             "bench": "t",
@@ -93,7 +96,7 @@ def test_paper_table_names_where_each_number_comes_from():
     runs = []
     for name, s, tps, nocomm in (("no-communication", base, 1000.0, 1.0), ("allreduce", base, 2.5, 0.0025),
                                   ("dilocox", fast, 980.0, 0.98)):  # fmt: skip
-        row = {"name": name, "label": name, "summary": s, **compare(s, base)}
+        row = {"name": name, "label": name, "summary": dataclasses.asdict(s), **compare(s, base)}
         row.update(tokens_per_s=tps, speedup_vs_baseline=tps / 2.5, of_no_communication=nocomm)
         runs.append(row)
     regime = {"ratio": 357.46, "compute_s_per_step": 0.3, "grad_bytes": 5_250_000, "bandwidth_bytes_per_s": 48_958.0,
@@ -113,7 +116,7 @@ def test_collect_reads_what_the_runtime_wrote(tmp_path):
     # A run directory as `dilocox train` leaves it: summary.json by the runtime's writer, metrics.jsonl, process_s.
     run_dir = tmp_path / "runs" / "allreduce"
     run_dir.mkdir(parents=True)
-    write_summary(run_dir, summary(4.0, 100.0, 8000, 8000))
+    summary(4.0, 100.0, 8000, 8000).write(run_dir)
     records = [
         {"step": 5, "tokens": 500, "elapsed_s": 1.0, "eval_loss": None},
         {"step": 10, "tokens": 1000, "elapsed_s": 2.0, "eval_loss": 4.0},
@@ -124,7 +127,7 @@ def test_collect_reads_what_the_runtime_wrote(tmp_path):
     path.write_text("[bench]\nbase = 'x.toml'\n[[runs]]\nname = 'allreduce'\nlabel = 'AllReduce'\n")
     results = collect(load_bench(path), tmp_path, ["allreduce"])
     (row,) = results["runs"]
-    assert row["label"] == "AllReduce" and row["summary"] == summary(4.0, 100.0, 8000, 8000)
+    assert row["label"] == "AllReduce" and RunSummary(**row["summary"]) == summary(4.0, 100.0, 8000, 8000)
     assert row["curve"] == [{"tokens": 1000, "elapsed_s": 2.0, "eval_loss": 4.0}]  # only the evaluated steps
     assert row["process_s"] == 12.5
     assert row["gap_to_baseline_pct"] == 0 and row["speedup_vs_baseline"] == 1.0

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from dilocox.config import load_config
-from dilocox.metrics import read_metrics
+from dilocox.metrics import RunSummary, read_metrics
 from dilocox.net.link import parse_duration
 from dilocox.tools.bench.planner import format_bandwidth, paper_regime_bandwidth, paper_regime_ratio
 from dilocox.tools.bench.results import collect
-from dilocox.tools.bench.runs import has_summary, read_summary, train_run
+from dilocox.tools.bench.runs import has_summary, train_run
 from dilocox.tools.bench.spec import BenchRun, BenchSpec, run_overrides
 
 NO_COMM_RUN = "no-communication"
@@ -77,8 +77,8 @@ def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *
     """
     configs = {run.name: load_config(spec.base, run_overrides(spec, run, quick)) for run in selected}
     for name, cfg in configs.items():
-        if cfg.compression.fit_link:
-            raise ValueError(f"run {name}: compression.fit_link changes H with the link; the paper regime needs it off")
+        if cfg.sync.fit_link:
+            raise ValueError(f"run {name}: sync.fit_link changes H with the link; the paper regime needs it off")
     steps = next(iter(configs.values())).train.steps
     reference = BenchRun(NO_COMM_RUN, ["--sync.kind=diloco", f"--sync.inner_steps={steps}", "--checkpoint.interval=0"],
                          "no communication (each cluster alone)")  # fmt: skip
@@ -97,15 +97,15 @@ def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *
         run_dir, log = out_dir / "runs" / run.name, out_dir / f"{run.name}.log"
         train_run(spec, run, run_dir, log, quick=quick, extra=LINK_OFF, tag=f"[{index}/{total}] link off:")
     ref_dir = out_dir / "runs" / NO_COMM_RUN
-    ref = read_summary(ref_dir)
+    ref = RunSummary.read(ref_dir)
     if reuse:
         regime = json.loads(earlier.read_text())["regime"]
         print(f"paper regime: keeping the earlier link of {regime['bandwidth']} (a partial re-run)", flush=True)
     else:
-        compute_s = ref["tokens"] / ref["tokens_per_s"] / ref["steps"]  # one step of every cluster, no comm
+        compute_s = ref.tokens / ref.tokens_per_s / ref.steps  # one step of every cluster, no comm
         latency_s = parse_duration(next(iter(configs.values())).network.latency)
-        grad_bytes = 4 * ref["num_params"]
-        bandwidth = paper_regime_bandwidth(compute_s, grad_bytes, num_clusters=ref["num_clusters"],
+        grad_bytes = 4 * ref.num_params
+        bandwidth = paper_regime_bandwidth(compute_s, grad_bytes, num_clusters=ref.num_clusters,
                                            latency_s=latency_s)  # fmt: skip
         regime = {
             "ratio": paper_regime_ratio(),
@@ -114,7 +114,7 @@ def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *
             "bandwidth_bytes_per_s": bandwidth,
             "bandwidth": format_bandwidth(bandwidth),
             "latency_s": latency_s,
-            "no_communication_tokens_per_s": ref["tokens_per_s"],
+            "no_communication_tokens_per_s": ref.tokens_per_s,
         }
         print(
             f"paper regime: {compute_s:.3f} s of compute per step, fp32 gradient {grad_bytes / 1e6:.2f} MB -> "
@@ -138,17 +138,19 @@ def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *
         run_dir = out_dir / "timed" / run.name
         if not has_summary(run_dir):
             continue
-        summary = read_summary(run_dir)
+        summary = RunSummary.read(run_dir)
         metrics = read_metrics(run_dir)
-        kind, inner_steps = summary["sync_kind"], summary["inner_steps"]
+        kind, inner_steps = summary.sync_kind, summary.inner_steps
         if run.name == NO_COMM_RUN:  # no sync before the last step: its window is the outer-loop runs' one
-            inner_steps = (summary["steps"] - 1) // 2
-        summary["window_steps"] = summary["steps"]
-        summary["steady_tokens_per_s"] = steady_tokens_per_s(metrics, kind, inner_steps, summary["steps"])
-        summary["steady_hidden_comm_fraction"] = steady_hidden_fraction(
-            metrics, kind, inner_steps, summary["steps"], summary.get("hidden_comm_fraction")
-        )
-        timed[run.name] = summary
+            inner_steps = (summary.steps - 1) // 2
+        timed[run.name] = {
+            "window_steps": summary.steps,
+            "wall_s": summary.wall_s,
+            "steady_tokens_per_s": steady_tokens_per_s(metrics, kind, inner_steps, summary.steps),
+            "steady_hidden_comm_fraction": steady_hidden_fraction(
+                metrics, kind, inner_steps, summary.steps, summary.hidden_comm_fraction
+            ),
+        }
 
     spec.runs = [reference, *[r for r in spec.runs if r.name != NO_COMM_RUN]]
     names = [NO_COMM_RUN]
@@ -160,7 +162,7 @@ def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *
     results["regime"] = regime
     base_tps = timed[spec.baseline]["steady_tokens_per_s"] if spec.baseline in timed else None
     # "no communication" throughput: the timed compute-only run when there is one, else the link-off run's
-    no_comm_tps = timed[NO_COMM_RUN]["steady_tokens_per_s"] if NO_COMM_RUN in timed else ref["tokens_per_s"]
+    no_comm_tps = timed[NO_COMM_RUN]["steady_tokens_per_s"] if NO_COMM_RUN in timed else ref.tokens_per_s
     regime["no_communication_steady_tokens_per_s"] = no_comm_tps
     for row in results["runs"]:
         t = timed.get(row["name"])

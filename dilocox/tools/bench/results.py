@@ -8,16 +8,17 @@ Rows come from each run directory's summary.json and metrics.jsonl; `write_resul
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
 from pathlib import Path
 from typing import Any
 
-from dilocox.checkpoint import write_atomic
-from dilocox.metrics import read_metrics
+from dilocox.fileio import write_atomic
+from dilocox.metrics import RunSummary, read_metrics
 from dilocox.tools.bench.plots import plot
-from dilocox.tools.bench.runs import PROCESS_FILE, read_summary
+from dilocox.tools.bench.runs import PROCESS_FILE
 from dilocox.tools.bench.spec import BenchSpec
 from dilocox.tools.bench.table import format_table
 
@@ -27,7 +28,7 @@ def collect(spec: BenchSpec, out_dir: Path, names: list[str]) -> dict[str, Any]:
     rows = []
     for name in names:
         run_dir = out_dir / "runs" / name
-        summary = read_summary(run_dir)
+        summary = RunSummary.read(run_dir)
         metrics = read_metrics(run_dir)
         run = next(r for r in spec.runs if r.name == name)
         process_file = run_dir / PROCESS_FILE
@@ -36,7 +37,7 @@ def collect(spec: BenchSpec, out_dir: Path, names: list[str]) -> dict[str, Any]:
                 "name": name,
                 "label": run.label or name,
                 "overrides": run.overrides,
-                "summary": summary,
+                "summary": dataclasses.asdict(summary),
                 # the whole `dilocox train` process: start-up, data preparation, training, evaluation, checkpoints
                 "process_s": float(process_file.read_text()) if process_file.exists() else None,
                 "curve": [
@@ -48,7 +49,7 @@ def collect(spec: BenchSpec, out_dir: Path, names: list[str]) -> dict[str, Any]:
         )
     base = next((r for r in rows if r["name"] == spec.baseline), None)
     for row in rows:
-        row.update(compare(row["summary"], base["summary"] if base else None))
+        row.update(compare(RunSummary(**row["summary"]), RunSummary(**base["summary"]) if base else None))
     return {
         "bench": spec.name,
         "source": str(spec.source),
@@ -61,22 +62,22 @@ def collect(spec: BenchSpec, out_dir: Path, names: list[str]) -> dict[str, Any]:
     }
 
 
-def compare(summary: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str, Any]:
+def compare(summary: RunSummary, baseline: RunSummary | None) -> dict[str, Any]:
     """The table's derived columns for one run."""
-    loss, tps, wan = summary["final_eval_loss"], summary["tokens_per_s"], summary["wan_bytes_total"]
+    loss, tps, wan = summary.final_eval_loss, summary.tokens_per_s, summary.wan_bytes_total
     out: dict[str, Any] = {
         "final_eval_loss": loss,
         "tokens_per_s": tps,
-        "wan_bytes_per_token": wan / summary["tokens"],
-        "compression_vs_allreduce": summary["allreduce_equiv_bytes"] / wan if wan else math.inf,
-        "hidden_comm_fraction": summary.get("hidden_comm_fraction"),
-        "wall_s": summary["wall_s"],
+        "wan_bytes_per_token": wan / summary.tokens,
+        "compression_vs_allreduce": summary.allreduce_equiv_bytes / wan if wan else math.inf,
+        "hidden_comm_fraction": summary.hidden_comm_fraction,
+        "wall_s": summary.wall_s,
         "gap_to_baseline_pct": None,
         "speedup_vs_baseline": None,
     }
     if baseline is not None:
-        out["gap_to_baseline_pct"] = 100.0 * (loss - baseline["final_eval_loss"]) / baseline["final_eval_loss"]
-        out["speedup_vs_baseline"] = tps / baseline["tokens_per_s"]
+        out["gap_to_baseline_pct"] = 100.0 * (loss - baseline.final_eval_loss) / baseline.final_eval_loss
+        out["speedup_vs_baseline"] = tps / baseline.tokens_per_s
     return out
 
 

@@ -2,22 +2,20 @@
 
     summary = train_run(spec, run, out_dir / "runs" / run.name, out_dir / f"{run.name}.log", quick=False)
 
-The bench reads a run's metrics.jsonl with the runtime's `dilocox.metrics.read_metrics`, and its summary.json,
-which the runtime writes but has no reader for, only through `read_summary` here.
+The bench reads a run's metrics.jsonl with the runtime's `dilocox.metrics.read_metrics` and its summary.json as
+the runtime's `dilocox.metrics.RunSummary`.
 """
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from dilocox.checkpoint import write_atomic
-from dilocox.metrics import SUMMARY_FILE
+from dilocox.fileio import write_atomic
+from dilocox.metrics import SUMMARY_FILE, RunSummary
 from dilocox.tools.bench.spec import BenchRun, BenchSpec, run_overrides
 
 PROCESS_FILE = "process_s.txt"
@@ -36,11 +34,6 @@ def has_summary(run_dir: Path) -> bool:
     return (run_dir / SUMMARY_FILE).exists()
 
 
-def read_summary(run_dir: Path) -> dict[str, Any]:
-    """The summary a finished run wrote (`dilocox.metrics.write_summary`), as the string-keyed dict it wrote."""
-    return json.loads((run_dir / SUMMARY_FILE).read_text())
-
-
 def train_run(
     spec: BenchSpec,
     run: BenchRun,
@@ -50,7 +43,7 @@ def train_run(
     quick: bool,
     extra: Sequence[str] = (),
     tag: str = "",
-) -> dict[str, Any]:
+) -> RunSummary:
     """One `dilocox train` subprocess; returns its summary (raises RuntimeError with the log's tail)."""
     command = train_command(spec, run, run_dir, quick, extra)
     print(f"{tag} {run.name}: dilocox train {' '.join(command[5:])}", flush=True)
@@ -61,10 +54,10 @@ def train_run(
         tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
         raise RuntimeError(f"bench run {run.name} failed (exit {status}); last lines of {log}:\n{tail}")
     write_atomic(run_dir / PROCESS_FILE, f"{time.perf_counter() - started:.1f}\n".encode())
-    summary = read_summary(run_dir)
+    summary = RunSummary.read(run_dir)
     print(
-        f"    eval loss {summary['final_eval_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s, "
-        f"{summary['wan_bytes_total'] / 1e6:,.2f} MB on the slow link, {summary['wall_s']:.1f} s",
+        f"    eval loss {summary.final_eval_loss:.4f}, {summary.tokens_per_s:,.0f} tokens/s, "
+        f"{summary.wan_bytes_total / 1e6:,.2f} MB on the slow link, {summary.wall_s:.1f} s",
         flush=True,
     )
     return summary
