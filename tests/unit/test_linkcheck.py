@@ -440,9 +440,11 @@ def test_linkcheck_for_real(tmp_path):
     for (op, size), row in rows.items():
         assert row["charged_bytes"] >= size  # 2 ranks: an all-reduce and an all-gather each move ~1 x payload
         assert len(row["samples_s"]) == 2
-        # Loose on purpose: the shaped link pays TCP/IP headers (~5-7%) and gloo's step syncs, and at 2 ranks
-        # gloo's all-gather can serialize the two directions (up to 2x; see benchmarks/results/shaped_link).
-        upper = 2.0 if op == "all_reduce" else 2.5
+        # Loose on purpose: this guards against a shaper or a model off by a bits/bytes factor (8x) or missing
+        # (unshaped veth is ~30x faster), not the emulation's accuracy, which is the benchmark's job
+        # (benchmarks/results/shaped_link). The real link pays TCP/IP headers (~5-7%), gloo's step syncs and, on
+        # 2 loaded cores, a per-transfer CPU cost that reached 2.3x the model for 256 KB all-reduces.
+        upper = 3.0 if op == "all_reduce" else 3.5
         assert 0.5 <= row["ratio"] <= upper, (op, size, row)
     for wire in link["wire"]:
         assert wire["qdisc_drops"] == 0
