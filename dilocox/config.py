@@ -365,6 +365,16 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+def read_toml(path: Path, what: str, *, hint: str = "") -> dict[str, Any]:
+    """The TOML file at `path`, or a ValueError saying `what` it was meant to be and why it cannot be read."""
+    if not path.is_file():
+        raise ValueError(f"{what} {path}: no such file{hint}")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{what} {path}: not valid TOML ({exc})") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the TOML file at `path`, then `--section.key=value` overrides (not yet validated).
 
@@ -372,13 +382,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = Config()
     explicit: set[str] = set()
     if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"--config {path}: no such file")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"--config {path}: not valid TOML ({exc})") from None
+        data = read_toml(Path(path), "--config")
         apply_toml(cfg, data, source=str(path))
         explicit |= {f"{section}.{key}" for section, values in data.items() for key in values}
     for name, value in parse_overrides(overrides or []):

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from dilocox.compress import Codec, CompressionConfig, ErrorFeedback, Payload, build_codec
+from dilocox.compress import Codec, CompressionConfig, ErrorFeedback, LowRankCodec, Payload, build_codec
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.sync.base import CodecCost, shard_bounds
 from dilocox.topology import group_size
@@ -201,12 +201,10 @@ class ReplicaSlice:
         return [flat[a:b].view(shape) for (a, b), shape in zip(self.spans, self.shapes, strict=True)]
 
 
-class GatherReducer:
-    """Any codec: encode this replica's slice (with error feedback), all-gather the payloads over the slow
-    cluster_group (their sizes may differ per cluster, e.g. adaptive ranks), decode every cluster's and average.
-    Exact for any codec; costs (C-1) x payload received per rank, exact in the channel's counters."""
+class CodecReducer:
+    """What every compressed reducer owns: its codec, this replica's whole-tensor slice and its error feedback."""
 
-    name = "gather"
+    name: str
 
     def __init__(
         self,
@@ -216,6 +214,7 @@ class GatherReducer:
         error_feedback: bool,
         channel: WanChannel,
         dp_group: dist.ProcessGroup | None,
+        seed: int = 0,
     ) -> None:
         self.codec = codec
         self.numel = sum(shape.numel() for shape in shapes)
@@ -223,6 +222,28 @@ class GatherReducer:
         self.feedback = ErrorFeedback(enabled=error_feedback)
         self.channel = channel
         self.dp_group = dp_group
+        self.seed = seed  # shared by every cluster (the scalable path's common warm starts)
+
+    def current_rank(self) -> int | None:
+        return self.codec.current_rank()
+
+    def state_bytes(self) -> int:
+        return self.feedback.state_bytes(self.slice.numel)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"codec": self.codec.state_dict(), "feedback": self.feedback.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.codec.load_state_dict(state["codec"])
+        self.feedback.load_state_dict(state["feedback"])
+
+
+class GatherReducer(CodecReducer):
+    """Any codec: encode this replica's slice (with error feedback), all-gather the payloads over the slow
+    cluster_group (their sizes may differ per cluster, e.g. adaptive ranks), decode every cluster's and average.
+    Exact for any codec; costs (C-1) x payload received per rank, exact in the channel's counters."""
+
+    name = "gather"
 
     def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
         encode_from = time.perf_counter()
@@ -253,28 +274,14 @@ class GatherReducer:
             decode_from = time.perf_counter()
             total = torch.zeros(self.slice.numel, dtype=torch.float32)  # (slice,)
             for index, data in enumerate(payloads):
-                decoded = (
-                    own_decoded if index == own_index else self.codec.decode_list(Payload(data), self.slice.shapes)
-                )
+                own = index == own_index
+                decoded = own_decoded if own else self.codec.decode_list(Payload(data), self.slice.shapes)
                 if decoded:
                     total += torch.cat([d.reshape(-1) for d in decoded])
             cost.codec_s += time.perf_counter() - decode_from
             return total.div_(len(payloads))
 
         return PendingMean(flat, self.slice.bounds, finish, transfer, self.dp_group, sent=payload.data, cost=cost)
-
-    def current_rank(self) -> int | None:
-        return self.codec.current_rank()
-
-    def state_bytes(self) -> int:
-        return self.feedback.state_bytes(self.slice.numel)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"codec": self.codec.state_dict(), "feedback": self.feedback.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.codec.load_state_dict(state["codec"])
-        self.feedback.load_state_dict(state["feedback"])
 
 
 # ------------------------------------------------------------------------------------------------------ factory
@@ -293,9 +300,9 @@ def build_reducer(
     if cfg.kind == "none":
         return DenseReducer(sum(shape.numel() for shape in shapes), channel=channel, dp_group=dp_group)
     codec = build_codec(cfg, seed=seed)
-    if cfg.reduction == "gather":
-        return GatherReducer(codec, shapes, error_feedback=cfg.error_feedback, channel=channel, dp_group=dp_group)
-    from dilocox.sync.scalable import build_scalable_reducer
+    reducer: type[CodecReducer] = GatherReducer
+    if cfg.reduction == "scalable":  # validate() allows only the kinds these two average
+        from dilocox.sync.scalable import ScalableElementwiseReducer, ScalableLowRankReducer
 
-    return build_scalable_reducer(codec, shapes, error_feedback=cfg.error_feedback, channel=channel,
-                                  dp_group=dp_group, seed=seed)  # fmt: skip
+        reducer = ScalableLowRankReducer if isinstance(codec, LowRankCodec) else ScalableElementwiseReducer
+    return reducer(codec, shapes, error_feedback=cfg.error_feedback, channel=channel, dp_group=dp_group, seed=seed)

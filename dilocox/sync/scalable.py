@@ -26,7 +26,7 @@ by half an int4 step of the mean and does not accumulate (an fp32 or fp16 factor
 Bytes per rank r for one average of chunks of s_j bytes: all-to-all sends sum(s) - s_r and receives (C-1) s_r;
 the ring all-gather sends sum(s) - s_(r+1) and receives sum(s) - s_r (`chunk_nbytes` gives s).
 
-    reducer = build_scalable_reducer(codec, flat.shapes, error_feedback=True, channel=channel, dp_group=dp_group)
+    reducer = ScalableLowRankReducer(codec, flat.shapes, error_feedback=True, channel=channel, dp_group=dp_group)
     pending = reducer.launch(pseudo_grad)
     avg_pseudo_grad = pending.wait()
 """
@@ -39,15 +39,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from dilocox.compress import ElementwiseCodec, ErrorFeedback, Int4Format, LowRankCodec, ValueFormat
+from dilocox.compress import Int4Format, LowRankCodec, ValueFormat
 from dilocox.compress.codecs import Codec, as_matrix, sent_dense
 from dilocox.compress.lowrank import orthonormalize
 from dilocox.compress.payload import ByteReader, tensor_bytes
-from dilocox.net.channel import WanChannel, Wire
+from dilocox.net.channel import Wire
 from dilocox.sync.base import CodecCost, shard_bounds
-from dilocox.sync.reducers import PendingMean, ReplicaSlice
+from dilocox.sync.reducers import CodecReducer, PendingMean
 
 
 @dataclass(frozen=True)
@@ -153,28 +152,10 @@ class _Plan:
         return parts + list(zip(self.small, small.split(self.numels(self.small)), strict=True))
 
 
-class _ScalableReducer:
-    """What both scalable reducers share: this replica's slice, its error feedback, launch/relaunch and state."""
+class _ScalableReducer(CodecReducer):
+    """What both scalable reducers share: launch/relaunch around a program of link steps."""
 
     name = "scalable"
-
-    def __init__(
-        self,
-        codec: Codec,
-        shapes: Sequence[torch.Size],
-        *,
-        error_feedback: bool,
-        channel: WanChannel,
-        dp_group: dist.ProcessGroup | None,
-        seed: int = 0,
-    ) -> None:
-        self.codec = codec
-        self.numel = sum(shape.numel() for shape in shapes)
-        self.slice = ReplicaSlice.of(shapes, dp_group)
-        self.feedback = ErrorFeedback(enabled=error_feedback)
-        self.channel = channel
-        self.dp_group = dp_group
-        self.seed = seed
 
     def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
         """Add the residuals to this replica's slice, encode what goes first (on the trainer's thread: the codec's
@@ -187,9 +168,6 @@ class _ScalableReducer:
 
     def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
         return self._start(torch.zeros(self.numel), sent, codec_s=0.0, account=account)
-
-    def current_rank(self) -> int | None:
-        return self.codec.current_rank()
 
     def _split(self, u: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(u, [shape.numel() for shape in self.slice.shapes]))
@@ -226,16 +204,6 @@ class _ScalableReducer:
             for parts in zip(*[_decode_chunk(c, sections, world, j) for j, c in enumerate(chunks)], strict=True)
         ]
 
-    def state_bytes(self) -> int:
-        return self.feedback.state_bytes(self.slice.numel)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"codec": self.codec.state_dict(), "feedback": self.feedback.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.codec.load_state_dict(state["codec"])
-        self.feedback.load_state_dict(state["feedback"])
-
 
 class ScalableElementwiseReducer(_ScalableReducer):
     """fp16, bf16 or int4: the slice is averaged in one `_average_sections` (module docstring)."""
@@ -267,8 +235,8 @@ class ScalableElementwiseReducer(_ScalableReducer):
 class ScalableLowRankReducer(_ScalableReducer):
     """lowrank or lowrank_int4: PowerSGD's shared right factors, two averages (module docstring)."""
 
-    def __init__(self, codec: Codec, shapes: Sequence[torch.Size], **kwargs: Any) -> None:
-        super().__init__(codec, shapes, **kwargs)
+    def __init__(self, codec: Codec, shapes: Sequence[torch.Size], **options: Any) -> None:
+        super().__init__(codec, shapes, **options)
         self.plan = self._make_plan()
         self.warm_starts: dict[int, torch.Tensor] = {}  # shared (n, r) per low-rank tensor index
 
@@ -401,21 +369,3 @@ class ScalableLowRankReducer(_ScalableReducer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.warm_starts = {int(i): q.clone() for i, q in state["warm_starts"].items()}
-
-
-def build_scalable_reducer(
-    codec: Codec,
-    shapes: Sequence[torch.Size],
-    *,
-    error_feedback: bool,
-    channel: WanChannel,
-    dp_group: dist.ProcessGroup | None,
-    seed: int = 0,
-) -> _ScalableReducer:
-    """The scalable reducer of `codec` (one of SCALABLE_KINDS; `CompressionConfig.validate` refuses the others)."""
-    options = {"error_feedback": error_feedback, "channel": channel, "dp_group": dp_group, "seed": seed}
-    if isinstance(codec, LowRankCodec):
-        assert codec.name in ("lowrank", "lowrank_int4"), codec.name  # adaptive ranks differ per cluster
-        return ScalableLowRankReducer(codec, shapes, **options)
-    assert isinstance(codec, ElementwiseCodec) and codec.name != "none", codec
-    return ScalableElementwiseReducer(codec, shapes, **options)

@@ -9,7 +9,7 @@ import torch
 from dilocox.compress import CompressionConfig, build_codec
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync, SyncConfig
-from dilocox.sync.scalable import build_scalable_reducer
+from dilocox.sync.scalable import ScalableElementwiseReducer, ScalableLowRankReducer
 from tests.dist.resume import straight_and_resumed
 from tests.multiproc import run_ranks
 
@@ -40,7 +40,8 @@ def low_rank_inputs(cluster: int, round_index: int, rank: int) -> torch.Tensor:
 def _mean_once(rank, world_size, kind, codec_rank):
     codec = build_codec(kind, rank=codec_rank, group_size=8)
     with WanChannel(torch.distributed.group.WORLD, bandwidth=None, latency_s=0.0) as channel:
-        reducer = build_scalable_reducer(codec, SHAPES, error_feedback=True, channel=channel, dp_group=None)
+        cls = ScalableElementwiseReducer if kind == "int4" else ScalableLowRankReducer
+        reducer = cls(codec, SHAPES, error_feedback=True, channel=channel, dp_group=None)
         x = inputs(rank) if kind == "int4" else low_rank_inputs(rank, 0, codec_rank)
         pending = reducer.launch(x)
         mean = pending.wait().clone()
@@ -98,7 +99,7 @@ def _feedback_rounds(rank, world_size):
     codec = build_codec("lowrank", rank=1)  # rank 1 of random matrices: most of each round is left behind
     total_in, total_out = torch.zeros(NUMEL), torch.zeros(NUMEL)
     with WanChannel(torch.distributed.group.WORLD, bandwidth=None, latency_s=0.0) as channel:
-        reducer = build_scalable_reducer(codec, SHAPES, error_feedback=True, channel=channel, dp_group=None, seed=3)
+        reducer = ScalableLowRankReducer(codec, SHAPES, error_feedback=True, channel=channel, dp_group=None, seed=3)
         for round_index in range(4):
             x = inputs(rank, round_index)
             total_in += x

@@ -15,9 +15,10 @@ A bench file looks like this (benchmarks/configs/ has the real ones) and is read
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dilocox.config import read_toml
 
 QUICK_OVERRIDES = [
     "--model.flavor=debug",
@@ -60,12 +61,7 @@ class BenchSpec:
 
 def load_bench(path: Path) -> BenchSpec:
     """Read and check a bench file; errors name the file and the key."""
-    if not path.is_file():
-        raise ValueError(f"bench config {path}: no such file (see benchmarks/configs/)")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"bench config {path}: not valid TOML ({exc})") from None
+    data = read_toml(path, "bench config", hint=" (see benchmarks/configs/)")
     bench = data.get("bench")
     if not isinstance(bench, dict) or "base" not in bench:
         raise ValueError(f'bench config {path}: needs a [bench] table with base = "path/to/train.toml"')
