@@ -273,7 +273,11 @@ class Trainer:
                     eval_loss = self.last_eval_loss = self.evaluate()
                     self.eval_s += time.perf_counter() - eval_start
                     window_start += time.perf_counter() - eval_start  # throughput counts training time only
-                if logger is not None and (self._due(cfg.metrics.log_interval) or last or eval_loss is not None):
+                # every outer round's record is logged, also when the round does not end on a logged step (H not a
+                # multiple of metrics.log_interval, or fit_link); cocktail's per-step stats only on logged steps
+                outer_round = self.round_stats is not None and self.round_stats.inner_steps is not None
+                due = self._due(cfg.metrics.log_interval) or last or eval_loss is not None or outer_round
+                if logger is not None and due:
                     now = time.perf_counter()
                     tokens_per_s = (self.step - window_step) * self.tokens_per_step / (now - window_start)
                     logger.log(self._record(eval_loss, tokens_per_s))

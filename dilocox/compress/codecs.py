@@ -219,6 +219,10 @@ class Codec(ABC):
 
     # state --------------------------------------------------------------------------------------------------------
 
+    def state_bytes(self) -> int:
+        """Bytes of the state kept between rounds (warm starts), for the memory report."""
+        return 0
+
     def state_dict(self) -> dict[str, Any]:
         """Everything encoding depends on besides the inputs: the RNG and, in subclasses, warm starts."""
         return {"kind": self.name, "generator": self.generator.get_state()}
@@ -402,6 +406,9 @@ class LowRankCodec(Codec):
         return self.nbytes_at_rank(shape, self.rank)
 
     # state --------------------------------------------------------------------------------------------------------
+
+    def state_bytes(self) -> int:
+        return sum(start.numel() * start.element_size() for start in self.warm_starts.values())
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

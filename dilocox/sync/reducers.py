@@ -228,7 +228,8 @@ class CodecReducer:
         return self.codec.current_rank()
 
     def state_bytes(self) -> int:
-        return self.feedback.state_bytes(self.slice.numel)
+        """Residuals (at full size from the start) and the codec's warm starts (those grow in the first round)."""
+        return self.feedback.state_bytes(self.slice.numel) + self.codec.state_bytes()
 
     def state_dict(self) -> dict[str, Any]:
         return {"codec": self.codec.state_dict(), "feedback": self.feedback.state_dict()}

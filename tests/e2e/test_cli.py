@@ -135,6 +135,18 @@ def test_allreduce_baseline_sends_its_own_yardstick(tmp_path):
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
 
 
+def test_every_outer_round_is_logged_when_h_is_not_a_multiple_of_the_log_interval(tmp_path):
+    """H = 6 with a line every 5 steps: rounds end at 6, 12, ..., 18 and at the last step; each has its record."""
+    run_dir = tmp_path / "h6"
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--train.steps=20", "--sync.inner_steps=6",
+                     "--metrics.log_interval=5", "--checkpoint.interval=0", "--eval.interval=0")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics(run_dir)
+    rounds = {r["step"]: r["round_inner_steps"] for r in rows if "round_inner_steps" in r}
+    assert rounds == {6: 6, 12: 6, 18: 6, 20: 2}  # the last round is cut short by train.steps
+    assert [r["step"] for r in rows] == [5, 6, 10, 12, 15, 18, 20]
+
+
 @pytest.mark.parametrize("reduction", ["gather", "scalable"])
 def test_dilocox_compressed_trains_and_resumes_with_a_delayed_update_in_flight(tmp_path, reduction):
     """lowrank_int4 trains; the checkpoint at step 20 holds round 2's sync (not yet applied), the error-feedback

@@ -527,3 +527,12 @@ def test_compress_never_imports_torch_distributed():
             names = [alias.name for alias in node.names] if isinstance(node, ast.Import | ast.ImportFrom) else []
             module = (node.module or "") if isinstance(node, ast.ImportFrom) else ""
             assert not any(name.startswith("torch.distributed") for name in [*names, module]), path
+
+
+def test_state_bytes_count_the_warm_starts():
+    """The memory report's outer state includes the low-rank codecs' warm starts: one (n, r) fp32 per matrix."""
+    codec = build_codec("lowrank_int4", rank=4)
+    assert codec.state_bytes() == 0
+    codec.encode_list(random_list([(30, 20), (20,), (16, 40)]))
+    assert codec.state_bytes() == 4 * (20 * 4 + 40 * 4)  # Q of (30, 20) is (20, 4), of (16, 40) is (40, 4)
+    assert build_codec("int4").state_bytes() == 0
