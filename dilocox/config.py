@@ -30,6 +30,8 @@ from dilocox.sync.config import KIND_DEFAULTS, SyncConfig
 
 OPTIMIZERS = ("adamw", "sgd")
 """`train.optimizer`: the inner optimizer."""
+DTYPES = {"fp32": None, "bf16": "bfloat16"}
+"""`train.dtype`: the autocast dtype of the forward pass (fp32: no autocast)."""
 MOVED_KEYS = {
     "compression.fit_link": "sync.fit_link",
     "compression.fit_link_max_steps": "sync.fit_link_max_steps",
@@ -99,6 +101,10 @@ class TrainConfig:
     """AdamW beta2."""
     grad_clip: float = 1.0
     """Clip the gradient norm to this value before every inner step; 0 disables clipping."""
+    dtype: str = "fp32"
+    """Compute dtype of the forward pass: fp32, or bf16 (autocast; weights, grads and optimizer states stay fp32)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass: less activation memory, ~1 more forward of compute."""
 
 
 @dataclass
@@ -185,6 +191,7 @@ class Config:
 
         check_choice("model.flavor", self.model.flavor, tuple(list_flavors()))
         check_choice("train.optimizer", self.train.optimizer, OPTIMIZERS)
+        check_choice("train.dtype", self.train.dtype, tuple(DTYPES))
         if not self.sync.has_outer_loop and self.compression.kind != "none":
             raise ValueError(
                 f"compression.kind = {self.compression.kind!r} compresses pseudo-gradients: use sync.kind = diloco or "

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox.checkpoint import check_resume, list_checkpoints, load_rank_state, run_identity, save_checkpoint
-from dilocox.config import Config, to_dict
+from dilocox.config import DTYPES, Config, to_dict
 from dilocox.data import ShardedTokenStream, TokenData, iter_eval_batches, prepare_tokens
 from dilocox.metrics import MetricsLogger, RunSummary, format_summary, truncate_metrics
 from dilocox.models import Decoder, count_parameters, model_args
@@ -48,6 +48,13 @@ def build_model(cfg: Config, vocab_size: int, *, stage: int = 0, num_stages: int
     sending them over the slow link and no rank ever allocates more than its stage."""
     args = model_args(cfg.model.flavor, vocab_size=vocab_size, max_seq_len=cfg.train.seq_len)
     return build_stage(args, stage, num_stages, seed=cfg.run.seed)
+
+
+def configure_compute(model: Decoder, cfg: Config) -> None:
+    """`train.dtype` and `train.activation_checkpointing` on a built stage (neither changes its weights)."""
+    autocast = DTYPES[cfg.train.dtype]
+    model.autocast_dtype = None if autocast is None else getattr(torch, autocast)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
 
 
 def lr_at(cfg: Config, step: int) -> float:
@@ -114,6 +121,7 @@ class Trainer:
         self.model_args = model_args(cfg.model.flavor, vocab_size=self.data.vocab_size, max_seq_len=cfg.train.seq_len)
         self.num_stages = cfg.topology.pp_degree
         self.model = build_model(cfg, self.data.vocab_size, stage=self.coords.pp, num_stages=self.num_stages)
+        configure_compute(self.model, cfg)
         self.num_params = count_parameters(self.model_args)
         self.runner = PipelineRunner(
             self.model,

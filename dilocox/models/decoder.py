@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 # Fully qualified name suffixes of the projections that write into the residual stream; their init std is scaled by
 # 1/sqrt(2 * num_layers) so that the residual stream's variance does not grow with depth (GPT-2 / Megatron practice).
@@ -229,6 +230,12 @@ class Decoder(nn.Module):
         self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
         if not self.rope_cos.is_meta:
             self.init_weights(0)
+        self.activation_checkpointing = False
+        """Recompute each block's activations in the backward pass instead of keeping them: the activation memory
+        of one block instead of all of them, for about one more forward pass of compute."""
+        self.autocast_dtype: torch.dtype | None = None
+        """Run the forward pass under autocast to this dtype (bf16): matmuls in bf16, weights and their gradients
+        stay fp32 (the optimizer's master copy). Inside forward, so a pipeline stage's backward runs outside it."""
 
     def _tie_output(self) -> None:
         # Re-run by init_weights because to_empty() from the meta device replaces parameters and breaks the tie.
@@ -255,6 +262,12 @@ class Decoder(nn.Module):
                     f"got shape {tuple(x.shape)}"
                 )
             h = x
+        with torch.autocast(
+            h.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None
+        ):
+            return self._blocks_and_head(h)
+
+    def _blocks_and_head(self, h: torch.Tensor) -> torch.Tensor:
         seq = h.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(
@@ -264,11 +277,16 @@ class Decoder(nn.Module):
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]  # (seq, head_dim // 2)
         # Sorted by index so that a stage runs its layers in the order of the full model whatever their insertion.
         for _, layer in sorted(self.layers.items(), key=lambda item: int(item[0])):
-            h = layer(h, cos, sin)  # (batch, seq, dim)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)  # (batch, seq, dim)
+            else:
+                h = layer(h, cos, sin)  # (batch, seq, dim)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
-            h = self.output(h)  # (batch, seq, vocab)
+            # fp32 logits under bf16 autocast too: the loss is computed in fp32 anyway, and a pipeline stage's output
+            # must keep the dtype it was declared with
+            h = self.output(h).float()  # (batch, seq, vocab)
         return h
 
     @torch.no_grad()

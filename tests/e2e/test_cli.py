@@ -147,6 +147,18 @@ def test_every_outer_round_is_logged_when_h_is_not_a_multiple_of_the_log_interva
     assert [r["step"] for r in rows] == [5, 6, 10, 12, 15, 18, 20]
 
 
+def test_bf16_with_activation_checkpointing_trains(tmp_path):
+    run_dir = tmp_path / "bf16"
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--train.steps=20", "--eval.interval=0",
+                     "--train.dtype=bf16", "--train.activation_checkpointing", "--checkpoint.interval=0")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
+    assert 'dtype = "bf16"' in (run_dir / "config.toml").read_text()
+    bad = dilocox("train", "--config", DEBUG, f"--run.out_dir={tmp_path / 'bad'}", "--train.dtype=fp8")
+    assert bad.returncode == 2 and "train.dtype = 'fp8' is not one of: fp32, bf16" in bad.stderr
+
+
 @pytest.mark.parametrize("reduction", ["gather", "scalable"])
 def test_dilocox_compressed_trains_and_resumes_with_a_delayed_update_in_flight(tmp_path, reduction):
     """lowrank_int4 trains; the checkpoint at step 20 holds round 2's sync (not yet applied), the error-feedback

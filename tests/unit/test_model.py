@@ -328,3 +328,31 @@ def test_debug_model_memorizes_a_fixed_batch():
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(VOCAB), abs=0.1)  # small init: near-uniform predictions
     assert losses[-1] < losses[0] - 2.0, losses
+
+
+def _loss_and_grads(autocast_dtype=None, checkpointing=False):
+    model = Decoder(model_args("debug", vocab_size=128, max_seq_len=32))
+    model.init_weights(1)
+    model.autocast_dtype, model.activation_checkpointing = autocast_dtype, checkpointing
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 128, (4, 33), generator=generator)
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    return logits.dtype, loss.item(), torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def test_activation_checkpointing_recomputes_exactly():
+    """train.activation_checkpointing trades memory for compute and nothing else: the same loss and gradients."""
+    _, loss, grads = _loss_and_grads()
+    _, loss_ckpt, grads_ckpt = _loss_and_grads(checkpointing=True)
+    assert loss == loss_ckpt and torch.equal(grads, grads_ckpt)
+
+
+def test_bf16_autocast_keeps_fp32_weights_and_logits():
+    """train.dtype = bf16: the forward runs in bf16 (the loss moves), logits and gradients stay fp32."""
+    _, loss, grads = _loss_and_grads()
+    logits_dtype, loss_bf16, grads_bf16 = _loss_and_grads(torch.bfloat16)
+    assert logits_dtype == torch.float32 and grads_bf16.dtype == torch.float32
+    assert loss_bf16 != loss and loss_bf16 == pytest.approx(loss, rel=1e-3)
+    assert 1e-4 < ((grads_bf16 - grads).norm() / grads.norm()).item() < 0.05
