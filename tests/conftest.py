@@ -21,6 +21,16 @@ def pytest_configure(config):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
+def pytest_collection_modifyitems(config, items):
+    # CI has no GPU: tests that need CUDA say so and are skipped, never silently passed.
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU (torch {torch.__version__} sees none)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 def pytest_unconfigure(config):
     if _CACHE_DIR:
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)

@@ -153,12 +153,12 @@ class SparseInt4Codec:
             )
         values = decode_int4(reader.take(int4_nbytes(k, self.group_size)), k, self.group_size)  # (k,) fp32
         reader.expect_end()
-        return sample[positions], values
+        return sample.to(positions.device)[positions], values
 
     def decode(self, payload: Payload, numel: int, *, step: int) -> torch.Tensor:
         """A payload -> (numel,) fp32: the k decoded values at their coordinates, zeros elsewhere."""
         indices, values = self.decode_sparse(payload, numel, step=step)
-        dense = torch.zeros(numel, dtype=torch.float32)
+        dense = torch.zeros(numel, dtype=torch.float32, device=values.device)
         dense[indices] = values
         return dense
 

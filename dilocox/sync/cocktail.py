@@ -90,7 +90,7 @@ class CocktailSync:
         transfer = self.channel.launch_all_gather(payload.data)
         payloads = transfer.wait()  # one (nbytes,) uint8 per cluster, in cluster order
         exposed = time.perf_counter() - blocked_from
-        avg_shard = torch.zeros(self.shard_numel)  # (shard,) fp32
+        avg_shard = torch.zeros(self.shard_numel, device=grads.device)  # (shard,) fp32
         for cluster, data in enumerate(payloads):
             indices, values = self.codec.decode_sparse(Payload(data), self.shard_numel, step=self.sync_step)
             avg_shard.index_add_(0, indices, values)

@@ -247,6 +247,7 @@ class DiLoCoSync:
         # clusters. The link counters (restored first) hold the transfer exactly when it had arrived on this rank.
         if state["pending_sent"] is not None:
             counted = state["pending_seq"] < self.channel.num_transfers
-            self.pending = self.reducer.relaunch(state["pending_sent"], account=not counted)
+            sent = state["pending_sent"].to(self.outer_params.device)  # checkpoints load on the CPU
+            self.pending = self.reducer.relaunch(sent, account=not counted)
         else:
             self.pending = None

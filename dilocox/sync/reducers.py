@@ -91,7 +91,7 @@ def gather_slices_(
         flat.copy_(shard)
         return flat
     width = max(end - start for start, end in bounds)  # gloo all-gathers equal sizes only: pad to the longest
-    padded = torch.zeros(width, dtype=shard.dtype)
+    padded = torch.zeros(width, dtype=shard.dtype, device=shard.device)
     padded[: shard.numel()] = shard
     parts = [torch.empty_like(padded) for _ in range(size)]
     dist.all_gather(parts, padded, group=dp_group)
@@ -255,7 +255,9 @@ class GatherReducer(CodecReducer):
         # The codec and error feedback already ran for it, so they are not run again: the same bytes go out.
         payload = Payload(sent)
         own_decoded = self.codec.decode_list(payload, self.slice.shapes)
-        return self._start(torch.zeros(self.numel), payload, own_decoded, codec_s=0.0, account=account)
+        return self._start(
+            torch.zeros(self.numel, device=sent.device), payload, own_decoded, codec_s=0.0, account=account
+        )
 
     def _start(
         self,
@@ -273,12 +275,12 @@ class GatherReducer(CodecReducer):
         def finish() -> torch.Tensor:
             payloads = transfer.wait()
             decode_from = time.perf_counter()
-            total = torch.zeros(self.slice.numel, dtype=torch.float32)  # (slice,)
+            total = torch.zeros(self.slice.numel, dtype=torch.float32, device=flat.device)  # (slice,)
             for index, data in enumerate(payloads):
                 own = index == own_index
                 decoded = own_decoded if own else self.codec.decode_list(Payload(data), self.slice.shapes)
                 if decoded:
-                    total += torch.cat([d.reshape(-1) for d in decoded])
+                    total += torch.cat([d.reshape(-1) for d in decoded]).to(total.device)
             cost.codec_s += time.perf_counter() - decode_from
             return total.div_(len(payloads))
 

@@ -79,7 +79,8 @@ def _encode_chunks(values: Sequence[torch.Tensor], sections: Sequence[Section], 
             start, end = shard_bounds(section.numel, world, j)
             if end > start:
                 pieces[j].append(section.fmt.encode_runs([vector[start:end]]))
-    return [torch.cat(p) if p else torch.empty(0, dtype=torch.uint8) for p in pieces]
+    device = values[0].device if values else None
+    return [torch.cat(p) if p else torch.empty(0, dtype=torch.uint8, device=device) for p in pieces]
 
 
 def _decode_chunk(data: torch.Tensor, sections: Sequence[Section], world: int, index: int) -> list[torch.Tensor]:
@@ -88,7 +89,9 @@ def _decode_chunk(data: torch.Tensor, sections: Sequence[Section], world: int, i
     out = []
     for section in sections:
         start, end = shard_bounds(section.numel, world, index)
-        out.append(section.fmt.decode_runs(reader, [end - start])[0] if end > start else torch.zeros(0))
+        out.append(
+            section.fmt.decode_runs(reader, [end - start])[0] if end > start else data.new_zeros(0, dtype=torch.float32)
+        )
     reader.expect_end()
     return out
 
@@ -111,7 +114,7 @@ def _average_sections(wire: Wire, chunks: list[torch.Tensor], sections: Sequence
     requant = [Section(s.numel, _nearest(s.fmt)) for s in sections]
     reduced = torch.cat(
         [s.fmt.encode_runs([mean]) for s, mean in zip(requant, means, strict=True) if mean.numel()]
-        or [torch.empty(0, dtype=torch.uint8)]
+        or [torch.empty(0, dtype=torch.uint8, device=chunks[0].device if chunks else None)]
     )
     gathered = wire.all_gather(reduced, sizes)
     parts = [_decode_chunk(data, requant, world, j) for j, data in enumerate(gathered)]
@@ -162,12 +165,12 @@ class _ScalableReducer(CodecReducer):
         RNG may round stochastically) and start the program on the communicator thread."""
         encode_from = time.perf_counter()
         corrected = self.feedback.corrected(self.slice.tensors(pseudo_grad))
-        u = torch.cat([t.reshape(-1) for t in corrected]) if corrected else torch.zeros(0)  # (slice,)
+        u = torch.cat([t.reshape(-1) for t in corrected]) if corrected else pseudo_grad.new_zeros(0)  # (slice,)
         sent = self._encode(u)
         return self._start(pseudo_grad, sent, codec_s=time.perf_counter() - encode_from, account=True)
 
     def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
-        return self._start(torch.zeros(self.numel), sent, codec_s=0.0, account=account)
+        return self._start(torch.zeros(self.numel, device=sent.device), sent, codec_s=0.0, account=account)
 
     def _split(self, u: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(u, [shape.numel() for shape in self.slice.shapes]))
@@ -200,7 +203,7 @@ class _ScalableReducer(CodecReducer):
         """This rank's own decoding of the first step's chunks, one vector per section."""
         world = self.channel.world_size
         return [
-            torch.cat(parts) if parts else torch.zeros(0)
+            torch.cat(parts) if parts else chunks[0].new_zeros(0, dtype=torch.float32)
             for parts in zip(*[_decode_chunk(c, sections, world, j) for j, c in enumerate(chunks)], strict=True)
         ]
 
@@ -273,7 +276,7 @@ class ScalableLowRankReducer(_ScalableReducer):
         q = self.warm_starts.get(index)
         if q is None or q.shape != (cols, rank) or not bool(torch.isfinite(q).all()) or float(q.norm()) == 0.0:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-            q = torch.randn(cols, rank, generator=generator)
+            q = torch.randn(cols, rank, generator=generator)  # drawn on the CPU: the same on every cluster and device
         return q
 
     def _encode(self, u: torch.Tensor) -> torch.Tensor:
@@ -283,14 +286,14 @@ class ScalableLowRankReducer(_ScalableReducer):
         plan, sections = self.plan, self._sections_first()
         tensors = self._split(u)
         factors = [
-            as_matrix(tensors[i].view(plan.shapes[i])) @ self._warm_start(i, plan.cols(i), plan.ranks[i])
+            as_matrix(tensors[i].view(plan.shapes[i])) @ self._warm_start(i, plan.cols(i), plan.ranks[i]).to(u)
             for i in plan.lowrank
         ]
         dense = [tensors[i] for i in plan.dense]
         small = [tensors[i] for i in plan.small]
         values = [
-            torch.cat([f.reshape(-1) for f in factors] + dense) if factors or dense else torch.zeros(0),
-            torch.cat(small) if small else torch.zeros(0),
+            torch.cat([f.reshape(-1) for f in factors] + dense) if factors or dense else u.new_zeros(0),
+            torch.cat(small) if small else u.new_zeros(0),
         ]
         chunks = _encode_chunks(values, sections, self.channel.world_size)
         if self.feedback.enabled:
@@ -320,7 +323,7 @@ class ScalableLowRankReducer(_ScalableReducer):
                 bases[i] = orthonormalize(first_mean[0][offset : offset + length].view(rows, plan.ranks[i]))
                 offset += length
             own_q = [(bases[i].T @ as_matrix(tensors[i].view(plan.shapes[i]))).T for i in plan.lowrank]  # (n, r)
-            q_vector = torch.cat([q.reshape(-1) for q in own_q]) if own_q else torch.zeros(0)
+            q_vector = torch.cat([q.reshape(-1) for q in own_q]) if own_q else u.new_zeros(0)
             second_format = [Section(s.numel, _nearest(s.fmt)) for s in second_sections]
             q_chunks = _encode_chunks([q_vector], second_format, world)
             own_q_decoded = torch.cat([_decode_chunk(c, second_format, world, j)[0] for j, c in enumerate(q_chunks)])
@@ -342,7 +345,7 @@ class ScalableLowRankReducer(_ScalableReducer):
         """The averaged slice, the new warm starts, and the low-rank residuals."""
         plan = self.plan
         tensors = self._split(u)
-        result = [torch.zeros(s.numel()) for s in plan.shapes]
+        result = [u.new_zeros(s.numel()) for s in plan.shapes]
         for index, values in plan.sent_whole(out["first"]):
             result[index] = values
         offset = 0
@@ -356,7 +359,7 @@ class ScalableLowRankReducer(_ScalableReducer):
             result[i] = (basis @ mean_q.T).reshape(-1)
             self.warm_starts[i] = mean_q.clone()
             self.feedback.keep_one(i, (tensors[i] - (basis @ own_q.T).reshape(-1)).view(plan.shapes[i]))
-        return torch.cat(result) if result else torch.zeros(0)
+        return torch.cat(result) if result else u.new_zeros(0)
 
     def state_bytes(self) -> int:
         return super().state_bytes() + sum(q.numel() * 4 for q in self.warm_starts.values())
