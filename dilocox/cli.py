@@ -165,7 +165,13 @@ def cmd_env(argv: list[str]) -> int:
     print(f"python {platform.python_version()} ({sys.executable})")
     print(
         f"torch {torch.__version__}  cuda: {torch.cuda.is_available()}  gloo: {torch.distributed.is_gloo_available()}"
+        f"  nccl: {torch.distributed.is_nccl_available()}"
     )
+    from dilocox.device import describe, resolve_device
+
+    for index in range(torch.cuda.device_count()):
+        print(f"gpu {index}: {describe(torch.device('cuda', index))}")
+    print(f"run.device = auto would use {describe(resolve_device('auto', local_rank=0))} for local rank 0")
     print(f"platform {platform.platform()}  cpus {__import__('os').cpu_count()}")
     return 0
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from dilocox.checks import check_choice, check_non_negative, check_positive, check_types
 from dilocox.compress.config import CocktailConfig, CompressionConfig
+from dilocox.device import DEVICES
 from dilocox.net.config import NetworkConfig
 from dilocox.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from dilocox.sync.config import KIND_DEFAULTS, SyncConfig
@@ -51,6 +52,8 @@ class RunConfig:
     """Replace an existing run directory instead of refusing to start (resuming never needs this)."""
     num_threads: int = 1
     """CPU threads per rank (torch.set_num_threads); keep ranks x threads <= cores."""
+    device: str = "cpu"
+    """Where each rank computes: cpu, cuda (cuda:{local_rank % GPUs}; not yet run on a GPU) or auto (cuda if any)."""
 
 
 @dataclass
@@ -190,6 +193,7 @@ class Config:
         from dilocox.models import list_flavors
 
         check_choice("model.flavor", self.model.flavor, tuple(list_flavors()))
+        check_choice("run.device", self.run.device, DEVICES)
         check_choice("train.optimizer", self.train.optimizer, OPTIMIZERS)
         check_choice("train.dtype", self.train.dtype, tuple(DTYPES))
         if not self.sync.has_outer_loop and self.compression.kind != "none":

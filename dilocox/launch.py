@@ -25,6 +25,7 @@ from torch.multiprocessing.spawn import ProcessException
 from dilocox.checkpoint import check_resume, find_checkpoint, list_checkpoints
 from dilocox.config import Config, from_dict, to_dict, to_toml
 from dilocox.data import TokenData
+from dilocox.device import resolve_device
 from dilocox.fileio import write_atomic
 from dilocox.models import model_args
 
@@ -75,6 +76,7 @@ def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Pa
     from dilocox.trainer import prepare_data
 
     cfg.validate(world_size)
+    resolve_device(cfg.run.device, local_rank=0)  # asking for a GPU where there is none fails here, not in a rank
     resume = resolve_resume(cfg)
     data = prepare_data(cfg)
     model_args(cfg.model.flavor, vocab_size=data.vocab_size, max_seq_len=cfg.train.seq_len).validate()

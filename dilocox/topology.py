@@ -93,8 +93,11 @@ class ProcessGroups:
     cluster_group: dist.ProcessGroup
 
 
-def build_process_groups(topo: Topology, rank: int) -> ProcessGroups:
-    """Create every pp, dp and cluster group (all ranks call this in the same order) and return this rank's."""
+def build_process_groups(topo: Topology, rank: int, *, intra_backend: str = "gloo") -> ProcessGroups:
+    """Create every pp, dp and cluster group (all ranks call this in the same order) and return this rank's.
+
+    `intra_backend` is the backend of the fast groups inside a cluster (pp, dp): nccl when the ranks compute on
+    GPUs. The cluster groups, the slow link, are always gloo: the channel sends host tensors over TCP."""
     if dist.get_world_size() != topo.world_size:
         raise ValueError(
             f"the process group has {dist.get_world_size()} ranks but the topology needs {topo.world_size} "
@@ -103,7 +106,7 @@ def build_process_groups(topo: Topology, rank: int) -> ProcessGroups:
     mine: dict[str, dist.ProcessGroup] = {}
     for kind, groups in topo.all_groups().items():
         for ranks in groups:
-            group = dist.new_group(ranks=ranks, backend="gloo")
+            group = dist.new_group(ranks=ranks, backend="gloo" if kind == "cluster" else intra_backend)
             if rank in ranks:
                 mine[kind] = group
     return ProcessGroups(pp_group=mine["pp"], dp_group=mine["dp"], cluster_group=mine["cluster"])

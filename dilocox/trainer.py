@@ -10,6 +10,7 @@ Every rank runs the same code; the topology decides what it talks to (docs/desig
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from dilocox.checkpoint import check_resume, list_checkpoints, load_rank_state, run_identity, save_checkpoint
 from dilocox.config import DTYPES, Config, to_dict
 from dilocox.data import ShardedTokenStream, TokenData, iter_eval_batches, prepare_tokens
+from dilocox.device import describe, intra_cluster_backend, resolve_device
 from dilocox.metrics import MetricsLogger, RunSummary, format_summary, truncate_metrics
 from dilocox.models import Decoder, count_parameters, model_args
 from dilocox.net.channel import WanChannel
@@ -42,12 +44,14 @@ def prepare_data(cfg: Config) -> TokenData:
     )
 
 
-def build_model(cfg: Config, vocab_size: int, *, stage: int = 0, num_stages: int = 1) -> Decoder:
+def build_model(
+    cfg: Config, vocab_size: int, *, stage: int = 0, num_stages: int = 1, device: torch.device | str = "cpu"
+) -> Decoder:
     """Pipeline stage `stage` of the model of `model.flavor` (the whole model for one stage), built on the meta
     device and materialized with seed-keyed weights, so every cluster starts from the same parameters without
     sending them over the slow link and no rank ever allocates more than its stage."""
     args = model_args(cfg.model.flavor, vocab_size=vocab_size, max_seq_len=cfg.train.seq_len)
-    return build_stage(args, stage, num_stages, seed=cfg.run.seed)
+    return build_stage(args, stage, num_stages, seed=cfg.run.seed, device=device)
 
 
 def configure_compute(model: Decoder, cfg: Config) -> None:
@@ -71,12 +75,14 @@ def build_inner_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Op
     t = cfg.train
     if t.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=t.lr)
+    on_gpu = next(model.parameters()).device.type == "cuda"
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms and biases are not decayed
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=t.lr,
         betas=(t.beta1, t.beta2),
+        fused=True if on_gpu else None,  # one kernel for all parameters on CUDA; the default (foreach) elsewhere
     )
 
 
@@ -116,11 +122,17 @@ class Trainer:
         torch.manual_seed(cfg.run.seed + rank)
         self.topology = Topology(cfg.topology.num_clusters, cfg.topology.dp_degree, cfg.topology.pp_degree)
         self.coords = self.topology.coords(rank)
-        self.groups = build_process_groups(self.topology, rank)
+        # torchrun says which rank of this machine we are; the local launcher runs every rank on one machine
+        self.device = resolve_device(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.groups = build_process_groups(self.topology, rank, intra_backend=intra_cluster_backend(self.device))
         self.data = data if data is not None else prepare_data(cfg)
         self.model_args = model_args(cfg.model.flavor, vocab_size=self.data.vocab_size, max_seq_len=cfg.train.seq_len)
         self.num_stages = cfg.topology.pp_degree
-        self.model = build_model(cfg, self.data.vocab_size, stage=self.coords.pp, num_stages=self.num_stages)
+        self.model = build_model(
+            cfg, self.data.vocab_size, stage=self.coords.pp, num_stages=self.num_stages, device=self.device
+        )
         configure_compute(self.model, cfg)
         self.num_params = count_parameters(self.model_args)
         self.runner = PipelineRunner(
@@ -395,16 +407,19 @@ class Trainer:
         }
 
     def _memory_report(self, logger: MetricsLogger | None) -> list[dict[str, int]]:
-        """Every rank's state bytes (a small control message), printed by rank 0 at the start."""
-        mine = self.state_bytes()
-        report: list[dict[str, int]] = [mine] * dist.get_world_size()
+        """Every rank's state bytes and device (a small control message), printed by rank 0 at the start."""
+        mine = (self.state_bytes(), describe(self.device))
+        gathered: list[tuple[dict[str, int], str]] = [mine] * dist.get_world_size()
         if dist.get_world_size() > 1:
-            dist.all_gather_object(report, mine)
+            dist.all_gather_object(gathered, mine)
+        report = [state for state, _ in gathered]
         if logger is not None:
             if self.num_stages > 1:
                 logger.print(format_split(self.model_args, self.num_stages))
             worst = max(report, key=lambda r: r["total"])
             mb = 1e6
+            devices = ", ".join(f"rank {rank} {device}" for rank, (_, device) in enumerate(gathered))
+            logger.print(f"devices: {devices}; the slow link is gloo over TCP from host memory")
             logger.print(
                 f"model {self.cfg.model.flavor}: {self.num_params:,} parameters; largest rank state (rank "
                 f"{worst['rank']}, stage {worst['stage']}): params {worst['params'] / mb:,.1f} MB, grads "

@@ -44,6 +44,7 @@ class ErrorFeedback:
             payload = codec.encode_list(tensors)
             return payload, codec.decode_list(payload, shapes)
         self._check_shapes(shapes)
+        self._move_to(tensors)
         if self.residuals is None:
             self.residuals = [tensor.detach().to(torch.float32, copy=True) for tensor in tensors]
         else:
@@ -62,6 +63,7 @@ class ErrorFeedback:
         in the first round or when disabled, copied)."""
         shapes = [tensor.shape for tensor in tensors]
         self._check_shapes(shapes)
+        self._move_to(tensors)
         if not self.enabled or self.residuals is None:
             return [tensor.detach().to(torch.float32, copy=True) for tensor in tensors]
         return [tensor.detach().float() + residual for tensor, residual in zip(tensors, self.residuals, strict=True)]
@@ -86,6 +88,11 @@ class ErrorFeedback:
     def state_bytes(self, numel: int) -> int:
         """Bytes of the residuals for inputs of `numel` values in all, counted before the first round too."""
         return 4 * numel if self.enabled else 0
+
+    def _move_to(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Residuals live where the inputs do (a checkpoint loads them on the CPU; training may run on a GPU)."""
+        if self.residuals and tensors and self.residuals[0].device != tensors[0].device:
+            self.residuals = [residual.to(tensors[0].device) for residual in self.residuals]
 
     def _check_shapes(self, shapes: list[torch.Size]) -> None:
         if self.residuals is None:

@@ -157,12 +157,13 @@ class Wire:
         if not any(send_sizes) and not any(recv_sizes):  # sizes follow the shapes: then every rank has nothing
             return list(chunks)
         received = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        sending = _to_host(torch.cat(chunks))
         dist.all_to_all_single(
-            received, torch.cat(chunks), output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=self.group
+            received, sending, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=self.group
         )
         self.nbytes_sent += sum(send_sizes) - send_sizes[rank]
         self.nbytes_recv += sum(recv_sizes) - recv_sizes[rank]
-        parts = list(torch.split(received, recv_sizes))
+        parts = list(torch.split(received.to(chunks[rank].device), recv_sizes))
         parts[rank] = chunks[rank]
         return parts
 
@@ -529,8 +530,8 @@ class WanChannel:
         transfer._complete(outcome.result)
 
     def _run_all_reduce(self, tensor: torch.Tensor, op: str) -> _Outcome:
-        # gloo reduces contiguous buffers only; reduce a copy and write it back so the call stays in-place.
-        buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+        # gloo reduces contiguous host buffers only; reduce a copy and write it back so the call stays in-place.
+        buffer = _to_host(tensor if tensor.is_contiguous() else tensor.contiguous())
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
         if op == "avg":
             buffer.div_(self.world_size)
@@ -559,7 +560,23 @@ class WanChannel:
         return _Outcome(result, wire.nbytes_sent, wire.nbytes_recv, phases=wire.phases)
 
 
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """The slow link is gloo over TCP on host memory: a device tensor crosses it as a host copy, made here on the
+    communicator thread (docs/design.md §9); a host tensor is used as it is."""
+    return tensor if tensor.device.type == "cpu" else tensor.cpu()
+
+
 def _gather_payloads(
+    group: dist.ProcessGroup, tensor: torch.Tensor, numels: list[int], rank: int
+) -> list[torch.Tensor]:
+    """Every rank's payload, on the device of this rank's `tensor` (see `_gather_host_payloads`)."""
+    gathered = _gather_host_payloads(group, _to_host(tensor), numels, rank)
+    gathered = [part.to(tensor.device) for part in gathered]
+    gathered[rank] = tensor
+    return gathered
+
+
+def _gather_host_payloads(
     group: dist.ProcessGroup, tensor: torch.Tensor, numels: list[int], rank: int
 ) -> list[torch.Tensor]:
     """Every rank's 1-D `tensor` of `numels[i]` elements, in rank order (this rank's entry is `tensor` itself).

@@ -181,6 +181,11 @@ class PipelineRunner:
         if seq != self.seq_len:
             raise ValueError(f"sequence length {seq} but the pipeline was built for train.seq_len = {self.seq_len}")
 
+    def _on_device(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch on the stage's device (host batches are copied asynchronously where they are pinned)."""
+        device = next(self.module.parameters()).device
+        return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, *, train: bool) -> float | None:
         assert self._schedule is not None and self._stage is not None  # only called with num_stages > 1
         losses: list[torch.Tensor] = []
@@ -204,6 +209,7 @@ class PipelineRunner:
         that loss on the last stage and None on the others.
         """
         self._check_batch(inputs, targets)
+        inputs, targets = self._on_device(inputs, targets)
         if self.num_stages == 1:
             loss = mean_token_cross_entropy(self.module(inputs), targets)  # logits (batch, seq, vocab)
             loss.backward()
@@ -216,10 +222,18 @@ class PipelineRunner:
         Leaves `.grad` untouched; the next `train_step` re-arms the backward buffers (a small exchange of flags).
         """
         self._check_batch(inputs, targets)
+        inputs, targets = self._on_device(inputs, targets)
         if self.num_stages == 1:
             with torch.no_grad():
                 return mean_token_cross_entropy(self.module(inputs), targets).item()
         return self._run(inputs, targets, train=False)
+
+
+def group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a tensor must live to go through `group`: this rank's GPU for an NCCL group, else the CPU."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def broadcast_from_last_stage(value: float | None, pp_group: dist.ProcessGroup | None) -> float:
@@ -231,7 +245,7 @@ def broadcast_from_last_stage(value: float | None, pp_group: dist.ProcessGroup |
     if size == 1:
         return float(value)
     # float64 so that the logged loss is bit-identical on every stage.
-    buffer = torch.tensor([float(value) if is_last else 0.0], dtype=torch.float64)
+    buffer = torch.tensor([float(value) if is_last else 0.0], dtype=torch.float64, device=group_device(pp_group))
     dist.broadcast(buffer, src=dist.get_global_rank(pp_group, size - 1), group=pp_group)
     return buffer.item()
 
@@ -247,7 +261,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, *, pp_group
         raise ValueError(f"train.grad_clip = {max_norm!r} must be > 0 to clip (0 disables clipping: skip the call)")
     grads = [param.grad for param in params if param.grad is not None]
     # Per-tensor norms in fp32 as torch does, their squares summed in fp64 so that the sum over stages loses nothing.
-    squared = torch.zeros((), dtype=torch.float64)
+    squared = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else group_device(pp_group))
     for grad in grads:
         squared += torch.linalg.vector_norm(grad.detach(), 2.0, dtype=torch.float32).double().square()
     if group_size(pp_group) > 1:

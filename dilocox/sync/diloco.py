@@ -237,7 +237,7 @@ class DiLoCoSync:
         with torch.no_grad():
             self.outer_params.copy_(state["outer_params"])
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        self.round_start = state["round_start"].clone()
+        self.round_start = state["round_start"].to(self.outer_params.device, copy=True)
         self.outer_step = int(state["outer_step"])
         self.inner_steps = int(state["inner_steps"])
         self.round_end = int(state["round_end"])

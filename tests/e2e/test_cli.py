@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG = str(REPO / "configs" / "debug.toml")
@@ -147,6 +148,28 @@ def test_every_outer_round_is_logged_when_h_is_not_a_multiple_of_the_log_interva
     assert [r["step"] for r in rows] == [5, 6, 10, 12, 15, 18, 20]
 
 
+@pytest.mark.gpu
+def test_two_clusters_on_one_gpu_train_like_on_cpu_and_resume_on_cpu(tmp_path):
+    """The one-GPU check: 2 clusters of 1 rank share cuda:0 (NCCL is not needed inside a 1-rank cluster, the slow
+    link is gloo from host memory), reach the CPU run's loss, and the GPU run's checkpoint resumes on the CPU."""
+    common = ["--config", DEBUG, "--sync.kind=dilocox", "--train.steps=40", "--checkpoint.interval=20"]
+    runs = {}
+    for device in ("cpu", "cuda"):
+        run_dir = tmp_path / device
+        result = dilocox("train", *common, f"--run.out_dir={run_dir}", f"--run.device={device}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[device] = json.loads((run_dir / "summary.json").read_text())
+    assert runs["cuda"]["final_eval_loss"] == pytest.approx(runs["cpu"]["final_eval_loss"], rel=0.02)
+    assert runs["cuda"]["wan_bytes_total"] == runs["cpu"]["wan_bytes_total"]  # exact bytes on either device
+    resumed = tmp_path / "cuda-then-cpu"
+    shutil.copytree(tmp_path / "cuda", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000040")
+    result = dilocox("train", *common, f"--run.out_dir={resumed}", "--run.device=cpu", "--checkpoint.resume=latest")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert summary["final_eval_loss"] == pytest.approx(runs["cpu"]["final_eval_loss"], rel=0.02)
+
+
 def test_bf16_with_activation_checkpointing_trains(tmp_path):
     run_dir = tmp_path / "bf16"
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--train.steps=20", "--eval.interval=0",
@@ -235,6 +258,11 @@ def test_pipeline_two_stages_matches_unsplit_and_resumes(debug_run, tmp_path):
         (["--data.path=/nonexistent/corpus.txt"], "data.path"),
         (["--train.stepz=3"], "train.steps"),
         (["--checkpoint.resume=latest"], "checkpoint.resume"),
+        pytest.param(
+            ["--run.device=cuda"],
+            "run.device = cuda",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: cuda is not an error"),
+        ),
     ],
 )
 def test_bad_config_exits_nonzero_naming_the_field(tmp_path, args, field):
