@@ -168,6 +168,7 @@ def format_summary(s: RunSummary) -> str:
         return f"{n:,.1f} TB"
 
     ratio = s.allreduce_equiv_bytes / s.wan_bytes_total if s.wan_bytes_total else float("inf")
+    versus = f"{ratio:,.1f}x" if s.allreduce_equiv_bytes else "one cluster: no slow link"
     first = s.initial_eval_loss
     loss = f"{first:.3f} -> {s.final_eval_loss:.3f}" if first is not None else f"{s.final_eval_loss:.3f}"
     return "\n".join(
@@ -177,7 +178,7 @@ def format_summary(s: RunSummary) -> str:
             f"  eval loss   {loss}   (perplexity {math.exp(min(s.final_eval_loss, 50)):,.1f})",
             f"  throughput  {s.tokens:,} tokens in {s.wall_s:.1f} s = {s.tokens_per_s:,.0f} tokens/s",
             f"  slow link   {fmt_bytes(s.wan_bytes_total)} sent by all ranks; AllReduce would send "
-            f"{fmt_bytes(s.allreduce_equiv_bytes)} ({ratio:,.1f}x)",
+            f"{fmt_bytes(s.allreduce_equiv_bytes)} ({versus})",
             f"  link time   busy {s.link_busy_s:.2f} s, trainer blocked {s.exposed_comm_s:.2f} s (rank 0)"
             + (f", {100 * s.hidden_comm_fraction:.0f}% hidden" if s.hidden_comm_fraction is not None else ""),
             f"  run dir     {s.run_dir}",

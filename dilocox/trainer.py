@@ -55,10 +55,15 @@ def build_model(
 
 
 def configure_compute(model: Decoder, cfg: Config) -> None:
-    """`train.dtype` and `train.activation_checkpointing` on a built stage (neither changes its weights)."""
+    """`train.dtype`, `train.activation_checkpointing` and `train.compile` on a built stage (none changes its
+    weights or their names: `Module.compile` compiles in place, so checkpoints and the pipeline see the same
+    parameters)."""
     autocast = DTYPES[cfg.train.dtype]
     model.autocast_dtype = None if autocast is None else getattr(torch, autocast)
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    if cfg.train.compile:
+        for block in model.layers.values():
+            block.compile()
 
 
 def lr_at(cfg: Config, step: int) -> float:

@@ -356,3 +356,25 @@ def test_bf16_autocast_keeps_fp32_weights_and_logits():
     assert logits_dtype == torch.float32 and grads_bf16.dtype == torch.float32
     assert loss_bf16 != loss and loss_bf16 == pytest.approx(loss, rel=1e-3)
     assert 1e-4 < ((grads_bf16 - grads).norm() / grads.norm()).item() < 0.05
+
+
+@pytest.mark.slow
+def test_compiled_blocks_compute_what_eager_blocks_compute():
+    """train.compile: torch.compile of each block (inductor, C++ on the CPU) keeps the loss and the gradients, and
+    the parameters keep their names (checkpoints and pipeline stages match by name). About 30 s to compile."""
+    from dilocox.config import load_config
+    from dilocox.trainer import configure_compute
+
+    _, loss, grads = _loss_and_grads()
+    model = Decoder(model_args("debug", vocab_size=128, max_seq_len=32))
+    model.init_weights(1)
+    names = [name for name, _ in model.named_parameters()]
+    configure_compute(model, load_config(None, ["--train.compile=true"]))
+    assert [name for name, _ in model.named_parameters()] == names
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 128, (4, 33), generator=generator)
+    compiled_loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    compiled_loss.backward()
+    compiled_grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert compiled_loss.item() == pytest.approx(loss, rel=1e-6)
+    torch.testing.assert_close(compiled_grads, grads, rtol=1e-4, atol=1e-6)
