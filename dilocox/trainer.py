@@ -401,6 +401,7 @@ class Trainer:
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         inner = 2 * 4 * numel if self.cfg.train.optimizer == "adamw" else 0  # AdamW: two fp32 moments
         outer = self.sync.state_bytes()
+        outer_on_host = self.cfg.sync.outer_state_device == "cpu" and self.device.type != "cpu"
         return {
             "rank": self.rank,
             "stage": self.coords.pp,
@@ -409,6 +410,8 @@ class Trainer:
             "inner_state": inner,
             "outer_state": outer,
             "total": 2 * params + inner + outer,
+            "device_bytes": 2 * params + inner + (0 if outer_on_host else outer),
+            "host_bytes": outer if outer_on_host else 0,
         }
 
     def _memory_report(self, logger: MetricsLogger | None) -> list[dict[str, int]]:
@@ -429,7 +432,8 @@ class Trainer:
                 f"model {self.cfg.model.flavor}: {self.num_params:,} parameters; largest rank state (rank "
                 f"{worst['rank']}, stage {worst['stage']}): params {worst['params'] / mb:,.1f} MB, grads "
                 f"{worst['grads'] / mb:,.1f} MB, inner {worst['inner_state'] / mb:,.1f} MB, outer "
-                f"{worst['outer_state'] / mb:,.1f} MB, total {worst['total'] / mb:,.1f} MB"
+                f"{worst['outer_state'] / mb:,.1f} MB, total {worst['total'] / mb:,.1f} MB (on the device "
+                f"{worst['device_bytes'] / mb:,.1f} MB, on the host {worst['host_bytes'] / mb:,.1f} MB)"
             )
         return report
 

@@ -15,6 +15,8 @@ SYNC_KINDS = ("allreduce", "cocktail", "diloco", "dilocox")
 """Every `sync.kind` (docs/design.md §6)."""
 OUTER_LOOP_KINDS = ("diloco", "dilocox")
 """The kinds with H local steps and an outer sync of pseudo-gradients; the others sync every step."""
+OUTER_STATE_DEVICES = ("device", "cpu")
+"""Where the outer state lives (`sync.outer_state_device`)."""
 MERGE_RULES = ("reset", "keep_local")
 """Where a round starts under the one-step delay (see `DiLoCoSync`)."""
 FIT_HEADROOM = 1.1
@@ -53,6 +55,9 @@ class SyncConfig:
     """With sync_delay 1: raise H each round so that one sync's measured link time fits in the next round's compute."""
     fit_link_max_steps: int = 0
     """fit_link: the largest H it may choose; 0 = 8 x sync.inner_steps."""
+    outer_state_device: str = "device"
+    """Where outer params, momentum, round start, residuals and the reduction live: device (the rank's), or cpu to
+    leave a GPU room for a big stage (the pseudo-gradient is then computed and compressed on the host)."""
 
     @property
     def has_outer_loop(self) -> bool:
@@ -76,6 +81,7 @@ class SyncConfig:
         if self.sync_delay not in (0, 1):
             raise ValueError(f"sync.sync_delay = {self.sync_delay} must be 0 (blocking) or 1 (one-step-delay overlap)")
         check_choice("sync.merge", self.merge, MERGE_RULES)
+        check_choice("sync.outer_state_device", self.outer_state_device, OUTER_STATE_DEVICES)
         if not self.has_outer_loop and self.sync_delay:
             raise ValueError("sync.sync_delay = 1 needs an outer loop: use sync.kind = diloco or dilocox")
         if self.fit_link and self.sync_delay != 1:

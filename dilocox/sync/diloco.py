@@ -65,7 +65,10 @@ class DiLoCoSync:
         self.reducer: Reducer = build_reducer(
             compression or CompressionConfig(), self.flat.shapes, channel=channel, dp_group=dp_group, seed=seed
         )
-        self.outer_params = self.flat.gather_data().clone()  # (numel,) fp32, phi
+        params_device = self.flat.params[0].device if self.flat.params else torch.device("cpu")
+        self.state_device = params_device if cfg.outer_state_device == "device" else torch.device("cpu")
+        """Where the outer state, the pseudo-gradient and its reduction live (sync.outer_state_device)."""
+        self.outer_params = self.flat.gather_data().to(self.state_device, copy=True)  # (numel,) fp32, phi
         self.outer_optimizer = torch.optim.SGD(
             [self.outer_params],
             lr=cfg.outer_lr,
@@ -99,7 +102,7 @@ class DiLoCoSync:
 
         Returns what the sync waited for cost (None in the first round of a delayed sync: nothing was due)."""
         round_steps = step - self.last_boundary
-        pseudo_grad = self.round_start - self.flat.gather_data()  # (numel,) delta = round start - theta
+        pseudo_grad = self.round_start - self.flat.gather_data().to(self.state_device)  # (numel,) round start - theta
         stats = None
         if self.cfg.sync_delay == 0:
             avg, stats = self.wait_sync(self.reducer.launch(pseudo_grad), round_steps=round_steps)
