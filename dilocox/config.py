@@ -424,7 +424,7 @@ def to_toml(cfg: Config) -> str:
         for f in dataclasses.fields(cls):
             value = getattr(getattr(cfg, section), f.name)
             if docs.get(f.name):
-                lines.append(f"# {docs[f.name]}")
+                lines.append(f"# {' '.join(docs[f.name].split())}")  # one comment line, however the doc wraps
             lines.append(f"{f.name} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)

@@ -56,8 +56,7 @@ class SyncConfig:
     fit_link_max_steps: int = 0
     """fit_link: the largest H it may choose; 0 = 8 x sync.inner_steps."""
     outer_state_device: str = "device"
-    """Where outer params, momentum, round start, residuals and the reduction live: device (the rank's), or cpu to
-    leave a GPU room for a big stage (the pseudo-gradient is then computed and compressed on the host)."""
+    """Where outer params, momentum and residuals live: device (the rank's), or cpu to leave a GPU room for a stage."""
 
     @property
     def has_outer_loop(self) -> bool:

@@ -177,3 +177,9 @@ def test_dilocox_kind_defaults_apply_unless_set(tmp_path):
     # the resolved config written to a run directory reloads to the same values
     cfg = load_config(None, ["--sync.kind=dilocox"])
     assert to_dict(from_dict(tomllib.loads(to_toml(cfg)))) == to_dict(cfg)
+
+
+def test_every_option_has_a_one_line_docstring():
+    """--help and config.toml show each option's docstring as one line (STYLE: a one-line docstring per field)."""
+    for name, _, _, doc in options():
+        assert doc and "\n" not in doc, name
