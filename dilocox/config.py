@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dilocox.checks import check_choice, check_non_negative, check_positive, check_types
 from dilocox.compress.config import CocktailConfig, CompressionConfig
 from dilocox.device import DEVICES
@@ -31,7 +33,7 @@ from dilocox.sync.config import KIND_DEFAULTS, SyncConfig
 
 OPTIMIZERS = ("adamw", "sgd")
 """`train.optimizer`: the inner optimizer."""
-DTYPES = {"fp32": None, "bf16": "bfloat16"}
+DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 """`train.dtype`: the autocast dtype of the forward pass (fp32: no autocast)."""
 MOVED_KEYS = {
     "compression.fit_link": "sync.fit_link",

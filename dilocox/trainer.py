@@ -58,8 +58,7 @@ def configure_compute(model: Decoder, cfg: Config) -> None:
     """`train.dtype`, `train.activation_checkpointing` and `train.compile` on a built stage (none changes its
     weights or their names: `Module.compile` compiles in place, so checkpoints and the pipeline see the same
     parameters)."""
-    autocast = DTYPES[cfg.train.dtype]
-    model.autocast_dtype = None if autocast is None else getattr(torch, autocast)
+    model.autocast_dtype = DTYPES[cfg.train.dtype]
     model.activation_checkpointing = cfg.train.activation_checkpointing
     if cfg.train.compile:
         for block in model.layers.values():

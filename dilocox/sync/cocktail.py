@@ -59,9 +59,8 @@ class CocktailSync:
         self.channel = channel
         self.dp_group = dp_group
         dp_size = group_size(dp_group)
-        self.shard_start, self.shard_end = shard_bounds(
-            self.flat.numel, dp_size, dist.get_rank(dp_group) if dp_size > 1 else 0
-        )
+        self.bounds = [shard_bounds(self.flat.numel, dp_size, i) for i in range(dp_size)]  # every replica's shard
+        self.shard_start, self.shard_end = self.bounds[dist.get_rank(dp_group) if dp_size > 1 else 0]
         self.feedback = ErrorFeedback(enabled=cfg.error_feedback)  # one residual: this rank's shard, fp32
         self.sync_step = 0  # compressed syncs done: the step of the shared sample, saved for an exact resume
         self.last_step_stats: RoundStats | None = None  # link accounting of this step's exchange
@@ -99,9 +98,7 @@ class CocktailSync:
                 # other clusters did not receive.
                 self.feedback.keep([corrected.index_add_(0, indices, values, alpha=-1.0)])
         avg_shard.div_(self.num_clusters)
-        dp_size = group_size(self.dp_group)
-        bounds = [shard_bounds(self.flat.numel, dp_size, i) for i in range(dp_size)]
-        self.flat.scatter_grads(gather_slices_(grads, avg_shard, bounds, self.dp_group))
+        self.flat.scatter_grads(gather_slices_(grads, avg_shard, self.bounds, self.dp_group))
         self.sync_step += 1
         self.last_step_stats = RoundStats(link_s=transfer.link_s, exposed_s=exposed, bytes_sent=transfer.nbytes_sent)
         if not self._checked_cost:

@@ -21,6 +21,7 @@ over `cluster_group` (docs/design.md §2) and `PendingMean.wait()` all-gathers t
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -151,9 +152,7 @@ class DenseReducer:
 def param_aligned_bounds(numels: Sequence[int], num_shards: int) -> list[tuple[int, int]]:
     """Split a flat vector of consecutive tensors into `num_shards` slices that start and end on tensor borders
     (a low-rank codec needs whole matrices), each close to an equal share of the elements."""
-    offsets = [0]
-    for n in numels:
-        offsets.append(offsets[-1] + n)
+    offsets = _offsets(numels)
     total = offsets[-1]
     bounds, start, index = [], 0, 0
     for shard in range(num_shards):
@@ -167,6 +166,11 @@ def param_aligned_bounds(numels: Sequence[int], num_shards: int) -> list[tuple[i
         bounds.append((start, offsets[end_index]))
         start, index = offsets[end_index], end_index
     return bounds
+
+
+def _offsets(numels: Sequence[int]) -> list[int]:
+    """Where each of consecutive tensors of `numels` values starts in their flat vector, and the total last."""
+    return list(itertools.accumulate(numels, initial=0))
 
 
 @dataclass(frozen=True)
@@ -185,9 +189,7 @@ class ReplicaSlice:
         numels = [shape.numel() for shape in shapes]
         bounds = param_aligned_bounds(numels, group_size(dp_group))
         start, end = bounds[_dp_rank(dp_group)]
-        offsets = [0]
-        for n in numels:
-            offsets.append(offsets[-1] + n)
+        offsets = _offsets(numels)
         mine = [i for i in range(len(shapes)) if start <= offsets[i] and offsets[i + 1] <= end]
         return cls(bounds, [(offsets[i], offsets[i + 1]) for i in mine], [shapes[i] for i in mine])
 

@@ -25,10 +25,10 @@ from dilocox.tools.bench.table import format_table
 
 def collect(spec: BenchSpec, out_dir: Path, names: list[str]) -> dict[str, Any]:
     """Per-run rows (from each run's summary.json and metrics.jsonl) with the comparisons to the baseline."""
-    rows = []
+    rows, summaries = [], {}
     for name in names:
         run_dir = out_dir / "runs" / name
-        summary = RunSummary.read(run_dir)
+        summary = summaries[name] = RunSummary.read(run_dir)
         metrics = read_metrics(run_dir)
         run = next(r for r in spec.runs if r.name == name)
         process_file = run_dir / PROCESS_FILE
@@ -47,9 +47,8 @@ def collect(spec: BenchSpec, out_dir: Path, names: list[str]) -> dict[str, Any]:
                 ],
             }
         )
-    base = next((r for r in rows if r["name"] == spec.baseline), None)
     for row in rows:
-        row.update(compare(RunSummary(**row["summary"]), RunSummary(**base["summary"]) if base else None))
+        row.update(compare(summaries[row["name"]], summaries.get(spec.baseline)))
     return {
         "bench": spec.name,
         "source": str(spec.source),
