@@ -129,7 +129,11 @@ class EvalConfig:
     interval: int = 50
     """Evaluate the validation loss every this many steps (and at the end); 0 = only at the end."""
     max_batches: int = 8
-    """Validation batches (micro_batch_size x seq_len tokens each) per evaluation; 0 = the whole split."""
+    """Validation batches (micro_batch_size x seq_len tokens each) per evaluation during training; 0 = all."""
+    final_max_batches: int = 0
+    """Validation batches of the final evaluation (summary.json); 0 = the whole split, every held-out token."""
+    local: bool = False
+    """Also score cluster 0's own model (eval_loss_local); eval_loss is always the model the clusters agree on."""
 
 
 @dataclass
@@ -192,7 +196,7 @@ class Config:
         check_positive("data", self.data, "vocab_size")
         check_positive("metrics", self.metrics, "log_interval")
         check_positive("checkpoint", self.checkpoint, "keep")
-        check_non_negative("eval", self.eval, "interval", "max_batches")
+        check_non_negative("eval", self.eval, "interval", "max_batches", "final_max_batches")
         check_non_negative("checkpoint", self.checkpoint, "interval")
         from dilocox.models import list_flavors
 

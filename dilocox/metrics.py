@@ -96,7 +96,7 @@ class RunSummary:
     """The result of a run, written by rank 0 to `summary.json` and read back by `RunSummary.read` (the bench)."""
 
     final_eval_loss: float | None
-    """Validation loss of cluster 0's model at the end (after the flush, so every cluster holds it)."""
+    """Validation loss at the end, of the model every cluster holds after the flush (eval.final_max_batches)."""
     initial_eval_loss: float | None
     """Validation loss before the first step."""
     tokens: int
@@ -138,6 +138,10 @@ class RunSummary:
     checkpoint: str | None
     """The newest checkpoint directory."""
     run_dir: str
+    final_eval_tokens: int = 0
+    """Tokens scored by the final evaluation (0 in summaries written before it was recorded)."""
+    run_seed: int = 0
+    """run.seed: the initial weights, the data order and the codecs' random draws."""
 
     def write(self, run_dir: Path) -> None:
         data = {k: _clean(v) for k, v in dataclasses.asdict(self).items()}
@@ -151,10 +155,11 @@ class RunSummary:
             raise ValueError(f"{run_dir} has no {SUMMARY_FILE}: the run did not finish (see its output)")
         data = json.loads(path.read_text())
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(names - set(data))
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        missing = sorted(required - set(data))
         if missing:
             raise ValueError(f"{path} lacks {', '.join(missing)}: written by another dilocox version; run it again")
-        return cls(**{name: data[name] for name in names})
+        return cls(**{name: data[name] for name in names & set(data)})
 
 
 def format_summary(s: RunSummary) -> str:

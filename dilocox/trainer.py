@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +176,9 @@ class Trainer:
         self.elapsed_before = 0.0  # training seconds of the run before a resume
         self._start: float | None = None  # perf_counter() when this process started training
         self.initial_eval_loss: float | None = None
-        self.last_eval_loss: float | None = None
+        self.last_eval_loss: float | None = None  # of the agreed model
+        self.last_eval_local: float | None = None  # of cluster 0's own model (eval.local)
+        self.eval_tokens = 0  # tokens scored by the last evaluation
         self.eval_s = 0.0  # rank 0's time spent evaluating during training (excluded from tokens_per_s)
         self.losses: list[float] = []
         self.round_stats: RoundStats | None = None  # what the sync waited for at the last step cost, if anything
@@ -244,17 +247,29 @@ class Trainer:
         self.round_stats = self.sync.after_inner_step(self.step)
         return broadcast_from_last_stage(loss, self.groups.pp_group)
 
-    def evaluate(self) -> float:
-        """Validation loss of the model held by the evaluating pipeline (collective over its stages)."""
+    def evaluate(self, *, final: bool = False, agreed: bool = True) -> float:
+        """Validation loss of the evaluating pipeline's model (collective over its stages): the model every cluster
+        agrees on (`sync.agreed_model`), or with `agreed=False` cluster 0's own parameters. `final`: on
+        `eval.final_max_batches` batches instead of `eval.max_batches`; the tokens scored go to `eval_tokens`."""
         c = self.cfg
-        loss, _ = evaluate(
-            self.runner.eval_step,
-            self.data.val,
-            seq_len=c.train.seq_len,
-            batch_size=c.train.micro_batch_size,
-            max_batches=c.eval.max_batches or None,
-        )
+        max_batches = c.eval.final_max_batches if final else c.eval.max_batches
+        with self.sync.agreed_model() if agreed else nullcontext():
+            loss, self.eval_tokens = evaluate(
+                self.runner.eval_step,
+                self.data.val,
+                seq_len=c.train.seq_len,
+                batch_size=c.train.micro_batch_size,
+                max_batches=max_batches or None,
+            )
         return broadcast_from_last_stage(loss, self.groups.pp_group)
+
+    def _evaluate_now(self, *, final: bool) -> float:
+        """The evaluation of this step: the agreed model (eval_loss) and, with `eval.local`, cluster 0's own."""
+        eval_start = time.perf_counter()
+        self.last_eval_loss = self.evaluate(final=final)
+        self.last_eval_local = self.evaluate(final=final, agreed=False) if self.cfg.eval.local else None
+        self.eval_s += time.perf_counter() - eval_start
+        return self.last_eval_loss
 
     def _elapsed(self) -> float:
         return time.perf_counter() - self._start if self._start is not None else 0.0
@@ -294,8 +309,7 @@ class Trainer:
                 eval_loss = None
                 if self.in_eval_pipeline and (self._due(cfg.eval.interval) or last):
                     eval_start = time.perf_counter()
-                    eval_loss = self.last_eval_loss = self.evaluate()
-                    self.eval_s += time.perf_counter() - eval_start
+                    eval_loss = self._evaluate_now(final=last)
                     window_start += time.perf_counter() - eval_start  # throughput counts training time only
                 # every outer round's record is logged, also when the round does not end on a logged step (H not a
                 # multiple of metrics.log_interval, or fit_link); cocktail's per-step stats only on logged steps
@@ -332,8 +346,10 @@ class Trainer:
             "exposed_comm_s": stats["exposed_s"],
             "elapsed_s": self.elapsed_before + self._elapsed(),
         }
-        if eval_loss is not None:
-            record["eval_loss"] = eval_loss
+        if eval_loss is not None:  # the model the clusters agree on (DiLoCo: the outer params), docs/design.md §3
+            record.update(eval_loss=eval_loss, eval_model="agreed", eval_tokens=self.eval_tokens)
+            if self.last_eval_local is not None:
+                record["eval_loss_local"] = self.last_eval_local
         if self.round_stats is not None:  # link, exposed and hidden time of the sync waited for at this step
             record.update(self.round_stats.to_record())
         return record
@@ -349,7 +365,7 @@ class Trainer:
         if dist.get_world_size() > 1:
             dist.all_gather_object(gathered, mine)
         if self.in_eval_pipeline and self.last_eval_loss is None:
-            self.last_eval_loss = self.evaluate()  # resumed at the last step: nothing was evaluated in the loop
+            self._evaluate_now(final=True)  # resumed at the last step: nothing was evaluated in the loop
         if self.rank != 0:
             return None
         final_eval_loss = self.last_eval_loss
@@ -387,6 +403,8 @@ class Trainer:
             latency=c.network.latency,
             checkpoint=str(checkpoints[-1]) if checkpoints else None,
             run_dir=str(self.run_dir),
+            final_eval_tokens=self.eval_tokens,
+            run_seed=c.run.seed,
         )
         summary.write(self.run_dir)
         if logger is not None:

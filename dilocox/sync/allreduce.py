@@ -6,6 +6,7 @@ loss.backward(); sync.reduce_gradients(); inner_optimizer.step()
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch.distributed as dist
@@ -43,6 +44,9 @@ class AllReduceSync:
 
     def flush(self) -> RoundStats | None:
         return None
+
+    def agreed_model(self) -> AbstractContextManager[bool]:
+        return nullcontext(False)  # the clusters apply the same averaged gradient every step: always agreed
 
     def state_bytes(self) -> int:
         return 0  # no outer state

@@ -10,6 +10,7 @@ A strategy is called by the trainer at two points of every inner step:
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -105,6 +106,11 @@ class SyncStrategy(Protocol):
     def flush(self) -> RoundStats | None:
         """Apply anything pending (the end of training); afterwards every cluster holds the same parameters.
         Returns what the sync it waited for cost, or None when nothing was pending."""
+
+    def agreed_model(self) -> AbstractContextManager[bool]:
+        """Inside it, this rank's parameters are the ones every cluster agrees on (outer loops: the outer params
+        with every landed update applied); the local ones are restored on exit. It yields whether it swapped
+        anything (False for per-step strategies, whose clusters agree after every step)."""
 
     def state_bytes(self) -> int:
         """Bytes of the strategy's own state on this rank (outer params, momentum, ...), for the memory report."""

@@ -8,6 +8,7 @@ loss.backward(); sync.reduce_gradients(); inner_optimizer.step()
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -114,6 +115,9 @@ class CocktailSync:
 
     def flush(self) -> RoundStats | None:
         return None  # every exchange completes within its step
+
+    def agreed_model(self) -> AbstractContextManager[bool]:
+        return nullcontext(False)  # the clusters apply the same averaged gradient every step: always agreed
 
     def _check_cost(self, nbytes_sent: int) -> None:
         """Warn when the all-gather of payloads sends more than the fp32 all-reduce it replaces (many clusters)."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -133,6 +135,20 @@ class DiLoCoSync:
         self.flat.scatter_data(self.outer_params)
         self.round_start = self.outer_params.clone()
         return stats
+
+    @contextmanager
+    def agreed_model(self) -> Iterator[bool]:
+        """The model holds phi, the outer params with every landed update applied (docs/design.md §3), until exit.
+
+        Between round boundaries, and with `sync_delay = 1` and `keep_local` always, a cluster's own parameters
+        differ from phi; phi is the same on every cluster (each applied the same averages), so evaluating it
+        scores the model the clusters agree on rather than one cluster's local model."""
+        local = self.flat.gather_data()  # (numel,) fp32 on the parameters' device
+        self.flat.scatter_data(self.outer_params)
+        try:
+            yield True
+        finally:
+            self.flat.scatter_data(local)
 
     # ---------------------------------------------------------------------------------------------- steps
     def wait_sync(self, pending: PendingMean, *, round_steps: int | None = None) -> tuple[torch.Tensor, RoundStats]:

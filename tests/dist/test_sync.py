@@ -154,3 +154,41 @@ def test_sharded_outer_sync_sends_one_dp_share_per_rank():
     # the same total, split over twice the ranks: each rank sends half (to one element of rounding)
     assert sum(r[0] for r in sharded) == sum(r[0] for r in unsharded)
     assert max(r[0] for r in sharded) <= rounds * 4 * (numel // 2 + 1)
+
+
+def _agreed_model(rank, world_size, steps):
+    groups = build_process_groups(Topology(2, 1, 1), rank)
+    model = make_model()
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+    cfg = SyncConfig(inner_steps=3, sync_delay=1, merge="keep_local", outer_lr=0.7, outer_momentum=0.9)
+    sync = DiLoCoSync(model.parameters(), cfg, channel=channel, dp_group=None, total_steps=100)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, steps + 1):
+        local_step(model, optimizer, rank, step, sync)
+        sync.after_inner_step(step)
+    local = params_of(model)
+    x, _ = batch(99, 0)
+    with torch.no_grad():
+        with sync.agreed_model() as swapped:
+            agreed_out = model(x)
+        reference = make_model()  # a fresh model holding the outer params directly
+        torch.nn.utils.vector_to_parameters(sync.outer_params, reference.parameters())
+        reference_out = reference(x)
+    restored = params_of(model)
+    channel.close()
+    return swapped, agreed_out, reference_out, local, restored, sync.outer_params.clone()
+
+
+@pytest.mark.dist
+def test_agreed_model_is_the_outer_params():
+    """Evaluating inside `agreed_model()` scores phi (the outer params with every landed update), which every
+    cluster holds, not the local model; the local parameters come back bit for bit."""
+    results = run_ranks(_agreed_model, 2, args=(8,))  # step 8: mid-round, a delayed sync in flight
+    for swapped, agreed_out, reference_out, local, restored, _ in results:
+        assert swapped
+        assert torch.equal(agreed_out, reference_out)
+        assert all(torch.equal(a, b) for a, b in zip(local, restored, strict=True))
+        flat_local = torch.cat([p.reshape(-1) for p in local])
+        assert not torch.equal(flat_local, results[0][5])  # the local model is not the agreed one here
+    assert torch.equal(results[0][5], results[1][5])  # both clusters agree on phi
+    assert torch.equal(results[0][1], results[1][1])

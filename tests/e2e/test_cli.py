@@ -70,13 +70,18 @@ def test_train_debug_writes_everything_and_learns(debug_run):
         assert key in rows[-1], key
     assert [r["step"] for r in rows if "eval_loss" in r] == [20, 40]
     assert rows[-1]["eval_loss"] == pytest.approx(summary["final_eval_loss"])
+    # every evaluation scores the model the clusters agree on; the final one every held-out token
+    evals = [r for r in rows if "eval_loss" in r]
+    assert {r["eval_model"] for r in evals} == {"agreed"}
+    assert evals[0]["eval_tokens"] == 4 * 8 * 64  # eval.max_batches = 4 of 8 x 64 tokens during training
+    assert summary["final_eval_tokens"] == rows[-1]["eval_tokens"] > 4 * 8 * 64
     assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step_00000020", "step_00000040"]
     assert "eval loss" in result.stdout and "AllReduce would send" in result.stdout
 
 
 def test_eval_command_matches_training_eval(debug_run):
     run_dir, _ = debug_run
-    result = dilocox("eval", run_dir, "--json", "--max-batches", "4")
+    result = dilocox("eval", run_dir, "--json")  # the whole held-out split, as the final evaluation
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -403,6 +408,26 @@ def test_bench_quick_produces_a_complete_table(tmp_path):
     assert table.count("\n| ") == 1 + 6  # separator row + one row per strategy
     for png in ("loss_vs_tokens.png", "loss_vs_time.png", "throughput.png"):
         assert (out / png).stat().st_size > 1000
+
+
+def test_bench_seeds_run_every_run_per_seed_and_pair_the_gaps(tmp_path):
+    out = tmp_path / "bench"
+    result = dilocox("bench", REPO / "benchmarks" / "configs" / "default.toml", "--quick", "--only",
+                     "allreduce,diloco", "--seeds", "2", "--out", out, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in sorted((out / "runs").iterdir())}
+    assert sorted(summaries) == ["allreduce", "allreduce.seed1", "diloco", "diloco.seed1"]
+    assert summaries["diloco.seed1"]["run_seed"] == 1 and summaries["diloco"]["run_seed"] == 0
+    assert summaries["diloco.seed1"]["final_eval_loss"] != summaries["diloco"]["final_eval_loss"]  # seeds matter
+    row = {r["name"]: r for r in json.loads((out / "results.json").read_text())["runs"]}["diloco"]
+    gaps = [
+        100 * (summaries[d]["final_eval_loss"] / summaries[a]["final_eval_loss"] - 1)
+        for d, a in (("diloco", "allreduce"), ("diloco.seed1", "allreduce.seed1"))
+    ]
+    assert row["num_seeds"] == 2 and row["gap_to_baseline_pct"] == pytest.approx(sum(gaps) / 2)
+    assert row["gap_range_pct"] == pytest.approx(sorted(gaps))
+    assert "over 2 seeds" in (out / "results.md").read_text()
+    assert dilocox("bench", "--seeds", "0", "--quick").returncode == 2
 
 
 @pytest.mark.timeout(600)  # the bench's own limit: about 2.5 minutes on 2 idle cores, more when they are shared

@@ -151,3 +151,48 @@ def test_cli_bad_input_exits_2_with_one_line(capsys, argv, named):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("dilocox: error: ") and named in captured.err and captured.err.count("\n") == 1
+
+
+def seeded(loss, seed, tps=100.0) -> RunSummary:
+    return dataclasses.replace(summary(loss, tps, 80, 8000), run_seed=seed)
+
+
+def test_seeds_give_means_spreads_and_paired_gaps():
+    base = [seeded(4.0, 0), seeded(4.2, 1), seeded(3.8, 2)]
+    # +1%, +2%, +3% against the baseline's own seeds: resolved although the losses spread by 5%
+    row = compare([seeded(4.04, 0), seeded(4.284, 1), seeded(3.914, 2)], base)
+    assert row["num_seeds"] == 3
+    assert row["final_eval_loss"] == pytest.approx((4.04 + 4.284 + 3.914) / 3)
+    assert row["final_eval_loss_sd"] == pytest.approx(0.1881, abs=1e-4)
+    assert row["gap_to_baseline_pct"] == pytest.approx(2.0)
+    assert row["gap_sd_pct"] == pytest.approx(1.0)
+    assert row["gap_range_pct"] == pytest.approx([1.0, 3.0])
+    assert row["gap_resolved"]
+    # a gap that changes sign across seeds is not resolved, whatever its mean
+    mixed = compare([seeded(4.2, 0), seeded(4.158, 1), seeded(3.8, 2)], base)
+    assert mixed["gap_range_pct"][0] < 0 < mixed["gap_range_pct"][1] and not mixed["gap_resolved"]
+    # pairs by run.seed, not by position; one seed never resolves
+    assert compare([seeded(4.04, 0)], base)["gap_to_baseline_pct"] == pytest.approx(1.0)
+    assert not compare([seeded(4.04, 0)], base)["gap_resolved"]
+    assert compare([seeded(4.284, 1)], base)["gap_to_baseline_pct"] == pytest.approx(2.0)
+
+
+def test_collect_reads_every_seed_and_the_table_shows_the_spread(tmp_path):
+    runs = tmp_path / "runs"
+    for name, losses in (("allreduce", [4.0, 4.2]), ("dilocox", [4.4, 4.41])):
+        for seed, loss in enumerate(losses):
+            run_dir = runs / (name if seed == 0 else f"{name}.seed{seed}")
+            run_dir.mkdir(parents=True)
+            seeded(loss, seed).write(run_dir)
+            (run_dir / METRICS_FILE).write_text(json.dumps({"step": 10, "tokens": 1000, "elapsed_s": 1.0,
+                                                            "eval_loss": loss}) + "\n")  # fmt: skip
+    path = tmp_path / "b.toml"
+    path.write_text("[bench]\nbase = 'x.toml'\n[[runs]]\nname = 'allreduce'\n[[runs]]\nname = 'dilocox'\n")
+    results = collect(load_bench(path), tmp_path, ["allreduce", "dilocox"])
+    row = results["runs"][1]
+    assert [s["run_seed"] for s in row["seeds"]] == [0, 1]
+    assert [s["curve"][0]["eval_loss"] for s in row["seeds"]] == [4.4, 4.41]
+    assert row["gap_to_baseline_pct"] == pytest.approx((10.0 + 5.0) / 2)
+    table = format_table({**results, "date": "d"})
+    assert "4.4050 ± 0.0071" in table and "+7.50 ± 3.54%" in table and "over 2 seeds" in table
+    assert "within noise" not in table.split("dilocox")[1].splitlines()[0]  # both seeds agree, gap > sd

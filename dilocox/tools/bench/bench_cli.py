@@ -1,4 +1,4 @@
-"""`dilocox bench [CONFIG] [--out DIR] [--quick] [--only a,b] [--regime paper]`: arguments and exit codes."""
+"""`dilocox bench [CONFIG] [--out DIR] [--quick] [--only a,b] [--regime paper] [--seeds N]`: arguments, exit codes."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ def _parser() -> ToolParser:
     parser.add_argument("--out", default=None, help="output directory (default benchmarks/results/NAME)")
     parser.add_argument("--quick", action="store_true", help="debug flavor, 20 steps: a smoke check of the table")
     parser.add_argument("--only", default="", help="comma-separated run names to (re)run; others are kept")
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="run each run with N seeds (run.seed, +1, ...); rows show mean and spread"
+    )
     parser.add_argument(
         "--regime",
         choices=REGIMES,
@@ -37,6 +40,7 @@ def main(argv: list[str]) -> int:
             quick=args.quick,
             only=[n for n in args.only.split(",") if n] or None,
             regime=args.regime,
+            seeds=args.seeds,
         )
     except SystemExit as exc:  # --help
         return int(exc.code or 0)

@@ -14,9 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dilocox.config import load_config
 from dilocox.tools.bench.paper_regime import run_paper_regime
 from dilocox.tools.bench.results import collect, write_results
-from dilocox.tools.bench.runs import has_summary, train_run
+from dilocox.tools.bench.runs import has_summary, train_seeds
 from dilocox.tools.bench.spec import REGIMES, load_bench
 from dilocox.tools.bench.table import format_table
 
@@ -28,10 +29,15 @@ def run_bench(
     quick: bool = False,
     only: list[str] | None = None,
     regime: str | None = None,
+    seeds: int = 1,
 ) -> dict[str, Any]:
     """Run every run of the bench file (or those named in `only`), then write the table, JSON and plots.
 
-    `regime` overrides the file's: "paper" runs `run_paper_regime` instead of one run per strategy."""
+    `regime` overrides the file's: "paper" runs `run_paper_regime` instead of one run per strategy. `seeds`: each
+    run (each convergence run in the paper regime) with run.seed, run.seed + 1, ...; rows report the mean and the
+    spread over seeds, and gaps paired seed by seed (`results.compare`)."""
+    if seeds < 1:
+        raise ValueError(f"--seeds {seeds} must be >= 1")
     spec = load_bench(path)
     if regime is not None:
         if regime not in REGIMES:
@@ -43,12 +49,13 @@ def run_bench(
     selected = [r for r in spec.runs if not only or r.name in only]
     if only and len(selected) != len(only):
         raise ValueError(f"--only {only}: unknown run names; the bench has {[r.name for r in spec.runs]}")
+    base_seed = load_config(spec.base, spec.overrides).run.seed
     if spec.regime == "paper":
-        results = run_paper_regime(spec, selected, out_dir, quick=quick)
+        results = run_paper_regime(spec, selected, out_dir, quick=quick, seeds=seeds, base_seed=base_seed)
     else:
         for index, run in enumerate(selected, 1):
-            run_dir, log = out_dir / "runs" / run.name, out_dir / f"{run.name}.log"
-            train_run(spec, run, run_dir, log, quick=quick, tag=f"[{index}/{len(selected)}]")
+            train_seeds(spec, run, out_dir / "runs", out_dir, quick=quick, seeds=seeds, base_seed=base_seed,
+                        tag=f"[{index}/{len(selected)}]")  # fmt: skip
         results = collect(spec, out_dir, [r.name for r in spec.runs if has_summary(out_dir / "runs" / r.name)])
         results["quick"] = quick
     write_results(results, out_dir)

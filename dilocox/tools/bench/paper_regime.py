@@ -15,7 +15,7 @@ from dilocox.metrics import RunSummary, read_metrics
 from dilocox.net.link import parse_duration
 from dilocox.tools.bench.planner import format_bandwidth, paper_regime_bandwidth, paper_regime_ratio
 from dilocox.tools.bench.results import collect
-from dilocox.tools.bench.runs import has_summary, train_run
+from dilocox.tools.bench.runs import has_summary, train_run, train_seeds
 from dilocox.tools.bench.spec import BenchRun, BenchSpec, run_overrides
 
 NO_COMM_RUN = "no-communication"
@@ -62,7 +62,9 @@ def steady_hidden_fraction(
     return max(0.0, 1.0 - sum(m["round_exposed_s"] for m in rounds) / link)
 
 
-def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *, quick: bool) -> dict[str, Any]:
+def run_paper_regime(
+    spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *, quick: bool, seeds: int = 1, base_seed: int = 0
+) -> dict[str, Any]:
     """DiLoCoX's comparison in the paper's regime (docs/planner.md, "The paper regime"), in three steps; returns the
     results (`run_bench` writes them):
 
@@ -93,9 +95,9 @@ def run_paper_regime(spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *
     timed_runs += [(run, window_steps(configs[run.name].sync.kind, configs[run.name].sync.inner_steps))
                    for run in selected]  # fmt: skip
     total = len(runs) + len(timed_runs)
-    for index, run in enumerate(runs, 1):
-        run_dir, log = out_dir / "runs" / run.name, out_dir / f"{run.name}.log"
-        train_run(spec, run, run_dir, log, quick=quick, extra=LINK_OFF, tag=f"[{index}/{total}] link off:")
+    for index, run in enumerate(runs, 1):  # every seed of the convergence runs; one timed run each (below)
+        train_seeds(spec, run, out_dir / "runs", out_dir, quick=quick, seeds=seeds, base_seed=base_seed,
+                    extra=LINK_OFF, tag=f"[{index}/{total}] link off:")  # fmt: skip
     ref_dir = out_dir / "runs" / NO_COMM_RUN
     ref = RunSummary.read(ref_dir)
     if reuse:

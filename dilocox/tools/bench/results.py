@@ -18,32 +18,45 @@ from typing import Any
 from dilocox.fileio import write_atomic
 from dilocox.metrics import RunSummary, read_metrics
 from dilocox.tools.bench.plots import plot
-from dilocox.tools.bench.runs import PROCESS_FILE
+from dilocox.tools.bench.runs import PROCESS_FILE, finished_seeds, seed_run_dir
 from dilocox.tools.bench.spec import BenchSpec
 from dilocox.tools.bench.table import format_table
 
 
+def _curve(run_dir: Path) -> list[dict[str, float]]:
+    """The run's evaluations: tokens, elapsed seconds and eval loss (of the model the clusters agree on)."""
+    return [
+        {"tokens": m["tokens"], "elapsed_s": m["elapsed_s"], "eval_loss": m["eval_loss"]}
+        for m in read_metrics(run_dir)
+        if m.get("eval_loss") is not None
+    ]
+
+
 def collect(spec: BenchSpec, out_dir: Path, names: list[str]) -> dict[str, Any]:
-    """Per-run rows (from each run's summary.json and metrics.jsonl) with the comparisons to the baseline."""
+    """Per-run rows (from each run's summary.json and metrics.jsonl, every finished seed) with the comparisons to
+    the baseline: means over seeds, their spread, and gaps paired seed by seed (docs/design.md §8)."""
+    runs_dir = out_dir / "runs"
     rows, summaries = [], {}
     for name in names:
-        run_dir = out_dir / "runs" / name
-        summary = summaries[name] = RunSummary.read(run_dir)
-        metrics = read_metrics(run_dir)
+        seeds = finished_seeds(runs_dir, name)
+        if not seeds:
+            raise ValueError(f"run {name} has no finished run in {runs_dir}")
+        dirs = [seed_run_dir(runs_dir, name, k) for k in seeds]
+        summaries[name] = [RunSummary.read(d) for d in dirs]
         run = next(r for r in spec.runs if r.name == name)
-        process_file = run_dir / PROCESS_FILE
+        process_file = dirs[0] / PROCESS_FILE
         rows.append(
             {
                 "name": name,
                 "label": run.label or name,
                 "overrides": run.overrides,
-                "summary": dataclasses.asdict(summary),
+                "summary": dataclasses.asdict(summaries[name][0]),
                 # the whole `dilocox train` process: start-up, data preparation, training, evaluation, checkpoints
                 "process_s": float(process_file.read_text()) if process_file.exists() else None,
-                "curve": [
-                    {"tokens": m["tokens"], "elapsed_s": m["elapsed_s"], "eval_loss": m["eval_loss"]}
-                    for m in metrics
-                    if m.get("eval_loss") is not None
+                "curve": _curve(dirs[0]),
+                "seeds": [
+                    {"run_seed": s.run_seed, "final_eval_loss": s.final_eval_loss, "curve": _curve(d)}
+                    for s, d in zip(summaries[name], dirs, strict=True)
                 ],
             }
         )
@@ -61,22 +74,58 @@ def collect(spec: BenchSpec, out_dir: Path, names: list[str]) -> dict[str, Any]:
     }
 
 
-def compare(summary: RunSummary, baseline: RunSummary | None) -> dict[str, Any]:
-    """The table's derived columns for one run."""
-    loss, tps, wan = summary.final_eval_loss, summary.tokens_per_s, summary.wan_bytes_total
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _sd(values: list[float]) -> float | None:
+    """Sample standard deviation; None for fewer than 2 values."""
+    if len(values) < 2:
+        return None
+    mean = _mean(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def compare(runs: RunSummary | list[RunSummary], baseline: RunSummary | list[RunSummary] | None) -> dict[str, Any]:
+    """The table's derived columns for one run: means over its seeds, the spread of its eval loss, and its gap to
+    the baseline paired seed by seed (seed k against the baseline's seed k, which shares its initial weights and
+    data order), with the gap's spread over those pairs.
+
+    A gap is `gap_resolved` when it has the same sign on every pair and exceeds its standard deviation: only then
+    may a table call one run better than the other (one seed never resolves a gap)."""
+    runs = runs if isinstance(runs, list) else [runs]
+    base = [] if baseline is None else baseline if isinstance(baseline, list) else [baseline]
+    losses = [s.final_eval_loss for s in runs]
+    wan = _mean([s.wan_bytes_total for s in runs])
+    hidden = [s.hidden_comm_fraction for s in runs if s.hidden_comm_fraction is not None]
     out: dict[str, Any] = {
-        "final_eval_loss": loss,
-        "tokens_per_s": tps,
-        "wan_bytes_per_token": wan / summary.tokens,
-        "compression_vs_allreduce": summary.allreduce_equiv_bytes / wan if wan else math.inf,
-        "hidden_comm_fraction": summary.hidden_comm_fraction,
-        "wall_s": summary.wall_s,
+        "num_seeds": len(runs),
+        "final_eval_loss": _mean(losses),
+        "final_eval_loss_sd": _sd(losses),
+        "tokens_per_s": _mean([s.tokens_per_s for s in runs]),
+        "wan_bytes_per_token": wan / runs[0].tokens,
+        "compression_vs_allreduce": runs[0].allreduce_equiv_bytes / wan if wan else math.inf,
+        "hidden_comm_fraction": _mean(hidden) if hidden else None,
+        "wall_s": _mean([s.wall_s for s in runs]),
         "gap_to_baseline_pct": None,
+        "gap_sd_pct": None,
+        "gap_range_pct": None,
+        "gap_resolved": False,
         "speedup_vs_baseline": None,
     }
-    if baseline is not None:
-        out["gap_to_baseline_pct"] = 100.0 * (loss - baseline.final_eval_loss) / baseline.final_eval_loss
-        out["speedup_vs_baseline"] = tps / baseline.tokens_per_s
+    if base:
+        by_seed = {b.run_seed: b for b in base}
+        pairs = [(s, by_seed[s.run_seed]) for s in runs if s.run_seed in by_seed] or [(runs[0], base[0])]
+        gaps = [100.0 * (s.final_eval_loss - b.final_eval_loss) / b.final_eval_loss for s, b in pairs]
+        sd = _sd(gaps)
+        mean = _mean(gaps)
+        out.update(
+            gap_to_baseline_pct=mean,
+            gap_sd_pct=sd,
+            gap_range_pct=[min(gaps), max(gaps)],
+            gap_resolved=sd is not None and (min(gaps) > 0 or max(gaps) < 0) and abs(mean) > sd,
+            speedup_vs_baseline=out["tokens_per_s"] / _mean([b.tokens_per_s for b in base]),
+        )
     return out
 
 

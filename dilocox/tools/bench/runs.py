@@ -29,6 +29,24 @@ def train_command(spec: BenchSpec, run: BenchRun, run_dir: Path, quick: bool, ex
     ]  # fmt: skip
 
 
+def seed_run_dir(runs_dir: Path, name: str, index: int) -> Path:
+    """The run directory of seed `index` (0 = the config's run.seed, k = run.seed + k) of run `name`."""
+    return runs_dir / (name if index == 0 else f"{name}.seed{index}")
+
+
+def seed_overrides(base_seed: int, index: int) -> list[str]:
+    """The overrides of seed `index`: none for the config's own seed, `--run.seed=base + index` for the others."""
+    return [] if index == 0 else [f"--run.seed={base_seed + index}"]
+
+
+def finished_seeds(runs_dir: Path, name: str) -> list[int]:
+    """The seed indices of run `name` that finished, in order (0, 1, ... up to the first missing one)."""
+    found = []
+    while has_summary(seed_run_dir(runs_dir, name, len(found))):
+        found.append(len(found))
+    return found
+
+
 def has_summary(run_dir: Path) -> bool:
     """Whether the run in `run_dir` finished (a run writes its summary last)."""
     return (run_dir / SUMMARY_FILE).exists()
@@ -61,3 +79,29 @@ def train_run(
         flush=True,
     )
     return summary
+
+
+def train_seeds(
+    spec: BenchSpec,
+    run: BenchRun,
+    runs_dir: Path,
+    out_dir: Path,
+    *,
+    quick: bool,
+    seeds: int,
+    base_seed: int,
+    extra: Sequence[str] = (),
+    tag: str = "",
+) -> list[RunSummary]:
+    """`train_run` once per seed (`seed_run_dir`, `seed_overrides`); logs go to OUT/NAME.log, OUT/NAME.seedK.log."""
+    summaries = []
+    for index in range(seeds):
+        run_dir = seed_run_dir(runs_dir, run.name, index)
+        log = out_dir / f"{run_dir.name}.log"
+        seed_tag = f"{tag} seed {base_seed + index}:" if seeds > 1 else tag
+        summaries.append(
+            train_run(
+                spec, run, run_dir, log, quick=quick, extra=[*extra, *seed_overrides(base_seed, index)], tag=seed_tag
+            )  # fmt: skip
+        )
+    return summaries

@@ -12,8 +12,33 @@ def _fmt(value: Any, spec: str, none: str = "-") -> str:
     return format(value, spec)
 
 
-def _gap_cell(gap: float | None) -> str:
-    return ("+" if gap is not None and gap > 0 else "") + _fmt(gap, ".2f") + ("%" if gap is not None else "")
+def _gap_cell(gap: float | None, row: dict[str, Any] | None = None) -> str:
+    """`+9.10%`, or over several seeds `+9.10 ± 1.02%` and `(within noise)` where the gap is not resolved."""
+    cell = ("+" if gap is not None and gap > 0 else "") + _fmt(gap, ".2f")
+    if gap is None:
+        return cell
+    sd = (row or {}).get("gap_sd_pct")
+    if sd is None:
+        return cell + "%"
+    noise = "" if row.get("gap_resolved") or row["name"] == row.get("baseline_name") else " (within noise)"
+    return f"{cell} ± {sd:.2f}%{noise}"
+
+
+def _loss_cell(row: dict[str, Any]) -> str:
+    """The mean eval loss, with its standard deviation over seeds when there are several."""
+    sd = row.get("final_eval_loss_sd")
+    return _fmt(row["final_eval_loss"], ".4f") + ("" if sd is None else f" ± {sd:.4f}")
+
+
+def _seeds_note(results: dict[str, Any]) -> list[str]:
+    seeds = max((row.get("num_seeds", 1) for row in results["runs"]), default=1)
+    if seeds < 2:
+        return []
+    return [
+        f"Eval loss: mean ± sample standard deviation over {seeds} seeds (run.seed, +1, ...: initial weights, data "
+        'order and codec draws). Gap: mean ± standard deviation of the gaps paired seed by seed; "within noise" '
+        "where the gap changes sign across seeds or is smaller than its standard deviation."
+    ]
 
 
 def _bytes_ratio_cell(row: dict[str, Any]) -> str:
@@ -35,11 +60,12 @@ def format_table(results: dict[str, Any]) -> str:
     lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in results["runs"]:
         gap = row["gap_to_baseline_pct"]
+        row = {**row, "baseline_name": results["baseline"]}
         lines.append(
             "| {label} | {loss} | {gap} | {tps} | {speed} | {bpt} | {ratio} | {hidden} | {wall} |".format(
                 label=row["label"],
-                loss=_fmt(row["final_eval_loss"], ".4f"),
-                gap=_gap_cell(gap),
+                loss=_loss_cell(row),
+                gap=_gap_cell(gap, row),
                 tps=_fmt(row["tokens_per_s"], ",.0f"),
                 speed=_fmt(row["speedup_vs_baseline"], ".2f") + ("x" if row["speedup_vs_baseline"] else ""),
                 bpt=_fmt(row["wan_bytes_per_token"], ",.1f"),
@@ -61,6 +87,7 @@ def format_table(results: dict[str, Any]) -> str:
         f"{setting}. Every run: base config `{results['base_config']}` with {results['common_overrides'] or 'no'} "
         "common overrides.",
     ]
+    footer += _seeds_note(results)
     if results.get("notes"):
         footer.append(results["notes"])
     return "\n".join(lines + footer) + "\n"
@@ -76,11 +103,12 @@ def format_paper_table(results: dict[str, Any]) -> str:
     ]
     for row in results["runs"]:
         gap, speed, hidden = row["gap_to_baseline_pct"], row["speedup_vs_baseline"], row["hidden_comm_fraction"]
+        row = {**row, "baseline_name": b}
         lines.append(
             "| {label} | {loss} | {gap} | {tps} | {speed} | {nocomm} | {bpt} | {ratio} | {hidden} |".format(
                 label=row["label"],
-                loss=_fmt(row["final_eval_loss"], ".4f"),
-                gap=_gap_cell(gap),
+                loss=_loss_cell(row),
+                gap=_gap_cell(gap, row),
                 tps=_fmt(row["tokens_per_s"], ",.1f"),
                 speed=_fmt(speed, ",.1f") + ("x" if speed else ""),
                 nocomm=_fmt(100 * row["of_no_communication"], ".1f") + "%",
@@ -107,6 +135,7 @@ def format_paper_table(results: dict[str, Any]) -> str:
         "The no-communication row (every cluster alone) is timed on the same window as the outer-loop runs, with no "
         "sync inside it; its loss is from its link-off run.",
     ]
+    footer += _seeds_note(results)
     if results.get("notes"):
         footer.append(results["notes"])
     return "\n".join(lines + footer) + "\n"
