@@ -116,6 +116,10 @@ def model_eval_step(model: torch.nn.Module):
     return step
 
 
+class TrainingDiverged(ValueError):
+    """The loss or the parameters became non-finite: the run stops with one line, before any checkpoint of it."""
+
+
 class Trainer:
     """Runs `train.steps` inner steps on this rank and keeps it in step with the others through `sync`."""
 
@@ -220,6 +224,11 @@ class Trainer:
         self.load_state_dict(load_rank_state(path, self.rank))
 
     def save(self) -> Path:
+        """Checkpoint this rank (collective); a rank with non-finite parameters stops the run instead, so no
+        checkpoint of a diverged model is ever written and the good ones stay."""
+        bad = [name for name, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            self._diverged(f"non-finite parameters ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
         self._last_checkpoint_step = self.step
         return save_checkpoint(
             self.run_dir,
@@ -228,6 +237,19 @@ class Trainer:
             rank=self.rank,
             meta=self.checkpoint_meta(),
             keep=self.cfg.checkpoint.keep,
+        )
+
+    def _diverged(self, what: str) -> None:
+        newest = list_checkpoints(self.run_dir)
+        fix = "lower train.lr or set train.grad_clip > 0"
+        then = (
+            f"the last checkpoint, {newest[-1]}, is from before it: {fix} and resume it with --checkpoint.resume"
+            if newest
+            else f"no checkpoint was written: {fix} and start again"
+        )
+        raise TrainingDiverged(
+            f"training diverged on rank {self.rank} (cluster {self.coords.cluster}) at step {self.step}: {what}; "
+            + then
         )
 
     # ---------------------------------------------------------------------------------------------- steps
@@ -300,6 +322,8 @@ class Trainer:
         try:
             while self.step < cfg.train.steps:
                 self.losses.append(self.train_step())
+                if not math.isfinite(self.losses[-1]):  # the launcher stops the other ranks
+                    self._diverged(f"the training loss is {self.losses[-1]}")
                 boundary = self.sync.is_round_boundary(self.step)
                 last = self.step == cfg.train.steps
                 while self.sync.warnings and logger is not None:

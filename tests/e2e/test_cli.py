@@ -124,6 +124,31 @@ def test_resume_equals_uninterrupted_run(debug_run, tmp_path):
     assert metrics(copy)[-1]["loss"] == metrics(run_dir)[-1]["loss"]
 
 
+def test_a_corrupt_checkpoint_falls_back_and_a_diverged_run_writes_none(debug_run, tmp_path):
+    """A bit flip in the newest checkpoint: `latest` says so in one line and resumes the one before, which
+    ends where the straight run ended. A run that diverges stops with one line, exit 2, and writes no checkpoint."""
+    run_dir, _ = debug_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    newest = copy / "checkpoints" / "step_00000040" / "rank_00001.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    newest.write_bytes(bytes(data))
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={copy}", "--checkpoint.resume=latest",
+                     "--checkpoint.keep=5")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "skipping corrupt checkpoint" in result.stderr and "rank_00001.pt does not match its sha256" in result.stderr
+    assert metrics(copy)[-1]["loss"] == metrics(run_dir)[-1]["loss"]  # resumed at step 20, not from the bad 40
+
+    diverged = tmp_path / "diverged"
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={diverged}", "--train.lr=1e3",
+                     "--train.grad_clip=0")  # fmt: skip
+    assert result.returncode == 2
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("dilocox: error:")]
+    assert "training diverged" in line and "no checkpoint was written" in line
+    assert not (diverged / "checkpoints").exists() or not list((diverged / "checkpoints").glob("step_*"))
+
+
 def test_allreduce_baseline_sends_its_own_yardstick(tmp_path):
     run_dir = tmp_path / "ar"
     result = dilocox(
