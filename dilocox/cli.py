@@ -87,6 +87,7 @@ def cmd_train(argv: list[str]) -> int:
 
     from dilocox.config import load_config
     from dilocox.launch import launch_local, launch_torchrun, preflight, prepare_run_dir, under_torchrun
+    from dilocox.runlock import RunLock
 
     try:
         cfg = load_config(config_path, rest)
@@ -94,9 +95,13 @@ def cmd_train(argv: list[str]) -> int:
             return launch_torchrun(cfg)
         data, resume = preflight(cfg)
         prepare_run_dir(cfg, data, resume)
+        lock = RunLock.acquire(Path(cfg.run.out_dir))
     except ValueError as exc:
         return _error(str(exc))
-    return launch_local(cfg, data, resume)
+    try:
+        return launch_local(cfg, data, resume)
+    finally:
+        lock.release()
 
 
 EVAL_USAGE = """usage: dilocox eval RUN_DIR [--data.path PATH] [--checkpoint DIR] [--max-batches N] [--json]

@@ -142,8 +142,8 @@ class CheckpointConfig:
     """Save a checkpoint every this many steps (diloco: a multiple of H unless fit_link) and at the end; 0 = end."""
     keep: int = 2
     """Keep the newest this many checkpoints; older ones are deleted."""
-    resume: str = ""
-    """Resume from `latest` (the newest complete checkpoint of run.out_dir) or a checkpoint directory."""
+    resume: str = "auto"
+    """auto: the newest verified checkpoint of run.out_dir if any, else start; latest; a checkpoint dir; "": never."""
 
 
 @dataclass
@@ -243,7 +243,7 @@ class Config:
                     f"checkpoint.interval = {self.checkpoint.interval} must be a multiple of sync.inner_steps = {h} "
                     f"(checkpoints are taken at round boundaries); e.g. --checkpoint.interval={fix}"
                 )
-        if self.checkpoint.resume and self.run.overwrite:
+        if self.checkpoint.resume not in ("", "auto") and self.run.overwrite:
             raise ValueError(
                 "checkpoint.resume and run.overwrite contradict each other: resuming keeps the run directory"
             )

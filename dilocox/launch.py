@@ -10,12 +10,16 @@ A crashed rank stops all ranks; Ctrl+C stops them too, and the newest complete c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import sys
 import tempfile
+import threading
+import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch.distributed as dist
@@ -28,9 +32,12 @@ from dilocox.data import TokenData
 from dilocox.device import resolve_device
 from dilocox.fileio import write_atomic
 from dilocox.models import model_args
+from dilocox.runlock import RunLock
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
+EXIT_ORPHANED = 3
+"""A rank whose launcher died exits with this code (no orphan keeps training)."""
 
 
 def under_torchrun() -> bool:
@@ -38,10 +45,15 @@ def under_torchrun() -> bool:
 
 
 def resolve_resume(cfg: Config) -> Path | None:
-    if not cfg.checkpoint.resume:
+    """The checkpoint to resume, verified (`checkpoint.resume`): `auto` takes the newest one of run.out_dir when
+    there is one (so `torchrun --max-restarts` recovers) and starts fresh otherwise; "" never resumes."""
+    resume = cfg.checkpoint.resume
+    if not resume or (resume == "auto" and (cfg.run.overwrite or not list_checkpoints(Path(cfg.run.out_dir)))):
         return None
-    path = find_checkpoint(Path(cfg.run.out_dir), cfg.checkpoint.resume)
+    path = find_checkpoint(Path(cfg.run.out_dir), "latest" if resume == "auto" else resume)
     check_resume(cfg, path)
+    if resume == "auto":
+        print(f"dilocox: resuming from {path} (checkpoint.resume = auto; pass --checkpoint.resume= to refuse)")
     return path
 
 
@@ -52,11 +64,16 @@ def prepare_run_dir(cfg: Config, data: TokenData, resume: Path | None) -> Path:
     if existing and resume is None:
         if not run_dir.is_dir():
             raise ValueError(f"run.out_dir = {run_dir} is a file; choose a directory path")
-        if not cfg.run.overwrite:
+        RunLock.ensure_free(run_dir)
+        # auto and a run that died before its first checkpoint (a finished run always has one): start it again
+        restart = cfg.checkpoint.resume == "auto" and (run_dir / "config.toml").is_file()
+        if not (cfg.run.overwrite or restart):
             raise ValueError(
-                f"run.out_dir = {run_dir} already holds a run; continue it with --checkpoint.resume=latest, "
+                f"run.out_dir = {run_dir} already holds files; continue a run there with --checkpoint.resume=latest, "
                 "replace it with --run.overwrite=true, or choose another --run.out_dir"
             )
+        if restart and not cfg.run.overwrite:
+            print(f"dilocox: {run_dir} has no checkpoint: starting its run again (checkpoint.resume = auto)")
         shutil.rmtree(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -97,9 +114,21 @@ def run_rank(cfg: Config, rank: int, run_dir: Path, resume: Path | None, data: T
         trainer.close()
 
 
+def _die_with(parent: int) -> None:
+    """Exit this rank within half a second of its launcher's death (SIGKILL leaves it no chance to stop us)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=watch, name="dilocox-parent-watch", daemon=True).start()
+
+
 def _local_rank_main(rank: int, cfg_dict: dict, world_size: int, init_file: str, error_dir: str, resume: str) -> None:
     # The launching terminal's Ctrl+C reaches every process; the parent alone decides and stops the ranks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with(os.getppid())
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     cfg = from_dict(cfg_dict)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -125,14 +154,16 @@ def launch_local(cfg: Config, data: TokenData, resume: Path | None) -> int:
             start_method="spawn",
         )
         try:
-            while not ctx.join(timeout=0.5):
-                pass
-        except KeyboardInterrupt:
+            with _signals_stop_the_run():
+                while not ctx.join(timeout=0.5):
+                    pass
+        except (KeyboardInterrupt, _Stopped) as exc:
             _stop(ctx)
             newest = list_checkpoints(Path(cfg.run.out_dir))
             hint = f"; resume from {newest[-1]} with --checkpoint.resume=latest" if newest else ""
-            print(f"\ndilocox: interrupted, all {world_size} ranks stopped{hint}", file=sys.stderr)
-            return EXIT_INTERRUPTED
+            what = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"stopped by {exc}"
+            print(f"\ndilocox: {what}, all {world_size} ranks stopped{hint}", file=sys.stderr)
+            return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else 128 + exc.signum
         except ProcessException as exc:
             _stop(ctx)
             errors = sorted(Path(tmp).glob("rank*"))
@@ -146,6 +177,27 @@ def launch_local(cfg: Config, data: TokenData, resume: Path | None) -> int:
             )
             return 1
     return 0
+
+
+class _Stopped(Exception):
+    """The launcher got SIGTERM or SIGHUP: it stops its ranks, like Ctrl+C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_stop_the_run() -> Iterator[None]:
+    def handler(signum: int, frame: object) -> None:
+        raise _Stopped(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _stop(ctx) -> None:
@@ -164,6 +216,7 @@ def launch_torchrun(cfg: Config) -> int:
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
+    lock = None
     try:
         error = None
         data = resume = None
@@ -171,6 +224,7 @@ def launch_torchrun(cfg: Config) -> int:
             data, resume = preflight(cfg, world_size)
             if rank == 0:
                 prepare_run_dir(cfg, data, resume)
+                lock = RunLock.acquire(Path(cfg.run.out_dir))
         except ValueError as exc:
             error = str(exc)
         errors = [error] * world_size
@@ -188,6 +242,8 @@ def launch_torchrun(cfg: Config) -> int:
         print(f"dilocox: rank {rank} failed; torchrun stops the other ranks", file=sys.stderr)
         return 1
     finally:
+        if lock is not None:
+            lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

@@ -389,7 +389,9 @@ class Trainer:
         if dist.get_world_size() > 1:
             dist.all_gather_object(gathered, mine)
         if self.in_eval_pipeline and self.last_eval_loss is None:
-            self._evaluate_now(final=True)  # resumed at the last step: nothing was evaluated in the loop
+            eval_s = self.eval_s  # resumed at the last step: nothing was evaluated in the loop, nothing trained
+            self._evaluate_now(final=True)
+            self.eval_s = eval_s
         if self.rank != 0:
             return None
         final_eval_loss = self.last_eval_loss

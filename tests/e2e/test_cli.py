@@ -305,12 +305,22 @@ def test_bad_config_exits_nonzero_naming_the_field(tmp_path, args, field):
     assert not run_dir.exists()
 
 
-def test_existing_run_dir_is_not_overwritten(debug_run):
+def test_a_finished_run_resumes_at_its_end_and_is_never_overwritten(debug_run, tmp_path):
+    """checkpoint.resume = auto (the default) continues a run from its newest checkpoint: a finished run has
+    nothing left to train and keeps its checkpoints and final loss; resume = "" refuses the used directory."""
     run_dir, _ = debug_run
-    before = (run_dir / "summary.json").read_text()
-    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", timeout=60)
-    assert result.returncode == 2 and "already holds a run" in result.stderr
-    assert (run_dir / "summary.json").read_text() == before
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    before = json.loads((copy / "summary.json").read_text())
+    checkpoints = {p: p.read_bytes() for p in (copy / "checkpoints").rglob("*") if p.is_file()}
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={copy}", "--checkpoint.keep=5", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stdout and "step_00000040" in result.stdout
+    assert json.loads((copy / "summary.json").read_text())["final_eval_loss"] == before["final_eval_loss"]
+    assert {p: p.read_bytes() for p in (copy / "checkpoints").rglob("*") if p.is_file()} == checkpoints
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={copy}", "--checkpoint.resume=", timeout=60)
+    assert result.returncode == 2 and "already holds files" in result.stderr
+    assert {p: p.read_bytes() for p in (copy / "checkpoints").rglob("*") if p.is_file()} == checkpoints
 
 
 def test_help_lists_options_with_docstrings():
@@ -374,6 +384,50 @@ def test_ctrl_c_stops_all_ranks(tmp_path):
     ]
 
 
+def _alive(pids: list[int]) -> list[int]:
+    return [
+        pid
+        for pid in pids
+        if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    ]
+
+
+def test_a_live_run_locks_its_directory_and_sigterm_stops_every_rank(tmp_path):
+    """A second run into a live run's directory is refused; SIGTERM to the launcher stops every rank and frees the
+    lock; the directory, which has no checkpoint, then starts its run again under checkpoint.resume = auto."""
+    run_dir = tmp_path / "locked"
+    proc = _start_long_run(run_dir)
+    _wait_for_training(run_dir, proc)
+    ranks = _children(proc.pid)
+    second = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", timeout=60)
+    assert second.returncode == 2 and f"in use by a live run (pid {proc.pid}" in second.stderr
+    os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "stopped by SIGTERM, all 2 ranks stopped" in stderr
+    time.sleep(0.5)
+    assert not _alive(ranks)
+    assert not (run_dir / ".dilocox.lock").exists()
+    again = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--train.steps=10", timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "has no checkpoint: starting its run again" in again.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 10
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    run_dir = tmp_path / "orphans"
+    proc = _start_long_run(run_dir)
+    _wait_for_training(run_dir, proc)
+    ranks = [pid for pid in _children(proc.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(ranks) == 2
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    deadline = time.time() + 10
+    while _alive(ranks) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _alive(ranks), "ranks kept training after their launcher was killed"
+
+
 def test_crashed_rank_stops_the_others(tmp_path):
     run_dir = tmp_path / "crashed"
     proc = _start_long_run(run_dir)
@@ -413,6 +467,38 @@ def test_torchrun_runs_each_rank(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 20 and summary["outer_steps"] == 2
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+
+
+def test_torchrun_max_restarts_recovers_a_killed_rank(tmp_path):
+    """torchrun --max-restarts 1: a worker killed mid-run is restarted with the others, and checkpoint.resume = auto
+    continues from the newest checkpoint (the stale lock of the killed rank 0 is taken over)."""
+    run_dir = tmp_path / "restarted"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+         "--monitor-interval=0.5", "-m", "dilocox", "train", "--config", DEBUG, f"--run.out_dir={run_dir}",
+         "--train.steps=200", "--checkpoint.interval=20", "--eval.interval=0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+    )  # fmt: skip
+    deadline = time.time() + 180
+    while not list((run_dir / "checkpoints").glob("step_*")) and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    workers = [
+        pid
+        for agent in [proc.pid, *_children(proc.pid)]
+        for pid in _children(agent)
+        if "dilocox" in Path(f"/proc/{pid}/cmdline").read_text()
+    ]
+    assert workers, "no torchrun worker found"
+    os.kill(workers[-1], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "resuming from" in stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 200
+    steps = [r["step"] for r in metrics(run_dir)]
+    assert steps == sorted(set(steps)) and steps[-1] == 200  # the restart truncated what it redid: no step twice
 
 
 def test_bench_quick_produces_a_complete_table(tmp_path):
