@@ -1,4 +1,4 @@
-"""The `dilocox` command: train, eval, bench, plan, linkcheck, flavors, env.
+"""The `dilocox` command: train, eval, export, bench, plan, linkcheck, flavors, env.
 
     dilocox train                                   # the embedded default: 2 clusters over an emulated 1 Gbps link
     dilocox train --config configs/debug.toml --sync.kind=allreduce

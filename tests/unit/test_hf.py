@@ -11,7 +11,14 @@ import torch
 from dilocox.checkpoint import consolidated_model_state, save_checkpoint
 from dilocox.data import EOS_TOKEN, Tokenizer, prepare_tokens, train_bpe, validation_document_indices
 from dilocox.models import Decoder, model_args
-from dilocox.models.hf import check_hf_weights, hf_model_args, load_hf_weights_, read_hf_config, write_hf_model
+from dilocox.models.hf import (
+    check_hf_weights,
+    hf_model_args,
+    hf_tokenizer_path,
+    load_hf_weights_,
+    read_hf_config,
+    write_hf_model,
+)
 from dilocox.parallel import build_stage
 from dilocox.sync.base import FlatParams
 
@@ -139,6 +146,8 @@ def test_init_from_errors_name_the_fix(tmp_path):
         read_hf_config("Qwen/Qwen2-0.5B")
     with pytest.raises(ValueError, match="has no config.json"):
         read_hf_config(tmp_path)
+    with pytest.raises(ValueError, match="no tokenizer.json and data.tokenizer is empty; pass the tokenizer"):
+        hf_tokenizer_path(tmp_path)
     hf = _hf_model("qwen2", tie=False)
     hf.model.save_pretrained(tmp_path)  # the base model: no lm_head, names without the "model." prefix
     args = hf_model_args(read_hf_config(tmp_path), vocab_size=VOCAB)
