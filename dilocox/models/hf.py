@@ -18,8 +18,9 @@ This module never imports torch.distributed.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -102,7 +103,7 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
         raise ValueError(f"model.init_from: {path / CONFIG_FILE} is not valid JSON ({exc})") from None
 
 
-def _rope_theta(config: dict[str, Any], fail) -> float:
+def _rope_theta(config: dict[str, Any], fail: Callable[[str], NoReturn]) -> float:
     """The rotary base, from transformers 5's `rope_parameters` or 4's `rope_theta` / `rope_scaling`."""
     parameters = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {}
@@ -119,7 +120,7 @@ def hf_model_args(config: dict[str, Any], *, vocab_size: int | None = None, sour
     (`max_position_embeddings`)."""
     where = f"model.init_from = {source!r}: " if source else "Hugging Face config: "
 
-    def fail(problem: str) -> None:
+    def fail(problem: str) -> NoReturn:
         raise ValueError(f"{where}{problem}; dilocox continues training Qwen2 and Llama models of the plain layout")
 
     model_type = config.get("model_type")
@@ -193,7 +194,7 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         return {name: directory / file for name, file in weight_map.items()}
     if (directory / WEIGHTS_FILE).is_file():
         with _safe_open()(str(directory / WEIGHTS_FILE), framework="pt") as handle:
-            return {name: directory / WEIGHTS_FILE for name in handle.keys()}  # noqa: SIM118 (not a dict)
+            return {name: directory / WEIGHTS_FILE for name in handle.keys()}
     raise ValueError(
         f"model.init_from = {str(directory)!r} has no {WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}); save the model with "
         "save_pretrained(DIR), which writes safetensors"
