@@ -18,6 +18,7 @@ torchrun jobs usually have).
     save_checkpoint(run_dir, step, state, rank=rank, meta=meta, keep=2)
     path = find_checkpoint(run_dir, "latest")      # verified
     state = load_rank_state(path, rank)
+    model = consolidated_model_state(path, agreed=True)   # the whole model, from every stage's file
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import torch.distributed as dist
 
 from dilocox.config import Config
 from dilocox.fileio import write_atomic
+from dilocox.models import ModelArgs, model_args
+from dilocox.topology import Topology
 
 CHECKPOINT_DIR = "checkpoints"
 META = "meta.json"
@@ -238,4 +241,79 @@ def check_resume(cfg: Config, path: Path) -> None:
         raise ValueError(
             f"checkpoint {path} is at step {meta['step']}, past train.steps = {cfg.train.steps}; "
             "raise train.steps to continue training"
+        )
+
+
+def find_step(run_dir: Path, step: int | None) -> Path:
+    """The complete checkpoint of `step` in `run_dir`, or its newest one when `step` is None."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise ValueError(
+            f"{run_dir} has no complete checkpoint (nothing in {Path(run_dir) / CHECKPOINT_DIR}); train it first "
+            "(checkpoints are saved every checkpoint.interval steps and at the end)"
+        )
+    if step is None:
+        return found[-1]
+    path = _step_dir(Path(run_dir) / CHECKPOINT_DIR, step)
+    if path not in found:
+        steps = ", ".join(str(int(p.name.split("_")[1])) for p in found)
+        raise ValueError(f"{run_dir} has no checkpoint of step {step}; its checkpoints are at steps {steps}")
+    return path
+
+
+def checkpoint_model_args(meta: dict[str, Any], vocab_size: int) -> ModelArgs:
+    """The shape of a checkpoint's model at its full context: recorded in meta.json by this version (which also
+    covers model.init_from), else the flavor's with the run's tokenizer."""
+    if "model_args" in meta:
+        return ModelArgs(**meta["model_args"])
+    return model_args(meta["flavor"], vocab_size=vocab_size)
+
+
+def consolidated_model_state(path: Path, *, agreed: bool) -> tuple[dict[str, torch.Tensor], bool]:
+    """The whole model of checkpoint `path` as one state dict under the full model's names, and whether it is the
+    agreed model.
+
+    Stage parameter names are the full model's (`parallel/split.py`), so the whole model is the union of the
+    stages of one pipeline: cluster 0, replica 0. With `agreed` each stage's outer parameters replace its local
+    weights when the sync keeps them (diloco, dilocox): they are the model every cluster agreed on at the last
+    outer step, while the local weights of a checkpoint inside training may be one cluster's (a delayed sync with
+    merge = keep_local). After the last step both are the same. Returns (state, True when outer params were used).
+    """
+    meta = read_meta(path)
+    topology = Topology(meta["num_clusters"], meta["dp_degree"], meta["pp_degree"])
+    state: dict[str, torch.Tensor] = {}
+    used_outer = False
+    for stage in range(topology.pp_degree):
+        file = Path(path) / f"rank_{topology.rank_of(0, 0, stage):05d}.pt"
+        if not file.is_file():
+            raise ValueError(f"checkpoint {path} has no {file.name}: it is incomplete")
+        # mmap: only the model and outer params are read, not the optimizer states next to them
+        rank_state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        stage_state = dict(rank_state["model"])
+        outer = rank_state["sync"].get("outer_params") if agreed else None
+        if outer is not None:
+            _scatter_flat_(stage_state, outer)
+            used_outer = True
+        state.update(stage_state)
+    return state, used_outer
+
+
+def _scatter_flat_(stage_state: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
+    """Replace the tensors of a stage state dict by consecutive slices of `flat` (the sync's `FlatParams` vector).
+
+    `FlatParams` follows `module.parameters()`, which visits parameters in state-dict order and yields a tied
+    parameter once: a state-dict entry that shares its storage with an earlier one (a tied head) is that same
+    parameter and takes the same slice."""
+    offset, seen = 0, {}
+    for name, tensor in stage_state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            stage_state[name] = stage_state[seen[key]]
+            continue
+        seen[key] = name
+        stage_state[name] = flat[offset : offset + tensor.numel()].view_as(tensor).clone()
+        offset += tensor.numel()
+    if offset != flat.numel():
+        raise ValueError(
+            f"the checkpoint's outer parameters hold {flat.numel()} values but its model {offset}; it is damaged"
         )

@@ -1,8 +1,9 @@
-"""The `dilocox` command: train, eval, bench, plan, linkcheck, flavors, env.
+"""The `dilocox` command: train, eval, export, bench, plan, linkcheck, flavors, env.
 
     dilocox train                                   # the embedded default: 2 clusters over an emulated 1 Gbps link
     dilocox train --config configs/debug.toml --sync.kind=allreduce
     dilocox eval runs/dilocox --json
+    dilocox export runs/dilocox --format hf --out hf/dilocox
 
 User errors end with one `dilocox: error: ...` line and exit code 2, never a traceback.
 """
@@ -20,6 +21,7 @@ USAGE = """usage: dilocox <command> [options]
 commands:
   train     train a model across emulated (or real, under torchrun) clusters
   eval      evaluate a run's latest checkpoint on its validation split or on any text
+  export    write a run's checkpoint as a Hugging Face model directory (transformers loads it)
   bench     run strategies side by side on one setting: table, results.json, plots
   plan      project tokens/s of AllReduce, DiLoCo and DiLoCoX at sizes this machine cannot run
   linkcheck time real transfers over a Linux link shaped with tc against the emulated link (root only)
@@ -108,7 +110,8 @@ EVAL_USAGE = """usage: dilocox eval RUN_DIR [--data.path PATH] [--checkpoint DIR
 
 Load the newest complete checkpoint of RUN_DIR (or --checkpoint DIR) with the run's tokenizer and print the mean
 token loss and perplexity on the run's validation split, or on the text at --data.path (.txt/.md/.jsonl/.parquet,
-a directory or a glob)."""
+a directory or a glob). The model is cluster 0's, all pipeline stages together: the one the training log's eval
+losses were computed on."""
 
 
 def cmd_eval(argv: list[str]) -> int:
@@ -143,6 +146,58 @@ def cmd_eval(argv: list[str]) -> int:
         print(
             f"{result['source']}: loss {result['loss']:.4f}  perplexity {result['perplexity']:,.2f}  "
             f"({result['tokens']:,} tokens, checkpoint step {result['step']})"
+        )
+    return 0
+
+
+EXPORT_USAGE = """usage: dilocox export RUN_DIR --out DIR [--format hf] [--step N] [--overwrite] [--json]
+
+Write checkpoint N of RUN_DIR (default: the newest) as a Hugging Face model directory: config.json,
+model.safetensors (fp32) and the run's tokenizer (tokenizer.json, tokenizer_config.json, special_tokens_map.json),
+which transformers' AutoModelForCausalLM and AutoTokenizer load. A model with q/k/v biases (every flavor) is a
+Qwen2ForCausalLM, one without (a Llama started with model.init_from) a LlamaForCausalLM. The weights are the
+agreed model of the run: the outer parameters saved in the sync state (diloco, dilocox), which every cluster holds
+after the last step and which are the last outer step's model inside training; allreduce and cocktail runs keep
+every cluster equal and export cluster 0's. Pipeline stages are put together. Needs `pip install 'dilocox[hf]'`."""
+
+
+def cmd_export(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="dilocox export", usage=EXPORT_USAGE, add_help=False)
+    parser.add_argument("run_dir", nargs="?")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--format", default="hf")
+    parser.add_argument("--step", default=None)
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("-h", "--help", action="store_true")
+    args, unknown = parser.parse_known_args(argv)
+    if args.help:
+        print(EXPORT_USAGE)
+        return 0
+    if unknown:
+        return _error(f"unknown option(s) for export: {' '.join(unknown)}\n{EXPORT_USAGE}")
+    if not args.run_dir or not args.out:
+        return _error(f"export needs a run directory and --out DIR\n{EXPORT_USAGE}")
+    from dilocox.export import FORMATS, export_hf
+
+    if args.format not in FORMATS:
+        return _error(f"--format {args.format!r} is not supported; use --format hf")
+    try:
+        step = None if args.step is None else int(args.step)
+    except ValueError:
+        return _error(f"--step {args.step!r} is not a step number; pass the step of a checkpoint, e.g. --step 100")
+    try:
+        result = export_hf(Path(args.run_dir), Path(args.out), step=step, overwrite=args.overwrite)
+    except ValueError as exc:
+        return _error(str(exc))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"exported step {result['step']} ({result['weights']}, {result['num_params']:,} parameters) as "
+            f"{result['architecture']} to {result['out']}"
         )
     return 0
 
@@ -202,6 +257,7 @@ def cmd_linkcheck(argv: list[str]) -> int:
 COMMANDS = {
     "train": cmd_train,
     "eval": cmd_eval,
+    "export": cmd_export,
     "bench": cmd_bench,
     "plan": cmd_plan,
     "linkcheck": cmd_linkcheck,

@@ -62,6 +62,8 @@ class RunConfig:
 class ModelConfig:
     flavor: str = "tiny"
     """Model shape by name: debug, tiny, small, medium, qwen1.5-0.5b ... qwen1.5-107b (`dilocox flavors` lists them)."""
+    init_from: str = ""
+    """Start from a local Hugging Face Qwen2/Llama directory (config.json + safetensors); its config replaces flavor."""
 
 
 @dataclass
@@ -69,7 +71,7 @@ class DataConfig:
     path: str = ""
     """Training text: a .txt/.md/.jsonl/.parquet file, a directory or a glob; empty = the embedded Shakespeare."""
     tokenizer: str = ""
-    """A tokenizer.json to use; empty = train a byte-level BPE of data.vocab_size on the corpus (cached)."""
+    """A tokenizer.json or local HF tokenizer dir; empty = model.init_from's, else a BPE trained on the corpus."""
     vocab_size: int = 2048
     """Vocabulary size of the locally trained BPE (ignored when data.tokenizer is given)."""
     val_fraction: float = 0.05

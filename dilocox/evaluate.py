@@ -1,11 +1,15 @@
 """`dilocox eval`: the loss of a run's checkpoint on its validation split or on any text.
 
+The model evaluated is the one the training log's eval losses were computed on: the weights of cluster 0, all
+its pipeline stages put together (`consolidated_model_state`), so a pipeline-split run is evaluated whole.
+
 result = evaluate_run(Path("runs/dilocox"))                         # {"loss": ..., "perplexity": ...}
 result = evaluate_run(Path("runs/dilocox"), data_path="my_text.txt")
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tomllib
 from pathlib import Path
@@ -13,10 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from dilocox.checkpoint import find_checkpoint, load_rank_state, read_meta
+from dilocox.checkpoint import checkpoint_model_args, consolidated_model_state, find_checkpoint, read_meta
 from dilocox.config import from_dict
 from dilocox.data import Tokenizer, load_documents, prepare_tokens
-from dilocox.trainer import build_model, evaluate, model_eval_step
+from dilocox.parallel import build_stage
+from dilocox.trainer import evaluate, model_eval_step
 
 
 def evaluate_run(
@@ -27,8 +32,6 @@ def evaluate_run(
     cfg = from_dict(tomllib.loads((run_dir / "config.toml").read_text()))
     path = find_checkpoint(run_dir, checkpoint or "latest")
     meta = read_meta(path)
-    if meta["pp_degree"] != 1:
-        raise ValueError(f"checkpoint {path} is pipeline-split (pp_degree {meta['pp_degree']}); eval needs pp_degree 1")
     tokenizer_file = run_dir / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     if data_path:
@@ -49,8 +52,9 @@ def evaluate_run(
             seed=cfg.run.seed,
         )
         tokens, source = data.val, "validation split"
-    model = build_model(cfg, tokenizer.vocab_size)
-    model.load_state_dict(load_rank_state(path, 0)["model"])
+    args = checkpoint_model_args(meta, tokenizer.vocab_size)
+    model = build_stage(dataclasses.replace(args, max_seq_len=cfg.train.seq_len), 0, 1, seed=cfg.run.seed)
+    model.load_state_dict(consolidated_model_state(path, agreed=False)[0])
     seq_len, batch = cfg.train.seq_len, cfg.train.micro_batch_size
     if len(tokens) < batch * (seq_len + 1):
         batch = max(1, len(tokens) // (seq_len + 1))  # small user files still get evaluated

@@ -31,7 +31,6 @@ from dilocox.config import Config, from_dict, to_dict, to_toml
 from dilocox.data import TokenData
 from dilocox.device import resolve_device
 from dilocox.fileio import write_atomic
-from dilocox.models import model_args
 from dilocox.runlock import RunLock
 
 EXIT_USER_ERROR = 2
@@ -90,13 +89,13 @@ def prepare_run_dir(cfg: Config, data: TokenData, resume: Path | None) -> Path:
 
 def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Path | None]:
     """Every check that can fail on user input, before anything is written or any rank starts."""
-    from dilocox.trainer import prepare_data
+    from dilocox.trainer import model_shape, prepare_data
 
     cfg.validate(world_size)
     resolve_device(cfg.run.device, local_rank=0)  # asking for a GPU where there is none fails here, not in a rank
     resume = resolve_resume(cfg)
     data = prepare_data(cfg)
-    model_args(cfg.model.flavor, vocab_size=data.vocab_size, max_seq_len=cfg.train.seq_len).validate()
+    model_shape(cfg, data.vocab_size).validate()  # model.init_from: its config and weights' shapes too
     return data, resume
 
 

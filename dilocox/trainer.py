@@ -9,6 +9,7 @@ Every rank runs the same code; the topology decides what it talks to (docs/desig
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -24,7 +25,7 @@ from dilocox.config import DTYPES, Config, to_dict
 from dilocox.data import ShardedTokenStream, TokenData, iter_eval_batches, prepare_tokens
 from dilocox.device import describe, intra_cluster_backend, resolve_device
 from dilocox.metrics import MetricsLogger, RunSummary, format_summary, truncate_metrics
-from dilocox.models import Decoder, count_parameters, model_args
+from dilocox.models import Decoder, ModelArgs, count_parameters, model_args
 from dilocox.net.channel import WanChannel
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
 from dilocox.parallel.pipeline import mean_token_cross_entropy
@@ -35,9 +36,14 @@ from dilocox.topology import Topology, build_process_groups
 def prepare_data(cfg: Config) -> TokenData:
     """Load (or build and cache) the tokenizer and the token arrays named by the `data` section."""
     d = cfg.data
+    tokenizer = d.tokenizer
+    if not tokenizer and cfg.model.init_from:
+        from dilocox.models.hf import hf_tokenizer_path
+
+        tokenizer = hf_tokenizer_path(cfg.model.init_from)  # a pretrained model keeps its own tokenizer
     return prepare_tokens(
         path=d.path,
-        tokenizer=d.tokenizer,
+        tokenizer=tokenizer,
         vocab_size=d.vocab_size,
         val_fraction=d.val_fraction,
         text_field=d.text_field,
@@ -45,14 +51,33 @@ def prepare_data(cfg: Config) -> TokenData:
     )
 
 
+def model_shape(cfg: Config, vocab_size: int) -> ModelArgs:
+    """The run's model at its full context: the shape of `model.flavor`, or of `model.init_from`'s config.json
+    (checked against its weights' headers)."""
+    if not cfg.model.init_from:
+        return model_args(cfg.model.flavor, vocab_size=vocab_size)
+    from dilocox.models.hf import check_hf_weights, hf_model_args, read_hf_config
+
+    source = cfg.model.init_from
+    args = hf_model_args(read_hf_config(source), vocab_size=vocab_size, source=source)
+    check_hf_weights(source, args)
+    return args
+
+
 def build_model(
     cfg: Config, vocab_size: int, *, stage: int = 0, num_stages: int = 1, device: torch.device | str = "cpu"
 ) -> Decoder:
-    """Pipeline stage `stage` of the model of `model.flavor` (the whole model for one stage), built on the meta
-    device and materialized with seed-keyed weights, so every cluster starts from the same parameters without
-    sending them over the slow link and no rank ever allocates more than its stage."""
-    args = model_args(cfg.model.flavor, vocab_size=vocab_size, max_seq_len=cfg.train.seq_len)
-    return build_stage(args, stage, num_stages, seed=cfg.run.seed, device=device)
+    """Pipeline stage `stage` of the run's model (the whole model for one stage), built on the meta device and
+    materialized with seed-keyed weights, or with `model.init_from`'s weights for this stage, so every cluster
+    starts from the same parameters without sending them over the slow link and no rank ever allocates more than
+    its stage. The rotary table is sized to `train.seq_len`."""
+    args = dataclasses.replace(model_shape(cfg, vocab_size), max_seq_len=cfg.train.seq_len)
+    model = build_stage(args, stage, num_stages, seed=cfg.run.seed, device=device)
+    if cfg.model.init_from:
+        from dilocox.models.hf import load_hf_weights_
+
+        load_hf_weights_(model, cfg.model.init_from)
+    return model
 
 
 def configure_compute(model: Decoder, cfg: Config) -> None:
@@ -137,7 +162,8 @@ class Trainer:
             torch.cuda.set_device(self.device)
         self.groups = build_process_groups(self.topology, rank, intra_backend=intra_cluster_backend(self.device))
         self.data = data if data is not None else prepare_data(cfg)
-        self.model_args = model_args(cfg.model.flavor, vocab_size=self.data.vocab_size, max_seq_len=cfg.train.seq_len)
+        self.model_shape = model_shape(cfg, self.data.vocab_size)  # recorded in checkpoints for eval and export
+        self.model_args = dataclasses.replace(self.model_shape, max_seq_len=cfg.train.seq_len)
         self.num_stages = cfg.topology.pp_degree
         self.model = build_model(
             cfg, self.data.vocab_size, stage=self.coords.pp, num_stages=self.num_stages, device=self.device
@@ -217,7 +243,11 @@ class Trainer:
         self.initial_eval_loss = state["trainer"]["initial_eval_loss"]
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        return {**run_identity(self.cfg), "config": to_dict(self.cfg)}
+        return {
+            **run_identity(self.cfg),
+            "config": to_dict(self.cfg),
+            "model_args": dataclasses.asdict(self.model_shape),
+        }
 
     def resume(self, path: Path) -> None:
         check_resume(self.cfg, path)
@@ -471,8 +501,9 @@ class Trainer:
             mb = 1e6
             devices = ", ".join(f"rank {rank} {device}" for rank, (_, device) in enumerate(gathered))
             logger.print(f"devices: {devices}; the slow link is gloo over TCP from host memory")
+            model = self.cfg.model.init_from or self.cfg.model.flavor
             logger.print(
-                f"model {self.cfg.model.flavor}: {self.num_params:,} parameters; largest rank state (rank "
+                f"model {model}: {self.num_params:,} parameters; largest rank state (rank "
                 f"{worst['rank']}, stage {worst['stage']}): params {worst['params'] / mb:,.1f} MB, grads "
                 f"{worst['grads'] / mb:,.1f} MB, inner {worst['inner_state'] / mb:,.1f} MB, outer "
                 f"{worst['outer_state'] / mb:,.1f} MB, total {worst['total'] / mb:,.1f} MB (on the device "

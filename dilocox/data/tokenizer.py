@@ -59,14 +59,22 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Load a tokenizer.json (or a directory that holds one), as written by `save` or by Hugging Face."""
+        """Load a tokenizer.json, or a local directory that holds one (what Hugging Face's `save_pretrained` of a
+        fast tokenizer writes). Nothing is downloaded: a hub name is refused with how to fetch it first."""
         file = Path(path).expanduser()
-        if file.is_dir() and (file / "tokenizer.json").is_file():
+        if file.is_dir():
+            if not (file / "tokenizer.json").is_file():
+                raise ValueError(
+                    f"data.tokenizer={str(path)!r} is a directory without tokenizer.json; save a fast tokenizer into "
+                    "it (AutoTokenizer.from_pretrained(NAME).save_pretrained(DIR) writes one) or pass a tokenizer.json"
+                )
             file = file / "tokenizer.json"
         if not file.is_file():
             raise ValueError(
-                f"data.tokenizer={str(path)!r} does not exist; give the path of a tokenizer.json, "
-                f"or leave data.tokenizer empty to train a BPE tokenizer of data.vocab_size on the corpus"
+                f"data.tokenizer={str(path)!r} is not a local file or directory, and dilocox never downloads: fetch "
+                "a Hugging Face tokenizer first (AutoTokenizer.from_pretrained(NAME).save_pretrained(DIR), or `hf "
+                "download NAME tokenizer.json --local-dir DIR`) and pass DIR, or leave data.tokenizer empty to train "
+                "a BPE of data.vocab_size on the corpus"
             )
         try:
             backend = tokenizers.Tokenizer.from_file(str(file))
