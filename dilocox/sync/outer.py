@@ -398,8 +398,8 @@ def _check_optimizer(inner_optimizer: Any, params: list[torch.Tensor]) -> None:
     missing, extra = len(synced - optimized), len(optimized - {id(p) for p in params})
     if missing or extra:
         raise ValueError(
-            f"inner_optimizer must step exactly the synced parameters: {missing} of them are not in it and it holds "
-            f"{extra} others; build it from the same model.parameters() (clusters would drift apart otherwise)"
+            f"inner_optimizer must step exactly the synced parameters: it misses {missing} of them and holds {extra} "
+            "others; build it from the same model.parameters() (clusters would drift apart otherwise)"
         )
 
 
