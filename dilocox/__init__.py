@@ -16,14 +16,24 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["CompressionConfig", "OuterSync", "RoundStats", "SyncConfig", "WanChannel"]
+__all__ = [
+    "CompressionConfig",
+    "OuterSync",
+    "RoundStats",
+    "SyncConfig",
+    "Topology",
+    "WanChannel",
+    "build_process_groups",
+]
 
 _HOMES = {
     "CompressionConfig": "dilocox.compress.config",
     "OuterSync": "dilocox.sync.outer",
     "RoundStats": "dilocox.sync.base",
     "SyncConfig": "dilocox.sync.config",
+    "Topology": "dilocox.topology",
     "WanChannel": "dilocox.net.channel",
+    "build_process_groups": "dilocox.topology",
 }
 """Where each public name is defined."""
 
@@ -33,6 +43,7 @@ if TYPE_CHECKING:
     from dilocox.sync.base import RoundStats
     from dilocox.sync.config import SyncConfig
     from dilocox.sync.outer import OuterSync
+    from dilocox.topology import Topology, build_process_groups
 
 
 def __getattr__(name: str) -> Any:

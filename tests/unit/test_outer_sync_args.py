@@ -24,7 +24,15 @@ def build(**options):
 
 
 def test_public_names_are_exported_and_lazy():
-    assert sorted(dilocox.__all__) == ["CompressionConfig", "OuterSync", "RoundStats", "SyncConfig", "WanChannel"]
+    assert dilocox.__all__ == [
+        "CompressionConfig",
+        "OuterSync",
+        "RoundStats",
+        "SyncConfig",
+        "Topology",
+        "WanChannel",
+        "build_process_groups",
+    ]
     for name in dilocox.__all__:
         assert getattr(dilocox, name).__name__ == name
     with pytest.raises(AttributeError, match="no attribute 'DiLoCo'"):
