@@ -12,6 +12,7 @@ from dilocox.sync.base import CodecCost, RoundStats, SyncStrategy
 from dilocox.sync.cocktail import CocktailSync
 from dilocox.sync.config import SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
+from dilocox.sync.outer import OuterSync
 from dilocox.sync.reducers import DenseReducer, GatherReducer, PendingMean, Reducer, build_reducer
 from dilocox.sync.scalable import ScalableElementwiseReducer, ScalableLowRankReducer
 
@@ -25,6 +26,7 @@ __all__ = [
     "DenseReducer",
     "DiLoCoSync",
     "GatherReducer",
+    "OuterSync",
     "PendingMean",
     "Reducer",
     "RoundStats",
@@ -39,12 +41,13 @@ __all__ = [
 
 
 def build_sync(cfg: Config, params, *, channel: WanChannel, dp_group: dist.ProcessGroup | None) -> SyncStrategy:
-    """The strategy named by `sync.kind`, over this rank's parameters."""
+    """The strategy named by `sync.kind`, over this rank's parameters. The outer-loop kinds get the public
+    `OuterSync` around `DiLoCoSync`, so `dilocox train` and a user's own loop (docs/api.md) run one object."""
     if cfg.sync.kind == "allreduce":
         return AllReduceSync(params, channel=channel, dp_group=dp_group)
     if cfg.sync.kind == "cocktail":
         return CocktailSync(params, cfg.cocktail, channel=channel, dp_group=dp_group, seed=cfg.run.seed)
-    return DiLoCoSync(
+    return OuterSync.from_configs(
         params,
         cfg.sync,
         cfg.compression,

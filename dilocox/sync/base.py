@@ -58,6 +58,11 @@ class RoundStats:
         """Link time that overlapped compute."""
         return max(0.0, self.link_s - self.exposed_s)
 
+    @property
+    def hidden_fraction(self) -> float | None:
+        """Share of the link time that overlapped compute (None when the transfer took no link time)."""
+        return self.hidden_s / self.link_s if self.link_s > 0 else None
+
     def to_record(self) -> dict[str, float]:
         record: dict[str, float] = {
             "round_link_s": self.link_s,

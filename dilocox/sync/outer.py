@@ -1,0 +1,475 @@
+"""`OuterSync`: the outer loop of DiLoCo and DiLoCoX for a training loop you write yourself (docs/api.md).
+
+    with OuterSync(model, inner_optimizer, cluster_group=group, inner_steps=50, compression="int4") as sync:
+        for x, y in data:
+            loss_fn(model(x), y).backward(); inner_optimizer.step(); inner_optimizer.zero_grad()
+            sync.step()         # every H-th step: launch this round's sync, apply the one that is due
+
+It is a facade over `DiLoCoSync` (the round, the delay, the reducers: docs/design.md §3-§4) and a `WanChannel`
+(§5). `build_sync` returns the same class to the CLI's trainer (`OuterSync.from_configs`), so a user's loop and
+`dilocox train` run one implementation; what this module adds is only what a user's loop lacks: a step counter,
+keyword arguments with the strategies' defaults, the dp mean hooked to the inner optimizer, checks of the
+arguments and of the clusters' starting point, and a context manager that flushes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dilocox.compress import CompressionConfig
+from dilocox.compress.config import CODEC_KINDS
+from dilocox.net.channel import PendingTransfer, WanChannel
+from dilocox.net.link import parse_bandwidth, parse_duration
+from dilocox.sync.base import RoundStats
+from dilocox.sync.config import KIND_DEFAULTS, OUTER_LOOP_KINDS, SyncConfig
+from dilocox.sync.diloco import DiLoCoSync
+from dilocox.topology import group_size
+
+RESUME_SETTINGS = ("kind", "inner_steps", "sync_delay", "outer_lr", "outer_momentum", "nesterov")
+"""`SyncConfig` fields a saved state overrides (H, the outer optimizer's settings) or depends on (the delay), so
+`load_state_dict` refuses a state saved with other values instead of silently keeping the saved ones."""
+_FINGERPRINT_VALUES = 4096
+"""Parameter values (evenly strided) hashed into the fingerprint that checks the clusters start alike."""
+
+
+class OuterSync:
+    """DiLoCo's outer sync around a model you train yourself (Douillard et al. 2023, arXiv 2311.08105), with
+    DiLoCoX's one-step delay and compressed pseudo-gradients (Qi et al. 2025, arXiv 2506.21263).
+
+    Every `inner_steps` (H) calls of `step()` a round ends: the pseudo-gradient `round start - params` is averaged
+    over `cluster_group` (the slow link, through a `WanChannel`) and applied to the outer params by an outer SGD.
+    With `sync_delay = 1` round t's average travels while round t+1 trains and is applied at the end of round t+1;
+    `flush()` (also on leaving the `with` block without an exception) ends the round in progress, waits for what
+    is in flight and sets every cluster to the same parameters.
+
+        with OuterSync(model, inner_optimizer, cluster_group=cluster_group, inner_steps=50) as sync:
+            ...; inner_optimizer.step(); sync.step()      # the RoundStats of the sync applied, or None
+        # here every cluster holds the same parameters
+
+    `kind` picks the defaults of `sync_delay`, `compression`, `outer_lr` and `outer_momentum` (`KIND_DEFAULTS`):
+    `dilocox` is delayed, adaptive low-rank int4, plain averaging; `diloco` is blocking, fp32, SGD lr 0.7 with
+    Nesterov 0.9. `dp_group` (the data-parallel replicas of this model inside the cluster) gets the gradient mean
+    before every inner step, from a pre-step hook on `inner_optimizer` unless `reduce_gradients()` was called
+    since the last one, and shares the cluster's uplink: each replica sends 1/D of the pseudo-gradient.
+    """
+
+    def __init__(
+        self,
+        model_or_params: torch.nn.Module | Iterable[torch.Tensor],
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        cluster_group: dist.ProcessGroup | None,
+        inner_steps: int | None = None,
+        kind: str = "dilocox",
+        compression: str | CompressionConfig | None = None,
+        sync_delay: int | None = None,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        nesterov: bool | None = None,
+        merge: str | None = None,
+        dp_group: dist.ProcessGroup | None = None,
+        bandwidth: str | None = None,
+        latency: str = "0",
+        seed: int = 0,
+    ) -> None:
+        params = _parameters(model_or_params)
+        _check_optimizer(inner_optimizer, params)
+        _check_group("cluster_group", cluster_group)
+        _check_group("dp_group", dp_group)
+        _check_disjoint(cluster_group, dp_group)
+        sync, codec = outer_configs(
+            kind,
+            compression,
+            inner_steps=inner_steps,
+            sync_delay=sync_delay,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            nesterov=nesterov,
+            merge=merge,
+        )
+        bytes_per_s = None if bandwidth is None else parse_bandwidth(bandwidth)
+        latency_s = parse_duration(latency)
+        if bytes_per_s is None and latency_s:
+            raise ValueError(
+                f"latency = {latency!r} is only emulated together with a bandwidth: pass bandwidth too (e.g. "
+                "'1Gbps'), or leave latency out on a real link"
+            )
+        channel = WanChannel(
+            cluster_group, bandwidth=bytes_per_s, latency_s=latency_s, num_sharing=group_size(dp_group)
+        )
+        self._setup(params, sync, codec, channel=channel, owns_channel=True, dp_group=dp_group, seed=seed)
+        self._start_check = _launch_start_check(self.diloco.outer_params, channel, dp_group)
+        if group_size(dp_group) > 1:
+            self._hook = inner_optimizer.register_step_pre_hook(self._before_inner_step)
+
+    @classmethod
+    def from_configs(
+        cls,
+        params: Iterable[torch.Tensor],
+        sync: SyncConfig,
+        compression: CompressionConfig | None = None,
+        *,
+        channel: WanChannel,
+        dp_group: dist.ProcessGroup | None = None,
+        seed: int = 0,
+        total_steps: int | None = None,
+    ) -> OuterSync:
+        """Around a `channel` the caller owns (and closes), with the config dataclasses: the trainer's path
+        (`build_sync`), and the one to `sync.fit_link` or `sync.outer_state_device`. Nothing is hooked or
+        checked beyond the configs: the caller calls `reduce_gradients()` before each inner step itself, and
+        the rounds also end at `total_steps`."""
+        if sync.kind not in OUTER_LOOP_KINDS:
+            raise ValueError(f"OuterSync needs sync.kind = diloco or dilocox, not {sync.kind!r}")
+        self = cls.__new__(cls)
+        self._setup(
+            list(params),
+            sync,
+            compression or CompressionConfig(),
+            channel=channel,
+            owns_channel=False,
+            dp_group=dp_group,
+            seed=seed,
+            total_steps=total_steps,
+        )
+        return self
+
+    def _setup(
+        self,
+        params: list[torch.Tensor],
+        sync: SyncConfig,
+        compression: CompressionConfig,
+        *,
+        channel: WanChannel,
+        owns_channel: bool,
+        dp_group: dist.ProcessGroup | None,
+        seed: int,
+        total_steps: int | None = None,
+    ) -> None:
+        self.diloco = DiLoCoSync(
+            params, sync, compression, channel=channel, dp_group=dp_group, seed=seed, total_steps=total_steps
+        )
+        """The implementation this facade drives (docs/design.md §3)."""
+        self.sync_config = sync
+        self.compression = compression
+        self.channel = channel
+        """The slow link: cumulative bytes and busy, exposed and hidden time in `channel.stats()`."""
+        self.dp_group = dp_group
+        self.num_steps = 0
+        """Inner steps taken (the step of the last `step()` or `after_inner_step(step)`)."""
+        self.last_round: RoundStats | None = None
+        """What the last sync applied cost: bytes sent, link, exposed and hidden time, the codec's payload and rank."""
+        self._owns_channel = owns_channel
+        self._start_check: PendingTransfer[list[torch.Tensor]] | None = None
+        self._hook: torch.utils.hooks.RemovableHandle | None = None
+        self._reduced = False  # reduce_gradients() ran since the last inner step
+
+    # ---------------------------------------------------------------------------------------------- the loop
+    def step(self) -> RoundStats | None:
+        """Count one inner step (call it after `inner_optimizer.step()`); at a round's end launch this round's sync
+        and apply the one that is due. Returns what the sync it applied cost, or None (no round ended, or the
+        first round of a delayed sync: nothing was due yet)."""
+        self._finish_start_check(compare=True)
+        return self.after_inner_step(self.num_steps + 1)
+
+    def after_inner_step(self, step: int) -> RoundStats | None:
+        """`step()` with the caller's 1-based step count (the trainer's protocol, docs/design.md §6)."""
+        self.num_steps = step
+        stats = self.diloco.after_inner_step(step)
+        if stats is not None:
+            self.last_round = stats
+        return stats
+
+    def reduce_gradients(self) -> None:
+        """Average this step's gradients over `dp_group` (a copy for a group of one): call it after backward and
+        before clipping; otherwise the optimizer hook does it just before the inner step."""
+        self.diloco.reduce_gradients()
+        self._reduced = True
+
+    def flush(self) -> RoundStats | None:
+        """End the round in progress (if it has steps), wait for every sync in flight and apply it: afterwards
+        every cluster holds the same parameters, the outer params. Training may go on from there. Returns what the
+        last sync waited for cost, or None if nothing was pending."""
+        stats = None
+        if self.num_steps > self.diloco.last_boundary:
+            stats = self.diloco.end_round(self.num_steps)
+        stats = self.diloco.flush() or stats
+        if stats is not None:
+            self.last_round = stats
+        return stats
+
+    def close(self, *, cancel: bool = False) -> None:
+        """Remove the optimizer hook and stop the channel this object built (not a `from_configs` caller's). It
+        does not flush; `cancel=True` (error paths) drops transfers not yet started."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self._owns_channel:
+            self.channel.close(cancel=cancel)
+
+    def __enter__(self) -> OuterSync:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc_type is not None:
+            self.close(cancel=True)
+            return
+        try:
+            self.flush()
+        except BaseException:
+            self.close(cancel=True)
+            raise
+        self.close()
+
+    # ---------------------------------------------------------------------------------------------- the protocol
+    @property
+    def name(self) -> str:
+        return self.diloco.name
+
+    @property
+    def outer_step(self) -> int:
+        """Rounds completed."""
+        return self.diloco.outer_step
+
+    @property
+    def inner_steps(self) -> int:
+        """H of the round in progress."""
+        return self.diloco.inner_steps
+
+    @property
+    def numel(self) -> int:
+        """Values of the parameters kept in step."""
+        return self.diloco.numel
+
+    @property
+    def warnings(self) -> list[str]:
+        """Messages for the user (the link cannot keep up); the trainer pops and prints them."""
+        return self.diloco.warnings
+
+    @property
+    def outer_params(self) -> torch.Tensor:
+        """phi, the outer params (numel,) fp32: the same on every cluster after each outer step."""
+        return self.diloco.outer_params
+
+    def is_round_boundary(self, step: int) -> bool:
+        return self.diloco.is_round_boundary(step)
+
+    def agreed_model(self) -> AbstractContextManager[bool]:
+        """Inside it the model holds phi, the parameters every cluster agrees on (evaluate the model there); its
+        own parameters come back on exit."""
+        return self.diloco.agreed_model()
+
+    def state_bytes(self) -> int:
+        return self.diloco.state_bytes()
+
+    # ---------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The outer state (docs/design.md §3), the step count, the link's counters and the settings that resuming
+        needs. A sync in flight is not waited for: what this rank sent is saved and sent again by
+        `load_state_dict`. Save the model's and the inner optimizer's state beside it."""
+        return {
+            **self.diloco.state_dict(),
+            "num_steps": self.num_steps,
+            "channel": self.channel.state_dict(),
+            "settings": self._resume_settings(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`. Every cluster must call it at the same point (a sync that was in flight is
+        sent again over the slow link), on an object built with the same settings."""
+        if not isinstance(state, dict) or "outer_params" not in state:
+            keys = sorted(state)[:5] if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"load_state_dict takes what OuterSync.state_dict() returned, got {keys}")
+        self._check_settings(state.get("settings"))
+        self._finish_start_check(compare=False)  # the saved state, not the constructor's model, is the start now
+        if "channel" in state:  # the counters first: the sync decides from them how to send a saved transfer again
+            self.channel.load_state_dict(state["channel"])
+        self.diloco.load_state_dict(state)
+        self.num_steps = int(state.get("num_steps", state["last_boundary"]))
+
+    def _check_settings(self, saved: dict[str, Any] | None) -> None:
+        if saved is None:  # saved by the trainer before OuterSync existed; its config was checked on resume
+            return
+        mine = self._resume_settings()
+        changed = [
+            f"{name} = {saved.get(name)!r} (now {value!r})" for name, value in mine.items() if saved.get(name) != value
+        ]
+        if changed:
+            raise ValueError(
+                f"this outer-sync state was saved with {', '.join(changed)}: resume with the settings it was saved "
+                "with (the saved outer optimizer and round would silently override the new ones)"
+            )
+
+    def _resume_settings(self) -> dict[str, Any]:
+        """The settings a saved state must be resumed with (`RESUME_SETTINGS` and the codec)."""
+        return {name: getattr(self.sync_config, name) for name in RESUME_SETTINGS} | {
+            "compression": self.compression.kind
+        }
+
+    # ---------------------------------------------------------------------------------------------- internals
+    def _before_inner_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._reduced:
+            self.diloco.reduce_gradients()
+        self._reduced = False
+
+    def _finish_start_check(self, *, compare: bool) -> None:
+        """Wait for the fingerprints launched at construction; with `compare`, refuse clusters that start apart."""
+        if self._start_check is None:
+            return
+        pending, self._start_check = self._start_check, None
+        fingerprints = [tuple(int(v) for v in f.tolist()) for f in pending.wait()]
+        if compare:
+            _check_same_start(fingerprints, "cluster_group", "clusters")
+
+
+def outer_configs(
+    kind: str, compression: str | CompressionConfig | None = None, **sync_options: Any
+) -> tuple[SyncConfig, CompressionConfig]:
+    """The validated configs of `OuterSync`'s keyword arguments: None keeps the kind's default (`KIND_DEFAULTS`,
+    then the dataclasses' defaults), as unset keys of a config file do."""
+    if kind not in OUTER_LOOP_KINDS:
+        per_step = " (allreduce and cocktail sync every step: in your own loop use DistributedDataParallel)"
+        raise ValueError(
+            f"kind = {kind!r} is not an outer-loop strategy; use 'dilocox' (one-step delay, adaptive compression) "
+            f"or 'diloco' (blocking, fp32)" + (per_step if kind in ("allreduce", "cocktail") else "")
+        )
+    inner_steps = sync_options.get("inner_steps")
+    if inner_steps is not None and (
+        isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1
+    ):
+        raise ValueError(f"inner_steps = {inner_steps!r} must be an int >= 1: H, the inner steps between outer syncs")
+    if isinstance(compression, str):
+        if compression not in CODEC_KINDS:
+            raise ValueError(f"compression = {compression!r} is not a codec; use one of: {', '.join(CODEC_KINDS)}")
+        codec = CompressionConfig(kind=compression)
+    elif isinstance(compression, CompressionConfig):
+        codec = dataclasses.replace(compression)  # the caller's object is never changed
+    elif compression is None:
+        codec = CompressionConfig()
+    else:
+        raise ValueError(
+            f"compression = {compression!r} must be a codec name ({', '.join(CODEC_KINDS)}) or a CompressionConfig"
+        )
+    sync = SyncConfig(kind=kind)
+    explicit = {"compression.kind"} if compression is not None else set()
+    for name, value in sync_options.items():
+        if value is not None:
+            setattr(sync, name, value)
+            explicit.add(f"sync.{name}")
+    sections = {"sync": sync, "compression": codec}
+    for key, value in KIND_DEFAULTS.get(kind, {}).items():
+        if key not in explicit:
+            section, name = key.split(".")
+            setattr(sections[section], name, value)
+    sync.validate()
+    codec.validate()
+    return sync, codec
+
+
+def _parameters(model_or_params: Any) -> list[torch.Tensor]:
+    if isinstance(model_or_params, torch.nn.Module):
+        params = list(model_or_params.parameters())
+    elif isinstance(model_or_params, torch.Tensor | dict | str) or not isinstance(model_or_params, Iterable):
+        raise ValueError(
+            f"model_or_params must be an nn.Module or an iterable of its parameters (model.parameters()), got "
+            f"{type(model_or_params).__name__}"
+        )
+    else:
+        params = list(model_or_params)
+        wrong = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
+        if wrong:
+            raise ValueError(
+                f"model_or_params holds {wrong[0]}, not parameters: pass model.parameters() (not named_parameters() "
+                "or a state_dict)"
+            )
+    if not any(p.requires_grad for p in params):
+        raise ValueError("model_or_params has no parameter that requires grad: there is nothing to train or sync")
+    return params
+
+
+def _check_optimizer(inner_optimizer: Any, params: list[torch.Tensor]) -> None:
+    if not isinstance(inner_optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"inner_optimizer must be a torch.optim.Optimizer over the model's parameters, got "
+            f"{type(inner_optimizer).__name__}"
+        )
+    synced = {id(p) for p in params if p.requires_grad}  # frozen parameters never change: nothing to sync
+    optimized = {id(p) for group in inner_optimizer.param_groups for p in group["params"]}
+    missing, extra = len(synced - optimized), len(optimized - {id(p) for p in params})
+    if missing or extra:
+        raise ValueError(
+            f"inner_optimizer must step exactly the synced parameters: it misses {missing} of them and holds {extra} "
+            "others; build it from the same model.parameters() (clusters would drift apart otherwise)"
+        )
+
+
+def _check_group(name: str, group: Any) -> None:
+    if group is None:
+        return
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"this rank is not a member of {name}: every rank passes the group that contains it "
+            "(dist.new_group returns a placeholder to the ranks outside a group)"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        role = (
+            "the ranks that hold this model in the other clusters (one rank per cluster)"
+            if name == "cluster_group"
+            else "this model's data-parallel replicas inside the cluster"
+        )
+        raise ValueError(
+            f"{name} must be a torch.distributed ProcessGroup of {role}, e.g. dist.new_group(ranks), or None; got "
+            f"{type(group).__name__}"
+        )
+
+
+def _check_disjoint(cluster_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None) -> None:
+    if cluster_group is None or dp_group is None:
+        return
+    shared = set(dist.get_process_group_ranks(cluster_group)) & set(dist.get_process_group_ranks(dp_group))
+    if shared != {dist.get_rank()}:
+        raise ValueError(
+            f"cluster_group and dp_group share ranks {sorted(shared)}: they must meet only in this rank "
+            "(cluster_group: one rank per cluster across the slow link; dp_group: the replicas inside this cluster)"
+        )
+
+
+def _fingerprint(outer_params: torch.Tensor) -> torch.Tensor:
+    """(2,) int64: the parameter count and a hash of evenly strided values (bit for bit)."""
+    sample = outer_params[:: max(1, outer_params.numel() // _FINGERPRINT_VALUES)].detach().cpu()
+    digest = hashlib.blake2b(sample.numpy().tobytes(), digest_size=8).digest()
+    return torch.tensor([outer_params.numel(), int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+
+
+def _launch_start_check(
+    outer_params: torch.Tensor, channel: WanChannel, dp_group: dist.ProcessGroup | None
+) -> PendingTransfer[list[torch.Tensor]]:
+    """DiLoCo needs every replica to start from the same parameters (the trainer builds them from one seed). A
+    user's model is checked: at once over the fast dp_group, and over the slow link in the background (not counted
+    as payload), compared at the first step unless a loaded state replaces the start."""
+    fingerprint = _fingerprint(outer_params)
+    if group_size(dp_group) > 1:
+        gathered = [torch.empty_like(fingerprint) for _ in range(group_size(dp_group))]
+        dist.all_gather(gathered, fingerprint, group=dp_group)
+        _check_same_start([tuple(int(v) for v in f.tolist()) for f in gathered], "dp_group", "data-parallel replicas")
+    return channel.launch_all_gather(fingerprint, account=False)
+
+
+def _check_same_start(fingerprints: list[tuple[int, ...]], group: str, members: str) -> None:
+    if len({numel for numel, _ in fingerprints}) > 1:
+        counts = ", ".join(f"{numel:,}" for numel, _ in fingerprints)
+        raise ValueError(
+            f"the {members} of {group} sync different numbers of parameter values ({counts}): each must pass the "
+            "same model"
+        )
+    if len(set(fingerprints)) > 1:
+        raise ValueError(
+            f"the {members} of {group} start from different parameters: build the model with the same seed on every "
+            "rank (torch.manual_seed before constructing it) or load the same weights before building OuterSync"
+        )

@@ -1,0 +1,127 @@
+"""`OuterSync`'s arguments (docs/api.md): the strategies' defaults by name, one ValueError naming each mistake and
+its fix, and the one object the trainer also gets from `build_sync`. No process group: `cluster_group=None` is one
+cluster (nothing crosses a link); the mistakes that need groups are in tests/dist/test_outer_sync.py."""
+
+import pytest
+import torch
+
+import dilocox
+from dilocox import CompressionConfig, OuterSync
+from dilocox.config import load_config
+from dilocox.net.channel import WanChannel
+from dilocox.sync import build_sync
+
+
+def model_and_optimizer(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def build(**options):
+    model, optimizer = model_and_optimizer()
+    return OuterSync(model, optimizer, **{"cluster_group": None, "inner_steps": 2, **options})
+
+
+def test_public_names_are_exported_and_lazy():
+    assert dilocox.__all__ == [
+        "CompressionConfig",
+        "OuterSync",
+        "RoundStats",
+        "SyncConfig",
+        "Topology",
+        "WanChannel",
+        "build_process_groups",
+    ]
+    for name in dilocox.__all__:
+        assert getattr(dilocox, name).__name__ == name
+    with pytest.raises(AttributeError, match="no attribute 'DiLoCo'"):
+        dilocox.DiLoCo  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    "kind, options, want",
+    [
+        ("dilocox", {}, (1, "adaptive", 1.0, 0.0)),  # KIND_DEFAULTS of dilocox
+        ("diloco", {}, (0, "none", 0.7, 0.9)),  # the global defaults
+        ("dilocox", {"sync_delay": 0, "compression": "int4", "outer_momentum": 0.5}, (0, "int4", 1.0, 0.5)),
+        ("diloco", {"compression": CompressionConfig(kind="lowrank_int4", rank=4)}, (0, "lowrank_int4", 0.7, 0.9)),
+    ],
+)
+def test_kinds_fill_the_settings_left_out(kind, options, want):
+    sync = build(kind=kind, **options)
+    got = (sync.sync_config.sync_delay, sync.compression.kind, sync.sync_config.outer_lr)
+    assert (*got, sync.sync_config.outer_momentum) == want
+    assert sync.name == kind and sync.inner_steps == 2
+
+
+def test_a_compression_config_is_used_as_given_and_never_changed():
+    mine = CompressionConfig(kind="lowrank_int4", rank=4)
+    sync = build(compression=mine)
+    assert sync.compression == mine and sync.compression is not mine
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"cluster_group": [0, 1]}, ["cluster_group must be a torch.distributed ProcessGroup", "got list"]),
+        ({"dp_group": 3}, ["dp_group must be a torch.distributed ProcessGroup", "replicas inside the cluster"]),
+        ({"inner_steps": 0}, ["inner_steps = 0 must be an int >= 1"]),
+        ({"inner_steps": 2.5}, ["inner_steps = 2.5 must be an int >= 1"]),
+        ({"inner_steps": True}, ["inner_steps = True must be an int >= 1"]),
+        ({"kind": "allreduce"}, ["kind = 'allreduce' is not an outer-loop strategy", "DistributedDataParallel"]),
+        ({"kind": "dilocoxx"}, ["kind = 'dilocoxx' is not an outer-loop strategy", "'dilocox'"]),
+        ({"compression": "int3"}, ["compression = 'int3' is not a codec", "lowrank_int4, adaptive"]),
+        ({"compression": 4}, ["compression = 4 must be a codec name", "or a CompressionConfig"]),
+        ({"compression": CompressionConfig(kind="int4", group_size=0)}, ["compression.group_size = 0 must be > 0"]),
+        ({"sync_delay": 2}, ["sync.sync_delay = 2 must be 0 (blocking) or 1"]),
+        ({"merge": "average"}, ["sync.merge = 'average' is not one of: reset, keep_local"]),
+        ({"outer_lr": 0.0}, ["sync.outer_lr = 0.0 must be > 0"]),
+        ({"bandwidth": "100"}, ["network.bandwidth = '100' is not a rate"]),
+        ({"latency": "10ms"}, ["latency = '10ms' is only emulated together with a bandwidth"]),
+    ],
+)
+def test_bad_arguments_name_the_argument_and_the_fix(options, words):
+    with pytest.raises(ValueError) as error:
+        build(**options)
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_bad_model_or_optimizer():
+    model, optimizer = model_and_optimizer()
+    other, other_optimizer = model_and_optimizer()
+    cases = [
+        ((model.state_dict(), optimizer), "model_or_params must be an nn.Module or an iterable of its parameters"),
+        ((model.named_parameters(), optimizer), "model_or_params holds tuple, not parameters"),
+        (([], optimizer), "has no parameter that requires grad"),
+        ((model, model), "inner_optimizer must be a torch.optim.Optimizer"),
+        ((model, other_optimizer), "it misses 4 of them and holds 4 others"),
+        ((list(model.parameters())[:2], optimizer), "it misses 0 of them and holds 2 others"),
+    ]
+    for (model_or_params, inner_optimizer), message in cases:
+        with pytest.raises(ValueError, match=message):
+            OuterSync(model_or_params, inner_optimizer, cluster_group=None, inner_steps=2)
+    # frozen parameters need not be synced, and an optimizer over the model may hold them
+    model[0].bias.requires_grad_(False)
+    assert OuterSync(model, optimizer, cluster_group=None, inner_steps=2).numel == 4 * 8 + 8 * 2 + 2
+
+
+def test_a_state_of_other_settings_or_not_a_state_is_refused():
+    state = build(inner_steps=2, compression="int4").state_dict()
+    with pytest.raises(ValueError, match=r"saved with inner_steps = 2 \(now 3\), compression = 'int4' \(now 'none'\)"):
+        build(inner_steps=3, compression="none").load_state_dict(state)
+    with pytest.raises(ValueError, match="takes what OuterSync.state_dict\\(\\) returned"):
+        build().load_state_dict(model_and_optimizer()[0].state_dict())
+
+
+def test_build_sync_gives_the_trainer_an_outer_sync():
+    """`dilocox train` and a user's loop share one object for diloco and dilocox."""
+    for kind in ("diloco", "dilocox"):
+        cfg = load_config(None, [f"--sync.kind={kind}", "--sync.inner_steps=4"])
+        model, _ = model_and_optimizer()
+        sync = build_sync(
+            cfg, model.parameters(), channel=WanChannel(None, bandwidth=None, latency_s=0.0), dp_group=None
+        )
+        assert isinstance(sync, OuterSync)
+        assert (sync.name, sync.inner_steps, sync.compression.kind) == (kind, 4, cfg.compression.kind)
