@@ -27,7 +27,9 @@ from dilocox.config import Config, from_dict, to_dict, to_toml
 from dilocox.data import TokenData
 from dilocox.device import resolve_device
 from dilocox.fileio import write_atomic
+from dilocox.metrics import check_sinks
 from dilocox.models import model_args
+from dilocox.parallel import check_split
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -76,10 +78,12 @@ def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Pa
     from dilocox.trainer import prepare_data
 
     cfg.validate(world_size)
+    check_sinks(tensorboard=cfg.metrics.tensorboard, wandb=cfg.metrics.wandb)  # a missing extra fails here
     resolve_device(cfg.run.device, local_rank=0)  # asking for a GPU where there is none fails here, not in a rank
     resume = resolve_resume(cfg)
     data = prepare_data(cfg)
-    model_args(cfg.model.flavor, vocab_size=data.vocab_size, max_seq_len=cfg.train.seq_len).validate()
+    args = model_args(cfg.model.flavor, vocab_size=data.vocab_size, max_seq_len=cfg.train.seq_len)
+    check_split(args, cfg.topology.pp_degree)  # more stages than layers, or a tied embedding cut in two
     return data, resume
 
 

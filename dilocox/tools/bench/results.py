@@ -17,10 +17,10 @@ from typing import Any
 
 from dilocox.fileio import write_atomic
 from dilocox.metrics import RunSummary, read_metrics
-from dilocox.tools.bench.plots import plot
 from dilocox.tools.bench.runs import PROCESS_FILE
 from dilocox.tools.bench.spec import BenchSpec
 from dilocox.tools.bench.table import format_table
+from dilocox.tools.plot import load_run, plot_runs, plot_throughput
 
 
 def collect(spec: BenchSpec, out_dir: Path, names: list[str]) -> dict[str, Any]:
@@ -81,7 +81,11 @@ def compare(summary: RunSummary, baseline: RunSummary | None) -> dict[str, Any]:
 
 
 def write_results(results: dict[str, Any], out_dir: Path) -> None:
-    """`results.json`, `results.md` (the table) and the plots, into `out_dir`."""
+    """`results.json`, `results.md` (the table) and the plots of `dilocox plot` for the bench's runs (their curves
+    from `OUT/runs/NAME`, the throughput bars from the table), into `out_dir`."""
     write_atomic(out_dir / "results.json", json.dumps(results, indent=2).encode())
     write_atomic(out_dir / "results.md", format_table(results).encode())
-    plot(results, out_dir)
+    rows = results["runs"]
+    plot_runs([load_run(out_dir / "runs" / row["name"], row["label"]) for row in rows], out_dir, title=results["bench"])
+    plot_throughput([row["label"] for row in rows], [row["tokens_per_s"] for row in rows], out_dir / "throughput.png",
+                    title=results["bench"])  # fmt: skip
