@@ -108,7 +108,8 @@ class TensorBoardSink:
     def __init__(self, run_dir: Path, *, start_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR), purge_step=start_step + 1)
+        purge_step = start_step + 1 if start_step else None  # steps the resumed run logs again are replaced
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR), purge_step=purge_step)
 
     def log(self, record: dict[str, Any]) -> None:
         step = record["step"]
