@@ -253,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader stopped early (`dilocox flavors | head -1`): stop quietly, as Unix tools do. Python would flush
         # stdout again at exit and report the broken pipe, so stdout goes to /dev/null first.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
         return 128 + 13  # the status of a process ended by SIGPIPE
 
 
