@@ -1,16 +1,18 @@
-"""The `dilocox` command: train, eval, export, bench, plan, linkcheck, flavors, env.
+"""The `dilocox` command: train, eval, export, plot, bench, plan, linkcheck, flavors, env.
 
     dilocox train                                   # the embedded default: 2 clusters over an emulated 1 Gbps link
     dilocox train --config configs/debug.toml --sync.kind=allreduce
     dilocox eval runs/dilocox --json
     dilocox export runs/dilocox --format hf --out hf/dilocox
 
-User errors end with one `dilocox: error: ...` line and exit code 2, never a traceback.
+User errors end with one `dilocox: error: ...` line and exit code 2, never a traceback. Output piped into a reader
+that stops early (`dilocox flavors | head -1`) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import textwrap
@@ -22,6 +24,7 @@ commands:
   train     train a model across emulated (or real, under torchrun) clusters
   eval      evaluate a run's latest checkpoint on its validation split or on any text
   export    write a run's checkpoint as a Hugging Face model directory (transformers loads it)
+  plot      plot runs side by side from their metrics.jsonl: loss, slow-link bytes, hidden link time, rank and H
   bench     run strategies side by side on one setting: table, results.json, plots
   plan      project tokens/s of AllReduce, DiLoCo and DiLoCoX at sizes this machine cannot run
   linkcheck time real transfers over a Linux link shaped with tc against the emulated link (root only)
@@ -202,7 +205,28 @@ def cmd_export(argv: list[str]) -> int:
     return 0
 
 
+FLAVORS_USAGE = """usage: dilocox flavors
+
+List the model flavors (model.flavor) with their shapes and parameter counts."""
+
+ENV_USAGE = """usage: dilocox env
+
+Print the versions of dilocox, Python and torch, the GPUs torch sees and the platform (for bug reports)."""
+
+
+def _no_options(argv: list[str], usage: str) -> int | None:
+    """For a command without options: 0 after printing its help, 2 for any argument, None to run it."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage)
+        return 0
+    if argv:
+        return _error(f"unexpected argument(s): {' '.join(argv)}\n{usage}")
+    return None
+
+
 def cmd_flavors(argv: list[str]) -> int:
+    if (code := _no_options(argv, FLAVORS_USAGE)) is not None:
+        return code
     from dilocox.models import count_parameters, list_flavors, model_args
 
     print(f"{'flavor':<16}{'layers':>7}{'dim':>7}{'heads':>7}{'kv':>5}{'ffn':>8}{'vocab':>9}{'params':>16}")
@@ -217,6 +241,8 @@ def cmd_flavors(argv: list[str]) -> int:
 
 
 def cmd_env(argv: list[str]) -> int:
+    if (code := _no_options(argv, ENV_USAGE)) is not None:
+        return code
     import torch
 
     import dilocox
@@ -234,6 +260,12 @@ def cmd_env(argv: list[str]) -> int:
     print(f"run.device = auto would use {describe(resolve_device('auto', local_rank=0))} for local rank 0")
     print(f"platform {platform.platform()}  cpus {__import__('os').cpu_count()}")
     return 0
+
+
+def cmd_plot(argv: list[str]) -> int:
+    from dilocox.tools.plot import main as plot_main
+
+    return plot_main(argv)
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -258,6 +290,7 @@ COMMANDS = {
     "train": cmd_train,
     "eval": cmd_eval,
     "export": cmd_export,
+    "plot": cmd_plot,
     "bench": cmd_bench,
     "plan": cmd_plan,
     "linkcheck": cmd_linkcheck,
@@ -274,7 +307,17 @@ def main(argv: list[str] | None = None) -> int:
     command = COMMANDS.get(argv[0])
     if command is None:
         return _error(f"unknown command {argv[0]!r}\n{USAGE}")
-    return command(argv[1:])
+    try:
+        code = command(argv[1:])
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        # The reader stopped early (`dilocox flavors | head -1`): stop quietly, as Unix tools do. Python would flush
+        # stdout again at exit and report the broken pipe, so stdout goes to /dev/null first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + 13  # the status of a process ended by SIGPIPE
 
 
 if __name__ == "__main__":

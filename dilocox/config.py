@@ -27,6 +27,7 @@ import torch
 from dilocox.checks import check_choice, check_non_negative, check_positive, check_types
 from dilocox.compress.config import CocktailConfig, CompressionConfig
 from dilocox.device import DEVICES
+from dilocox.metrics import WANDB_MODES
 from dilocox.net.config import NetworkConfig
 from dilocox.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from dilocox.sync.config import KIND_DEFAULTS, SyncConfig
@@ -95,7 +96,7 @@ class TrainConfig:
     lr: float = 2e-3
     """Peak learning rate of the inner optimizer."""
     warmup_steps: int = 20
-    """Linear warm-up steps of the inner learning rate."""
+    """Linear warm-up steps of the inner learning rate (when not set: 20, or train.steps // 10 if that is fewer)."""
     min_lr_ratio: float = 0.1
     """The cosine schedule decays the inner learning rate to lr x min_lr_ratio at the last step."""
     optimizer: str = "adamw"
@@ -141,7 +142,7 @@ class EvalConfig:
 @dataclass
 class CheckpointConfig:
     interval: int = 100
-    """Save a checkpoint every this many steps (diloco: a multiple of H unless fit_link) and at the end; 0 = end."""
+    """Save a checkpoint every this many steps (outer loops: at the next round boundary) and at the end; 0 = end."""
     keep: int = 2
     """Keep the newest this many checkpoints; older ones are deleted."""
     resume: str = "auto"
@@ -154,6 +155,10 @@ class MetricsConfig:
     """Write a metrics.jsonl line every this many steps."""
     progress: bool = True
     """Show a progress bar when the launching terminal is interactive (plain log lines otherwise)."""
+    tensorboard: bool = False
+    """Also write every numeric metric as TensorBoard scalars to RUN_DIR/tensorboard (needs dilocox[tensorboard])."""
+    wandb: str = "off"
+    """Also log every numeric metric to W&B, files in RUN_DIR/wandb: off, offline or online (needs `wandb login`)."""
 
 
 @dataclass
@@ -206,6 +211,7 @@ class Config:
         check_choice("run.device", self.run.device, DEVICES)
         check_choice("train.optimizer", self.train.optimizer, OPTIMIZERS)
         check_choice("train.dtype", self.train.dtype, tuple(DTYPES))
+        check_choice("metrics.wandb", self.metrics.wandb, WANDB_MODES)
         if not self.sync.has_outer_loop and self.compression.kind != "none":
             raise ValueError(
                 f"compression.kind = {self.compression.kind!r} compresses pseudo-gradients: use sync.kind = diloco or "
@@ -235,16 +241,9 @@ class Config:
             )
         if self.train.warmup_steps >= self.train.steps and self.train.steps > 1:
             raise ValueError(
-                f"train.warmup_steps = {self.train.warmup_steps} must be smaller than train.steps = {self.train.steps}"
+                f"train.warmup_steps = {self.train.warmup_steps} must be smaller than train.steps = "
+                f"{self.train.steps}; use e.g. --train.warmup_steps={default_warmup_steps(self.train.steps)}"
             )
-        if self.sync.has_outer_loop and not self.sync.fit_link:
-            h = self.sync.inner_steps
-            if self.checkpoint.interval % h:
-                fix = _round_up(self.checkpoint.interval, h)
-                raise ValueError(
-                    f"checkpoint.interval = {self.checkpoint.interval} must be a multiple of sync.inner_steps = {h} "
-                    f"(checkpoints are taken at round boundaries); e.g. --checkpoint.interval={fix}"
-                )
         if self.checkpoint.resume not in ("", "auto") and self.run.overwrite:
             raise ValueError(
                 "checkpoint.resume and run.overwrite contradict each other: resuming keeps the run directory"
@@ -257,12 +256,24 @@ class Config:
                 "(torchrun --nnodes x --nproc-per-node) or change the topology"
             )
 
+    def notes(self) -> list[str]:
+        """One line for each setting that works, but not as its value alone says (printed once at the start)."""
+        notes = []
+        h, interval = self.sync.inner_steps, self.checkpoint.interval
+        if self.sync.has_outer_loop and not self.sync.fit_link and interval % h:
+            notes.append(
+                f"note: checkpoint.interval = {interval} is not a multiple of sync.inner_steps = {h}: checkpoints are "
+                f"taken at the first round boundary at or after each multiple of {interval} (and at the end)"
+            )
+        return notes
+
 
 SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return max(multiple, -(-value // multiple) * multiple)
+def default_warmup_steps(steps: int) -> int:
+    """`train.warmup_steps` when the user did not set it: the field's default, but at most a tenth of the run."""
+    return min(TrainConfig.warmup_steps, steps // 10)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -399,7 +410,8 @@ def read_toml(path: Path, what: str, *, hint: str = "") -> dict[str, Any]:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the TOML file at `path`, then `--section.key=value` overrides (not yet validated).
 
-    The strategy's own defaults (`KIND_DEFAULTS`) fill the keys that neither the file nor a flag set."""
+    The strategy's own defaults (`KIND_DEFAULTS`) fill the keys that neither the file nor a flag set, and so does
+    `default_warmup_steps` for `train.warmup_steps`."""
     cfg = Config()
     explicit: set[str] = set()
     if path:
@@ -412,6 +424,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for name, value in KIND_DEFAULTS.get(cfg.sync.kind, {}).items():
         if name not in explicit:
             _set(cfg, name, value, from_text=False)
+    if "train.warmup_steps" not in explicit:
+        cfg.train.warmup_steps = default_warmup_steps(cfg.train.steps)  # a short run still gets its cosine decay
     return cfg
 
 

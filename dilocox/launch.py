@@ -31,6 +31,8 @@ from dilocox.config import Config, from_dict, to_dict, to_toml
 from dilocox.data import TokenData
 from dilocox.device import resolve_device
 from dilocox.fileio import write_atomic
+from dilocox.metrics import check_sinks
+from dilocox.parallel import check_split
 from dilocox.runlock import RunLock
 
 EXIT_USER_ERROR = 2
@@ -92,10 +94,13 @@ def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Pa
     from dilocox.trainer import model_shape, prepare_data
 
     cfg.validate(world_size)
+    check_sinks(tensorboard=cfg.metrics.tensorboard, wandb=cfg.metrics.wandb)  # a missing extra fails here
     resolve_device(cfg.run.device, local_rank=0)  # asking for a GPU where there is none fails here, not in a rank
     resume = resolve_resume(cfg)
     data = prepare_data(cfg)
-    model_shape(cfg, data.vocab_size).validate()  # model.init_from: its config and weights' shapes too
+    args = model_shape(cfg, data.vocab_size)  # model.init_from: its config and weights' shapes too
+    args.validate()
+    check_split(args, cfg.topology.pp_degree)  # more stages than layers, or a tied embedding cut in two
     return data, resume
 
 

@@ -1,9 +1,12 @@
 """Metrics of a run: `metrics.jsonl` (one object per logged step), a progress bar, and `summary.json`.
 
 Only rank 0 logs. The progress bar is drawn with rich when stdout is a terminal; otherwise (CI, pipes,
-`metrics.progress = false`) a plain line is printed at every logged step.
+`metrics.progress = false`) a plain line is printed at every logged step. Optional sinks receive every numeric key
+of each record with `step` as the x axis: TensorBoard event files in `RUN_DIR/tensorboard` (`metrics.tensorboard`)
+and a Weights & Biases run in `RUN_DIR/wandb` (`metrics.wandb`).
 
-    logger = MetricsLogger(run_dir, total_steps=300, start_step=0, progress=True)
+    check_sinks(tensorboard=True, wandb="offline")        # before the run directory exists: a missing extra fails
+    logger = MetricsLogger(run_dir, total_steps=300, start_step=0, progress=True, tensorboard=True)
     logger.log({"step": 10, "loss": 5.1, ...})
     logger.close()
 """
@@ -11,17 +14,26 @@ Only rank 0 logs. The progress bar is drawn with rich when stdout is a terminal;
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dilocox.fileio import write_atomic
+from dilocox.net.link import parse_bandwidth
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+TENSORBOARD_DIR = "tensorboard"
+"""TensorBoard event files of a run, under its run directory (`tensorboard --logdir RUN_DIR/tensorboard`)."""
+WANDB_DIR = "wandb"
+"""Where W&B writes a run's files, under its run directory (offline runs: `wandb sync RUN_DIR/wandb/offline-run-*`)."""
+WANDB_MODES = ("off", "offline", "online")
+"""`metrics.wandb`: no W&B run, a local run written without network, or a run streamed to the W&B server."""
 
 
 def _clean(value: Any) -> Any:
@@ -45,13 +57,126 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-class MetricsLogger:
-    """Appends metric records to metrics.jsonl and shows progress on the launching terminal."""
+def numeric_items(record: dict[str, Any]) -> dict[str, float]:
+    """The keys of a metrics record that the sinks plot: finite numbers (not bools); strings and None are skipped."""
+    return {
+        key: value
+        for key, value in record.items()
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    }
 
-    def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, progress: bool = True) -> None:
+
+def _missing_extra(option: str, package: str, extra: str) -> ValueError:
+    return ValueError(f"{option} needs the {package} package, which is not installed: pip install 'dilocox[{extra}]'")
+
+
+def check_sinks(*, tensorboard: bool, wandb: str) -> None:
+    """Raise ValueError when an enabled sink cannot work here: its package is missing (naming the extra to install),
+    or `wandb = online` without W&B credentials. Run before the run directory is created; touches no network."""
+    if tensorboard:
+        try:
+            importlib.import_module("tensorboard")  # torch.utils.tensorboard needs it; torch does not require it
+            importlib.import_module("torch.utils.tensorboard")
+        except ImportError:
+            raise _missing_extra("metrics.tensorboard = true", "tensorboard", "tensorboard") from None
+    if wandb == "off":
+        return
+    try:
+        import wandb as wb
+    except ImportError:
+        raise _missing_extra(f"metrics.wandb = {wandb}", "wandb", "wandb") from None
+    if wandb == "online":
+        # Credentials from WANDB_API_KEY, a settings file or ~/.netrc (what `wandb login` writes); silent, so that
+        # wandb does not ask the server for the user name, and no prompt: this may run without a terminal.
+        wb.setup(wb.Settings(silent=True))
+        try:
+            logged_in = wb.login(verify=False, prompt=False)
+        finally:
+            wb.teardown()
+        if not logged_in:
+            raise ValueError(
+                "metrics.wandb = online needs a W&B login: run `wandb login` (or set WANDB_API_KEY) first, or use "
+                "--metrics.wandb=offline and upload later with `wandb sync RUN_DIR/wandb/offline-run-*`"
+            )
+
+
+class TensorBoardSink:
+    """Every numeric key of each record as a TensorBoard scalar at `step`, in `RUN_DIR/tensorboard`.
+
+    A resumed run purges what the interrupted run wrote after its checkpoint (`purge_step`), as metrics.jsonl does."""
+
+    def __init__(self, run_dir: Path, *, start_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge_step = start_step + 1 if start_step else None  # steps the resumed run logs again are replaced
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR), purge_step=purge_step)
+
+    def log(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        for key, value in numeric_items(record).items():
+            if key != "step":
+                self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()  # a crashed run keeps what it logged
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """Every numeric key of each record, logged to a W&B run at `step`, with the run's files in `RUN_DIR/wandb`.
+
+    `mode` is offline (written locally, no network; `wandb sync` uploads it later) or online (needs `wandb login`).
+    The project is `WANDB_PROJECT`, else "dilocox"; the run is named after the run directory and carries the
+    resolved config. W&B's console capture is off (dilocox prints its own progress). A resumed run is a new W&B run
+    that starts at the checkpoint's step."""
+
+    def __init__(self, run_dir: Path, *, mode: str, config: dict[str, Any] | None, start_step: int) -> None:
+        import wandb
+
+        run_dir = Path(run_dir).resolve()
+        name = run_dir.name if start_step == 0 else f"{run_dir.name} (resumed at step {start_step})"
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "dilocox"),
+            name=name,
+            group=run_dir.name,
+            dir=str(run_dir),
+            mode=mode,
+            config=config,
+            settings=wandb.Settings(console="off", disable_git=True, save_code=False),
+        )
+
+    def log(self, record: dict[str, Any]) -> None:
+        values = numeric_items(record)
+        step = values.pop("step")
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricsLogger:
+    """Appends metric records to metrics.jsonl (and the enabled sinks) and shows progress on the launching
+    terminal."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        progress: bool = True,
+        tensorboard: bool = False,
+        wandb: str = "off",
+        config: dict[str, Any] | None = None,
+    ) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.file = open(self.path, "a")  # noqa: SIM115 - kept open for the run, closed in close()
         self.total_steps = total_steps
+        self.sinks: list[TensorBoardSink | WandbSink] = []
+        if tensorboard:
+            self.sinks.append(TensorBoardSink(run_dir, start_step=start_step))
+        if wandb != "off":
+            self.sinks.append(WandbSink(run_dir, mode=wandb, config=config, start_step=start_step))
         self._progress = None
         if progress and sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -69,6 +194,8 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
         self.file.flush()
+        for sink in self.sinks:
+            sink.log(record)
         info = f"loss {record['loss']:.3f}"
         if record.get("eval_loss") is not None:
             info += f"  eval {record['eval_loss']:.3f}"
@@ -89,6 +216,8 @@ class MetricsLogger:
             self._progress.stop()
             self._progress = None
         self.file.close()
+        while self.sinks:
+            self.sinks.pop().close()
 
 
 @dataclass
@@ -172,6 +301,8 @@ def format_summary(s: RunSummary) -> str:
             n /= 1000
         return f"{n:,.1f} TB"
 
+    # an unlimited link is not emulated: its latency is not applied either
+    link = f"{s.bandwidth} / {s.latency}" if parse_bandwidth(s.bandwidth) is not None else "unlimited (not emulated)"
     ratio = s.allreduce_equiv_bytes / s.wan_bytes_total if s.wan_bytes_total else float("inf")
     versus = f"{ratio:,.1f}x" if s.allreduce_equiv_bytes else "one cluster: no slow link"
     first = s.initial_eval_loss
@@ -179,7 +310,7 @@ def format_summary(s: RunSummary) -> str:
     return "\n".join(
         [
             f"done: {s.sync_kind} on {s.num_clusters} clusters x dp {s.dp_degree} x pp {s.pp_degree}, "
-            f"{s.steps} steps, {s.outer_steps} outer steps, link {s.bandwidth} / {s.latency}",
+            f"{s.steps} steps, {s.outer_steps} outer steps, link {link}",
             f"  eval loss   {loss}   (perplexity {math.exp(min(s.final_eval_loss, 50)):,.1f})",
             f"  throughput  {s.tokens:,} tokens in {s.wall_s:.1f} s = {s.tokens_per_s:,.0f} tokens/s",
             f"  slow link   {fmt_bytes(s.wan_bytes_total)} sent by all ranks; AllReduce would send "

@@ -342,8 +342,16 @@ class Trainer:
         if self.rank == 0:
             truncate_metrics(self.run_dir, self.step)
             logger = MetricsLogger(
-                self.run_dir, total_steps=cfg.train.steps, start_step=self.step, progress=cfg.metrics.progress
+                self.run_dir,
+                total_steps=cfg.train.steps,
+                start_step=self.step,
+                progress=cfg.metrics.progress,
+                tensorboard=cfg.metrics.tensorboard,
+                wandb=cfg.metrics.wandb,
+                config=to_dict(cfg),
             )
+            for note in cfg.notes():
+                logger.print(note)
         if self.in_eval_pipeline and self.initial_eval_loss is None:
             self.initial_eval_loss = self.evaluate()
         self.memory = self._memory_report(logger)

@@ -8,13 +8,14 @@ from dilocox.parallel.pipeline import (
     mean_token_cross_entropy,
     microbatch_size,
 )
-from dilocox.parallel.split import build_stage, format_split, split_layers, stage_parameter_counts
+from dilocox.parallel.split import build_stage, check_split, format_split, split_layers, stage_parameter_counts
 
 __all__ = [
     "SCHEDULES",
     "PipelineRunner",
     "broadcast_from_last_stage",
     "build_stage",
+    "check_split",
     "clip_grad_norm_",
     "format_split",
     "mean_token_cross_entropy",

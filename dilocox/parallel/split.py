@@ -57,6 +57,18 @@ def _check_num_stages(args: ModelArgs, num_stages: int) -> None:
         )
 
 
+def check_split(args: ModelArgs, num_stages: int) -> None:
+    """Raise ValueError when the model cannot be cut into `num_stages` pipeline stages (the launcher's preflight
+    calls this before any rank starts or any file is written; `build_stage` calls it too)."""
+    _check_num_stages(args, num_stages)
+    if args.tie_embeddings and num_stages > 1:
+        raise ValueError(
+            "model.flavor has tie_embeddings=True, which cannot be split into pipeline stages: the embedding (stage "
+            "0) and the output head (last stage) would be two copies that drift apart; use an untied model.flavor "
+            "or topology.pp_degree = 1"
+        )
+
+
 def _stage_extras(costs: _Costs, num_stages: int) -> list[int]:
     extras = [0] * num_stages
     extras[0] += costs.embedding
@@ -203,15 +215,9 @@ def build_stage(
     of the final norm and head unless the last stage), then materialized on `device` and initialized from (seed,
     parameter name): parameter names stay those of the full model, so checkpoints and parity tests match by name.
     """
-    _check_num_stages(args, num_stages)
+    check_split(args, num_stages)
     if not isinstance(stage, int) or not 0 <= stage < num_stages:
         raise ValueError(f"stage {stage!r} is outside the {num_stages} pipeline stages (0..{num_stages - 1})")
-    if args.tie_embeddings and num_stages > 1:
-        raise ValueError(
-            "model.flavor has tie_embeddings=True, which cannot be split into pipeline stages: the embedding (stage "
-            "0) and the output head (last stage) would be two copies that drift apart; use an untied model.flavor "
-            "or topology.pp_degree = 1"
-        )
     layers = split_layers(args, num_stages)[stage]
     with torch.device("meta"):
         model = Decoder(args)

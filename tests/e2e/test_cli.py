@@ -538,6 +538,7 @@ def test_bench_seeds_run_every_run_per_seed_and_pair_the_gaps(tmp_path):
     assert row["num_seeds"] == 2 and row["gap_to_baseline_pct"] == pytest.approx(sum(gaps) / 2)
     assert row["gap_range_pct"] == pytest.approx(sorted(gaps))
     assert "over 2 seeds" in (out / "results.md").read_text()
+    assert (out / "loss_vs_tokens_seeds.png").stat().st_size > 10_000  # mean and min-max band per run
     assert dilocox("bench", "--seeds", "0", "--quick").returncode == 2
 
 

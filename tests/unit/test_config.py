@@ -90,8 +90,8 @@ def test_missing_and_invalid_files(tmp_path):
         (["--topology.pp_degree=4", "--train.num_microbatches=2"], "fewer than the 4 pipeline stages"),
         (["--train.num_microbatches=3"], "does not divide train.micro_batch_size = 8"),
         (["--train.pipeline_schedule=zb"], "train.pipeline_schedule"),
-        (["--train.warmup_steps=400"], "train.warmup_steps"),
-        (["--checkpoint.interval=75"], "checkpoint.interval = 75 must be a multiple of sync.inner_steps = 50"),
+        (["--train.warmup_steps=400"], "train.warmup_steps = 400 must be smaller than train.steps = 400"),
+        (["--metrics.wandb=cloud"], "metrics.wandb = 'cloud' is not one of: off, offline, online"),
         (["--network.bandwidth=fast"], "network.bandwidth"),
         (["--network.latency=-3ms"], "network.latency"),
         (["--checkpoint.resume=latest", "--run.overwrite=true"], "contradict"),
@@ -138,7 +138,44 @@ def test_world_size_contradiction():
 
 
 def test_allreduce_does_not_need_round_aligned_checkpoints():
-    load_config(None, ["--sync.kind=allreduce", "--checkpoint.interval=75"]).validate()
+    cfg = load_config(None, ["--sync.kind=allreduce", "--checkpoint.interval=75"])
+    cfg.validate()
+    assert cfg.notes() == []
+
+
+def test_checkpoint_interval_off_the_round_grid_is_a_note_not_an_error():
+    """Checkpoints are taken at the next round boundary (Trainer._checkpoint_due); the user is told once."""
+    cfg = load_config(None, ["--sync.inner_steps=50", "--checkpoint.interval=75"])
+    cfg.validate()
+    assert cfg.notes() == [
+        "note: checkpoint.interval = 75 is not a multiple of sync.inner_steps = 50: checkpoints are taken at the "
+        "first round boundary at or after each multiple of 75 (and at the end)"
+    ]
+    assert load_config(None, ["--sync.inner_steps=50", "--checkpoint.interval=100"]).notes() == []
+    # fit_link changes H as it goes: checkpoints follow the rounds anyway, nothing to say
+    assert load_config(None, ["--sync.fit_link=true", "--checkpoint.interval=75"]).notes() == []
+
+
+def test_warmup_default_shrinks_for_short_runs_but_an_explicit_value_is_kept(tmp_path):
+    assert load_config(None, []).train.warmup_steps == 20  # the default run: 400 steps, unchanged
+    assert load_config(None, ["--train.steps=1000"]).train.warmup_steps == 20
+    assert load_config(None, ["--train.steps=150"]).train.warmup_steps == 15
+    short = load_config(None, ["--train.steps=30"])
+    assert short.train.warmup_steps == 3
+    short.validate()
+    tiny = load_config(None, ["--train.steps=10"])  # fewer steps than the default 20 warm-up steps: failed before
+    assert tiny.train.warmup_steps == 1
+    tiny.validate()
+    assert load_config(None, ["--train.steps=5"]).train.warmup_steps == 0
+    # set in a file (e.g. a run's config.toml) or by a flag, it is the user's and too large is an error
+    assert load_config(write(tmp_path, "[train]\nsteps = 30\nwarmup_steps = 7\n")).train.warmup_steps == 7
+    explicit = load_config(None, ["--train.steps=30", "--train.warmup_steps=40"])
+    with pytest.raises(ValueError) as error:
+        explicit.validate()
+    assert (
+        str(error.value)
+        == "train.warmup_steps = 40 must be smaller than train.steps = 30; use e.g. --train.warmup_steps=3"
+    )
 
 
 def test_toml_round_trip_keeps_every_field():

@@ -1,4 +1,4 @@
-"""The tools (`dilocox.tools`: bench, plan, linkcheck) stay outside the runtime and report bad arguments alike."""
+"""The tools (`dilocox.tools`: bench, plan, linkcheck, plot) stay outside the runtime and report bad arguments alike."""
 
 import json
 import subprocess
@@ -56,7 +56,7 @@ def test_tool_commands_report_bad_arguments_alike(command, capsys):
     assert captured.err == f"dilocox: error: unrecognized arguments: --nonsense (see `dilocox {command} --help`)\n"
 
 
-@pytest.mark.parametrize("command", ["bench", "plan", "linkcheck"])
+@pytest.mark.parametrize("command", ["bench", "plan", "linkcheck", "plot"])
 def test_tool_commands_help_exits_0(command, capsys):
     assert main([command, "--help"]) == 0
     assert capsys.readouterr().out.startswith(f"usage: dilocox {command} ")

@@ -17,10 +17,10 @@ from typing import Any
 
 from dilocox.fileio import write_atomic
 from dilocox.metrics import RunSummary, read_metrics
-from dilocox.tools.bench.plots import plot
 from dilocox.tools.bench.runs import PROCESS_FILE, finished_seeds, seed_run_dir
 from dilocox.tools.bench.spec import BenchSpec
 from dilocox.tools.bench.table import format_table
+from dilocox.tools.plot import load_run, plot_runs, plot_seed_spread, plot_throughput
 
 
 def _curve(run_dir: Path) -> list[dict[str, float]]:
@@ -130,7 +130,13 @@ def compare(runs: RunSummary | list[RunSummary], baseline: RunSummary | list[Run
 
 
 def write_results(results: dict[str, Any], out_dir: Path) -> None:
-    """`results.json`, `results.md` (the table) and the plots, into `out_dir`."""
+    """`results.json`, `results.md` (the table) and the plots of `dilocox plot` for the bench's runs (their curves
+    from `OUT/runs/NAME`, the throughput bars from the table), into `out_dir`."""
     write_atomic(out_dir / "results.json", json.dumps(results, indent=2).encode())
     write_atomic(out_dir / "results.md", format_table(results).encode())
-    plot(results, out_dir)
+    rows = results["runs"]
+    plot_runs([load_run(out_dir / "runs" / row["name"], row["label"]) for row in rows], out_dir, title=results["bench"])
+    plot_throughput([row["label"] for row in rows], [row["tokens_per_s"] for row in rows], out_dir / "throughput.png",
+                    title=results["bench"])  # fmt: skip
+    if any(row.get("num_seeds", 1) > 1 for row in rows):
+        plot_seed_spread(rows, out_dir / "loss_vs_tokens_seeds.png", title=results["bench"])

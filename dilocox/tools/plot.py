@@ -1,0 +1,256 @@
+"""`dilocox plot RUN_DIR... --out DIR`: the curves of any set of runs, read from their metrics.jsonl, as PNG files.
+
+One chart per file, one line per run; a run that did not log a metric (no codec rank in a DiLoCo run, no eval loss
+before the first evaluation) simply has no line in that panel. `dilocox bench` draws its plots with the same code.
+
+    runs = [load_run(Path("runs/a")), load_run(Path("runs/b"), label="dilocox")]
+    xs, ys = runs[0].series("tokens", "eval_loss")          # the values the chart draws
+    paths = plot_runs(runs, Path("plots"))                   # loss_vs_tokens.png, loss_vs_time.png, ...
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dilocox.metrics import METRICS_FILE, SUMMARY_FILE, RunSummary, read_metrics
+from dilocox.tools.args import ToolParser, user_error
+
+
+def _ratio(numerator: str, denominator: str, *, complement: bool = False) -> Callable[[dict[str, Any]], float | None]:
+    def value(record: dict[str, Any]) -> float | None:
+        top, bottom = record.get(numerator), record.get(denominator)
+        if top is None or not bottom:
+            return None
+        share = top / bottom
+        return min(1.0, max(0.0, 1.0 - share)) if complement else share
+
+    return value
+
+
+DERIVED: dict[str, Callable[[dict[str, Any]], float | None]] = {
+    "round_hidden_fraction": _ratio("round_hidden_s", "round_link_s"),
+    "hidden_fraction": _ratio("exposed_comm_s", "link_busy_s", complement=True),
+}
+"""Values computed from a record: the share of one sync's link time hidden behind compute, and the share of all
+link time so far (1 - exposed / busy, clamped to [0, 1], as the summary's `hidden_comm_fraction`)."""
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One axes: `y` (a metrics.jsonl key or a `DERIVED` name) against the key `x`, one line per run."""
+
+    y: str
+    x: str
+    ylabel: str
+    xlabel: str
+    markers: bool = False
+    log_y: bool = False
+
+
+@dataclass(frozen=True)
+class Chart:
+    """One PNG file of side-by-side panels."""
+
+    filename: str
+    title: str
+    panels: tuple[Panel, ...]
+
+
+_TOKENS, _TIME, _STEP, _ROUND = "tokens", "wall time (s)", "inner step", "outer round"
+CHARTS = (
+    Chart(
+        "loss_vs_tokens.png",
+        "loss vs tokens",
+        (
+            Panel("loss", "tokens", "training loss (mean since the last log)", _TOKENS),
+            Panel("eval_loss", "tokens", "validation loss", _TOKENS, markers=True),
+        ),
+    ),
+    Chart(
+        "loss_vs_time.png",
+        "loss vs wall time",
+        (
+            Panel("loss", "elapsed_s", "training loss (mean since the last log)", _TIME),
+            Panel("eval_loss", "elapsed_s", "validation loss", _TIME, markers=True),
+        ),
+    ),
+    Chart(
+        "slow_link_bytes.png",
+        "slow-link bytes (rank 0)",
+        (
+            Panel("wan_bytes_sent", "tokens", "bytes sent, cumulative", _TOKENS, log_y=True),
+            Panel("round_bytes_sent", "step", "bytes sent per sync", _STEP, markers=True, log_y=True),
+        ),
+    ),
+    Chart(
+        "hidden_fraction.png",
+        "link time hidden behind compute (rank 0)",
+        (
+            Panel("round_hidden_fraction", "step", "hidden share of each sync's link time", _STEP, markers=True),
+            Panel("hidden_fraction", "tokens", "hidden share of all link time so far", _TOKENS),
+        ),
+    ),
+    Chart(
+        "rounds.png",
+        "rank and H over outer rounds",
+        (
+            Panel("round_rank", "outer_step", "codec rank", _ROUND, markers=True),
+            Panel("round_inner_steps", "outer_step", "inner steps of the round (H)", _ROUND, markers=True),
+        ),
+    ),
+)
+"""Every chart `plot_runs` writes."""
+
+
+@dataclass
+class RunCurves:
+    """The metrics.jsonl records of one run, under the label its lines get."""
+
+    label: str
+    run_dir: Path
+    records: list[dict[str, Any]] = field(repr=False)
+
+    def value(self, record: dict[str, Any], key: str) -> float | None:
+        """`key` of `record` (or the `DERIVED` value of that name); None when absent, not a number or not finite."""
+        value = DERIVED[key](record) if key in DERIVED else record.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+            return None
+        return value
+
+    def series(self, x: str, y: str) -> tuple[list[float], list[float]]:
+        """The points (x, y) of the records that hold both, in logged order."""
+        points = [(self.value(r, x), self.value(r, y)) for r in self.records]
+        kept = [(a, b) for a, b in points if a is not None and b is not None]
+        return [a for a, _ in kept], [b for _, b in kept]
+
+
+def load_run(run_dir: Path, label: str | None = None) -> RunCurves:
+    """The records of `run_dir`'s metrics.jsonl (ValueError when it has none), labelled by the directory's name."""
+    run_dir = Path(run_dir)
+    if not (run_dir / METRICS_FILE).is_file():
+        raise ValueError(f"{run_dir} has no {METRICS_FILE}: not a dilocox run directory, or it has not logged yet")
+    return RunCurves(label or run_dir.name, run_dir, read_metrics(run_dir))
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("plots need matplotlib: pip install 'dilocox[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_runs(runs: list[RunCurves], out_dir: Path, *, title: str = "") -> list[Path]:
+    """Write every chart of `CHARTS` for `runs` into `out_dir`; returns the paths."""
+    plt = _pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for chart in CHARTS:
+        fig, axes = plt.subplots(1, len(chart.panels), figsize=(6 * len(chart.panels), 4.2), squeeze=False)
+        for ax, panel in zip(axes[0], chart.panels, strict=True):
+            for run in runs:
+                xs, ys = run.series(panel.x, panel.y)
+                if xs:
+                    style = {"marker": "o", "markersize": 3} if panel.markers else {}
+                    ax.plot(xs, ys, label=run.label, linewidth=1.2, **style)
+            if ax.get_lines():
+                if panel.log_y and all(v > 0 for line in ax.get_lines() for v in line.get_ydata()):
+                    ax.set_yscale("log")  # byte counts of strategies differ by orders of magnitude
+                ax.legend(fontsize=8)
+            else:
+                ax.text(0.5, 0.5, f"no run logged {panel.y}", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xlabel(panel.xlabel)
+            ax.set_ylabel(panel.ylabel)
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"{title}: {chart.title}" if title else chart.title)
+        fig.tight_layout()
+        path = out_dir / chart.filename
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def plot_throughput(labels: list[str], tokens_per_s: list[float], path: Path, *, title: str = "") -> Path:
+    """A bar chart of training tokens/s (all ranks), one bar per run."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 0.9 + 0.45 * max(1, len(labels))))
+    ax.barh(labels, tokens_per_s, color="tab:blue")
+    ax.set_xlabel("tokens/s (training, all ranks)")
+    ax.set_title(f"{title}: throughput" if title else "throughput")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_seed_spread(rows: list[dict[str, Any]], path: Path, *, title: str = "") -> Path:
+    """Eval loss vs tokens per run over its seeds: the mean line and the min-max band shaded (the bench's rows,
+    each with `seeds`: one `curve` of {tokens, eval_loss} per seed, evaluated at the same steps)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in rows:
+        curves = [seed["curve"] for seed in row.get("seeds", []) if seed["curve"]]
+        if not curves:
+            continue
+        length = min(len(c) for c in curves)  # seeds evaluate at the same steps; a shorter one cuts the band
+        tokens = [curves[0][i]["tokens"] for i in range(length)]
+        losses = [[c[i]["eval_loss"] for c in curves] for i in range(length)]
+        mean = [sum(v) / len(v) for v in losses]
+        (line,) = ax.plot(tokens, mean, marker="o", markersize=3, label=f"{row['label']} ({len(curves)} seeds)")
+        ax.fill_between(tokens, [min(v) for v in losses], [max(v) for v in losses], color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("validation loss (agreed model)")
+    ax.set_title(f"{title}: mean and min-max over seeds" if title else "mean and min-max over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+DESCRIPTION = """Plot runs side by side from their metrics.jsonl: loss vs tokens and vs wall time, slow-link bytes, the
+hidden share of link time, the codec rank and H over outer rounds, and (for finished runs) throughput. A run that
+did not log a metric has no line in that plot."""
+
+
+def main(argv: list[str]) -> int:
+    parser = ToolParser(prog="dilocox plot", description=DESCRIPTION)
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=Path, help="run directories (metrics.jsonl)")
+    parser.add_argument("--out", required=True, type=Path, help="directory for the PNG files (created if needed)")
+    parser.add_argument("--label", action="append", help="a run's label in the legends, once per RUN_DIR, in order")
+    parser.add_argument("--title", default="", help="prefix of every chart's title")
+    try:
+        args = parser.parse_args(argv)
+        if args.label is not None and len(args.label) != len(args.run_dirs):
+            raise ValueError(f"--label was given {len(args.label)} times for {len(args.run_dirs)} run directories")
+        labels = args.label or _default_labels(args.run_dirs)
+        runs = [load_run(run_dir, label) for run_dir, label in zip(args.run_dirs, labels, strict=True)]
+        paths = plot_runs(runs, args.out, title=args.title)
+        finished = [run for run in runs if (run.run_dir / SUMMARY_FILE).exists()]
+        if finished:
+            tokens_per_s = [RunSummary.read(run.run_dir).tokens_per_s for run in finished]
+            labels = [run.label for run in finished]
+            paths.append(plot_throughput(labels, tokens_per_s, args.out / "throughput.png", title=args.title))
+    except SystemExit as exc:  # --help printed the help
+        return int(exc.code or 0)
+    except ValueError as exc:
+        return user_error(exc)
+    for path in paths:
+        print(path)
+    return 0
+
+
+def _default_labels(run_dirs: list[Path]) -> list[str]:
+    """Each directory's name, or its whole path where two runs share a name."""
+    names = [path.name for path in run_dirs]
+    return [str(path) if names.count(path.name) > 1 else path.name for path in run_dirs]
