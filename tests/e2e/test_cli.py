@@ -470,11 +470,11 @@ def test_torchrun_runs_each_rank(tmp_path):
 
 
 def test_torchrun_max_restarts_recovers_a_killed_rank(tmp_path):
-    """torchrun --max-restarts 1: a worker killed mid-run is restarted with the others, and checkpoint.resume = auto
+    """torchrun --max-restarts: a worker killed mid-run is restarted with the others, and checkpoint.resume = auto
     continues from the newest checkpoint (the stale lock of the killed rank 0 is taken over)."""
     run_dir = tmp_path / "restarted"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
          "--monitor-interval=0.5", "-m", "dilocox", "train", "--config", DEBUG, f"--run.out_dir={run_dir}",
          "--train.steps=200", "--checkpoint.interval=20", "--eval.interval=0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
