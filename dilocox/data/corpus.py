@@ -59,8 +59,8 @@ def iter_document_pieces(
     Joining the pieces of each document gives `load_documents` exactly, but nothing larger than about
     ``piece_chars`` characters (one .jsonl line or .parquet row, or a piece of a long text file) is held at once.
     A text file is cut after a line break between two non-space characters, where a byte-level BPE with GPT-2
-    pre-tokenization never merges across, so encoding the pieces gives the ids of the whole file; a stretch of
-    ``16 x piece_chars`` without such a line break is cut where it ends. Yields nothing for an empty corpus.
+    pre-tokenization never merges across, so encoding the pieces gives the ids of the whole file; only a stretch of
+    ``16 x piece_chars`` without such a line break is cut anywhere. Yields nothing for an empty corpus.
     """
     if path == "":
         plays = (strip_play_markdown(file.read_text(encoding="utf-8")) for file in _default_play_files()[1])
@@ -234,31 +234,34 @@ def _iter_text_pieces(file: Path, piece_chars: int) -> Iterator[tuple[bool, str]
 
 
 def _cut_pieces(chunks: Iterator[str], piece_chars: int) -> Iterator[str]:
+    """Pieces of about ``piece_chars`` characters, each ending at a safe cut (`_safe_cut`) where there is one."""
     pending = ""
     for chunk in chunks:
         pending += chunk
-        if len(pending) < piece_chars:
-            continue
-        cut = _last_safe_cut(pending)
-        if not cut and len(pending) >= _MAX_PIECE_FACTOR * piece_chars:
-            cut = len(pending)
-        if cut:
+        while len(pending) >= piece_chars:
+            # The last safe cut within piece_chars, else the first one after it, else (at the hard limit) anywhere.
+            cut = _safe_cut(pending, 1, piece_chars, last=True) or _safe_cut(pending, piece_chars, len(pending))
+            if not cut and len(pending) >= _MAX_PIECE_FACTOR * piece_chars:
+                cut = _MAX_PIECE_FACTOR * piece_chars
+            if not cut:
+                break  # wait for more text
             yield pending[:cut]
             pending = pending[cut:]
     if pending:
         yield pending
 
 
-def _last_safe_cut(text: str) -> int:
-    """The position after the last line break with a non-space character on each side, or 0 if there is none.
+def _safe_cut(text: str, begin: int, end: int, *, last: bool = False) -> int:
+    """The position after a line break in ``text[begin:end]`` with a non-space character on each side, or 0.
 
-    GPT-2's pre-tokenization regex never puts such a line break in one piece with the next character, and the
-    line break alone at the end of a piece is the same piece it is in the middle of the text."""
-    index = text.rfind("\n", 1, len(text) - 1)
+    GPT-2's pre-tokenization regex never puts such a line break in one piece with the next character, and the line
+    break alone at the end of a text is the same piece as in the middle of it, so cutting there changes no id."""
+    find = text.rfind if last else text.find
+    index = find("\n", max(1, begin), min(end, len(text) - 1))
     while index > 0:
         if not text[index - 1].isspace() and not text[index + 1].isspace():
             return index + 1
-        index = text.rfind("\n", 1, index)
+        index = text.rfind("\n", begin, index) if last else text.find("\n", index + 1, min(end, len(text) - 1))
     return 0
 
 
