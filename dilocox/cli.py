@@ -151,7 +151,9 @@ Tokenize SRC once, streaming (.txt/.md/.jsonl/.parquet files, a directory or a g
 or a Hugging Face `save_to_disk` directory), into DIR: tokenizer.json, train-*.bin and val-*.bin (raw uint16 ids,
 uint32 above 65,536 ids) and dilocox-index.json. Without --tokenizer a byte-level BPE of --vocab-size (default
 2048) is trained on at most 32 Mi characters of training text. --val-fraction (default 0.05) of the documents and
---seed (default 0) fix the split. Then train with --data.path=DIR: each rank reads only its windows."""
+--seed (default 0) fix the split. --reader=datasets streams the files through Hugging Face datasets (pip install
+'dilocox[datasets]'); --tokens-per-file (default 268,435,456) sizes the .bin files; --overwrite replaces earlier
+prepared data in DIR. Then train with --data.path=DIR: each rank reads only its windows."""
 
 
 def cmd_prepare_data(argv: list[str]) -> int:

@@ -3,7 +3,7 @@
 A directory written by ``Dataset.save_to_disk`` (or ``DatasetDict.save_to_disk``: its ``train`` split) is opened
 with ``load_from_disk`` and read batch by batch from its memory-mapped Arrow files; local ``.jsonl``, ``.parquet``,
 ``.txt`` and ``.md`` files are streamed through ``load_dataset`` (a text file is one document, as in
-`dilocox.data.corpus`). Nothing is downloaded and nothing is written to the ``datasets`` cache.
+`dilocox.data.corpus`). The data is read in place: nothing is downloaded or copied into the ``datasets`` cache.
 
     for text in iter_dataset_documents("data/my_saved_dataset", text_field="text"):
         ...
