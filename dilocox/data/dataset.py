@@ -174,7 +174,8 @@ class IndexPermutation:
     A 4-round Feistel network (splitmix64 round function, halves of ``a`` and ``b`` bits taking turns) on the
     ``a + b`` bits that cover ``size``, applied again while a value falls outside ``range(size)`` (cycle walking; the
     domain is under twice ``size``, so under two applications on average): a bijection of ``range(size)`` for every
-    size and key, at memory proportional to the indices asked for rather than to ``size``.
+    size and key, at memory proportional to the indices asked for rather than to ``size`` (Black and Rogaway,
+    "Ciphers with Arbitrary Finite Domains", CT-RSA 2002).
 
         permutation = IndexPermutation(10, key=7)
         permutation(np.arange(10))               # the numbers 0..9 in a shuffled order, the same every time
@@ -227,7 +228,7 @@ class ShardedTokenStream:
 
         stream = ShardedTokenStream(data.train, seq_len=256, batch_size=16, shard_index=rank, num_shards=2, seed=0)
         inputs, targets = stream.next_batch()      # (16, 256) int64; targets[:, t] == inputs[:, t + 1]
-        state = stream.state_dict()                # {"epoch": 0, "index": 16, "shard": "mixed"}: the checkpoint's
+        state = stream.state_dict()                # {"epoch": 0, "index": 16, "shard": "mixed"}: into the checkpoint
     """
 
     def __init__(
