@@ -237,6 +237,13 @@ def check_resume(cfg: Config, path: Path) -> None:
                 f"checkpoint {path} was written with {key} = {meta.get(key)!r} but this run has {value!r}; "
                 "resume with the same topology, sync.kind and model.flavor"
             )
+    # The data position is an index into the deal of data.shard; checkpoints from before it existed were contiguous.
+    saved_shard = meta.get("config", {}).get("data", {}).get("shard", "contiguous")
+    if saved_shard != cfg.data.shard:
+        raise ValueError(
+            f"checkpoint {path} was written with data.shard={saved_shard} but this run has data.shard="
+            f"{cfg.data.shard}; resume with --data.shard={saved_shard}"
+        )
     if meta["step"] > cfg.train.steps:
         raise ValueError(
             f"checkpoint {path} is at step {meta['step']}, past train.steps = {cfg.train.steps}; "

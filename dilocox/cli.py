@@ -1,4 +1,4 @@
-"""The `dilocox` command: train, eval, export, plot, bench, plan, linkcheck, flavors, env.
+"""The `dilocox` command: train, eval, export, plot, prepare-data, bench, plan, linkcheck, flavors, env.
 
     dilocox train                                   # the embedded default: 2 clusters over an emulated 1 Gbps link
     dilocox train --config configs/debug.toml --sync.kind=allreduce
@@ -25,6 +25,7 @@ commands:
   eval      evaluate a run's latest checkpoint on its validation split or on any text
   export    write a run's checkpoint as a Hugging Face model directory (transformers loads it)
   plot      plot runs side by side from their metrics.jsonl: loss, slow-link bytes, hidden link time, rank and H
+  prepare-data  tokenize a large corpus once into memory-mapped token files (then --data.path=DIR)
   bench     run strategies side by side on one setting: table, results.json, plots
   plan      project tokens/s of AllReduce, DiLoCo and DiLoCoX at sizes this machine cannot run
   linkcheck time real transfers over a Linux link shaped with tc against the emulated link (root only)
@@ -224,6 +225,79 @@ def _no_options(argv: list[str], usage: str) -> int | None:
     return None
 
 
+PREPARE_USAGE = """usage: dilocox prepare-data SRC --out DIR [--tokenizer PATH] [--vocab-size N] [--val-fraction F]
+                            [--text-field F] [--seed N] [--reader auto|files|datasets] [--tokens-per-file N]
+                            [--overwrite]
+
+Tokenize SRC once, streaming (.txt/.md/.jsonl/.parquet files, a directory or a glob, as --data.path takes them;
+or a Hugging Face `save_to_disk` directory), into DIR: tokenizer.json, train-*.bin and val-*.bin (raw uint16 ids,
+uint32 above 65,536 ids) and dilocox-index.json. Without --tokenizer a byte-level BPE of --vocab-size (default
+2048) is trained on at most 32 Mi characters of training text. --val-fraction (default 0.05) of the documents and
+--seed (default 0) fix the split. --reader=datasets streams the files through Hugging Face datasets (pip install
+'dilocox[datasets]'); --tokens-per-file (default 268,435,456) sizes the .bin files; --overwrite replaces earlier
+prepared data in DIR. Then train with --data.path=DIR: each rank reads only its windows."""
+
+
+def cmd_prepare_data(argv: list[str]) -> int:
+    import argparse
+
+    from dilocox.data.prepare import TOKENS_PER_FILE, prepare_dataset
+
+    parser = argparse.ArgumentParser(prog="dilocox prepare-data", usage=PREPARE_USAGE, add_help=False)
+
+    def refuse(message: str):
+        raise ValueError(f"prepare-data: {message}")
+
+    parser.error = refuse  # one `dilocox: error:` line, not argparse's usage dump and exit
+    parser.add_argument("source", nargs="?")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--tokenizer", default="")
+    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--text-field", default="text")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reader", default="auto")
+    parser.add_argument("--tokens-per-file", type=int, default=TOKENS_PER_FILE)
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("-h", "--help", action="store_true")
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except ValueError as exc:
+        return _error(str(exc))
+    if args.help:
+        print(PREPARE_USAGE)
+        return 0
+    if unknown:
+        return _error(f"unknown option(s) for prepare-data: {' '.join(unknown)}\n{PREPARE_USAGE}")
+    if args.source is None or not args.out:
+        return _error(f"prepare-data needs SRC and --out DIR\n{PREPARE_USAGE}")
+    try:
+        index = prepare_dataset(
+            args.source,
+            args.out,
+            tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size,
+            val_fraction=args.val_fraction,
+            text_field=args.text_field,
+            seed=args.seed,
+            overwrite=args.overwrite,
+            reader=args.reader,
+            tokens_per_file=args.tokens_per_file,
+            progress=lambda message: print(message, file=sys.stderr, flush=True),
+        )
+    except ValueError as exc:
+        return _error(str(exc))
+    except OSError as exc:
+        return _error(f"--out {args.out}: {exc.strerror or exc} ({exc.filename}); choose a writable --out")
+    tokens, documents = index["num_tokens"], index["num_documents"]
+    print(
+        f"{args.out}: {tokens['train']:,} train tokens ({documents['train']:,} documents, "
+        f"{len(index['files']['train'])} files), {tokens['val']:,} validation tokens ({documents['val']:,} "
+        f"documents), {index['dtype']}, vocabulary {index['vocab_size']:,}; train with --data.path={args.out}"
+    )
+    return 0
+
+
 def cmd_flavors(argv: list[str]) -> int:
     if (code := _no_options(argv, FLAVORS_USAGE)) is not None:
         return code
@@ -291,6 +365,7 @@ COMMANDS = {
     "eval": cmd_eval,
     "export": cmd_export,
     "plot": cmd_plot,
+    "prepare-data": cmd_prepare_data,
     "bench": cmd_bench,
     "plan": cmd_plan,
     "linkcheck": cmd_linkcheck,

@@ -70,7 +70,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = ""
-    """Training text: a .txt/.md/.jsonl/.parquet file, a directory or a glob; empty = the embedded Shakespeare."""
+    """Training text: a .txt/.md/.jsonl/.parquet file, directory or glob, or a prepare-data dir; empty = Shakespeare."""
     tokenizer: str = ""
     """A tokenizer.json or local HF tokenizer dir; empty = model.init_from's, else a BPE trained on the corpus."""
     vocab_size: int = 2048
@@ -79,6 +79,8 @@ class DataConfig:
     """Share of the documents held out for validation (of the tokens, for a single document)."""
     text_field: str = "text"
     """Field that holds the text in .jsonl records and .parquet columns."""
+    shard: str = "mixed"
+    """Windows per data shard: mixed (a seed-keyed deal from the whole corpus) or contiguous (one stretch each)."""
 
 
 @dataclass
@@ -212,6 +214,9 @@ class Config:
         check_choice("train.optimizer", self.train.optimizer, OPTIMIZERS)
         check_choice("train.dtype", self.train.dtype, tuple(DTYPES))
         check_choice("metrics.wandb", self.metrics.wandb, WANDB_MODES)
+        from dilocox.data.dataset import SHARD_MODES
+
+        check_choice("data.shard", self.data.shard, SHARD_MODES)
         if not self.sync.has_outer_loop and self.compression.kind != "none":
             raise ValueError(
                 f"compression.kind = {self.compression.kind!r} compresses pseudo-gradients: use sync.kind = diloco or "

@@ -199,6 +199,7 @@ class Trainer:
             shard_index=self.topology.shard_index(rank),
             num_shards=self.topology.num_shards,
             seed=cfg.run.seed,
+            shard=cfg.data.shard,
         )
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len * self.topology.num_shards
         self.step = 0

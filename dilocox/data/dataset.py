@@ -14,13 +14,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dilocox.checks import check_choice
 from dilocox.data.corpus import corpus_fingerprint, load_documents
+from dilocox.data.tokenfiles import (
+    INDEX_FILE,
+    TokenFiles,
+    gather_windows,
+    is_prepared_dir,
+    read_index,
+    tokenizer_fingerprint,
+)
 from dilocox.data.tokenizer import Tokenizer, check_vocab_size, train_bpe
 from dilocox.fileio import write_atomic
 
 # Bumped whenever the split or the layout of the cached arrays changes, so old caches are not reused.
 _TOKENS_FORMAT_VERSION = 1
 _MAX_UINT16_VOCAB = 1 << 16
+SHARD_MODES = ("mixed", "contiguous")
+"""`data.shard`: how the training windows are dealt to the data shards (see `ShardedTokenStream`)."""
 
 
 def cache_dir() -> Path:
@@ -37,9 +48,9 @@ class TokenData:
     inputs, targets = stream.next_batch()         # (16, 256) int64 each
     """
 
-    train: np.ndarray
-    """1-D token ids, uint16 when the vocabulary fits in 16 bits, else int32."""
-    val: np.ndarray
+    train: np.ndarray | TokenFiles
+    """1-D token ids, uint16 when the vocabulary fits in 16 bits, else int32 (uint32 in a prepared directory)."""
+    val: np.ndarray | TokenFiles
     """1-D token ids of the held-out documents (or of the corpus's last tokens when it has one document)."""
     tokenizer_path: str
     """The tokenizer.json that produced the ids; ``Tokenizer.from_file`` loads it."""
@@ -82,7 +93,13 @@ def prepare_tokens(
     documents only (so validation text never shapes the vocabulary) and caches it. The split is by document (see
     `validation_document_indices`) when there are at least two, else the last ``val_fraction`` of the tokens. Safe to
     call from several processes at once: every cache file is written atomically.
+
+    A ``path`` written by ``dilocox prepare-data`` is opened as it is (`load_prepared_tokens`): its tokenizer, split
+    and ids were fixed when it was prepared, so ``vocab_size``, ``val_fraction``, ``text_field`` and ``seed`` do not
+    apply to it.
     """
+    if is_prepared_dir(path):
+        return load_prepared_tokens(path, tokenizer=tokenizer)
     if not (isinstance(val_fraction, int | float) and 0.0 < val_fraction <= 0.5):
         raise ValueError(
             f"data.val_fraction={val_fraction!r} must be in (0, 0.5]; 0.05 holds out 2 of the 38 default plays"
@@ -117,24 +134,120 @@ def prepare_tokens(
     return data
 
 
-class ShardedTokenStream:
-    """Endless shuffled batches from one rank's contiguous shard of a token array.
+def load_prepared_tokens(directory: str | Path, *, tokenizer: str = "") -> TokenData:
+    """A directory written by ``dilocox prepare-data``, its splits opened as `TokenFiles` (nothing read yet).
 
-    Shard ``i`` of ``N`` is ``tokens[i*L//N : (i+1)*L//N]``, cut into non-overlapping windows of ``seq_len + 1``
-    tokens; every epoch visits each window once, in an order drawn from (seed, shard_index, epoch) alone, so a
-    stream restored with `load_state_dict` continues with exactly the batches the original would have produced.
+    ``tokenizer``, if given, must be the tokenizer the directory was prepared with (the run directory's copy of it,
+    say): ids from one tokenizer mean nothing to another.
+    """
+    directory = Path(directory).expanduser()
+    index = read_index(directory)
+    tokenizer_file = directory / index["tokenizer"]
+    recorded = index["tokenizer_fingerprint"]
+    if not tokenizer_file.is_file() or tokenizer_fingerprint(tokenizer_file.read_bytes()) != recorded:
+        raise ValueError(
+            f"data.path={str(directory)!r}: {index['tokenizer']} is missing or is not the tokenizer recorded in "
+            f"{INDEX_FILE}; prepare the directory again with `dilocox prepare-data SRC --out {directory} --overwrite`"
+        )
+    if tokenizer:
+        serialized = Tokenizer.from_file(tokenizer).backend.to_str(pretty=False).encode("utf-8")
+        if tokenizer_fingerprint(serialized) != recorded:
+            raise ValueError(
+                f"data.tokenizer={tokenizer!r} is not the tokenizer data.path={str(directory)!r} was prepared with; "
+                f"leave data.tokenizer empty (the prepared directory brings its own tokenizer.json)"
+            )
+    documents = index["num_documents"]
+    return TokenData(
+        train=TokenFiles.from_index(directory, index, "train"),
+        val=TokenFiles.from_index(directory, index, "val"),
+        tokenizer_path=str(tokenizer_file),
+        vocab_size=int(index["vocab_size"]),
+        eos_id=int(index["eos_id"]),
+        num_train_documents=int(documents["train"]),
+        num_val_documents=int(documents["val"]),
+    )
+
+
+class IndexPermutation:
+    """A seed-keyed random permutation of ``range(size)``, evaluated at any indices without materializing it.
+
+    A 4-round Feistel network (splitmix64 round function, halves of ``a`` and ``b`` bits taking turns) on the
+    ``a + b`` bits that cover ``size``, applied again while a value falls outside ``range(size)`` (cycle walking; the
+    domain is under twice ``size``, so under two applications on average): a bijection of ``range(size)`` for every
+    size and key, at memory proportional to the indices asked for rather than to ``size`` (Black and Rogaway,
+    "Ciphers with Arbitrary Finite Domains", CT-RSA 2002).
+
+        permutation = IndexPermutation(10, key=7)
+        permutation(np.arange(10))               # the numbers 0..9 in a shuffled order, the same every time
+    """
+
+    def __init__(self, size: int, key: int) -> None:
+        if size < 1:
+            raise ValueError(f"a permutation needs size >= 1, got {size}")
+        self.size = size
+        bits = max(2, (size - 1).bit_length())
+        self._widths = (bits // 2, bits - bits // 2)  # (left, right) at the start; each round swaps them
+        digest = hashlib.sha256(f"dilocox-permutation:{key}".encode()).digest()
+        self._round_keys = [np.uint64(int.from_bytes(digest[8 * r : 8 * r + 8], "little")) for r in range(4)]
+
+    def __call__(self, indices: np.ndarray) -> np.ndarray:
+        """The images of ``indices`` (each in ``range(size)``) as int64."""
+        values = np.atleast_1d(np.asarray(indices, dtype=np.int64))
+        if len(values) and (int(values.min()) < 0 or int(values.max()) >= self.size):
+            raise IndexError(f"indices {values.min()}..{values.max()} leave range({self.size})")
+        out = self._encrypt(values.astype(np.uint64))
+        outside = out >= self.size
+        while outside.any():
+            out[outside] = self._encrypt(out[outside])
+            outside = out >= self.size
+        return out.astype(np.int64)
+
+    def _encrypt(self, values: np.ndarray) -> np.ndarray:
+        left_bits, right_bits = self._widths
+        left, right = values >> np.uint64(right_bits), values & np.uint64((1 << right_bits) - 1)
+        for round_key in self._round_keys:
+            # (L, R) -> (R, L ^ F(R)): invertible whatever F is; the halves swap widths
+            mixed = _splitmix64(right ^ round_key) & np.uint64((1 << left_bits) - 1)
+            left, right = right, left ^ mixed
+            left_bits, right_bits = right_bits, left_bits
+        return (left << np.uint64(right_bits)) | right
+
+
+class ShardedTokenStream:
+    """Endless shuffled batches from one rank's shard of a token array (in memory, or `TokenFiles` on disk).
+
+    ``shard="mixed"`` (the default): the ``L // (seq_len + 1)`` non-overlapping windows of ``seq_len + 1`` tokens of
+    the whole array are dealt to the ``N`` shards by a permutation keyed by ``seed`` (`IndexPermutation`): shard ``i``
+    gets the windows at positions ``i, i + N, i + 2N, ...`` of the permuted order, a mix of the whole corpus, disjoint
+    from the other shards, at most one window more than any other. ``shard="contiguous"``: shard ``i`` is
+    ``tokens[i*L//N : (i+1)*L//N]`` cut into windows, so each shard sees one stretch of the corpus (before the
+    mixed deal existed, the only rule). Every epoch visits each window of the shard once, in an order drawn from
+    (seed, shard_index, epoch) alone, so a stream restored with `load_state_dict` continues with exactly the batches
+    the original would have produced. Memory does not grow with the corpus in mixed mode (both permutations are
+    evaluated, never stored); contiguous mode keeps one int64 per window of its shard for the epoch's order.
 
         stream = ShardedTokenStream(data.train, seq_len=256, batch_size=16, shard_index=rank, num_shards=2, seed=0)
         inputs, targets = stream.next_batch()      # (16, 256) int64; targets[:, t] == inputs[:, t + 1]
-        state = stream.state_dict()                # {"epoch": 0, "index": 16}, goes into the checkpoint
+        state = stream.state_dict()                # {"epoch": 0, "index": 16, "shard": "mixed"}: into the checkpoint
     """
 
     def __init__(
-        self, tokens: np.ndarray, *, seq_len: int, batch_size: int, shard_index: int, num_shards: int, seed: int
+        self,
+        tokens: np.ndarray | TokenFiles,
+        *,
+        seq_len: int,
+        batch_size: int,
+        shard_index: int,
+        num_shards: int,
+        seed: int,
+        shard: str = "mixed",
     ):
-        tokens = np.asarray(tokens)
+        if not isinstance(tokens, TokenFiles):
+            tokens = np.asarray(tokens)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"tokens must be a 1-D integer array, got shape {tokens.shape} of {tokens.dtype}")
+            shape = tokens.shape if isinstance(tokens, np.ndarray) else (len(tokens),)
+            raise ValueError(f"tokens must be a 1-D integer array, got shape {shape} of {tokens.dtype}")
+        check_choice("data.shard", shard, SHARD_MODES)
         if seq_len < 1:
             raise ValueError(f"train.seq_len={seq_len} must be >= 1")
         if batch_size < 1:
@@ -147,22 +260,31 @@ class ShardedTokenStream:
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.seed = seed
-        self.shard_start = shard_index * len(tokens) // num_shards
-        self.shard_end = (shard_index + 1) * len(tokens) // num_shards
+        self.shard = shard
         self._window_len = seq_len + 1
-        self._num_windows = (self.shard_end - self.shard_start) // self._window_len
+        if shard == "contiguous":
+            self.shard_start = shard_index * len(tokens) // num_shards
+            self.shard_end = (shard_index + 1) * len(tokens) // num_shards
+            self._num_windows = (self.shard_end - self.shard_start) // self._window_len
+        else:
+            # The shard's windows lie anywhere in the first num_total_windows * window_len tokens.
+            num_total_windows = len(tokens) // self._window_len
+            self.shard_start, self.shard_end = 0, num_total_windows * self._window_len
+            self._num_windows = len(range(shard_index, num_total_windows, num_shards))
+            self._deal = IndexPermutation(max(1, num_total_windows), _hash_key("deal", seed))
         if self._num_windows < batch_size:
             raise ValueError(
                 f"the training data is too small for {num_shards} data shard(s) at this batch size: shard "
-                f"{shard_index} has {self.shard_end - self.shard_start} tokens, {self._num_windows} windows of "
-                f"train.seq_len + 1 = {self._window_len} tokens, fewer than train.micro_batch_size={batch_size}; "
-                f"reduce train.micro_batch_size or train.seq_len, use fewer data-parallel ranks, or add data "
-                f"(data.path)"
+                f"{shard_index} gets {self._num_windows} windows of train.seq_len + 1 = {self._window_len} tokens "
+                f"({len(tokens)} training tokens in all, data.shard={shard}), fewer than "
+                f"train.micro_batch_size={batch_size}; reduce train.micro_batch_size or train.seq_len, use fewer "
+                f"data-parallel ranks, or add data (data.path)"
             )
         self._epoch = 0
         self._index = 0
         self._order_epoch = -1
         self._order = np.empty(0, dtype=np.int64)
+        self._mixed_order: IndexPermutation | None = None
 
     @property
     def num_windows(self) -> int:
@@ -178,23 +300,28 @@ class ShardedTokenStream:
         picked = []
         needed = self.batch_size
         while needed:
-            order = self._epoch_order(self._epoch)
             take = min(needed, self._num_windows - self._index)
-            picked.append(order[self._index : self._index + take])
+            picked.append(self._window_starts(self._epoch, self._index, self._index + take))
             self._index += take
             needed -= take
             if self._index == self._num_windows:
                 self._epoch += 1
                 self._index = 0
-        starts = self.shard_start + np.concatenate(picked) * self._window_len
-        rows = self.tokens[starts[:, None] + np.arange(self._window_len)]  # (batch, seq_len + 1)
+        rows = gather_windows(self.tokens, np.concatenate(picked), self._window_len)  # (batch, seq_len + 1)
         rows = torch.from_numpy(rows.astype(np.int64))
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "index": self._index}
+    def state_dict(self) -> dict[str, int | str]:
+        return {"epoch": self._epoch, "index": self._index, "shard": self.shard}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
+        # Checkpoints from before data.shard existed hold no "shard" and were dealt contiguously.
+        saved_shard = state.get("shard", "contiguous")
+        if saved_shard != self.shard:
+            raise ValueError(
+                f"the checkpoint's data position is for data.shard={saved_shard} but this run has "
+                f"data.shard={self.shard}; resume with --data.shard={saved_shard}"
+            )
         epoch, index = int(state["epoch"]), int(state["index"])
         if epoch < 0 or not 0 <= index <= self._num_windows:
             raise ValueError(
@@ -205,6 +332,17 @@ class ShardedTokenStream:
         if self._index == self._num_windows:
             self._epoch, self._index = epoch + 1, 0
 
+    def _window_starts(self, epoch: int, begin: int, end: int) -> np.ndarray:
+        """Token offsets of the windows at positions ``[begin, end)`` of this shard's order in ``epoch``."""
+        if self.shard == "contiguous":
+            return self.shard_start + self._epoch_order(epoch)[begin:end] * self._window_len
+        if epoch != self._order_epoch:
+            key = _hash_key("order", self.seed, self.shard_index, epoch)
+            self._mixed_order = IndexPermutation(self._num_windows, key)
+            self._order_epoch = epoch
+        local = self._mixed_order(np.arange(begin, end))  # the shard's k-th window is the deal's (i + k N)-th
+        return self._deal(self.shard_index + local * self.num_shards) * self._window_len
+
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if epoch != self._order_epoch:
             generator = torch.Generator().manual_seed(_derive_seed(self.seed, self.shard_index, epoch))
@@ -214,23 +352,37 @@ class ShardedTokenStream:
 
 
 def token_stream_for_rank(
-    data: TokenData, *, seq_len: int, batch_size: int, shard_index: int, num_shards: int, seed: int
+    data: TokenData,
+    *,
+    seq_len: int,
+    batch_size: int,
+    shard_index: int,
+    num_shards: int,
+    seed: int,
+    shard: str = "mixed",
 ) -> ShardedTokenStream:
     """The training stream of one data-parallel rank (or replica): its shard of ``data.train``."""
     return ShardedTokenStream(
-        data.train, seq_len=seq_len, batch_size=batch_size, shard_index=shard_index, num_shards=num_shards, seed=seed
+        data.train,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        shard_index=shard_index,
+        num_shards=num_shards,
+        seed=seed,
+        shard=shard,
     )
 
 
 def iter_eval_batches(
-    tokens: np.ndarray, *, seq_len: int, batch_size: int, max_batches: int | None = None
+    tokens: np.ndarray | TokenFiles, *, seq_len: int, batch_size: int, max_batches: int | None = None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Deterministic ``(inputs, targets)`` batches of non-overlapping windows from the start of ``tokens``.
 
     Every batch is ``(batch_size, seq_len)`` int64 (the last partial batch is dropped), so every rank and every
     evaluation sees the same samples. At most ``max_batches`` batches; ``None`` for all of them.
     """
-    tokens = np.asarray(tokens)
+    if not isinstance(tokens, TokenFiles):
+        tokens = np.asarray(tokens)
     window_len = seq_len + 1
     num_windows = len(tokens) // window_len if seq_len >= 1 else 0
     if seq_len < 1 or batch_size < 1 or num_windows < batch_size:
@@ -248,11 +400,13 @@ def iter_eval_batches(
 
 
 def _eval_batches(
-    tokens: np.ndarray, window_len: int, batch_size: int, num_batches: int
+    tokens: np.ndarray | TokenFiles, window_len: int, batch_size: int, num_batches: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    # Split from iter_eval_batches so bad arguments raise at the call, not at the first next().
-    windows = tokens[: num_batches * batch_size * window_len].reshape(num_batches, batch_size, window_len)
-    for batch in windows:
+    # Split from iter_eval_batches so bad arguments raise at the call, not at the first next(). One batch is read at a
+    # time, so a validation split on disk is never loaded whole.
+    batch_tokens = batch_size * window_len
+    for b in range(num_batches):
+        batch = tokens[b * batch_tokens : (b + 1) * batch_tokens].reshape(batch_size, window_len)
         rows = torch.from_numpy(batch.astype(np.int64))  # (batch, seq_len + 1)
         yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
@@ -261,6 +415,23 @@ def _derive_seed(seed: int, shard_index: int, epoch: int) -> int:
     # A hash rather than arithmetic on the three numbers: (seed, shard 1) and (seed + 1, shard 0) must not collide.
     digest = hashlib.sha256(f"dilocox-stream:{seed}:{shard_index}:{epoch}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _hash_key(*parts: object) -> int:
+    """A 63-bit key of the mixed deal and orders; a hash, so (seed, shard 1) and (seed + 1, shard 0) differ."""
+    digest = hashlib.sha256(":".join(["dilocox-mixed", *map(str, parts)]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+_U27, _U30, _U31 = np.uint64(27), np.uint64(30), np.uint64(31)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(values: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer on uint64 arrays (multiplication wraps): each output bit depends on every input bit."""
+    values = (values ^ (values >> _U30)) * _MIX1
+    values = (values ^ (values >> _U27)) * _MIX2
+    return values ^ (values >> _U31)
 
 
 def _short_hash(*parts: str) -> str:

@@ -1,5 +1,6 @@
 """Corpus loading, BPE tokenizer, token caching and sharded streams of dilocox.data."""
 
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -27,6 +28,7 @@ from dilocox.data import (
     train_bpe,
     validation_document_indices,
 )
+from dilocox.data.dataset import IndexPermutation
 from dilocox.fileio import write_atomic
 
 WORDS = "the king queen sword crown night day love death river stone fire hope fear bright dark".split()
@@ -346,13 +348,19 @@ def first_epoch_starts(stream: ShardedTokenStream) -> list[int]:
     return starts[: stream.num_windows]
 
 
-def test_shards_are_disjoint_and_cover_their_slice():
+def test_contiguous_shards_are_disjoint_and_cover_their_slice():
     tokens = np.arange(10_000, dtype=np.int32)
     seq_len, num_shards = 15, 3
     seen: set[int] = set()
     for shard_index in range(num_shards):
         stream = ShardedTokenStream(
-            tokens, seq_len=seq_len, batch_size=4, shard_index=shard_index, num_shards=num_shards, seed=0
+            tokens,
+            seq_len=seq_len,
+            batch_size=4,
+            shard_index=shard_index,
+            num_shards=num_shards,
+            seed=0,
+            shard="contiguous",
         )
         lo, hi = shard_index * 10_000 // num_shards, (shard_index + 1) * 10_000 // num_shards
         assert stream.num_windows == (hi - lo) // (seq_len + 1)
@@ -371,13 +379,15 @@ def test_stream_order_depends_on_seed_shard_and_epoch():
     tokens = np.arange(5_000, dtype=np.uint16)
 
     def make(seed: int, shard_index: int = 0) -> ShardedTokenStream:
-        return ShardedTokenStream(tokens, seq_len=9, batch_size=5, shard_index=shard_index, num_shards=2, seed=seed)
+        return ShardedTokenStream(
+            tokens, seq_len=9, batch_size=5, shard_index=shard_index, num_shards=2, seed=seed, shard="contiguous"
+        )
 
     assert first_epoch_starts(make(0)) == first_epoch_starts(make(0))
     assert first_epoch_starts(make(0)) != first_epoch_starts(make(1))
     stream = make(0)
     epoch0 = first_epoch_starts(stream)
-    assert stream.epoch == 1 and stream.state_dict() == {"epoch": 1, "index": 0}  # 250 windows, 50 batches
+    assert stream.epoch == 1 and stream.state_dict() == {"epoch": 1, "index": 0, "shard": "contiguous"}
     epoch1 = first_epoch_starts(stream)
     assert sorted(epoch0) == sorted(epoch1) and epoch0 != epoch1
     # The same seed shuffles another shard differently, not just shifted.
@@ -385,30 +395,43 @@ def test_stream_order_depends_on_seed_shard_and_epoch():
     assert other != epoch0
 
 
-def test_resume_from_state_dict_gives_identical_batches_across_epochs():
+@pytest.mark.parametrize("shard", ["mixed", "contiguous"])
+def test_resume_from_state_dict_gives_identical_batches_across_epochs(shard):
     tokens = np.arange(2_000, dtype=np.int32)
-    kwargs = dict(seq_len=7, batch_size=6, shard_index=1, num_shards=2, seed=3)  # 125 windows: batches straddle epochs
+    # 125 windows per shard either way (250 in all): batches straddle epochs
+    kwargs = dict(seq_len=7, batch_size=6, shard_index=1, num_shards=2, seed=3, shard=shard)
     reference = ShardedTokenStream(tokens, **kwargs)
     for _ in range(19):
         reference.next_batch()
     state = reference.state_dict()
-    assert state == {"epoch": 0, "index": 114} and all(type(v) is int for v in state.values())
-    json.dumps(state)  # goes into checkpoints as plain data
+    assert state == {"epoch": 0, "index": 114, "shard": shard}
+    assert json.loads(json.dumps(state)) == state  # goes into checkpoints as plain data
 
     resumed = ShardedTokenStream(tokens, **kwargs)
     resumed.load_state_dict(state)
     for _ in range(30):  # crosses into epoch 1 inside a batch, then into epoch 2
         expected, got = reference.next_batch(), resumed.next_batch()
         assert torch.equal(expected[0], got[0]) and torch.equal(expected[1], got[1])
-    assert resumed.state_dict() == reference.state_dict() == {"epoch": 2, "index": 44}
+    assert resumed.state_dict() == reference.state_dict() == {"epoch": 2, "index": 44, "shard": shard}
 
     with pytest.raises(ValueError, match="does not fit this shard"):
-        resumed.load_state_dict({"epoch": 0, "index": 126})
+        resumed.load_state_dict({"epoch": 0, "index": 126, "shard": shard})
 
 
 def test_too_small_data_names_what_to_reduce():
-    with pytest.raises(ValueError, match=r"too small for 4 data shard.*train\.micro_batch_size.*train\.seq_len"):
-        ShardedTokenStream(np.arange(1_000), seq_len=31, batch_size=8, shard_index=0, num_shards=4, seed=0)
+    too_small = r"too small for 4 data shard.*train\.micro_batch_size.*train\.seq_len"
+    with pytest.raises(ValueError, match=too_small):  # 250 tokens per shard: 7 windows of 32
+        ShardedTokenStream(
+            np.arange(1_000), seq_len=31, batch_size=8, shard_index=0, num_shards=4, seed=0, shard="contiguous"
+        )
+    # Dealt from the whole array, the 31 windows give shards 8, 8, 8, 7: only the last is short.
+    ShardedTokenStream(np.arange(1_000), seq_len=31, batch_size=8, shard_index=2, num_shards=4, seed=0)
+    with pytest.raises(ValueError, match=r"too small for 4 data shard.*shard 3 gets 7 windows.*train\.seq_len"):
+        ShardedTokenStream(np.arange(1_000), seq_len=31, batch_size=8, shard_index=3, num_shards=4, seed=0)
+    with pytest.raises(ValueError, match=r"data\.shard = 'blocks' is not one of: mixed, contiguous"):
+        ShardedTokenStream(
+            np.arange(1_000), seq_len=3, batch_size=1, shard_index=0, num_shards=2, seed=0, shard="blocks"
+        )
     with pytest.raises(ValueError, match="shard_index=2"):
         ShardedTokenStream(np.arange(1_000), seq_len=3, batch_size=1, shard_index=2, num_shards=2, seed=0)
 
@@ -416,7 +439,9 @@ def test_too_small_data_names_what_to_reduce():
 def test_token_stream_for_rank_uses_train_split(tmp_path):
     corpus = write_corpus(tmp_path / "corpus", make_documents(8))
     data = prepare_tokens(path=str(corpus), vocab_size=300, val_fraction=0.25)
-    stream = token_stream_for_rank(data, seq_len=16, batch_size=2, shard_index=1, num_shards=2, seed=0)
+    stream = token_stream_for_rank(
+        data, seq_len=16, batch_size=2, shard_index=1, num_shards=2, seed=0, shard="contiguous"
+    )
     assert stream.shard_start == len(data.train) // 2 and stream.shard_end == len(data.train)
     inputs, targets = stream.next_batch()
     assert inputs.shape == (2, 16) and int(inputs.max()) < data.vocab_size
@@ -436,3 +461,137 @@ def test_eval_batches_are_deterministic_windows_from_the_start():
         iter_eval_batches(tokens[:50], seq_len=9, batch_size=8)
     with pytest.raises(ValueError, match="0 windows"):
         iter_eval_batches(tokens[:5], seq_len=9, batch_size=1)
+
+
+# ---- data.shard: the old contiguous rule kept bit for bit, the mixed deal -------------------------------------------
+
+
+def old_contiguous_batches(tokens, *, seq_len, batch_size, shard_index, num_shards, seed, num_batches):
+    """A verbatim copy of the stream before data.shard existed (contiguous shards, torch.randperm per epoch)."""
+
+    def derive_seed(seed, shard_index, epoch):
+        digest = hashlib.sha256(f"dilocox-stream:{seed}:{shard_index}:{epoch}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1
+
+    shard_start = shard_index * len(tokens) // num_shards
+    shard_end = (shard_index + 1) * len(tokens) // num_shards
+    window_len = seq_len + 1
+    num_windows = (shard_end - shard_start) // window_len
+    epoch, index, batches = 0, 0, []
+    for _ in range(num_batches):
+        picked, needed = [], batch_size
+        while needed:
+            generator = torch.Generator().manual_seed(derive_seed(seed, shard_index, epoch))
+            order = torch.randperm(num_windows, generator=generator).numpy()
+            take = min(needed, num_windows - index)
+            picked.append(order[index : index + take])
+            index += take
+            needed -= take
+            if index == num_windows:
+                epoch, index = epoch + 1, 0
+        starts = shard_start + np.concatenate(picked) * window_len
+        rows = torch.from_numpy(tokens[starts[:, None] + np.arange(window_len)].astype(np.int64))
+        batches.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+    return batches
+
+
+@pytest.mark.parametrize(
+    "seq_len, batch_size, shard_index, num_shards, seed",
+    [(7, 6, 0, 1, 0), (7, 6, 1, 2, 3), (15, 4, 2, 3, 1), (31, 5, 3, 4, 7)],
+)
+def test_contiguous_equals_the_old_rule_bit_for_bit(seq_len, batch_size, shard_index, num_shards, seed):
+    tokens = np.random.default_rng(seed).integers(0, 2048, size=6_001).astype(np.uint16)
+    stream = ShardedTokenStream(
+        tokens,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        shard_index=shard_index,
+        num_shards=num_shards,
+        seed=seed,
+        shard="contiguous",
+    )
+    num_batches = 3 * stream.num_windows // batch_size + 2  # three epochs and then some, batches straddling them
+    expected = old_contiguous_batches(
+        tokens,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        shard_index=shard_index,
+        num_shards=num_shards,
+        seed=seed,
+        num_batches=num_batches,
+    )
+    for inputs, targets in expected:
+        got_inputs, got_targets = stream.next_batch()
+        assert torch.equal(got_inputs, inputs) and torch.equal(got_targets, targets)
+    assert stream.epoch == 3
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4])
+def test_mixed_shards_are_disjoint_cover_every_window_and_span_the_corpus(num_shards):
+    seq_len, length = 15, 20_011  # 1250 windows of 16, 11 tokens left over
+    tokens = np.arange(length, dtype=np.int32)
+    num_windows = length // (seq_len + 1)
+    shards = []
+    for shard_index in range(num_shards):
+        stream = ShardedTokenStream(
+            tokens, seq_len=seq_len, batch_size=1, shard_index=shard_index, num_shards=num_shards, seed=0
+        )
+        epoch0 = first_epoch_starts(stream)  # batches of 1 end exactly at the epoch's end
+        epoch1 = first_epoch_starts(stream)
+        assert len(epoch0) == len(set(epoch0)) == stream.num_windows
+        assert sorted(epoch1) == sorted(epoch0) and epoch1 != epoch0  # the same windows, reshuffled
+        # A mix of the whole array: each shard has windows in every quarter, about its share of each.
+        quarters = np.bincount(np.asarray(epoch0) * 4 // length, minlength=4)
+        assert quarters.min() > 0.8 * stream.num_windows / 4, quarters
+        shards.append(set(epoch0))
+    sizes = [len(shard) for shard in shards]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == num_windows
+    assert set().union(*shards) == set(range(0, num_windows * (seq_len + 1), seq_len + 1))  # windows, aligned
+
+
+def test_mixed_deal_depends_on_the_seed_and_not_on_the_batch_size():
+    tokens = np.arange(8_000, dtype=np.int32)
+
+    def shard_windows(seed: int, batch_size: int = 4) -> set[int]:
+        stream = ShardedTokenStream(tokens, seq_len=9, batch_size=batch_size, shard_index=0, num_shards=2, seed=seed)
+        return set(first_epoch_starts(stream))
+
+    assert shard_windows(0) == shard_windows(0, batch_size=7)
+    assert shard_windows(0) != shard_windows(1)
+    assert len(shard_windows(0) & shard_windows(1)) < 0.6 * len(shard_windows(0))  # about half, by chance
+
+
+def test_resume_rejects_a_state_of_the_other_shard_mode():
+    tokens = np.arange(2_000, dtype=np.int32)
+    kwargs = dict(seq_len=7, batch_size=6, shard_index=0, num_shards=2, seed=0)
+    mixed = ShardedTokenStream(tokens, **kwargs)
+    contiguous = ShardedTokenStream(tokens, **kwargs, shard="contiguous")
+    with pytest.raises(ValueError, match=r"data\.shard=contiguous but this run has data\.shard=mixed.*--data\.shard"):
+        mixed.load_state_dict(contiguous.state_dict())
+    # A checkpoint from before data.shard holds only epoch and index, and was dealt contiguously.
+    contiguous.load_state_dict({"epoch": 1, "index": 5})
+    assert contiguous.state_dict() == {"epoch": 1, "index": 5, "shard": "contiguous"}
+    with pytest.raises(ValueError, match=r"data\.shard=contiguous"):
+        mixed.load_state_dict({"epoch": 1, "index": 5})
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 16, 17, 100, 1_000, 4_097, 65_536])
+def test_index_permutation_is_a_bijection_for_every_size(size):
+    permutation = IndexPermutation(size, key=size)
+    image = permutation(np.arange(size))
+    assert image.dtype == np.int64 and np.array_equal(np.sort(image), np.arange(size))
+    # Evaluated piece by piece it gives the same values (nothing depends on the call's batch).
+    pieces = [permutation(np.arange(lo, min(size, lo + 7))) for lo in range(0, size, 7)]
+    assert np.array_equal(np.concatenate(pieces), image)
+    with pytest.raises(IndexError):
+        permutation(np.array([size]))
+
+
+def test_index_permutation_looks_random():
+    size = 10_000
+    first, second = IndexPermutation(size, key=1)(np.arange(size)), IndexPermutation(size, key=2)(np.arange(size))
+    assert not np.array_equal(first, second)
+    assert abs(np.corrcoef(np.arange(size), first)[0, 1]) < 0.05  # no drift of positions with the index
+    assert (first == np.arange(size)).sum() < 10  # about one fixed point, as for a uniform permutation
+    # Neighbouring indices land far apart: consecutive windows of a batch come from all over the corpus.
+    assert np.median(np.abs(np.diff(first))) > size / 10
