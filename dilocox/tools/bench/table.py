@@ -18,9 +18,9 @@ def _gap_cell(gap: float | None, row: dict[str, Any] | None = None) -> str:
     if gap is None:
         return cell
     sd = (row or {}).get("gap_sd_pct")
-    if sd is None:
+    if sd is None or row["name"] == row.get("baseline_name"):
         return cell + "%"
-    noise = "" if row.get("gap_resolved") or row["name"] == row.get("baseline_name") else " (within noise)"
+    noise = "" if row.get("gap_resolved") else " (within noise)"
     return f"{cell} ± {sd:.2f}%{noise}"
 
 
