@@ -59,10 +59,7 @@ class RunLock:
             except FileExistsError:
                 holder = cls._holder(path)
                 if holder is not None and cls._live(holder):
-                    raise ValueError(
-                        f"run.out_dir = {run_dir} is in use by a live run (pid {holder['pid']} on {holder['host']}); "
-                        "wait for it to end or stop it, or choose another --run.out_dir"
-                    ) from None
+                    raise cls._in_use(run_dir, holder) from None
                 if holder is not None and holder.get("host") != me["host"]:
                     raise ValueError(
                         f"run.out_dir = {run_dir} is locked by pid {holder.get('pid')} on {holder.get('host')}, which "
@@ -81,10 +78,14 @@ class RunLock:
         """Raise the error `acquire` would if a live run holds `run_dir` (before anything in it is replaced)."""
         holder = cls._holder(Path(run_dir) / LOCK_FILE)
         if holder is not None and cls._live(holder) and holder["pid"] != os.getpid():
-            raise ValueError(
-                f"run.out_dir = {run_dir} is in use by a live run (pid {holder['pid']} on {holder['host']}); "
-                "wait for it to end or stop it, or choose another --run.out_dir"
-            )
+            raise cls._in_use(run_dir, holder)
+
+    @staticmethod
+    def _in_use(run_dir: Path, holder: dict) -> ValueError:
+        return ValueError(
+            f"run.out_dir = {run_dir} is in use by a live run (pid {holder['pid']} on {holder['host']}); "
+            "wait for it to end or stop it, or choose another --run.out_dir"
+        )
 
     @staticmethod
     def _holder(path: Path) -> dict | None:
