@@ -19,11 +19,12 @@ class NetworkConfig:
     """Uplink bandwidth of one cluster, shared by its ranks that sync at once: e.g. 1Gbps, 100Mbps, unlimited."""
     latency: str = "10ms"
     """One-way latency added to every slow-link collective: e.g. 10ms, 0."""
+    # 600s, not gloo's 30 min: long enough for the longest legitimate wait in one collective that we know of, one
+    # round's slow-link transfer at the paper's scale (the 107B int4 pseudo-gradient takes ~455 s at 1 Gbps,
+    # docs/design.md §1), and for peers waiting at the checkpoint barrier while cluster 0 scores the final evaluation.
+    # A stopped or cut-off rank is named sooner by the heartbeat; this bounds what beats but never finishes.
     timeout: str = "600s"
-    """Longest wait of one collective before its rank fails (every process group): gloo's default is 30 min. 600s
-    covers the longest legitimate wait we know: one round's slow-link transfer at the paper's scale (a 107B int4
-    pseudo-gradient takes ~455 s at 1 Gbps) and peers waiting at the checkpoint barrier while cluster 0 scores the
-    final evaluation; raise it for bigger transfers or evaluations. Stopped ranks are found sooner by the heartbeat."""
+    """Longest wait of one collective before its rank fails (every process group); raise it for longer transfers."""
     heartbeat: str = "5s"
     """Every rank bumps its counter in the job's store this often and reads the others' (a daemon thread)."""
     stall_timeout: str = "60s"

@@ -72,3 +72,46 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout_and_every_rank_exits(t
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_under_torchrun_a_stopped_rank_0_is_named_by_rank_1(tmp_path):
+    """torchrun's agent serves the store, so rank 0 frozen does not silence it: rank 1 names rank 0 and exits 4;
+    torchrun then stops the frozen worker (SIGTERM, after its own grace SIGKILL)."""
+    run_dir = tmp_path / "torchrun-stalled"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--monitor-interval=0.5",
+         "-m", "dilocox", "train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--train.steps=100000",
+         "--metrics.log_interval=1", "--eval.interval=0", "--checkpoint.interval=0", *FAST_WATCHDOG],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+    )  # fmt: skip
+    workers: list[int] = []
+    try:
+        _wait_for_training(run_dir, proc)
+        workers = _by_start_time(
+            [
+                pid
+                for agent in [proc.pid, *_children(proc.pid)]
+                for pid in _children(agent)
+                if "dilocox" in Path(f"/proc/{pid}/cmdline").read_text()
+            ]
+        )
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        _, stderr = proc.communicate(timeout=180)
+        took = time.monotonic() - stopped_at
+        assert proc.returncode != 0
+        assert took < 120, f"the job took {took:.0f} s to stop"
+        reports = [line for line in stderr.splitlines() if "has not sent a heartbeat" in line]
+        assert len(reports) == 1, stderr[-3000:]
+        assert reports[0].startswith("dilocox: error: rank 0 (cluster 0, dp 0, pp 0) has not sent a heartbeat for ")
+        assert "exitcode  : 4" in stderr  # torchrun's report: rank 1 exited with EXIT_STALLED
+        time.sleep(0.5)
+        assert not _alive(workers)
+    finally:
+        for pid in _alive(workers):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
