@@ -30,6 +30,7 @@ from dilocox.net.channel import WanChannel
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
 from dilocox.parallel.pipeline import mean_token_cross_entropy
 from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync
+from dilocox.sync.robust import GuardError
 from dilocox.topology import Topology, build_process_groups
 
 
@@ -191,7 +192,15 @@ class Trainer:
             latency_s=cfg.network.latency_s,
             num_sharing=cfg.topology.dp_degree * cfg.topology.pp_degree,
         )
-        self.sync = build_sync(cfg, self.model.parameters(), channel=self.channel, dp_group=self.groups.dp_group)
+        self.sync = build_sync(
+            cfg,
+            self.model.parameters(),
+            channel=self.channel,
+            dp_group=self.groups.dp_group,
+            inner_optimizer=self.inner_optimizer,
+        )
+        self.guarded = cfg.sync.has_outer_loop and cfg.sync.guard
+        """A non-finite loss does not stop the run at once: the guard heals the cluster at the round's end."""
         self.stream = ShardedTokenStream(
             self.data.train,
             seq_len=cfg.train.seq_len,
@@ -360,15 +369,20 @@ class Trainer:
         window_start, window_step = self._start, self.step
         try:
             while self.step < cfg.train.steps:
-                self.losses.append(self.train_step())
-                if not math.isfinite(self.losses[-1]):  # the launcher stops the other ranks
+                try:
+                    self.losses.append(self.train_step())
+                except GuardError as error:  # the launcher stops the other ranks
+                    self._diverged(str(error))
+                if not math.isfinite(self.losses[-1]) and not self.guarded:  # the launcher stops the other ranks
                     self._diverged(f"the training loss is {self.losses[-1]}")
                 boundary = self.sync.is_round_boundary(self.step)
                 last = self.step == cfg.train.steps
-                while self.sync.warnings and logger is not None:
-                    logger.print(self.sync.warnings.pop(0))
                 if last:
                     self.round_stats = self.sync.flush() or self.round_stats
+                while self.sync.warnings and logger is not None:
+                    logger.print(self.sync.warnings.pop(0))
+                if logger is None:
+                    self.sync.warnings.clear()  # rank 0 prints them; the others' copies go
                 eval_loss = None
                 if self.in_eval_pipeline and (self._due(cfg.eval.interval) or last):
                     eval_start = time.perf_counter()
@@ -437,6 +451,7 @@ class Trainer:
         tokens = self.step * self.tokens_per_step
         c = self.cfg
         checkpoints = list_checkpoints(self.run_dir)
+        guard = getattr(self.sync, "guard_counts", {})
         summary = RunSummary(
             final_eval_loss=final_eval_loss,
             initial_eval_loss=self.initial_eval_loss,
@@ -470,6 +485,8 @@ class Trainer:
             run_dir=str(self.run_dir),
             final_eval_tokens=self.eval_tokens,
             run_seed=c.run.seed,
+            guard_excluded_updates=guard.get("excluded_updates", 0),
+            guard_skipped_rounds=guard.get("skipped_rounds", 0),
         )
         summary.write(self.run_dir)
         if logger is not None:

@@ -353,7 +353,8 @@ class LowRankCodec(Codec):
             fresh = torch.randn(num_cols, rank - have, generator=self.generator, dtype=torch.float32).to(matrix)
             start = fresh if previous is None else torch.cat([previous.to(matrix), fresh], dim=1)  # (n, rank)
         factors = factorize(matrix, start, iterations=self.power_iterations, sort=self.sorted_factors)
-        self.warm_starts[key] = factors.right
+        if bool(torch.isfinite(factors.right).all()):  # a non-finite matrix must not poison the next round's start
+            self.warm_starts[key] = factors.right
         return factors
 
     # decoding -----------------------------------------------------------------------------------------------------

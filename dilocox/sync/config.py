@@ -6,10 +6,12 @@ cfg.validate()                                   # ValueError naming sync.<field
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from dilocox.checks import check_choice, check_non_negative, check_positive, check_types
+from dilocox.sync.robust import AGGREGATES
 
 SYNC_KINDS = ("allreduce", "cocktail", "diloco", "dilocox")
 """Every `sync.kind` (docs/design.md §6)."""
@@ -57,6 +59,16 @@ class SyncConfig:
     """fit_link: the largest H it may choose; 0 = 8 x sync.inner_steps."""
     outer_state_device: str = "device"
     """Where outer params, momentum and residuals live: device (the rank's), or cpu to leave a GPU room for a stage."""
+    guard: bool = True
+    """Per-round numeric guard: leave non-finite or outsized updates out of the mean; a diverged cluster heals (§4.5)."""
+    guard_max_ratio: float = 10.0
+    """guard: an update whose norm exceeds this multiple of the recent accepted median is left out."""
+    guard_max_bad_rounds: int = 3
+    """guard: the run stops when this cluster's update, or every cluster's, is unusable this many rounds in a row."""
+    aggregate: str = "mean"
+    """mean, trimmed_mean, median or norm_clip (the robust ones need a codec with compression.reduction = gather)."""
+    trim_fraction: float = 0.25
+    """aggregate = trimmed_mean: the share of the largest and of the smallest values dropped per coordinate."""
 
     @property
     def has_outer_loop(self) -> bool:
@@ -80,6 +92,23 @@ class SyncConfig:
         if self.sync_delay not in (0, 1):
             raise ValueError(f"sync.sync_delay = {self.sync_delay} must be 0 (blocking) or 1 (one-step-delay overlap)")
         check_choice("sync.merge", self.merge, MERGE_RULES)
+        check_choice("sync.aggregate", self.aggregate, AGGREGATES)
+        check_positive("sync", self, "guard_max_bad_rounds")
+        if not (math.isfinite(self.guard_max_ratio) and self.guard_max_ratio > 1.0):
+            raise ValueError(
+                f"sync.guard_max_ratio = {self.guard_max_ratio} must be a finite number > 1 (10 leaves out an update "
+                "ten times longer than the recent median)"
+            )
+        if not 0.0 < self.trim_fraction < 0.5:
+            raise ValueError(
+                f"sync.trim_fraction = {self.trim_fraction} must be in (0, 0.5): the share of the largest and of the "
+                "smallest values dropped per coordinate (0.25 drops one of four clusters at each end)"
+            )
+        if self.aggregate != "mean" and not self.has_outer_loop:
+            raise ValueError(
+                f"sync.aggregate = {self.aggregate!r} averages the pseudo-gradients of an outer loop: use sync.kind = "
+                "diloco or dilocox"
+            )
         check_choice("sync.outer_state_device", self.outer_state_device, OUTER_STATE_DEVICES)
         if not self.has_outer_loop and self.sync_delay:
             raise ValueError("sync.sync_delay = 1 needs an outer loop: use sync.kind = diloco or dilocox")
@@ -93,3 +122,17 @@ class SyncConfig:
                 f"sync.fit_link_max_steps = {self.fit_link_max_steps} is below sync.inner_steps = {self.inner_steps}: "
                 f"fit_link only raises H; use 0 (8 x H) or a value >= {self.inner_steps}"
             )
+
+
+def check_robust_reduction(sync: SyncConfig, compression: Any) -> None:
+    """A robust `sync.aggregate` needs every cluster's update at every receiver, which only the gather reduction of
+    a codec delivers (the dense all-reduce and the scalable reduction sum in transit)."""
+    if sync.aggregate == "mean":
+        return
+    if compression.kind == "none" or compression.reduction != "gather":
+        raise ValueError(
+            f"sync.aggregate = {sync.aggregate!r} needs every cluster's update at every receiver, but "
+            f"compression.kind = {compression.kind!r} with compression.reduction = {compression.reduction!r} sums "
+            "them in transit; use a codec with compression.reduction = gather (e.g. compression.kind = fp16 or "
+            "adaptive), or sync.aggregate = mean"
+        )
