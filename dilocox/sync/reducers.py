@@ -335,15 +335,16 @@ class GatherReducer(CodecReducer):
             malformed: dict[int, str] = {}
             for index, data in enumerate(payloads):
                 decoded = own_decoded if index == own_index else None
-                if index != own_index and data is not None and data.numel():
+                if data is not None and not data.numel():
+                    malformed[index] = "it sent none: its own was non-finite"
+                elif index != own_index and data is not None:
                     try:
                         decoded = self.codec.decode_list(Payload(data), self.slice.shapes)
                     except ValueError as error:  # a corrupt or forged payload must not stop the receivers
                         malformed[index] = f"malformed payload: {error}"
                 updates.append(self._flat(decoded, flat.device))
             pending.excluded = self._judge(updates)
-            for index, why in malformed.items():
-                pending.excluded[index] = why
+            pending.excluded.update(malformed)  # the precise reason where the guard only saw nothing usable
             accepted = [u for index, u in enumerate(updates) if u is not None and index not in pending.excluded]
             if self.guard is not None:
                 self.guard.accept(accepted)
