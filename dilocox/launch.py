@@ -5,12 +5,16 @@
 
 Everything a user can get wrong (config, data files, tokenizer, run directory, checkpoint to resume) is checked
 before any rank starts, so a mistake ends with one line and exit code 2 and leaves no half-made run directory.
-A crashed rank stops all ranks; Ctrl+C stops them too, and the newest complete checkpoint stays usable.
+A crashed rank stops all ranks; Ctrl+C stops them too, and the newest complete checkpoint stays usable. A rank
+that stops sending heartbeats (SIGSTOP, a frozen host, a cut link) is named within `network.stall_timeout` and
+every rank exits with `EXIT_STALLED` (`net/watchdog.py`); every process group waits at most `network.timeout`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import logging
 import os
 import shutil
 import signal
@@ -32,6 +36,7 @@ from dilocox.data import TokenData
 from dilocox.device import resolve_device
 from dilocox.fileio import write_atomic
 from dilocox.metrics import check_sinks
+from dilocox.net.watchdog import EXIT_STALLED, JobStore, run_was_stopped
 from dilocox.parallel import check_split
 from dilocox.runlock import RunLock
 
@@ -39,6 +44,8 @@ EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 EXIT_ORPHANED = 3
 """A rank whose launcher died exits with this code (no orphan keeps training)."""
+# EXIT_STALLED = 4, imported from net/watchdog.py, whose thread exits with it: a rank stopped sending heartbeats or
+# the job's store stopped answering; every rank exits with it and the launcher says so in one line.
 
 
 def under_torchrun() -> bool:
@@ -105,11 +112,19 @@ def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Pa
 
 
 # ------------------------------------------------------------------------------------------------ one rank
-def run_rank(cfg: Config, rank: int, run_dir: Path, resume: Path | None, data: TokenData | None = None) -> None:
-    """Train as `rank` of an initialized default process group."""
+def run_rank(
+    cfg: Config,
+    rank: int,
+    run_dir: Path,
+    resume: Path | None,
+    data: TokenData | None = None,
+    *,
+    job_store: JobStore | None = None,
+) -> None:
+    """Train as `rank` of an initialized default process group; `job_store` carries the heartbeat watchdog."""
     from dilocox.trainer import Trainer
 
-    trainer = Trainer(cfg, rank=rank, run_dir=run_dir, data=data)
+    trainer = Trainer(cfg, rank=rank, run_dir=run_dir, data=data, job_store=job_store)
     try:
         if resume is not None:
             trainer.resume(resume)
@@ -129,16 +144,23 @@ def _die_with(parent: int) -> None:
     threading.Thread(target=watch, name="dilocox-parent-watch", daemon=True).start()
 
 
-def _local_rank_main(rank: int, cfg_dict: dict, world_size: int, init_file: str, error_dir: str, resume: str) -> None:
+def _local_rank_main(rank: int, cfg_dict: dict, world_size: int, port: int, error_dir: str, resume: str) -> None:
     # The launching terminal's Ctrl+C reaches every process; the parent alone decides and stops the ranks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with(os.getppid())
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     cfg = from_dict(cfg_dict)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
+    store = dist.TCPStore(_LOCAL_HOST, port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    job_store = JobStore(store, f"the launcher's store at {_LOCAL_HOST}:{port}")
     try:
-        run_rank(cfg, rank, Path(cfg.run.out_dir), Path(resume) if resume else None)
-    except ValueError as exc:
+        run_rank(cfg, rank, Path(cfg.run.out_dir), Path(resume) if resume else None, job_store=job_store)
+    except Exception as exc:
+        if run_was_stopped(job_store):  # a collective broken by the stall: the watchdog's line said it all
+            os._exit(EXIT_STALLED)
+        if not isinstance(exc, ValueError):
+            raise
         Path(error_dir, f"rank{rank}").write_text(str(exc))
         sys.stdout.flush()
         os._exit(EXIT_USER_ERROR)  # peers blocked in collectives are stopped by the parent
@@ -148,18 +170,23 @@ def _local_rank_main(rank: int, cfg_dict: dict, world_size: int, init_file: str,
 def launch_local(cfg: Config, data: TokenData, resume: Path | None) -> int:
     """Spawn the world on this machine and wait; returns the process exit code."""
     world_size = cfg.world_size
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # our own line says who was stopped
+    # The job's store lives in this process, not in a rank: a stopped rank cannot take it down with it.
+    timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
+    store = dist.TCPStore(_LOCAL_HOST, 0, None, is_master=True, timeout=timeout, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="dilocox-") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
         ctx = mp.start_processes(
             _local_rank_main,
-            args=(to_dict(cfg), world_size, init_file, tmp, str(resume or "")),
+            args=(to_dict(cfg), world_size, store.port, tmp, str(resume or "")),
             nprocs=world_size,
             join=False,
             start_method="spawn",
         )
         try:
             with _signals_stop_the_run():
-                while not ctx.join(timeout=0.5):
+                # when a rank fails, the others get STOP_GRACE_S to exit by themselves, then SIGTERM, then after
+                # as long again SIGKILL (a SIGSTOPped rank ignores SIGTERM until it is continued)
+                while not ctx.join(timeout=0.5, grace_period=STOP_GRACE_S):
                     pass
         except (KeyboardInterrupt, _Stopped) as exc:
             _stop(ctx)
@@ -170,6 +197,15 @@ def launch_local(cfg: Config, data: TokenData, resume: Path | None) -> int:
             return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else 128 + exc.signum
         except ProcessException as exc:
             _stop(ctx)
+            if run_was_stopped(JobStore(store)):
+                newest = list_checkpoints(Path(cfg.run.out_dir))
+                hint = f"; resume from {newest[-1]} with --checkpoint.resume=latest" if newest else ""
+                print(
+                    f"dilocox: a rank stopped sending heartbeats (named above): all {world_size} ranks stopped, exit "
+                    f"{EXIT_STALLED}{hint}",
+                    file=sys.stderr,
+                )
+                return EXIT_STALLED
             errors = sorted(Path(tmp).glob("rank*"))
             if errors:
                 print(f"dilocox: error: {errors[0].read_text()}", file=sys.stderr)
@@ -181,6 +217,10 @@ def launch_local(cfg: Config, data: TokenData, resume: Path | None) -> int:
             )
             return 1
     return 0
+
+
+_LOCAL_HOST = "127.0.0.1"
+STOP_GRACE_S = 2.0
 
 
 class _Stopped(Exception):
@@ -217,9 +257,11 @@ def _stop(ctx) -> None:
 # ------------------------------------------------------------------------------------------------ torchrun
 def launch_torchrun(cfg: Config) -> int:
     """Run as the rank torchrun assigned; rank 0 sets up the run directory and tells the others if it failed."""
-    world_size = int(os.environ["WORLD_SIZE"])
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
+    timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
+    # the rendezvous init_process_group would do itself, kept so the watchdog can use the same store
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    job_store = _torchrun_job_store(store)
     lock = None
     try:
         error = None
@@ -238,10 +280,12 @@ def launch_torchrun(cfg: Config) -> int:
             if rank == 0:
                 print(f"dilocox: error: {first}", file=sys.stderr)
             return EXIT_USER_ERROR
-        run_rank(cfg, rank, Path(cfg.run.out_dir), resume, data)
+        run_rank(cfg, rank, Path(cfg.run.out_dir), resume, data, job_store=job_store)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except Exception:
+        if run_was_stopped(job_store):  # a collective broken by the stall: the watchdog's line said it all
+            os._exit(EXIT_STALLED)
         traceback.print_exc()
         print(f"dilocox: rank {rank} failed; torchrun stops the other ranks", file=sys.stderr)
         return 1
@@ -251,3 +295,13 @@ def launch_torchrun(cfg: Config) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _torchrun_job_store(store: dist.Store) -> JobStore:
+    """torchrun's store as the watchdog names it: served by its agent on the first node (c10d rendezvous) or by
+    rank 0 itself (static rendezvous); a restart inside the job gets keys of its own."""
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    host = "torchrun's agent on the first node" if agent else "rank 0"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return JobStore(store, f"the job's store at {where} (served by {host})", namespace=f"dilocox/watchdog/{restart}")

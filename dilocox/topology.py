@@ -14,6 +14,7 @@ Ranks are ordered cluster-major: `rank = (cluster * dp_degree + dp) * pp_degree 
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -93,11 +94,14 @@ class ProcessGroups:
     cluster_group: dist.ProcessGroup
 
 
-def build_process_groups(topo: Topology, rank: int, *, intra_backend: str = "gloo") -> ProcessGroups:
+def build_process_groups(
+    topo: Topology, rank: int, *, intra_backend: str = "gloo", timeout: datetime.timedelta | None = None
+) -> ProcessGroups:
     """Create every pp, dp and cluster group (all ranks call this in the same order) and return this rank's.
 
     `intra_backend` is the backend of the fast groups inside a cluster (pp, dp): nccl when the ranks compute on
-    GPUs. The cluster groups, the slow link, are always gloo: the channel sends host tensors over TCP."""
+    GPUs. The cluster groups, the slow link, are always gloo: the channel sends host tensors over TCP. `timeout`
+    bounds each collective of every group (`network.timeout`; None: the backend's default, 30 min for gloo)."""
     if dist.get_world_size() != topo.world_size:
         raise ValueError(
             f"the process group has {dist.get_world_size()} ranks but the topology needs {topo.world_size} "
@@ -106,7 +110,8 @@ def build_process_groups(topo: Topology, rank: int, *, intra_backend: str = "glo
     mine: dict[str, dist.ProcessGroup] = {}
     for kind, groups in topo.all_groups().items():
         for ranks in groups:
-            group = dist.new_group(ranks=ranks, backend="gloo" if kind == "cluster" else intra_backend)
+            backend = "gloo" if kind == "cluster" else intra_backend
+            group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
             if rank in ranks:
                 mine[kind] = group
     return ProcessGroups(pp_group=mine["pp"], dp_group=mine["dp"], cluster_group=mine["cluster"])

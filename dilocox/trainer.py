@@ -10,6 +10,7 @@ Every rank runs the same code; the topology decides what it talks to (docs/desig
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import os
 import time
@@ -27,6 +28,7 @@ from dilocox.device import describe, intra_cluster_backend, resolve_device
 from dilocox.metrics import MetricsLogger, RunSummary, format_summary, truncate_metrics
 from dilocox.models import Decoder, ModelArgs, count_parameters, model_args
 from dilocox.net.channel import WanChannel
+from dilocox.net.watchdog import JobStore, Watchdog
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
 from dilocox.parallel.pipeline import mean_token_cross_entropy
 from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync
@@ -149,7 +151,16 @@ class TrainingDiverged(ValueError):
 class Trainer:
     """Runs `train.steps` inner steps on this rank and keeps it in step with the others through `sync`."""
 
-    def __init__(self, cfg: Config, *, rank: int, run_dir: Path, data: TokenData | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        rank: int,
+        run_dir: Path,
+        data: TokenData | None = None,
+        job_store: JobStore | None = None,
+    ) -> None:
+        """`job_store`: the job's store, for the heartbeat watchdog (`network.stall_timeout`); None runs without."""
         self.cfg = cfg
         self.rank = rank
         self.run_dir = Path(run_dir)
@@ -161,7 +172,17 @@ class Trainer:
         self.device = resolve_device(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.groups = build_process_groups(self.topology, rank, intra_backend=intra_cluster_backend(self.device))
+        self.groups = build_process_groups(
+            self.topology,
+            rank,
+            intra_backend=intra_cluster_backend(self.device),
+            timeout=datetime.timedelta(seconds=cfg.network.timeout_s),
+        )
+        self.watchdog: Watchdog | None = None
+        if job_store is not None and cfg.network.stall_timeout_s > 0:
+            dist.barrier()  # one start line: a rank that started watching earlier does not count the others' wait
+            self.watchdog = Watchdog.from_config(job_store, cfg.network, rank=rank, topology=self.topology)
+            self.watchdog.start()
         self.data = data if data is not None else prepare_data(cfg)
         self.model_shape = model_shape(cfg, self.data.vocab_size)  # recorded in checkpoints for eval and export
         self.model_args = dataclasses.replace(self.model_shape, max_seq_len=cfg.train.seq_len)
@@ -538,4 +559,7 @@ class Trainer:
         return report
 
     def close(self) -> None:
+        """Stop the channel's thread and the watchdog (this rank is done: the others stop watching it)."""
         self.channel.close()
+        if self.watchdog is not None:
+            self.watchdog.stop()

@@ -1,6 +1,7 @@
-"""`[network]`: the slow link between clusters, owned and validated here (the link model is in `link.py`).
+"""`[network]`: the slow link between clusters and failure detection, owned and validated here (the link model is
+in `link.py`, the heartbeat watchdog in `watchdog.py`).
 
-cfg = NetworkConfig(bandwidth="100Mbps", latency="20ms")
+cfg = NetworkConfig(bandwidth="100Mbps", latency="20ms", stall_timeout="30s")
 cfg.validate()                                   # ValueError naming network.<field> and the fix
 """
 
@@ -18,6 +19,15 @@ class NetworkConfig:
     """Uplink bandwidth of one cluster, shared by its ranks that sync at once: e.g. 1Gbps, 100Mbps, unlimited."""
     latency: str = "10ms"
     """One-way latency added to every slow-link collective: e.g. 10ms, 0."""
+    timeout: str = "600s"
+    """Longest wait of one collective before its rank fails (every process group): gloo's default is 30 min. 600s
+    covers the longest legitimate wait we know: one round's slow-link transfer at the paper's scale (a 107B int4
+    pseudo-gradient takes ~455 s at 1 Gbps) and peers waiting at the checkpoint barrier while cluster 0 scores the
+    final evaluation; raise it for bigger transfers or evaluations. Stopped ranks are found sooner by the heartbeat."""
+    heartbeat: str = "5s"
+    """Every rank bumps its counter in the job's store this often and reads the others' (a daemon thread)."""
+    stall_timeout: str = "60s"
+    """A rank whose heartbeat counter has not moved for this long is named and the run stops (exit 4); 0: off."""
 
     @property
     def bandwidth_bytes_per_s(self) -> float | None:
@@ -28,7 +38,37 @@ class NetworkConfig:
     def latency_s(self) -> float:
         return parse_duration(self.latency)
 
+    @property
+    def timeout_s(self) -> float:
+        return parse_duration(self.timeout, name="network.timeout")
+
+    @property
+    def heartbeat_s(self) -> float:
+        return parse_duration(self.heartbeat, name="network.heartbeat")
+
+    @property
+    def stall_timeout_s(self) -> float:
+        """Seconds without a heartbeat before a rank is called stalled; 0 when the watchdog is off."""
+        return parse_duration(self.stall_timeout, name="network.stall_timeout")
+
     def validate(self) -> None:
         parse_bandwidth(self.bandwidth)  # first: their messages say which units are understood
         parse_duration(self.latency)
+        for name in ("timeout", "heartbeat"):
+            if getattr(self, f"{name}_s") <= 0:
+                raise ValueError(f"network.{name} = {getattr(self, name)!r} must be > 0, e.g. {_EXAMPLES[name]!r}")
+        stall, heartbeat, timeout = self.stall_timeout_s, self.heartbeat_s, self.timeout_s
+        if stall and stall < 2 * heartbeat:
+            raise ValueError(
+                f"network.stall_timeout = {self.stall_timeout!r} must be at least 2 x network.heartbeat = "
+                f"{self.heartbeat!r}, so that one late heartbeat does not stop the run (or 0 to turn the watchdog off)"
+            )
+        if stall >= timeout:
+            raise ValueError(
+                f"network.stall_timeout = {self.stall_timeout!r} must be shorter than network.timeout = "
+                f"{self.timeout!r}: otherwise a collective times out with gloo's error before the stalled rank is named"
+            )
         check_types("network", self)
+
+
+_EXAMPLES = {"timeout": "600s", "heartbeat": "5s"}

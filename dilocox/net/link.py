@@ -71,23 +71,22 @@ def parse_bandwidth(text: str) -> float | None:
     return value
 
 
-def parse_duration(text: str) -> float:
-    """Parse `network.latency` into seconds: "10ms", "1.5s", "250us", "0" (a bare number must be zero)."""
+def parse_duration(text: str, *, name: str = "network.latency") -> float:
+    """Parse a duration option (`network.latency` unless `name` says which) into seconds: "10ms", "1.5s", "250us",
+    "0" (a bare number must be zero)."""
     if not isinstance(text, str):
-        raise ValueError(f"network.latency = {text!r} must be a string with a unit, e.g. {_LATENCY_EXAMPLES}")
+        raise ValueError(f"{name} = {text!r} must be a string with a unit, e.g. {_LATENCY_EXAMPLES}")
     match = _DURATION.match(text.strip())
     if match is None:
-        raise ValueError(f"network.latency = {text!r} is not a duration; use e.g. {_LATENCY_EXAMPLES}")
+        raise ValueError(f"{name} = {text!r} is not a duration; use e.g. {_LATENCY_EXAMPLES}")
     value = float(match["num"])
     unit = match["unit"]
     if unit is None and value != 0.0:
         # "10" could mean seconds or milliseconds; guessing wrong is off by 1000x, so ask for the unit.
-        raise ValueError(f"network.latency = {text!r} needs a unit (e.g. '{match['num']}ms' or '{match['num']}s')")
+        raise ValueError(f"{name} = {text!r} needs a unit (e.g. '{match['num']}ms' or '{match['num']}s')")
     seconds = value * _SECONDS[(unit or "s").lower()]
     if not math.isfinite(seconds) or seconds < 0.0:
-        raise ValueError(
-            f"network.latency = {text!r} must be a non-negative, finite duration; use e.g. {_LATENCY_EXAMPLES}"
-        )
+        raise ValueError(f"{name} = {text!r} must be a non-negative, finite duration; use e.g. {_LATENCY_EXAMPLES}")
     return seconds
 
 

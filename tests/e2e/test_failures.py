@@ -1,0 +1,74 @@
+"""Failure detection as a user meets it: a rank frozen with SIGSTOP is named and every process of the run stops."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_cli import DEBUG, REPO, _alive, _children, _wait_for_training
+
+pytestmark = pytest.mark.e2e
+
+FAST_WATCHDOG = ["--network.heartbeat=0.5s", "--network.stall_timeout=5s"]
+
+
+def _complete_checkpoints(run_dir: Path) -> dict[Path, bytes]:
+    root = run_dir / "checkpoints"
+    done = [d for d in root.glob("step_*") if (d / "meta.json").is_file()] if root.is_dir() else []
+    return {f: f.read_bytes() for d in done for f in sorted(d.rglob("*")) if f.is_file()}
+
+
+def _by_start_time(pids: list[int]) -> list[int]:
+    """Ranks in spawn order (rank 0 first): field 22 of /proc/PID/stat is the start time in clock ticks."""
+    return sorted(pids, key=lambda pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]))
+
+
+def test_a_stopped_rank_is_named_within_the_stall_timeout_and_every_rank_exits(tmp_path):
+    run_dir = tmp_path / "stalled"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dilocox", "train", "--config", DEBUG, f"--run.out_dir={run_dir}",
+         "--train.steps=100000", "--metrics.log_interval=1", "--eval.interval=0", "--checkpoint.interval=20",
+         *FAST_WATCHDOG],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    ranks: list[int] = []
+    try:
+        _wait_for_training(run_dir, proc)
+        spawned = [p for p in _children(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        ranks = _by_start_time(spawned)
+        assert len(ranks) == 2
+        deadline = time.time() + 120
+        while not _complete_checkpoints(run_dir) and time.time() < deadline:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        os.kill(ranks[1], signal.SIGSTOP)  # rank 1: cluster 1 of 2
+        stopped_at = time.monotonic()
+        time.sleep(2)  # a checkpoint rank 0 was finishing may land; none can start without rank 1
+        checkpoints = _complete_checkpoints(run_dir)
+        assert checkpoints
+        _, stderr = proc.communicate(timeout=120)
+        took = time.monotonic() - stopped_at
+        assert proc.returncode == 4, stderr[-3000:]
+        assert took < 60, f"the run took {took:.0f} s to stop"
+        lines = [line for line in stderr.splitlines() if line.startswith("dilocox:")]
+        assert len(lines) == 2, stderr[-3000:]
+        assert lines[0].startswith("dilocox: error: rank 1 (cluster 1, dp 0, pp 0) has not sent a heartbeat for ")
+        assert lines[0].endswith("s (network.stall_timeout = 5s): it is stopped, hung or cut off; the run stops")
+        assert lines[1].startswith(
+            "dilocox: a rank stopped sending heartbeats (named above): all 2 ranks stopped, exit 4"
+        )
+        assert "--checkpoint.resume=latest" in lines[1]
+        assert "Traceback" not in stderr
+        time.sleep(0.5)
+        assert not _alive(ranks), "a rank of the stopped run survived"
+        assert _complete_checkpoints(run_dir) == checkpoints, "the stalled run changed its checkpoints"
+    finally:
+        for pid in _alive(ranks):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
