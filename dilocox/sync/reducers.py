@@ -271,20 +271,23 @@ class GatherReducer(CodecReducer):
         account: bool = True,
     ) -> PendingMean:
         cost = CodecCost(payload_bytes=payload.nbytes, dense_bytes=4 * self.slice.numel, codec_s=codec_s)
-        transfer = self.channel.launch_all_gather(payload.data, account=account)
+        max_numel = self.codec.max_nbytes_list(self.slice.shapes)  # every cluster encodes a slice of these shapes
+        transfer = self.channel.launch_all_gather(payload.data, max_numel=max_numel, account=account)
         own_index = self.channel.group_rank
 
         def finish() -> torch.Tensor:
-            payloads = transfer.wait()
+            payloads = transfer.wait()  # None in place of a payload whose tag did not verify (network.auth_key_file)
             decode_from = time.perf_counter()
             total = torch.zeros(self.slice.numel, dtype=torch.float32, device=flat.device)  # (slice,)
             for index, data in enumerate(payloads):
+                if data is None:
+                    continue
                 own = index == own_index
                 decoded = own_decoded if own else self.codec.decode_list(Payload(data), self.slice.shapes)
                 if decoded:
                     total += torch.cat([d.reshape(-1) for d in decoded]).to(total.device)
             cost.codec_s += time.perf_counter() - decode_from
-            return total.div_(len(payloads))
+            return total.div_(sum(data is not None for data in payloads))  # the payloads used, at least this one
 
         return PendingMean(flat, self.slice.bounds, finish, transfer, self.dp_group, sent=payload.data, cost=cost)
 
