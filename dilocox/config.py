@@ -231,6 +231,20 @@ class Config:
                 f"compression.kind = {self.compression.kind!r} compresses pseudo-gradients: use sync.kind = diloco or "
                 f"dilocox ({self.sync.kind} has its own gradient format)"
             )
+        if self.network.auth_key_file:
+            gather = "--compression.reduction=gather with a codec (e.g. --compression.kind=int4)"
+            outer, reduction = self.sync.has_outer_loop, self.compression.reduction
+            summed = [  # (setting, whether this config has it, the fix)
+                ("sync.kind = allreduce", self.sync.kind == "allreduce", f"use sync.kind = dilocox with {gather}"),
+                ("compression.kind = none", outer and self.compression.kind == "none", f"use {gather}"),
+                ("compression.reduction = scalable", outer and reduction == "scalable", f"use {gather}"),
+            ]
+            for setting, refused, fix in summed:
+                if refused:
+                    raise ValueError(
+                        f"network.auth_key_file cannot tag {setting}: its values are summed or re-encoded in transit, "
+                        f"where no sender's tag can be checked; {fix}, or leave network.auth_key_file empty"
+                    )
         if self.train.lr <= 0:
             raise ValueError(f"train.lr = {self.train.lr} must be > 0")
         if not 0.0 <= self.train.min_lr_ratio <= 1.0:

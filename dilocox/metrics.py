@@ -276,6 +276,8 @@ class RunSummary:
     pipeline stages, stage 0's judgement)."""
     guard_skipped_rounds: int = 0
     """sync.guard: rounds without a usable mean, whose outer step was skipped (stage 0)."""
+    payloads_rejected: int = 0
+    """Slow-link payloads all ranks dropped because their HMAC tag did not verify (network.auth_key_file)."""
 
     def write(self, run_dir: Path) -> None:
         data = {k: _clean(v) for k, v in dataclasses.asdict(self).items()}
@@ -329,6 +331,11 @@ def format_summary(s: RunSummary) -> str:
                 "rounds without an outer step (see the guard lines above)"
             ]
             if s.guard_excluded_updates or s.guard_skipped_rounds
+            else []
+        )
+        + (
+            [f"  rejected    {s.payloads_rejected:,} slow-link payloads whose tag did not verify (see the warnings)"]
+            if s.payloads_rejected
             else []
         )
         + [f"  run dir     {s.run_dir}"]

@@ -29,6 +29,7 @@ from dilocox.metrics import MetricsLogger, RunSummary, format_summary, truncate_
 from dilocox.models import Decoder, ModelArgs, count_parameters, model_args
 from dilocox.net.channel import WanChannel
 from dilocox.net.watchdog import JobStore, Watchdog
+from dilocox.net.json_gather import all_gather_json
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
 from dilocox.parallel.pipeline import mean_token_cross_entropy
 from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync
@@ -144,6 +145,10 @@ def model_eval_step(model: torch.nn.Module):
     return step
 
 
+_MAX_CONTROL_BYTES = 16 << 10
+"""The most bytes a rank may declare for its memory report or its summary counters (a few hundred as JSON)."""
+
+
 class TrainingDiverged(ValueError):
     """The loss or the parameters became non-finite: the run stops with one line, before any checkpoint of it."""
 
@@ -212,6 +217,7 @@ class Trainer:
             bandwidth=cfg.network.bandwidth_bytes_per_s,
             latency_s=cfg.network.latency_s,
             num_sharing=cfg.topology.dp_degree * cfg.topology.pp_degree,
+            auth=cfg.network.payload_auth(),
         )
         self.sync = build_sync(
             cfg,
@@ -442,6 +448,7 @@ class Trainer:
             "wan_bytes_recv": stats["bytes_recv"],
             "link_busy_s": stats["link_busy_s"],
             "exposed_comm_s": stats["exposed_s"],
+            "payloads_rejected": stats["payloads_rejected"],
             "elapsed_s": self.elapsed_before + self._elapsed(),
         }
         if eval_loss is not None:  # the model the clusters agree on (DiLoCo: the outer params), docs/design.md §3
@@ -458,10 +465,12 @@ class Trainer:
         per_step = allreduce_bytes_per_step(
             self.sync.numel, dp_group=self.groups.dp_group, cluster_group=self.groups.cluster_group
         )
-        mine = {"bytes_sent": stats["bytes_sent"], "allreduce_equiv": per_step * self.step}
-        gathered: list[dict[str, Any]] = [mine] * dist.get_world_size()
-        if dist.get_world_size() > 1:
-            dist.all_gather_object(gathered, mine)
+        mine = {
+            "bytes_sent": stats["bytes_sent"],
+            "allreduce_equiv": per_step * self.step,
+            "payloads_rejected": stats["payloads_rejected"],
+        }
+        gathered = all_gather_json(mine, group=dist.group.WORLD, max_bytes=_MAX_CONTROL_BYTES)
         if self.in_eval_pipeline and self.last_eval_loss is None:
             eval_s = self.eval_s  # resumed at the last step: nothing was evaluated in the loop, nothing trained
             self._evaluate_now(final=True)
@@ -482,6 +491,7 @@ class Trainer:
             eval_s=self.eval_s,
             wan_bytes_total=sum(g["bytes_sent"] for g in gathered),
             allreduce_equiv_bytes=sum(g["allreduce_equiv"] for g in gathered),
+            payloads_rejected=sum(g["payloads_rejected"] for g in gathered),
             link_busy_s=stats["link_busy_s"],
             exposed_comm_s=stats["exposed_s"],
             hidden_comm_fraction=(
@@ -537,9 +547,7 @@ class Trainer:
     def _memory_report(self, logger: MetricsLogger | None) -> list[dict[str, int]]:
         """Every rank's state bytes and device (a small control message), printed by rank 0 at the start."""
         mine = (self.state_bytes(), describe(self.device))
-        gathered: list[tuple[dict[str, int], str]] = [mine] * dist.get_world_size()
-        if dist.get_world_size() > 1:
-            dist.all_gather_object(gathered, mine)
+        gathered = all_gather_json(mine, group=dist.group.WORLD, max_bytes=_MAX_CONTROL_BYTES)
         report = [state for state, _ in gathered]
         if logger is not None:
             if self.num_stages > 1:

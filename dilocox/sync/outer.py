@@ -353,7 +353,7 @@ class OuterSync:
         if self._start_check is None:
             return
         pending, self._start_check = self._start_check, None
-        fingerprints = [tuple(int(v) for v in f.tolist()) for f in pending.wait()]
+        fingerprints = [tuple(int(v) for v in f.tolist()) for f in pending.wait() if f is not None]
         if compare:
             _check_same_start(fingerprints, "cluster_group", "clusters")
 

@@ -325,17 +325,20 @@ class GatherReducer(CodecReducer):
         account: bool = True,
     ) -> PendingMean:
         cost = CodecCost(payload_bytes=payload.nbytes, dense_bytes=4 * self.slice.numel, codec_s=codec_s)
-        transfer = self.channel.launch_all_gather(payload.data, account=account)
+        max_numel = self.codec.max_nbytes_list(self.slice.shapes)  # every cluster encodes a slice of these shapes
+        transfer = self.channel.launch_all_gather(payload.data, max_numel=max_numel, account=account)
         own_index = self.channel.group_rank
 
         def finish() -> torch.Tensor:
-            payloads = transfer.wait()
+            payloads = transfer.wait()  # None in place of a payload whose tag did not verify (network.auth_key_file)
             decode_from = time.perf_counter()
             updates: list[torch.Tensor | None] = []  # every cluster's decoded slice (slice,), None: nothing usable
             malformed: dict[int, str] = {}
             for index, data in enumerate(payloads):
                 decoded = own_decoded if index == own_index else None
-                if data is not None and not data.numel():
+                if data is None:
+                    malformed[index] = "its payload's tag did not verify (network.auth_key_file)"
+                elif not data.numel():
                     malformed[index] = "it sent none: its own was non-finite"
                 elif index != own_index and data is not None:
                     try:
