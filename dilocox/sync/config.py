@@ -19,8 +19,10 @@ OUTER_LOOP_KINDS = ("diloco", "dilocox")
 """The kinds with H local steps and an outer sync of pseudo-gradients; the others sync every step."""
 OUTER_STATE_DEVICES = ("device", "cpu")
 """Where the outer state lives (`sync.outer_state_device`)."""
-MERGE_RULES = ("reset", "keep_local")
-"""Where a round starts under the one-step delay (see `DiLoCoSync`)."""
+MERGE_RULES = ("reset", "keep_local", "eager", "lookahead")
+"""Where a round starts under the one-step delay (see `DiLoCoSync` and docs/design.md §3)."""
+OUTER_LR_SCHEDULES = ("constant", "cosine")
+"""How the outer learning rate moves over the outer updates (`SyncConfig.outer_lr_at`)."""
 FIT_HEADROOM = 1.1
 """`fit_link` sizes a round so that its compute is at least this multiple of the last sync's link time."""
 
@@ -52,7 +54,13 @@ class SyncConfig:
     sync_delay: int = 0
     """Rounds between launching an outer sync and applying it: 0 = blocking, 1 = overlapped (dilocox: 1 unless set)."""
     merge: str = "keep_local"
-    """With sync_delay 1, where a round starts: keep_local (outer params plus own last progress) or reset."""
+    """With sync_delay 1, where a round starts: keep_local (phi minus own last progress), reset, eager or lookahead."""
+    outer_lr_schedule: str = "constant"
+    """Outer learning rate over the outer updates: constant, or cosine down to outer_lr x outer_min_lr_ratio."""
+    outer_warmup_rounds: int = 0
+    """Outer updates over which the outer learning rate ramps up linearly to outer_lr (either schedule)."""
+    outer_min_lr_ratio: float = 0.1
+    """cosine: the outer learning rate of the last outer update, as a fraction of outer_lr."""
     fit_link: bool = False
     """With sync_delay 1: raise H each round so that one sync's measured link time fits in the next round's compute."""
     fit_link_max_steps: int = 0
@@ -78,6 +86,18 @@ class SyncConfig:
     def max_inner_steps(self) -> int:
         """The largest H that fit_link may choose."""
         return self.fit_link_max_steps or 8 * self.inner_steps
+
+    def outer_lr_at(self, update: int, num_updates: int) -> float:
+        """The learning rate of the 0-based outer update `update` of `num_updates` (docs/design.md §3): linear
+        warm-up over `outer_warmup_rounds` W, then constant or a cosine from outer_lr down to outer_lr x rho,
+        rho = outer_min_lr_ratio, reached at the last update (the inner schedule's rule, `lr_at`, per update)."""
+        if update < self.outer_warmup_rounds:
+            return self.outer_lr * (update + 1) / self.outer_warmup_rounds
+        if self.outer_lr_schedule == "constant":
+            return self.outer_lr
+        progress = min(1.0, (update - self.outer_warmup_rounds) / max(1, num_updates - self.outer_warmup_rounds - 1))
+        rho = self.outer_min_lr_ratio
+        return self.outer_lr * (rho + (1.0 - rho) * (1.0 + math.cos(math.pi * progress)) / 2.0)
 
     def validate(self) -> None:
         """Raise ValueError naming the first impossible setting of `[sync]` and how to fix it."""
@@ -108,6 +128,13 @@ class SyncConfig:
             raise ValueError(
                 f"sync.aggregate = {self.aggregate!r} averages the pseudo-gradients of an outer loop: use sync.kind = "
                 "diloco or dilocox"
+            )
+        check_choice("sync.outer_lr_schedule", self.outer_lr_schedule, OUTER_LR_SCHEDULES)
+        check_non_negative("sync", self, "outer_warmup_rounds")
+        if not 0.0 <= self.outer_min_lr_ratio <= 1.0:
+            raise ValueError(
+                f"sync.outer_min_lr_ratio = {self.outer_min_lr_ratio} must be in [0, 1]: the last outer update's "
+                "learning rate as a fraction of sync.outer_lr (1 = no decay)"
             )
         check_choice("sync.outer_state_device", self.outer_state_device, OUTER_STATE_DEVICES)
         if not self.has_outer_loop and self.sync_delay:

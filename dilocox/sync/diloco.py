@@ -40,8 +40,21 @@ class DiLoCoSync:
       - `keep_local`: at phi minus this cluster's round-t pseudo-gradient, so local progress is not thrown away
         while its average is in flight (the idea of eager updates, arXiv 2502.12996, and Streaming DiLoCo,
         arXiv 2501.18512). Clusters then differ by their last round's progress until `flush()`.
+      - `eager` (Kale et al. 2025, arXiv 2502.12996): at the outer step phi would take if round t's average were
+        this cluster's own share of it, pseudo_grad / C (the others' part is in phi already, one round stale),
+        taken on a scratch copy of the momentum (`predicted_outer_params`). With momentum 0 this is exactly the
+        paper's eager update, phi - lr pseudo_grad / C.
+      - `lookahead`: at the outer step phi would take if round t's average were this cluster's whole
+        pseudo-gradient, momentum included: a delay-corrected momentum by weight prediction (SpecTrain, Chen et al.
+        2018): the next round computes its pseudo-gradient near where phi will be when that is applied, and the
+        momentum's part of the next step, already known, is not left one round behind. Plain averaging: keep_local.
+      Under every rule phi itself only ever takes the true averages, so every cluster holds the same phi
+      (`agreed_model`); the next pseudo-gradient is measured from the round start, so when the true average lands
+      it replaces the predicted part instead of adding to it.
 
-    The average itself is its `reducer`'s (`compression.kind` and `compression.reduction`, docs/design.md §4.4).
+    The outer learning rate of each update follows `sync.outer_lr_schedule` (`SyncConfig.outer_lr_at`), over the
+    run's ceil(total_steps / H) updates. The average itself is its `reducer`'s (`compression.kind` and
+    `compression.reduction`, docs/design.md §4.4).
 
     With `sync.guard` (docs/design.md §4.5) a cluster whose own pseudo-gradient is non-finite abstains from the
     round and heals: the next round starts from phi, its error-feedback residuals are dropped and `healed` tells
@@ -106,7 +119,15 @@ class DiLoCoSync:
             momentum=cfg.outer_momentum,
             nesterov=cfg.nesterov and cfg.outer_momentum > 0,  # torch rejects Nesterov without momentum
         )
-        self.round_start = self.outer_params.clone()  # theta at the start of the round (phi, except keep_local)
+        self.num_clusters = channel.world_size  # C, for the eager merge's own share of the average
+        self.num_outer_updates = math.ceil(total_steps / cfg.inner_steps) if total_steps else None
+        """Outer updates in the run (one per round), the horizon of a cosine outer learning rate."""
+        if cfg.outer_lr_schedule == "cosine" and self.num_outer_updates is None:
+            raise ValueError(
+                "sync.outer_lr_schedule = 'cosine' decays over the run's outer updates, so it needs the run's length: "
+                "pass total_steps (the trainer passes train.steps), or use 'constant'"
+            )
+        self.round_start = self.outer_params.clone()  # theta at the start of the round (phi under reset)
         self.pending: PendingMean | None = None  # the delayed sync, in flight
         self.outer_step = 0  # rounds completed
         self.warnings: list[str] = []  # for the trainer to print once (the link cannot keep up)
@@ -146,7 +167,9 @@ class DiLoCoSync:
             avg, stats = self.wait_sync(
                 self._launch(pseudo_grad, own_bad, round_index), round_steps=round_steps, round_index=round_index
             )
-            self.apply(avg)
+            self._set_outer_lr(self.outer_step)
+            if not stats.skipped:
+                self.apply(avg)
             heal = own_bad or self._left_out(stats)
             theta = self.outer_params
         else:
@@ -154,6 +177,9 @@ class DiLoCoSync:
             own_left_out = False
             if due is not None:
                 avg, stats = self.wait_sync(due, round_steps=round_steps, round_index=round_index - 1)
+                self._set_outer_lr(self.outer_step - 1)  # the average of the round before this one
+                if not stats.skipped:  # the guard found no usable mean: phi and its momentum stay
+                    if not stats.skipped:
                 self.apply(avg)
                 own_left_out = self._left_out(stats, due)
                 if self.cfg.fit_link:
@@ -163,8 +189,7 @@ class DiLoCoSync:
                 self.reducer.heal()
             # pseudo_grad stays intact until the sync is waited for
             self.pending = self._launch(pseudo_grad, own_bad, round_index)
-            keep = self.cfg.merge == "keep_local" and not heal
-            theta = self.outer_params - pseudo_grad if keep else self.outer_params
+            theta = self.outer_params if heal else self._delayed_round_start(pseudo_grad)
         if self.cfg.guard:
             # Only this cluster's own non-finite updates can stop the run; one the others leave out (an outlier,
             # or a lying cluster) heals and goes on: a cluster that is out of step must not stop the others.
@@ -215,7 +240,9 @@ class DiLoCoSync:
             return None
         due, self.pending = self.pending, None
         avg, stats = self.wait_sync(due)
-        self.apply(avg)
+        self._set_outer_lr(self.outer_step - 1)  # launched by the last end_round
+        if not stats.skipped:
+            self.apply(avg)
         self.flat.scatter_data(self.outer_params)
         self.round_start = self.outer_params.clone()
         return stats
@@ -315,6 +342,35 @@ class DiLoCoSync:
         self.outer_params.grad = avg_pseudo_grad
         self.outer_optimizer.step()
         self.outer_params.grad = None
+
+    def _set_outer_lr(self, update: int) -> None:
+        """Set the outer SGD's learning rate to that of the 0-based outer update `update` (`sync.outer_lr_schedule`)."""
+        lr = self.cfg.outer_lr_at(update, self.num_outer_updates or update + 1)
+        for group in self.outer_optimizer.param_groups:
+            group["lr"] = lr
+
+    def _delayed_round_start(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
+        """Where the next round starts under the one-step delay, with round t's average in flight (`sync.merge`)."""
+        if self.cfg.merge == "reset":
+            return self.outer_params
+        if self.cfg.merge == "keep_local":
+            return self.outer_params - pseudo_grad
+        own_share = pseudo_grad / self.num_clusters if self.cfg.merge == "eager" else pseudo_grad
+        return self.predicted_outer_params(own_share, update=self.outer_step)
+
+    def predicted_outer_params(self, estimate: torch.Tensor, *, update: int) -> torch.Tensor:
+        """phi after outer update `update` if its averaged pseudo-gradient were `estimate`: one step of the outer SGD
+        (torch.optim.SGD's rule, dampening 0, no weight decay) on scratch copies, so phi and the momentum are left
+        unchanged. Nesterov: phi - lr ((1 + m) g + m^2 buf); heavy ball: phi - lr (g + m buf); no momentum: phi - lr g.
+        """
+        group = self.outer_optimizer.param_groups[0]
+        momentum = group["momentum"]
+        direction = estimate
+        if momentum > 0:
+            buf = self.outer_optimizer.state.get(self.outer_params, {}).get("momentum_buffer")
+            buf = estimate if buf is None else momentum * buf + estimate  # torch's first step: buf = g
+            direction = estimate + momentum * buf if group["nesterov"] else buf
+        return self.outer_params - self.cfg.outer_lr_at(update, self.num_outer_updates or update + 1) * direction
 
     def _slow_link_advice(self, stats: RoundStats, *, round_steps: int) -> str:
         link_s, compute_s, nbytes = stats.link_s, stats.compute_s or 0.0, stats.bytes_sent
