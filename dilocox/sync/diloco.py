@@ -179,8 +179,7 @@ class DiLoCoSync:
                 avg, stats = self.wait_sync(due, round_steps=round_steps, round_index=round_index - 1)
                 self._set_outer_lr(self.outer_step - 1)  # the average of the round before this one
                 if not stats.skipped:  # the guard found no usable mean: phi and its momentum stay
-                    if not stats.skipped:
-                self.apply(avg)
+                    self.apply(avg)
                 own_left_out = self._left_out(stats, due)
                 if self.cfg.fit_link:
                     self._fit_inner_steps(stats, round_steps)
