@@ -8,7 +8,7 @@ message. `aggregate` then averages what was accepted: the plain mean, or a coord
 clusters that may lie with finite, normal-sized updates (sign flips, noise).
 
     guard = UpdateGuard(max_ratio=10.0)
-    verdicts = guard.judge([u0, u1, None, u3])       # [None, None, 'empty', 'norm 1,204 x the reference']
+    verdicts = guard.judge([u0, u1, None, u3])       # [None, None, 'no usable update arrived', 'norm 4.1e3 is ...']
     avg = aggregate([u for u, v in zip(updates, verdicts) if v is None], "trimmed_mean", trim_fraction=0.25)
     guard.accept([u for u, v in zip(updates, verdicts) if v is None])
 """
