@@ -28,9 +28,10 @@ from dilocox.checks import check_choice, check_non_negative, check_positive, che
 from dilocox.compress.config import CocktailConfig, CompressionConfig
 from dilocox.device import DEVICES
 from dilocox.metrics import WANDB_MODES
+from dilocox.faults import FaultConfig
 from dilocox.net.config import NetworkConfig
 from dilocox.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
-from dilocox.sync.config import KIND_DEFAULTS, SyncConfig
+from dilocox.sync.config import KIND_DEFAULTS, SyncConfig, check_robust_reduction
 
 OPTIMIZERS = ("adamw", "sgd")
 """`train.optimizer`: the inner optimizer."""
@@ -177,6 +178,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
 
     @property
     def microbatches(self) -> int:
@@ -192,9 +194,16 @@ class Config:
         """Raise ValueError naming the first impossible or contradictory setting and how to fix it.
 
         Each component's section validates itself (`SyncConfig`, `CompressionConfig`, `CocktailConfig`,
-        `NetworkConfig`); this checks the sections that only the trainer reads and the settings across sections."""
+        `NetworkConfig`, `FaultConfig`); this checks the sections that only the trainer reads and the settings across sections."""
         for section in (self.sync, self.compression, self.cocktail, self.network):
             section.validate()
+        self.faults.validate(self.topology.num_clusters if self.topology.num_clusters >= 1 else None)
+        if self.sync.has_outer_loop:
+            check_robust_reduction(self.sync, self.compression)
+        if self.faults.enabled and not self.sync.has_outer_loop:
+            raise ValueError(
+                f"faults.kind = {self.faults.kind!r} injects faults into outer rounds: use sync.kind = diloco or dilocox"
+            )
         for name in ("run", "model", "data", "train", "topology", "eval", "checkpoint", "metrics"):
             check_types(name, getattr(self, name))
         check_positive("run", self.run, "num_threads")
@@ -222,6 +231,20 @@ class Config:
                 f"compression.kind = {self.compression.kind!r} compresses pseudo-gradients: use sync.kind = diloco or "
                 f"dilocox ({self.sync.kind} has its own gradient format)"
             )
+        if self.network.auth_key_file:
+            gather = "--compression.reduction=gather with a codec (e.g. --compression.kind=int4)"
+            outer, reduction = self.sync.has_outer_loop, self.compression.reduction
+            summed = [  # (setting, whether this config has it, the fix)
+                ("sync.kind = allreduce", self.sync.kind == "allreduce", f"use sync.kind = dilocox with {gather}"),
+                ("compression.kind = none", outer and self.compression.kind == "none", f"use {gather}"),
+                ("compression.reduction = scalable", outer and reduction == "scalable", f"use {gather}"),
+            ]
+            for setting, refused, fix in summed:
+                if refused:
+                    raise ValueError(
+                        f"network.auth_key_file cannot tag {setting}: its values are summed or re-encoded in transit, "
+                        f"where no sender's tag can be checked; {fix}, or leave network.auth_key_file empty"
+                    )
         if self.train.lr <= 0:
             raise ValueError(f"train.lr = {self.train.lr} must be > 0")
         if not 0.0 <= self.train.min_lr_ratio <= 1.0:

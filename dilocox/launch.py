@@ -36,6 +36,7 @@ from dilocox.data import TokenData
 from dilocox.device import resolve_device
 from dilocox.fileio import write_atomic
 from dilocox.metrics import check_sinks
+from dilocox.net.json_gather import all_gather_json
 from dilocox.net.watchdog import EXIT_STALLED, JobStore, run_was_stopped
 from dilocox.parallel import check_split
 from dilocox.runlock import RunLock
@@ -46,6 +47,10 @@ EXIT_ORPHANED = 3
 """A rank whose launcher died exits with this code (no orphan keeps training)."""
 # EXIT_STALLED = 4, imported from net/watchdog.py, whose thread exits with it: a rank stopped sending heartbeats or
 # the job's store stopped answering; every rank exits with it and the launcher says so in one line.
+_MAX_ERROR_CHARS = 8000
+"""A start-up error longer than this is cut before the ranks exchange it (a user error is one line)."""
+_MAX_ERROR_BYTES = 12 * _MAX_ERROR_CHARS + 16
+"""The most bytes a rank may declare for its error as JSON (a character outside the BMP takes 12: two \\uXXXX)."""
 
 
 def under_torchrun() -> bool:
@@ -273,8 +278,9 @@ def launch_torchrun(cfg: Config) -> int:
                 lock = RunLock.acquire(Path(cfg.run.out_dir))
         except ValueError as exc:
             error = str(exc)
-        errors = [error] * world_size
-        dist.all_gather_object(errors, error)
+        if error is not None and len(error) > _MAX_ERROR_CHARS:
+            error = error[:_MAX_ERROR_CHARS] + " ..."
+        errors = all_gather_json(error, group=dist.group.WORLD, max_bytes=_MAX_ERROR_BYTES)
         first = next((e for e in errors if e), None)
         if first:
             if rank == 0:

@@ -271,6 +271,13 @@ class RunSummary:
     """Tokens scored by the final evaluation (0 in summaries written before it was recorded)."""
     run_seed: int = 0
     """run.seed: the initial weights, the data order and the codecs' random draws."""
+    guard_excluded_updates: int = 0
+    """sync.guard: clusters' updates left out of a mean, summed over rounds (judged alike by every cluster; with
+    pipeline stages, stage 0's judgement)."""
+    guard_skipped_rounds: int = 0
+    """sync.guard: rounds without a usable mean, whose outer step was skipped (stage 0)."""
+    payloads_rejected: int = 0
+    """Slow-link payloads all ranks dropped because their HMAC tag did not verify (network.auth_key_file)."""
 
     def write(self, run_dir: Path) -> None:
         data = {k: _clean(v) for k, v in dataclasses.asdict(self).items()}
@@ -317,6 +324,19 @@ def format_summary(s: RunSummary) -> str:
             f"{fmt_bytes(s.allreduce_equiv_bytes)} ({versus})",
             f"  link time   busy {s.link_busy_s:.2f} s, trainer blocked {s.exposed_comm_s:.2f} s (rank 0)"
             + (f", {100 * s.hidden_comm_fraction:.0f}% hidden" if s.hidden_comm_fraction is not None else ""),
-            f"  run dir     {s.run_dir}",
         ]
+        + (
+            [
+                f"  guard       {s.guard_excluded_updates} cluster updates left out, {s.guard_skipped_rounds} "
+                "rounds without an outer step (see the guard lines above)"
+            ]
+            if s.guard_excluded_updates or s.guard_skipped_rounds
+            else []
+        )
+        + (
+            [f"  rejected    {s.payloads_rejected:,} slow-link payloads whose tag did not verify (see the warnings)"]
+            if s.payloads_rejected
+            else []
+        )
+        + [f"  run dir     {s.run_dir}"]
     )

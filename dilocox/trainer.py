@@ -28,10 +28,12 @@ from dilocox.device import describe, intra_cluster_backend, resolve_device
 from dilocox.metrics import MetricsLogger, RunSummary, format_summary, truncate_metrics
 from dilocox.models import Decoder, ModelArgs, count_parameters, model_args
 from dilocox.net.channel import WanChannel
+from dilocox.net.json_gather import all_gather_json
 from dilocox.net.watchdog import JobStore, Watchdog
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
 from dilocox.parallel.pipeline import mean_token_cross_entropy
 from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync
+from dilocox.sync.robust import GuardError
 from dilocox.topology import Topology, build_process_groups
 
 
@@ -143,6 +145,10 @@ def model_eval_step(model: torch.nn.Module):
     return step
 
 
+_MAX_CONTROL_BYTES = 16 << 10
+"""The most bytes a rank may declare for its memory report or its summary counters (a few hundred as JSON)."""
+
+
 class TrainingDiverged(ValueError):
     """The loss or the parameters became non-finite: the run stops with one line, before any checkpoint of it."""
 
@@ -211,8 +217,17 @@ class Trainer:
             bandwidth=cfg.network.bandwidth_bytes_per_s,
             latency_s=cfg.network.latency_s,
             num_sharing=cfg.topology.dp_degree * cfg.topology.pp_degree,
+            auth=cfg.network.payload_auth(),
         )
-        self.sync = build_sync(cfg, self.model.parameters(), channel=self.channel, dp_group=self.groups.dp_group)
+        self.sync = build_sync(
+            cfg,
+            self.model.parameters(),
+            channel=self.channel,
+            dp_group=self.groups.dp_group,
+            inner_optimizer=self.inner_optimizer,
+        )
+        self.guarded = cfg.sync.has_outer_loop and cfg.sync.guard
+        """A non-finite loss does not stop the run at once: the guard heals the cluster at the round's end."""
         self.stream = ShardedTokenStream(
             self.data.train,
             seq_len=cfg.train.seq_len,
@@ -381,15 +396,20 @@ class Trainer:
         window_start, window_step = self._start, self.step
         try:
             while self.step < cfg.train.steps:
-                self.losses.append(self.train_step())
-                if not math.isfinite(self.losses[-1]):  # the launcher stops the other ranks
+                try:
+                    self.losses.append(self.train_step())
+                except GuardError as error:  # the launcher stops the other ranks
+                    self._diverged(str(error))
+                if not math.isfinite(self.losses[-1]) and not self.guarded:  # the launcher stops the other ranks
                     self._diverged(f"the training loss is {self.losses[-1]}")
                 boundary = self.sync.is_round_boundary(self.step)
                 last = self.step == cfg.train.steps
-                while self.sync.warnings and logger is not None:
-                    logger.print(self.sync.warnings.pop(0))
                 if last:
                     self.round_stats = self.sync.flush() or self.round_stats
+                while self.sync.warnings and logger is not None:
+                    logger.print(self.sync.warnings.pop(0))
+                if logger is None:
+                    self.sync.warnings.clear()  # rank 0 prints them; the others' copies go
                 eval_loss = None
                 if self.in_eval_pipeline and (self._due(cfg.eval.interval) or last):
                     eval_start = time.perf_counter()
@@ -428,6 +448,7 @@ class Trainer:
             "wan_bytes_recv": stats["bytes_recv"],
             "link_busy_s": stats["link_busy_s"],
             "exposed_comm_s": stats["exposed_s"],
+            "payloads_rejected": stats["payloads_rejected"],
             "elapsed_s": self.elapsed_before + self._elapsed(),
         }
         if eval_loss is not None:  # the model the clusters agree on (DiLoCo: the outer params), docs/design.md §3
@@ -444,10 +465,12 @@ class Trainer:
         per_step = allreduce_bytes_per_step(
             self.sync.numel, dp_group=self.groups.dp_group, cluster_group=self.groups.cluster_group
         )
-        mine = {"bytes_sent": stats["bytes_sent"], "allreduce_equiv": per_step * self.step}
-        gathered: list[dict[str, Any]] = [mine] * dist.get_world_size()
-        if dist.get_world_size() > 1:
-            dist.all_gather_object(gathered, mine)
+        mine = {
+            "bytes_sent": stats["bytes_sent"],
+            "allreduce_equiv": per_step * self.step,
+            "payloads_rejected": stats["payloads_rejected"],
+        }
+        gathered = all_gather_json(mine, group=dist.group.WORLD, max_bytes=_MAX_CONTROL_BYTES)
         if self.in_eval_pipeline and self.last_eval_loss is None:
             eval_s = self.eval_s  # resumed at the last step: nothing was evaluated in the loop, nothing trained
             self._evaluate_now(final=True)
@@ -458,6 +481,7 @@ class Trainer:
         tokens = self.step * self.tokens_per_step
         c = self.cfg
         checkpoints = list_checkpoints(self.run_dir)
+        guard = getattr(self.sync, "guard_counts", {})
         summary = RunSummary(
             final_eval_loss=final_eval_loss,
             initial_eval_loss=self.initial_eval_loss,
@@ -467,6 +491,7 @@ class Trainer:
             eval_s=self.eval_s,
             wan_bytes_total=sum(g["bytes_sent"] for g in gathered),
             allreduce_equiv_bytes=sum(g["allreduce_equiv"] for g in gathered),
+            payloads_rejected=sum(g["payloads_rejected"] for g in gathered),
             link_busy_s=stats["link_busy_s"],
             exposed_comm_s=stats["exposed_s"],
             hidden_comm_fraction=(
@@ -491,6 +516,8 @@ class Trainer:
             run_dir=str(self.run_dir),
             final_eval_tokens=self.eval_tokens,
             run_seed=c.run.seed,
+            guard_excluded_updates=guard.get("excluded_updates", 0),
+            guard_skipped_rounds=guard.get("skipped_rounds", 0),
         )
         summary.write(self.run_dir)
         if logger is not None:
@@ -520,9 +547,7 @@ class Trainer:
     def _memory_report(self, logger: MetricsLogger | None) -> list[dict[str, int]]:
         """Every rank's state bytes and device (a small control message), printed by rank 0 at the start."""
         mine = (self.state_bytes(), describe(self.device))
-        gathered: list[tuple[dict[str, int], str]] = [mine] * dist.get_world_size()
-        if dist.get_world_size() > 1:
-            dist.all_gather_object(gathered, mine)
+        gathered = all_gather_json(mine, group=dist.group.WORLD, max_bytes=_MAX_CONTROL_BYTES)
         report = [state for state, _ in gathered]
         if logger is not None:
             if self.num_stages > 1:

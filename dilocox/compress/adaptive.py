@@ -28,15 +28,21 @@ class RankDecision:
     raw_rank: int
     """Smallest rank keeping `target_energy` of this round's spectrum, in [1, rank_max], before smoothing."""
     rank: int
-    """The rank used: ceil(mean of the last `window` raw ranks), clipped to [rank_min, rank_max]."""
+    """The rank used: ceil(mean of the last `window` raw ranks), clipped to [rank_min, rank_max]; per_matrix: the
+    mean of `matrix_ranks`, rounded up (what the round record shows)."""
+    matrix_raw_ranks: tuple[int, ...] = ()
+    """per_matrix: each matrix's smallest rank keeping `target_energy` of its own spectrum, in the spectra's order."""
+    matrix_ranks: tuple[int, ...] = ()
+    """per_matrix: each matrix's rank used, its raw ranks smoothed over `window` rounds and clipped."""
 
 
 class AdaptiveRank:
     """Chooses the low-rank rank of each round from the spectrum of recent pseudo-gradients.
 
     DiLoCoX (Qi et al. 2025, arXiv 2506.21263) adapts its compression to the pseudo-gradient. Each round this
-    takes the smallest rank that keeps `energy` of the squared-singular-value energy (pooled over all matrices, or
-    the mean/max of the per-matrix ranks), averages it over the last `window` rounds and clips it to
+    takes, per matrix, the smallest rank that keeps `energy` of its squared-singular-value energy (`per_matrix`,
+    the default: every matrix is sent at its own rank), or one rank for all (the pooled energy of all matrices,
+    or the mean/max of the per-matrix ranks), averages it over the last `window` rounds and clips it to
     [rank_min, rank_max]. Public descriptions of DiLoCoX disagree on whether compression should be strongest early
     or late in training, so `schedule` offers both: "early_strong" ramps the energy target up from `energy_floor`
     to `energy` over `ramp_rounds` rounds, "late_strong" ramps it down from `energy` to `energy_floor`, and
@@ -117,9 +123,10 @@ class AdaptiveRank:
         if len(sigmas) != len(total_energies):
             raise ValueError(f"got {len(sigmas)} spectra but {len(total_energies)} total energies; pass one per matrix")
         target = self.target_energy()
-        raw_rank = self._raw_rank(
-            [sigma[: self.cfg.rank_max].double().cpu() for sigma in sigmas], total_energies, target
-        )
+        spectra = [sigma[: self.cfg.rank_max].double().cpu() for sigma in sigmas]
+        if self.cfg.aggregate == "per_matrix":
+            return self._update_per_matrix(spectra, total_energies, target)
+        raw_rank = self._raw_rank(spectra, total_energies, target)
         recent = (
             [decision.raw_rank for decision in self.history[-(self.cfg.window - 1) :]] if self.cfg.window > 1 else []
         )
@@ -127,6 +134,26 @@ class AdaptiveRank:
         rank = min(max(smoothed, self.cfg.rank_min), self.cfg.rank_max)
         self.history.append(RankDecision(self.rounds, target, raw_rank, rank))
         return rank
+
+    def _update_per_matrix(self, sigmas: list[torch.Tensor], totals: Sequence[float], target: float) -> int:
+        raw = tuple(self._matrix_raw_rank(sigma, total, target) for sigma, total in zip(sigmas, totals, strict=True))
+        earlier = self.history[-(self.cfg.window - 1) :] if self.cfg.window > 1 else []
+        recent = [d.matrix_raw_ranks for d in earlier if len(d.matrix_raw_ranks) == len(raw)]
+        ranks = tuple(
+            min(max(math.ceil(sum([*(r[i] for r in recent), raw[i]]) / (len(recent) + 1) - 1e-9), self.cfg.rank_min),
+                self.cfg.rank_max)
+            for i in range(len(raw))
+        )  # fmt: skip
+        rank = math.ceil(sum(ranks) / len(ranks) - 1e-9) if ranks else self.cfg.rank_min
+        raw_rank = math.ceil(sum(raw) / len(raw) - 1e-9) if raw else 1
+        self.history.append(RankDecision(self.rounds, target, raw_rank, rank, raw, ranks))
+        return rank
+
+    def _matrix_raw_rank(self, sigma: torch.Tensor, total: float, target: float) -> int:
+        """Smallest k in [1, rank_max] keeping `target` of one matrix's energy (1 for a zero matrix)."""
+        if total <= 0:
+            return 1
+        return _first_reaching(_padded_cumulative(sigma.square(), self.cfg.rank_max) / total, target, self.cfg.rank_max)
 
     def _raw_rank(self, sigmas: list[torch.Tensor], totals: Sequence[float], target: float) -> int:
         matrices = [(sigma, total) for sigma, total in zip(sigmas, totals, strict=True) if total > 0]
@@ -150,13 +177,29 @@ class AdaptiveRank:
         history = torch.tensor(
             [[d.round, d.target_energy, d.raw_rank, d.rank] for d in self.history], dtype=torch.float64
         ).reshape(-1, 4)  # (rounds, 4)
-        return {"history": history, "generator": self.generator.get_state()}
+        width = max((len(d.matrix_ranks) for d in self.history), default=0)
+        # (rounds, 2, matrices): raw and used per-matrix ranks, -1 past a round's matrices
+        matrix_ranks = torch.full((len(self.history), 2, width), -1, dtype=torch.int64)
+        for index, decision in enumerate(self.history):
+            matrix_ranks[index, 0, : len(decision.matrix_raw_ranks)] = torch.tensor(decision.matrix_raw_ranks)
+            matrix_ranks[index, 1, : len(decision.matrix_ranks)] = torch.tensor(decision.matrix_ranks)
+        return {"history": history, "matrix_ranks": matrix_ranks, "generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.history = [
-            RankDecision(int(index), float(target), int(raw), int(rank))
-            for index, target, raw, rank in state["history"].tolist()
-        ]
+        per_matrix = state.get("matrix_ranks")  # absent in states saved before per-matrix ranks
+        self.history = []
+        for index, (round_index, target, raw, rank) in enumerate(state["history"].tolist()):
+            raws, ranks = ([], []) if per_matrix is None else per_matrix[index].tolist()
+            self.history.append(
+                RankDecision(
+                    int(round_index),
+                    float(target),
+                    int(raw),
+                    int(rank),
+                    tuple(r for r in raws if r >= 0),
+                    tuple(r for r in ranks if r >= 0),
+                )  # fmt: skip
+            )
         self.generator.set_state(state["generator"])
 
     def __repr__(self) -> str:
@@ -184,12 +227,17 @@ class AdaptiveCodec(LowRankCodec):
     """`lowrank_int4` whose rank is chosen every round by an `AdaptiveRank` from the pseudo-gradient's spectrum.
 
     DiLoCoX's adaptive gradient compression (Qi et al. 2025, arXiv 2506.21263). Each `encode_list` call is one
-    round: every matrix that could go low-rank is factorized at min(rank_max, m, n) with its warm start, the
-    sorted Ritz values of that iteration feed the policy (no extra SVD), and every matrix is sent with the leading
-    `rank` triplets. The rank is in each matrix's 2-byte header, so receivers need no state. The spectrum measured
-    is that of what the codec is given: under error feedback, the pseudo-gradient plus the residual, so a residual
-    that builds up (directions the rounds keep dropping) raises the rank until it is sent. The measurement costs
-    a power iteration at rank_max, not at the chosen rank: about 2.5x `lowrank_int4` at rank 8 for rank_max 32.
+    round: every matrix that could go low-rank is factorized at min(rank_max, m, n) with its warm start, and every
+    matrix is sent with the leading triplets of its rank (`per_matrix`: its own; else one rank for all). The rank
+    is in each matrix's 2-byte header, so receivers need no state. Whose spectrum sets the rank
+    (`compression.spectrum_of`): `pseudo_grad` (default), the pseudo-gradient's own, which `ErrorFeedback` hands
+    to `observe` before adding the residual, measured by a randomized SVD at rank_max per matrix; or
+    `codec_input`, the sorted Ritz values of the encoding's own iteration on pseudo-gradient plus residual (no
+    extra SVD). The residual of an int4 low-rank codec is mostly quantization noise and the directions the rounds
+    dropped, a flat spectrum that builds up: measured there the rank climbed to rank_max and stayed (benchmarks
+    /results/gap). Without an `observe` call (error feedback off, or a direct `encode_list`) the spectrum is that
+    of what is encoded. The factorization costs a power iteration at rank_max, not at the chosen rank: about 2.5x
+    `lowrank_int4` at rank 8 for rank_max 32, plus the randomized SVD of `pseudo_grad`.
 
         codec = build_codec(CompressionConfig(kind="adaptive", rank_min=2, rank_max=32, energy=0.9))
         payload = codec.encode_list(pseudo_grads)        # size varies with the rank: codec.max_nbytes_list bounds it
@@ -216,30 +264,69 @@ class AdaptiveCodec(LowRankCodec):
         self.policy = policy
         self.sorted_factors = True
         self._round_factors: dict[int, Factors] = {}
+        self._round_ranks: dict[int, int] = {}  # slot -> this round's rank (per_matrix)
+        self._observed: tuple[list[torch.Size], dict[int, tuple[torch.Tensor, float]]] | None = None
 
     def current_rank(self) -> int:
         return self.policy.rank
 
+    def observe(self, pseudo_grads: Sequence[torch.Tensor]) -> None:
+        if self.policy.cfg.spectrum_of != "pseudo_grad":
+            return
+        spectra: dict[int, tuple[torch.Tensor, float]] = {}  # index in the list -> (sigma, total energy)
+        for index, tensor in enumerate(pseudo_grads):
+            matrix = self._measured_matrix(tensor)
+            if matrix is None:
+                continue
+            top = min(self.policy.cfg.rank_max, *matrix.shape)
+            factors = randomized_factors(
+                matrix, top, oversample=AdaptiveRank.OVERSAMPLE, iterations=AdaptiveRank.SPECTRUM_ITERATIONS,
+                generator=self.policy.generator,
+            )  # fmt: skip
+            spectra[index] = (factors.sigma, float(torch.linalg.vector_norm(matrix)) ** 2)
+        self._observed = ([tensor.shape for tensor in pseudo_grads], spectra)
+
+    def _measured_matrix(self, value: torch.Tensor) -> torch.Tensor | None:
+        """`value` as an fp32 matrix (m, n) if the policy's rank matters for it, else None (1-D, or dense even at
+        rank_min: sent whole at every rank the policy can pick)."""
+        if value.dim() <= 1:
+            return None
+        matrix = as_matrix(value.detach().to(torch.float32))  # (m, n)
+        num_rows, num_cols = matrix.shape
+        if sent_dense(min(self.policy.cfg.rank_min, num_rows, num_cols), num_rows, num_cols):
+            return None
+        return matrix
+
     def _encode_values(self, values: list[torch.Tensor], first_slot: int) -> list[torch.Tensor]:
+        observed, self._observed = self._observed, None
+        if observed is not None:
+            assert observed[0] == [value.shape for value in values], "observe() saw other tensors than encode_list"
         sigmas: list[torch.Tensor] = []
         totals: list[float] = []
+        slots: list[int] = []
         for index, value in enumerate(values):
-            if value.dim() <= 1:
+            matrix = self._measured_matrix(value)
+            if matrix is None:
                 continue
-            matrix = as_matrix(value)  # (m, n)
-            num_rows, num_cols = matrix.shape
-            if sent_dense(min(self.policy.cfg.rank_min, num_rows, num_cols), num_rows, num_cols):
-                continue  # dense at every rank the policy can pick: nothing to measure
             slot = first_slot + index
-            factors = self._factorize(matrix, min(self.policy.cfg.rank_max, num_rows, num_cols), slot)
+            factors = self._factorize(matrix, min(self.policy.cfg.rank_max, *matrix.shape), slot)
             self._round_factors[slot] = factors
-            sigmas.append(factors.sigma)
-            totals.append(float(torch.linalg.vector_norm(matrix)) ** 2)
+            sigma, total = (
+                observed[1][index] if observed is not None
+                else (factors.sigma, float(torch.linalg.vector_norm(matrix)) ** 2)
+            )  # fmt: skip
+            sigmas.append(sigma)
+            totals.append(total)
+            slots.append(slot)
         self.policy.update_from_spectra(sigmas, totals)
+        self._round_ranks = dict(zip(slots, self.policy.history[-1].matrix_ranks, strict=False))
         try:
             return super()._encode_values(values, first_slot)
         finally:
-            self._round_factors = {}
+            self._round_factors, self._round_ranks = {}, {}
+
+    def _matrix_rank(self, slot: int) -> int:
+        return self._round_ranks.get(slot, self.policy.rank)
 
     def _matrix_factors(self, matrix: torch.Tensor, rank: int, slot: int) -> Factors:
         # Ritz triplets are sorted, so the leading `rank` ones are the best rank-`rank` part of the measured subspace.

@@ -149,6 +149,11 @@ class Codec(ABC):
         """The rank the next matrix is encoded at, for low-rank codecs (before the min(m, n) cap); else None."""
         return None
 
+    def observe(self, pseudo_grads: Sequence[torch.Tensor]) -> None:
+        """See this round's pseudo-gradient before error feedback adds its residual (`ErrorFeedback.compress`): the
+        adaptive codec measures its spectrum there; every other codec ignores it."""
+        return None
+
     def encode(self, tensor: torch.Tensor, *, slot: int = 0) -> Payload:
         """One tensor -> its payload. `slot` names the tensor for per-tensor state (warm starts)."""
         return self.encode_list([tensor], first_slot=slot)
@@ -321,7 +326,7 @@ class LowRankCodec(Codec):
                 continue
             matrix = as_matrix(value)  # (m, n)
             num_rows, num_cols = matrix.shape
-            rank = min(self.current_rank(), num_rows, num_cols)
+            rank = min(self._matrix_rank(first_slot + index), num_rows, num_cols)
             if sent_dense(rank, num_rows, num_cols):
                 ranks.append(0)
                 matrix_runs.append(matrix.reshape(-1))
@@ -336,6 +341,10 @@ class LowRankCodec(Codec):
         if matrix_runs:
             chunks.append(self.factor_format.encode_runs(matrix_runs))
         return chunks
+
+    def _matrix_rank(self, slot: int) -> int:
+        """The rank of the matrix in `slot` this round, before the min(m, n) cap (the adaptive codec's differ)."""
+        return self.current_rank()
 
     def _matrix_factors(self, matrix: torch.Tensor, rank: int, slot: int) -> Factors:
         return self._factorize(matrix, rank, slot)
@@ -353,7 +362,8 @@ class LowRankCodec(Codec):
             fresh = torch.randn(num_cols, rank - have, generator=self.generator, dtype=torch.float32).to(matrix)
             start = fresh if previous is None else torch.cat([previous.to(matrix), fresh], dim=1)  # (n, rank)
         factors = factorize(matrix, start, iterations=self.power_iterations, sort=self.sorted_factors)
-        self.warm_starts[key] = factors.right
+        if bool(torch.isfinite(factors.right).all()):  # a non-finite matrix must not poison the next round's start
+            self.warm_starts[key] = factors.right
         return factors
 
     # decoding -----------------------------------------------------------------------------------------------------

@@ -22,8 +22,10 @@ SMALL_TENSOR_MODES = ("raw", "int4")
 """How the low-rank codecs send 0-D and 1-D tensors."""
 SCHEDULES = ("spectrum", "early_strong", "late_strong")
 """How the adaptive rank's energy target moves over rounds (see `AdaptiveRank.target_energy`)."""
-AGGREGATES = ("pooled", "mean", "max")
-"""How the adaptive rank chooses one rank from the spectra of several matrices."""
+AGGREGATES = ("per_matrix", "pooled", "mean", "max")
+"""How the adaptive rank turns the spectra of several matrices into ranks: each its own, or one for all."""
+SPECTRUM_SOURCES = ("pseudo_grad", "codec_input")
+"""Whose spectrum the adaptive rank measures: the raw pseudo-gradient, or it plus the error-feedback residual."""
 REDUCTIONS = ("gather", "scalable")
 """Averaging of payloads over clusters: gather ((C-1) x payload per rank, any codec) or scalable (~2 x payload)."""
 SCALABLE_KINDS = ("fp16", "bf16", "int4", "lowrank", "lowrank_int4")
@@ -64,8 +66,10 @@ class CompressionConfig:
     """adaptive: spectrum (energy as set), early_strong or late_strong (energy target ramps up or down)."""
     ramp_rounds: int = 100
     """adaptive: rounds over which early_strong / late_strong ramp the energy target."""
-    aggregate: str = "pooled"
-    """adaptive: one rank from several matrices' spectra: pooled energy, or the mean or max of per-matrix ranks."""
+    aggregate: str = "per_matrix"
+    """adaptive: per_matrix (each matrix its own rank), or one rank for all: pooled energy, mean or max."""
+    spectrum_of: str = "pseudo_grad"
+    """adaptive: the rank keeps energy of the pseudo_grad's own spectrum, or of codec_input (plus the residual)."""
     reduction: str = "gather"
     """Averaging of payloads: gather ((C-1) x payload per rank, any codec) or scalable (~2 x payload; not adaptive)."""
 
@@ -79,6 +83,7 @@ class CompressionConfig:
         check_choice("compression.small_tensors", self.small_tensors, SMALL_TENSOR_MODES)
         check_choice("compression.schedule", self.schedule, SCHEDULES)
         check_choice("compression.aggregate", self.aggregate, AGGREGATES)
+        check_choice("compression.spectrum_of", self.spectrum_of, SPECTRUM_SOURCES)
         check_choice("compression.reduction", self.reduction, REDUCTIONS)
         for name in ("rank", "rank_max"):
             if getattr(self, name) > MAX_RANK:

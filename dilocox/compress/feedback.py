@@ -40,6 +40,7 @@ class ErrorFeedback:
     def compress(self, codec: Codec, tensors: Sequence[torch.Tensor]) -> tuple[Payload, list[torch.Tensor]]:
         """Encode `tensors` (plus the residuals) with `codec`; return the payload and its local decoding (fp32)."""
         shapes = [tensor.shape for tensor in tensors]
+        codec.observe(tensors)  # the pseudo-gradient itself, before the residual is added (the adaptive rank)
         if not self.enabled:
             payload = codec.encode_list(tensors)
             return payload, codec.decode_list(payload, shapes)

@@ -63,6 +63,16 @@ def factorize(matrix: torch.Tensor, warm_start: torch.Tensor, *, iterations: int
     """
     if iterations < 1:
         raise ValueError(f"compression.power_iterations = {iterations} must be >= 1")
+    if not bool(torch.isfinite(matrix).all()):
+        # Garbage in, garbage visibly out: the receivers' guard sees non-finite values (docs/design.md §4.5)
+        # instead of the eigensolver failing on this rank. Honest clusters with the guard never encode these.
+        nan = float("nan")
+        rank = warm_start.shape[1]
+        return Factors(
+            left=matrix.new_full((matrix.shape[0], rank), nan),
+            sigma=matrix.new_full((rank,), nan),
+            right=matrix.new_full((matrix.shape[1], rank), nan),
+        )
     right = warm_start  # (n, r)
     for iteration in range(iterations):
         left = orthonormalize(matrix @ right)  # (m, r)

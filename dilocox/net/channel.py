@@ -3,13 +3,16 @@
 It runs each collective for real (gloo) on a background communicator thread, counts the exact bytes the ring
 algorithm puts on the wire (conventions in `dilocox.net.link`), and, in emulation mode, completes each transfer
 only when a FIFO model of the slow link says it would have arrived. Training overlaps with the transfer exactly
-as it would with a real slow link; time the trainer spends blocked in `wait()` is recorded as exposed.
+as it would with a real slow link; time the trainer spends blocked in `wait()` is recorded as exposed. With a
+`PayloadAuth` (network.auth_key_file) every all-gathered payload carries an HMAC-SHA256 tag, and a payload whose
+tag does not verify is dropped (None in its place) and counted, never used.
 """
 
 from __future__ import annotations
 
 import functools
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +22,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
+from dilocox.net.auth import TAG_BYTES, PayloadAuth
 from dilocox.net.link import (
     LinkModel,
     link_charge_bytes,
@@ -42,6 +46,7 @@ _REDUCE_OPS = ("sum", "avg")
 _LENGTH_BYTES = 8  # one int64 element count per rank in the length exchange of an all-gather
 _CANCEL_JOIN_S = 5.0  # how long close(cancel=True) waits for a collective already on the wire
 _STAT_KEYS = ("bytes_sent", "bytes_recv", "control_bytes", "link_busy_s", "exposed_s", "num_transfers")
+_ADDED_STAT_KEYS = ("payloads_rejected",)  # counters newer than some checkpoints: 0 when a saved state lacks them
 
 
 @dataclass(eq=False)
@@ -183,8 +188,12 @@ class Wire:
 @dataclass
 class _Job:
     transfer: PendingTransfer[Any]
-    run: Callable[[], _Outcome]
+    run: Callable[[int], _Outcome]
+    """Runs the collective; takes the job's `exchange`."""
     account: bool = True
+    exchange: int = 0
+    """Position among every collective launched on this channel (accounted or not), the same on every rank of the
+    group: the sequence number authenticated payloads are tagged with."""
 
 
 class WanChannel:
@@ -212,6 +221,11 @@ class WanChannel:
     payload bytes by the ring conventions of `dilocox.net.link` (unpadded), `control_bytes` for the length
     exchange of all-gathers, `link_busy_s` as the union of the link model's [start, done] intervals (the measured
     collective time when unlimited), and `exposed_s` as the trainer's time blocked in `wait()`.
+
+    `auth` (a `PayloadAuth` of network.auth_key_file) tags every all-gathered payload and checks every peer's tag
+    (docs/design.md §5): `wait()` returns None in place of a payload that fails, `payloads_rejected` counts it and
+    one warning line names its cluster. Summed collectives cannot be checked per sender, so an authenticated
+    channel refuses all-reduces and programs.
     """
 
     def __init__(
@@ -221,6 +235,7 @@ class WanChannel:
         bandwidth: float | None,
         latency_s: float,
         num_sharing: int = 1,
+        auth: PayloadAuth | None = None,
     ) -> None:
         if isinstance(num_sharing, bool) or not isinstance(num_sharing, int) or num_sharing < 1:
             raise ValueError(
@@ -240,6 +255,9 @@ class WanChannel:
             self.world_size, self.group_rank = dist.get_world_size(group), dist.get_rank(group)
             if self.group_rank < 0:
                 raise ValueError("this rank is not a member of the WanChannel's group: pass its own cluster_group")
+        self._auth = auth
+        # A tag names the group by its global ranks: a payload of another group (another stage) does not verify.
+        self._group_ranks = () if group is None else tuple(dist.get_process_group_ranks(group))
 
         self._lock = threading.Lock()  # guards the counters and the lifecycle flags below
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -253,15 +271,27 @@ class WanChannel:
         self._link_busy_s = 0.0
         self._exposed_s = 0.0
         self._num_transfers = 0
+        self._payloads_rejected = 0
         self._submitted = 0  # accounted transfers launched so far (the next one's `seq`)
+        self._launched = 0  # collectives launched so far, accounted or not (the next one's `_Job.exchange`)
 
     @classmethod
     def from_strings(
-        cls, group: dist.ProcessGroup | None, *, bandwidth: str, latency: str, num_sharing: int = 1
+        cls,
+        group: dist.ProcessGroup | None,
+        *,
+        bandwidth: str,
+        latency: str,
+        num_sharing: int = 1,
+        auth: PayloadAuth | None = None,
     ) -> WanChannel:
         """Build from the `[network]` config strings, e.g. `bandwidth="1Gbps", latency="10ms"`."""
         return cls(
-            group, bandwidth=parse_bandwidth(bandwidth), latency_s=parse_duration(latency), num_sharing=num_sharing
+            group,
+            bandwidth=parse_bandwidth(bandwidth),
+            latency_s=parse_duration(latency),
+            num_sharing=num_sharing,
+            auth=auth,
         )
 
     # ----------------------------------------------------------------------------------------- properties
@@ -306,8 +336,19 @@ class WanChannel:
         with self._lock:
             return self._num_transfers
 
+    @property
+    def payloads_rejected(self) -> int:
+        with self._lock:
+            return self._payloads_rejected
+
+    @property
+    def tag_bytes(self) -> int:
+        """Bytes added to every all-gathered payload: an HMAC-SHA256 tag with `auth`, else 0."""
+        return 0 if self._auth is None else TAG_BYTES
+
     def stats(self) -> dict[str, float | int]:
-        """Cumulative counters: bytes_sent, bytes_recv, control_bytes, link_busy_s, exposed_s, num_transfers."""
+        """Cumulative counters: bytes_sent, bytes_recv, control_bytes, link_busy_s, exposed_s, num_transfers,
+        payloads_rejected (peers' payloads whose tag did not verify, counted even when not accounted)."""
         with self._lock:
             return {
                 "bytes_sent": self._bytes_sent,
@@ -316,11 +357,15 @@ class WanChannel:
                 "link_busy_s": self._link_busy_s,
                 "exposed_s": self._exposed_s,
                 "num_transfers": self._num_transfers,
+                "payloads_rejected": self._payloads_rejected,
             }
 
     def state_dict(self) -> dict[str, float | int]:
-        """The counters, so cumulative metrics survive a checkpoint resume (the link's clock does not)."""
-        return self.stats()
+        """The counters, so cumulative metrics survive a checkpoint resume (the link's clock does not), and the
+        number of collectives launched, which numbers the tags of authenticated payloads."""
+        with self._lock:
+            launched = self._launched
+        return {**self.stats(), "num_launched": launched}
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         """Restore counters saved by `state_dict()`; call before launching transfers."""
@@ -334,7 +379,11 @@ class WanChannel:
             self._link_busy_s = float(state["link_busy_s"])
             self._exposed_s = float(state["exposed_s"])
             self._num_transfers = int(state["num_transfers"])
+            self._payloads_rejected = int(state.get("payloads_rejected", 0))
             self._submitted = self._num_transfers
+            # Every rank of the group saved the same count at the same step, so the resumed ranks keep numbering
+            # their exchanges alike (a state saved before it existed restarts at 0 on every rank alike).
+            self._launched = int(state.get("num_launched", 0))
 
     # ----------------------------------------------------------------------------------------- collectives
 
@@ -354,11 +403,14 @@ class WanChannel:
                 f"all_reduce of a {tensor.dtype} tensor: integer sums wrap around on the wire; convert to a float "
                 "dtype first, or all_gather quantized payloads and reduce them locally"
             )
+        self._refuse_unauthenticated("all_reduce")
         if self.world_size == 1:
             return self._completed("all_reduce", tensor)
-        return self._submit("all_reduce", functools.partial(self._run_all_reduce, tensor, op), account)
+        return self._submit("all_reduce", lambda _: self._run_all_reduce(tensor, op), account)
 
-    def launch_all_gather(self, tensor: torch.Tensor, *, account: bool = True) -> PendingTransfer[list[torch.Tensor]]:
+    def launch_all_gather(
+        self, tensor: torch.Tensor, *, max_numel: int | None = None, account: bool = True
+    ) -> PendingTransfer[list[torch.Tensor | None]]:
         """Start an all-gather of 1-D tensors whose lengths may differ per rank (same dtype on every rank).
 
         `wait()` returns one tensor per group rank, in group rank order; this rank's entry is `tensor` itself.
@@ -366,15 +418,27 @@ class WanChannel:
         `control_bytes` by the ring all-gather convention: `8 (C-1)` per call) and payloads padded to the longest;
         payload bytes are counted unpadded, as a variable-size ring would send them. The link is charged the
         payload's `max(sent, recv)` plus the length bytes and one latency (the lengths ride as a header).
+
+        `max_numel` is the longest payload any rank may declare, which the receiver must know before it allocates:
+        the codec's largest payload for the slice (`Codec.max_nbytes_list`), or by default this rank's own length
+        (payloads of equal size). A longer declared length fails the transfer with an error naming the rank.
+        With `auth`, each payload travels as its bytes and a 32-byte tag (counted as payload bytes), and an entry
+        whose tag does not verify is None.
         """
         if tensor.dim() != 1:
             raise ValueError(
                 f"all_gather takes a 1-D tensor, got shape {tuple(tensor.shape)}; pass tensor.reshape(-1) and "
                 "restore the shape after the gather"
             )
+        limit = tensor.numel() if max_numel is None else max_numel
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < tensor.numel():
+            raise ValueError(
+                f"all_gather max_numel = {max_numel!r} must be an int of at least this rank's own {tensor.numel()} "
+                "elements: the longest payload a peer may send"
+            )
         if self.world_size == 1:
             return self._completed("all_gather", [tensor])
-        return self._submit("all_gather", functools.partial(self._run_all_gather, tensor), account)
+        return self._submit("all_gather", functools.partial(self._run_all_gather, tensor, limit), account)
 
     def launch_program(
         self, program: Callable[[Wire], ResultT], *, kind: str = "program", account: bool = True
@@ -387,18 +451,19 @@ class WanChannel:
         link is charged the program's `max(sent, recv)` bytes and one latency per step. `wait()` raises what the
         program raised.
         """
+        self._refuse_unauthenticated(kind)
         if self.world_size == 1:
             assert self.group is None or dist.get_world_size(self.group) == 1
             return self._completed(kind, program(_LocalWire()))
-        return self._submit(kind, functools.partial(self._run_program, program), account)
+        return self._submit(kind, lambda _: self._run_program(program), account)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "avg") -> torch.Tensor:
         """Blocking `launch_all_reduce(...).wait()`."""
         return self.launch_all_reduce(tensor, op=op).wait()
 
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather(self, tensor: torch.Tensor, *, max_numel: int | None = None) -> list[torch.Tensor | None]:
         """Blocking `launch_all_gather(...).wait()`."""
-        return self.launch_all_gather(tensor).wait()
+        return self.launch_all_gather(tensor, max_numel=max_numel).wait()
 
     # ----------------------------------------------------------------------------------------- lifecycle
 
@@ -445,7 +510,14 @@ class WanChannel:
         transfer._complete(result)
         return transfer
 
-    def _submit(self, kind: str, run: Callable[[], _Outcome], account: bool = True) -> PendingTransfer[Any]:
+    def _refuse_unauthenticated(self, kind: str) -> None:
+        if self._auth is not None:
+            raise ValueError(
+                f"an authenticated WanChannel cannot run {kind}: values summed or re-encoded in transit carry no tag "
+                "of their sender; all-gather tagged payloads and reduce them locally (compression.reduction = gather)"
+            )
+
+    def _submit(self, kind: str, run: Callable[[int], _Outcome], account: bool = True) -> PendingTransfer[Any]:
         transfer: PendingTransfer[Any] = PendingTransfer(kind=kind, launch_time=time.perf_counter(), _channel=self)
         with self._lock:
             if self._closed:
@@ -460,7 +532,8 @@ class WanChannel:
             if account:
                 transfer.seq = self._submitted
                 self._submitted += 1
-            self._queue.put(_Job(transfer, run, account))
+            self._queue.put(_Job(transfer, run, account, exchange=self._launched))
+            self._launched += 1
         return transfer
 
     def _add_exposed(self, seconds: float) -> None:
@@ -502,7 +575,7 @@ class WanChannel:
     def _execute(self, job: _Job) -> None:
         transfer = job.transfer
         real_start = time.perf_counter()
-        outcome = job.run()
+        outcome = job.run(job.exchange)
         real_end = time.perf_counter()
         if not job.account:
             transfer.nbytes_sent, transfer.nbytes_recv = outcome.nbytes_sent, outcome.nbytes_recv
@@ -540,18 +613,83 @@ class WanChannel:
         sent, recv = ring_all_reduce_bytes(tensor.numel(), tensor.element_size(), self.world_size, self.group_rank)
         return _Outcome(tensor, sent, recv)
 
-    def _run_all_gather(self, tensor: torch.Tensor) -> _Outcome:
+    def _run_all_gather(self, tensor: torch.Tensor, max_numel: int, exchange: int) -> _Outcome:
         world, rank = self.world_size, self.group_rank
+        if self._auth is None:
+            wire, limit, unit = tensor, max_numel, "elements"
+        else:  # the payload's bytes and their tag, one uint8 vector
+            wire, limit, unit = self._seal(tensor, exchange), max_numel * tensor.element_size() + TAG_BYTES, "bytes"
         # gloo gathers equal sizes only: exchange the lengths, pad to the longest, trim on arrival.
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(lengths, torch.tensor([tensor.numel()], dtype=torch.int64), group=self.group)
+        dist.all_gather(lengths, torch.tensor([wire.numel()], dtype=torch.int64), group=self.group)
         numels = [int(n.item()) for n in lengths]
+        for peer, numel in enumerate(numels):  # before allocating anything of that size
+            if not 0 <= numel <= limit:
+                raise ValueError(
+                    f"slow-link all-gather: rank {peer} of the group (global rank "
+                    f"{dist.get_global_rank(self.group, peer)}) declared a payload of {numel:,} {unit}, outside the "
+                    f"0 ... {limit:,} this transfer can carry: its config differs (model, topology, compression) or "
+                    "the length was corrupted on the way"
+                )
         control_bytes, _ = ring_all_gather_bytes([_LENGTH_BYTES] * world, rank)
-        gathered = _gather_payloads(self.group, tensor, numels, rank)
-        gathered[rank] = tensor
-        sizes = [n * tensor.element_size() for n in numels]
+        gathered: list[torch.Tensor | None] = list(_gather_payloads(self.group, wire, numels, rank))
+        sizes = [n * wire.element_size() for n in numels]
         sent, recv = ring_all_gather_bytes(sizes, rank)
+        if self._auth is not None:
+            gathered = self._open(gathered, tensor, exchange)
+        gathered[rank] = tensor
         return _Outcome(gathered, sent, recv, control_bytes)
+
+    def _seal(self, tensor: torch.Tensor, exchange: int) -> torch.Tensor:
+        """(nbytes + 32,) uint8 on the host: the bytes of `tensor` followed by their tag for this exchange."""
+        assert self._auth is not None
+        data = _to_host(tensor).contiguous().view(torch.uint8)  # (nbytes,)
+        tag = self._auth.tag(data.numpy(), seq=exchange, sender=self.group_rank, group=self._group_ranks)
+        return torch.cat([data, torch.frombuffer(bytearray(tag), dtype=torch.uint8)])
+
+    def _open(
+        self, sealed: list[torch.Tensor | None], tensor: torch.Tensor, exchange: int
+    ) -> list[torch.Tensor | None]:
+        """Every peer's payload whose tag verifies, as `tensor`'s dtype on its device; None for the others, which
+        are counted and named in one warning line."""
+        assert self._auth is not None
+        opened: list[torch.Tensor | None] = []
+        rejected = []
+        for sender, wire in enumerate(sealed):
+            assert wire is not None
+            if sender == self.group_rank:
+                opened.append(tensor)
+                continue
+            nbytes = wire.numel() - TAG_BYTES
+            ok = (
+                nbytes >= 0
+                and nbytes % tensor.element_size() == 0
+                and self._auth.verify(
+                    wire[:nbytes].numpy(),
+                    wire[nbytes:].numpy(),
+                    seq=exchange,
+                    sender=sender,
+                    group=self._group_ranks,
+                )
+            )
+            opened.append(wire[:nbytes].view(tensor.dtype).to(tensor.device) if ok else None)
+            if not ok:
+                rejected.append(sender)
+        if rejected:
+            with self._lock:
+                self._payloads_rejected += len(rejected)
+            clusters = ", ".join(str(sender) for sender in rejected)
+            then = "it goes on without it"
+            if len(rejected) == self.world_size - 1:
+                then = "no peer's payload verified, so this cluster uses its own only"
+            print(
+                f"dilocox: warning: rank {dist.get_rank()} (cluster {self.group_rank}) rejected the slow-link "
+                f"payload of cluster {clusters} in exchange {exchange}: its HMAC-SHA256 tag does not verify under "
+                f"network.auth_key_file (another key, or forged or corrupted on the way); {then}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return opened
 
     def _run_program(self, program: Callable[[Wire], Any]) -> _Outcome:
         assert self.group is not None

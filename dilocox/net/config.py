@@ -1,8 +1,9 @@
 """`[network]`: the slow link between clusters and failure detection, owned and validated here (the link model is
 in `link.py`, the heartbeat watchdog in `watchdog.py`).
 
-cfg = NetworkConfig(bandwidth="100Mbps", latency="20ms", stall_timeout="30s")
+cfg = NetworkConfig(bandwidth="100Mbps", latency="20ms", stall_timeout="30s", auth_key_file="/etc/dilocox/wan.key")
 cfg.validate()                                   # ValueError naming network.<field> and the fix
+auth = cfg.payload_auth()                        # PayloadAuth of the key file, or None
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dilocox.checks import check_types
+from dilocox.net.auth import PayloadAuth, read_auth_key
 from dilocox.net.link import parse_bandwidth, parse_duration
 
 
@@ -29,6 +31,8 @@ class NetworkConfig:
     """Every rank bumps its counter in the job's store this often and reads the others' (a daemon thread)."""
     stall_timeout: str = "60s"
     """A rank whose heartbeat counter has not moved for this long is named and the run stops (exit 4); 0: off."""
+    auth_key_file: str = ""
+    """File holding a shared secret (>= 16 bytes, the same on all clusters): HMAC-tag slow-link payloads; "" = off."""
 
     @property
     def bandwidth_bytes_per_s(self) -> float | None:
@@ -52,6 +56,10 @@ class NetworkConfig:
         """Seconds without a heartbeat before a rank is called stalled; 0 when the watchdog is off."""
         return parse_duration(self.stall_timeout, name="network.stall_timeout")
 
+    def payload_auth(self) -> PayloadAuth | None:
+        """The tagger of `auth_key_file` (the key is read here, in the rank, and kept only in memory), or None."""
+        return PayloadAuth.from_file(self.auth_key_file) if self.auth_key_file else None
+
     def validate(self) -> None:
         parse_bandwidth(self.bandwidth)  # first: their messages say which units are understood
         parse_duration(self.latency)
@@ -70,6 +78,8 @@ class NetworkConfig:
                 f"{self.timeout!r}: otherwise a collective times out with gloo's error before the stalled rank is named"
             )
         check_types("network", self)
+        if self.auth_key_file:
+            read_auth_key(self.auth_key_file)  # exists, readable, long enough; only the path stays in the config
 
 
 _EXAMPLES = {"timeout": "600s", "heartbeat": "5s"}

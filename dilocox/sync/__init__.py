@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from dilocox.net.channel import WanChannel
@@ -40,9 +41,17 @@ __all__ = [
 ]
 
 
-def build_sync(cfg: Config, params, *, channel: WanChannel, dp_group: dist.ProcessGroup | None) -> SyncStrategy:
+def build_sync(
+    cfg: Config,
+    params,
+    *,
+    channel: WanChannel,
+    dp_group: dist.ProcessGroup | None,
+    inner_optimizer: torch.optim.Optimizer | None = None,
+) -> SyncStrategy:
     """The strategy named by `sync.kind`, over this rank's parameters. The outer-loop kinds get the public
-    `OuterSync` around `DiLoCoSync`, so `dilocox train` and a user's own loop (docs/api.md) run one object."""
+    `OuterSync` around `DiLoCoSync`, so `dilocox train` and a user's own loop (docs/api.md) run one object;
+    `inner_optimizer` has its state reset when the guard heals this cluster."""
     if cfg.sync.kind == "allreduce":
         return AllReduceSync(params, channel=channel, dp_group=dp_group)
     if cfg.sync.kind == "cocktail":
@@ -55,4 +64,6 @@ def build_sync(cfg: Config, params, *, channel: WanChannel, dp_group: dist.Proce
         dp_group=dp_group,
         seed=cfg.run.seed,
         total_steps=cfg.train.steps,
+        inner_optimizer=inner_optimizer,
+        faults=cfg.faults,
     )

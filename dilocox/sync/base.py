@@ -52,6 +52,10 @@ class RoundStats:
     """Payload size and codec time of a compressed sync."""
     rank: int | None = None
     """The low-rank codec's rank of the next encoding (adaptive: the rank it chose)."""
+    excluded: dict[int, str] | None = None
+    """With sync.guard: the clusters whose update was left out of this mean, and why (docs/design.md §4.5)."""
+    skipped: bool = False
+    """With sync.guard: no usable mean, so the outer step was skipped."""
 
     @property
     def hidden_s(self) -> float:
@@ -70,6 +74,9 @@ class RoundStats:
             "round_hidden_s": self.hidden_s,
             "round_bytes_sent": self.bytes_sent,
         }
+        if self.excluded is not None:
+            record["round_excluded"] = len(self.excluded)
+            record["round_skipped"] = int(self.skipped)
         if self.compute_s is not None:
             record["round_compute_s"] = self.compute_s
         if self.inner_steps is not None:

@@ -88,17 +88,19 @@ class CocktailSync:
         payload = self.codec.encode(corrected, step=self.sync_step)
         blocked_from = time.perf_counter()
         transfer = self.channel.launch_all_gather(payload.data)
-        payloads = transfer.wait()  # one (nbytes,) uint8 per cluster, in cluster order
+        payloads = transfer.wait()  # one (nbytes,) uint8 per cluster, in cluster order; None: its tag failed
         exposed = time.perf_counter() - blocked_from
         avg_shard = torch.zeros(self.shard_numel, device=grads.device)  # (shard,) fp32
         for cluster, data in enumerate(payloads):
+            if data is None:
+                continue
             indices, values = self.codec.decode_sparse(Payload(data), self.shard_numel, step=self.sync_step)
             avg_shard.index_add_(0, indices, values)
             if cluster == self.channel.group_rank:
                 # From the bytes, not the values before quantization: the residual must hold exactly what the
                 # other clusters did not receive.
                 self.feedback.keep([corrected.index_add_(0, indices, values, alpha=-1.0)])
-        avg_shard.div_(self.num_clusters)
+        avg_shard.div_(sum(data is not None for data in payloads))
         self.flat.scatter_grads(gather_slices_(grads, avg_shard, self.bounds, self.dp_group))
         self.sync_step += 1
         self.last_step_stats = RoundStats(link_s=transfer.link_s, exposed_s=exposed, bytes_sent=transfer.nbytes_sent)
@@ -139,7 +141,8 @@ class CocktailSync:
 
         Every rank of a cluster_group holds a shard of the same length (same dp index), so all payloads are equal.
         """
-        return ring_all_gather_bytes([self.payload_nbytes()] * self.num_clusters, self.channel.group_rank)
+        sizes = [self.payload_nbytes() + self.channel.tag_bytes] * self.num_clusters  # a tag counts as payload
+        return ring_all_gather_bytes(sizes, self.channel.group_rank)
 
     # ---------------------------------------------------------------------------------------------- state
     def state_bytes(self) -> int:

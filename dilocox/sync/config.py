@@ -6,10 +6,12 @@ cfg.validate()                                   # ValueError naming sync.<field
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from dilocox.checks import check_choice, check_non_negative, check_positive, check_types
+from dilocox.sync.robust import AGGREGATES
 
 SYNC_KINDS = ("allreduce", "cocktail", "diloco", "dilocox")
 """Every `sync.kind` (docs/design.md §6)."""
@@ -17,8 +19,10 @@ OUTER_LOOP_KINDS = ("diloco", "dilocox")
 """The kinds with H local steps and an outer sync of pseudo-gradients; the others sync every step."""
 OUTER_STATE_DEVICES = ("device", "cpu")
 """Where the outer state lives (`sync.outer_state_device`)."""
-MERGE_RULES = ("reset", "keep_local")
-"""Where a round starts under the one-step delay (see `DiLoCoSync`)."""
+MERGE_RULES = ("reset", "keep_local", "eager", "lookahead")
+"""Where a round starts under the one-step delay (see `DiLoCoSync` and docs/design.md §3)."""
+OUTER_LR_SCHEDULES = ("constant", "cosine")
+"""How the outer learning rate moves over the outer updates (`SyncConfig.outer_lr_at`)."""
 FIT_HEADROOM = 1.1
 """`fit_link` sizes a round so that its compute is at least this multiple of the last sync's link time."""
 
@@ -50,13 +54,29 @@ class SyncConfig:
     sync_delay: int = 0
     """Rounds between launching an outer sync and applying it: 0 = blocking, 1 = overlapped (dilocox: 1 unless set)."""
     merge: str = "keep_local"
-    """With sync_delay 1, where a round starts: keep_local (outer params plus own last progress) or reset."""
+    """With sync_delay 1, where a round starts: keep_local (phi minus own last progress), reset, eager or lookahead."""
+    outer_lr_schedule: str = "constant"
+    """Outer learning rate over the outer updates: constant, or cosine down to outer_lr x outer_min_lr_ratio."""
+    outer_warmup_rounds: int = 0
+    """Outer updates over which the outer learning rate ramps up linearly to outer_lr (either schedule)."""
+    outer_min_lr_ratio: float = 0.1
+    """cosine: the outer learning rate of the last outer update, as a fraction of outer_lr."""
     fit_link: bool = False
     """With sync_delay 1: raise H each round so that one sync's measured link time fits in the next round's compute."""
     fit_link_max_steps: int = 0
     """fit_link: the largest H it may choose; 0 = 8 x sync.inner_steps."""
     outer_state_device: str = "device"
     """Where outer params, momentum and residuals live: device (the rank's), or cpu to leave a GPU room for a stage."""
+    guard: bool = True
+    """Per-round numeric guard: leave non-finite or outsized updates out of the mean; a diverged cluster heals (§4.5)."""
+    guard_max_ratio: float = 10.0
+    """guard: an update whose norm exceeds this multiple of the recent accepted median is left out."""
+    guard_max_bad_rounds: int = 3
+    """guard: the run stops when this cluster's update, or every cluster's, is unusable this many rounds in a row."""
+    aggregate: str = "mean"
+    """mean, trimmed_mean, median or norm_clip (the robust ones need a codec with compression.reduction = gather)."""
+    trim_fraction: float = 0.25
+    """aggregate = trimmed_mean: the share of the largest and of the smallest values dropped per coordinate."""
 
     @property
     def has_outer_loop(self) -> bool:
@@ -66,6 +86,18 @@ class SyncConfig:
     def max_inner_steps(self) -> int:
         """The largest H that fit_link may choose."""
         return self.fit_link_max_steps or 8 * self.inner_steps
+
+    def outer_lr_at(self, update: int, num_updates: int) -> float:
+        """The learning rate of the 0-based outer update `update` of `num_updates` (docs/design.md §3): linear
+        warm-up over `outer_warmup_rounds` W, then constant or a cosine from outer_lr down to outer_lr x rho,
+        rho = outer_min_lr_ratio, reached at the last update (the inner schedule's rule, `lr_at`, per update)."""
+        if update < self.outer_warmup_rounds:
+            return self.outer_lr * (update + 1) / self.outer_warmup_rounds
+        if self.outer_lr_schedule == "constant":
+            return self.outer_lr
+        progress = min(1.0, (update - self.outer_warmup_rounds) / max(1, num_updates - self.outer_warmup_rounds - 1))
+        rho = self.outer_min_lr_ratio
+        return self.outer_lr * (rho + (1.0 - rho) * (1.0 + math.cos(math.pi * progress)) / 2.0)
 
     def validate(self) -> None:
         """Raise ValueError naming the first impossible setting of `[sync]` and how to fix it."""
@@ -80,6 +112,30 @@ class SyncConfig:
         if self.sync_delay not in (0, 1):
             raise ValueError(f"sync.sync_delay = {self.sync_delay} must be 0 (blocking) or 1 (one-step-delay overlap)")
         check_choice("sync.merge", self.merge, MERGE_RULES)
+        check_choice("sync.aggregate", self.aggregate, AGGREGATES)
+        check_positive("sync", self, "guard_max_bad_rounds")
+        if not (math.isfinite(self.guard_max_ratio) and self.guard_max_ratio > 1.0):
+            raise ValueError(
+                f"sync.guard_max_ratio = {self.guard_max_ratio} must be a finite number > 1 (10 leaves out an update "
+                "ten times longer than the recent median)"
+            )
+        if not 0.0 < self.trim_fraction < 0.5:
+            raise ValueError(
+                f"sync.trim_fraction = {self.trim_fraction} must be in (0, 0.5): the share of the largest and of the "
+                "smallest values dropped per coordinate (0.25 drops one of four clusters at each end)"
+            )
+        if self.aggregate != "mean" and not self.has_outer_loop:
+            raise ValueError(
+                f"sync.aggregate = {self.aggregate!r} averages the pseudo-gradients of an outer loop: use sync.kind = "
+                "diloco or dilocox"
+            )
+        check_choice("sync.outer_lr_schedule", self.outer_lr_schedule, OUTER_LR_SCHEDULES)
+        check_non_negative("sync", self, "outer_warmup_rounds")
+        if not 0.0 <= self.outer_min_lr_ratio <= 1.0:
+            raise ValueError(
+                f"sync.outer_min_lr_ratio = {self.outer_min_lr_ratio} must be in [0, 1]: the last outer update's "
+                "learning rate as a fraction of sync.outer_lr (1 = no decay)"
+            )
         check_choice("sync.outer_state_device", self.outer_state_device, OUTER_STATE_DEVICES)
         if not self.has_outer_loop and self.sync_delay:
             raise ValueError("sync.sync_delay = 1 needs an outer loop: use sync.kind = diloco or dilocox")
@@ -93,3 +149,17 @@ class SyncConfig:
                 f"sync.fit_link_max_steps = {self.fit_link_max_steps} is below sync.inner_steps = {self.inner_steps}: "
                 f"fit_link only raises H; use 0 (8 x H) or a value >= {self.inner_steps}"
             )
+
+
+def check_robust_reduction(sync: SyncConfig, compression: Any) -> None:
+    """A robust `sync.aggregate` needs every cluster's update at every receiver, which only the gather reduction of
+    a codec delivers (the dense all-reduce and the scalable reduction sum in transit)."""
+    if sync.aggregate == "mean":
+        return
+    if compression.kind == "none" or compression.reduction != "gather":
+        raise ValueError(
+            f"sync.aggregate = {sync.aggregate!r} needs every cluster's update at every receiver, but "
+            f"compression.kind = {compression.kind!r} with compression.reduction = {compression.reduction!r} sums "
+            "them in transit; use a codec with compression.reduction = gather (e.g. compression.kind = fp16 or "
+            "adaptive), or sync.aggregate = mean"
+        )

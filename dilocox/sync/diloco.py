@@ -21,10 +21,12 @@ import torch
 import torch.distributed as dist
 
 from dilocox.compress import CompressionConfig
+from dilocox.faults import FaultConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, RoundStats, dp_mean_
-from dilocox.sync.config import FIT_HEADROOM, SyncConfig
-from dilocox.sync.reducers import PendingMean, Reducer, build_reducer
+from dilocox.sync.config import FIT_HEADROOM, SyncConfig, check_robust_reduction
+from dilocox.sync.reducers import GatherReducer, PendingMean, Reducer, build_reducer
+from dilocox.sync.robust import GuardError, UpdateGuard
 
 
 class DiLoCoSync:
@@ -38,8 +40,28 @@ class DiLoCoSync:
       - `keep_local`: at phi minus this cluster's round-t pseudo-gradient, so local progress is not thrown away
         while its average is in flight (the idea of eager updates, arXiv 2502.12996, and Streaming DiLoCo,
         arXiv 2501.18512). Clusters then differ by their last round's progress until `flush()`.
+      - `eager` (Kale et al. 2025, arXiv 2502.12996): at the outer step phi would take if round t's average were
+        this cluster's own share of it, pseudo_grad / C (the others' part is in phi already, one round stale),
+        taken on a scratch copy of the momentum (`predicted_outer_params`). With momentum 0 this is exactly the
+        paper's eager update, phi - lr pseudo_grad / C.
+      - `lookahead`: at the outer step phi would take if round t's average were this cluster's whole
+        pseudo-gradient, momentum included: a delay-corrected momentum by weight prediction (SpecTrain, Chen et al.
+        2018): the next round computes its pseudo-gradient near where phi will be when that is applied, and the
+        momentum's part of the next step, already known, is not left one round behind. Plain averaging: keep_local.
+      Under every rule phi itself only ever takes the true averages, so every cluster holds the same phi
+      (`agreed_model`); the next pseudo-gradient is measured from the round start, so when the true average lands
+      it replaces the predicted part instead of adding to it.
 
-    The average itself is its `reducer`'s (`compression.kind` and `compression.reduction`, docs/design.md §4.4).
+    The outer learning rate of each update follows `sync.outer_lr_schedule` (`SyncConfig.outer_lr_at`), over the
+    run's ceil(total_steps / H) updates. The average itself is its `reducer`'s (`compression.kind` and
+    `compression.reduction`, docs/design.md §4.4).
+
+    With `sync.guard` (docs/design.md §4.5) a cluster whose own pseudo-gradient is non-finite abstains from the
+    round and heals: the next round starts from phi, its error-feedback residuals are dropped and `healed` tells
+    the owner of the inner optimizer to reset its state. The gather reduction leaves out every non-finite or
+    outsized update (each cluster judges the same bytes, so all leave out the same ones; a cluster left out heals
+    too); the summing reductions check the mean instead and skip a round whose mean is non-finite or outsized.
+    `sync.guard_max_bad_rounds` bad rounds in a row, of this cluster or of every cluster, raise `GuardError`.
     """
 
     def __init__(
@@ -52,8 +74,11 @@ class DiLoCoSync:
         dp_group: dist.ProcessGroup | None,
         seed: int = 0,
         total_steps: int | None = None,
+        faults: FaultConfig | None = None,
     ) -> None:
         cfg.validate()
+        compression = compression or CompressionConfig()
+        check_robust_reduction(cfg, compression)
         self.cfg = cfg
         self.name = cfg.kind  # diloco or dilocox: the same code, other defaults
         self.flat = FlatParams(params)
@@ -65,8 +90,25 @@ class DiLoCoSync:
         self.last_boundary = 0  # the step at which the last round ended
         self.total_steps = total_steps
         self.reducer: Reducer = build_reducer(
-            compression or CompressionConfig(), self.flat.shapes, channel=channel, dp_group=dp_group, seed=seed
+            compression,
+            self.flat.shapes,
+            channel=channel,
+            dp_group=dp_group,
+            seed=seed,
+            guard_max_ratio=cfg.guard_max_ratio if cfg.guard else None,
+            aggregate=cfg.aggregate,
+            trim_fraction=cfg.trim_fraction,
         )
+        self.faults = faults if faults is not None and faults.enabled else None
+        self.mean_guard = (
+            UpdateGuard(cfg.guard_max_ratio) if cfg.guard and not isinstance(self.reducer, GatherReducer) else None
+        )
+        """The summing reductions' guard: it judges the mean (the gather reduction judges every update itself)."""
+        self.healed = False
+        """Set when this cluster's parameters were reset to phi; the inner optimizer's owner resets its state."""
+        self.guard_counts = {"excluded_updates": 0, "skipped_rounds": 0, "healed_rounds": 0}
+        """Totals over the run: updates the guard left out, rounds without a usable mean, rounds this cluster healed."""
+        self._bad_in_row = {"own": 0, "all": 0}
         params_device = self.flat.params[0].device if self.flat.params else torch.device("cpu")
         self.state_device = params_device if cfg.outer_state_device == "device" else torch.device("cpu")
         """Where the outer state, the pseudo-gradient and its reduction live (sync.outer_state_device)."""
@@ -77,7 +119,15 @@ class DiLoCoSync:
             momentum=cfg.outer_momentum,
             nesterov=cfg.nesterov and cfg.outer_momentum > 0,  # torch rejects Nesterov without momentum
         )
-        self.round_start = self.outer_params.clone()  # theta at the start of the round (phi, except keep_local)
+        self.num_clusters = channel.world_size  # C, for the eager merge's own share of the average
+        self.num_outer_updates = math.ceil(total_steps / cfg.inner_steps) if total_steps else None
+        """Outer updates in the run (one per round), the horizon of a cosine outer learning rate."""
+        if cfg.outer_lr_schedule == "cosine" and self.num_outer_updates is None:
+            raise ValueError(
+                "sync.outer_lr_schedule = 'cosine' decays over the run's outer updates, so it needs the run's length: "
+                "pass total_steps (the trainer passes train.steps), or use 'constant'"
+            )
+        self.round_start = self.outer_params.clone()  # theta at the start of the round (phi under reset)
         self.pending: PendingMean | None = None  # the delayed sync, in flight
         self.outer_step = 0  # rounds completed
         self.warnings: list[str] = []  # for the trainer to print once (the link cannot keep up)
@@ -91,6 +141,9 @@ class DiLoCoSync:
         return step in (self.round_end, self.total_steps) or (step > 0 and step == self.last_boundary)
 
     def after_inner_step(self, step: int) -> RoundStats | None:
+        if self.faults is not None and self.faults.kind == "diverge" and step == self.last_boundary + 1:
+            if self.faults.active(cluster=self.channel.group_rank, round_index=self.outer_step + 1):
+                self.flat.scatter_data(torch.full((self.numel,), float("nan")))  # faults: this round diverges
         if step not in (self.round_end, self.total_steps):
             return None
         return self.end_round(step)
@@ -105,25 +158,80 @@ class DiLoCoSync:
         Returns what the sync waited for cost (None in the first round of a delayed sync: nothing was due)."""
         round_steps = step - self.last_boundary
         pseudo_grad = self.round_start - self.flat.gather_data().to(self.state_device)  # (numel,) round start - theta
+        round_index = self.outer_step + 1
+        own_bad = self.cfg.guard and not bool(torch.isfinite(pseudo_grad).all())
         stats = None
         if self.cfg.sync_delay == 0:
-            avg, stats = self.wait_sync(self.reducer.launch(pseudo_grad), round_steps=round_steps)
-            self.apply(avg)
+            if own_bad:
+                self.reducer.heal()
+            avg, stats = self.wait_sync(
+                self._launch(pseudo_grad, own_bad, round_index), round_steps=round_steps, round_index=round_index
+            )
+            self._set_outer_lr(self.outer_step)
+            if not stats.skipped:
+                self.apply(avg)
+            heal = own_bad or self._left_out(stats)
             theta = self.outer_params
         else:
             due, self.pending = self.pending, None
+            own_left_out = False
             if due is not None:
-                avg, stats = self.wait_sync(due, round_steps=round_steps)
-                self.apply(avg)
+                avg, stats = self.wait_sync(due, round_steps=round_steps, round_index=round_index - 1)
+                self._set_outer_lr(self.outer_step - 1)  # the average of the round before this one
+                if not stats.skipped:  # the guard found no usable mean: phi and its momentum stay
+                    self.apply(avg)
+                own_left_out = self._left_out(stats, due)
                 if self.cfg.fit_link:
                     self._fit_inner_steps(stats, round_steps)
-            self.pending = self.reducer.launch(pseudo_grad)  # pseudo_grad stays intact until the sync is waited for
-            theta = self.outer_params - pseudo_grad if self.cfg.merge == "keep_local" else self.outer_params
+            heal = own_bad or own_left_out
+            if heal:  # before this round's encoding: what the bad round left in the residuals is not sent again
+                self.reducer.heal()
+            # pseudo_grad stays intact until the sync is waited for
+            self.pending = self._launch(pseudo_grad, own_bad, round_index)
+            theta = self.outer_params if heal else self._delayed_round_start(pseudo_grad)
+        if self.cfg.guard:
+            # Only this cluster's own non-finite updates can stop the run; one the others leave out (an outlier,
+            # or a lying cluster) heals and goes on: a cluster that is out of step must not stop the others.
+            self._count_bad("own", own_bad, f"this cluster's own update was non-finite (round {round_index})")
+            if heal:
+                self._heal(round_index, "its own update is non-finite" if own_bad else "the others left its update out")
         self.flat.scatter_data(theta)
         self.round_start = theta.clone()
         self.outer_step += 1
         self.last_boundary, self.round_end = step, step + self.inner_steps
         return stats
+
+    def _launch(self, pseudo_grad: torch.Tensor, own_bad: bool, round_index: int) -> PendingMean:
+        """Launch this round's sync: abstain if the guard found the update non-finite; `faults` may lie."""
+        if own_bad:
+            pending = self.reducer.abstain(pseudo_grad)
+            pending.abstained = True
+            return pending
+        if self.faults is not None and self.faults.kind != "diverge":
+            if self.faults.active(cluster=self.channel.group_rank, round_index=round_index):
+                return self.reducer.launch(self.faults.corrupt(pseudo_grad, round_index=round_index))
+        return self.reducer.launch(pseudo_grad)
+
+    def _left_out(self, stats: RoundStats, pending: PendingMean | None = None) -> bool:
+        """Whether the others left out an update this cluster did send (not one it abstained from)."""
+        return self.channel.group_rank in (stats.excluded or {}) and not (pending is not None and pending.abstained)
+
+    def _heal(self, round_index: int, why: str) -> None:
+        self.healed = True
+        self.guard_counts["healed_rounds"] += 1
+        self.warnings.append(
+            f"guard: cluster {self.channel.group_rank} restarts round {round_index + 1} from the agreed parameters "
+            f"with a fresh inner optimizer state: {why}"
+        )
+
+    def _count_bad(self, which: str, bad: bool, what: str) -> None:
+        """Consecutive bad rounds of `which` (own: this cluster's update; all: every cluster's); too many stop."""
+        self._bad_in_row[which] = self._bad_in_row[which] + 1 if bad else 0
+        if self._bad_in_row[which] >= self.cfg.guard_max_bad_rounds:
+            raise GuardError(
+                f"{what}, {self._bad_in_row[which]} rounds in a row (sync.guard_max_bad_rounds = "
+                f"{self.cfg.guard_max_bad_rounds}): training cannot recover by itself"
+            )
 
     def flush(self) -> RoundStats | None:
         """Apply the sync still in flight; afterwards every cluster holds the same parameters (phi)."""
@@ -131,7 +239,9 @@ class DiLoCoSync:
             return None
         due, self.pending = self.pending, None
         avg, stats = self.wait_sync(due)
-        self.apply(avg)
+        self._set_outer_lr(self.outer_step - 1)  # launched by the last end_round
+        if not stats.skipped:
+            self.apply(avg)
         self.flat.scatter_data(self.outer_params)
         self.round_start = self.outer_params.clone()
         return stats
@@ -151,14 +261,21 @@ class DiLoCoSync:
             self.flat.scatter_data(local)
 
     # ---------------------------------------------------------------------------------------------- steps
-    def wait_sync(self, pending: PendingMean, *, round_steps: int | None = None) -> tuple[torch.Tensor, RoundStats]:
+    def wait_sync(
+        self, pending: PendingMean, *, round_steps: int | None = None, round_index: int | None = None
+    ) -> tuple[torch.Tensor, RoundStats]:
         """The averaged pseudo-gradient of a launched sync, with the link time it took and the part that was hidden.
 
-        `round_steps`: inner steps computed since the sync was launched (this round's H), for the per-round log."""
+        `round_steps`: inner steps computed since the sync was launched (this round's H), for the per-round log;
+        `round_index`: the round that launched it (1-based), for the guard's messages."""
         round_steps = self.inner_steps if round_steps is None else round_steps
+        round_index = self.outer_step if round_index is None else round_index
         compute_s = time.perf_counter() - pending.transfer.launch_time
         blocked_from = time.perf_counter()
         avg = pending.wait()
+        skipped = self._guard_mean(avg, pending, round_index) if self.cfg.guard else False
+        if skipped:
+            avg = torch.zeros_like(avg)
         stats = RoundStats(
             link_s=pending.transfer.link_s,
             exposed_s=time.perf_counter() - blocked_from,
@@ -167,11 +284,34 @@ class DiLoCoSync:
             inner_steps=round_steps,
             cost=pending.cost,
             rank=self.reducer.current_rank(),
+            excluded=dict(pending.excluded) if self.cfg.guard else None,
+            skipped=skipped,
         )
         if self.cfg.sync_delay == 1 and stats.link_s > compute_s > 0 and not self._warned and not self.cfg.fit_link:
             self._warned = True
             self.warnings.append(self._slow_link_advice(stats, round_steps=round_steps))
         return avg, stats
+
+    def _guard_mean(self, avg: torch.Tensor, pending: PendingMean, round_index: int) -> bool:
+        """Log what the gather reduction left out; judge the mean of the summing ones. True: skip this round."""
+        for cluster, why in sorted(pending.excluded.items()):
+            self.warnings.append(f"guard: round {round_index}: cluster {cluster}'s update left out ({why})")
+        self.guard_counts["excluded_updates"] += len(pending.excluded)
+        if self.mean_guard is not None:
+            verdict = self.mean_guard.judge([avg])[0]
+            if verdict is None:
+                self.mean_guard.accept([avg])
+            skip = verdict is not None
+            why = f"the mean has {verdict}"
+        else:
+            skip = len(pending.excluded) >= self.channel.world_size
+            why = "every cluster's update was left out"
+        if skip:
+            self.reducer.heal()  # a non-finite mean may have reached every cluster's residuals
+            self.guard_counts["skipped_rounds"] += 1
+            self.warnings.append(f"guard: round {round_index}: no outer step ({why})")
+        self._count_bad("all", skip, "no usable mean of the clusters' updates")
+        return skip
 
     def _fit_inner_steps(self, stats: RoundStats, round_steps: int) -> None:
         """compression.fit_link: choose the next round's H so that the sync launched now, which travels during
@@ -201,6 +341,35 @@ class DiLoCoSync:
         self.outer_params.grad = avg_pseudo_grad
         self.outer_optimizer.step()
         self.outer_params.grad = None
+
+    def _set_outer_lr(self, update: int) -> None:
+        """Set the outer SGD's learning rate to that of the 0-based outer update `update` (`sync.outer_lr_schedule`)."""
+        lr = self.cfg.outer_lr_at(update, self.num_outer_updates or update + 1)
+        for group in self.outer_optimizer.param_groups:
+            group["lr"] = lr
+
+    def _delayed_round_start(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
+        """Where the next round starts under the one-step delay, with round t's average in flight (`sync.merge`)."""
+        if self.cfg.merge == "reset":
+            return self.outer_params
+        if self.cfg.merge == "keep_local":
+            return self.outer_params - pseudo_grad
+        own_share = pseudo_grad / self.num_clusters if self.cfg.merge == "eager" else pseudo_grad
+        return self.predicted_outer_params(own_share, update=self.outer_step)
+
+    def predicted_outer_params(self, estimate: torch.Tensor, *, update: int) -> torch.Tensor:
+        """phi after outer update `update` if its averaged pseudo-gradient were `estimate`: one step of the outer SGD
+        (torch.optim.SGD's rule, dampening 0, no weight decay) on scratch copies, so phi and the momentum are left
+        unchanged. Nesterov: phi - lr ((1 + m) g + m^2 buf); heavy ball: phi - lr (g + m buf); no momentum: phi - lr g.
+        """
+        group = self.outer_optimizer.param_groups[0]
+        momentum = group["momentum"]
+        direction = estimate
+        if momentum > 0:
+            buf = self.outer_optimizer.state.get(self.outer_params, {}).get("momentum_buffer")
+            buf = estimate if buf is None else momentum * buf + estimate  # torch's first step: buf = g
+            direction = estimate + momentum * buf if group["nesterov"] else buf
+        return self.outer_params - self.cfg.outer_lr_at(update, self.num_outer_updates or update + 1) * direction
 
     def _slow_link_advice(self, stats: RoundStats, *, round_steps: int) -> str:
         link_s, compute_s, nbytes = stats.link_s, stats.compute_s or 0.0, stats.bytes_sent
@@ -240,6 +409,11 @@ class DiLoCoSync:
             "last_boundary": self.last_boundary,
             "reduction": self.reducer.name,
             "reducer": self.reducer.state_dict(),
+            "guard": {
+                "counts": dict(self.guard_counts),
+                "bad_in_row": dict(self._bad_in_row),
+                "mean": self.mean_guard.state_dict() if self.mean_guard is not None else None,
+            },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -262,6 +436,12 @@ class DiLoCoSync:
         self.round_end = int(state["round_end"])
         self.last_boundary = int(state["last_boundary"])
         self.reducer.load_state_dict(state["reducer"])
+        guard = state.get("guard")  # checkpoints from before the guard (2026-11-23) have none: fresh counts
+        if guard is not None:
+            self.guard_counts.update(guard["counts"])
+            self._bad_in_row.update(guard["bad_in_row"])
+            if self.mean_guard is not None and guard["mean"] is not None:
+                self.mean_guard.load_state_dict(guard["mean"])
         # Every rank resumes from the same step and loads in the same order, so the re-sends pair up across
         # clusters. The link counters (restored first) hold the transfer exactly when it had arrived on this rank.
         if state["pending_sent"] is not None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from dilocox.compress import CompressionConfig
 from dilocox.compress.config import CODEC_KINDS
+from dilocox.faults import FaultConfig
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.net.link import parse_bandwidth, parse_duration
 from dilocox.sync.base import RoundStats
@@ -105,6 +106,7 @@ class OuterSync:
             cluster_group, bandwidth=bytes_per_s, latency_s=latency_s, num_sharing=group_size(dp_group)
         )
         self._setup(params, sync, codec, channel=channel, owns_channel=True, dp_group=dp_group, seed=seed)
+        self.inner_optimizer = inner_optimizer
         self._start_check = _launch_start_check(self.diloco.outer_params, channel, dp_group)
         if group_size(dp_group) > 1:
             self._hook = inner_optimizer.register_step_pre_hook(self._before_inner_step)
@@ -120,11 +122,14 @@ class OuterSync:
         dp_group: dist.ProcessGroup | None = None,
         seed: int = 0,
         total_steps: int | None = None,
+        inner_optimizer: torch.optim.Optimizer | None = None,
+        faults: FaultConfig | None = None,
     ) -> OuterSync:
         """Around a `channel` the caller owns (and closes), with the config dataclasses: the trainer's path
         (`build_sync`), and the one to `sync.fit_link` or `sync.outer_state_device`. Nothing is hooked or
         checked beyond the configs: the caller calls `reduce_gradients()` before each inner step itself, and
-        the rounds also end at `total_steps`."""
+        the rounds also end at `total_steps`. `inner_optimizer` (optional here) gets its state reset when the
+        guard heals this cluster; `faults` injects the faults of `[faults]`."""
         if sync.kind not in OUTER_LOOP_KINDS:
             raise ValueError(f"OuterSync needs sync.kind = diloco or dilocox, not {sync.kind!r}")
         self = cls.__new__(cls)
@@ -137,7 +142,9 @@ class OuterSync:
             dp_group=dp_group,
             seed=seed,
             total_steps=total_steps,
+            faults=faults,
         )
+        self.inner_optimizer = inner_optimizer
         return self
 
     def _setup(
@@ -151,9 +158,17 @@ class OuterSync:
         dp_group: dist.ProcessGroup | None,
         seed: int,
         total_steps: int | None = None,
+        faults: FaultConfig | None = None,
     ) -> None:
         self.diloco = DiLoCoSync(
-            params, sync, compression, channel=channel, dp_group=dp_group, seed=seed, total_steps=total_steps
+            params,
+            sync,
+            compression,
+            channel=channel,
+            dp_group=dp_group,
+            seed=seed,
+            total_steps=total_steps,
+            faults=faults,
         )
         """The implementation this facade drives (docs/design.md §3)."""
         self.sync_config = sync
@@ -182,9 +197,18 @@ class OuterSync:
         """`step()` with the caller's 1-based step count (the trainer's protocol, docs/design.md §6)."""
         self.num_steps = step
         stats = self.diloco.after_inner_step(step)
+        self._reset_if_healed()
         if stats is not None:
             self.last_round = stats
         return stats
+
+    def _reset_if_healed(self) -> None:
+        """The guard reset this cluster's parameters to the agreed ones: the inner optimizer's state (AdamW's
+        moments, non-finite after a diverged round) starts afresh too."""
+        if self.diloco.healed:
+            self.diloco.healed = False
+            if self.inner_optimizer is not None:
+                self.inner_optimizer.state.clear()
 
     def reduce_gradients(self) -> None:
         """Average this step's gradients over `dp_group` (a copy for a group of one): call it after backward and
@@ -199,6 +223,7 @@ class OuterSync:
         stats = None
         if self.num_steps > self.diloco.last_boundary:
             stats = self.diloco.end_round(self.num_steps)
+            self._reset_if_healed()
         stats = self.diloco.flush() or stats
         if stats is not None:
             self.last_round = stats
@@ -246,6 +271,11 @@ class OuterSync:
     def numel(self) -> int:
         """Values of the parameters kept in step."""
         return self.diloco.numel
+
+    @property
+    def guard_counts(self) -> dict[str, int]:
+        """sync.guard's totals: excluded_updates, skipped_rounds, healed_rounds (this cluster's)."""
+        return self.diloco.guard_counts
 
     @property
     def warnings(self) -> list[str]:
@@ -323,7 +353,7 @@ class OuterSync:
         if self._start_check is None:
             return
         pending, self._start_check = self._start_check, None
-        fingerprints = [tuple(int(v) for v in f.tolist()) for f in pending.wait()]
+        fingerprints = [tuple(int(v) for v in f.tolist()) for f in pending.wait() if f is not None]
         if compare:
             _check_same_start(fingerprints, "cluster_group", "clusters")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from dilocox.compress import Codec, CompressionConfig, ErrorFeedback, LowRankCodec, Payload, build_codec
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.sync.base import CodecCost, shard_bounds
+from dilocox.sync.robust import UpdateGuard, aggregate
 from dilocox.topology import group_size
 
 
@@ -53,6 +54,10 @@ class PendingMean:
     dp_group: dist.ProcessGroup | None
     sent: torch.Tensor
     cost: CodecCost | None = None
+    excluded: dict[int, str] = field(default_factory=dict)
+    """Clusters whose update the guard left out of this mean, with the reason (gather reduction; set by finish)."""
+    abstained: bool = False
+    """This cluster sent no update (`Reducer.abstain`)."""
 
     def wait(self) -> torch.Tensor:
         """Block until the slow-link part is done, then all-gather the slices over the fast dp_group."""
@@ -68,9 +73,18 @@ class Reducer(Protocol):
     def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
         """Start averaging `pseudo_grad` (numel,), identical on the cluster's dp replicas; it is not modified."""
 
+    def abstain(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        """This cluster has no usable update this round (its own training went non-finite). The gather reduction
+        sends nothing and the others leave it out; the summing reductions send zeros (they cannot leave a sender
+        out without another message), which shrinks that round's mean by this cluster's share."""
+
     def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
         """Send again what a checkpoint saved of a sync in flight (`PendingMean.sent`): the same bytes, the same
         result; `account=False` when the restored link counters already hold the transfer."""
+
+    def heal(self) -> None:
+        """This cluster's update went bad and its parameters were reset to the agreed ones: forget what its bad
+        rounds left in the reducer's own state (error-feedback residuals)."""
 
     def current_rank(self) -> int | None:
         """The low-rank codec's rank of the next encoding (adaptive: the last chosen), None for other codecs."""
@@ -132,6 +146,12 @@ class DenseReducer:
 
     def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
         return self.launch(sent.clone(), account=account)
+
+    def abstain(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        return self.launch(torch.zeros_like(pseudo_grad))
+
+    def heal(self) -> None:
+        pass
 
     def current_rank(self) -> int | None:
         return None
@@ -229,6 +249,9 @@ class CodecReducer:
     def current_rank(self) -> int | None:
         return self.codec.current_rank()
 
+    def heal(self) -> None:
+        self.feedback.reset()
+
     def state_bytes(self) -> int:
         """Residuals (at full size from the start) and the codec's warm starts (those grow in the first round)."""
         return self.feedback.state_bytes(self.slice.numel) + self.codec.state_bytes()
@@ -244,19 +267,50 @@ class CodecReducer:
 class GatherReducer(CodecReducer):
     """Any codec: encode this replica's slice (with error feedback), all-gather the payloads over the slow
     cluster_group (their sizes may differ per cluster, e.g. adaptive ranks), decode every cluster's and average.
-    Exact for any codec; costs (C-1) x payload received per rank, exact in the channel's counters."""
+    Exact for any codec; costs (C-1) x payload received per rank, exact in the channel's counters.
+
+    Every receiver holds every cluster's update, so this is the reduction that can judge them one by one: with a
+    `guard` (docs/design.md §4.5) an update that is missing (an abstaining sender's empty payload), non-finite or
+    outsized is left out, the dp replicas of a cluster agree on what is left out (each judges its own slice), and
+    the rest is averaged by `aggregate` (mean, or a robust statistic against lying clusters)."""
 
     name = "gather"
+
+    def __init__(
+        self,
+        codec: Codec,
+        shapes: Sequence[torch.Size],
+        *,
+        error_feedback: bool,
+        channel: WanChannel,
+        dp_group: dist.ProcessGroup | None,
+        seed: int = 0,
+        guard: UpdateGuard | None = None,
+        how: str = "mean",
+        trim_fraction: float = 0.25,
+    ) -> None:
+        super().__init__(
+            codec, shapes, error_feedback=error_feedback, channel=channel, dp_group=dp_group, seed=seed
+        )
+        self.guard = guard
+        self.how = how
+        self.trim_fraction = trim_fraction
 
     def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
         encode_from = time.perf_counter()
         payload, own_decoded = self.feedback.compress(self.codec, self.slice.tensors(pseudo_grad))
         return self._start(pseudo_grad, payload, own_decoded, codec_s=time.perf_counter() - encode_from)
 
+    def abstain(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        # Zero bytes: no real payload of a non-empty slice is empty, so receivers know it is not an update. The
+        # residuals are kept: they hold what earlier (finite) rounds lost.
+        empty = Payload(torch.empty(0, dtype=torch.uint8, device=pseudo_grad.device))
+        return self._start(torch.zeros_like(pseudo_grad), empty, None, codec_s=0.0)
+
     def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
         # The codec and error feedback already ran for it, so they are not run again: the same bytes go out.
         payload = Payload(sent)
-        own_decoded = self.codec.decode_list(payload, self.slice.shapes)
+        own_decoded = self.codec.decode_list(payload, self.slice.shapes) if payload.nbytes else None
         return self._start(
             torch.zeros(self.numel, device=sent.device), payload, own_decoded, codec_s=0.0, account=account
         )
@@ -265,28 +319,78 @@ class GatherReducer(CodecReducer):
         self,
         flat: torch.Tensor,
         payload: Payload,
-        own_decoded: list[torch.Tensor],
+        own_decoded: list[torch.Tensor] | None,
         *,
         codec_s: float,
         account: bool = True,
     ) -> PendingMean:
         cost = CodecCost(payload_bytes=payload.nbytes, dense_bytes=4 * self.slice.numel, codec_s=codec_s)
-        transfer = self.channel.launch_all_gather(payload.data, account=account)
+        max_numel = self.codec.max_nbytes_list(self.slice.shapes)  # every cluster encodes a slice of these shapes
+        transfer = self.channel.launch_all_gather(payload.data, max_numel=max_numel, account=account)
         own_index = self.channel.group_rank
 
         def finish() -> torch.Tensor:
-            payloads = transfer.wait()
+            payloads = transfer.wait()  # None in place of a payload whose tag did not verify (network.auth_key_file)
             decode_from = time.perf_counter()
-            total = torch.zeros(self.slice.numel, dtype=torch.float32, device=flat.device)  # (slice,)
+            updates: list[torch.Tensor | None] = []  # every cluster's decoded slice (slice,), None: nothing usable
+            malformed: dict[int, str] = {}
             for index, data in enumerate(payloads):
-                own = index == own_index
-                decoded = own_decoded if own else self.codec.decode_list(Payload(data), self.slice.shapes)
-                if decoded:
-                    total += torch.cat([d.reshape(-1) for d in decoded]).to(total.device)
+                decoded = own_decoded if index == own_index else None
+                if data is None:
+                    malformed[index] = "its payload's tag did not verify (network.auth_key_file)"
+                elif not data.numel():
+                    malformed[index] = "it sent none: its own was non-finite"
+                elif index != own_index and data is not None:
+                    try:
+                        decoded = self.codec.decode_list(Payload(data), self.slice.shapes)
+                    except ValueError as error:  # a corrupt or forged payload must not stop the receivers
+                        malformed[index] = f"malformed payload: {error}"
+                updates.append(self._flat(decoded, flat.device))
+            pending.excluded = self._judge(updates)
+            pending.excluded.update(malformed)  # the precise reason where the guard only saw nothing usable
+            accepted = [u for index, u in enumerate(updates) if u is not None and index not in pending.excluded]
+            if self.guard is not None:
+                self.guard.accept(accepted)
             cost.codec_s += time.perf_counter() - decode_from
-            return total.div_(len(payloads))
+            if not accepted:  # nothing usable: the outer step gets a zero update (DiLoCoSync counts the round)
+                return torch.zeros(self.slice.numel, dtype=torch.float32, device=flat.device)
+            return aggregate(accepted, self.how, trim_fraction=self.trim_fraction)
 
-        return PendingMean(flat, self.slice.bounds, finish, transfer, self.dp_group, sent=payload.data, cost=cost)
+        pending = PendingMean(flat, self.slice.bounds, finish, transfer, self.dp_group, sent=payload.data, cost=cost)
+        return pending
+
+    def _flat(self, decoded: list[torch.Tensor] | None, device: torch.device) -> torch.Tensor | None:
+        if decoded is None:
+            return None
+        if not decoded:  # this replica's slice holds no tensor
+            return torch.zeros(0, dtype=torch.float32, device=device)
+        return torch.cat([d.reshape(-1) for d in decoded]).to(device)
+
+    def _judge(self, updates: list[torch.Tensor | None]) -> dict[int, str]:
+        """The clusters left out of this mean and why: missing updates always; with a guard also non-finite and
+        outsized ones, agreed over the dp replicas (a cluster one replica leaves out, all leave out)."""
+        if self.guard is None:
+            return {index: "no usable update arrived" for index, u in enumerate(updates) if u is None}
+        verdicts = self.guard.judge(updates)
+        if group_size(self.dp_group) > 1:
+            flags = torch.tensor([float(v is not None) for v in verdicts])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
+            verdicts = [
+                v if v is not None or not flag else "left out by another dp replica's guard"
+                for v, flag in zip(verdicts, flags.tolist(), strict=True)
+            ]
+        return {index: v for index, v in enumerate(verdicts) if v is not None}
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.guard is not None:
+            state["guard"] = self.guard.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.guard is not None and "guard" in state:  # checkpoints from before the guard have no history
+            self.guard.load_state_dict(state["guard"])
 
 
 # ------------------------------------------------------------------------------------------------------ factory
@@ -299,15 +403,32 @@ def build_reducer(
     channel: WanChannel,
     dp_group: dist.ProcessGroup | None,
     seed: int = 0,
+    guard_max_ratio: float | None = None,
+    aggregate: str = "mean",
+    trim_fraction: float = 0.25,
 ) -> Reducer:
-    """The reducer of `compression.kind` and `compression.reduction` over tensors of `shapes` (validated here)."""
+    """The reducer of `compression.kind` and `compression.reduction` over tensors of `shapes` (validated here).
+
+    `guard_max_ratio` (None: no guard) and `aggregate` are `sync.guard_max_ratio` and `sync.aggregate`: only the
+    gather reduction judges and robustly averages the clusters' updates one by one (`SyncConfig` refuses a robust
+    aggregate with the others; their guard is the check of the mean in `DiLoCoSync`)."""
     cfg.validate()
     if cfg.kind == "none":
         return DenseReducer(sum(shape.numel() for shape in shapes), channel=channel, dp_group=dp_group)
     codec = build_codec(cfg, seed=seed)
-    reducer: type[CodecReducer] = GatherReducer
     if cfg.reduction == "scalable":  # validate() allows only the kinds these two average
         from dilocox.sync.scalable import ScalableElementwiseReducer, ScalableLowRankReducer
 
-        reducer = ScalableLowRankReducer if isinstance(codec, LowRankCodec) else ScalableElementwiseReducer
-    return reducer(codec, shapes, error_feedback=cfg.error_feedback, channel=channel, dp_group=dp_group, seed=seed)
+        reducer: type[CodecReducer] = ScalableLowRankReducer if isinstance(codec, LowRankCodec) else ScalableElementwiseReducer
+        return reducer(codec, shapes, error_feedback=cfg.error_feedback, channel=channel, dp_group=dp_group, seed=seed)
+    return GatherReducer(
+        codec,
+        shapes,
+        error_feedback=cfg.error_feedback,
+        channel=channel,
+        dp_group=dp_group,
+        seed=seed,
+        guard=UpdateGuard(guard_max_ratio) if guard_max_ratio is not None else None,
+        how=aggregate,
+        trim_fraction=trim_fraction,
+    )

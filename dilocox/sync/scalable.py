@@ -172,6 +172,9 @@ class _ScalableReducer(CodecReducer):
     def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
         return self._start(torch.zeros(self.numel, device=sent.device), sent, codec_s=0.0, account=account)
 
+    def abstain(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        return self.launch(torch.zeros_like(pseudo_grad))  # sends only the (finite) residuals of earlier rounds
+
     def _split(self, u: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(u, [shape.numel() for shape in self.slice.shapes]))
 

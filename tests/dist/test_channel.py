@@ -21,6 +21,7 @@ def _assert_zero_stats(channel: WanChannel) -> None:
         "link_busy_s": 0.0,
         "exposed_s": 0.0,
         "num_transfers": 0,
+        "payloads_rejected": 0,
     }
 
 
@@ -107,7 +108,7 @@ def _exact_worker(rank: int, world_size: int) -> dict[str, float | int]:
     # all-gather of unequal lengths (one rank empty when there are three), fp32 then uint8
     numels = [3, 5, 0, 2][:world_size]
     mine = torch.arange(numels[rank], dtype=torch.float32) + 100.0 * rank
-    transfer = channel.launch_all_gather(mine)
+    transfer = channel.launch_all_gather(mine, max_numel=max(numels))
     gathered = transfer.wait()
     assert len(gathered) == world_size and gathered[rank] is mine
     for r, tensor in enumerate(gathered):
@@ -118,7 +119,7 @@ def _exact_worker(rank: int, world_size: int) -> dict[str, float | int]:
     expected_control += 8 * (world_size - 1)
 
     payload = torch.full((rank * 3 + 1,), rank, dtype=torch.uint8)
-    gathered = channel.all_gather(payload)
+    gathered = channel.all_gather(payload, max_numel=3 * world_size - 2)
     assert [t.tolist() for t in gathered] == [[r] * (r * 3 + 1) for r in range(world_size)]
     sent, recv = ring_all_gather_bytes([r * 3 + 1 for r in range(world_size)], rank)
     expected_sent, expected_recv = expected_sent + sent, expected_recv + recv
@@ -240,7 +241,7 @@ def _timing_worker(rank: int, world_size: int) -> dict[str, float]:
         # Unequal all-gather: charged max(sent, recv) payload bytes plus the length header.
         dist.barrier()
         sizes = [800_000, 400_000, 600_000][:world_size]
-        transfer = channel.launch_all_gather(torch.zeros(sizes[rank], dtype=torch.uint8))
+        transfer = channel.launch_all_gather(torch.zeros(sizes[rank], dtype=torch.uint8), max_numel=max(sizes))
         out["gather_s"] = _timed(transfer.wait)
         out["gather_model_s"] = LATENCY_S + (max(ring_all_gather_bytes(sizes, rank)) + 8 * (world_size - 1)) / BANDWIDTH
 

@@ -4,9 +4,14 @@ The reference below is the algorithm of DESIGN.md section 3 written out plainly,
 `dilocox.sync`: per cluster, H plain-SGD inner steps from the round start; pseudo-gradient = round start - params;
 mean over the clusters; outer SGD as `torch.optim.SGD` documents it (buf = m buf + g, or g at the first step;
 Nesterov steps along g + m buf, plain momentum along buf). With `sync_delay = 1` the outer step applies the previous
-round's mean, and the next round starts at the outer params (`reset`) or at the outer params minus this cluster's own
-last pseudo-gradient (`keep_local`); the mean still in flight is applied by the flush at the end.
+round's mean, and the next round starts at the outer params (`reset`), at the outer params minus this cluster's own
+last pseudo-gradient (`keep_local`), or at one outer step taken on a copy of phi and its momentum with this cluster's
+share of its last pseudo-gradient (`eager`: g / C) or all of it (`lookahead`: g); the mean still in flight is applied
+by the flush at the end. The outer learning rate of update k (0-based, of K = 3) follows the schedule: linear
+warm-up over W updates, then constant or cosine down to lr x rho.
 """
+
+import math
 
 import pytest
 import torch
@@ -19,13 +24,33 @@ from tests.multiproc import run_ranks
 
 NUM_CLUSTERS, H, STEPS, INNER_LR = 3, 3, 7, 0.1  # rounds end at steps 3, 6 and 7 (cut short by the end of training)
 
+OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}  # the paper's outer SGD
+HEAVY_BALL = {"outer_lr": 0.5, "outer_momentum": 0.6, "nesterov": False}
+AVERAGING = {"outer_lr": 1.0, "outer_momentum": 0.0}
+COSINE = {"outer_lr_schedule": "cosine"}
 VARIANTS = {
-    # name: (sync_delay, merge, outer_lr, outer_momentum, nesterov)
-    "blocking-keep_local": (0, "keep_local", 0.7, 0.9, True),
-    "blocking-reset": (0, "reset", 0.7, 0.9, True),
-    "delayed-keep_local": (1, "keep_local", 0.7, 0.9, True),
-    "delayed-reset-heavy-ball": (1, "reset", 0.5, 0.6, False),
+    # name: the SyncConfig fields each variant sets (merge keep_local and a constant outer lr unless named)
+    "blocking-keep_local": {"sync_delay": 0, **OUTER},
+    "blocking-reset": {"sync_delay": 0, "merge": "reset", **OUTER},
+    "delayed-keep_local": {"sync_delay": 1, **OUTER},
+    "delayed-reset-heavy-ball": {"sync_delay": 1, "merge": "reset", **HEAVY_BALL},
+    "delayed-eager-averaging": {"sync_delay": 1, "merge": "eager", **AVERAGING},
+    "delayed-eager-nesterov": {"sync_delay": 1, "merge": "eager", **OUTER},
+    "delayed-lookahead-nesterov": {"sync_delay": 1, "merge": "lookahead", **OUTER},
+    "delayed-lookahead-heavy-ball": {"sync_delay": 1, "merge": "lookahead", **HEAVY_BALL},
+    "delayed-cosine-warmup": {"sync_delay": 1, **COSINE, "outer_warmup_rounds": 1, "outer_min_lr_ratio": 0.2, **OUTER},
+    "blocking-constant-warmup": {"sync_delay": 0, "outer_warmup_rounds": 2, **OUTER},
+    "delayed-lookahead-cosine": {"sync_delay": 1, "merge": "lookahead", **COSINE, "outer_min_lr_ratio": 0.0, **OUTER},
 }
+DEFAULTS = {
+    "merge": "keep_local", "nesterov": True, "outer_lr_schedule": "constant", "outer_warmup_rounds": 0,
+    "outer_min_lr_ratio": 0.1,
+}  # fmt: skip
+NUM_UPDATES = math.ceil(STEPS / H)
+
+
+def settings(name: str) -> dict:
+    return DEFAULTS | VARIANTS[name]
 
 
 def make_model() -> torch.nn.Module:
@@ -53,7 +78,8 @@ def load(model, vector: torch.Tensor) -> None:
             p.copy_(chunk.view_as(p))
 
 
-def reference(sync_delay, merge, outer_lr, outer_momentum, nesterov) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+def reference(sync_delay, merge, outer_lr, outer_momentum, nesterov, outer_lr_schedule, outer_warmup_rounds,
+              outer_min_lr_ratio) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:  # fmt: skip
     """(outer params, every cluster's params) after each round and after the final flush."""
     models = [make_model() for _ in range(NUM_CLUSTERS)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=INNER_LR) for m in models]
@@ -61,11 +87,31 @@ def reference(sync_delay, merge, outer_lr, outer_momentum, nesterov) -> list[tup
     buf = None
     round_start = [phi.clone() for _ in models]
     pending = None
+    updates = 0  # outer updates applied to phi
 
-    def outer_step(phi, buf, g):
-        buf = g.clone() if buf is None else outer_momentum * buf + g
-        direction = g + outer_momentum * buf if nesterov else buf
-        return phi - outer_lr * direction, buf
+    def lr_of(k):
+        if k < outer_warmup_rounds:
+            return outer_lr * (k + 1) / outer_warmup_rounds
+        if outer_lr_schedule == "constant":
+            return outer_lr
+        p = min(1.0, (k - outer_warmup_rounds) / max(1, NUM_UPDATES - outer_warmup_rounds - 1))
+        return outer_lr * (outer_min_lr_ratio + (1 - outer_min_lr_ratio) * (1 + math.cos(math.pi * p)) / 2)
+
+    def outer_step(phi, buf, g, k):
+        if outer_momentum > 0:
+            buf = g.clone() if buf is None else outer_momentum * buf + g
+            direction = g + outer_momentum * buf if nesterov else buf
+        else:
+            direction = g
+        return phi - lr_of(k) * direction, buf
+
+    def start(g):
+        if merge == "reset":
+            return phi.clone()
+        if merge == "keep_local":
+            return phi - g
+        estimate = g / NUM_CLUSTERS if merge == "eager" else g
+        return outer_step(phi, buf, estimate, updates)[0]  # on copies: phi and buf are not assigned
 
     trace = []
     for step in range(1, STEPS + 1):
@@ -76,20 +122,24 @@ def reference(sync_delay, merge, outer_lr, outer_momentum, nesterov) -> list[tup
         pseudo_grads = [round_start[c] - flat(m) for c, m in enumerate(models)]
         mean = sum(pseudo_grads) / NUM_CLUSTERS
         if sync_delay == 0:
-            phi, buf = outer_step(phi, buf, mean)
+            phi, buf = outer_step(phi, buf, mean, updates)
+            updates += 1
             round_start = [phi.clone() for _ in models]
         else:
             if pending is not None:
-                phi, buf = outer_step(phi, buf, pending)
+                phi, buf = outer_step(phi, buf, pending, updates)
+                updates += 1
             pending = mean
-            round_start = [phi - g if merge == "keep_local" else phi.clone() for g in pseudo_grads]
-        for model, start in zip(models, round_start, strict=True):
-            load(model, start)
+            round_start = [start(g) for g in pseudo_grads]
+        for model, start_params in zip(models, round_start, strict=True):
+            load(model, start_params)
         trace.append((phi.clone(), [flat(m) for m in models]))
     if pending is not None:
-        phi, buf = outer_step(phi, buf, pending)
+        phi, buf = outer_step(phi, buf, pending, updates)
+        updates += 1
         for model in models:
             load(model, phi)
+    assert updates == NUM_UPDATES
     trace.append((phi.clone(), [flat(m) for m in models]))
     return trace
 
@@ -97,12 +147,10 @@ def reference(sync_delay, merge, outer_lr, outer_momentum, nesterov) -> list[tup
 def _run(rank, world_size):
     groups = build_process_groups(Topology(NUM_CLUSTERS), rank)
     traces = {}
-    for name, (sync_delay, merge, outer_lr, outer_momentum, nesterov) in VARIANTS.items():
-        cfg = load_config(None, [
-            "--sync.kind=diloco", f"--sync.inner_steps={H}", f"--train.steps={STEPS}",
-            f"--sync.sync_delay={sync_delay}", f"--sync.merge={merge}", f"--sync.outer_lr={outer_lr}",
-            f"--sync.outer_momentum={outer_momentum}", f"--sync.nesterov={str(nesterov).lower()}",
-        ])  # fmt: skip
+    for name in VARIANTS:
+        flags = [f"--sync.{key}={str(value).lower() if isinstance(value, bool) else value}"
+                 for key, value in settings(name).items()]  # fmt: skip
+        cfg = load_config(None, ["--sync.kind=diloco", f"--sync.inner_steps={H}", f"--train.steps={STEPS}", *flags])
         model = make_model()
         channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
         sync = build_sync(cfg, model.parameters(), channel=channel, dp_group=groups.dp_group)
@@ -128,7 +176,7 @@ def runs():
 @pytest.mark.dist
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_outer_loop_matches_the_single_process_simulation(runs, variant):
-    want = reference(*VARIANTS[variant])
+    want = reference(**settings(variant))
     assert len(want) == 3 + 1  # rounds ending at steps 3, 6, 7, then the flush
     for cluster, traces in enumerate(runs):
         got = traces[variant]
@@ -136,8 +184,33 @@ def test_outer_loop_matches_the_single_process_simulation(runs, variant):
         for (outer_params, params), (want_phi, want_params) in zip(got, want, strict=True):
             torch.testing.assert_close(outer_params, want_phi, rtol=0, atol=1e-6)
             torch.testing.assert_close(params, want_params[cluster], rtol=0, atol=1e-6)
-    # the outer steps moved the parameters (else a sync that applied nothing would pass), and keep_local's clusters
-    # really start their rounds apart
+    # the outer steps moved the parameters (else a sync that applied nothing would pass), and under the delay the
+    # merge rules that keep local progress really start the clusters' rounds apart
     assert (want[-1][0] - want[0][0]).abs().max() > 1e-2
-    if VARIANTS[variant][:2] == (1, "keep_local"):
+    if settings(variant)["sync_delay"] == 1 and settings(variant)["merge"] != "reset":
         assert (want[0][1][0] - want[0][1][1]).abs().max() > 1e-2
+
+
+@pytest.mark.dist
+def test_every_cluster_holds_the_same_outer_params_under_every_merge_rule(runs):
+    """phi (what `agreed_model()` evaluates) only ever takes the true averages: bit for bit equal on every cluster."""
+    for variant in VARIANTS:
+        for (phi_0, _), (phi_1, _), (phi_2, _) in zip(*(traces[variant] for traces in runs), strict=True):
+            assert torch.equal(phi_0, phi_1) and torch.equal(phi_0, phi_2), variant
+
+
+def test_the_merge_rules_differ_and_reduce_as_documented():
+    """The reference's rules are not accidentally the same: eager keeps 1/C of the own round with plain averaging,
+    lookahead with plain averaging is keep_local, and a schedule changes phi."""
+    plain = {"sync_delay": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": True}
+    keep = reference(**(DEFAULTS | plain))
+    look = reference(**(DEFAULTS | plain | {"merge": "lookahead"}))
+    eager = reference(**(DEFAULTS | plain | {"merge": "eager"}))
+    for (phi_k, params_k), (phi_l, params_l) in zip(keep, look, strict=True):
+        torch.testing.assert_close(phi_k, phi_l, rtol=0, atol=1e-6)
+        for a, b in zip(params_k, params_l, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert (eager[0][1][0] - keep[0][1][0]).abs().max() > 1e-3
+    constant = reference(**settings("delayed-keep_local"))
+    cosine = reference(**settings("delayed-cosine-warmup"))
+    assert (constant[-1][0] - cosine[-1][0]).abs().max() > 1e-3

@@ -167,8 +167,9 @@ def test_overlap_hides_the_link():
         assert stats["exposed_s"] > 0.8 * stats["link_busy_s"], stats
 
 
-def _checkpoint_in_flight(rank, world_size):
-    """6 rounds on a slow link, checkpointed at the end of round 3 while that round's sync is on the wire."""
+def _checkpoint_in_flight(rank, world_size, options):
+    """6 rounds on a slow link, checkpointed at the end of round 3 while that round's sync is on the wire; `options`
+    are further SyncConfig fields (the merge rule, the outer learning-rate schedule)."""
     inner_steps, rounds, step_s = 2, 6, 0.03
     nbytes = sum(p.numel() for p in make_model().parameters()) * 4
     bandwidth = nbytes / 0.25  # each sync needs ~0.25 s of link: far longer than the ~0.06 s of a round
@@ -176,7 +177,7 @@ def _checkpoint_in_flight(rank, world_size):
     def fresh():
         model = make_model()
         channel = WanChannel(torch.distributed.group.WORLD, bandwidth=bandwidth, latency_s=0.0)
-        cfg = SyncConfig(inner_steps=inner_steps, outer_lr=OUTER_LR, outer_momentum=MOMENTUM, sync_delay=1)
+        cfg = SyncConfig(inner_steps=inner_steps, outer_lr=OUTER_LR, outer_momentum=MOMENTUM, sync_delay=1, **options)
         sync = DiLoCoSync(model.parameters(), cfg, channel=channel, dp_group=None, total_steps=rounds * inner_steps)
         return model, channel, sync, torch.optim.SGD(model.parameters(), lr=LR)
 
@@ -189,8 +190,13 @@ def _checkpoint_in_flight(rank, world_size):
 
 
 @pytest.mark.dist
-def test_checkpoint_does_not_wait_for_the_sync_in_flight_and_resume_is_exact():
-    for straight, resumed, save_s, in_flight in run_ranks(_checkpoint_in_flight, 2):
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"merge": "eager"}, {"merge": "lookahead", "outer_lr_schedule": "cosine", "outer_warmup_rounds": 2}],
+    ids=["keep_local", "eager", "lookahead-cosine-warmup"],
+)
+def test_checkpoint_does_not_wait_for_the_sync_in_flight_and_resume_is_exact(options):
+    for straight, resumed, save_s, in_flight in run_ranks(_checkpoint_in_flight, 2, args=(options,)):
         assert in_flight  # the transfer was still on the wire when the state was saved
         assert save_s < 0.1  # ... and saving did not wait for its ~0.25 s
         assert torch.equal(straight[0], resumed[0])

@@ -156,11 +156,11 @@ def test_sharded_outer_sync_sends_one_dp_share_per_rank():
     assert max(r[0] for r in sharded) <= rounds * 4 * (numel // 2 + 1)
 
 
-def _agreed_model(rank, world_size, steps):
+def _agreed_model(rank, world_size, steps, merge="keep_local"):
     groups = build_process_groups(Topology(2, 1, 1), rank)
     model = make_model()
     channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
-    cfg = SyncConfig(inner_steps=3, sync_delay=1, merge="keep_local", outer_lr=0.7, outer_momentum=0.9)
+    cfg = SyncConfig(inner_steps=3, sync_delay=1, merge=merge, outer_lr=0.7, outer_momentum=0.9)
     sync = DiLoCoSync(model.parameters(), cfg, channel=channel, dp_group=None, total_steps=100)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(1, steps + 1):
@@ -180,10 +180,11 @@ def _agreed_model(rank, world_size, steps):
 
 
 @pytest.mark.dist
-def test_agreed_model_is_the_outer_params():
+@pytest.mark.parametrize("merge", ["keep_local", "eager"])
+def test_agreed_model_is_the_outer_params(merge):
     """Evaluating inside `agreed_model()` scores phi (the outer params with every landed update), which every
     cluster holds, not the local model; the local parameters come back bit for bit."""
-    results = run_ranks(_agreed_model, 2, args=(8,))  # step 8: mid-round, a delayed sync in flight
+    results = run_ranks(_agreed_model, 2, args=(8, merge))  # step 8: mid-round, a delayed sync in flight
     for swapped, agreed_out, reference_out, local, restored, _ in results:
         assert swapped
         assert torch.equal(agreed_out, reference_out)

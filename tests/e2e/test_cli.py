@@ -140,13 +140,26 @@ def test_a_corrupt_checkpoint_falls_back_and_a_diverged_run_writes_none(debug_ru
     assert "skipping corrupt checkpoint" in result.stderr and "rank_00001.pt does not match its sha256" in result.stderr
     assert metrics(copy)[-1]["loss"] == metrics(run_dir)[-1]["loss"]  # resumed at step 20, not from the bad 40
 
+    # Without the guard the first non-finite loss stops the run.
     diverged = tmp_path / "diverged"
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={diverged}", "--train.lr=1e3",
-                     "--train.grad_clip=0")  # fmt: skip
+                     "--train.grad_clip=0", "--sync.guard=false")  # fmt: skip
     assert result.returncode == 2
     (line,) = [x for x in result.stderr.splitlines() if x.startswith("dilocox: error:")]
     assert "training diverged" in line and "no checkpoint was written" in line
     assert not (diverged / "checkpoints").exists() or not list((diverged / "checkpoints").glob("step_*"))
+    # With it (the default) each cluster heals to the agreed parameters and tries again; a run that stays
+    # non-finite stops after sync.guard_max_bad_rounds rounds, and what it checkpointed is finite (the agreed params).
+    guarded = tmp_path / "guarded"
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={guarded}", "--train.lr=1e3",
+                     "--train.grad_clip=0")  # fmt: skip
+    assert result.returncode == 2
+    assert result.stdout.count("restarts round") >= 2
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("dilocox: error:")]
+    assert "own update was non-finite" in line and "3 rounds in a row" in line
+    for rank_file in (guarded / "checkpoints").glob("step_*/rank_*.pt"):
+        state = torch.load(rank_file, weights_only=True)
+        assert all(torch.isfinite(t).all() for t in state["model"].values()), rank_file
 
 
 def test_allreduce_baseline_sends_its_own_yardstick(tmp_path):
@@ -625,3 +638,19 @@ def check_paper_regime_results(out: Path) -> None:
     assert by_name["allreduce"]["speedup_vs_baseline"] == 1.0
     table = (out / "results.md").read_text()
     assert table.count("\n| ") == 1 + 3 and "paper regime" in table
+
+
+def test_a_cluster_that_diverges_heals_and_the_run_finishes(tmp_path):
+    """faults.kind = diverge: cluster 1's parameters go NaN in round 2. It abstains, the others leave it out, it
+    restarts round 3 from the agreed parameters, and the run ends normally with the exclusion counted."""
+    run_dir = tmp_path / "heal"
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--sync.kind=dilocox",
+                     "--topology.num_clusters=3", "--faults.kind=diverge", "--faults.cluster=1",
+                     "--faults.rounds=2")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "guard: round 2: cluster 1's update left out (it sent none: its own was non-finite)" in result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["guard_excluded_updates"] == 1 and summary["guard_skipped_rounds"] == 0
+    rounds = [r for r in metrics(run_dir) if "round_excluded" in r]
+    assert [r["round_excluded"] for r in rounds] == [0, 1, 0]  # syncs of rounds 1, 2 and (flushed at step 40) 4
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5

@@ -471,6 +471,68 @@ def test_adaptive_codec_sends_the_chosen_rank():
     assert torch.equal(decoded[1], tensors[1])
 
 
+def exact_rank(rank: int, num_rows: int, num_cols: int, *, seed: int, noise: float = 1e-4) -> torch.Tensor:
+    """A matrix of exactly `rank` equal singular values of 1 plus Gaussian noise of std `noise` per entry."""
+    noise_matrix = noise * randn(num_rows, num_cols, seed=seed + 100)
+    return matrix_with_spectrum(torch.ones(rank), num_rows, num_cols, seed=seed) + noise_matrix
+
+
+def test_adaptive_rank_of_a_matrix_of_known_rank_is_that_rank_per_matrix_under_error_feedback():
+    """Each matrix of known rank r (plus tiny noise) is sent at rank r, round after round, under error feedback:
+    per matrix, read from the pseudo-gradient (the defaults `aggregate = per_matrix`, `spectrum_of = pseudo_grad`)."""
+    shapes = [(96, 64), (80, 48), (64, 64)]
+    true_ranks = [3, 6, 1]
+    codec, feedback = build_codec("adaptive", rank_min=1, rank_max=24, window=1, group_size=16), ErrorFeedback()
+    for round_index in range(4):
+        pseudo_grads = [
+            exact_rank(r, *shape, seed=10 * round_index + i)
+            for i, (r, shape) in enumerate(zip(true_ranks, shapes, strict=True))
+        ]
+        payload, _ = feedback.compress(codec, [*pseudo_grads, randn(7)])
+        decision = codec.policy.history[-1]
+        assert decision.matrix_raw_ranks == decision.matrix_ranks == tuple(true_ranks)
+        assert payload.data[:6].view(torch.int16).tolist() == true_ranks  # the headers carry each matrix's rank
+        assert decision.rank == math.ceil(sum(true_ranks) / 3) == codec.current_rank()  # the round record's rank
+    # the per-matrix decisions survive a checkpoint
+    restored = build_codec("adaptive", rank_min=1, rank_max=24, window=1, group_size=16)
+    restored.load_state_dict(copy.deepcopy(codec.state_dict()))
+    assert restored.policy.history == codec.policy.history
+
+
+def test_adaptive_rank_reads_the_pseudo_gradient_not_the_residual_that_builds_up():
+    """The same pseudo-gradient every round, 93% of its energy in 4 directions: its 90% rank is 4. Error feedback
+    piles the dropped 7% tail into the residual, so the spectrum of pseudo-gradient + residual flattens and the rank
+    read there climbs round after round (the rule before, `spectrum_of = codec_input`); read from the
+    pseudo-gradient it stays 4."""
+    pseudo_grads = [matrix_with_spectrum(spectrum_keeping(4, 48), 64, 48, seed=5)]
+    options = {"rank_min": 1, "rank_max": 24, "window": 1}
+    codec, feedback = build_codec("adaptive", **options), ErrorFeedback()
+    old_rule, old_feedback = build_codec("adaptive", spectrum_of="codec_input", **options), ErrorFeedback()
+    for _ in range(6):
+        feedback.compress(codec, pseudo_grads)
+        old_feedback.compress(old_rule, pseudo_grads)
+    assert codec.policy.ranks == [4] * 6
+    assert old_rule.policy.ranks[-1] > old_rule.policy.ranks[0] and old_rule.policy.ranks[-1] > 4
+
+
+def test_adaptive_schedules_give_different_rank_sequences_on_the_same_pseudo_gradients():
+    """On the same decaying spectra, spectrum / early_strong / late_strong choose different ranks round by round,
+    per matrix: early_strong climbs, late_strong falls, spectrum stays."""
+    decaying = [matrix_with_spectrum(0.8 ** torch.arange(48, dtype=torch.float32), 64, 48, seed=s) for s in (1, 2)]
+    options = {"energy": 0.95, "energy_floor": 0.5, "ramp_rounds": 4, "rank_min": 1, "rank_max": 24, "window": 1}
+    sequences = {}
+    for schedule in ("spectrum", "early_strong", "late_strong"):
+        codec, feedback = build_codec("adaptive", schedule=schedule, **options), ErrorFeedback()
+        for _ in range(5):
+            feedback.compress(codec, decaying)
+        sequences[schedule] = [d.matrix_ranks for d in codec.policy.history]
+    assert len({tuple(seq) for seq in sequences.values()}) == 3
+    assert len(set(sequences["spectrum"])) == 1
+    early, late = [r[0] for r in sequences["early_strong"]], [r[0] for r in sequences["late_strong"]]
+    assert early == sorted(early) and early[0] < early[-1]
+    assert late == sorted(late, reverse=True) and late[0] > late[-1]
+
+
 def test_payloads_of_different_sizes_are_walked_in_a_concatenation():
     shapes = [(64, 48), (48,)]
     low = [matrix_with_spectrum(spectrum_keeping(3, 48), 64, 48), randn(48)]

@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from dilocox.config import Config, field_docs, from_dict, load_config, options, to_dict, to_toml
+from dilocox.sync import SyncConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,7 +88,10 @@ def test_missing_and_invalid_files(tmp_path):
         (["--data.shard=blocks"], "data.shard = 'blocks' is not one of: mixed, contiguous"),
         (["--sync.sync_delay=2"], "sync.sync_delay = 2 must be 0"),
         (["--sync.kind=allreduce", "--sync.sync_delay=1"], "needs an outer loop"),
-        (["--sync.merge=eager"], "sync.merge"),
+        (["--sync.merge=greedy"], "sync.merge = 'greedy' is not one of: reset, keep_local, eager, lookahead"),
+        (["--sync.outer_lr_schedule=linear"], "sync.outer_lr_schedule = 'linear' is not one of: constant, cosine"),
+        (["--sync.outer_warmup_rounds=-1"], "sync.outer_warmup_rounds = -1 must be >= 0"),
+        (["--sync.outer_min_lr_ratio=1.5"], "sync.outer_min_lr_ratio = 1.5 must be in"),
         (["--topology.pp_degree=4", "--train.num_microbatches=2"], "fewer than the 4 pipeline stages"),
         (["--train.num_microbatches=3"], "does not divide train.micro_batch_size = 8"),
         (["--train.pipeline_schedule=zb"], "train.pipeline_schedule"),
@@ -215,6 +219,18 @@ def test_dilocox_kind_defaults_apply_unless_set(tmp_path):
     # the resolved config written to a run directory reloads to the same values
     cfg = load_config(None, ["--sync.kind=dilocox"])
     assert to_dict(from_dict(tomllib.loads(to_toml(cfg)))) == to_dict(cfg)
+
+
+def test_outer_lr_schedules():
+    """Warm-up reaches outer_lr at update W - 1; cosine ends at outer_lr x rho on the last update; constant stays."""
+    constant = SyncConfig(outer_lr=0.8, outer_warmup_rounds=4)
+    assert [constant.outer_lr_at(k, 10) for k in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 0.8, 0.8])
+    cosine = SyncConfig(outer_lr=1.0, outer_lr_schedule="cosine", outer_warmup_rounds=2, outer_min_lr_ratio=0.25)
+    lrs = [cosine.outer_lr_at(k, 13) for k in range(13)]
+    assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0])  # warm-up, then the cosine's start
+    assert lrs[-1] == pytest.approx(0.25) and lrs[7] == pytest.approx(0.25 + 0.75 * 0.5)  # the middle of 2 ... 12
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:], strict=False))
+    assert SyncConfig().outer_lr_at(29, 30) == SyncConfig().outer_lr  # the default: constant, no warm-up
 
 
 def test_every_option_has_a_one_line_docstring():

@@ -1,6 +1,8 @@
 """Error feedback (`ErrorFeedback.compress`) round by round against the textbook loop written out here:
 
-    corrected_t = x_t + r_{t-1};  sent_t = decode(encode(corrected_t));  r_t = corrected_t - sent_t
+    observe(x_t);  corrected_t = x_t + r_{t-1};  sent_t = decode(encode(corrected_t));  r_t = corrected_t - sent_t
+
+(`observe` lets the adaptive codec measure the spectrum of the pseudo-gradient itself; the others ignore it.)
 
 "sum of what was sent + final residual == sum of the inputs" holds for any residual rule (it is how the residual is
 defined), so these tests compare what each round sends instead, and show that the comparison catches the classic
@@ -27,6 +29,7 @@ def reference_rounds(codec, rounds) -> list[tuple[torch.Tensor, list[torch.Tenso
     residuals = None
     out = []
     for tensors in rounds:
+        codec.observe(tensors)
         if residuals is None:
             corrected = [x.float() for x in tensors]
         else:

@@ -1,0 +1,92 @@
+"""`[faults]`: injected faults, to see what the guard and the robust aggregation do (docs/design.md §4.5).
+
+One cluster misbehaves in chosen outer rounds, as a broken or a malicious cluster would. Never set it for a
+run whose model you want; it exists for tests, the fault benchmark and users who check their own settings.
+
+| `faults.kind` | what cluster `faults.cluster` does in the chosen rounds |
+| --- | --- |
+| `diverge` | its own training goes non-finite at the round's start (parameters set to NaN): an honest failure |
+| `nan` | sends a pseudo-gradient of NaN |
+| `scale` | sends its pseudo-gradient times `faults.scale` |
+| `random` | sends Gaussian noise of its pseudo-gradient's norm |
+| `sign` | sends its pseudo-gradient negated |
+
+The lying kinds (all but `diverge`) change only what is sent: the cluster's own parameters follow the honest
+update, so its next pseudo-gradients are normal again.
+
+    faults = FaultConfig(cluster=3, kind="scale", rounds="2-4")
+    faults.active(cluster=3, round_index=3)          # True
+    sent = faults.corrupt(pseudo_grad, round_index=3)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dilocox.checks import check_choice, check_types
+
+FAULT_KINDS = ("none", "diverge", "nan", "scale", "random", "sign")
+"""Every `faults.kind`."""
+
+
+@dataclass
+class FaultConfig:
+    kind: str = "none"
+    """none, diverge, nan, scale, random or sign (see the table above)."""
+    cluster: int = 0
+    """The misbehaving cluster (0-based)."""
+    rounds: str = "2-"
+    """Outer rounds (1-based) in which it misbehaves: "3", "2-5", or "2-" for every round from the second."""
+    scale: float = 1000.0
+    """kind = scale: the factor."""
+
+    def validate(self, num_clusters: int | None = None) -> None:
+        """Raise ValueError naming the first impossible setting of `[faults]` and how to fix it."""
+        check_types("faults", self)
+        check_choice("faults.kind", self.kind, FAULT_KINDS)
+        self.round_range()
+        if self.cluster < 0 or (num_clusters is not None and self.cluster >= num_clusters):
+            limit = f" < topology.num_clusters = {num_clusters}" if num_clusters is not None else ""
+            raise ValueError(f"faults.cluster = {self.cluster} must be >= 0{limit}")
+
+    def round_range(self) -> tuple[int, int | None]:
+        """(first, last) rounds of `rounds`, last None for open-ended."""
+        text = self.rounds.strip()
+        first, dash, last = text.partition("-")
+        try:
+            start = int(first)
+            end = (int(last) if last.strip() else None) if dash else start
+        except ValueError:
+            raise ValueError(
+                f"faults.rounds = {self.rounds!r} must be a round, a range or an open range, e.g. '3', '2-5', '2-'"
+            ) from None
+        if start < 1 or (end is not None and end < start):
+            raise ValueError(f"faults.rounds = {self.rounds!r}: rounds count from 1 and a range must not be empty")
+        return start, end
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none"
+
+    def active(self, *, cluster: int, round_index: int) -> bool:
+        """Whether `cluster` misbehaves in outer round `round_index` (1-based)."""
+        if not self.enabled or cluster != self.cluster:
+            return False
+        start, end = self.round_range()
+        return start <= round_index and (end is None or round_index <= end)
+
+    def corrupt(self, pseudo_grad: torch.Tensor, *, round_index: int) -> torch.Tensor:
+        """What a lying cluster sends instead of `pseudo_grad` (a new tensor; `pseudo_grad` is not changed)."""
+        if self.kind == "nan":
+            return torch.full_like(pseudo_grad, float("nan"))
+        if self.kind == "scale":
+            return pseudo_grad * self.scale
+        if self.kind == "sign":
+            return -pseudo_grad
+        if self.kind == "random":
+            generator = torch.Generator().manual_seed(round_index)
+            noise = torch.randn(pseudo_grad.shape, generator=generator).to(pseudo_grad.device)
+            return noise * (pseudo_grad.norm() / noise.norm().clamp_min(1e-30))
+        raise ValueError(f"faults.kind = {self.kind!r} does not change what is sent")
