@@ -27,8 +27,8 @@ import torch
 from dilocox.checks import check_choice, check_non_negative, check_positive, check_types
 from dilocox.compress.config import CocktailConfig, CompressionConfig
 from dilocox.device import DEVICES
-from dilocox.metrics import WANDB_MODES
 from dilocox.faults import FaultConfig
+from dilocox.metrics import WANDB_MODES
 from dilocox.net.config import NetworkConfig
 from dilocox.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from dilocox.sync.config import KIND_DEFAULTS, SyncConfig, check_robust_reduction
@@ -194,7 +194,8 @@ class Config:
         """Raise ValueError naming the first impossible or contradictory setting and how to fix it.
 
         Each component's section validates itself (`SyncConfig`, `CompressionConfig`, `CocktailConfig`,
-        `NetworkConfig`, `FaultConfig`); this checks the sections that only the trainer reads and the settings across sections."""
+        `NetworkConfig`, `FaultConfig`); this checks the sections that only the trainer reads and the settings
+        across sections."""
         for section in (self.sync, self.compression, self.cocktail, self.network):
             section.validate()
         self.faults.validate(self.topology.num_clusters if self.topology.num_clusters >= 1 else None)
@@ -202,7 +203,8 @@ class Config:
             check_robust_reduction(self.sync, self.compression)
         if self.faults.enabled and not self.sync.has_outer_loop:
             raise ValueError(
-                f"faults.kind = {self.faults.kind!r} injects faults into outer rounds: use sync.kind = diloco or dilocox"
+                f"faults.kind = {self.faults.kind!r} injects faults into outer rounds: use sync.kind = diloco or "
+                "dilocox"
             )
         for name in ("run", "model", "data", "train", "topology", "eval", "checkpoint", "metrics"):
             check_types(name, getattr(self, name))

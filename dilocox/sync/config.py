@@ -68,7 +68,7 @@ class SyncConfig:
     outer_state_device: str = "device"
     """Where outer params, momentum and residuals live: device (the rank's), or cpu to leave a GPU room for a stage."""
     guard: bool = True
-    """Per-round numeric guard: leave non-finite or outsized updates out of the mean; a diverged cluster heals (§4.5)."""
+    """Per-round numeric guard: non-finite or outsized updates are left out; a diverged cluster heals (§4.5)."""
     guard_max_ratio: float = 10.0
     """guard: an update whose norm exceeds this multiple of the recent accepted median is left out."""
     guard_max_bad_rounds: int = 3

@@ -289,9 +289,7 @@ class GatherReducer(CodecReducer):
         how: str = "mean",
         trim_fraction: float = 0.25,
     ) -> None:
-        super().__init__(
-            codec, shapes, error_feedback=error_feedback, channel=channel, dp_group=dp_group, seed=seed
-        )
+        super().__init__(codec, shapes, error_feedback=error_feedback, channel=channel, dp_group=dp_group, seed=seed)
         self.guard = guard
         self.how = how
         self.trim_fraction = trim_fraction
@@ -419,7 +417,8 @@ def build_reducer(
     if cfg.reduction == "scalable":  # validate() allows only the kinds these two average
         from dilocox.sync.scalable import ScalableElementwiseReducer, ScalableLowRankReducer
 
-        reducer: type[CodecReducer] = ScalableLowRankReducer if isinstance(codec, LowRankCodec) else ScalableElementwiseReducer
+        low_rank = isinstance(codec, LowRankCodec)
+        reducer: type[CodecReducer] = ScalableLowRankReducer if low_rank else ScalableElementwiseReducer
         return reducer(codec, shapes, error_feedback=cfg.error_feedback, channel=channel, dp_group=dp_group, seed=seed)
     return GatherReducer(
         codec,

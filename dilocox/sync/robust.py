@@ -1,4 +1,4 @@
-"""Robust averaging of the clusters' pseudo-gradients: the numeric guard and the aggregation rules (docs/design.md §4.5).
+"""Robust averaging of pseudo-gradients: the numeric guard and the aggregation rules (docs/design.md §4.5).
 
 Clusters joined by the internet are not all healthy, and not all of them may be trusted. Before an outer step
 uses the pseudo-gradients of a round, `UpdateGuard` judges each cluster's (decoded) update: it must be finite and

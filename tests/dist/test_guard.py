@@ -88,8 +88,11 @@ def _dense_round(rank, world_size, mode):
     channel = WanChannel(dist.group.WORLD, bandwidth=None, latency_s=0.0)
     faults = FaultConfig(kind="nan", cluster=1, rounds="1") if mode == "lie" else None
     sync = DiLoCoSync(
-        model.parameters(), SyncConfig(kind="diloco", inner_steps=1, outer_lr=1.0, outer_momentum=0.0),
-        channel=channel, dp_group=None, faults=faults,
+        model.parameters(),
+        SyncConfig(kind="diloco", inner_steps=1, outer_lr=1.0, outer_momentum=0.0),
+        channel=channel,
+        dp_group=None,
+        faults=faults,
     )
     start = sync.outer_params.clone()
     with torch.no_grad():
@@ -103,7 +106,7 @@ def _dense_round(rank, world_size, mode):
 
 
 def test_dense_an_abstaining_cluster_sends_zeros_and_a_lying_nan_skips_the_round():
-    for start, outer, skipped, _, counts in run_ranks(_dense_round, 3, args=("diverge",)):
+    for start, outer, skipped, _, _ in run_ranks(_dense_round, 3, args=("diverge",)):
         # cluster 1 abstained: (1 + 0 + 3) / 3 on the summing path; its own parameters heal to phi
         assert not skipped and torch.allclose(start - outer, torch.full_like(start, 4 / 3))
     results = run_ranks(_dense_round, 3, args=("lie",))
@@ -147,8 +150,13 @@ def _train_one(rank, fault, aggregate, guard):
         kind="dilocox", inner_steps=H, sync_delay=1, outer_lr=1.0, outer_momentum=0.0, aggregate=aggregate, guard=guard
     )
     sync = DiLoCoSync(
-        model.parameters(), cfg, CompressionConfig(kind="adaptive"), channel=channel, dp_group=None,
-        total_steps=ROUNDS * H, faults=faults,
+        model.parameters(),
+        cfg,
+        CompressionConfig(kind="adaptive"),
+        channel=channel,
+        dp_group=None,
+        total_steps=ROUNDS * H,
+        faults=faults,
     )
     finite = True
     for step in range(1, ROUNDS * H + 1):

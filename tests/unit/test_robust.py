@@ -30,7 +30,9 @@ def test_aggregates_against_hand_computed_values():
 
 def test_norm_clip_limits_a_long_update_to_the_median_norm():
     u = updates([3.0, 4.0], [0.0, 5.0], [5.0, 0.0], [600.0, 800.0])  # norms 5, 5, 5, 1000
-    expected = (torch.tensor([3.0, 4.0]) + torch.tensor([0.0, 5.0]) + torch.tensor([5.0, 0.0]) + torch.tensor([3.0, 4.0])) / 4
+    expected = (
+        torch.tensor([3.0, 4.0]) + torch.tensor([0.0, 5.0]) + torch.tensor([5.0, 0.0]) + torch.tensor([3.0, 4.0])
+    ) / 4
     assert torch.allclose(aggregate(u, "norm_clip"), expected)
 
 
@@ -98,8 +100,15 @@ def test_fault_config_rounds_and_corruptions():
     ("overrides", "message"),
     [
         (["--sync.kind=dilocox", "--sync.aggregate=median", "--compression.kind=none"], "sum"),
-        (["--sync.kind=dilocox", "--sync.aggregate=median", "--compression.reduction=scalable",
-          "--compression.kind=int4"], "sum"),
+        (
+            [
+                "--sync.kind=dilocox",
+                "--sync.aggregate=median",
+                "--compression.reduction=scalable",
+                "--compression.kind=int4",
+            ],
+            "sum",
+        ),
         (["--sync.kind=allreduce", "--sync.aggregate=median"], "outer loop"),
         (["--sync.kind=dilocox", "--sync.trim_fraction=0.5"], "sync.trim_fraction"),
         (["--sync.kind=dilocox", "--sync.guard_max_ratio=1"], "sync.guard_max_ratio"),
