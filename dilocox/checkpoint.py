@@ -23,6 +23,7 @@ torchrun jobs usually have).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -216,7 +217,8 @@ def load_rank_state(path: Path, rank: int) -> dict[str, Any]:
 
 
 def run_identity(cfg: Config) -> dict[str, Any]:
-    """What a checkpoint must share with the run that resumes it."""
+    """What a checkpoint must share with the run that resumes it (meta.json's top level; the whole config is
+    recorded beside it and compared field by field, `resume_fields`)."""
     t = cfg.topology
     return {
         "world_size": cfg.world_size,
@@ -228,27 +230,102 @@ def run_identity(cfg: Config) -> dict[str, Any]:
     }
 
 
+_IDENTITY_FIELDS = {
+    "num_clusters": "topology.num_clusters",
+    "dp_degree": "topology.dp_degree",
+    "pp_degree": "topology.pp_degree",
+    "sync_kind": "sync.kind",
+    "flavor": "model.flavor",
+}
+"""`run_identity` keys as config fields (checkpoints written before meta.json held the config carry only these)."""
+_LEGACY_VALUES = {"data.shard": "contiguous"}
+"""What a config written before a field existed meant by its absence."""
+
+
+def resume_fields(cfg: Config, saved: dict[str, Any]) -> list[str]:
+    """The config fields, in the order they are compared, that a run must share with the checkpoint it resumes:
+    what the saved tensors' shapes and meanings depend on. Topology: the rank files, data shards and slices. The
+    model and, when the BPE is trained here, its vocabulary: every tensor's shape (the tokenizer itself and the
+    model's dimensions are compared after the data is loaded, `check_resume_model`). `data.shard` and
+    `train.seq_len`: the saved data position counts windows of `seq_len + 1` tokens in that deal. The inner
+    optimizer: its state. The outer loop's settings (`sync.RESUME_SETTINGS`) and the codec's format: the saved
+    outer optimizer, round and a sync in flight, whose payload is sent again as it was encoded."""
+    fields = ["topology.num_clusters", "topology.dp_degree", "topology.pp_degree", "model.flavor", "sync.kind"]
+    saved_trains_bpe = not saved.get("data", {}).get("tokenizer") and not saved.get("model", {}).get("init_from")
+    if saved_trains_bpe and not cfg.data.tokenizer and not cfg.model.init_from:
+        fields.append("data.vocab_size")  # both train their BPE here: its size is the model's vocabulary
+    fields += ["data.shard", "train.seq_len", "train.optimizer"]
+    if cfg.sync.has_outer_loop:
+        fields += [f"sync.{name}" for name in ("inner_steps", "sync_delay", "outer_lr", "outer_momentum", "nesterov")]
+        fields.append("compression.kind")
+        if cfg.compression.kind != "none":
+            formats = ("reduction", "rank", "group_size", "factor_dtype", "small_tensors", "rank_max")
+            fields += [f"compression.{name}" for name in formats]
+    return fields
+
+
+def _incompatible(path: Path, name: str, old: Any, new: Any) -> ValueError:
+    def show(value: Any) -> str:
+        return repr(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
+
+    flag = str(old).lower() if isinstance(old, bool) else old
+    return ValueError(
+        f"cannot resume {path}: {name} was {show(old)} in the checkpoint, {show(new)} now; resume with "
+        f"--{name}={flag} or start a new run directory"
+    )
+
+
 def check_resume(cfg: Config, path: Path) -> None:
-    """Refuse to resume a checkpoint written by another topology, strategy or model, or past the last step."""
+    """Refuse, in one line naming the field, to resume a checkpoint whose config differs from this run's in a field
+    the saved state depends on (`resume_fields`), or that is past the last step. Reads meta.json only."""
     meta = read_meta(path)
-    for key, value in run_identity(cfg).items():
-        if meta.get(key) != value:
-            raise ValueError(
-                f"checkpoint {path} was written with {key} = {meta.get(key)!r} but this run has {value!r}; "
-                "resume with the same topology, sync.kind and model.flavor"
-            )
-    # The data position is an index into the deal of data.shard; checkpoints from before it existed were contiguous.
-    saved_shard = meta.get("config", {}).get("data", {}).get("shard", "contiguous")
-    if saved_shard != cfg.data.shard:
-        raise ValueError(
-            f"checkpoint {path} was written with data.shard={saved_shard} but this run has data.shard="
-            f"{cfg.data.shard}; resume with --data.shard={saved_shard}"
-        )
+    saved = meta.get("config")
+    if isinstance(saved, dict):
+        for name in resume_fields(cfg, saved):
+            section, key = name.split(".")
+            new = getattr(getattr(cfg, section), key)
+            old = saved.get(section, {}).get(key, _LEGACY_VALUES.get(name, new))  # a field newer than the file
+            if old != new:
+                raise _incompatible(path, name, old, new)
+    else:  # written before meta.json held the config
+        identity = run_identity(cfg)
+        for key, name in _IDENTITY_FIELDS.items():
+            if meta.get(key) != identity[key]:
+                raise _incompatible(path, name, meta.get(key), identity[key])
     if meta["step"] > cfg.train.steps:
         raise ValueError(
             f"checkpoint {path} is at step {meta['step']}, past train.steps = {cfg.train.steps}; "
             "raise train.steps to continue training"
         )
+
+
+def check_resume_model(path: Path, args: ModelArgs, *, tokenizer_vocab: str, tokenizer_path: str) -> None:
+    """After the data is loaded: refuse a checkpoint whose tokenizer maps ids to other tokens (`tokenizer_vocab`:
+    `Tokenizer.vocab_fingerprint` of this run's, recorded in meta.json; for older checkpoints taken from the
+    tokenizer.json of the checkpoint's run directory, when it is there) or whose model has other dimensions."""
+    from dilocox.data.tokenizer import Tokenizer
+
+    meta = read_meta(path)
+    saved_vocab = meta.get("tokenizer_vocab")
+    run_tokenizer = Path(path).resolve().parent.parent / "tokenizer.json"
+    if saved_vocab is None and run_tokenizer.is_file():
+        saved_vocab = Tokenizer.from_file(run_tokenizer).vocab_fingerprint()
+    saved_args = meta.get("model_args") or {}
+    if saved_vocab is not None and saved_vocab != tokenizer_vocab:
+        ids = f"{saved_args['vocab_size']:,} ids in the checkpoint, " if "vocab_size" in saved_args else ""
+        fix = f"--data.tokenizer={run_tokenizer}" if run_tokenizer.is_file() else "the tokenizer it was trained with"
+        raise ValueError(
+            f"cannot resume {path}: its tokenizer maps ids to other tokens than this run's ({ids}{args.vocab_size:,} "
+            f"now, from {tokenizer_path}); resume with {fix} or start a new run directory"
+        )
+    now = dataclasses.asdict(args)
+    for key, old in saved_args.items():
+        if key in now and now[key] != old:
+            raise ValueError(
+                f"cannot resume {path}: the model's {key} was {old} in the checkpoint, {now[key]} now (from "
+                "model.flavor, model.init_from and the tokenizer); resume with the model it was trained with or start "
+                "a new run directory"
+            )
 
 
 def find_step(run_dir: Path, step: int | None) -> Path:

@@ -13,6 +13,9 @@ import dataclasses
 import math
 from typing import Any
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Every int option must fit: steps, tokens and byte counters are int64 in tensors, checkpoints and metrics."""
+
 
 def check_types(section: str, cfg: Any) -> None:
     """Every field holds the type of its default (an int is accepted for a float); bools are not ints here."""
@@ -28,6 +31,8 @@ def check_types(section: str, cfg: Any) -> None:
             )
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{section}.{f.name} = {value} must be a finite number")
+        if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:  # counters and sizes end up in int64
+            raise ValueError(f"{section}.{f.name} = {value} does not fit in a 64-bit integer; use a smaller value")
 
 
 def check_positive(section: str, cfg: Any, *names: str) -> None:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from dilocox.checkpoint import check_resume, find_checkpoint, list_checkpoints
+from dilocox.checkpoint import check_resume, check_resume_model, find_checkpoint, list_checkpoints
 from dilocox.config import Config, from_dict, to_dict, to_toml
 from dilocox.data import TokenData
 from dilocox.device import resolve_device
@@ -102,18 +102,80 @@ def prepare_run_dir(cfg: Config, data: TokenData, resume: Path | None) -> Path:
 
 
 def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Path | None]:
-    """Every check that can fail on user input, before anything is written or any rank starts."""
-    from dilocox.trainer import model_shape, prepare_data
+    """Every check that can fail on user input, before anything is written or any rank starts. `world_size` is
+    torchrun's; without it this machine starts every rank (`check_local_ranks`)."""
+    from dilocox.trainer import check_batches, model_shape, prepare_data
 
     cfg.validate(world_size)
+    cores = os.cpu_count() or 1
+    if cfg.run.num_threads > cores:  # torch cannot start that many (100,000 crashed every rank)
+        raise ValueError(
+            f"run.num_threads = {cfg.run.num_threads:,} is more than this machine's {cores} cores; use "
+            f"--run.num_threads={cores} or less (ranks x threads <= cores is fastest)"
+        )
+    if world_size is None:
+        check_local_ranks(cfg)
     check_sinks(tensorboard=cfg.metrics.tensorboard, wandb=cfg.metrics.wandb)  # a missing extra fails here
     resolve_device(cfg.run.device, local_rank=0)  # asking for a GPU where there is none fails here, not in a rank
     resume = resolve_resume(cfg)
     data = prepare_data(cfg)
     args = model_shape(cfg, data.vocab_size)  # model.init_from: its config and weights' shapes too
     args.validate()
+    if cfg.train.seq_len > args.max_seq_len:
+        source = (
+            f"max_position_embeddings of model.init_from = {cfg.model.init_from}"
+            if cfg.model.init_from
+            else f"model.flavor = {cfg.model.flavor}"
+        )
+        raise ValueError(
+            f"train.seq_len = {cfg.train.seq_len} is beyond the model's context of {args.max_seq_len} positions "
+            f"({source}); use --train.seq_len={args.max_seq_len} or less, or a model with a longer context"
+        )
     check_split(args, cfg.topology.pp_degree)  # more stages than layers, or a tied embedding cut in two
+    check_batches(cfg, data)  # every data shard holds a batch, the validation split one evaluation batch
+    if resume is not None:  # another tokenizer or model shape than the checkpoint's: refused before any rank starts
+        vocab = data.load_tokenizer().vocab_fingerprint()
+        check_resume_model(resume, args, tokenizer_vocab=vocab, tokenizer_path=data.tokenizer_path)
     return data, resume
+
+
+_RANK_START_BYTES = 200 << 20
+"""Memory a local rank takes before it builds its model: the interpreter, torch and gloo (a debug-flavor rank
+measured 340 MB resident, shared libraries included)."""
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_local_ranks(cfg: Config) -> None:
+    """Refuse a topology this machine cannot start as local processes: more than the user's process limit, or more
+    ranks than the available memory holds at `_RANK_START_BYTES` each (before any model). torchrun spreads the
+    ranks over machines and is not checked here."""
+    import resource
+
+    t, world = cfg.topology, cfg.world_size
+    ranks = f"topology.num_clusters x dp_degree x pp_degree = {t.num_clusters} x {t.dp_degree} x {t.pp_degree}"
+    fix = "use fewer clusters, replicas or stages, or start the ranks on several machines with torchrun"
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != resource.RLIM_INFINITY and world > soft:
+        raise ValueError(
+            f"{ranks} = {world:,} local ranks, more than this user's {soft:,} processes (ulimit -u); {fix}"
+        )
+    available = _available_memory()
+    if available is not None and world * _RANK_START_BYTES > available:
+        raise ValueError(
+            f"{ranks} = {world:,} local ranks would need about {world * _RANK_START_BYTES / 1e9:,.1f} GB just to start "
+            f"({_RANK_START_BYTES >> 20} MB each before the model), but this machine has {available / 1e9:,.1f} GB "
+            f"available; {fix}"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ one rank

@@ -55,6 +55,24 @@ def prepare_data(cfg: Config) -> TokenData:
     )
 
 
+def check_batches(cfg: Config, data: TokenData) -> None:
+    """Raise the data's own ValueError, before any rank starts, when a data shard holds fewer windows of
+    `train.seq_len + 1` tokens than one batch, or the validation split fewer than one evaluation batch: the streams
+    the ranks will build are built here (constructing one reads no tokens)."""
+    topology = Topology(cfg.topology.num_clusters, cfg.topology.dp_degree, cfg.topology.pp_degree)
+    for shard_index in range(topology.num_shards):
+        ShardedTokenStream(
+            data.train,
+            seq_len=cfg.train.seq_len,
+            batch_size=cfg.train.micro_batch_size,
+            shard_index=shard_index,
+            num_shards=topology.num_shards,
+            seed=cfg.run.seed,
+            shard=cfg.data.shard,
+        )
+    iter_eval_batches(data.val, seq_len=cfg.train.seq_len, batch_size=cfg.train.micro_batch_size)
+
+
 def model_shape(cfg: Config, vocab_size: int) -> ModelArgs:
     """The run's model at its full context: the shape of `model.flavor`, or of `model.init_from`'s config.json
     (checked against its weights' headers)."""
@@ -249,6 +267,7 @@ class Trainer:
         self.eval_s = 0.0  # rank 0's time spent evaluating during training (excluded from tokens_per_s)
         self.losses: list[float] = []
         self.round_stats: RoundStats | None = None  # what the sync waited for at the last step cost, if anything
+        self._tokenizer_vocab: str | None = None  # Tokenizer.vocab_fingerprint, read at the first checkpoint
 
     # ---------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -280,10 +299,13 @@ class Trainer:
         self.initial_eval_loss = state["trainer"]["initial_eval_loss"]
 
     def checkpoint_meta(self) -> dict[str, Any]:
+        if self._tokenizer_vocab is None:
+            self._tokenizer_vocab = self.data.load_tokenizer().vocab_fingerprint()
         return {
             **run_identity(self.cfg),
             "config": to_dict(self.cfg),
             "model_args": dataclasses.asdict(self.model_shape),
+            "tokenizer_vocab": self._tokenizer_vocab,  # a resume with another tokenizer is refused (checkpoint.py)
         }
 
     def resume(self, path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -14,6 +16,9 @@ from dilocox.fileio import write_atomic
 EOS_TOKEN = "<|endoftext|>"
 MIN_VOCAB_SIZE = 256 + 1
 """The 256 byte tokens of a byte-level BPE plus ``<|endoftext|>``."""
+MAX_VOCAB_SIZE = 1 << 20
+"""The largest BPE trained here: 4x the largest vocabulary in common use (262,144); the trainer allocates tables per
+id up front (1e9 aborted the process), and the model's embedding grows with it."""
 
 
 class Tokenizer:
@@ -52,6 +57,13 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         # Keeping special tokens in the text is what makes decode the exact inverse of encode.
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def vocab_fingerprint(self) -> str:
+        """sha256 of the token -> id mapping (added tokens included): equal exactly when every id means the same
+        token, however the file was written. A checkpoint records it, so a resume with another tokenizer is
+        refused."""
+        vocab = sorted(self.backend.get_vocab(with_added_tokens=True).items())
+        return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write tokenizer.json atomically, so a concurrent reader never sees a half-written file."""
@@ -114,4 +126,9 @@ def check_vocab_size(vocab_size: int) -> None:
         raise ValueError(
             f"data.vocab_size={vocab_size!r} is too small: a byte-level BPE needs the 256 byte tokens plus "
             f"{EOS_TOKEN}; set data.vocab_size >= {MIN_VOCAB_SIZE} (2048 suits the default corpus)"
+        )
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(
+            f"data.vocab_size={vocab_size:,} is larger than the {MAX_VOCAB_SIZE:,} a BPE is trained with here; set "
+            f"data.vocab_size <= {MAX_VOCAB_SIZE} (2048 suits the default corpus) or give data.tokenizer"
         )

@@ -101,8 +101,8 @@ def test_a_run_from_a_prepared_directory_resumes_bit_for_bit(prepared, tmp_path)
         "--data.shard=contiguous",
         f"--checkpoint.resume={run_dir / 'checkpoints' / 'step_00000005'}",
     )
-    assert result.returncode == 2 and result.stderr.startswith("dilocox: error: checkpoint")
-    assert "data.shard=mixed but this run has data.shard=contiguous; resume with --data.shard=mixed" in result.stderr
+    assert result.returncode == 2 and result.stderr.startswith("dilocox: error: cannot resume")
+    assert "data.shard was 'mixed' in the checkpoint, 'contiguous' now; resume with --data.shard=mixed" in result.stderr
     assert not (tmp_path / "other").exists()  # refused before anything was written
 
 

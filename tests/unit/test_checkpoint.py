@@ -83,3 +83,71 @@ def test_a_checkpoint_from_before_digests_still_loads(tmp_path):
     del meta["files"]
     (path / "meta.json").write_text(json.dumps(meta))
     assert find_checkpoint(tmp_path, "latest") == path
+
+
+# ---------------------------------------------------------------------------------------------- resume compatibility
+
+
+def checkpoint_with(tmp_path, meta):
+    path = tmp_path / "run" / "checkpoints" / "step_00000010"
+    path.mkdir(parents=True)
+    (path / "meta.json").write_text(json.dumps({"step": 10, **meta}))
+    return path
+
+
+def test_resume_compares_the_fields_the_saved_state_depends_on(tmp_path):
+    from dilocox.checkpoint import check_resume, run_identity
+    from dilocox.config import load_config, to_dict
+
+    saved = load_config(None, ["--sync.kind=dilocox", "--compression.kind=lowrank_int4", "--train.steps=20"])
+    path = checkpoint_with(tmp_path, {**run_identity(saved), "config": to_dict(saved)})
+    check_resume(saved, path)
+    harmless = ["--compression.energy=0.5", "--train.lr=1e-3", "--run.seed=3", "--train.micro_batch_size=4"]
+    check_resume(load_config(None, ["--sync.kind=dilocox", "--compression.kind=lowrank_int4", *harmless]), path)
+    for flag, message in [
+        ("--compression.group_size=32", "compression.group_size was 64 in the checkpoint, 32 now"),
+        ("--sync.sync_delay=0", "sync.sync_delay was 1 in the checkpoint, 0 now; resume with --sync.sync_delay=1"),
+        (
+            "--sync.nesterov=false",
+            "sync.nesterov was true in the checkpoint, false now; resume with --sync.nesterov=true",
+        ),
+        ("--topology.pp_degree=2", "topology.pp_degree was 1 in the checkpoint, 2 now"),
+    ]:
+        cfg = load_config(None, ["--sync.kind=dilocox", "--compression.kind=lowrank_int4", flag])
+        with pytest.raises(ValueError, match=f"^cannot resume {path}: {message}"):
+            check_resume(cfg, path)
+    # a compression setting of a run without a codec does not matter; a missing field (older file) is not compared
+    plain = load_config(None, ["--sync.kind=diloco"])
+    config = to_dict(plain)
+    del config["train"]["optimizer"]
+    path = checkpoint_with(tmp_path / "plain", {**run_identity(plain), "config": config})
+    check_resume(load_config(None, ["--sync.kind=diloco", "--compression.rank=2"]), path)
+
+
+def test_a_checkpoint_without_a_recorded_config_is_compared_on_its_identity(tmp_path):
+    from dilocox.checkpoint import check_resume, run_identity
+    from dilocox.config import load_config
+
+    old = load_config(None, [])
+    path = checkpoint_with(tmp_path, run_identity(old))  # meta.json of an older version: no config
+    check_resume(old, path)
+    with pytest.raises(ValueError, match=r"model.flavor was 'tiny' in the checkpoint, 'debug' now; resume with"):
+        check_resume(load_config(None, ["--model.flavor=debug"]), path)
+    with pytest.raises(ValueError, match=r"data.shard was 'contiguous' in the checkpoint, 'mixed' now"):
+        check_resume(old, checkpoint_with(tmp_path / "x", {**run_identity(old), "config": {"data": {}}}))
+
+
+def test_the_model_and_tokenizer_of_a_checkpoint_are_compared_after_the_data_is_loaded(tmp_path):
+    import dataclasses
+
+    from dilocox.checkpoint import check_resume_model
+    from dilocox.models import model_args
+
+    args = model_args("debug", vocab_size=300)
+    path = checkpoint_with(tmp_path, {"model_args": dataclasses.asdict(args), "tokenizer_vocab": "abc"})
+    check_resume_model(path, args, tokenizer_vocab="abc", tokenizer_path="t.json")
+    with pytest.raises(ValueError, match=r"its tokenizer maps ids to other tokens than this run's \(300 ids in the"):
+        check_resume_model(path, args, tokenizer_vocab="abd", tokenizer_path="t.json")
+    wider = dataclasses.replace(args, dim=args.dim * 2)
+    with pytest.raises(ValueError, match=rf"the model's dim was {args.dim} in the checkpoint, {2 * args.dim} now"):
+        check_resume_model(path, wider, tokenizer_vocab="abc", tokenizer_path="t.json")
