@@ -26,7 +26,7 @@ VARIANTS = {
     "dilocox-defaults": (
         {"kind": "dilocox"},
         (
-            SyncConfig(kind="dilocox", inner_steps=H, sync_delay=1, outer_lr=1.0, outer_momentum=0.0),
+            SyncConfig(kind="dilocox", inner_steps=H, sync_delay=1, outer_lr=1.0, outer_momentum=0.0, merge="eager"),
             CompressionConfig(kind="adaptive"),
         ),
     ),

@@ -206,6 +206,8 @@ def test_dilocox_kind_defaults_apply_unless_set(tmp_path):
     assert load_config(None, ["--sync.kind=dilocox"]).compression.kind == "adaptive"
     dilocox = load_config(None, ["--sync.kind=dilocox"]).sync
     assert (dilocox.outer_lr, dilocox.outer_momentum) == (1.0, 0.0)  # plain averaging under the delay
+    assert dilocox.merge == "eager" and load_config(None, ["--sync.kind=diloco"]).sync.merge == "keep_local"
+    assert load_config(None, ["--sync.kind=dilocox", "--sync.merge=keep_local"]).sync.merge == "keep_local"
     diloco = load_config(None, ["--sync.kind=diloco"]).sync
     assert (diloco.outer_lr, diloco.outer_momentum) == (0.7, 0.9)
     assert load_config(None, ["--sync.kind=dilocox", "--sync.outer_momentum=0.5"]).sync.outer_momentum == 0.5
