@@ -2,15 +2,19 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
+from dilocox.config import load_config
 from dilocox.metrics import METRICS_FILE, RunSummary
 from dilocox.tools.bench.bench_cli import main as bench_main
 from dilocox.tools.bench.paper_regime import steady_hidden_fraction, steady_tokens_per_s, window_steps
 from dilocox.tools.bench.results import collect, compare
-from dilocox.tools.bench.spec import load_bench
+from dilocox.tools.bench.spec import load_bench, run_overrides
 from dilocox.tools.bench.table import format_table
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def summary(loss, tps, wan, equiv, hidden=None, tokens=1000) -> RunSummary:
@@ -196,3 +200,17 @@ def test_collect_reads_every_seed_and_the_table_shows_the_spread(tmp_path):
     table = format_table({**results, "date": "d"})
     assert "4.4050 ± 0.0071" in table and "+7.50 ± 3.54%" in table and "over 2 seeds" in table
     assert "within noise" not in table.split("dilocox")[1].splitlines()[0]  # both seeds agree, gap > sd
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "benchmarks" / "configs").glob("*.toml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+def test_every_run_of_every_shipped_bench_file_is_a_valid_config(path, quick):
+    """What the e2e bench test no longer runs strategy by strategy: each run's `dilocox train` config validates."""
+    spec = load_bench(path)
+    assert spec.runs, f"{path.name} has no runs"
+    for run in spec.runs:
+        cfg = load_config(spec.base, run_overrides(spec, run, quick))
+        try:
+            cfg.validate()
+        except ValueError as exc:
+            raise AssertionError(f"{path.name} run {run.name}: {exc}") from None
