@@ -238,7 +238,7 @@ class DiLoCoSync:
         if self.pending is None:
             return None
         due, self.pending = self.pending, None
-        avg, stats = self.wait_sync(due)
+        avg, stats = self.wait_sync(due, judge_link=False)  # launched just now: no round of compute to hide behind
         self._set_outer_lr(self.outer_step - 1)  # launched by the last end_round
         if not stats.skipped:
             self.apply(avg)
@@ -262,12 +262,19 @@ class DiLoCoSync:
 
     # ---------------------------------------------------------------------------------------------- steps
     def wait_sync(
-        self, pending: PendingMean, *, round_steps: int | None = None, round_index: int | None = None
+        self,
+        pending: PendingMean,
+        *,
+        round_steps: int | None = None,
+        round_index: int | None = None,
+        judge_link: bool = True,
     ) -> tuple[torch.Tensor, RoundStats]:
         """The averaged pseudo-gradient of a launched sync, with the link time it took and the part that was hidden.
 
         `round_steps`: inner steps computed since the sync was launched (this round's H), for the per-round log;
-        `round_index`: the round that launched it (1-based), for the guard's messages."""
+        `round_index`: the round that launched it (1-based), for the guard's messages; `judge_link`: whether a
+        link slower than the compute since the launch deserves the slow-link warning (not at the final flush,
+        which waits right after the last launch)."""
         round_steps = self.inner_steps if round_steps is None else round_steps
         round_index = self.outer_step if round_index is None else round_index
         compute_s = time.perf_counter() - pending.transfer.launch_time
@@ -287,7 +294,8 @@ class DiLoCoSync:
             excluded=dict(pending.excluded) if self.cfg.guard else None,
             skipped=skipped,
         )
-        if self.cfg.sync_delay == 1 and stats.link_s > compute_s > 0 and not self._warned and not self.cfg.fit_link:
+        slower = judge_link and stats.link_s > compute_s > 0
+        if self.cfg.sync_delay == 1 and slower and not self._warned and not self.cfg.fit_link:
             self._warned = True
             self.warnings.append(self._slow_link_advice(stats, round_steps=round_steps))
         return avg, stats

@@ -227,6 +227,30 @@ def test_warns_once_when_the_link_cannot_keep_up():
         assert "network.bandwidth >=" in warnings[0]
 
 
+def _fast_link_then_flush(rank, world_size):
+    """A link that keeps up (~2 ms per sync, ~0.2 s rounds: room for a loaded machine), then the final flush, which
+    waits right after the last launch."""
+    model = torch.nn.Linear(16, 16)
+    nbytes = sum(p.numel() for p in model.parameters()) * 4
+    channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.002, latency_s=0.0)
+    sync = DiLoCoSync(model.parameters(), SyncConfig(inner_steps=2, sync_delay=1), channel=channel, dp_group=None)
+    torch.distributed.barrier()  # a peer that started late would count as link time of the first sync
+    for step in range(1, 7):
+        time.sleep(0.1)
+        sync.after_inner_step(step)
+    sync.flush()
+    channel.close()
+    return sync.warnings
+
+
+@pytest.mark.dist
+def test_the_final_flush_does_not_warn_that_the_link_cannot_keep_up():
+    # regression: the flush waits right after the last launch, with no compute to hide behind, and every run ended
+    # with "a round computes in 0.00 s ... use sync.inner_steps >= 600" on an unlimited link
+    for warnings in run_ranks(_fast_link_then_flush, 2):
+        assert warnings == []
+
+
 def _fit_link(rank, world_size, max_steps):
     """A sync needs ~0.3 s of link; a step computes in ~0.05 s, so H = 2 leaves it exposed and fit_link raises H."""
     torch.manual_seed(0)
