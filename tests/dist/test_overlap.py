@@ -209,6 +209,7 @@ def _too_slow_link(rank, world_size):
     nbytes = sum(p.numel() for p in model.parameters()) * 4
     channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.3, latency_s=0.0)
     sync = DiLoCoSync(model.parameters(), SyncConfig(inner_steps=2, sync_delay=1), channel=channel, dp_group=None)
+    torch.distributed.barrier()  # a peer that started late would count as link time of the first sync
     for step in range(1, 7):
         time.sleep(0.05)  # a round computes in ~0.1 s
         sync.after_inner_step(step)
