@@ -203,15 +203,16 @@ def test_checkpoint_does_not_wait_for_the_sync_in_flight_and_resume_is_exact(opt
         assert straight[1] == resumed[1]  # the re-sent transfer is counted once
 
 
-def _too_slow_link(rank, world_size):
-    """A link that needs ~3 rounds per sync: the delayed sync cannot be hidden and the user is told what fits."""
+def _delayed_sync_warnings(rank, world_size, link_s, step_s):
+    """Delayed syncs of `link_s` seconds each over rounds of 2 steps of `step_s`, then the final flush (which waits
+    right after the last launch); returns the sync's warnings."""
     model = torch.nn.Linear(16, 16)
     nbytes = sum(p.numel() for p in model.parameters()) * 4
-    channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.3, latency_s=0.0)
+    channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / link_s, latency_s=0.0)
     sync = DiLoCoSync(model.parameters(), SyncConfig(inner_steps=2, sync_delay=1), channel=channel, dp_group=None)
     torch.distributed.barrier()  # a peer that started late would count as link time of the first sync
     for step in range(1, 7):
-        time.sleep(0.05)  # a round computes in ~0.1 s
+        time.sleep(step_s)
         sync.after_inner_step(step)
     sync.flush()
     channel.close()
@@ -220,7 +221,8 @@ def _too_slow_link(rank, world_size):
 
 @pytest.mark.dist
 def test_warns_once_when_the_link_cannot_keep_up():
-    for warnings in run_ranks(_too_slow_link, 2):
+    # a link that needs ~3 rounds per sync: the delayed sync cannot be hidden and the user is told what fits
+    for warnings in run_ranks(_delayed_sync_warnings, 2, args=(0.3, 0.05)):
         assert len(warnings) == 1
         assert "cannot keep up" in warnings[0]
         needed = int(warnings[0].split("sync.inner_steps >= ")[1].split()[0])
@@ -228,27 +230,12 @@ def test_warns_once_when_the_link_cannot_keep_up():
         assert "network.bandwidth >=" in warnings[0]
 
 
-def _fast_link_then_flush(rank, world_size):
-    """A link that keeps up (~2 ms per sync, ~0.2 s rounds: room for a loaded machine), then the final flush, which
-    waits right after the last launch."""
-    model = torch.nn.Linear(16, 16)
-    nbytes = sum(p.numel() for p in model.parameters()) * 4
-    channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.002, latency_s=0.0)
-    sync = DiLoCoSync(model.parameters(), SyncConfig(inner_steps=2, sync_delay=1), channel=channel, dp_group=None)
-    torch.distributed.barrier()  # a peer that started late would count as link time of the first sync
-    for step in range(1, 7):
-        time.sleep(0.1)
-        sync.after_inner_step(step)
-    sync.flush()
-    channel.close()
-    return sync.warnings
-
-
 @pytest.mark.dist
 def test_the_final_flush_does_not_warn_that_the_link_cannot_keep_up():
     # regression: the flush waits right after the last launch, with no compute to hide behind, and every run ended
-    # with "a round computes in 0.00 s ... use sync.inner_steps >= 600" on an unlimited link
-    for warnings in run_ranks(_fast_link_then_flush, 2):
+    # with "a round computes in 0.00 s ... use sync.inner_steps >= 600" on an unlimited link. Here the link keeps
+    # up (~2 ms per sync, ~0.2 s rounds: room for a loaded machine).
+    for warnings in run_ranks(_delayed_sync_warnings, 2, args=(0.002, 0.1)):
         assert warnings == []
 
 

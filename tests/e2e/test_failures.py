@@ -22,6 +22,15 @@ def _complete_checkpoints(run_dir: Path) -> dict[Path, bytes]:
     return {f: f.read_bytes() for d in done for f in sorted(d.rglob("*")) if f.is_file()}
 
 
+def _kill_what_is_left(proc: subprocess.Popen, pids: list[int]) -> None:
+    """After a test, pass or fail: no rank and no launcher of its run is left running."""
+    for pid in _alive(pids):
+        os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
 def _by_start_time(pids: list[int]) -> list[int]:
     """Ranks in spawn order (rank 0 first): field 22 of /proc/PID/stat is the start time in clock ticks."""
     return sorted(pids, key=lambda pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]))
@@ -67,11 +76,7 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout_and_every_rank_exits(t
         assert not _alive(ranks), "a rank of the stopped run survived"
         assert _complete_checkpoints(run_dir) == checkpoints, "the stalled run changed its checkpoints"
     finally:
-        for pid in _alive(ranks):
-            os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        _kill_what_is_left(proc, ranks)
 
 
 def test_under_torchrun_a_stopped_rank_0_is_named_by_rank_1(tmp_path):
@@ -110,8 +115,4 @@ def test_under_torchrun_a_stopped_rank_0_is_named_by_rank_1(tmp_path):
         time.sleep(0.5)
         assert not _alive(workers)
     finally:
-        for pid in _alive(workers):
-            os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        _kill_what_is_left(proc, workers)
