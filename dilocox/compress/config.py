@@ -56,7 +56,9 @@ class CompressionConfig:
     """adaptive: the smallest rank it may choose."""
     rank_max: int = 32
     """adaptive: the largest rank it may choose."""
-    energy: float = 0.9
+    # 0.95: with the eager merge, over 3 seeds of 30 rounds, +7.55% to AllReduce at 1/570 of its bytes, against
+    # +8.13% at 1/708 for 0.9 (benchmarks/results/eager_adaptive/, docs/design.md §4.2)
+    energy: float = 0.95
     """adaptive: share of the pseudo-gradient's spectral energy the chosen rank keeps."""
     energy_floor: float = 0.5
     """adaptive: the energy target at the strongest compression of early_strong / late_strong."""

@@ -33,7 +33,8 @@ NBYTES_SHAPES = [*MIXED_SHAPES, (7,), (64,), (65,), (4, 4), (100, 1), (128, 256)
 
 
 def adaptive_rank(**options) -> AdaptiveRank:
-    return AdaptiveRank(CompressionConfig(kind="adaptive", **options))
+    """The spectra below are built for a 90% energy target (`spectrum_keeping`), whatever the default target."""
+    return AdaptiveRank(CompressionConfig(kind="adaptive", **{"energy": 0.9, **options}))
 
 
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -407,8 +408,8 @@ def test_adaptive_rank_finds_the_90_percent_energy_rank():
 
 def test_adaptive_rank_clips_to_its_range():
     matrix = matrix_with_spectrum(spectrum_keeping(5, 64), 96, 64)
-    assert adaptive_rank(rank_min=7, rank_max=16, window=1).update([matrix]) == 7
-    assert adaptive_rank(rank_min=1, rank_max=3, window=1).update([matrix]) == 3
+    assert adaptive_rank(rank_min=7, rank_max=16, energy=0.9, window=1).update([matrix]) == 7  # raw rank 5
+    assert adaptive_rank(rank_min=1, rank_max=3, energy=0.9, window=1).update([matrix]) == 3
     assert adaptive_rank(rank_min=2, rank_max=16).update([torch.zeros(10, 8)]) == 2  # no energy: the minimum
 
 
@@ -457,7 +458,7 @@ def test_adaptive_schedules_move_the_target_in_opposite_directions():
 def test_adaptive_codec_sends_the_chosen_rank():
     matrix = matrix_with_spectrum(spectrum_keeping(5, 48), 64, 48, seed=3)
     tensors = [matrix, randn(48)]
-    codec = build_codec("adaptive", rank_min=2, rank_max=16, window=1)
+    codec = build_codec("adaptive", rank_min=2, rank_max=16, energy=0.9, window=1)
     for _ in range(4):  # the warm start sharpens the measured spectrum round after round
         payload = codec.encode_list(tensors)
     assert codec.policy.rank == 5 and len(codec.policy.ranks) == 4
@@ -465,7 +466,7 @@ def test_adaptive_codec_sends_the_chosen_rank():
     assert payload.nbytes == codec.nbytes_at_rank((64, 48), 5) + 4 * 48
     assert codec.expected_nbytes((64, 48)) is None and codec.expected_nbytes((48,)) == 4 * 48
     assert codec.expected_nbytes((3, 4)) == 2 + int4_nbytes(12, 64)  # dense at every rank
-    receiver = build_codec("adaptive", rank_min=2, rank_max=16, window=1)
+    receiver = build_codec("adaptive", rank_min=2, rank_max=16, energy=0.9, window=1)
     decoded = receiver.decode_list(payload, [t.shape for t in tensors])
     assert relative_error(decoded[0], matrix) < math.sqrt(0.07) + 0.05  # the 7% tail is all it drops
     assert torch.equal(decoded[1], tensors[1])
@@ -482,7 +483,7 @@ def test_adaptive_rank_of_a_matrix_of_known_rank_is_that_rank_per_matrix_under_e
     per matrix, read from the pseudo-gradient (the defaults `aggregate = per_matrix`, `spectrum_of = pseudo_grad`)."""
     shapes = [(96, 64), (80, 48), (64, 64)]
     true_ranks = [3, 6, 1]
-    codec, feedback = build_codec("adaptive", rank_min=1, rank_max=24, window=1, group_size=16), ErrorFeedback()
+    codec, feedback = build_codec("adaptive", rank_min=1, rank_max=24, energy=0.9, window=1, group_size=16), ErrorFeedback()
     for round_index in range(4):
         pseudo_grads = [
             exact_rank(r, *shape, seed=10 * round_index + i)
@@ -494,7 +495,7 @@ def test_adaptive_rank_of_a_matrix_of_known_rank_is_that_rank_per_matrix_under_e
         assert payload.data[:6].view(torch.int16).tolist() == true_ranks  # the headers carry each matrix's rank
         assert decision.rank == math.ceil(sum(true_ranks) / 3) == codec.current_rank()  # the round record's rank
     # the per-matrix decisions survive a checkpoint
-    restored = build_codec("adaptive", rank_min=1, rank_max=24, window=1, group_size=16)
+    restored = build_codec("adaptive", rank_min=1, rank_max=24, energy=0.9, window=1, group_size=16)
     restored.load_state_dict(copy.deepcopy(codec.state_dict()))
     assert restored.policy.history == codec.policy.history
 
@@ -505,7 +506,7 @@ def test_adaptive_rank_reads_the_pseudo_gradient_not_the_residual_that_builds_up
     read there climbs round after round (the rule before, `spectrum_of = codec_input`); read from the
     pseudo-gradient it stays 4."""
     pseudo_grads = [matrix_with_spectrum(spectrum_keeping(4, 48), 64, 48, seed=5)]
-    options = {"rank_min": 1, "rank_max": 24, "window": 1}
+    options = {"rank_min": 1, "rank_max": 24, "energy": 0.9, "window": 1}
     codec, feedback = build_codec("adaptive", **options), ErrorFeedback()
     old_rule, old_feedback = build_codec("adaptive", spectrum_of="codec_input", **options), ErrorFeedback()
     for _ in range(6):
@@ -537,13 +538,13 @@ def test_payloads_of_different_sizes_are_walked_in_a_concatenation():
     shapes = [(64, 48), (48,)]
     low = [matrix_with_spectrum(spectrum_keeping(3, 48), 64, 48), randn(48)]
     high = [matrix_with_spectrum(spectrum_keeping(9, 48), 64, 48), randn(48, seed=1)]
-    sender_a = build_codec("adaptive", rank_min=1, rank_max=16, window=1)
-    sender_b = build_codec("adaptive", rank_min=1, rank_max=16, window=1)
+    sender_a = build_codec("adaptive", rank_min=1, rank_max=16, energy=0.9, window=1)
+    sender_b = build_codec("adaptive", rank_min=1, rank_max=16, energy=0.9, window=1)
     payload_a, payload_b = sender_a.encode_list(low), sender_b.encode_list(high)
     assert payload_a.nbytes != payload_b.nbytes
     assert max(payload_a.nbytes, payload_b.nbytes) <= sender_a.max_nbytes_list(shapes)
     wire = Payload.concat([payload_a, payload_b])
-    receiver = build_codec("adaptive", rank_min=1, rank_max=16, window=1)
+    receiver = build_codec("adaptive", rank_min=1, rank_max=16, energy=0.9, window=1)
     first, offset = receiver.decode_list_at(wire, shapes)
     second, end = receiver.decode_list_at(wire, shapes, offset)
     assert (offset, end) == (payload_a.nbytes, wire.nbytes)
