@@ -483,7 +483,8 @@ def test_adaptive_rank_of_a_matrix_of_known_rank_is_that_rank_per_matrix_under_e
     per matrix, read from the pseudo-gradient (the defaults `aggregate = per_matrix`, `spectrum_of = pseudo_grad`)."""
     shapes = [(96, 64), (80, 48), (64, 64)]
     true_ranks = [3, 6, 1]
-    codec, feedback = build_codec("adaptive", rank_min=1, rank_max=24, energy=0.9, window=1, group_size=16), ErrorFeedback()
+    codec = build_codec("adaptive", rank_min=1, rank_max=24, energy=0.9, window=1, group_size=16)
+    feedback = ErrorFeedback()
     for round_index in range(4):
         pseudo_grads = [
             exact_rank(r, *shape, seed=10 * round_index + i)
