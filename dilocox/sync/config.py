@@ -39,7 +39,8 @@ KIND_DEFAULTS: dict[str, dict[str, Any]] = {
 averages plainly (outer lr 1, no momentum): Nesterov 0.9 on one-round-stale updates overshoots; on the default
 setting plain averaging gave 4.731 against 5.213 (benchmarks/results/outer/). It merges eagerly: over 3 seeds of
 the gap protocol (no compression) eager was +4.39 +- 0.38% from AllReduce against keep_local's +5.70 +- 0.65%,
-better on every seed by 1.31 +- 0.49 points (benchmarks/results/outer_delay/). With the paper's outer SGD
+better on every seed by 1.31 +- 0.49 points (benchmarks/results/outer_delay/), and with the adaptive codec
+(pooled rank) +6.80 +- 0.24% against +8.03 +- 0.52% (benchmarks/results/eager_adaptive/). With the paper's outer SGD
 (0.7 / Nesterov 0.9) set --sync.merge=keep_local too: eager was +21.1% there, keep_local +12.6% (1 seed)."""
 
 
