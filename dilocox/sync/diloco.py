@@ -350,9 +350,13 @@ class DiLoCoSync:
         self.outer_optimizer.step()
         self.outer_params.grad = None
 
+    def _outer_lr(self, update: int) -> float:
+        """The learning rate of the 0-based outer update `update` (`sync.outer_lr_schedule`)."""
+        return self.cfg.outer_lr_at(update, self.num_outer_updates or update + 1)
+
     def _set_outer_lr(self, update: int) -> None:
-        """Set the outer SGD's learning rate to that of the 0-based outer update `update` (`sync.outer_lr_schedule`)."""
-        lr = self.cfg.outer_lr_at(update, self.num_outer_updates or update + 1)
+        """Set the outer SGD's learning rate to that of the 0-based outer update `update`."""
+        lr = self._outer_lr(update)
         for group in self.outer_optimizer.param_groups:
             group["lr"] = lr
 
@@ -377,7 +381,7 @@ class DiLoCoSync:
             buf = self.outer_optimizer.state.get(self.outer_params, {}).get("momentum_buffer")
             buf = estimate if buf is None else momentum * buf + estimate  # torch's first step: buf = g
             direction = estimate + momentum * buf if group["nesterov"] else buf
-        return self.outer_params - self.cfg.outer_lr_at(update, self.num_outer_updates or update + 1) * direction
+        return self.outer_params - self._outer_lr(update) * direction
 
     def _slow_link_advice(self, stats: RoundStats, *, round_steps: int) -> str:
         link_s, compute_s, nbytes = stats.link_s, stats.compute_s or 0.0, stats.bytes_sent

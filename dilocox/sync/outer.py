@@ -105,8 +105,16 @@ class OuterSync:
         channel = WanChannel(
             cluster_group, bandwidth=bytes_per_s, latency_s=latency_s, num_sharing=group_size(dp_group)
         )
-        self._setup(params, sync, codec, channel=channel, owns_channel=True, dp_group=dp_group, seed=seed)
-        self.inner_optimizer = inner_optimizer
+        self._setup(
+            params,
+            sync,
+            codec,
+            channel=channel,
+            owns_channel=True,
+            dp_group=dp_group,
+            seed=seed,
+            inner_optimizer=inner_optimizer,
+        )
         self._start_check = _launch_start_check(self.diloco.outer_params, channel, dp_group)
         if group_size(dp_group) > 1:
             self._hook = inner_optimizer.register_step_pre_hook(self._before_inner_step)
@@ -142,9 +150,9 @@ class OuterSync:
             dp_group=dp_group,
             seed=seed,
             total_steps=total_steps,
+            inner_optimizer=inner_optimizer,
             faults=faults,
         )
-        self.inner_optimizer = inner_optimizer
         return self
 
     def _setup(
@@ -158,6 +166,7 @@ class OuterSync:
         dp_group: dist.ProcessGroup | None,
         seed: int,
         total_steps: int | None = None,
+        inner_optimizer: torch.optim.Optimizer | None = None,
         faults: FaultConfig | None = None,
     ) -> None:
         self.diloco = DiLoCoSync(
@@ -171,6 +180,8 @@ class OuterSync:
             faults=faults,
         )
         """The implementation this facade drives (docs/design.md §3)."""
+        self.inner_optimizer = inner_optimizer
+        """Its state is reset when the guard heals this cluster (None: the caller's own concern)."""
         self.sync_config = sync
         self.compression = compression
         self.channel = channel

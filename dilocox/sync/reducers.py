@@ -338,7 +338,7 @@ class GatherReducer(CodecReducer):
                     malformed[index] = "its payload's tag did not verify (network.auth_key_file)"
                 elif not data.numel():
                     malformed[index] = "it sent none: its own was non-finite"
-                elif index != own_index and data is not None:
+                elif index != own_index:
                     try:
                         decoded = self.codec.decode_list(Payload(data), self.slice.shapes)
                     except ValueError as error:  # a corrupt or forged payload must not stop the receivers
