@@ -127,23 +127,23 @@ class AdaptiveRank:
         if self.cfg.aggregate == "per_matrix":
             return self._update_per_matrix(spectra, total_energies, target)
         raw_rank = self._raw_rank(spectra, total_energies, target)
-        recent = (
-            [decision.raw_rank for decision in self.history[-(self.cfg.window - 1) :]] if self.cfg.window > 1 else []
-        )
-        smoothed = math.ceil(sum([*recent, raw_rank]) / (len(recent) + 1) - 1e-9)
-        rank = min(max(smoothed, self.cfg.rank_min), self.cfg.rank_max)
+        rank = self._smoothed(raw_rank, [decision.raw_rank for decision in self._window()])
         self.history.append(RankDecision(self.rounds, target, raw_rank, rank))
         return rank
 
+    def _window(self) -> list[RankDecision]:
+        """The decisions of the rounds before this one that its rank is smoothed over (window - 1 of them)."""
+        return self.history[-(self.cfg.window - 1) :] if self.cfg.window > 1 else []
+
+    def _smoothed(self, raw_rank: int, recent: Sequence[int]) -> int:
+        """ceil(mean of `recent` raw ranks and this round's), clipped to [rank_min, rank_max]."""
+        smoothed = math.ceil(sum([*recent, raw_rank]) / (len(recent) + 1) - 1e-9)
+        return min(max(smoothed, self.cfg.rank_min), self.cfg.rank_max)
+
     def _update_per_matrix(self, sigmas: list[torch.Tensor], totals: Sequence[float], target: float) -> int:
         raw = tuple(self._matrix_raw_rank(sigma, total, target) for sigma, total in zip(sigmas, totals, strict=True))
-        earlier = self.history[-(self.cfg.window - 1) :] if self.cfg.window > 1 else []
-        recent = [d.matrix_raw_ranks for d in earlier if len(d.matrix_raw_ranks) == len(raw)]
-        ranks = tuple(
-            min(max(math.ceil(sum([*(r[i] for r in recent), raw[i]]) / (len(recent) + 1) - 1e-9), self.cfg.rank_min),
-                self.cfg.rank_max)
-            for i in range(len(raw))
-        )  # fmt: skip
+        recent = [d.matrix_raw_ranks for d in self._window() if len(d.matrix_raw_ranks) == len(raw)]
+        ranks = tuple(self._smoothed(raw[i], [r[i] for r in recent]) for i in range(len(raw)))
         rank = math.ceil(sum(ranks) / len(ranks) - 1e-9) if ranks else self.cfg.rank_min
         raw_rank = math.ceil(sum(raw) / len(raw) - 1e-9) if raw else 1
         self.history.append(RankDecision(self.rounds, target, raw_rank, rank, raw, ranks))
