@@ -257,16 +257,14 @@ def launch_local(cfg: Config, data: TokenData, resume: Path | None) -> int:
                     pass
         except (KeyboardInterrupt, _Stopped) as exc:
             _stop(ctx)
-            newest = list_checkpoints(Path(cfg.run.out_dir))
-            hint = f"; resume from {newest[-1]} with --checkpoint.resume=latest" if newest else ""
+            hint = _resume_hint(cfg)
             what = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"stopped by {exc}"
             print(f"\ndilocox: {what}, all {world_size} ranks stopped{hint}", file=sys.stderr)
             return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else 128 + exc.signum
         except ProcessException as exc:
             _stop(ctx)
             if run_was_stopped(JobStore(store)):
-                newest = list_checkpoints(Path(cfg.run.out_dir))
-                hint = f"; resume from {newest[-1]} with --checkpoint.resume=latest" if newest else ""
+                hint = _resume_hint(cfg)
                 print(
                     f"dilocox: a rank stopped sending heartbeats (named above): all {world_size} ranks stopped, exit "
                     f"{EXIT_STALLED}{hint}",
@@ -284,6 +282,12 @@ def launch_local(cfg: Config, data: TokenData, resume: Path | None) -> int:
             )
             return 1
     return 0
+
+
+def _resume_hint(cfg: Config) -> str:
+    """How to go on after the run was stopped: '; resume from <newest checkpoint> ...', or '' without one."""
+    newest = list_checkpoints(Path(cfg.run.out_dir))
+    return f"; resume from {newest[-1]} with --checkpoint.resume=latest" if newest else ""
 
 
 _LOCAL_HOST = "127.0.0.1"
