@@ -1,6 +1,6 @@
 """`OuterSync`'s arguments (docs/api.md): the strategies' defaults by name, one ValueError naming each mistake and
 its fix, and the one object the trainer also gets from `build_sync`. No process group: `cluster_group=None` is one
-cluster (nothing crosses a link); the mistakes that need groups are in tests/dist/test_outer_sync.py."""
+cluster (nothing crosses a link); the mistakes that need groups are in tests/distributed/test_outer_sync.py."""
 
 import pytest
 import torch

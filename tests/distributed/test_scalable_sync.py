@@ -10,7 +10,7 @@ from dilocox.compress import CompressionConfig, build_codec
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync, SyncConfig
 from dilocox.sync.scalable import ScalableElementwiseReducer, ScalableLowRankReducer
-from tests.dist.resume import straight_and_resumed
+from tests.distributed.resume import straight_and_resumed
 from tests.multiproc import run_ranks
 
 SHAPES = [torch.Size([12, 10]), torch.Size([10]), torch.Size([6, 10]), torch.Size([6])]

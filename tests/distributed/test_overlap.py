@@ -2,7 +2,7 @@
 
 The golden trace in `golden/delayed_diloco.json` holds the outer parameters after each of 3 rounds (and after the
 final flush) of a hand-written single-process reference; regenerate it with
-`DILOCOX_REGEN_GOLDEN=1 python -m pytest tests/dist/test_overlap.py` after a deliberate change of the algorithm.
+`DILOCOX_REGEN_GOLDEN=1 python -m pytest tests/distributed/test_overlap.py` after a deliberate change of the algorithm.
 """
 
 import json
@@ -15,7 +15,7 @@ import torch
 
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync, SyncConfig
-from tests.dist.resume import straight_and_resumed
+from tests.distributed.resume import straight_and_resumed
 from tests.multiproc import run_ranks
 
 GOLDEN = Path(__file__).parent / "golden" / "delayed_diloco.json"

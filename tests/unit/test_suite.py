@@ -1,0 +1,19 @@
+"""The README's test command runs every test file: pytest skips directories that match its `norecursedirs` (by
+default `dist`, `build`, `venv`, ...), which once left every multi-rank test out of CI without a word."""
+
+from fnmatch import fnmatch
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def test_no_test_directory_matches_a_pattern_pytest_does_not_recurse_into(pytestconfig):
+    patterns = pytestconfig.getini("norecursedirs")
+    skipped = [
+        str(directory.relative_to(TESTS))
+        for directory in TESTS.rglob("*")
+        if directory.is_dir()
+        and any(fnmatch(directory.name, pattern) for pattern in patterns)
+        and any(directory.rglob("test_*.py"))
+    ]
+    assert skipped == [], f"pytest never collects the tests under {skipped}: rename the directories"
