@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from dilocox.topology import group_size
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 SCHEDULES = ("gpipe", "1f1b")
 """Pipeline schedules `PipelineRunner` accepts (`train.pipeline_schedule`)."""
@@ -120,6 +123,10 @@ class PipelineRunner:
         self._stage: PipelineStage | None = None
         self._schedule: ScheduleGPipe | Schedule1F1B | None = None
         if num_stages > 1:
+            # Imported here, not at the top: torch.distributed.pipelining pulls in dynamo, DTensor and sympy (about
+            # 2 s per process on 2 cores), which every launcher, tool and single-stage rank would pay for nothing.
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
             self._stage = self._build_stage(dim=dim, vocab_size=vocab_size)
             schedule_class = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
             self._schedule = schedule_class(
@@ -132,6 +139,8 @@ class PipelineRunner:
         return self.num_microbatches * self.microbatch_size
 
     def _build_stage(self, *, dim: int, vocab_size: int) -> PipelineStage:
+        from torch.distributed.pipelining import PipelineStage
+
         params = list(self.module.parameters())
         if not params:
             raise ValueError(f"pipeline stage {self.stage_index} owns no parameters; check the stage split")
