@@ -6,6 +6,8 @@
 `worker(rank, world_size, *args)` must be a module-level function of an importable module (a test module
 is fine). Each rank joins the default process group with gloo over a file store, uses one thread, and its
 return value (picklable) is sent back; an exception in any rank fails the call with that rank's traceback.
+Ranks are forked from a fork server that has torch and dilocox imported already (`_PRELOAD`), with the test's
+environment of the moment, so they behave as spawned ranks but start in a fraction of the time.
 """
 
 from __future__ import annotations
@@ -21,10 +23,20 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+_PRELOAD = ["torch", "torch.distributed", "dilocox.trainer", "dilocox.sync", "dilocox.compress", "tests.multiproc"]
+"""Imported once by the fork server that every rank is forked from, so a rank starts in a fraction of a second
+instead of importing torch and dilocox again (about 2.5 s of CPU each, the largest cost of a short multi-rank test).
+The server imports only: it has no threads, process groups or CUDA state that a fork could copy."""
+mp.set_forkserver_preload(_PRELOAD)
 
-def _entry(rank: int, fn: Callable, world_size: int, init_file: str, result_dir: str, args: tuple) -> None:
+
+def _entry(
+    rank: int, fn: Callable, world_size: int, init_file: str, result_dir: str, args: tuple, env: dict[str, str]
+) -> None:
     import torch
 
+    os.environ.clear()
+    os.environ.update(env)  # the test's environment now, not the fork server's from when it started
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -48,7 +60,11 @@ def run_ranks(fn: Callable, world_size: int, args: tuple = (), timeout: float = 
     with tempfile.TemporaryDirectory(prefix="dilocox-ranks-") as tmp:
         init_file = os.path.join(tmp, "init")
         ctx = mp.start_processes(
-            _entry, args=(fn, world_size, init_file, tmp, args), nprocs=world_size, join=False, start_method="spawn"
+            _entry,
+            args=(fn, world_size, init_file, tmp, args, dict(os.environ)),
+            nprocs=world_size,
+            join=False,
+            start_method="forkserver",
         )
         errors: list[str] = []
         deadline = time.monotonic() + timeout
