@@ -27,7 +27,7 @@ skipped), every checkpoint that was complete still verifies, no process fault lo
 the corrupted checkpoint), the guard leaves out every nan, scale and diverge fault, and the run finishes. A clean
 run of the same command (no faults) gives the final eval loss to compare with.
 
-Rank pids are the launcher's children that run `spawn_main`, in start order (the launcher spawns rank 0 first);
+Rank pids are the children of the launcher's fork server, in start order (the launcher starts rank 0 first);
 the SIGSTOP fault checks the order, since the watchdog names the rank it stopped. `--process-only` leaves the numeric
 faults out: resume is exact, so the final loss must then equal the clean run's (checked).
 """
@@ -108,7 +108,9 @@ def rank_pids(launcher: int) -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+        stat = _stat(pid)
+        # forked ranks keep the fork server's command line; the server itself is the launcher's child
+        if b"forkserver" in cmdline and stat is not None and stat[0] != launcher:
             ranks.append((start, pid))
     return [pid for _, pid in sorted(ranks)]
 

@@ -348,6 +348,17 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
+def _ranks(launcher: int) -> list[int]:
+    """The ranks of a local launcher: the children of its fork server (`launch_local`)."""
+    servers = [pid for pid in _children(launcher) if "forkserver" in Path(f"/proc/{pid}/cmdline").read_text()]
+    return [rank for server in servers for rank in _children(server)]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`: the launcher's fork server, its ranks, multiprocessing's resource tracker."""
+    return [d for child in _children(pid) for d in (child, *_descendants(child))]
+
+
 def _wait_for_training(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -384,7 +395,8 @@ def test_ctrl_c_stops_all_ranks(tmp_path):
     run_dir = tmp_path / "interrupted"
     proc = _start_long_run(run_dir)
     _wait_for_training(run_dir, proc)
-    ranks = _children(proc.pid)
+    ranks = _descendants(proc.pid)
+    assert len(_ranks(proc.pid)) == 2
     os.kill(proc.pid, signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr[-3000:]
@@ -411,7 +423,8 @@ def test_a_live_run_locks_its_directory_and_sigterm_stops_every_rank(tmp_path):
     run_dir = tmp_path / "locked"
     proc = _start_long_run(run_dir)
     _wait_for_training(run_dir, proc)
-    ranks = _children(proc.pid)
+    ranks = _descendants(proc.pid)
+    assert len(_ranks(proc.pid)) == 2
     second = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", timeout=60)
     assert second.returncode == 2 and f"in use by a live run (pid {proc.pid}" in second.stderr
     os.kill(proc.pid, signal.SIGTERM)
@@ -431,21 +444,22 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
     run_dir = tmp_path / "orphans"
     proc = _start_long_run(run_dir)
     _wait_for_training(run_dir, proc)
-    ranks = [pid for pid in _children(proc.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
-    assert len(ranks) == 2
+    ranks, everything = _ranks(proc.pid), _descendants(proc.pid)
+    assert len(ranks) == 2 and len(everything) >= 3  # the fork server, its 2 ranks (and a resource tracker)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     deadline = time.time() + 10
-    while _alive(ranks) and time.time() < deadline:
+    while _alive(everything) and time.time() < deadline:
         time.sleep(0.2)
     assert not _alive(ranks), "ranks kept training after their launcher was killed"
+    assert not _alive(everything), "the fork server or the resource tracker outlived the launcher"
 
 
 def test_crashed_rank_stops_the_others(tmp_path):
     run_dir = tmp_path / "crashed"
     proc = _start_long_run(run_dir)
     _wait_for_training(run_dir, proc)
-    ranks = [pid for pid in _children(proc.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+    ranks = _ranks(proc.pid)
     assert len(ranks) == 2
     os.kill(ranks[-1], signal.SIGKILL)
     _, stderr = proc.communicate(timeout=60)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cli import DEBUG, REPO, _alive, _children, _wait_for_training
+from tests.e2e.test_cli import DEBUG, REPO, _alive, _children, _ranks, _wait_for_training
 
 pytestmark = pytest.mark.e2e
 
@@ -47,8 +47,7 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout_and_every_rank_exits(t
     ranks: list[int] = []
     try:
         _wait_for_training(run_dir, proc)
-        spawned = [p for p in _children(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
-        ranks = _by_start_time(spawned)
+        ranks = _by_start_time(_ranks(proc.pid))
         assert len(ranks) == 2
         deadline = time.time() + 120
         while not _complete_checkpoints(run_dir) and time.time() < deadline:
