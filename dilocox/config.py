@@ -128,6 +128,10 @@ class TopologyConfig:
     """Data-parallel replicas inside each cluster (D), joined by a fast link."""
     pp_degree: int = 1
     """Pipeline stages inside each cluster (P); world size = C x D x P."""
+    elastic: bool = False
+    """Clusters may fail and rejoin: each is its own world, torchft's quorum decides every round's members (§10.1)."""
+    max_cluster_restarts: int = 3
+    """elastic, local launcher: times a cluster whose processes died is started again (it heals from a live peer)."""
 
 
 @dataclass
@@ -278,12 +282,68 @@ class Config:
             raise ValueError(
                 "checkpoint.resume and run.overwrite contradict each other: resuming keeps the run directory"
             )
+        self._validate_membership()
         if world_size is not None and world_size != self.world_size:
             t = self.topology
             raise ValueError(
                 f"the launcher started {world_size} ranks but topology.num_clusters x dp_degree x pp_degree = "
                 f"{t.num_clusters} x {t.dp_degree} x {t.pp_degree} = {self.world_size}; start {self.world_size} ranks "
                 "(torchrun --nnodes x --nproc-per-node) or change the topology"
+            )
+
+    @property
+    def min_clusters(self) -> int:
+        """Resolved `sync.min_clusters`: 0 means every cluster (static), or one (elastic)."""
+        if self.sync.min_clusters:
+            return self.sync.min_clusters
+        return 1 if self.topology.elastic else self.topology.num_clusters
+
+    def _validate_membership(self) -> None:
+        """`topology.elastic` and `sync.min_clusters` against the rest (docs/design.md §10.1)."""
+        t, c = self.topology, self.topology.num_clusters
+        check_non_negative("topology", t, "max_cluster_restarts")
+        check_non_negative("sync", self.sync, "min_clusters")
+        if self.sync.min_clusters > c:
+            raise ValueError(
+                f"sync.min_clusters = {self.sync.min_clusters} is more than topology.num_clusters = {c}; use {c} or "
+                "less"
+            )
+        if not t.elastic:
+            if self.sync.min_clusters not in (0, c):
+                raise ValueError(
+                    f"sync.min_clusters = {self.sync.min_clusters} lets a run go on without some clusters, which only "
+                    f"an elastic run does: add --topology.elastic=true, or leave sync.min_clusters at 0 (all {c})"
+                )
+            if self.network.lighthouse:
+                raise ValueError("network.lighthouse is only used by elastic runs: add --topology.elastic=true")
+            return
+        refused = [  # (what, whether this config has it, the fix)
+            (f"sync.kind = {self.sync.kind}", not self.sync.has_outer_loop, "use sync.kind = dilocox or diloco"),
+            (
+                f"topology.dp_degree x pp_degree = {t.dp_degree} x {t.pp_degree}",
+                t.dp_degree * t.pp_degree > 1,
+                "use one rank per cluster (dp_degree = pp_degree = 1)",
+            ),
+            ("sync.fit_link = true", self.sync.fit_link, "leave sync.fit_link off (H stays fixed)"),
+            (
+                "compression.reduction = scalable",
+                self.compression.kind != "none" and self.compression.reduction == "scalable",
+                "use compression.reduction = gather",
+            ),
+            ("network.auth_key_file", bool(self.network.auth_key_file), "leave network.auth_key_file empty"),
+            (
+                f"faults.kind = {self.faults.kind}",
+                self.faults.enabled,
+                "inject faults into a static run, or kill a cluster's process",
+            ),
+        ]
+        for what, bad, fix in refused:
+            if bad:
+                raise ValueError(f"topology.elastic = true does not support {what} yet; {fix}")
+        if self.network.lighthouse and not self.network.lighthouse.startswith(("http://", "https://")):
+            raise ValueError(
+                f"network.lighthouse = {self.network.lighthouse!r} must be the URL `dilocox lighthouse` prints, "
+                "e.g. http://host:29510"
             )
 
     def notes(self) -> list[str]:

@@ -26,6 +26,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -270,6 +271,8 @@ def _local_rank_main(
 
 def launch_local(cfg: Config, data: TokenData, resume: Path | None) -> int:
     """Spawn the world on this machine and wait; returns the process exit code."""
+    if cfg.topology.elastic:
+        return launch_elastic(cfg)
     world_size = cfg.world_size
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # our own line says who was stopped
     # The job's store lives in this process, not in a rank: a stopped rank cannot take it down with it.
@@ -338,6 +341,138 @@ def _resume_hint(cfg: Config) -> str:
 
 _LOCAL_HOST = "127.0.0.1"
 STOP_GRACE_S = 2.0
+
+
+# ------------------------------------------------------------------------------------------------ elastic
+def lighthouse_timeouts(cfg: Config) -> dict[str, float]:
+    """The Lighthouse's timeouts from `[network]`: a cluster silent for 2 x network.heartbeat is left out of the next
+    round; the live ones wait up to network.stall_timeout (or network.timeout) for one that beats but does not come."""
+    return {
+        "heartbeat_timeout_s": 2 * cfg.network.heartbeat_s,
+        "join_timeout_s": cfg.network.stall_timeout_s or cfg.network.timeout_s,
+    }
+
+
+def _elastic_rank_main(
+    local_rank: int, cluster: int, cfg_dict: dict, port: int, error_dir: str, lighthouse: str
+) -> None:
+    """One rank of one cluster of an elastic run: the cluster is its own world (its store in the launcher)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with(os.getppid())
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    cfg = from_dict(cfg_dict)
+    cfg.network.lighthouse = lighthouse
+    t = cfg.topology
+    ranks_per_cluster = t.dp_degree * t.pp_degree
+    timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
+    store = dist.TCPStore(_LOCAL_HOST, port, ranks_per_cluster, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=local_rank, world_size=ranks_per_cluster, timeout=timeout)
+    rank = cluster * ranks_per_cluster + local_rank
+    from dilocox.trainer import Trainer
+
+    try:
+        trainer = Trainer(cfg, rank=rank, run_dir=Path(cfg.run.out_dir), cluster_store=(_LOCAL_HOST, port))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    except ValueError as exc:  # a user error, or fewer clusters than sync.min_clusters (ElasticError)
+        Path(error_dir, f"rank{rank}").write_text(str(exc))
+        sys.stdout.flush()
+        os._exit(EXIT_USER_ERROR)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # torchft's threads (its manager server, the checkpoint server) must not hold the exit
+
+
+def launch_elastic(cfg: Config) -> int:
+    """Start every cluster as its own group of processes, with a torchft Lighthouse in this process (unless
+    network.lighthouse names one). A cluster whose processes die is started again, up to
+    topology.max_cluster_restarts times, and heals from a live peer; the others go on meanwhile. The run ends when
+    every cluster still running has finished."""
+    from dilocox.sync.membership import start_lighthouse
+
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    t = cfg.topology
+    lighthouse = None
+    address = cfg.network.lighthouse
+    if not address:
+        lighthouse = start_lighthouse(**lighthouse_timeouts(cfg))
+        address = lighthouse.address()
+    timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
+    restarts = dict.fromkeys(range(t.num_clusters), 0)
+    running: dict[int, tuple[Any, dist.TCPStore]] = {}
+    finished: set[int] = set()
+    lost: set[int] = set()
+
+    def start(cluster: int, tmp: str) -> None:
+        # a fresh store for every start: a restarted cluster must not meet its dead processes' keys
+        store = dist.TCPStore(_LOCAL_HOST, 0, None, is_master=True, timeout=timeout, wait_for_workers=False)
+        ctx = mp.start_processes(
+            _elastic_rank_main,
+            args=(cluster, to_dict(cfg), store.port, tmp, address),
+            nprocs=t.dp_degree * t.pp_degree,
+            join=False,
+            start_method="spawn",
+        )
+        running[cluster] = (ctx, store)
+        pids = " ".join(str(pid) for pid in ctx.pids())
+        print(f"dilocox: elastic: cluster {cluster} started (pid {pids}, start {restarts[cluster] + 1})", flush=True)
+
+    def stop_all() -> None:
+        for ctx, _ in running.values():
+            _stop(ctx)
+        running.clear()
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="dilocox-") as tmp, _signals_stop_the_run():
+            for cluster in range(t.num_clusters):
+                start(cluster, tmp)
+            while running:
+                for cluster in list(running):
+                    ctx, _ = running[cluster]
+                    try:
+                        done = ctx.join(timeout=0.2, grace_period=STOP_GRACE_S)
+                    except ProcessException as exc:
+                        _stop(ctx)
+                        del running[cluster]
+                        errors = sorted(Path(tmp).glob("rank*"))
+                        if errors:
+                            stop_all()
+                            print(f"dilocox: error: {errors[0].read_text()}", file=sys.stderr)
+                            return EXIT_USER_ERROR
+                        why = f"exit code {exc.exit_code}" if hasattr(exc, "exit_code") else exc.__class__.__name__
+                        if restarts[cluster] < t.max_cluster_restarts:
+                            restarts[cluster] += 1
+                            print(
+                                f"dilocox: elastic: cluster {cluster} failed ({why}); starting it again (restart "
+                                f"{restarts[cluster]} of topology.max_cluster_restarts = {t.max_cluster_restarts}), "
+                                "it heals from a live peer",
+                                flush=True,
+                            )
+                            start(cluster, tmp)
+                        else:
+                            lost.add(cluster)
+                            print(
+                                f"dilocox: elastic: cluster {cluster} failed ({why}) and is not started again "
+                                f"(topology.max_cluster_restarts = {t.max_cluster_restarts}); the others go on",
+                                flush=True,
+                            )
+                        continue
+                    if done:
+                        del running[cluster]
+                        finished.add(cluster)
+    except (KeyboardInterrupt, _Stopped) as exc:
+        stop_all()
+        what = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"stopped by {exc}"
+        print(f"\ndilocox: {what}, every cluster stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else 128 + exc.signum
+    finally:
+        if lighthouse is not None:
+            lighthouse.shutdown()
+    if lost:
+        print(f"dilocox: elastic: the run finished without clusters {sorted(lost)}", file=sys.stderr)
+    return 0
 
 
 class _Stopped(Exception):

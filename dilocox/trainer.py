@@ -182,8 +182,10 @@ class Trainer:
         run_dir: Path,
         data: TokenData | None = None,
         job_store: JobStore | None = None,
+        cluster_store: tuple[str, int] | None = None,
     ) -> None:
-        """`job_store`: the job's store, for the heartbeat watchdog (`network.stall_timeout`); None runs without."""
+        """`job_store`: the job's store, for the heartbeat watchdog (`network.stall_timeout`); None runs without.
+        `cluster_store`: (host, port) of this cluster's own store, where an elastic run's torchft Manager meets."""
         self.cfg = cfg
         self.rank = rank
         self.run_dir = Path(run_dir)
@@ -195,9 +197,12 @@ class Trainer:
         self.device = resolve_device(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.elastic = cfg.topology.elastic
+        """Each cluster is its own world; the slow link is torchft's group of the round (docs/design.md §10.1)."""
+        ranks_per_cluster = cfg.topology.dp_degree * cfg.topology.pp_degree
         self.groups = build_process_groups(
-            self.topology,
-            rank,
+            Topology(1, cfg.topology.dp_degree, cfg.topology.pp_degree) if self.elastic else self.topology,
+            rank % ranks_per_cluster if self.elastic else rank,
             intra_backend=intra_cluster_backend(self.device),
             timeout=datetime.timedelta(seconds=cfg.network.timeout_s),
         )
@@ -230,8 +235,13 @@ class Trainer:
         # the pipeline of cluster 0, replica 0 (it contains rank 0) evaluates; its last stage has the loss
         self.in_eval_pipeline = self.coords.cluster == 0 and self.coords.dp == 0
         self.inner_optimizer = build_inner_optimizer(cfg, self.model)
+        self.membership = None
+        if self.elastic:
+            if cluster_store is None:
+                raise ValueError("an elastic run needs its cluster's store: start it with `dilocox train`")
+            self.membership = self._join_membership(cluster_store)
         self.channel = WanChannel(
-            self.groups.cluster_group,
+            None if self.elastic else self.groups.cluster_group,  # elastic: rebound to each round's group
             bandwidth=cfg.network.bandwidth_bytes_per_s,
             latency_s=cfg.network.latency_s,
             num_sharing=cfg.topology.dp_degree * cfg.topology.pp_degree,
@@ -243,6 +253,7 @@ class Trainer:
             channel=self.channel,
             dp_group=self.groups.dp_group,
             inner_optimizer=self.inner_optimizer,
+            membership=self.membership,
         )
         self.guarded = cfg.sync.has_outer_loop and cfg.sync.guard
         """A non-finite loss does not stop the run at once: the guard heals the cluster at the round's end."""
@@ -268,6 +279,27 @@ class Trainer:
         self.losses: list[float] = []
         self.round_stats: RoundStats | None = None  # what the sync waited for at the last step cost, if anything
         self._tokenizer_vocab: str | None = None  # Tokenizer.vocab_fingerprint, read at the first checkpoint
+        self.resumed_from: Path | None = None  # the checkpoint this process loaded, if any
+
+    def _join_membership(self, cluster_store: tuple[str, int]):
+        from dilocox.sync.membership import ElasticMembership
+
+        cfg, t = self.cfg, self.cfg.topology
+        timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
+        return ElasticMembership(
+            cluster=self.coords.cluster,
+            num_clusters=t.num_clusters,
+            min_clusters=cfg.min_clusters,
+            lighthouse=cfg.network.lighthouse,
+            store_addr=cluster_store[0],
+            store_port=cluster_store[1],
+            rank_in_cluster=dist.get_rank(),
+            ranks_per_cluster=t.dp_degree * t.pp_degree,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            state_dict=lambda: self.sync.diloco.heal_state(),
+            load_state_dict=lambda state: self.sync.diloco.load_heal_state(state),
+        )
 
     # ---------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -311,14 +343,17 @@ class Trainer:
     def resume(self, path: Path) -> None:
         check_resume(self.cfg, path)
         self.load_state_dict(load_rank_state(path, self.rank))
+        self.resumed_from = path
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
         """Checkpoint this rank (collective); a rank with non-finite parameters stops the run instead, so no
         checkpoint of a diverged model is ever written and the good ones stay."""
         bad = [name for name, p in self.model.named_parameters() if not torch.isfinite(p).all()]
         if bad:
             self._diverged(f"non-finite parameters ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
         self._last_checkpoint_step = self.step
+        if self.elastic and self.coords.cluster != 0:
+            return None  # elastic: cluster 0 writes the run's checkpoints (for eval and export), docs/design.md §10.1
         return save_checkpoint(
             self.run_dir,
             self.step,
@@ -397,6 +432,7 @@ class Trainer:
     def train(self) -> RunSummary | None:
         """Train to `train.steps`; rank 0 logs, every rank checkpoints; returns the summary on rank 0."""
         cfg = self.cfg
+        joined = self._rejoin() if self.membership is not None else None
         logger = None
         if self.rank == 0:
             truncate_metrics(self.run_dir, self.step)
@@ -411,12 +447,17 @@ class Trainer:
             )
             for note in cfg.notes():
                 logger.print(note)
-        if self.in_eval_pipeline and self.initial_eval_loss is None:
+        if self.in_eval_pipeline and self.initial_eval_loss is None and joined is None:
             self.initial_eval_loss = self.evaluate()
         self.memory = self._memory_report(logger)
         self._start = time.perf_counter()
         window_start, window_step = self._start, self.step
         try:
+            if joined is not None:  # end the boundary the peers are at, abstaining from what this cluster missed
+                if joined[1] == "round":
+                    self.round_stats = self.sync.after_inner_step(self.step)
+                if self.step >= cfg.train.steps:
+                    self.round_stats = self.sync.flush() or self.round_stats
             while self.step < cfg.train.steps:
                 try:
                     self.losses.append(self.train_step())
@@ -452,10 +493,53 @@ class Trainer:
                     if logger is not None:
                         logger.print(f"checkpoint saved: {path}")
             wall_s = self.elapsed_before + self._elapsed()
+            if self.membership is not None:
+                self._write_membership_record(joined)
             return self._summary(wall_s, logger)
         finally:
             if logger is not None:
                 logger.close()
+
+    def _rejoin(self) -> tuple[int, str] | None:
+        """Elastic: meet the other clusters. One that joins a run in progress heals from a live peer (outer params,
+        outer optimizer, round counter), moves its step and data stream to the peers' boundary and says so."""
+        joined = self.sync.rejoin()
+        if joined is not None:
+            step, _ = joined
+            self.step = self._last_checkpoint_step = step
+            self.stream.skip_batches(step)  # this process's stream is fresh: at step 0
+            print(
+                f"dilocox: elastic: cluster {self.coords.cluster} rejoined at step {step} (outer step "
+                f"{self.sync.outer_step}), healed from a live peer",
+                flush=True,
+            )
+        return joined
+
+    def _write_membership_record(self, joined: tuple[int, str] | None) -> None:
+        """elastic/cluster{c}.json: how this process of the cluster ended (its outer params' digest, whether it healed
+        from a peer or loaded a checkpoint), so a run's clusters can be compared bit for bit."""
+        import hashlib
+        import json
+
+        from dilocox.fileio import write_atomic
+
+        if dist.get_rank() != 0:
+            return
+        outer = self.sync.outer_params.detach().cpu().contiguous()
+        record = {
+            "cluster": self.coords.cluster,
+            "step": self.step,
+            "outer_step": self.sync.outer_step,
+            "outer_params_sha256": hashlib.sha256(outer.numpy().tobytes()).hexdigest(),
+            "healed_from_peer": joined is not None,
+            "rejoined_at_step": None if joined is None else joined[0],
+            "heals": self.membership.heals,
+            "resumed_from_checkpoint": None if self.resumed_from is None else str(self.resumed_from),
+            "last_eval_loss": self.last_eval_loss,
+        }
+        (self.run_dir / "elastic").mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / "elastic" / f"cluster{self.coords.cluster}.json"
+        write_atomic(path, json.dumps(record, indent=2).encode())
 
     def _record(self, eval_loss: float | None, tokens_per_s: float) -> dict[str, Any]:
         stats = self.channel.stats()
@@ -593,3 +677,5 @@ class Trainer:
         self.channel.close()
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self.membership is not None:
+            self.membership.close()

@@ -311,6 +311,11 @@ class ShardedTokenStream:
         rows = torch.from_numpy(rows.astype(np.int64))
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
+    def skip_batches(self, num_batches: int) -> None:
+        """Move on by `num_batches` batches without reading them (a cluster that rejoins an elastic run)."""
+        position = self._epoch * self._num_windows + self._index + num_batches * self.batch_size
+        self._epoch, self._index = divmod(position, self._num_windows)
+
     def state_dict(self) -> dict[str, int | str]:
         return {"epoch": self._epoch, "index": self._index, "shard": self.shard}
 

@@ -385,6 +385,18 @@ class WanChannel:
             # their exchanges alike (a state saved before it existed restarts at 0 on every rank alike).
             self._launched = int(state.get("num_launched", 0))
 
+    def rebind(self, group: dist.ProcessGroup) -> None:
+        """Carry later collectives over `group`, the slow link of an elastic run's new round (torchft reconfigures
+        it when clusters leave or join, docs/design.md §10.1). Transfers already launched must have completed; an
+        earlier failure is forgotten, since it belonged to the old group. Counters and the link model go on."""
+        if self._auth is not None:
+            raise ValueError("an authenticated WanChannel cannot change its group (network.auth_key_file)")
+        with self._lock:
+            self.group = group
+            self.world_size, self.group_rank = group.size(), group.rank()
+            self._group_ranks = ()
+            self._failure = None
+
     # ----------------------------------------------------------------------------------------- collectives
 
     def launch_all_reduce(
@@ -626,8 +638,8 @@ class WanChannel:
         for peer, numel in enumerate(numels):  # before allocating anything of that size
             if not 0 <= numel <= limit:
                 raise ValueError(
-                    f"slow-link all-gather: rank {peer} of the group (global rank "
-                    f"{dist.get_global_rank(self.group, peer)}) declared a payload of {numel:,} {unit}, outside the "
+                    f"slow-link all-gather: rank {peer} of the group{self._global_rank_note(peer)} declared a payload "
+                    f"of {numel:,} {unit}, outside the "
                     f"0 ... {limit:,} this transfer can carry: its config differs (model, topology, compression) or "
                     "the length was corrupted on the way"
                 )
@@ -639,6 +651,9 @@ class WanChannel:
             gathered = self._open(gathered, tensor, exchange)
         gathered[rank] = tensor
         return _Outcome(gathered, sent, recv, control_bytes)
+
+    def _global_rank_note(self, peer: int) -> str:
+        return f" (global rank {self._group_ranks[peer]})" if peer < len(self._group_ranks) else ""
 
     def _seal(self, tensor: torch.Tensor, exchange: int) -> torch.Tensor:
         """(nbytes + 32,) uint8 on the host: the bytes of `tensor` followed by their tag for this exchange."""
@@ -728,12 +743,12 @@ def _gather_host_payloads(
         peer = 1 - rank
         received = torch.empty(numels[peer], dtype=tensor.dtype)
         if numels[peer] or numels[rank]:
-            peer_global = dist.get_global_rank(group, peer)
+            # group ranks, not global ones: an elastic run's group (torchft's) is not in the default world
             pending = []
             if numels[peer]:
-                pending.append(dist.irecv(received, src=peer_global, group=group))
+                pending.append(dist.irecv(received, group=group, group_src=peer))
             if numels[rank]:
-                pending.append(dist.isend(tensor.contiguous(), dst=peer_global, group=group))
+                pending.append(dist.isend(tensor.contiguous(), group=group, group_dst=peer))
             for work in pending:
                 work.wait()
         return [tensor, received] if rank == 0 else [received, tensor]

@@ -33,6 +33,8 @@ class NetworkConfig:
     """A rank whose heartbeat counter has not moved for this long is named and the run stops (exit 4); 0: off."""
     auth_key_file: str = ""
     """File holding a shared secret (>= 16 bytes, the same on all clusters): HMAC-tag slow-link payloads; "" = off."""
+    lighthouse: str = ""
+    """topology.elastic: URL of the torchft Lighthouse (`dilocox lighthouse`); "" = the local launcher starts one."""
 
     @property
     def bandwidth_bytes_per_s(self) -> float | None:

@@ -13,6 +13,7 @@ from dilocox.sync.base import CodecCost, RoundStats, SyncStrategy
 from dilocox.sync.cocktail import CocktailSync
 from dilocox.sync.config import SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
+from dilocox.sync.membership import ElasticError, ElasticMembership
 from dilocox.sync.outer import OuterSync
 from dilocox.sync.reducers import DenseReducer, GatherReducer, PendingMean, Reducer, build_reducer
 from dilocox.sync.scalable import ScalableElementwiseReducer, ScalableLowRankReducer
@@ -26,6 +27,8 @@ __all__ = [
     "CodecCost",
     "DenseReducer",
     "DiLoCoSync",
+    "ElasticError",
+    "ElasticMembership",
     "GatherReducer",
     "OuterSync",
     "PendingMean",
@@ -48,6 +51,7 @@ def build_sync(
     channel: WanChannel,
     dp_group: dist.ProcessGroup | None,
     inner_optimizer: torch.optim.Optimizer | None = None,
+    membership: ElasticMembership | None = None,
 ) -> SyncStrategy:
     """The strategy named by `sync.kind`, over this rank's parameters. The outer-loop kinds get the public
     `OuterSync` around `DiLoCoSync`, so `dilocox train` and a user's own loop (docs/api.md) run one object;
@@ -66,4 +70,5 @@ def build_sync(
         total_steps=cfg.train.steps,
         inner_optimizer=inner_optimizer,
         faults=cfg.faults,
+        membership=membership,
     )

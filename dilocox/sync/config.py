@@ -82,6 +82,8 @@ class SyncConfig:
     """mean, trimmed_mean, median or norm_clip (the robust ones need a codec with compression.reduction = gather)."""
     trim_fraction: float = 0.25
     """aggregate = trimmed_mean: the share of the largest and of the smallest values dropped per coordinate."""
+    min_clusters: int = 0
+    """Fewest clusters a round may have before the run stops; 0 = all of them (static), 1 (topology.elastic)."""
 
     @property
     def has_outer_loop(self) -> bool:

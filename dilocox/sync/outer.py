@@ -31,6 +31,7 @@ from dilocox.net.link import parse_bandwidth, parse_duration
 from dilocox.sync.base import RoundStats
 from dilocox.sync.config import KIND_DEFAULTS, OUTER_LOOP_KINDS, SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
+from dilocox.sync.membership import ElasticMembership
 from dilocox.topology import group_size
 
 RESUME_SETTINGS = ("kind", "inner_steps", "sync_delay", "outer_lr", "outer_momentum", "nesterov")
@@ -132,6 +133,7 @@ class OuterSync:
         total_steps: int | None = None,
         inner_optimizer: torch.optim.Optimizer | None = None,
         faults: FaultConfig | None = None,
+        membership: ElasticMembership | None = None,
     ) -> OuterSync:
         """Around a `channel` the caller owns (and closes), with the config dataclasses: the trainer's path
         (`build_sync`), and the one to `sync.fit_link` or `sync.outer_state_device`. Nothing is hooked or
@@ -152,6 +154,7 @@ class OuterSync:
             total_steps=total_steps,
             inner_optimizer=inner_optimizer,
             faults=faults,
+            membership=membership,
         )
         return self
 
@@ -168,6 +171,7 @@ class OuterSync:
         total_steps: int | None = None,
         inner_optimizer: torch.optim.Optimizer | None = None,
         faults: FaultConfig | None = None,
+        membership: ElasticMembership | None = None,
     ) -> None:
         self.diloco = DiLoCoSync(
             params,
@@ -178,6 +182,7 @@ class OuterSync:
             seed=seed,
             total_steps=total_steps,
             faults=faults,
+            membership=membership,
         )
         """The implementation this facade drives (docs/design.md §3)."""
         self.inner_optimizer = inner_optimizer
@@ -220,6 +225,16 @@ class OuterSync:
             self.diloco.healed = False
             if self.inner_optimizer is not None:
                 self.inner_optimizer.state.clear()
+
+    def rejoin(self) -> tuple[int, str] | None:
+        """Elastic runs: join the run (`DiLoCoSync.rejoin`); a cluster that heals from a peer gets (step, phase) and
+        its inner optimizer starts afresh."""
+        joined = self.diloco.rejoin()
+        if joined is not None:
+            self.num_steps = joined[0]
+            if self.inner_optimizer is not None:
+                self.inner_optimizer.state.clear()
+        return joined
 
     def reduce_gradients(self) -> None:
         """Average this step's gradients over `dp_group` (a copy for a group of one): call it after backward and

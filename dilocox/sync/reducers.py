@@ -129,10 +129,15 @@ class DenseReducer:
 
     name = "dense"
 
-    def __init__(self, numel: int, *, channel: WanChannel, dp_group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, numel: int, *, channel: WanChannel, dp_group: dist.ProcessGroup | None, counted: bool = False
+    ) -> None:
         self.numel = numel
         self.channel = channel
         self.dp_group = dp_group
+        self.counted = counted
+        """Elastic runs: one more value carries the number of senders, so an abstaining cluster (new to the round)
+        is left out of the mean instead of counting as a zero update."""
         size = group_size(dp_group)
         self.bounds = [shard_bounds(numel, size, index) for index in range(size)]
         self.start, self.end = self.bounds[_dp_rank(dp_group)]
@@ -140,14 +145,30 @@ class DenseReducer:
     def launch(self, pseudo_grad: torch.Tensor, *, account: bool = True) -> PendingMean:
         # The all-reduce works on a copy of the shard, so `pseudo_grad` stays intact until wait() (what a resumed
         # run sends again).
+        if self.counted:
+            return self._launch_counted(pseudo_grad, sender=1.0, account=account)
         shard = pseudo_grad[self.start : self.end].clone()
         transfer = self.channel.launch_all_reduce(shard, op="avg", account=account)
         return PendingMean(pseudo_grad, self.bounds, transfer.wait, transfer, self.dp_group, sent=pseudo_grad)
+
+    def _launch_counted(self, pseudo_grad: torch.Tensor, *, sender: float, account: bool) -> PendingMean:
+        one = torch.full((1,), sender, dtype=pseudo_grad.dtype, device=pseudo_grad.device)
+        shard = torch.cat([pseudo_grad[self.start : self.end], one])  # (shard + 1,): the values and the sender count
+        transfer = self.channel.launch_all_reduce(shard, op="sum", account=account)
+
+        def finish() -> torch.Tensor:
+            total = transfer.wait()
+            senders = float(total[-1])
+            return total[:-1] / senders if senders > 0 else torch.zeros_like(total[:-1])
+
+        return PendingMean(pseudo_grad, self.bounds, finish, transfer, self.dp_group, sent=pseudo_grad)
 
     def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
         return self.launch(sent.clone(), account=account)
 
     def abstain(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        if self.counted:
+            return self._launch_counted(torch.zeros_like(pseudo_grad), sender=0.0, account=True)
         return self.launch(torch.zeros_like(pseudo_grad))
 
     def heal(self) -> None:
@@ -290,6 +311,8 @@ class GatherReducer(CodecReducer):
         trim_fraction: float = 0.25,
     ) -> None:
         super().__init__(codec, shapes, error_feedback=error_feedback, channel=channel, dp_group=dp_group, seed=seed)
+        self.empty_reason = "it sent none: its own was non-finite"
+        """Why a cluster sends an empty payload (elastic runs: also a cluster new to the round)."""
         self.guard = guard
         self.how = how
         self.trim_fraction = trim_fraction
@@ -337,7 +360,7 @@ class GatherReducer(CodecReducer):
                 if data is None:
                     malformed[index] = "its payload's tag did not verify (network.auth_key_file)"
                 elif not data.numel():
-                    malformed[index] = "it sent none: its own was non-finite"
+                    malformed[index] = self.empty_reason
                 elif index != own_index:
                     try:
                         decoded = self.codec.decode_list(Payload(data), self.slice.shapes)
@@ -404,6 +427,7 @@ def build_reducer(
     guard_max_ratio: float | None = None,
     aggregate: str = "mean",
     trim_fraction: float = 0.25,
+    elastic: bool = False,
 ) -> Reducer:
     """The reducer of `compression.kind` and `compression.reduction` over tensors of `shapes` (validated here).
 
@@ -412,7 +436,8 @@ def build_reducer(
     aggregate with the others; their guard is the check of the mean in `DiLoCoSync`)."""
     cfg.validate()
     if cfg.kind == "none":
-        return DenseReducer(sum(shape.numel() for shape in shapes), channel=channel, dp_group=dp_group)
+        numel = sum(shape.numel() for shape in shapes)
+        return DenseReducer(numel, channel=channel, dp_group=dp_group, counted=elastic)
     codec = build_codec(cfg, seed=seed)
     if cfg.reduction == "scalable":  # validate() allows only the kinds these two average
         from dilocox.sync.scalable import ScalableElementwiseReducer, ScalableLowRankReducer
@@ -420,7 +445,7 @@ def build_reducer(
         low_rank = isinstance(codec, LowRankCodec)
         reducer: type[CodecReducer] = ScalableLowRankReducer if low_rank else ScalableElementwiseReducer
         return reducer(codec, shapes, error_feedback=cfg.error_feedback, channel=channel, dp_group=dp_group, seed=seed)
-    return GatherReducer(
+    gather = GatherReducer(
         codec,
         shapes,
         error_feedback=cfg.error_feedback,
@@ -431,3 +456,6 @@ def build_reducer(
         how=aggregate,
         trim_fraction=trim_fraction,
     )
+    if elastic:
+        gather.empty_reason = "it sent none: its own was non-finite, or it is new to the round"
+    return gather

@@ -1,0 +1,205 @@
+"""Elastic membership: which clusters take part in an outer round, from torchft's Lighthouse and Manager.
+
+With `topology.elastic = true` every cluster is its own torch.distributed world and the slow `cluster_group` of
+docs/design.md §2 becomes a group that torchft (pytorch/torchft) reconfigures at every round boundary: one quorum
+per outer round, asked of a Lighthouse, holds the clusters that are alive; a cluster that fails or stalls is left
+out of the next quorum, and a restarted one joins it and heals from a live peer through torchft's checkpoint
+transport instead of from disk (docs/design.md §10.1).
+
+    membership = ElasticMembership(cluster=1, num_clusters=3, min_clusters=2, lighthouse="http://host:29510", ...)
+    quorum = membership.start_round()     # blocks until the live clusters meet at this boundary
+    channel.rebind(quorum.group)          # the slow link of this round
+    ...the round's collectives...; membership.commit()
+
+A sync launched in one quorum and resolved in the next follows `delayed_update_verdict`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+APPLY, REDO, NOTHING = "apply", "redo", "nothing"
+
+
+def delayed_update_verdict(*, num_holding: int, num_not_ok: int) -> str:
+    """What the clusters of a quorum do with the sync of the last round, still in flight (one-step delay).
+
+    Every member says whether it holds a share of it (`num_holding` counts those that do) and whether that share
+    arrived whole in this very quorum (`num_not_ok` counts the members for which it did not: it failed, it was
+    launched in another quorum, or the member has none, being new). Both counts are summed over the quorum, so every
+    member reaches the same verdict:
+    - `nothing`: no member holds one (the first round, or a blocking sync);
+    - `apply`: every member got the whole average in an unchanged quorum: apply it, as a static run would;
+    - `redo`: the members that hold a share send it again over the new quorum (the same bytes) and the others
+      abstain, so the average is over the clusters that delivered and are still alive.
+    """
+    if num_holding == 0:
+        return NOTHING
+    return APPLY if num_not_ok == 0 else REDO
+
+
+class ElasticError(ValueError):
+    """The elastic run cannot go on (fewer clusters than `sync.min_clusters`): one line, a non-zero exit."""
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The clusters of one round, as torchft's Manager configured them."""
+
+    quorum_id: int
+    """torchft's quorum id: it changes exactly when the membership changes."""
+    clusters: tuple[int, ...]
+    """The member clusters, in group rank order."""
+    group: dist.ProcessGroup
+    """This round's slow-link group (gloo), one rank per member cluster."""
+    healed: bool
+    """This cluster's state was just replaced by a live peer's (it joined late or restarted)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.clusters)
+
+
+def _reconfigurable_gloo(timeout: datetime.timedelta):
+    """torchft's reconfigurable gloo group, remembering the members of its last configuration."""
+    from torchft import ProcessGroupGloo
+
+    class SlowLinkGroup(ProcessGroupGloo):
+        members: tuple[int, ...] = ()
+        quorum_id: int = -1
+
+        def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
+                      group_world_size=None, global_ranks=None) -> None:  # fmt: skip
+            super().configure(
+                store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+            )
+            # torchft numbers a replica by the digits that end its id ("cluster7" -> 7) times the replica's size
+            self.members = tuple(r // (group_world_size or 1) for r in (global_ranks or []))
+            self.quorum_id = -1 if quorum_id is None else int(quorum_id)
+
+    return SlowLinkGroup(timeout=timeout)
+
+
+class ElasticMembership:
+    """One torchft `Manager` for this rank's position (dp, pp) in its cluster: replica id = the cluster.
+
+    `state_dict` / `load_state_dict` are what a live peer sends a joining cluster (outer params, outer optimizer,
+    round counter: `DiLoCoSync.heal_state`); they are called by torchft during `start_round`."""
+
+    def __init__(
+        self,
+        *,
+        cluster: int,
+        num_clusters: int,
+        min_clusters: int,
+        lighthouse: str,
+        store_addr: str,
+        store_port: int,
+        rank_in_cluster: int,
+        ranks_per_cluster: int,
+        timeout: datetime.timedelta,
+        quorum_timeout: datetime.timedelta,
+        state_dict: Callable[[], Any],
+        load_state_dict: Callable[[Any], None],
+    ) -> None:
+        from torchft import Manager
+
+        for name in ("torchft", "torchft.manager", "torchft_quorums", "torchft_commits", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        self.cluster = cluster
+        self.num_clusters = num_clusters
+        self.min_clusters = min_clusters
+        self.timeout = timeout
+        self._healed = False
+        self._load_state_dict = load_state_dict
+        self.group = _reconfigurable_gloo(timeout)
+        self.manager = Manager(
+            pg=self.group,
+            load_state_dict=self._heal,
+            state_dict=state_dict,
+            min_replica_size=1,  # sync.min_clusters is checked here, with a message that names it
+            use_async_quorum=False,  # the quorum, and a heal, complete at the round boundary
+            timeout=timeout,
+            quorum_timeout=quorum_timeout,
+            connect_timeout=timeout,
+            rank=rank_in_cluster,
+            world_size=ranks_per_cluster,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=lighthouse,
+            replica_id=f"cluster{cluster}",
+            hostname=store_addr,
+            init_sync=False,  # every cluster builds the same initial model from run.seed
+        )
+        self.heals = 0
+        """Times this cluster's state came from a live peer."""
+
+    def _heal(self, state: Any) -> None:
+        self._healed = True
+        self.heals += 1
+        self._load_state_dict(state)
+
+    def join(self) -> Quorum:
+        """The first quorum of this process. At the start of a run it waits until every cluster is there (so a run
+        without faults has every cluster in every round); a cluster that joins a run in progress heals from a peer.
+        It commits, so a later round's quorum finds this cluster at the step of its peers."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            quorum = self.start_round()
+            if quorum.healed or self.manager.current_step() > 0 or quorum.size == self.num_clusters:
+                break
+            if time.monotonic() > deadline:
+                raise ElasticError(
+                    f"only clusters {list(quorum.clusters)} of {self.num_clusters} joined within network.timeout = "
+                    f"{self.timeout.total_seconds():.0f}s; start every cluster, or raise network.timeout"
+                )
+            time.sleep(0.1)
+        if not quorum.healed:
+            self.commit()
+        return quorum
+
+    def start_round(self) -> Quorum:
+        """Meet the live clusters at this round boundary (a late one heals here); refuse to go on below
+        `min_clusters`."""
+        self._healed = False
+        self.manager.start_quorum()
+        if self.manager.errored() is not None:
+            raise RuntimeError(f"torchft could not form the round's quorum: {self.manager.errored()}")
+        members = self.group.members
+        if len(members) < self.min_clusters:
+            raise ElasticError(
+                f"only {len(members)} of {self.num_clusters} clusters (clusters {list(members)}) are left in the "
+                f"round, fewer than sync.min_clusters = {self.min_clusters}: the run stops"
+            )
+        return Quorum(quorum_id=self.group.quorum_id, clusters=members, group=self.group.parent, healed=self._healed)
+
+    def commit(self) -> None:
+        """End the round in torchft's step count (a cluster behind its peers heals at the next quorum)."""
+        if not self.manager.should_commit():
+            raise RuntimeError(
+                f"cluster {self.cluster} could not commit its round: {self.manager.errored() or 'peers disagreed'}"
+            )
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def start_lighthouse(*, bind: str = "[::]:0", heartbeat_timeout_s: float, join_timeout_s: float):
+    """A torchft LighthouseServer (in the launcher's process, or `dilocox lighthouse`); `.address()` is what the
+    clusters pass as network.lighthouse. A cluster whose heartbeat is silent for `heartbeat_timeout_s` is left out
+    of the next quorum; the live ones wait at most `join_timeout_s` for a cluster that beats but does not come."""
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(
+        bind=bind,
+        min_replicas=1,
+        join_timeout_ms=int(join_timeout_s * 1000),
+        heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
+    )
