@@ -65,6 +65,11 @@ def resolve_resume(cfg: Config) -> Path | None:
     resume = cfg.checkpoint.resume
     if not resume or (resume == "auto" and (cfg.run.overwrite or not list_checkpoints(Path(cfg.run.out_dir)))):
         return None
+    if cfg.topology.elastic:
+        raise ValueError(
+            f"{cfg.run.out_dir} holds checkpoints, but an elastic run heals from live peers and does not resume from "
+            "disk yet; start it in a new --run.out_dir or with --run.overwrite=true"
+        )
     path = find_checkpoint(Path(cfg.run.out_dir), "latest" if resume == "auto" else resume)
     check_resume(cfg, path)
     if resume == "auto":
@@ -108,6 +113,11 @@ def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Pa
     torchrun's; without it this machine starts every rank (`check_local_ranks`)."""
     from dilocox.trainer import check_batches, model_shape, prepare_data
 
+    if world_size is not None and cfg.topology.elastic:
+        raise ValueError(
+            "topology.elastic = true is started by `dilocox train` on one machine for now (it starts the clusters, a "
+            "torchft Lighthouse and restarts dead clusters); under torchrun leave topology.elastic off"
+        )
     cfg.validate(world_size)
     cores = os.cpu_count() or 1
     if cfg.run.num_threads > cores:  # torch cannot start that many (100,000 crashed every rank)
@@ -357,7 +367,10 @@ def _elastic_rank_main(
     local_rank: int, cluster: int, cfg_dict: dict, port: int, error_dir: str, lighthouse: str
 ) -> None:
     """One rank of one cluster of an elastic run: the cluster is its own world (its store in the launcher)."""
+    import faulthandler
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints where a cluster waits
     _die_with(os.getppid())
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     cfg = from_dict(cfg_dict)
@@ -442,6 +455,9 @@ def launch_elastic(cfg: Config) -> int:
                             print(f"dilocox: error: {errors[0].read_text()}", file=sys.stderr)
                             return EXIT_USER_ERROR
                         why = f"exit code {exc.exit_code}" if hasattr(exc, "exit_code") else exc.__class__.__name__
+                        detail = getattr(exc, "msg", "").strip().splitlines()
+                        if detail and not hasattr(exc, "exit_code"):  # a Python error: its last line says what
+                            why = f"{why}: {detail[-1]}"
                         if restarts[cluster] < t.max_cluster_restarts:
                             restarts[cluster] += 1
                             print(

@@ -507,6 +507,7 @@ class DiLoCoSync:
                     f"step {self._elastic.boundary_step}: it stops so that its launcher restarts it, and it rejoins"
                 )
         self.channel.rebind(quorum.group)
+        self.num_clusters = quorum.size  # the eager merge's share: of the clusters of this round
         e.quorum_now = quorum
         return quorum
 
@@ -640,6 +641,7 @@ class DiLoCoSync:
         quorum = self.membership.join()
         if not quorum.healed:
             self.channel.rebind(quorum.group)
+            self.num_clusters = quorum.size
             return None
         e = self._elastic
         e.quorum, e.newcomer = quorum, True
