@@ -152,7 +152,7 @@ class ElasticMembership:
         It commits, so a later round's quorum finds this cluster at the step of its peers."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         while True:
-            quorum = self.start_round()
+            quorum = self.start_round(check=False)  # at the start, clusters still starting are not missing
             if quorum.healed or self.manager.current_step() > 0 or quorum.size == self.num_clusters:
                 break
             if time.monotonic() > deadline:
@@ -161,11 +161,12 @@ class ElasticMembership:
                     f"{self.timeout.total_seconds():.0f}s; start every cluster, or raise network.timeout"
                 )
             time.sleep(0.1)
+        self._check(quorum.clusters)
         if not quorum.healed:
             self.commit()
         return quorum
 
-    def start_round(self) -> Quorum:
+    def start_round(self, *, check: bool = True) -> Quorum:
         """Meet the live clusters at this round boundary (a late one heals here); refuse to go on below
         `min_clusters`."""
         self._healed = False
@@ -173,12 +174,16 @@ class ElasticMembership:
         if self.manager.errored() is not None:
             raise RuntimeError(f"torchft could not form the round's quorum: {self.manager.errored()}")
         members = self.group.members
+        if check:
+            self._check(members)
+        return Quorum(quorum_id=self.group.quorum_id, clusters=members, group=self.group.parent, healed=self._healed)
+
+    def _check(self, members: tuple[int, ...]) -> None:
         if len(members) < self.min_clusters:
             raise ElasticError(
                 f"only {len(members)} of {self.num_clusters} clusters (clusters {list(members)}) are left in the "
                 f"round, fewer than sync.min_clusters = {self.min_clusters}: the run stops"
             )
-        return Quorum(quorum_id=self.group.quorum_id, clusters=members, group=self.group.parent, healed=self._healed)
 
     def commit(self) -> None:
         """End the round in torchft's step count (a cluster behind its peers heals at the next quorum)."""
