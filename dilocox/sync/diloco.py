@@ -538,7 +538,12 @@ class DiLoCoSync:
         self, due: PendingMean | None, *, round_steps: int | None, round_index: int, quorum: Quorum | None
     ) -> tuple[torch.Tensor | None, RoundStats | None]:
         e = self._elastic
-        arrived = self._try_wait(due, round_steps=round_steps, round_index=round_index)
+        try:
+            arrived = self._try_wait(due, round_steps=round_steps, round_index=round_index, raise_errors=True)
+        except RuntimeError as error:  # a peer died during it: that group is broken here, the settling needs a new one
+            self.membership.fail(error)
+            arrived, quorum = None, None
+        control = self.membership.control_timeout
         for _ in range(_SETTLE_ATTEMPTS):
             if quorum is None:
                 quorum = self._quorum()
@@ -546,7 +551,7 @@ class DiLoCoSync:
             ok = arrived is not None and e.pending_quorum == quorum.quorum_id
             try:
                 counts = torch.tensor([float(due is not None or e.others_hold), float(not ok)])
-                counts = self.channel.launch_all_reduce(counts, op="sum", account=False).wait()
+                counts = self.channel.launch_all_reduce(counts, op="sum", account=False, timeout=control).wait()
                 verdict = delayed_update_verdict(num_holding=int(counts[0]), num_not_ok=int(counts[1]))
                 if verdict == NOTHING:
                     return None, None
@@ -561,9 +566,14 @@ class DiLoCoSync:
                     due = self.reducer.abstain(self.outer_params)
                     due.abstained = True
                 arrived = self._try_wait(due, round_steps=round_steps, round_index=round_index, raise_errors=True)
+                # Confirm before applying: an all-reduce completes nowhere unless every member took part, so a redo
+                # that failed on one member (it never gets here) fails the confirmation on every member alike, and
+                # they all try again, instead of one applying and committing while another tries again.
+                self.channel.launch_all_reduce(torch.zeros(1), op="sum", account=False, timeout=control).wait()
                 return arrived
             except RuntimeError as error:
                 self.warnings.append(f"elastic: settling round {round_index} failed ({error}); trying a new quorum")
+                self.membership.fail(error)
                 arrived, quorum = None, None
         raise RuntimeError(f"round {round_index} could not be settled in {_SETTLE_ATTEMPTS} quorums")
 

@@ -106,6 +106,7 @@ class ElasticMembership:
         ranks_per_cluster: int,
         timeout: datetime.timedelta,
         quorum_timeout: datetime.timedelta,
+        control_timeout: datetime.timedelta,
         state_dict: Callable[[], Any],
         load_state_dict: Callable[[Any], None],
     ) -> None:
@@ -117,6 +118,10 @@ class ElasticMembership:
         self.num_clusters = num_clusters
         self.min_clusters = min_clusters
         self.timeout = timeout
+        self.control_timeout = control_timeout
+        """Bound on the small all-reduces by which a round's members agree (`DiLoCoSync._settle_in_quorum`): shorter
+        than the Lighthouse's join timeout, so a member whose peer failed them gets its own error and asks for the
+        next quorum before the Lighthouse would form it without this member."""
         self._healed = False
         self._load_state_dict = load_state_dict
         self.group = _reconfigurable_gloo(timeout)
@@ -184,6 +189,18 @@ class ElasticMembership:
                 f"only {len(members)} of {self.num_clusters} clusters (clusters {list(members)}) are left in the "
                 f"round, fewer than sync.min_clusters = {self.min_clusters}: the run stops"
             )
+
+    def fail(self, error: Exception) -> None:
+        """A collective of this round failed here: end the round without committing, so that the next quorum is new.
+
+        The error is reported to torchft (without its traceback, which would keep the broken group alive) and the
+        round is not committed: torchft counts a commit failure, the next quorum request carries it, and the
+        Lighthouse gives that quorum a new id, so torchft builds a fresh group even when the members are the same
+        (a gloo group that saw a failure or a timeout is not used again)."""
+        self.manager.report_error(RuntimeError(str(error)))
+        self.group.abort()  # drops torchft's reference to the broken group
+        if self.manager.should_commit():  # false after report_error; this is what counts the commit failure
+            raise AssertionError("torchft committed a round whose collective failed")
 
     def commit(self) -> None:
         """End the round in torchft's step count (a cluster behind its peers heals at the next quorum)."""
