@@ -385,6 +385,7 @@ def _elastic_rank_main(
 
     try:
         trainer = Trainer(cfg, rank=rank, run_dir=Path(cfg.run.out_dir), cluster_store=(_LOCAL_HOST, port))
+        trainer.on_joined = lambda: Path(error_dir, f"joined{cluster}").touch()
         try:
             trainer.train()
         finally:
@@ -419,6 +420,7 @@ def launch_elastic(cfg: Config) -> int:
     lost: set[int] = set()
 
     def start(cluster: int, tmp: str) -> None:
+        Path(tmp, f"joined{cluster}").unlink(missing_ok=True)
         # a fresh store for every start: a restarted cluster must not meet its dead processes' keys
         store = dist.TCPStore(_LOCAL_HOST, 0, None, is_master=True, timeout=timeout, wait_for_workers=False)
         ctx = mp.start_processes(
@@ -458,7 +460,7 @@ def launch_elastic(cfg: Config) -> int:
                         detail = getattr(exc, "msg", "").strip().splitlines()
                         if detail and not hasattr(exc, "exit_code"):  # a Python error: its last line says what
                             why = f"{why}: {detail[-1]}"
-                        if restarts[cluster] < t.max_cluster_restarts:
+                        if restarts[cluster] < t.max_cluster_restarts and not finished:
                             restarts[cluster] += 1
                             print(
                                 f"dilocox: elastic: cluster {cluster} failed ({why}); starting it again (restart "
@@ -478,6 +480,17 @@ def launch_elastic(cfg: Config) -> int:
                     if done:
                         del running[cluster]
                         finished.add(cluster)
+                if finished:
+                    # The run has ended: a restarted cluster that is not in it yet has no peer left to heal from
+                    # (it would wait for one up to network.timeout).
+                    for cluster in [c for c in running if not Path(tmp, f"joined{c}").exists()]:
+                        _stop(running.pop(cluster)[0])
+                        lost.add(cluster)
+                        print(
+                            f"dilocox: elastic: the run ended before the restarted cluster {cluster} rejoined it; "
+                            "it is stopped",
+                            flush=True,
+                        )
     except (KeyboardInterrupt, _Stopped) as exc:
         stop_all()
         what = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"stopped by {exc}"

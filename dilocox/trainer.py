@@ -14,6 +14,7 @@ import datetime
 import math
 import os
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -280,6 +281,8 @@ class Trainer:
         self.round_stats: RoundStats | None = None  # what the sync waited for at the last step cost, if anything
         self._tokenizer_vocab: str | None = None  # Tokenizer.vocab_fingerprint, read at the first checkpoint
         self.resumed_from: Path | None = None  # the checkpoint this process loaded, if any
+        self.on_joined: Callable[[], None] | None = None
+        """Elastic: called once this cluster is in the run (the launcher stops a restart that never got in)."""
 
     def _join_membership(self, cluster_store: tuple[str, int]):
         from dilocox.sync.membership import ElasticMembership
@@ -297,6 +300,8 @@ class Trainer:
             ranks_per_cluster=t.dp_degree * t.pp_degree,
             timeout=timeout,
             quorum_timeout=timeout,
+            # half the Lighthouse's join timeout (launch.lighthouse_timeouts)
+            control_timeout=datetime.timedelta(seconds=(cfg.network.stall_timeout_s or cfg.network.timeout_s) / 2),
             state_dict=lambda: self.sync.diloco.heal_state(),
             load_state_dict=lambda state: self.sync.diloco.load_heal_state(state),
         )
@@ -504,6 +509,8 @@ class Trainer:
         """Elastic: meet the other clusters. One that joins a run in progress heals from a live peer (outer params,
         outer optimizer, round counter), moves its step and data stream to the peers' boundary and says so."""
         joined = self.sync.rejoin()
+        if self.on_joined is not None:
+            self.on_joined()
         if joined is not None:
             step, _ = joined
             self.step = self._last_checkpoint_step = step
