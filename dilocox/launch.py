@@ -385,7 +385,10 @@ def _elastic_rank_main(
 
     try:
         trainer = Trainer(cfg, rank=rank, run_dir=Path(cfg.run.out_dir), cluster_store=(_LOCAL_HOST, port))
+        trainer.on_joining = lambda: Path(error_dir, f"ready{cluster}").touch()
         trainer.on_joined = lambda: Path(error_dir, f"joined{cluster}").touch()
+        if trainer.membership is not None:
+            trainer.membership.restarts_pending = lambda: _restarts_pending(error_dir, cfg.topology.num_clusters)
         try:
             trainer.train()
         finally:
@@ -397,6 +400,15 @@ def _elastic_rank_main(
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # torchft's threads (its manager server, the checkpoint server) must not hold the exit
+
+
+def _restarts_pending(error_dir: str, num_clusters: int) -> list[int]:
+    """The clusters this launcher is starting again (`restarting{c}`) that have not asked to join yet (`ready{c}`)."""
+    return [
+        c
+        for c in range(num_clusters)
+        if Path(error_dir, f"restarting{c}").exists() and not Path(error_dir, f"ready{c}").exists()
+    ]
 
 
 def launch_elastic(cfg: Config) -> int:
@@ -421,6 +433,9 @@ def launch_elastic(cfg: Config) -> int:
 
     def start(cluster: int, tmp: str) -> None:
         Path(tmp, f"joined{cluster}").unlink(missing_ok=True)
+        Path(tmp, f"ready{cluster}").unlink(missing_ok=True)
+        if restarts[cluster]:  # the live clusters' end of training waits for it (ElasticMembership.wait_for_restarts)
+            Path(tmp, f"restarting{cluster}").touch()
         # a fresh store for every start: a restarted cluster must not meet its dead processes' keys
         store = dist.TCPStore(_LOCAL_HOST, 0, None, is_master=True, timeout=timeout, wait_for_workers=False)
         ctx = mp.start_processes(
@@ -471,6 +486,7 @@ def launch_elastic(cfg: Config) -> int:
                             start(cluster, tmp)
                         else:
                             lost.add(cluster)
+                            Path(tmp, f"restarting{cluster}").unlink(missing_ok=True)
                             print(
                                 f"dilocox: elastic: cluster {cluster} failed ({why}) and is not started again "
                                 f"(topology.max_cluster_restarts = {t.max_cluster_restarts}); the others go on",
@@ -486,6 +502,7 @@ def launch_elastic(cfg: Config) -> int:
                     for cluster in [c for c in running if not Path(tmp, f"joined{c}").exists()]:
                         _stop(running.pop(cluster)[0])
                         lost.add(cluster)
+                        Path(tmp, f"restarting{cluster}").unlink(missing_ok=True)
                         print(
                             f"dilocox: elastic: the run ended before the restarted cluster {cluster} rejoined it; "
                             "it is stopped",

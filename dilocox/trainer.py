@@ -281,6 +281,8 @@ class Trainer:
         self.round_stats: RoundStats | None = None  # what the sync waited for at the last step cost, if anything
         self._tokenizer_vocab: str | None = None  # Tokenizer.vocab_fingerprint, read at the first checkpoint
         self.resumed_from: Path | None = None  # the checkpoint this process loaded, if any
+        self.on_joining: Callable[[], None] | None = None
+        """Elastic: called just before this cluster asks to join (the end of training waits for a restart's)."""
         self.on_joined: Callable[[], None] | None = None
         """Elastic: called once this cluster is in the run (the launcher stops a restart that never got in)."""
 
@@ -508,6 +510,8 @@ class Trainer:
     def _rejoin(self) -> tuple[int, str] | None:
         """Elastic: meet the other clusters. One that joins a run in progress heals from a live peer (outer params,
         outer optimizer, round counter), moves its step and data stream to the peers' boundary and says so."""
+        if self.on_joining is not None:
+            self.on_joining()
         joined = self.sync.rejoin()
         if self.on_joined is not None:
             self.on_joined()
