@@ -77,21 +77,17 @@ def _records(run_dir: Path) -> dict[int, dict]:
     }
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.xfail(
-    reason="timing (2026-11-23, after the settling race was fixed): on a loaded 2-core machine the restarted cluster "
-    "can take longer to start than the survivors take to finish, and then it never rejoins; 2 of 3 runs passed.",
-    strict=False,
-)
+@pytest.mark.timeout(240)
 def test_a_killed_cluster_rejoins_heals_from_a_peer_and_ends_bit_identical(tmp_path):
-    flags = [*ELASTIC, "--topology.num_clusters=3", "--train.steps=160", "--sync.inner_steps=10"]
+    flags = [*ELASTIC, "--topology.num_clusters=3", "--train.steps=60", "--sync.inner_steps=10"]
     clean = Run(tmp_path / "clean", *flags)
     assert clean.finish() == 0, clean.output[-4000:]
     clean_loss = json.loads((tmp_path / "clean" / "summary.json").read_text())["final_eval_loss"]
 
     run = Run(tmp_path / "killed", *flags)
-    # mid-round (rounds end at multiples of 10), early enough that the restarted process (a few seconds to start)
-    # rejoins well before the others finish
+    # mid-round (rounds end at multiples of 10). The restarted process takes a few seconds to start (~20 s on 2 busy
+    # cores): it rejoins at a round boundary, or, if the others reach the end first, at the end of training, where
+    # they wait for it (ElasticMembership.wait_for_restarts); either way it heals from a live peer
     run.wait_for_step(15)
     os.kill(run.pid_of(2), signal.SIGKILL)
     assert run.finish() == 0, run.output[-4000:]
@@ -106,12 +102,16 @@ def test_a_killed_cluster_rejoins_heals_from_a_peer_and_ends_bit_identical(tmp_p
     assert len(digests) == 1, records  # the agreed parameters are bit-identical on every cluster
     assert records[2]["healed_from_peer"] and records[2]["resumed_from_checkpoint"] is None
     # the only checkpoint is the final one, written after the heal: there was nothing on disk it could have read
-    assert [p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()] == ["step_00000160"]
+    assert [p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()] == ["step_00000060"]
     assert not records[0]["healed_from_peer"] and not records[1]["healed_from_peer"]
-    assert all(r["step"] == 160 for r in records.values())
+    assert all(r["step"] == 60 for r in records.values())
 
     loss = json.loads((tmp_path / "killed" / "summary.json").read_text())["final_eval_loss"]
-    print(f"final eval loss: clean {clean_loss:.4f}, with cluster 2 killed and rejoined {loss:.4f}")
+    waited = "waits for restarted clusters [2] before the last sync" in out
+    print(
+        f"final eval loss: clean {clean_loss:.4f}, with cluster 2 killed and rejoined at step "
+        f"{records[2]['rejoined_at_step']} {loss:.4f} ({'at the end, the others waited' if waited else 'mid-run'})"
+    )
     assert abs(loss - clean_loss) / clean_loss < 0.05
 
 
