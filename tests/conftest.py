@@ -31,6 +31,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    # item.rep_setup / rep_call / rep_teardown: a fixture's teardown can tell whether its test failed
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
 def pytest_unconfigure(config):
     if _CACHE_DIR:
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)

@@ -1,6 +1,7 @@
 """Elastic clusters as a user meets them (docs/design.md §10.1): kill -9 one cluster's process mid-run; the others go
 on, the launcher starts it again, it heals from a live peer and ends bit-identical to them."""
 
+import contextlib
 import json
 import os
 import re
@@ -42,12 +43,19 @@ class Run:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
 
-    def pid_of(self, cluster: int) -> int:
-        for line in self.lines:
-            found = re.match(rf"dilocox: elastic: cluster {cluster} started \(pid (\d+)", line)
+    def pids(self) -> dict[int, list[int]]:
+        """Every process the launcher started, by cluster, in the order they were started."""
+        started: dict[int, list[int]] = {}
+        for line in list(self.lines):
+            found = re.match(r"dilocox: elastic: cluster (\d+) started \(pid (\d+)", line)
             if found:
-                return int(found.group(1))
-        raise AssertionError(f"cluster {cluster} has no pid line:\n" + "\n".join(self.lines[-40:]))
+                started.setdefault(int(found.group(1)), []).append(int(found.group(2)))
+        return started
+
+    def pid_of(self, cluster: int) -> int:
+        started = self.pids().get(cluster)
+        assert started, f"cluster {cluster} has no pid line:\n{self.output}"
+        return started[-1]
 
     def wait_for_step(self, step: int, timeout: float = 120) -> None:
         metrics = self.run_dir / "metrics.jsonl"
@@ -57,18 +65,56 @@ class Run:
                 steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
                 if steps and steps[-1] >= step:
                     return
-            assert self.proc.poll() is None, "\n".join(self.lines[-40:])
+            assert self.proc.poll() is None, f"the run ended before step {step}"
             time.sleep(0.05)
-        raise AssertionError(f"step {step} not reached")
+        raise AssertionError(f"step {step} not reached within {timeout:.0f} s")
 
-    def finish(self, timeout: float = 240) -> int:
+    def finish(self, timeout: float = 150) -> int:
         code = self.proc.wait(timeout=timeout)
         self._reader.join(timeout=10)
         return code
 
+    def stop(self, *, dump_stacks: bool) -> None:
+        """End a run that is still going (a failed or timed-out test): with `dump_stacks`, every live rank first
+        prints where its threads are (faulthandler on SIGUSR1), so a hang shows where it waited."""
+        if self.proc.poll() is not None:
+            return
+        if dump_stacks:
+            for pid in [pid for pids in self.pids().values() for pid in pids]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+            time.sleep(2)
+        self.proc.terminate()  # the launcher stops its ranks, like Ctrl+C
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout=10)
+
     @property
     def output(self) -> str:
         return "\n".join(self.lines)
+
+
+@pytest.fixture
+def start_run(request, tmp_path):
+    """Starts `dilocox train` runs in tmp_path/NAME; each run's whole output is kept in tmp_path/NAME.log, and
+    printed in full when the test fails (with every live rank's stack when it hung)."""
+    runs: dict[str, Run] = {}
+
+    def start(name: str, *flags: str) -> Run:
+        runs[name] = Run(tmp_path / name, *flags)
+        return runs[name]
+
+    yield start
+    report = getattr(request.node, "rep_call", None)
+    failed = report is None or report.failed
+    for name, run in runs.items():
+        run.stop(dump_stacks=failed)
+        (tmp_path / f"{name}.log").write_text(run.output + "\n")
+        if failed:
+            print(f"----- the whole output of run {name!r} (exit code {run.proc.returncode}) -----\n{run.output}")
 
 
 def _records(run_dir: Path) -> dict[int, dict]:
@@ -78,23 +124,23 @@ def _records(run_dir: Path) -> dict[int, dict]:
 
 
 @pytest.mark.timeout(240)
-def test_a_killed_cluster_rejoins_heals_from_a_peer_and_ends_bit_identical(tmp_path):
+def test_a_killed_cluster_rejoins_heals_from_a_peer_and_ends_bit_identical(tmp_path, start_run):
     flags = [*ELASTIC, "--topology.num_clusters=3", "--train.steps=60", "--sync.inner_steps=10"]
-    clean = Run(tmp_path / "clean", *flags)
-    assert clean.finish() == 0, clean.output[-4000:]
+    clean = start_run("clean", *flags)
+    assert clean.finish() == 0, "the clean run failed"
     clean_loss = json.loads((tmp_path / "clean" / "summary.json").read_text())["final_eval_loss"]
 
-    run = Run(tmp_path / "killed", *flags)
+    run = start_run("killed", *flags)
     # mid-round (rounds end at multiples of 10). The restarted process takes a few seconds to start (~20 s on 2 busy
     # cores): it rejoins at a round boundary, or, if the others reach the end first, at the end of training, where
     # they wait for it (ElasticMembership.wait_for_restarts); either way it heals from a live peer
     run.wait_for_step(15)
     os.kill(run.pid_of(2), signal.SIGKILL)
-    assert run.finish() == 0, run.output[-4000:]
+    assert run.finish() == 0, "the killed run failed"
     out = run.output
     assert "dilocox: elastic: cluster 2 failed" in out
     assert "dilocox: elastic: cluster 2 started" in out and "start 2)" in out
-    assert re.search(r"dilocox: elastic: cluster 2 rejoined at step \d+ .*healed from a live peer", out), out[-4000:]
+    assert re.search(r"dilocox: elastic: cluster 2 rejoined at step \d+ .*healed from a live peer", out)
 
     records = _records(tmp_path / "killed")
     assert sorted(records) == [0, 1, 2]
@@ -115,15 +161,15 @@ def test_a_killed_cluster_rejoins_heals_from_a_peer_and_ends_bit_identical(tmp_p
     assert abs(loss - clean_loss) / clean_loss < 0.05
 
 
-def test_below_min_clusters_the_run_stops_with_one_line(tmp_path):
+def test_below_min_clusters_the_run_stops_with_one_line(start_run):
     flags = [*ELASTIC, "--topology.num_clusters=2", "--sync.min_clusters=2", "--topology.max_cluster_restarts=0",
              "--train.steps=100000", "--sync.inner_steps=10"]  # fmt: skip
-    run = Run(tmp_path / "few", *flags)
+    run = start_run("few", *flags)
     run.wait_for_step(15)
     os.kill(run.pid_of(1), signal.SIGKILL)
-    assert run.finish(timeout=120) == 2, run.output[-4000:]
+    assert run.finish(timeout=120) == 2
     errors = [line for line in run.lines if line.startswith("dilocox: error:")]
     assert errors == [
         "dilocox: error: only 1 of 2 clusters (clusters [0]) are left in the round, fewer than sync.min_clusters = 2: "
         "the run stops"
-    ], run.output[-3000:]
+    ]
