@@ -298,14 +298,14 @@ class Trainer:
             lighthouse=cfg.network.lighthouse,
             store_addr=cluster_store[0],
             store_port=cluster_store[1],
-            rank_in_cluster=dist.get_rank(),
+            rank_in_cluster=self.rank % (t.dp_degree * t.pp_degree),  # the launcher numbers ranks cluster by cluster
             ranks_per_cluster=t.dp_degree * t.pp_degree,
             timeout=timeout,
             quorum_timeout=timeout,
             # half the Lighthouse's join timeout (launch.lighthouse_timeouts)
             control_timeout=datetime.timedelta(seconds=(cfg.network.stall_timeout_s or cfg.network.timeout_s) / 2),
-            state_dict=lambda: self.sync.diloco.heal_state(),
-            load_state_dict=lambda state: self.sync.diloco.load_heal_state(state),
+            state_dict=lambda: self.sync.diloco.elastic.heal_state(),
+            load_state_dict=lambda state: self.sync.diloco.elastic.load_heal_state(state),
         )
 
     # ---------------------------------------------------------------------------------------------- state
@@ -534,7 +534,7 @@ class Trainer:
 
         from dilocox.fileio import write_atomic
 
-        if dist.get_rank() != 0:
+        if self.coords.dp != 0 or self.coords.pp != 0:  # one record per cluster
             return
         outer = self.sync.outer_params.detach().cpu().contiguous()
         record = {

@@ -10,7 +10,6 @@ tag does not verify is dropped (None in its place) and counted, never used.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import queue
 import sys
@@ -401,15 +400,13 @@ class WanChannel:
     # ----------------------------------------------------------------------------------------- collectives
 
     def launch_all_reduce(
-        self, tensor: torch.Tensor, *, op: str = "avg", account: bool = True, timeout: datetime.timedelta | None = None
+        self, tensor: torch.Tensor, *, op: str = "avg", account: bool = True
     ) -> PendingTransfer[torch.Tensor]:
         """Start an in-place ring all-reduce ("sum" or "avg") of a floating `tensor` over the group.
 
         The caller must not read or write `tensor` until `wait()`, which returns it reduced. `account=False` runs
         the collective without counting it or emulating its link time: for a transfer that a resumed run sends
-        again although the counters restored from its checkpoint already hold it. `timeout` bounds this collective
-        alone (the group's own, network.timeout, otherwise): an elastic run's control all-reduces, which must fail
-        on every member well before the Lighthouse leaves a late member out (docs/design.md §10.1).
+        again although the counters restored from its checkpoint already hold it.
         """
         if op not in _REDUCE_OPS:
             raise ValueError(f"all_reduce op = {op!r} is not supported; use one of {list(_REDUCE_OPS)}")
@@ -421,7 +418,7 @@ class WanChannel:
         self._refuse_unauthenticated("all_reduce")
         if self.world_size == 1:
             return self._completed("all_reduce", tensor)
-        return self._submit("all_reduce", lambda _: self._run_all_reduce(tensor, op, timeout), account)
+        return self._submit("all_reduce", lambda _: self._run_all_reduce(tensor, op), account)
 
     def launch_all_gather(
         self, tensor: torch.Tensor, *, max_numel: int | None = None, account: bool = True
@@ -617,16 +614,10 @@ class WanChannel:
             self._num_transfers += 1
         transfer._complete(outcome.result)
 
-    def _run_all_reduce(self, tensor: torch.Tensor, op: str, timeout: datetime.timedelta | None = None) -> _Outcome:
+    def _run_all_reduce(self, tensor: torch.Tensor, op: str) -> _Outcome:
         # gloo reduces contiguous host buffers only; reduce a copy and write it back so the call stays in-place.
         buffer = _to_host(tensor if tensor.is_contiguous() else tensor.contiguous())
-        if timeout is None:
-            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
-        else:  # gloo honours a per-collective timeout given in the options
-            assert self.group is not None
-            options = dist.AllreduceOptions()
-            options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
-            self.group.allreduce([buffer], options).wait()
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
         if op == "avg":
             buffer.div_(self.world_size)
         if buffer is not tensor:

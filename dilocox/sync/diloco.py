@@ -15,7 +15,6 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,34 +25,10 @@ from dilocox.faults import FaultConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, RoundStats, dp_mean_
 from dilocox.sync.config import FIT_HEADROOM, SyncConfig, check_robust_reduction
-from dilocox.sync.membership import APPLY, NOTHING, ElasticMembership, Quorum, delayed_update_verdict
+from dilocox.sync.elastic import ElasticRounds
+from dilocox.sync.membership import ElasticMembership
 from dilocox.sync.reducers import GatherReducer, PendingMean, Reducer, build_reducer
 from dilocox.sync.robust import GuardError, UpdateGuard
-
-_SETTLE_ATTEMPTS = 3
-"""Quorums an elastic round may take to settle its sync when clusters keep failing during the settling itself."""
-
-
-@dataclass
-class _ElasticState:
-    """Where this cluster stands in the elastic protocol (docs/design.md §10.1)."""
-
-    pending_quorum: int = -1
-    """The quorum over which the sync in flight was launched."""
-    quorum: Quorum | None = None
-    """A quorum already formed for the next settling (the one `rejoin` healed in)."""
-    newcomer: bool = False
-    """This cluster healed at this boundary: it did not train the round that ends here, so it abstains from it."""
-    others_hold: bool = False
-    """Healed: the peers hold shares of a sync in flight that this cluster has no share of."""
-    boundary_step: int = 0
-    """The inner step of the boundary being settled (sent to a cluster that heals there)."""
-    phase: str = "round"
-    """What the boundary being settled is: an outer round's end (round) or the end of training (flush)."""
-    guard_snapshot: dict[str, Any] | None = None
-    """The guard's state before the sync in flight was judged: a redo judges it again from there."""
-    quorum_now: Quorum | None = None
-    """The quorum of the boundary being settled (its group carries this round's sync)."""
 
 
 class DiLoCoSync:
@@ -128,9 +103,6 @@ class DiLoCoSync:
             trim_fraction=cfg.trim_fraction,
             elastic=membership is not None,
         )
-        self.membership = membership
-        """Elastic runs (topology.elastic): torchft's quorum decides which clusters take part in each round."""
-        self._elastic = _ElasticState()
         self.faults = faults if faults is not None and faults.enabled else None
         self.mean_guard = (
             UpdateGuard(cfg.guard_max_ratio) if cfg.guard and not isinstance(self.reducer, GatherReducer) else None
@@ -164,6 +136,9 @@ class DiLoCoSync:
         self.outer_step = 0  # rounds completed
         self.warnings: list[str] = []  # for the trainer to print once (the link cannot keep up)
         self._warned = False
+        self.elastic = ElasticRounds(self, membership) if membership is not None else None
+        """Elastic runs (topology.elastic, docs/design.md §10.1): torchft's quorum decides which clusters take part in
+        each round, and this ends the rounds and the training instead."""
 
     # ---------------------------------------------------------------------------------------------- protocol
     def reduce_gradients(self) -> None:
@@ -188,8 +163,8 @@ class DiLoCoSync:
         behind (error-feedback residuals and shared warm starts of the scalable path).
 
         Returns what the sync waited for cost (None in the first round of a delayed sync: nothing was due)."""
-        if self.membership is not None:
-            return self._end_elastic_round(step)
+        if self.elastic is not None:
+            return self.elastic.end_round(step)
         round_steps = step - self.last_boundary
         pseudo_grad = self.round_start - self.flat.gather_data().to(self.state_device)  # (numel,) round start - theta
         round_index = self.outer_step + 1
@@ -269,8 +244,8 @@ class DiLoCoSync:
 
     def flush(self) -> RoundStats | None:
         """Apply the sync still in flight; afterwards every cluster holds the same parameters (phi)."""
-        if self.membership is not None:
-            return self._flush_elastic()
+        if self.elastic is not None:
+            return self.elastic.flush()
         if self.pending is None:
             return None
         due, self.pending = self.pending, None
@@ -434,231 +409,6 @@ class DiLoCoSync:
             "(or sync.fit_link = true to size H to the link as it goes)"
         )
 
-    # ---------------------------------------------------------------------------------------------- elastic
-    def _end_elastic_round(self, step: int) -> RoundStats | None:
-        """`end_round` of an elastic run (docs/design.md §10.1): the sync due is settled over this boundary's quorum
-        (applied as it arrived, or sent again among the clusters still alive), then this round's is launched over
-        it. A cluster that healed here abstains: it did not train this round."""
-        e = self._elastic
-        e.boundary_step, e.phase = step, "round"
-        round_steps = step - self.last_boundary
-        round_index = self.outer_step + 1
-        newcomer, e.newcomer = e.newcomer, False
-        pseudo_grad = self.round_start - self.flat.gather_data().to(self.state_device)  # (numel,)
-        own_bad = self.cfg.guard and not newcomer and not bool(torch.isfinite(pseudo_grad).all())
-        stats = None
-        if self.cfg.sync_delay == 0:
-            quorum = self._quorum()
-            self.pending = self._launch_elastic(pseudo_grad, own_bad or newcomer, round_index, quorum)
-            avg, stats = self._settle(round_steps=round_steps, round_index=round_index, quorum=quorum)
-            self._set_outer_lr(self.outer_step)
-            if stats is not None and not stats.skipped:
-                self.apply(avg)
-            heal = newcomer or own_bad or (stats is not None and self._left_out(stats))
-            theta = self.outer_params
-        else:
-            avg, stats = self._settle(round_steps=round_steps, round_index=round_index - 1)
-            if stats is not None:
-                self._set_outer_lr(self.outer_step - 1)
-                if not stats.skipped:
-                    self.apply(avg)
-            heal = newcomer or own_bad or (stats is not None and self._left_out(stats))
-            if heal:
-                self.reducer.heal()
-            assert e.quorum_now is not None
-            self.pending = self._launch_elastic(pseudo_grad, own_bad or newcomer, round_index, e.quorum_now)
-            theta = self.outer_params if heal else self._delayed_round_start(pseudo_grad)
-        if self.cfg.guard and not newcomer:
-            self._count_bad("own", own_bad, f"this cluster's own update was non-finite (round {round_index})")
-            if heal:
-                self._heal(round_index, "its own update is non-finite" if own_bad else "the others left its update out")
-        self.membership.commit()
-        self.flat.scatter_data(theta)
-        self.round_start = theta.clone()
-        self.outer_step += 1
-        self.last_boundary, self.round_end = step, step + self.inner_steps
-        return stats
-
-    def _flush_elastic(self) -> RoundStats | None:
-        """`flush` of an elastic run: settle the last sync over one more quorum, so every live cluster applies the
-        same last average and ends with the same outer params."""
-        e = self._elastic
-        e.phase = "flush"
-        e.newcomer = False
-        avg, stats = self._settle(round_steps=None, round_index=self.outer_step)
-        if stats is not None:
-            self._set_outer_lr(self.outer_step - 1)
-            if not stats.skipped:
-                self.apply(avg)
-        self.membership.commit()
-        self.flat.scatter_data(self.outer_params)
-        self.round_start = self.outer_params.clone()
-        return stats
-
-    def _quorum(self) -> Quorum:
-        """This boundary's quorum: the one the join healed in, or a new one; the channel moves to its group."""
-        e = self._elastic
-        quorum, e.quorum = e.quorum, None
-        if quorum is None:
-            if e.phase == "flush":  # there is no later boundary for a restarted cluster to join at
-                self.membership.wait_for_restarts()
-            quorum = self.membership.start_round()
-            if quorum.healed:  # only a cluster that joins heals; one behind its peers mid-run starts again
-                raise RuntimeError(
-                    f"cluster {self.membership.cluster} fell behind its peers (it missed a commit) and was healed at "
-                    f"step {self._elastic.boundary_step}: it stops so that its launcher restarts it, and it rejoins"
-                )
-        self.channel.rebind(quorum.group)
-        self.num_clusters = quorum.size  # the eager merge's share: of the clusters of this round
-        e.quorum_now = quorum
-        return quorum
-
-    def _launch_elastic(self, pseudo_grad: torch.Tensor, abstain: bool, round_index: int, quorum: Quorum):
-        self._elastic.pending_quorum = quorum.quorum_id
-        pending = self._launch(pseudo_grad, abstain, round_index)
-        pending.abstained = pending.abstained or abstain
-        return pending
-
-    def _settle(
-        self, *, round_steps: int | None, round_index: int, quorum: Quorum | None = None
-    ) -> tuple[torch.Tensor | None, RoundStats | None]:
-        """The average of the sync in flight that every cluster of this boundary's quorum agrees on, and what it
-        cost; (None, None) when no cluster holds one (`delayed_update_verdict`). A cluster that fails during the
-        settling itself (a second fault) tries again in a new quorum; one that finds itself healed there, behind
-        its peers, stops so that its launcher restarts it."""
-        e = self._elastic
-        due, self.pending = self.pending, None
-        if due is not None:
-            e.guard_snapshot = self._guard_state()
-        try:
-            return self._settle_in_quorum(due, round_steps=round_steps, round_index=round_index, quorum=quorum)
-        finally:
-            e.guard_snapshot = None
-            e.others_hold = False
-
-    def _settle_in_quorum(
-        self, due: PendingMean | None, *, round_steps: int | None, round_index: int, quorum: Quorum | None
-    ) -> tuple[torch.Tensor | None, RoundStats | None]:
-        e = self._elastic
-        try:
-            arrived = self._try_wait(due, round_steps=round_steps, round_index=round_index, raise_errors=True)
-        except RuntimeError as error:  # a peer died during it: that group is broken here, the settling needs a new one
-            self.membership.fail(error)
-            arrived, quorum = None, None
-        control = self.membership.control_timeout
-        for _ in range(_SETTLE_ATTEMPTS):
-            if quorum is None:
-                quorum = self._quorum()
-            # holding: a share of the sync in flight (an abstaining sender's too); ok: it arrived in this very quorum
-            ok = arrived is not None and e.pending_quorum == quorum.quorum_id
-            try:
-                counts = torch.tensor([float(due is not None or e.others_hold), float(not ok)])
-                counts = self.channel.launch_all_reduce(counts, op="sum", account=False, timeout=control).wait()
-                verdict = delayed_update_verdict(num_holding=int(counts[0]), num_not_ok=int(counts[1]))
-                if verdict == NOTHING:
-                    return None, None
-                if verdict == APPLY:
-                    return arrived
-                if e.guard_snapshot is not None:
-                    self._load_guard_state(e.guard_snapshot)
-                e.pending_quorum = quorum.quorum_id
-                if due is not None and not due.abstained:
-                    due = self.reducer.relaunch(due.sent, account=True)
-                else:  # nothing of its own to send again: new to the quorum, or it abstained from that round
-                    due = self.reducer.abstain(self.outer_params)
-                    due.abstained = True
-                arrived = self._try_wait(due, round_steps=round_steps, round_index=round_index, raise_errors=True)
-                # Confirm before applying: an all-reduce completes nowhere unless every member took part, so a redo
-                # that failed on one member (it never gets here) fails the confirmation on every member alike, and
-                # they all try again, instead of one applying and committing while another tries again.
-                self.channel.launch_all_reduce(torch.zeros(1), op="sum", account=False, timeout=control).wait()
-                return arrived
-            except RuntimeError as error:
-                self.warnings.append(f"elastic: settling round {round_index} failed ({error}); trying a new quorum")
-                self.membership.fail(error)
-                arrived, quorum = None, None
-        raise RuntimeError(f"round {round_index} could not be settled in {_SETTLE_ATTEMPTS} quorums")
-
-    def _try_wait(self, due: PendingMean | None, *, round_steps, round_index, raise_errors: bool = False):
-        """`wait_sync` of `due`, or None when there is none or its transfer failed (a peer died during it)."""
-        if due is None:
-            return None
-        try:
-            return self.wait_sync(due, round_steps=round_steps, round_index=round_index)
-        except RuntimeError:
-            if raise_errors:
-                raise
-            return None
-
-    def _guard_state(self) -> dict[str, Any]:
-        reducer = self.reducer.state_dict()
-        return {
-            "counts": dict(self.guard_counts),
-            "bad_in_row": dict(self._bad_in_row),
-            "mean": self.mean_guard.state_dict() if self.mean_guard is not None else None,
-            "reducer": reducer.get("guard"),
-            "num_warnings": len(self.warnings),
-        }
-
-    def _load_guard_state(self, state: dict[str, Any]) -> None:
-        self.guard_counts.update(state["counts"])
-        self._bad_in_row.update(state["bad_in_row"])
-        if self.mean_guard is not None and state["mean"] is not None:
-            self.mean_guard.load_state_dict(state["mean"])
-        guard = getattr(self.reducer, "guard", None)
-        if guard is not None and state["reducer"] is not None:
-            guard.load_state_dict(state["reducer"])
-
-    def heal_state(self) -> dict[str, Any]:
-        """What a live peer sends a cluster that joins at this boundary (torchft's checkpoint transport): the agreed
-        outer state and the round counter; not the error-feedback residuals or codec warm starts, which are each
-        cluster's own (the joiner starts them afresh), nor the sync in flight (it abstains from it)."""
-        e = self._elastic
-        return {
-            "outer_params": self.outer_params.detach().clone(),
-            "outer_optimizer": self.outer_optimizer.state_dict(),
-            "outer_step": self.outer_step,
-            "inner_steps": self.inner_steps,
-            "round_end": self.round_end,
-            "last_boundary": self.last_boundary,
-            "guard": e.guard_snapshot if e.guard_snapshot is not None else self._guard_state(),
-            "others_hold": self.pending is not None or e.guard_snapshot is not None,
-            "boundary_step": e.boundary_step,
-            "phase": e.phase,
-        }
-
-    def load_heal_state(self, state: dict[str, Any]) -> None:
-        """Take a live peer's `heal_state` (called by torchft inside a quorum); the next settling abstains."""
-        with torch.no_grad():
-            self.outer_params.copy_(state["outer_params"].to(self.outer_params.device))
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        self.outer_step = int(state["outer_step"])
-        self.inner_steps = int(state["inner_steps"])
-        self.round_end = int(state["round_end"])
-        self.last_boundary = int(state["last_boundary"])
-        self._load_guard_state(state["guard"])
-        self.reducer.heal()  # this cluster's residuals belong to rounds its peers have moved past
-        self.pending = None
-        e = self._elastic
-        e.others_hold = bool(state["others_hold"])
-        e.guard_snapshot = None
-        e.boundary_step, e.phase = int(state["boundary_step"]), state["phase"]
-        self.flat.scatter_data(self.outer_params)
-        self.round_start = self.outer_params.clone()
-
-    def rejoin(self) -> tuple[int, str] | None:
-        """Join the elastic run (the first quorum of this process). A cluster that joins a run in progress heals
-        from a live peer and returns (the boundary step, "round" or "flush"); its caller sets its step there and
-        ends that boundary with its peers (`end_round` or `flush`), abstaining from what it did not train."""
-        quorum = self.membership.join()
-        if not quorum.healed:
-            self.channel.rebind(quorum.group)
-            self.num_clusters = quorum.size
-            return None
-        e = self._elastic
-        e.quorum, e.newcomer = quorum, True
-        return e.boundary_step, e.phase
-
     # ---------------------------------------------------------------------------------------------- state
     def state_bytes(self) -> int:
         """Bytes of the outer state: outer params, momentum, the round start and the delayed sync (all fp32), and
@@ -682,12 +432,23 @@ class DiLoCoSync:
             "last_boundary": self.last_boundary,
             "reduction": self.reducer.name,
             "reducer": self.reducer.state_dict(),
-            "guard": {
-                "counts": dict(self.guard_counts),
-                "bad_in_row": dict(self._bad_in_row),
-                "mean": self.mean_guard.state_dict() if self.mean_guard is not None else None,
-            },
+            "guard": self.guard_state(),
         }
+
+    def guard_state(self) -> dict[str, Any]:
+        """The guard's totals, its bad rounds in a row and the summing reductions' norm history (the gather
+        reduction's own history is its reducer's)."""
+        return {
+            "counts": dict(self.guard_counts),
+            "bad_in_row": dict(self._bad_in_row),
+            "mean": self.mean_guard.state_dict() if self.mean_guard is not None else None,
+        }
+
+    def load_guard_state(self, state: dict[str, Any]) -> None:
+        self.guard_counts.update(state["counts"])
+        self._bad_in_row.update(state["bad_in_row"])
+        if self.mean_guard is not None and state["mean"] is not None:
+            self.mean_guard.load_state_dict(state["mean"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "reducer" not in state:
@@ -711,10 +472,7 @@ class DiLoCoSync:
         self.reducer.load_state_dict(state["reducer"])
         guard = state.get("guard")  # checkpoints from before the guard (2026-11-23) have none: fresh counts
         if guard is not None:
-            self.guard_counts.update(guard["counts"])
-            self._bad_in_row.update(guard["bad_in_row"])
-            if self.mean_guard is not None and guard["mean"] is not None:
-                self.mean_guard.load_state_dict(guard["mean"])
+            self.load_guard_state(guard)
         # Every rank resumes from the same step and loads in the same order, so the re-sends pair up across
         # clusters. The link counters (restored first) hold the transfer exactly when it had arrived on this rank.
         if state["pending_sent"] is not None:

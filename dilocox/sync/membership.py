@@ -11,7 +11,7 @@ transport instead of from disk (docs/design.md §10.1).
     channel.rebind(quorum.group)          # the slow link of this round
     ...the round's collectives...; membership.commit()
 
-A sync launched in one quorum and resolved in the next follows `delayed_update_verdict`.
+What a round's clusters do with a sync launched in one quorum and resolved in the next is `dilocox.sync.elastic`'s.
 """
 
 from __future__ import annotations
@@ -24,25 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-
-APPLY, REDO, NOTHING = "apply", "redo", "nothing"
-
-
-def delayed_update_verdict(*, num_holding: int, num_not_ok: int) -> str:
-    """What the clusters of a quorum do with the sync of the last round, still in flight (one-step delay).
-
-    Every member says whether it holds a share of it (`num_holding` counts those that do) and whether that share
-    arrived whole in this very quorum (`num_not_ok` counts the members for which it did not: it failed, it was
-    launched in another quorum, or the member has none, being new). Both counts are summed over the quorum, so every
-    member reaches the same verdict:
-    - `nothing`: no member holds one (the first round, or a blocking sync);
-    - `apply`: every member got the whole average in an unchanged quorum: apply it, as a static run would;
-    - `redo`: the members that hold a share send it again over the new quorum (the same bytes) and the others
-      abstain, so the average is over the clusters that delivered and are still alive.
-    """
-    if num_holding == 0:
-        return NOTHING
-    return APPLY if num_not_ok == 0 else REDO
 
 
 class ElasticError(ValueError):
@@ -91,7 +72,7 @@ class ElasticMembership:
     """One torchft `Manager` for this rank's position (dp, pp) in its cluster: replica id = the cluster.
 
     `state_dict` / `load_state_dict` are what a live peer sends a joining cluster (outer params, outer optimizer,
-    round counter: `DiLoCoSync.heal_state`); they are called by torchft during `start_round`."""
+    round counter: `ElasticRounds.heal_state`); they are called by torchft during `start_round`."""
 
     def __init__(
         self,
@@ -119,7 +100,7 @@ class ElasticMembership:
         self.min_clusters = min_clusters
         self.timeout = timeout
         self.control_timeout = control_timeout
-        """Bound on the small all-reduces by which a round's members agree (`DiLoCoSync._settle_in_quorum`): shorter
+        """Bound on the small all-reduces by which a round's members agree (`ElasticRounds._settle_in_quorum`): shorter
         than the Lighthouse's join timeout, so a member whose peer failed them gets its own error and asks for the
         next quorum before the Lighthouse would form it without this member."""
         self._healed = False

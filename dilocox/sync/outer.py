@@ -227,9 +227,11 @@ class OuterSync:
                 self.inner_optimizer.state.clear()
 
     def rejoin(self) -> tuple[int, str] | None:
-        """Elastic runs: join the run (`DiLoCoSync.rejoin`); a cluster that heals from a peer gets (step, phase) and
-        its inner optimizer starts afresh."""
-        joined = self.diloco.rejoin()
+        """Elastic runs: join the run (`ElasticRounds.rejoin`); a cluster that heals from a peer gets (step, phase)
+        and its inner optimizer starts afresh."""
+        if self.diloco.elastic is None:
+            raise ValueError("rejoin() is for elastic runs: build the sync with a membership (topology.elastic)")
+        joined = self.diloco.elastic.rejoin()
         if joined is not None:
             self.num_steps = joined[0]
             if self.inner_optimizer is not None:

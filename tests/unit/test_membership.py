@@ -1,6 +1,6 @@
 """The membership rule of the sync in flight when a quorum changes (docs/design.md §10.1)."""
 
-from dilocox.sync.membership import APPLY, NOTHING, REDO, delayed_update_verdict
+from dilocox.sync.elastic import APPLY, NOTHING, REDO, delayed_update_verdict
 
 
 def test_no_member_holding_a_sync_means_nothing_to_settle():

@@ -1,0 +1,309 @@
+"""The round boundary of an elastic run: settle the sync in flight among the clusters that are alive.
+
+With `topology.elastic = true` (docs/design.md §10.1) the clusters of a round are the members of that round's
+torchft quorum (`ElasticMembership`), and the one-step-delay sync launched over one quorum is resolved at the next
+boundary, whose quorum may differ: a cluster died, or a restarted one joined and healed from a live peer.
+`ElasticRounds` is `DiLoCoSync`'s round end and flush for such a run; it owns everything elastic about the outer
+loop and leaves the outer step itself (apply, guard, merge rule) to `DiLoCoSync`.
+
+    rounds = ElasticRounds(sync, membership)     # DiLoCoSync builds it when given a membership
+    joined = rounds.rejoin()                     # the first quorum; a late cluster heals here
+    stats = rounds.end_round(step)               # every H steps; rounds.flush() at the end of training
+
+What the members of a boundary's quorum do with the sync in flight is `delayed_update_verdict`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from dilocox.sync.base import RoundStats
+from dilocox.sync.membership import ElasticMembership, Quorum
+from dilocox.sync.reducers import PendingMean
+
+if TYPE_CHECKING:
+    from dilocox.sync.diloco import DiLoCoSync
+
+APPLY, REDO, NOTHING = "apply", "redo", "nothing"
+
+SETTLE_ATTEMPTS = 3
+"""Quorums an elastic round may take to settle its sync when clusters keep failing during the settling itself."""
+
+
+def delayed_update_verdict(*, num_holding: int, num_not_ok: int) -> str:
+    """What the clusters of a quorum do with the sync of the last round, still in flight (one-step delay).
+
+    Every member says whether it holds a share of it (`num_holding` counts those that do) and whether that share
+    arrived whole in this very quorum (`num_not_ok` counts the members for which it did not: it failed, it was
+    launched in another quorum, or the member has none, being new). Both counts are summed over the quorum, so every
+    member reaches the same verdict:
+    - `nothing`: no member holds one (the first round, or a blocking sync);
+    - `apply`: every member got the whole average in an unchanged quorum: apply it, as a static run would;
+    - `redo`: the members that hold a share send it again over the new quorum (the same bytes) and the others
+      abstain, so the average is over the clusters that delivered and are still alive.
+    """
+    if num_holding == 0:
+        return NOTHING
+    return APPLY if num_not_ok == 0 else REDO
+
+
+def control_all_reduce(values: list[float], *, group: dist.ProcessGroup, timeout: datetime.timedelta) -> list[float]:
+    """The sums of a few control values over `group`, bounded by `timeout` (gloo honours a per-collective timeout
+    given in the options). Not slow-link payload: neither counted nor delayed by the link model. A group of one
+    returns them as they are."""
+    tensor = torch.tensor(values, dtype=torch.float32)
+    if group.size() > 1:
+        options = dist.AllreduceOptions()
+        options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
+        group.allreduce([tensor], options).wait()
+    return tensor.tolist()
+
+
+class ElasticRounds:
+    """The end of every round and of training in an elastic run, for one `DiLoCoSync` (docs/design.md §10.1).
+
+    At each boundary: one quorum (`ElasticMembership.start_round`), the sync in flight settled over it (applied as it
+    arrived when nothing changed, sent again among the live clusters otherwise), this round's sync launched over
+    it, a commit. A cluster that healed at the boundary (it joined late or restarted) abstains from the round it did
+    not train. A member whose collective fails during the settling reports it and tries a new quorum, up to
+    `SETTLE_ATTEMPTS`; one that finds itself behind its peers stops, so that its launcher restarts it.
+    """
+
+    def __init__(self, sync: DiLoCoSync, membership: ElasticMembership) -> None:
+        self.sync = sync
+        self.membership = membership
+        self.pending_quorum = -1
+        """The quorum over which the sync in flight was launched."""
+        self.joined_quorum: Quorum | None = None
+        """A quorum already formed for the next settling (the one `rejoin` healed in)."""
+        self.newcomer = False
+        """This cluster healed at this boundary: it did not train the round that ends here, so it abstains from it."""
+        self.others_hold = False
+        """Healed: the peers hold shares of a sync in flight that this cluster has no share of."""
+        self.boundary_step = 0
+        """The inner step of the boundary being settled (sent to a cluster that heals there)."""
+        self.phase = "round"
+        """What the boundary being settled is: an outer round's end (round) or the end of training (flush)."""
+        self.guard_snapshot: dict[str, Any] | None = None
+        """The guard's state before the sync in flight was judged: a redo judges it again from there."""
+        self.quorum: Quorum | None = None
+        """The quorum of the boundary being settled (its group carries this round's sync)."""
+
+    # ---------------------------------------------------------------------------------------------- boundaries
+    def end_round(self, step: int) -> RoundStats | None:
+        """`DiLoCoSync.end_round` of an elastic run: the sync due is settled over this boundary's quorum (applied as
+        it arrived, or sent again among the clusters still alive), then this round's is launched over it. A cluster
+        that healed here abstains: it did not train this round."""
+        s = self.sync
+        self.boundary_step, self.phase = step, "round"
+        round_steps = step - s.last_boundary
+        round_index = s.outer_step + 1
+        newcomer, self.newcomer = self.newcomer, False
+        pseudo_grad = s.round_start - s.flat.gather_data().to(s.state_device)  # (numel,)
+        own_bad = s.cfg.guard and not newcomer and not bool(torch.isfinite(pseudo_grad).all())
+        stats = None
+        if s.cfg.sync_delay == 0:
+            quorum = self._next_quorum()
+            s.pending = self._launch(pseudo_grad, own_bad or newcomer, round_index, quorum)
+            avg, stats = self._settle(round_steps=round_steps, round_index=round_index, quorum=quorum)
+            s._set_outer_lr(s.outer_step)
+            if stats is not None and not stats.skipped:
+                s.apply(avg)
+            heal = newcomer or own_bad or (stats is not None and s._left_out(stats))
+            theta = s.outer_params
+        else:
+            avg, stats = self._settle(round_steps=round_steps, round_index=round_index - 1)
+            if stats is not None:
+                s._set_outer_lr(s.outer_step - 1)
+                if not stats.skipped:
+                    s.apply(avg)
+            heal = newcomer or own_bad or (stats is not None and s._left_out(stats))
+            if heal:
+                s.reducer.heal()
+            assert self.quorum is not None
+            s.pending = self._launch(pseudo_grad, own_bad or newcomer, round_index, self.quorum)
+            theta = s.outer_params if heal else s._delayed_round_start(pseudo_grad)
+        if s.cfg.guard and not newcomer:
+            s._count_bad("own", own_bad, f"this cluster's own update was non-finite (round {round_index})")
+            if heal:
+                s._heal(round_index, "its own update is non-finite" if own_bad else "the others left its update out")
+        self.membership.commit()
+        s.flat.scatter_data(theta)
+        s.round_start = theta.clone()
+        s.outer_step += 1
+        s.last_boundary, s.round_end = step, step + s.inner_steps
+        return stats
+
+    def flush(self) -> RoundStats | None:
+        """`DiLoCoSync.flush` of an elastic run: settle the last sync over one more quorum, so every live cluster
+        applies the same last average and ends with the same outer params."""
+        s = self.sync
+        self.phase = "flush"
+        self.newcomer = False
+        avg, stats = self._settle(round_steps=None, round_index=s.outer_step)
+        if stats is not None:
+            s._set_outer_lr(s.outer_step - 1)
+            if not stats.skipped:
+                s.apply(avg)
+        self.membership.commit()
+        s.flat.scatter_data(s.outer_params)
+        s.round_start = s.outer_params.clone()
+        return stats
+
+    def rejoin(self) -> tuple[int, str] | None:
+        """Join the elastic run (the first quorum of this process). A cluster that joins a run in progress heals
+        from a live peer and returns (the boundary step, "round" or "flush"); its caller sets its step there and
+        ends that boundary with its peers (`end_round` or `flush`), abstaining from what it did not train."""
+        quorum = self.membership.join()
+        if not quorum.healed:
+            self._bind(quorum)
+            return None
+        self.joined_quorum, self.newcomer = quorum, True
+        return self.boundary_step, self.phase
+
+    # ---------------------------------------------------------------------------------------------- quorum
+    def _next_quorum(self) -> Quorum:
+        """This boundary's quorum: the one the join healed in, or a new one; the channel moves to its group."""
+        quorum, self.joined_quorum = self.joined_quorum, None
+        if quorum is None:
+            if self.phase == "flush":  # there is no later boundary for a restarted cluster to join at
+                self.membership.wait_for_restarts()
+            quorum = self.membership.start_round()
+            if quorum.healed:  # only a cluster that joins heals; one behind its peers mid-run starts again
+                raise RuntimeError(
+                    f"cluster {self.membership.cluster} fell behind its peers (it missed a commit) and was healed at "
+                    f"step {self.boundary_step}: it stops so that its launcher restarts it, and it rejoins"
+                )
+        self._bind(quorum)
+        self.quorum = quorum
+        return quorum
+
+    def _bind(self, quorum: Quorum) -> None:
+        self.sync.channel.rebind(quorum.group)
+        self.sync.num_clusters = quorum.size  # the eager merge's share: of the clusters of this round
+
+    def _launch(self, pseudo_grad: torch.Tensor, abstain: bool, round_index: int, quorum: Quorum) -> PendingMean:
+        self.pending_quorum = quorum.quorum_id
+        pending = self.sync._launch(pseudo_grad, abstain, round_index)
+        pending.abstained = pending.abstained or abstain
+        return pending
+
+    # ---------------------------------------------------------------------------------------------- settling
+    def _settle(
+        self, *, round_steps: int | None, round_index: int, quorum: Quorum | None = None
+    ) -> tuple[torch.Tensor | None, RoundStats | None]:
+        """The average of the sync in flight that every cluster of this boundary's quorum agrees on, and what it
+        cost; (None, None) when no cluster holds one (`delayed_update_verdict`)."""
+        s = self.sync
+        due, s.pending = s.pending, None
+        if due is not None:
+            self.guard_snapshot = self._guard_state()
+        try:
+            return self._settle_in_quorum(due, round_steps=round_steps, round_index=round_index, quorum=quorum)
+        finally:
+            self.guard_snapshot = None
+            self.others_hold = False
+
+    def _settle_in_quorum(
+        self, due: PendingMean | None, *, round_steps: int | None, round_index: int, quorum: Quorum | None
+    ) -> tuple[torch.Tensor | None, RoundStats | None]:
+        s = self.sync
+        try:
+            arrived = self._wait(due, round_steps=round_steps, round_index=round_index)
+        except RuntimeError as error:  # a peer died during it: that group is broken here, the settling needs a new one
+            self.membership.fail(error)
+            arrived, quorum = None, None
+        control = self.membership.control_timeout
+        for _ in range(SETTLE_ATTEMPTS):
+            if quorum is None:
+                quorum = self._next_quorum()
+            # holding: a share of the sync in flight (an abstaining sender's too); ok: it arrived in this very quorum
+            ok = arrived is not None and self.pending_quorum == quorum.quorum_id
+            try:
+                flags = [float(due is not None or self.others_hold), float(not ok)]
+                num_holding, num_not_ok = control_all_reduce(flags, group=quorum.group, timeout=control)
+                verdict = delayed_update_verdict(num_holding=int(num_holding), num_not_ok=int(num_not_ok))
+                if verdict == NOTHING:
+                    return None, None
+                if verdict == APPLY:
+                    return arrived
+                if self.guard_snapshot is not None:
+                    self._load_guard_state(self.guard_snapshot)
+                self.pending_quorum = quorum.quorum_id
+                if due is not None and not due.abstained:
+                    due = s.reducer.relaunch(due.sent, account=True)
+                else:  # nothing of its own to send again: new to the quorum, or it abstained from that round
+                    due = s.reducer.abstain(s.outer_params)
+                    due.abstained = True
+                arrived = self._wait(due, round_steps=round_steps, round_index=round_index)
+                # Confirm before applying: an all-reduce completes nowhere unless every member took part, so a redo
+                # that failed on one member (it never gets here) fails the confirmation on every member alike, and
+                # they all try again, instead of one applying and committing while another tries again.
+                control_all_reduce([0.0], group=quorum.group, timeout=control)
+                return arrived
+            except RuntimeError as error:
+                s.warnings.append(f"elastic: settling round {round_index} failed ({error}); trying a new quorum")
+                self.membership.fail(error)
+                arrived, quorum = None, None
+        raise RuntimeError(f"round {round_index} could not be settled in {SETTLE_ATTEMPTS} quorums")
+
+    def _wait(
+        self, due: PendingMean | None, *, round_steps: int | None, round_index: int
+    ) -> tuple[torch.Tensor, RoundStats] | None:
+        """`DiLoCoSync.wait_sync` of `due`, or None when there is none; a failed transfer raises RuntimeError."""
+        if due is None:
+            return None
+        return self.sync.wait_sync(due, round_steps=round_steps, round_index=round_index)
+
+    # ---------------------------------------------------------------------------------------------- state
+    def _guard_state(self) -> dict[str, Any]:
+        """The guard's history, the sync's and the gather reduction's (what a redo rolls back to)."""
+        guard = getattr(self.sync.reducer, "guard", None)
+        return {"sync": self.sync.guard_state(), "reducer": None if guard is None else guard.state_dict()}
+
+    def _load_guard_state(self, state: dict[str, Any]) -> None:
+        self.sync.load_guard_state(state["sync"])
+        guard = getattr(self.sync.reducer, "guard", None)
+        if guard is not None and state["reducer"] is not None:
+            guard.load_state_dict(state["reducer"])
+
+    def heal_state(self) -> dict[str, Any]:
+        """What a live peer sends a cluster that joins at this boundary (torchft's checkpoint transport): the agreed
+        outer state and the round counter; not the error-feedback residuals or codec warm starts, which are each
+        cluster's own (the joiner starts them afresh), nor the sync in flight (it abstains from it)."""
+        s = self.sync
+        return {
+            "outer_params": s.outer_params.detach().clone(),
+            "outer_optimizer": s.outer_optimizer.state_dict(),
+            "outer_step": s.outer_step,
+            "inner_steps": s.inner_steps,
+            "round_end": s.round_end,
+            "last_boundary": s.last_boundary,
+            "guard": self.guard_snapshot if self.guard_snapshot is not None else self._guard_state(),
+            "others_hold": s.pending is not None or self.guard_snapshot is not None,
+            "boundary_step": self.boundary_step,
+            "phase": self.phase,
+        }
+
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        """Take a live peer's `heal_state` (called by torchft inside a quorum); the next settling abstains."""
+        s = self.sync
+        with torch.no_grad():
+            s.outer_params.copy_(state["outer_params"].to(s.outer_params.device))
+        s.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        s.outer_step = int(state["outer_step"])
+        s.inner_steps = int(state["inner_steps"])
+        s.round_end = int(state["round_end"])
+        s.last_boundary = int(state["last_boundary"])
+        self._load_guard_state(state["guard"])
+        s.reducer.heal()  # this cluster's residuals belong to rounds its peers have moved past
+        s.pending = None
+        self.others_hold = bool(state["others_hold"])
+        self.guard_snapshot = None
+        self.boundary_step, self.phase = int(state["boundary_step"]), state["phase"]
+        s.flat.scatter_data(s.outer_params)
+        s.round_start = s.outer_params.clone()
