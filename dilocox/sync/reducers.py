@@ -161,7 +161,10 @@ class DenseReducer:
             senders = float(total[-1])
             return total[:-1] / senders if senders > 0 else torch.zeros_like(total[:-1])
 
-        return PendingMean(pseudo_grad, self.bounds, finish, transfer, self.dp_group, sent=pseudo_grad)
+        # The mean goes to a buffer of its own: an elastic run may send `sent` again after it arrived (the quorum
+        # changed), and the mean written over it would send the old average, the lost cluster's share included.
+        mean = torch.empty_like(pseudo_grad)
+        return PendingMean(mean, self.bounds, finish, transfer, self.dp_group, sent=pseudo_grad)
 
     def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
         return self.launch(sent.clone(), account=account)
