@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import multiprocessing.connection
 import os
 import select
 import shutil
@@ -388,7 +389,7 @@ def _elastic_rank_main(
         trainer.on_joining = lambda: Path(error_dir, f"ready{cluster}").touch()
         trainer.on_joined = lambda: Path(error_dir, f"joined{cluster}").touch()
         if trainer.membership is not None:
-            trainer.membership.restarts_pending = lambda: _restarts_pending(error_dir, cfg.topology.num_clusters)
+            trainer.membership.restarts = lambda: _restarts_in_progress(error_dir, cfg.topology.num_clusters)
         try:
             trainer.train()
         finally:
@@ -402,13 +403,14 @@ def _elastic_rank_main(
     os._exit(0)  # torchft's threads (its manager server, the checkpoint server) must not hold the exit
 
 
-def _restarts_pending(error_dir: str, num_clusters: int) -> list[int]:
-    """The clusters this launcher is starting again (`restarting{c}`) that have not asked to join yet (`ready{c}`)."""
-    return [
-        c
+def _restarts_in_progress(error_dir: str, num_clusters: int) -> dict[int, bool]:
+    """The clusters this launcher is starting again (`restarting{c}`) that have not joined the run yet (`joined{c}`),
+    each with whether it has asked to join (`ready{c}`, just before it asks the Lighthouse for its first quorum)."""
+    return {
+        c: Path(error_dir, f"ready{c}").exists()
         for c in range(num_clusters)
-        if Path(error_dir, f"restarting{c}").exists() and not Path(error_dir, f"ready{c}").exists()
-    ]
+        if Path(error_dir, f"restarting{c}").exists() and not Path(error_dir, f"joined{c}").exists()
+    }
 
 
 def launch_elastic(cfg: Config) -> int:
@@ -459,10 +461,13 @@ def launch_elastic(cfg: Config) -> int:
             for cluster in range(t.num_clusters):
                 start(cluster, tmp)
             while running:
+                # woken by the first process that ends: a restart is marked at once, well before the Lighthouse
+                # leaves the dead cluster out (2 x network.heartbeat), which the end of training relies on
+                multiprocessing.connection.wait([s for ctx, _ in running.values() for s in ctx.sentinels], timeout=1)
                 for cluster in list(running):
                     ctx, _ = running[cluster]
                     try:
-                        done = ctx.join(timeout=0.2, grace_period=STOP_GRACE_S)
+                        done = ctx.join(timeout=0, grace_period=STOP_GRACE_S)
                     except ProcessException as exc:
                         _stop(ctx)
                         del running[cluster]

@@ -265,6 +265,7 @@ class WanChannel:
         self._closed = False
         self._cancelled = False
         self._failure: BaseException | None = None
+        self._released = False  # release() let go of the group; rebind() gives it a new one
         self._bytes_sent = 0
         self._bytes_recv = 0
         self._control_bytes = 0
@@ -396,6 +397,15 @@ class WanChannel:
             self.world_size, self.group_rank = group.size(), group.rank()
             self._group_ranks = ()
             self._failure = None
+            self._released = False
+
+    def release(self) -> None:
+        """Let go of the group (and of the failure it left, whose frames hold it) after a collective on it failed,
+        so that it can be destroyed and its sockets close; nothing can be launched until the next `rebind`."""
+        with self._lock:
+            self.group = None
+            self._failure = None
+            self._released = True
 
     # ----------------------------------------------------------------------------------------- collectives
 
@@ -534,6 +544,8 @@ class WanChannel:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"cannot launch {kind}: the WanChannel is closed")
+            if self._released:
+                raise RuntimeError(f"cannot launch {kind}: the WanChannel let go of its failed group; rebind it first")
             if self._failure is not None:
                 raise RuntimeError(
                     f"cannot launch {kind}: an earlier transfer on this WanChannel failed ({self._failure!r})"

@@ -16,6 +16,11 @@ What the members of a boundary's quorum do with the sync in flight is `delayed_u
 from __future__ import annotations
 
 import datetime
+import gc
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +37,11 @@ APPLY, REDO, NOTHING = "apply", "redo", "nothing"
 
 SETTLE_ATTEMPTS = 3
 """Quorums an elastic round may take to settle its sync when clusters keep failing during the settling itself."""
+
+
+class RejoinRequired(RuntimeError):
+    """This cluster's state is not its peers' (it missed a commit, or applied another average): its process stops,
+    so that its launcher restarts it and it heals from a live peer."""
 
 
 def delayed_update_verdict(*, num_holding: int, num_not_ok: int) -> str:
@@ -51,16 +61,64 @@ def delayed_update_verdict(*, num_holding: int, num_not_ok: int) -> str:
     return APPLY if num_not_ok == 0 else REDO
 
 
-def control_all_reduce(values: list[float], *, group: dist.ProcessGroup, timeout: datetime.timedelta) -> list[float]:
-    """The sums of a few control values over `group`, bounded by `timeout` (gloo honours a per-collective timeout
-    given in the options). Not slow-link payload: neither counted nor delayed by the link model. A group of one
-    returns them as they are."""
-    tensor = torch.tensor(values, dtype=torch.float32)
+@dataclass(frozen=True)
+class MemberReport:
+    """What one member of a boundary's quorum tells the others before the sync in flight is settled."""
+
+    holding: bool
+    """It holds a share of the sync in flight (an abstaining sender's too), or, just healed, its peers do."""
+    ok: bool
+    """Its share arrived whole, in this very quorum."""
+    restart_missing: bool
+    """End of training: a cluster its launcher is starting again is not in this quorum (it asked too late)."""
+    digest: int
+    """`outer_digest` of its outer params, which every member must hold bit for bit."""
+
+
+def outer_digest(outer_params: torch.Tensor) -> int:
+    """A fingerprint of fp32 outer params: the wrapping int64 sum of their bit patterns. Integer addition is
+    associative, so it is the same on every device and for any reduction order; one flipped bit changes it."""
+    return int(outer_params.detach().view(torch.int32).sum(dtype=torch.int64))
+
+
+def diverged_members(digests: Sequence[int]) -> list[int]:
+    """The group ranks whose outer params are not the agreed ones: the digest most members hold, ties going to the
+    one of the lowest rank. Empty when all agree."""
+    counts = Counter(digests)
+    agreed = max(digests, key=lambda digest: (counts[digest], -digests.index(digest)))
+    return [rank for rank, digest in enumerate(digests) if digest != agreed]
+
+
+def exchange_reports(
+    report: MemberReport, *, group: dist.ProcessGroup, timeout: datetime.timedelta
+) -> list[MemberReport]:
+    """Every member's report, in group rank order: one small all-reduce over `group` of a table in which each member
+    fills its own row, bounded by `timeout` (gloo honours a per-collective timeout given in the options). Control
+    traffic, not slow-link payload: neither counted nor delayed by the link model. A group of one returns its own
+    report."""
+    if group.size() == 1:
+        return [report]
+    table = torch.zeros(group.size(), 4, dtype=torch.int64)  # (members, fields)
+    table[group.rank()] = torch.tensor([report.holding, report.ok, report.restart_missing, report.digest])
+    options = dist.AllreduceOptions()
+    options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
+    group.allreduce([table], options).wait()
+    return [MemberReport(bool(h), bool(o), bool(r), int(d)) for h, o, r, d in table.tolist()]
+
+
+def confirm(*, group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
+    """Return only once every member of `group` got here (one 1-element all-reduce, bounded by `timeout`)."""
     if group.size() > 1:
         options = dist.AllreduceOptions()
         options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
-        group.allreduce([tensor], options).wait()
-    return tensor.tolist()
+        group.allreduce([torch.zeros(1)], options).wait()
+
+
+def _forget_traceback(error: BaseException | None) -> None:
+    """Drop the frames an exception keeps alive (a failed collective's frames hold its process group)."""
+    while error is not None:
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
 
 
 class ElasticRounds:
@@ -174,7 +232,7 @@ class ElasticRounds:
                 self.membership.wait_for_restarts()
             quorum = self.membership.start_round()
             if quorum.healed:  # only a cluster that joins heals; one behind its peers mid-run starts again
-                raise RuntimeError(
+                raise RejoinRequired(
                     f"cluster {self.membership.cluster} fell behind its peers (it missed a commit) and was healed at "
                     f"step {self.boundary_step}: it stops so that its launcher restarts it, and it rejoins"
                 )
@@ -212,52 +270,125 @@ class ElasticRounds:
         self, due: PendingMean | None, *, round_steps: int | None, round_index: int, quorum: Quorum | None
     ) -> tuple[torch.Tensor | None, RoundStats | None]:
         s = self.sync
+        judge_link = self.phase == "round"  # at the end of training the last sync was launched just now
         try:
-            arrived = self._wait(due, round_steps=round_steps, round_index=round_index)
+            arrived = self._wait(due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
         except RuntimeError as error:  # a peer died during it: that group is broken here, the settling needs a new one
-            self.membership.fail(error)
+            self._fail(error, round_index, quietly=True)
             arrived, quorum = None, None
         control = self.membership.control_timeout
-        for _ in range(SETTLE_ATTEMPTS):
+        # at the end of training, how long a restart that got into no quorum yet is waited for (wait_for_restarts)
+        deadline = time.monotonic() + self.membership.timeout.total_seconds()
+        attempts = 0
+        while attempts < SETTLE_ATTEMPTS:
             if quorum is None:
-                quorum = self._next_quorum()
-            # holding: a share of the sync in flight (an abstaining sender's too); ok: it arrived in this very quorum
+                try:
+                    quorum = self._next_quorum()
+                except RejoinRequired:
+                    raise
+                except RuntimeError as error:  # torchft could not build its group (a member died as it formed)
+                    attempts += 1
+                    self._fail(error, round_index)
+                    continue
             ok = arrived is not None and self.pending_quorum == quorum.quorum_id
+            mine = MemberReport(
+                holding=due is not None or self.others_hold,
+                ok=ok,
+                restart_missing=self.phase == "flush" and time.monotonic() < deadline and self._restart_missing(quorum),
+                digest=outer_digest(s.outer_params),
+            )
             try:
-                flags = [float(due is not None or self.others_hold), float(not ok)]
-                num_holding, num_not_ok = control_all_reduce(flags, group=quorum.group, timeout=control)
-                verdict = delayed_update_verdict(num_holding=int(num_holding), num_not_ok=int(num_not_ok))
-                if verdict == NOTHING:
-                    return None, None
-                if verdict == APPLY:
-                    return arrived
-                if self.guard_snapshot is not None:
-                    self._load_guard_state(self.guard_snapshot)
-                self.pending_quorum = quorum.quorum_id
-                if due is not None and not due.abstained:
-                    due = s.reducer.relaunch(due.sent, account=True)
-                else:  # nothing of its own to send again: new to the quorum, or it abstained from that round
-                    due = s.reducer.abstain(s.outer_params)
-                    due.abstained = True
-                arrived = self._wait(due, round_steps=round_steps, round_index=round_index)
-                # Confirm before applying: an all-reduce completes nowhere unless every member took part, so a redo
-                # that failed on one member (it never gets here) fails the confirmation on every member alike, and
-                # they all try again, instead of one applying and committing while another tries again.
-                control_all_reduce([0.0], group=quorum.group, timeout=control)
-                return arrived
+                reports = exchange_reports(mine, group=quorum.group, timeout=control)
             except RuntimeError as error:
-                s.warnings.append(f"elastic: settling round {round_index} failed ({error}); trying a new quorum")
-                self.membership.fail(error)
+                attempts += 1
+                self._fail(error, round_index)
+                arrived, quorum = None, None
+                continue
+            if any(report.restart_missing for report in reports):
+                # A cluster died so close to the end that its restart was marked after this quorum formed, or the
+                # restart asked to join just after it: meet again with it (not a failure, nothing was sent).
+                quorum = None
+                continue
+            diverged = diverged_members([report.digest for report in reports])
+            if diverged:
+                self._split(quorum, diverged, round_index)
+                attempts += 1
+                arrived, quorum = None, None
+                continue
+            verdict = delayed_update_verdict(
+                num_holding=sum(report.holding for report in reports),
+                num_not_ok=sum(not report.ok for report in reports),
+            )
+            if verdict == NOTHING:
+                return None, None
+            if verdict == APPLY:
+                return arrived
+            try:
+                return self._redo(due, quorum, round_steps=round_steps, round_index=round_index)
+            except RuntimeError as error:
+                attempts += 1
+                self._fail(error, round_index)
                 arrived, quorum = None, None
         raise RuntimeError(f"round {round_index} could not be settled in {SETTLE_ATTEMPTS} quorums")
 
+    def _redo(
+        self, due: PendingMean | None, quorum: Quorum, *, round_steps: int | None, round_index: int
+    ) -> tuple[torch.Tensor, RoundStats] | None:
+        """Send this member's share of the sync in flight again over `quorum` (or abstain: it has none of its own),
+        and return the average once every member has it."""
+        s = self.sync
+        if self.guard_snapshot is not None:
+            self._load_guard_state(self.guard_snapshot)
+        self.pending_quorum = quorum.quorum_id
+        if due is not None and not due.abstained:
+            due = s.reducer.relaunch(due.sent, account=True)
+        else:  # nothing of its own to send again: new to the quorum, or it abstained from that round
+            due = s.reducer.abstain(s.outer_params)
+            due.abstained = True
+        # sent again just now: waited for at once, with no compute to hide behind
+        arrived = self._wait(due, round_steps=round_steps, round_index=round_index, judge_link=False)
+        # Confirm before applying: an all-reduce completes nowhere unless every member took part, so a redo that
+        # failed on one member (it never gets here) fails the confirmation on every member alike, and they all try
+        # again. A member that dies inside the confirmation itself can leave one member applying and another trying
+        # again: the next boundary's digests tell them apart (`_split`).
+        confirm(group=quorum.group, timeout=self.membership.control_timeout)
+        return arrived
+
+    def _fail(self, error: BaseException, round_index: int, *, quietly: bool = False) -> None:
+        """A collective of this boundary failed here: report it (the next quorum gets a new group) and let go of
+        every reference to the broken group, so that its sockets close and a peer blocked on this member fails at
+        once instead of at its timeout (gloo's abort does not close them; dropping the group does)."""
+        if not quietly:
+            self.sync.warnings.append(f"elastic: settling round {round_index} failed ({error}); trying a new quorum")
+        _forget_traceback(error)
+        self.membership.fail(error)
+        self.quorum = self.joined_quorum = None
+        self.sync.channel.release()
+        gc.collect()  # frames and works that held the group may sit in reference cycles
+
+    def _split(self, quorum: Quorum, diverged: list[int], round_index: int) -> None:
+        """Members whose outer params differ from the agreed ones (a member died inside a confirmation: one applied,
+        another settled again without it) stop, so that their launcher restarts them and they heal from a live
+        peer; the others settle in a new quorum without them."""
+        clusters = [quorum.clusters[rank] for rank in diverged]
+        if quorum.group.rank() in diverged:
+            raise RejoinRequired(
+                f"cluster {self.membership.cluster}'s outer params differ from those of its peers at step "
+                f"{self.boundary_step} (a cluster died while a settling was confirmed): it stops so that its launcher "
+                "restarts it, and it heals from a live peer"
+            )
+        self._fail(RuntimeError(f"clusters {clusters} hold other outer params and leave the run"), round_index)
+
+    def _restart_missing(self, quorum: Quorum) -> bool:
+        return any(cluster not in quorum.clusters for cluster in self.membership.restarts_in_progress())
+
     def _wait(
-        self, due: PendingMean | None, *, round_steps: int | None, round_index: int
+        self, due: PendingMean | None, *, round_steps: int | None, round_index: int, judge_link: bool
     ) -> tuple[torch.Tensor, RoundStats] | None:
         """`DiLoCoSync.wait_sync` of `due`, or None when there is none; a failed transfer raises RuntimeError."""
         if due is None:
             return None
-        return self.sync.wait_sync(due, round_steps=round_steps, round_index=round_index)
+        return self.sync.wait_sync(due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
 
     # ---------------------------------------------------------------------------------------------- state
     def _guard_state(self) -> dict[str, Any]:

@@ -126,9 +126,10 @@ class ElasticMembership:
         )
         self.heals = 0
         """Times this cluster's state came from a live peer."""
-        self.restarts_pending: Callable[[], list[int]] | None = None
-        """The clusters its launcher is starting again and that have not asked to join yet (set by the local
-        launcher; None: nobody is restarting clusters). The end of training waits for them (`wait_for_restarts`)."""
+        self.restarts: Callable[[], dict[int, bool]] | None = None
+        """The clusters its launcher is starting again and that have not joined the run yet, each with whether it
+        has asked to join (set by the local launcher; None: nobody restarts clusters). The end of training waits for
+        them (`wait_for_restarts`, `restarts_in_progress`)."""
 
     def _heal(self, state: Any) -> None:
         self._healed = True
@@ -155,6 +156,10 @@ class ElasticMembership:
             self.commit()
         return quorum
 
+    def restarts_in_progress(self) -> dict[int, bool]:
+        """The clusters being started again that have not joined yet: {cluster: whether it asked to join}."""
+        return {} if self.restarts is None else self.restarts()
+
     def wait_for_restarts(self) -> None:
         """At the end of training, before the last quorum: wait, up to network.timeout, until every cluster that the
         launcher is starting again has asked to join, so that it heals in that quorum and every cluster ends with
@@ -162,26 +167,26 @@ class ElasticMembership:
         next boundary, and whether it got in would depend on how long its start took. The condition only ever
         becomes true (a cluster that asked stays asked; one the launcher gives up on leaves the list), so every
         live cluster leaves the wait for the same quorum; past the bound the run ends without it (its launcher
-        stops it with one line)."""
-        restarts_pending = self.restarts_pending
-        pending = [] if restarts_pending is None else restarts_pending()
-        if restarts_pending is None or not pending:
+        stops it with one line). A restart that asks just after that quorum formed is met in a new one
+        (`ElasticRounds`: every member reports a restart missing from its quorum)."""
+        starting = [cluster for cluster, asked in self.restarts_in_progress().items() if not asked]
+        if not starting:
             return
         print(
-            f"dilocox: elastic: cluster {self.cluster} waits for restarted clusters {pending} before the last sync"
+            f"dilocox: elastic: cluster {self.cluster} waits for restarted clusters {starting} before the last sync"
             f" (up to network.timeout = {self.timeout.total_seconds():.0f}s)",
             flush=True,
         )
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while pending := restarts_pending():
+        while starting := [cluster for cluster, asked in self.restarts_in_progress().items() if not asked]:
             if time.monotonic() > deadline:
                 print(
-                    f"dilocox: elastic: restarted clusters {pending} did not come within network.timeout = "
+                    f"dilocox: elastic: restarted clusters {starting} did not come within network.timeout = "
                     f"{self.timeout.total_seconds():.0f}s; cluster {self.cluster} ends the run without them",
                     flush=True,
                 )
                 return
-            time.sleep(0.1)
+            time.sleep(0.05)
 
     def start_round(self, *, check: bool = True) -> Quorum:
         """Meet the live clusters at this round boundary (a late one heals here); refuse to go on below
