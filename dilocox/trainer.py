@@ -30,6 +30,7 @@ from dilocox.metrics import MetricsLogger, RunSummary, format_summary, truncate_
 from dilocox.models import Decoder, ModelArgs, count_parameters, model_args
 from dilocox.net.channel import WanChannel
 from dilocox.net.json_gather import all_gather_json
+from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.net.watchdog import JobStore, Watchdog
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
 from dilocox.parallel.pipeline import mean_token_cross_entropy
@@ -579,9 +580,12 @@ class Trainer:
     def _summary(self, wall_s: float, logger: MetricsLogger | None) -> RunSummary | None:
         """Gather every rank's link counters (a small control message, not counted as slow-link payload)."""
         stats = self.channel.stats()
-        per_step = allreduce_bytes_per_step(
-            self.sync.numel, dp_group=self.groups.dp_group, cluster_group=self.groups.cluster_group
-        )
+        if self.elastic:  # each cluster is its own world: the yardstick of this cluster's place among all of them
+            per_step = ring_all_reduce_bytes(self.sync.numel, 4, self.topology.num_clusters, self.coords.cluster)[0]
+        else:
+            per_step = allreduce_bytes_per_step(
+                self.sync.numel, dp_group=self.groups.dp_group, cluster_group=self.groups.cluster_group
+            )
         mine = {
             "bytes_sent": stats["bytes_sent"],
             "allreduce_equiv": per_step * self.step,

@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ELASTIC = [
     "--topology.elastic=true", "--sync.kind=dilocox", "--network.heartbeat=0.5s", "--network.stall_timeout=5s",
-    "--network.timeout=60s", "--eval.interval=0", "--eval.final_max_batches=8", "--checkpoint.interval=0", "--metrics.log_interval=1",
+    "--network.timeout=60s", "--eval.interval=0", "--eval.final_max_batches=8", "--checkpoint.interval=0",
+    "--metrics.log_interval=1",
 ]  # fmt: skip
 
 
@@ -129,7 +130,10 @@ def test_a_killed_cluster_rejoins_heals_from_a_peer_and_ends_bit_identical(tmp_p
     flags = [*ELASTIC, "--topology.num_clusters=3", f"--train.steps={steps}", "--sync.inner_steps=10"]
     clean = start_run("clean", *flags)
     assert clean.finish() == 0, "the clean run failed"
-    clean_loss = json.loads((tmp_path / "clean" / "summary.json").read_text())["final_eval_loss"]
+    clean_summary = json.loads((tmp_path / "clean" / "summary.json").read_text())
+    clean_loss = clean_summary["final_eval_loss"]
+    # cluster 0's slow-link bytes against what AllReduce would have sent from its place among the 3 clusters
+    assert clean_summary["allreduce_equiv_bytes"] > clean_summary["wan_bytes_total"] > 0
 
     run = start_run("killed", *flags)
     # mid-round (rounds end at multiples of 10). The restarted process is forked in a second or a few: it rejoins at
