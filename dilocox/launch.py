@@ -431,6 +431,16 @@ def _restarts_in_progress(error_dir: str, num_clusters: int) -> dict[int, bool]:
     }
 
 
+def _last_round_clusters(run_dir: Path, cluster: int) -> tuple[int, ...] | None:
+    """The clusters that ended the run with `cluster`, from its `elastic/cluster{c}.json` (None if it wrote none)."""
+    import json
+
+    try:
+        return tuple(json.loads((run_dir / "elastic" / f"cluster{cluster}.json").read_text())["last_round_clusters"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def launch_elastic(cfg: Config) -> int:
     """Start every cluster as its own group of processes, with a torchft Lighthouse in this process (unless
     network.lighthouse names one). A cluster whose processes die is started again, up to
@@ -450,6 +460,7 @@ def launch_elastic(cfg: Config) -> int:
     running: dict[int, tuple[Any, dist.TCPStore]] = {}
     finished: set[int] = set()
     lost: set[int] = set()
+    last_round: tuple[int, ...] | None = None  # the clusters that ended the run, from the first one that finished
 
     mp.set_forkserver_preload(list(ELASTIC_PRELOAD))  # the time a restart takes is the time its peers train without it
 
@@ -521,18 +532,22 @@ def launch_elastic(cfg: Config) -> int:
                     if done:
                         del running[cluster]
                         finished.add(cluster)
+                        last_round = last_round or _last_round_clusters(Path(cfg.run.out_dir), cluster)
                 if finished:
                     # The run has ended: a restarted cluster that is not in it yet has no peer left to heal from
-                    # (it would wait for one up to network.timeout).
-                    for cluster in [c for c in running if not Path(tmp, f"joined{c}").exists()]:
+                    # (it would wait for one up to network.timeout), and one that was not in the last round (stopped
+                    # or cut off while the others finished) would go on training alone.
+                    stale = [c for c in running if not Path(tmp, f"joined{c}").exists() or c not in (last_round or [c])]
+                    for cluster in stale:
                         _stop(running.pop(cluster)[0])
                         lost.add(cluster)
                         Path(tmp, f"restarting{cluster}").unlink(missing_ok=True)
-                        print(
-                            f"dilocox: elastic: the run ended before the restarted cluster {cluster} rejoined it; "
-                            "it is stopped",
-                            flush=True,
+                        why = (
+                            f"the run ended before the restarted cluster {cluster} rejoined it"
+                            if not Path(tmp, f"joined{cluster}").exists()
+                            else f"cluster {cluster} was not in the run's last round (stopped or cut off meanwhile)"
                         )
+                        print(f"dilocox: elastic: {why}; it is stopped", flush=True)
     except (KeyboardInterrupt, _Stopped) as exc:
         stop_all()
         what = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"stopped by {exc}"

@@ -545,6 +545,7 @@ class Trainer:
             "outer_params_sha256": hashlib.sha256(outer.numpy().tobytes()).hexdigest(),
             "healed_from_peer": joined is not None,
             "rejoined_at_step": None if joined is None else joined[0],
+            "last_round_clusters": list(self.sync.diloco.elastic.last_clusters),
             "heals": self.membership.heals,
             "resumed_from_checkpoint": None if self.resumed_from is None else str(self.resumed_from),
             "last_eval_loss": self.last_eval_loss,

@@ -212,6 +212,11 @@ class ElasticRounds:
         s.round_start = s.outer_params.clone()
         return stats
 
+    @property
+    def last_clusters(self) -> tuple[int, ...]:
+        """The clusters of the last boundary settled (after the flush: those that ended the run together)."""
+        return () if self.quorum is None else self.quorum.clusters
+
     def rejoin(self) -> tuple[int, str] | None:
         """Join the elastic run (the first quorum of this process). A cluster that joins a run in progress heals
         from a live peer and returns (the boundary step, "round" or "flush"); its caller sets its step there and

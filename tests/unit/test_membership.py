@@ -1,6 +1,7 @@
 """The membership rule of the sync in flight when a quorum changes (docs/design.md §10.1)."""
 
 import datetime
+import json
 
 import pytest
 import torch
@@ -54,6 +55,15 @@ def test_the_launcher_names_a_restart_until_it_joins_and_whether_it_asked(tmp_pa
     assert _restarts_in_progress(str(tmp_path), 3) == {2: True}
     (tmp_path / "joined2").touch()  # it healed in a quorum with its peers
     assert _restarts_in_progress(str(tmp_path), 3) == {}
+
+
+def test_the_launcher_reads_which_clusters_ended_the_run_from_the_first_record(tmp_path):
+    from dilocox.launch import _last_round_clusters
+
+    assert _last_round_clusters(tmp_path, 0) is None  # no record: the launcher stops no one on its account
+    (tmp_path / "elastic").mkdir()
+    (tmp_path / "elastic" / "cluster1.json").write_text(json.dumps({"cluster": 1, "last_round_clusters": [0, 1]}))
+    assert _last_round_clusters(tmp_path, 1) == (0, 1)
 
 
 def test_the_end_of_training_waits_for_a_restart_to_ask_and_gives_up_after_network_timeout(capsys):
