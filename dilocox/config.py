@@ -342,8 +342,8 @@ class Config:
                 raise ValueError(f"topology.elastic = true does not support {what} yet; {fix}")
         if self.network.lighthouse and not self.network.lighthouse.startswith(("http://", "https://")):
             raise ValueError(
-                f"network.lighthouse = {self.network.lighthouse!r} must be the URL `dilocox lighthouse` prints, "
-                "e.g. http://host:29510"
+                f"network.lighthouse = {self.network.lighthouse!r} must be a torchft Lighthouse's URL, "
+                "e.g. http://host:29510 (`torchft_lighthouse --min_replicas 1` listens on port 29510)"
             )
 
     def notes(self) -> list[str]:

@@ -34,7 +34,7 @@ class NetworkConfig:
     auth_key_file: str = ""
     """File holding a shared secret (>= 16 bytes, the same on all clusters): HMAC-tag slow-link payloads; "" = off."""
     lighthouse: str = ""
-    """topology.elastic: URL of the torchft Lighthouse (`dilocox lighthouse`); "" = the local launcher starts one."""
+    """topology.elastic: a torchft Lighthouse's URL (`torchft_lighthouse --min_replicas 1`); "" = the launcher's own."""
 
     @property
     def bandwidth_bytes_per_s(self) -> float | None:

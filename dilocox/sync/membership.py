@@ -231,7 +231,7 @@ class ElasticMembership:
 
 
 def start_lighthouse(*, bind: str = "[::]:0", heartbeat_timeout_s: float, join_timeout_s: float):
-    """A torchft LighthouseServer (in the launcher's process, or `dilocox lighthouse`); `.address()` is what the
+    """A torchft LighthouseServer in the launcher's process; `.address()` is what the
     clusters pass as network.lighthouse. A cluster whose heartbeat is silent for `heartbeat_timeout_s` is left out
     of the next quorum; the live ones wait at most `join_timeout_s` for a cluster that beats but does not come."""
     from torchft.coordination import LighthouseServer
