@@ -50,8 +50,8 @@ class CompressionConfig:
     """lowrank: encoding of the factors, fp32, fp16 or bf16 (lowrank_int4 and adaptive use int4)."""
     small_tensors: str = "raw"
     """Low-rank kinds: how 0-D/1-D tensors (norms, biases) are sent, raw (fp32) or int4."""
-    power_iterations: int = 1
-    """Low-rank kinds: subspace iterations per round (1 is enough with the warm start from the last round)."""
+    power_iterations: int = 2
+    """Low-rank kinds: subspace iterations per round, warm-started (compute only; docs/design.md §4.1)."""
     rank_min: int = 2
     """adaptive: the smallest rank it may choose."""
     rank_max: int = 32

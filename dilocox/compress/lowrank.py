@@ -55,11 +55,12 @@ def orthonormalize(matrix: torch.Tensor) -> torch.Tensor:
 def factorize(matrix: torch.Tensor, warm_start: torch.Tensor, *, iterations: int = 1, sort: bool = True) -> Factors:
     """Rank-r factors of `matrix` (m, n) from `iterations` subspace iterations started at `warm_start` (n, r).
 
-    One iteration from last round's right vectors is enough when the pseudo-gradient's dominant subspace moves
-    slowly between rounds; error feedback carries what it misses. An exactly rank-r matrix is recovered in one
-    iteration from a generic start. `sort=False` skips the Rayleigh-Ritz step (an (r, r) eigendecomposition) when
-    the caller needs neither sorted triplets nor singular values: `right` then has unit but not orthogonal columns
-    and `sigma` holds their norms before normalization (the same approximation, not sorted).
+    Started from last round's right vectors, one iteration is close when the pseudo-gradient's dominant subspace
+    moves slowly between rounds, and error feedback carries what it misses; a second one still paid off for the
+    adaptive codec (`compression.power_iterations`, default 2: docs/design.md §4.1). An exactly rank-r matrix is
+    recovered in one iteration from a generic start. `sort=False` skips the Rayleigh-Ritz step (an (r, r)
+    eigendecomposition) when the caller needs neither sorted triplets nor singular values: `right` then has unit
+    but not orthogonal columns and `sigma` holds their norms before normalization (the same approximation, not sorted).
     """
     if iterations < 1:
         raise ValueError(f"compression.power_iterations = {iterations} must be >= 1")
