@@ -91,6 +91,9 @@ def cmd_train(argv: list[str]) -> int:
             rest.append(arg)
         i += 1
 
+    from dilocox import forkserver
+
+    forkserver.start_early(config_path, rest)  # its imports run while this process imports and checks the config
     from dilocox.config import load_config
     from dilocox.launch import launch_local, launch_torchrun, preflight, prepare_run_dir, under_torchrun
     from dilocox.runlock import RunLock

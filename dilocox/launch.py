@@ -33,11 +33,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from dilocox import forkserver
 from dilocox.checkpoint import check_resume, check_resume_model, find_checkpoint, list_checkpoints
 from dilocox.config import Config, from_dict, to_dict, to_toml
 from dilocox.data import TokenData
 from dilocox.device import resolve_device
 from dilocox.fileio import write_atomic
+from dilocox.forkserver import ELASTIC_PRELOAD, LOCAL_PRELOAD
 from dilocox.metrics import check_sinks
 from dilocox.net.json_gather import all_gather_json
 from dilocox.net.watchdog import EXIT_STALLED, JobStore, run_was_stopped
@@ -291,7 +293,7 @@ def launch_local(cfg: Config, data: TokenData, resume: Path | None) -> int:
     store = dist.TCPStore(_LOCAL_HOST, 0, None, is_master=True, timeout=timeout, wait_for_workers=False)
     # Ranks are forked from a fork server that imports torch and dilocox once, instead of each rank importing them
     # again (about 2 s of CPU per rank). The server never touches CUDA or a process group, so a fork copies none.
-    mp.set_forkserver_preload([__name__, "dilocox.trainer"])
+    forkserver.start(LOCAL_PRELOAD)  # unless `dilocox train` started it already (forkserver.start_early)
     with tempfile.TemporaryDirectory(prefix="dilocox-") as tmp:
         ctx = mp.start_processes(
             _local_rank_main,
@@ -355,13 +357,6 @@ STOP_GRACE_S = 2.0
 
 
 # ------------------------------------------------------------------------------------------------ elastic
-ELASTIC_PRELOAD = ("torch", "torch._dynamo", "torchft", "dilocox.launch", "dilocox.trainer", "dilocox.sync.membership")
-"""What the fork server of an elastic run imports once, before the first cluster starts: a restart is in its peers'
-run about a second after it starts, instead of the 5-20 s a fresh interpreter takes on 2 busy cores. torch._dynamo:
-building the model on the meta device imports it (nn.Embedding's init goes through torch._refs), 1.8-3 s of every
-rank's start on this machine."""
-
-
 def lighthouse_timeouts(cfg: Config) -> dict[str, float]:
     """The Lighthouse's timeouts from `[network]`: a cluster silent for 2 x network.heartbeat is left out of the next
     round; the live ones wait up to network.stall_timeout (or network.timeout) for one that beats but does not come."""
@@ -462,7 +457,7 @@ def launch_elastic(cfg: Config) -> int:
     lost: set[int] = set()
     last_round: tuple[int, ...] | None = None  # the clusters that ended the run, from the first one that finished
 
-    mp.set_forkserver_preload(list(ELASTIC_PRELOAD))  # the time a restart takes is the time its peers train without it
+    forkserver.start(ELASTIC_PRELOAD)  # the time a restart takes is the time its peers train without it
 
     def start(cluster: int, tmp: str) -> None:
         Path(tmp, f"joined{cluster}").unlink(missing_ok=True)

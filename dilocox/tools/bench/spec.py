@@ -30,10 +30,11 @@ QUICK_OVERRIDES = [
     "--sync.inner_steps=5",
     "--eval.interval=10",
     "--eval.max_batches=2",
+    "--eval.final_max_batches=4",
     "--checkpoint.interval=0",
     "--metrics.log_interval=5",
 ]
-"""What `--quick` adds to every run: the debug flavor and a few steps, for tests and smoke checks."""
+"""What `--quick` adds to every run: the debug flavor, few steps, a short final eval (tests and smoke checks)."""
 
 REGIMES = ("as-configured", "paper")
 """How a bench runs (`BenchSpec.regime`, `--regime`)."""
