@@ -246,6 +246,16 @@ def _die_with(launcher: int) -> None:
     threading.Thread(target=watch, name="dilocox-launcher-watch", daemon=True).start()
 
 
+def _enter_forked_rank(launcher: int, env: dict, cwd: str) -> None:
+    """The start of every rank forked from the fork server: watch the launcher, take the launcher's environment and
+    directory of now (not the fork server's from its start), keep gloo on the loopback unless told otherwise."""
+    _die_with(launcher)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
 def _local_rank_main(
     rank: int,
     cfg_dict: dict,
@@ -259,11 +269,7 @@ def _local_rank_main(
 ) -> None:
     # The launching terminal's Ctrl+C reaches every process; the launcher alone decides and stops the ranks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with(launcher)
-    os.environ.clear()
-    os.environ.update(env)  # the launcher's environment and directory now, not the fork server's from its start
-    os.chdir(cwd)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    _enter_forked_rank(launcher, env, cwd)
     cfg = from_dict(cfg_dict)
     timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
     store = dist.TCPStore(_LOCAL_HOST, port, world_size, is_master=False, timeout=timeout)
@@ -382,11 +388,7 @@ def _elastic_rank_main(
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints where a cluster waits
-    _die_with(launcher)
-    os.environ.clear()
-    os.environ.update(env)  # the launcher's environment and directory now, not the fork server's from its start
-    os.chdir(cwd)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    _enter_forked_rank(launcher, env, cwd)
     cfg = from_dict(cfg_dict)
     cfg.network.lighthouse = lighthouse
     t = cfg.topology

@@ -22,6 +22,7 @@ TRAIN = [
     "--sync.inner_steps=5",
     "--checkpoint.interval=5",
     "--eval.interval=10",
+    "--eval.final_max_batches=0",  # the whole split, as `dilocox eval` scores it below
     "--metrics.log_interval=5",
 ]
 
