@@ -37,8 +37,7 @@ def metrics(run_dir: Path) -> list[dict]:
 def debug_run(tmp_path_factory):
     """One DiLoCo debug run shared by the tests that only read its outputs."""
     run_dir = tmp_path_factory.mktemp("e2e") / "debug"
-    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--checkpoint.keep=5",
-                     "--eval.final_max_batches=0")  # fmt: skip
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--checkpoint.keep=5")
     return run_dir, result
 
 
@@ -71,18 +70,20 @@ def test_train_debug_writes_everything_and_learns(debug_run):
         assert key in rows[-1], key
     assert [r["step"] for r in rows if "eval_loss" in r] == [20, 40]
     assert rows[-1]["eval_loss"] == pytest.approx(summary["final_eval_loss"])
-    # every evaluation scores the model the clusters agree on; the final one every held-out token
+    # every evaluation scores the model the clusters agree on; the final one eval.final_max_batches (16 here)
     evals = [r for r in rows if "eval_loss" in r]
     assert {r["eval_model"] for r in evals} == {"agreed"}
     assert evals[0]["eval_tokens"] == 4 * 8 * 64  # eval.max_batches = 4 of 8 x 64 tokens during training
-    assert summary["final_eval_tokens"] == rows[-1]["eval_tokens"] > 4 * 8 * 64
+    assert summary["final_eval_tokens"] == rows[-1]["eval_tokens"] == 16 * 8 * 64
     assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step_00000020", "step_00000040"]
     assert "eval loss" in result.stdout and "AllReduce would send" in result.stdout
 
 
 def test_eval_command_matches_training_eval(debug_run):
     run_dir, _ = debug_run
-    result = dilocox("eval", run_dir, "--json")  # the whole held-out split, as the final evaluation
+    # the final evaluation's batches (debug.toml: eval.final_max_batches = 16); tests/e2e/test_prepare_data.py
+    # compares the whole split
+    result = dilocox("eval", run_dir, "--json", "--max-batches", "16")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     summary = json.loads((run_dir / "summary.json").read_text())
