@@ -70,6 +70,11 @@ def train_help() -> str:
     return "\n".join(lines)
 
 
+def under_torchrun() -> bool:
+    """This process is a rank that torchrun started (its environment names rank, world and master)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def cmd_train(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(train_help())
@@ -91,16 +96,18 @@ def cmd_train(argv: list[str]) -> int:
             rest.append(arg)
         i += 1
 
-    from dilocox import forkserver
+    torchrun = under_torchrun()
+    if not torchrun:
+        from dilocox import forkserver
 
-    forkserver.start_early(config_path, rest)  # its imports run while this process imports and checks the config
+        forkserver.start_early(config_path, rest)  # its imports run while this process imports and checks the config
     from dilocox.config import load_config
-    from dilocox.launch import launch_local, launch_torchrun, preflight, prepare_run_dir, under_torchrun
+    from dilocox.launch import launch_local, launch_torchrun, preflight, prepare_run_dir
     from dilocox.runlock import RunLock
 
     try:
         cfg = load_config(config_path, rest)
-        if under_torchrun():
+        if torchrun:
             return launch_torchrun(cfg)
         data, resume = preflight(cfg)
         prepare_run_dir(cfg, data, resume)

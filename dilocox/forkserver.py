@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
-import os
 import tomllib
 from collections.abc import Sequence
 
@@ -31,12 +30,10 @@ def start(preload: Sequence[str]) -> None:
 
 
 def start_early(config_path: str | None, overrides: Sequence[str]) -> None:
-    """Start the fork server that `launch_local` will fork ranks from, before torch is imported here, when the run
-    will be launched locally. A guess from the raw arguments: under torchrun there is no local launch, and an elastic
-    run (`topology.elastic` in the file or the overrides) starts a server with `ELASTIC_PRELOAD` itself. A wrong guess
+    """Start the fork server that `launch_local` will fork ranks from, before torch is imported here (the caller
+    knows the run is launched locally, not under torchrun). A guess from the raw arguments: an elastic run
+    (`topology.elastic` in the file or the overrides) starts a server with `ELASTIC_PRELOAD` itself. A wrong guess
     costs time, never correctness: a rank imports whatever its server did not."""
-    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):  # launch.under_torchrun
-        return
     if any(o.startswith("--topology.elastic") for o in overrides):
         return
     if config_path:

@@ -58,10 +58,6 @@ _MAX_ERROR_BYTES = 12 * _MAX_ERROR_CHARS + 16
 """The most bytes a rank may declare for its error as JSON (a character outside the BMP takes 12: two \\uXXXX)."""
 
 
-def under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
 def resolve_resume(cfg: Config) -> Path | None:
     """The checkpoint to resume, verified (`checkpoint.resume`): `auto` takes the newest one of run.out_dir when
     there is one (so `torchrun --max-restarts` recovers) and starts fresh otherwise; "" never resumes."""
