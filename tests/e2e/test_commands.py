@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from dilocox.cli import main
-from tests.e2e.test_cli import DEBUG, REPO, dilocox
+from tests.e2e.helpers import DEBUG, REPO, dilocox
 
 pytestmark = pytest.mark.e2e
 

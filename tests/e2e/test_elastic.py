@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cli import DEBUG, REPO
+from tests.e2e.helpers import DEBUG, REPO
 
 pytest.importorskip("torchft")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

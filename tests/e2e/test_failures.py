@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cli import DEBUG, REPO, _alive, _children, _ranks, _wait_for_training
+from tests.e2e.helpers import DEBUG, REPO, alive_pids, child_pids, rank_pids, wait_for_training
 
 pytestmark = pytest.mark.e2e
 
@@ -24,7 +24,7 @@ def _complete_checkpoints(run_dir: Path) -> dict[Path, bytes]:
 
 def _kill_what_is_left(proc: subprocess.Popen, pids: list[int]) -> None:
     """After a test, pass or fail: no rank and no launcher of its run is left running."""
-    for pid in _alive(pids):
+    for pid in alive_pids(pids):
         os.kill(pid, signal.SIGKILL)
     if proc.poll() is None:
         proc.kill()
@@ -46,8 +46,8 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout_and_every_rank_exits(t
     )  # fmt: skip
     ranks: list[int] = []
     try:
-        _wait_for_training(run_dir, proc)
-        ranks = _by_start_time(_ranks(proc.pid))
+        wait_for_training(run_dir, proc)
+        ranks = _by_start_time(rank_pids(proc.pid))
         assert len(ranks) == 2
         deadline = time.time() + 120
         while not _complete_checkpoints(run_dir) and time.time() < deadline:
@@ -72,7 +72,7 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout_and_every_rank_exits(t
         assert "--checkpoint.resume=latest" in lines[1]
         assert "Traceback" not in stderr
         time.sleep(0.5)
-        assert not _alive(ranks), "a rank of the stopped run survived"
+        assert not alive_pids(ranks), "a rank of the stopped run survived"
         assert _complete_checkpoints(run_dir) == checkpoints, "the stalled run changed its checkpoints"
     finally:
         _kill_what_is_left(proc, ranks)
@@ -80,7 +80,8 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout_and_every_rank_exits(t
 
 def test_under_torchrun_a_stopped_rank_0_is_named_by_rank_1(tmp_path):
     """torchrun's agent serves the store, so rank 0 frozen does not silence it: rank 1 names rank 0 and exits 4;
-    torchrun then stops the frozen worker (SIGTERM, after its own grace SIGKILL)."""
+    torchrun then sends the frozen worker SIGTERM, which waits until the process runs again (torchrun's own grace
+    SIGKILLs it 30 s later). The test continues it once rank 1 has exited, as an operator would, rather than wait."""
     run_dir = tmp_path / "torchrun-stalled"
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--monitor-interval=0.5",
@@ -91,27 +92,32 @@ def test_under_torchrun_a_stopped_rank_0_is_named_by_rank_1(tmp_path):
     )  # fmt: skip
     workers: list[int] = []
     try:
-        _wait_for_training(run_dir, proc)
+        wait_for_training(run_dir, proc)
         workers = _by_start_time(
             [
                 pid
-                for agent in [proc.pid, *_children(proc.pid)]
-                for pid in _children(agent)
+                for agent in [proc.pid, *child_pids(proc.pid)]
+                for pid in child_pids(agent)
                 if "dilocox" in Path(f"/proc/{pid}/cmdline").read_text()
             ]
         )
         assert len(workers) == 2
         os.kill(workers[0], signal.SIGSTOP)
         stopped_at = time.monotonic()
-        _, stderr = proc.communicate(timeout=180)
+        while alive_pids(workers[1:]) and time.monotonic() - stopped_at < 120:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
         took = time.monotonic() - stopped_at
+        assert not alive_pids(workers[1:]), "rank 1 did not stop within 120 s of rank 0's stall"
+        assert took < 60, f"rank 1 took {took:.0f} s to stop"
+        os.kill(workers[0], signal.SIGCONT)
+        _, stderr = proc.communicate(timeout=120)
         assert proc.returncode != 0
-        assert took < 120, f"the job took {took:.0f} s to stop"
         reports = [line for line in stderr.splitlines() if "has not sent a heartbeat" in line]
         assert len(reports) == 1, stderr[-3000:]
         assert reports[0].startswith("dilocox: error: rank 0 (cluster 0, dp 0, pp 0) has not sent a heartbeat for ")
         assert "exitcode  : 4" in stderr  # torchrun's report: rank 1 exited with EXIT_STALLED
         time.sleep(0.5)
-        assert not _alive(workers)
+        assert not alive_pids(workers)
     finally:
         _kill_what_is_left(proc, workers)

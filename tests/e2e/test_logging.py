@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dilocox.tools.plot import CHARTS, load_run
-from tests.e2e.test_cli import DEBUG, dilocox, metrics
+from tests.e2e.helpers import DEBUG, dilocox, metrics
 
 pytestmark = pytest.mark.e2e
 

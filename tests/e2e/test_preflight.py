@@ -3,7 +3,7 @@ is written: data shorter than a batch, a sequence beyond the model's context, ab
 
 import pytest
 
-from tests.e2e.test_cli import DEBUG, dilocox
+from tests.e2e.helpers import DEBUG, dilocox
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.e2e.test_cli import DEBUG, dilocox, metrics
+from tests.e2e.helpers import DEBUG, dilocox, metrics
 
 pytestmark = pytest.mark.e2e
 WORDS = "the king queen sword crown night day love death river stone fire hope fear bright dark".split()

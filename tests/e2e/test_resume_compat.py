@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.e2e.test_cli import DEBUG, dilocox
+from tests.e2e.helpers import DEBUG, dilocox
 
 pytestmark = pytest.mark.e2e
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.e2e.test_cli import DEBUG, dilocox, metrics
+from tests.e2e.helpers import DEBUG, dilocox, metrics
 
 pytestmark = pytest.mark.e2e
 TAG_BYTES = 32

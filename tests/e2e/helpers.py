@@ -1,0 +1,83 @@
+"""What the e2e tests share: `dilocox` in a subprocess, its metrics, and the processes of a running launcher."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEBUG = str(REPO / "configs" / "debug.toml")
+
+
+def dilocox(*args, timeout=240, env=None, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dilocox", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=REPO,
+        **kwargs,
+    )
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def child_pids(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def rank_pids(launcher: int) -> list[int]:
+    """The ranks of a local launcher: the children of its fork server (`launch_local`)."""
+    servers = [pid for pid in child_pids(launcher) if "forkserver" in Path(f"/proc/{pid}/cmdline").read_text()]
+    return [rank for server in servers for rank in child_pids(server)]
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every process below `pid`: the launcher's fork server, its ranks, multiprocessing's resource tracker."""
+    return [d for child in child_pids(pid) for d in (child, *descendant_pids(child))]
+
+
+def wait_for_training(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip():
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError("training did not start")
+
+
+def alive_pids(pids: list[int]) -> list[int]:
+    return [
+        pid
+        for pid in pids
+        if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    ]
+
+
+def start_long_run(run_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dilocox",
+            "train",
+            "--config",
+            DEBUG,
+            f"--run.out_dir={run_dir}",
+            "--train.steps=100000",
+            "--metrics.log_interval=1",
+            "--eval.interval=0",
+            "--checkpoint.interval=0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )

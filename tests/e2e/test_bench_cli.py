@@ -1,0 +1,126 @@
+"""`dilocox bench --quick` end to end: every run per seed, the table, the plots, and the paper regime's calibration."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.helpers import (
+    REPO,
+    dilocox,
+    metrics,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+def test_bench_quick_runs_every_run_per_seed_tabulates_and_pairs_the_gaps(tmp_path):
+    """One bench of three strategies over two seeds (every shipped bench file's runs are validated in
+    tests/unit/test_bench.py; dilocox runs in the paper-regime bench test below and in its own e2e tests)."""
+    out = tmp_path / "bench"
+    result = dilocox("bench", REPO / "benchmarks" / "configs" / "default.toml", "--quick", "--only",
+                     "allreduce,cocktail,diloco", "--seeds", "2", "--out", out, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in sorted((out / "runs").iterdir())}
+    assert sorted(summaries) == [f"{n}{s}" for n in ("allreduce", "cocktail", "diloco") for s in ("", ".seed1")]
+    assert summaries["diloco.seed1"]["run_seed"] == 1 and summaries["diloco"]["run_seed"] == 0
+    assert summaries["diloco.seed1"]["final_eval_loss"] != summaries["diloco"]["final_eval_loss"]  # seeds matter
+    results = json.loads((out / "results.json").read_text())
+    assert [r["name"] for r in results["runs"]] == ["allreduce", "cocktail", "diloco"]
+    for row in results["runs"]:
+        for key in ("final_eval_loss", "tokens_per_s", "wan_bytes_per_token", "gap_to_baseline_pct", "wall_s"):
+            assert row[key] is not None and row[key] == row[key], (row["name"], key)  # present and not NaN
+    by_name = {r["name"]: r for r in results["runs"]}
+    assert by_name["allreduce"]["compression_vs_allreduce"] == pytest.approx(1.0)
+    assert by_name["diloco"]["compression_vs_allreduce"] == pytest.approx(5.0)  # H = 5 in --quick
+    assert by_name["cocktail"]["compression_vs_allreduce"] > 10  # random sparsification + int4, every step
+    gaps = [
+        100 * (summaries[d]["final_eval_loss"] / summaries[a]["final_eval_loss"] - 1)
+        for d, a in (("diloco", "allreduce"), ("diloco.seed1", "allreduce.seed1"))
+    ]
+    row = by_name["diloco"]
+    assert row["num_seeds"] == 2 and row["gap_to_baseline_pct"] == pytest.approx(sum(gaps) / 2)
+    assert row["gap_range_pct"] == pytest.approx(sorted(gaps))
+    table = (out / "results.md").read_text()
+    assert table.count("\n| ") == 1 + 3 and "over 2 seeds" in table  # separator row + one row per strategy
+    for png in ("loss_vs_tokens.png", "loss_vs_time.png", "throughput.png"):
+        assert (out / png).stat().st_size > 1000
+    assert (out / "loss_vs_tokens_seeds.png").stat().st_size > 10_000  # mean and min-max band per run
+    assert dilocox("bench", "--seeds", "0", "--quick").returncode == 2
+
+
+@pytest.mark.timeout(600)  # the bench's own limit: about 2.5 minutes on 2 idle cores, more when they are shared
+def test_bench_quick_paper_regime_produces_a_complete_table(tmp_path):
+    """Throughputs on the calibrated link follow from the calibration and the bytes the run itself reports."""
+    out = tmp_path / "paper"
+    result = dilocox("bench", REPO / "benchmarks" / "configs" / "paper.toml", "--quick", "--only", "allreduce,dilocox",
+                     "--out", out, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    check_paper_regime_results(out)
+
+
+def check_paper_regime_results(out: Path) -> None:
+    """The paper-regime bench's numbers against what its own calibration and byte counters imply: a wrong bandwidth,
+    a link charge left out or a wrong window fails here (the old bounds, speedup > 10 where ~50 is implied and
+    AllReduce under 1% of the no-communication throughput, passed with the link charged 0.8x or not at all)."""
+    results = json.loads((out / "results.json").read_text())
+    assert [r["name"] for r in results["runs"]] == ["no-communication", "allreduce", "dilocox"]
+    regime = results["regime"]
+    by_name = {r["name"]: r for r in results["runs"]}
+    for name in ("allreduce", "dilocox"):
+        assert (out / "timed" / name / "summary.json").exists() and (out / "runs" / name / "summary.json").exists()
+    # the calibration: compute per step from the link-off no-communication run, and a link on which one AllReduce
+    # step's fp32 gradient (a ring of 2 sends 2 (C-1)/C = 1 gradient) takes 357.46 x that compute
+    ref = json.loads((out / "runs" / "no-communication" / "summary.json").read_text())
+    compute_s = regime["compute_s_per_step"]
+    assert compute_s == pytest.approx(ref["tokens"] / ref["tokens_per_s"] / ref["steps"], rel=1e-9)
+    grad_bytes = 4 * ref["num_params"]
+    assert regime["grad_bytes"] == grad_bytes
+    bandwidth, latency = regime["bandwidth_bytes_per_s"], regime["latency_s"]
+    assert latency == 0.01  # the base config's 10ms
+    transfer_s = latency + grad_bytes / bandwidth
+    assert transfer_s == pytest.approx(357.46 * compute_s, rel=1e-3)
+
+    # every timed run's tokens/s over its steady window, read from its own per-step metrics: steps (H, 2H] for the
+    # outer-loop runs, AllReduce's first step
+    timed = {name: {m["step"]: m for m in metrics(out / "timed" / name)} for name in by_name}
+    dilocox_summary = json.loads((out / "timed" / "dilocox" / "summary.json").read_text())
+    h = dilocox_summary["inner_steps"]
+    tokens_per_step = dilocox_summary["tokens"] // dilocox_summary["steps"]
+    assert timed["allreduce"][1]["tokens"] == tokens_per_step
+
+    def window_tokens_per_s(name: str, start: int, end: int) -> float:
+        rows = timed[name]
+        t0, k0 = (0.0, 0) if start == 0 else (rows[start]["elapsed_s"], rows[start]["tokens"])
+        return (rows[end]["tokens"] - k0) / (rows[end]["elapsed_s"] - t0)
+
+    assert by_name["allreduce"]["timed_window_steps"] == len(timed["allreduce"]) == 2
+    assert by_name["dilocox"]["timed_window_steps"] == len(timed["dilocox"]) == 2 * h + 1
+    no_comm_tps = window_tokens_per_s("no-communication", h, 2 * h)
+    assert regime["no_communication_steady_tokens_per_s"] == pytest.approx(no_comm_tps, rel=1e-9)
+    for name, (start, end) in {"allreduce": (0, 1), "dilocox": (h, 2 * h)}.items():
+        assert by_name[name]["tokens_per_s"] == pytest.approx(window_tokens_per_s(name, start, end), rel=1e-9)
+        assert by_name[name]["of_no_communication"] == pytest.approx(by_name[name]["tokens_per_s"] / no_comm_tps)
+
+    # AllReduce: every step computes, then waits for the whole gradient on the link. The compute is ~1/358 of the
+    # step, so a noisy compute time moves this by well under 1%; a wrong bandwidth, sharing or link charge does not.
+    assert by_name["allreduce"]["tokens_per_s"] == pytest.approx(tokens_per_step / (compute_s + transfer_s), rel=0.05)
+    assert timed["allreduce"][1]["wan_bytes_sent"] == grad_bytes
+
+    # DiLoCoX: the sync launched at step H travels during steps H+1..2H and is waited for at 2H, so the window lasts
+    # the longer of its compute (the no-communication run's on the same window) and the link time of that sync:
+    # latency + max(sent, recv) / bandwidth, from the run's own byte counters (the 8-byte length header is noise).
+    dx = timed["dilocox"]
+    sent = dx[2 * h]["wan_bytes_sent"] - dx[h]["wan_bytes_sent"]
+    recv = dx[2 * h]["wan_bytes_recv"] - dx[h]["wan_bytes_recv"]
+    assert 0 < sent < grad_bytes / 4 and 0 < recv < grad_bytes / 4  # compressed, and one sync in the window
+    link_s = latency + max(sent, recv) / bandwidth
+    window_s = max(h * tokens_per_step / no_comm_tps, link_s)
+    want_dilocox_tps = h * tokens_per_step / window_s
+    assert by_name["dilocox"]["tokens_per_s"] == pytest.approx(want_dilocox_tps, rel=0.2)
+    # hence the speedup, within the same band around the ratio those times imply
+    want_speedup = want_dilocox_tps / (tokens_per_step / (compute_s + transfer_s))
+    assert by_name["dilocox"]["speedup_vs_baseline"] == pytest.approx(want_speedup, rel=0.2)
+    assert by_name["allreduce"]["speedup_vs_baseline"] == 1.0
+    table = (out / "results.md").read_text()
+    assert table.count("\n| ") == 1 + 3 and "paper regime" in table
