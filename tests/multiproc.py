@@ -23,7 +23,15 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_PRELOAD = ["torch", "torch.distributed", "dilocox.trainer", "dilocox.sync", "dilocox.compress", "tests.multiproc"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "dilocox.trainer",
+    "dilocox.sync",
+    "dilocox.compress",
+    "tests.multiproc",
+]
 """Imported once by the fork server that every rank is forked from, so a rank starts in a fraction of a second
 instead of importing torch and dilocox again (about 2.5 s of CPU each, the largest cost of a short multi-rank test).
 The server imports only: it has no threads, process groups or CUDA state that a fork could copy."""
