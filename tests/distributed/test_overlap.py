@@ -252,6 +252,7 @@ def _fit_link(rank, world_size, max_steps):
     channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.3, latency_s=0.0)
     cfg = SyncConfig(inner_steps=2, sync_delay=1, fit_link=True, fit_link_max_steps=max_steps)
     sync = DiLoCoSync(model.parameters(), cfg, channel=channel, dp_group=None, total_steps=60)
+    torch.distributed.barrier()  # a peer's start skew would count as exposed link time in every round
     rounds = []
     for step in range(1, 61):
         time.sleep(0.05)
