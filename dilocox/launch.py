@@ -39,7 +39,6 @@ from dilocox.config import Config, from_dict, to_dict, to_toml
 from dilocox.data import TokenData
 from dilocox.device import resolve_device
 from dilocox.fileio import write_atomic
-from dilocox.forkserver import ELASTIC_PRELOAD, LOCAL_PRELOAD
 from dilocox.metrics import check_sinks
 from dilocox.net.json_gather import all_gather_json
 from dilocox.net.watchdog import EXIT_STALLED, JobStore, run_was_stopped
@@ -295,7 +294,7 @@ def launch_local(cfg: Config, data: TokenData, resume: Path | None) -> int:
     store = dist.TCPStore(_LOCAL_HOST, 0, None, is_master=True, timeout=timeout, wait_for_workers=False)
     # Ranks are forked from a fork server that imports torch and dilocox once, instead of each rank importing them
     # again (about 2 s of CPU per rank). The server never touches CUDA or a process group, so a fork copies none.
-    forkserver.start(LOCAL_PRELOAD)  # unless `dilocox train` started it already (forkserver.start_early)
+    forkserver.start(forkserver.LOCAL_PRELOAD)  # unless `dilocox train` started it already (forkserver.start_early)
     with tempfile.TemporaryDirectory(prefix="dilocox-") as tmp:
         ctx = mp.start_processes(
             _local_rank_main,
@@ -455,7 +454,7 @@ def launch_elastic(cfg: Config) -> int:
     lost: set[int] = set()
     last_round: tuple[int, ...] | None = None  # the clusters that ended the run, from the first one that finished
 
-    forkserver.start(ELASTIC_PRELOAD)  # the time a restart takes is the time its peers train without it
+    forkserver.start(forkserver.ELASTIC_PRELOAD)  # the time a restart takes is the time its peers train without it
 
     def start(cluster: int, tmp: str) -> None:
         Path(tmp, f"joined{cluster}").unlink(missing_ok=True)
