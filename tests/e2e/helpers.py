@@ -9,6 +9,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG = str(REPO / "configs" / "debug.toml")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+"""torchrun with 2 workers on this machine; the program and its arguments follow."""
 
 
 def dilocox(*args, timeout=240, env=None, **kwargs) -> subprocess.CompletedProcess:
@@ -81,3 +83,13 @@ def start_long_run(run_dir: Path) -> subprocess.Popen:
         text=True,
         cwd=REPO,
     )
+
+
+def torchrun_workers(torchrun: int) -> list[int]:
+    """The dilocox workers of a torchrun job: the children of torchrun or of its agent process."""
+    return [
+        pid
+        for agent in [torchrun, *child_pids(torchrun)]
+        for pid in child_pids(agent)
+        if "dilocox" in Path(f"/proc/{pid}/cmdline").read_text()
+    ]

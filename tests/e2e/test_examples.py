@@ -3,25 +3,17 @@
 import os
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.e2e.helpers import REPO, TORCHRUN
+
 pytestmark = pytest.mark.e2e
 
 
 def test_custom_loop_example_trains_and_ends_with_identical_parameters():
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(REPO / "examples" / "custom_loop.py"),
-        ],
+        [*TORCHRUN, str(REPO / "examples" / "custom_loop.py")],
         capture_output=True,
         text=True,
         timeout=240,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import DEBUG, REPO, alive_pids, child_pids, rank_pids, wait_for_training
+from tests.e2e.helpers import DEBUG, REPO, TORCHRUN, alive_pids, rank_pids, torchrun_workers, wait_for_training
 
 pytestmark = pytest.mark.e2e
 
@@ -84,23 +84,16 @@ def test_under_torchrun_a_stopped_rank_0_is_named_by_rank_1(tmp_path):
     SIGKILLs it 30 s later). The test continues it once rank 1 has exited, as an operator would, rather than wait."""
     run_dir = tmp_path / "torchrun-stalled"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--monitor-interval=0.5",
-         "-m", "dilocox", "train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--train.steps=100000",
-         "--metrics.log_interval=1", "--eval.interval=0", "--checkpoint.interval=0", *FAST_WATCHDOG],
+        [*TORCHRUN, "--monitor-interval=0.5", "-m", "dilocox", "train", "--config", DEBUG,
+         f"--run.out_dir={run_dir}", "--train.steps=100000", "--metrics.log_interval=1", "--eval.interval=0",
+         "--checkpoint.interval=0", *FAST_WATCHDOG],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
         env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
     )  # fmt: skip
     workers: list[int] = []
     try:
         wait_for_training(run_dir, proc)
-        workers = _by_start_time(
-            [
-                pid
-                for agent in [proc.pid, *child_pids(proc.pid)]
-                for pid in child_pids(agent)
-                if "dilocox" in Path(f"/proc/{pid}/cmdline").read_text()
-            ]
-        )
+        workers = _by_start_time(torchrun_workers(proc.pid))
         assert len(workers) == 2
         os.kill(workers[0], signal.SIGSTOP)
         stopped_at = time.monotonic()

@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,13 +13,14 @@ import pytest
 from tests.e2e.helpers import (
     DEBUG,
     REPO,
+    TORCHRUN,
     alive_pids,
-    child_pids,
     descendant_pids,
     dilocox,
     metrics,
     rank_pids,
     start_long_run,
+    torchrun_workers,
     wait_for_training,
 )
 
@@ -98,20 +98,7 @@ def test_crashed_rank_stops_the_others(tmp_path):
 def test_torchrun_runs_each_rank(tmp_path):
     run_dir = tmp_path / "torchrun"
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "dilocox",
-            "train",
-            "--config",
-            DEBUG,
-            f"--run.out_dir={run_dir}",
-            "--train.steps=20",
-        ],
+        [*TORCHRUN, "-m", "dilocox", "train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--train.steps=20"],
         capture_output=True,
         text=True,
         timeout=240,
@@ -131,9 +118,8 @@ def test_torchrun_rerun_after_a_killed_rank_resumes_where_it_stopped(tmp_path):
 
     def torchrun(steps: int) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-             "--monitor-interval=0.5", "-m", "dilocox", "train", "--config", DEBUG, f"--run.out_dir={run_dir}",
-             f"--train.steps={steps}", "--checkpoint.interval=20", "--eval.interval=0"],
+            [*TORCHRUN, "--monitor-interval=0.5", "-m", "dilocox", "train", "--config", DEBUG,
+             f"--run.out_dir={run_dir}", f"--train.steps={steps}", "--checkpoint.interval=20", "--eval.interval=0"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
             env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
         )  # fmt: skip
@@ -144,12 +130,7 @@ def test_torchrun_rerun_after_a_killed_rank_resumes_where_it_stopped(tmp_path):
     while not list((run_dir / "checkpoints").glob("step_*")) and time.time() < deadline:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.2)
-    workers = [
-        pid
-        for agent in [proc.pid, *child_pids(proc.pid)]
-        for pid in child_pids(agent)
-        if "dilocox" in Path(f"/proc/{pid}/cmdline").read_text()
-    ]
+    workers = torchrun_workers(proc.pid)
     assert workers, "no torchrun worker found"
     os.kill(workers[0], signal.SIGKILL)  # rank 0: it holds the run directory's lock
     proc.communicate(timeout=120)
