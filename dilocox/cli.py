@@ -1,4 +1,4 @@
-"""The `dilocox` command: train, eval, export, plot, prepare-data, bench, plan, linkcheck, flavors, env.
+"""The `dilocox` command: train, eval, export, plot, prepare-data, bench, plan, linkcheck, lighthouse, flavors, env.
 
     dilocox train                                   # the embedded default: 2 clusters over an emulated 1 Gbps link
     dilocox train --config configs/debug.toml --sync.kind=allreduce
@@ -29,6 +29,7 @@ commands:
   bench     run strategies side by side on one setting: table, results.json, plots
   plan      project tokens/s of AllReduce, DiLoCo and DiLoCoX at sizes this machine cannot run
   linkcheck time real transfers over a Linux link shaped with tc against the emulated link (root only)
+  lighthouse  run the torchft Lighthouse where the machines of an elastic run meet
   flavors   list the model flavors and their parameter counts
   env       print versions of dilocox, torch and the platform (for bug reports)
 
@@ -75,27 +76,39 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def cmd_train(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(train_help())
-        return 0
-    config_path = None
+def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """The value of `--name VALUE` or `--name=VALUE` in argv (None if absent) and the other arguments; ValueError
+    when the option has no value."""
+    value = None
     rest: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg == "--config":
+        if arg == name:
             if i + 1 >= len(argv):
-                return _error("--config needs a file: --config FILE")
-            config_path = argv[i + 1]
+                raise ValueError(f"{name} needs a value: {name} {name.lstrip('-').upper()}")
+            value = argv[i + 1]
             i += 2
             continue
-        if arg.startswith("--config="):
-            config_path = arg.split("=", 1)[1]
+        if arg.startswith(f"{name}="):
+            value = arg.split("=", 1)[1]
         else:
             rest.append(arg)
         i += 1
+    return value, rest
 
+
+def cmd_train(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(train_help())
+        return 0
+    try:
+        config_path, rest = _take_option(argv, "--config")
+    except ValueError:
+        return _error("--config needs a file: --config FILE")
+
+    # torchft's Rust side (elastic runs) logs every quorum and commit at INFO; its warnings and errors still show
+    os.environ.setdefault("RUST_LOG", "warn")
     torchrun = under_torchrun()
     if not torchrun:
         from dilocox import forkserver
@@ -223,6 +236,60 @@ List the model flavors (model.flavor) with their shapes and parameter counts."""
 ENV_USAGE = """usage: dilocox env
 
 Print the versions of dilocox, Python and torch, the GPUs torch sees and the platform (for bug reports)."""
+
+
+LIGHTHOUSE_USAGE = """usage: dilocox lighthouse [--bind HOST:PORT] [--config FILE] [--network.KEY=VALUE ...]
+
+Run a torchft Lighthouse for an elastic run whose clusters are on several machines (topology.local_clusters), with
+the timeouts of the run's [network]: a cluster silent for 2 x network.heartbeat is left out of the next round, and
+the others wait up to network.stall_timeout (or network.timeout) for one that heartbeats but does not come. Start
+it on a host every machine reaches (default --bind [::]:29510) and pass the URL it prints as --network.lighthouse
+on every machine. One Lighthouse serves one run at a time. Ctrl+C (or SIGTERM) stops it."""
+
+
+def cmd_lighthouse(argv: list[str]) -> int:
+    import signal
+    import threading
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(LIGHTHOUSE_USAGE)
+        return 0
+    from dilocox.config import load_config
+    from dilocox.launch import lighthouse_timeouts
+
+    try:
+        bind, argv = _take_option(argv, "--bind")
+        config_path, rest = _take_option(argv, "--config")
+        cfg = load_config(config_path, rest)
+    except ValueError as exc:
+        return _error(str(exc))
+    try:
+        from dilocox.sync.membership import start_lighthouse
+    except ImportError:
+        return _error("the Lighthouse is torchft's: pip install 'dilocox[elastic]'")
+    timeouts = lighthouse_timeouts(cfg)
+    try:
+        lighthouse = start_lighthouse(bind=bind or "[::]:29510", **timeouts)
+    except Exception as exc:  # torchft's server says why it could not bind (a port in use, a bad address)
+        return _error(f"the Lighthouse could not start on {bind or '[::]:29510'}: {exc}")
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stopped.set())
+    print(
+        f"dilocox: lighthouse at {lighthouse.address()} (a cluster silent for {timeouts['heartbeat_timeout_s']:g}s is "
+        f"left out; the others wait up to {timeouts['join_timeout_s']:g}s for one that beats but does not come); on "
+        f"every machine pass --network.lighthouse={lighthouse.address()}; Ctrl+C stops it",
+        flush=True,
+    )
+    try:
+        while not stopped.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        lighthouse.shutdown()
+    print("dilocox: lighthouse stopped", flush=True)
+    return 0
 
 
 def _no_options(argv: list[str], usage: str) -> int | None:
@@ -379,6 +446,7 @@ COMMANDS = {
     "bench": cmd_bench,
     "plan": cmd_plan,
     "linkcheck": cmd_linkcheck,
+    "lighthouse": cmd_lighthouse,
     "flavors": cmd_flavors,
     "env": cmd_env,
 }

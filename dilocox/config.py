@@ -131,7 +131,30 @@ class TopologyConfig:
     elastic: bool = False
     """Clusters may fail and rejoin: each is its own world, torchft's quorum decides every round's members (§10.1)."""
     max_cluster_restarts: int = 3
-    """elastic, local launcher: times a cluster whose processes died is started again (it heals from a live peer)."""
+    """elastic: times this launcher starts a cluster whose processes died again (it heals from a live peer)."""
+    local_clusters: str = ""
+    """elastic, several machines: the clusters this machine starts, e.g. "0,1" or "2-3"; "" = all (one machine)."""
+
+    def launched_clusters(self) -> tuple[int, ...]:
+        """The clusters this launcher starts (`local_clusters`, parsed and checked), in order."""
+        if not self.local_clusters.strip():
+            return tuple(range(self.num_clusters))
+        clusters: list[int] = []
+        for part in self.local_clusters.split(","):
+            first, _, last = part.strip().partition("-")
+            try:
+                span = range(int(first), int(last or first) + 1)
+            except ValueError:
+                span = range(0)
+            if not span or span.start < 0 or span.stop > self.num_clusters:
+                raise ValueError(
+                    f"topology.local_clusters = {self.local_clusters!r}: {part.strip()!r} is not a cluster or a range "
+                    f"of clusters of 0..{self.num_clusters - 1}; write e.g. \"0,1\" or \"2-3\""
+                )
+            clusters.extend(span)
+        if len(set(clusters)) != len(clusters):
+            raise ValueError(f"topology.local_clusters = {self.local_clusters!r} names a cluster twice")
+        return tuple(sorted(clusters))
 
 
 @dataclass
@@ -314,8 +337,13 @@ class Config:
                     f"sync.min_clusters = {self.sync.min_clusters} lets a run go on without some clusters, which only "
                     f"an elastic run does: add --topology.elastic=true, or leave sync.min_clusters at 0 (all {c})"
                 )
-            if self.network.lighthouse:
-                raise ValueError("network.lighthouse is only used by elastic runs: add --topology.elastic=true")
+            for name, value in (
+                ("network.lighthouse", self.network.lighthouse),
+                ("topology.local_clusters", t.local_clusters),
+                ("network.advertise_host", self.network.advertise_host),
+            ):
+                if value:
+                    raise ValueError(f"{name} is only used by elastic runs: add --topology.elastic=true")
             return
         refused = [  # (what, whether this config has it, the fix)
             (f"sync.kind = {self.sync.kind}", not self.sync.has_outer_loop, "use sync.kind = dilocox or diloco"),
@@ -343,8 +371,20 @@ class Config:
         if self.network.lighthouse and not self.network.lighthouse.startswith(("http://", "https://")):
             raise ValueError(
                 f"network.lighthouse = {self.network.lighthouse!r} must be a torchft Lighthouse's URL, "
-                "e.g. http://host:29510 (`torchft_lighthouse --min_replicas 1` listens on port 29510)"
+                "e.g. http://host:29510 (`dilocox lighthouse` listens on port 29510)"
             )
+        if len(t.launched_clusters()) < c:  # several machines: they meet at a Lighthouse they can all reach
+            if not self.network.lighthouse:
+                raise ValueError(
+                    f"topology.local_clusters = {t.local_clusters!r} starts only some clusters here, so the machines "
+                    "need one Lighthouse: start `dilocox lighthouse` on a host they all reach and pass its URL as "
+                    "--network.lighthouse=http://HOST:29510"
+                )
+            if not self.network.advertise_host:
+                raise ValueError(
+                    f"topology.local_clusters = {t.local_clusters!r} starts only some clusters here: pass "
+                    "--network.advertise_host=ADDRESS, the address the other machines reach this one at"
+                )
 
     def notes(self) -> list[str]:
         """One line for each setting that works, but not as its value alone says (printed once at the start)."""

@@ -49,6 +49,8 @@ EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 EXIT_ORPHANED = 3
 """A rank whose launcher died exits with this code (no orphan keeps training)."""
+EXIT_NO_PEER = 5
+"""Elastic: a restarted cluster found no live cluster to heal from (the run ended without it); it is not restarted."""
 # EXIT_STALLED = 4, imported from net/watchdog.py, whose thread exits with it: a rank stopped sending heartbeats or
 # the job's store stopped answering; every rank exits with it and the launcher says so in one line.
 _MAX_ERROR_CHARS = 8000
@@ -113,8 +115,9 @@ def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Pa
 
     if world_size is not None and cfg.topology.elastic:
         raise ValueError(
-            "topology.elastic = true is started by `dilocox train` on one machine for now (it starts the clusters, a "
-            "torchft Lighthouse and restarts dead clusters); under torchrun leave topology.elastic off"
+            "topology.elastic = true is started by `dilocox train` on each machine, not by torchrun (it starts that "
+            "machine's clusters, topology.local_clusters, and starts dead ones again); under torchrun leave "
+            "topology.elastic off"
         )
     cfg.validate(world_size)
     cores = os.cpu_count() or 1
@@ -374,11 +377,14 @@ def _elastic_rank_main(
     port: int,
     error_dir: str,
     lighthouse: str,
+    advertise_host: str,
+    restarted: bool,
     launcher: int,
     env: dict,
     cwd: str,
 ) -> None:
-    """One rank of one cluster of an elastic run: the cluster is its own world (its store in the launcher)."""
+    """One rank of one cluster of an elastic run: the cluster is its own world (its store in the launcher, which
+    other machines reach at `advertise_host`)."""
     import faulthandler
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -392,14 +398,16 @@ def _elastic_rank_main(
     store = dist.TCPStore(_LOCAL_HOST, port, ranks_per_cluster, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=local_rank, world_size=ranks_per_cluster, timeout=timeout)
     rank = cluster * ranks_per_cluster + local_rank
+    from dilocox.sync.membership import NoLivePeer
     from dilocox.trainer import Trainer
 
     try:
-        trainer = Trainer(cfg, rank=rank, run_dir=Path(cfg.run.out_dir), cluster_store=(_LOCAL_HOST, port))
+        trainer = Trainer(cfg, rank=rank, run_dir=Path(cfg.run.out_dir), cluster_store=(advertise_host, port))
         trainer.on_joining = lambda: Path(error_dir, f"ready{cluster}").touch()
         trainer.on_joined = lambda: Path(error_dir, f"joined{cluster}").touch()
         if trainer.membership is not None:
             trainer.membership.restarts = lambda: _restarts_in_progress(error_dir, cfg.topology.num_clusters)
+            trainer.membership.restarted = restarted
         try:
             trainer.train()
         finally:
@@ -408,6 +416,10 @@ def _elastic_rank_main(
         Path(error_dir, f"rank{rank}").write_text(str(exc))
         sys.stdout.flush()
         os._exit(EXIT_USER_ERROR)
+    except NoLivePeer as exc:  # a restart with nobody left to heal from: lost, not started again
+        Path(error_dir, f"nopeer{cluster}").write_text(str(exc))
+        sys.stdout.flush()
+        os._exit(EXIT_NO_PEER)
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # torchft's threads (its manager server, the checkpoint server) must not hold the exit
@@ -434,21 +446,24 @@ def _last_round_clusters(run_dir: Path, cluster: int) -> tuple[int, ...] | None:
 
 
 def launch_elastic(cfg: Config) -> int:
-    """Start every cluster as its own group of processes, with a torchft Lighthouse in this process (unless
-    network.lighthouse names one). A cluster whose processes die is started again, up to
-    topology.max_cluster_restarts times, and heals from a live peer; the others go on meanwhile. The run ends when
-    every cluster still running has finished."""
+    """Start this machine's clusters (`topology.local_clusters`, all of them by default), each as its own group of
+    processes, with a torchft Lighthouse in this process unless network.lighthouse names one (several machines meet
+    at one). A cluster whose processes die is started again, up to topology.max_cluster_restarts times, and heals
+    from a live peer; the others go on meanwhile. This launcher ends when each of its clusters has finished or is
+    lost; it exits 1 when none of them finished."""
     from dilocox.sync.membership import start_lighthouse
 
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     t = cfg.topology
+    clusters = t.launched_clusters()
+    advertise_host = cfg.network.advertise_host or _LOCAL_HOST
     lighthouse = None
     address = cfg.network.lighthouse
     if not address:
         lighthouse = start_lighthouse(**lighthouse_timeouts(cfg))
         address = lighthouse.address()
     timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
-    restarts = dict.fromkeys(range(t.num_clusters), 0)
+    restarts = dict.fromkeys(clusters, 0)
     running: dict[int, tuple[Any, dist.TCPStore]] = {}
     finished: set[int] = set()
     lost: set[int] = set()
@@ -461,11 +476,13 @@ def launch_elastic(cfg: Config) -> int:
         Path(tmp, f"ready{cluster}").unlink(missing_ok=True)
         if restarts[cluster]:  # the live clusters' end of training waits for it (ElasticMembership.wait_for_restarts)
             Path(tmp, f"restarting{cluster}").touch()
-        # a fresh store for every start: a restarted cluster must not meet its dead processes' keys
+        # a fresh store for every start: a restarted cluster must not meet its dead processes' keys. It listens on
+        # every interface: the clusters of other machines reach it at advertise_host (torchft's group of a round)
         store = dist.TCPStore(_LOCAL_HOST, 0, None, is_master=True, timeout=timeout, wait_for_workers=False)
+        args = (cluster, to_dict(cfg), store.port, tmp, address, advertise_host, restarts[cluster] > 0)
         ctx = mp.start_processes(
             _elastic_rank_main,
-            args=(cluster, to_dict(cfg), store.port, tmp, address, os.getpid(), dict(os.environ), os.getcwd()),
+            args=(*args, os.getpid(), dict(os.environ), os.getcwd()),
             nprocs=t.dp_degree * t.pp_degree,
             join=False,
             start_method="forkserver",
@@ -481,7 +498,7 @@ def launch_elastic(cfg: Config) -> int:
 
     try:
         with tempfile.TemporaryDirectory(prefix="dilocox-") as tmp, _signals_stop_the_run():
-            for cluster in range(t.num_clusters):
+            for cluster in clusters:
                 start(cluster, tmp)
             while running:
                 # woken by the first process that ends: a restart is marked at once, well before the Lighthouse
@@ -499,6 +516,13 @@ def launch_elastic(cfg: Config) -> int:
                             stop_all()
                             print(f"dilocox: error: {errors[0].read_text()}", file=sys.stderr)
                             return EXIT_USER_ERROR
+                        no_peer = Path(tmp, f"nopeer{cluster}")
+                        if no_peer.exists():  # a restart that came after the run ended: nothing to start again
+                            lost.add(cluster)
+                            Path(tmp, f"restarting{cluster}").unlink(missing_ok=True)
+                            print(f"dilocox: elastic: {no_peer.read_text()}; it is stopped", flush=True)
+                            no_peer.unlink()
+                            continue
                         why = f"exit code {exc.exit_code}" if hasattr(exc, "exit_code") else exc.__class__.__name__
                         detail = getattr(exc, "msg", "").strip().splitlines()
                         if detail and not hasattr(exc, "exit_code"):  # a Python error: its last line says what
@@ -550,7 +574,13 @@ def launch_elastic(cfg: Config) -> int:
             lighthouse.shutdown()
     if lost:
         print(f"dilocox: elastic: the run finished without clusters {sorted(lost)}", file=sys.stderr)
-    return 0
+    if len(clusters) < t.num_clusters and 0 not in clusters and finished:
+        print(
+            f"dilocox: elastic: clusters {sorted(finished)} of this machine finished; the run's metrics, summary and "
+            "checkpoints are written by cluster 0's machine",
+            flush=True,
+        )
+    return 0 if finished else 1
 
 
 class _Stopped(Exception):

@@ -307,6 +307,8 @@ class Trainer:
             control_timeout=datetime.timedelta(seconds=(cfg.network.stall_timeout_s or cfg.network.timeout_s) / 2),
             state_dict=lambda: self.sync.diloco.elastic.heal_state(),
             load_state_dict=lambda state: self.sync.diloco.elastic.load_heal_state(state),
+            # the heal state is the outer params and the outer optimizer's momentum (fp32), and small counters
+            heal_max_bytes=3 * 4 * sum(p.numel() for p in self.model.parameters()) + (16 << 20),
         )
 
     # ---------------------------------------------------------------------------------------------- state

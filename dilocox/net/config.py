@@ -34,7 +34,9 @@ class NetworkConfig:
     auth_key_file: str = ""
     """File holding a shared secret (>= 16 bytes, the same on all clusters): HMAC-tag slow-link payloads; "" = off."""
     lighthouse: str = ""
-    """topology.elastic: a torchft Lighthouse's URL (`torchft_lighthouse --min_replicas 1`); "" = the launcher's own."""
+    """topology.elastic: a torchft Lighthouse's URL (`dilocox lighthouse` prints it); "" = the launcher's own."""
+    advertise_host: str = ""
+    """elastic, several machines: the address other machines reach this one at ("" = 127.0.0.1, one machine)."""
 
     @property
     def bandwidth_bytes_per_s(self) -> float | None:

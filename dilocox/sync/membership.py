@@ -17,6 +17,7 @@ What a round's clusters do with a sync launched in one quorum and resolved in th
 from __future__ import annotations
 
 import datetime
+import io
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +29,49 @@ import torch.distributed as dist
 
 class ElasticError(ValueError):
     """The elastic run cannot go on (fewer clusters than `sync.min_clusters`): one line, a non-zero exit."""
+
+
+class NoLivePeer(RuntimeError):
+    """A restarted cluster found no other cluster alive to heal from: the run ended, or every other cluster is gone.
+    Its launcher counts it as lost (one line), not as a user error."""
+
+
+def _heal_transport(timeout: datetime.timedelta, host: str, max_bytes: int):
+    """torchft's HTTP checkpoint transport, made fit for a network between machines: it advertises `host` (torchft
+    advertises `socket.gethostname()`, which other machines may not resolve) and it loads what a peer sends with
+    `weights_only=True` and at most `max_bytes` (torchft unpickles it whole: a peer could run code in this process)."""
+    import urllib.request
+
+    from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class HealTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: datetime.timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as response:
+                data = response.read(max_bytes + 1)
+            if len(data) > max_bytes:
+                raise ValueError(f"the heal state from {address} is larger than {max_bytes:,} bytes: refused")
+            return _streaming_load(_WritableReader(data), weights_only=True)
+
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            return f"http://{_url_host(host)}:{port}/checkpoint/"
+
+    return HealTransport(timeout=timeout, num_chunks=0)
+
+
+class _WritableReader(io.BytesIO):
+    """Reads return bytearrays: torch builds the loaded tensors on the buffers read, and a tensor built on `bytes`
+    would let an in-place update (the outer optimizer's momentum) write into an immutable object."""
+
+    def read(self, size: int | None = -1) -> bytearray:  # type: ignore[override]
+        return bytearray(super().read(size))
+
+
+def _url_host(host: str) -> str:
+    """`host` as the host part of a URL (an IPv6 address goes in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 @dataclass(frozen=True)
@@ -90,6 +134,7 @@ class ElasticMembership:
         control_timeout: datetime.timedelta,
         state_dict: Callable[[], Any],
         load_state_dict: Callable[[Any], None],
+        heal_max_bytes: int,
     ) -> None:
         from torchft import Manager
 
@@ -121,15 +166,19 @@ class ElasticMembership:
             store_port=store_port,
             lighthouse_addr=lighthouse,
             replica_id=f"cluster{cluster}",
-            hostname=store_addr,
+            hostname=store_addr,  # the address other machines reach this one at (network.advertise_host)
             init_sync=False,  # every cluster builds the same initial model from run.seed
+            checkpoint_transport=_heal_transport(timeout, store_addr, heal_max_bytes),
         )
         self.heals = 0
         """Times this cluster's state came from a live peer."""
         self.restarts: Callable[[], dict[int, bool]] | None = None
         """The clusters its launcher is starting again and that have not joined the run yet, each with whether it
-        has asked to join (set by the local launcher; None: nobody restarts clusters). The end of training waits for
+        has asked to join (set by the launcher; None: nobody restarts clusters). The end of training waits for
         them (`wait_for_restarts`, `restarts_in_progress`)."""
+        self.restarted = False
+        """This process is a restart of its cluster (set by the launcher): it joins a run in progress, so a first
+        quorum of itself alone means no other cluster is alive (`join`)."""
 
     def _heal(self, state: Any) -> None:
         self._healed = True
@@ -145,6 +194,13 @@ class ElasticMembership:
             quorum = self.start_round(check=False)  # at the start, clusters still starting are not missing
             if quorum.healed or self.manager.current_step() > 0 or quorum.size == self.num_clusters:
                 break
+            if self.restarted and quorum.clusters == (self.cluster,):
+                # the Lighthouse never forms a quorum of half or less of the clusters that heartbeat: alone, this
+                # restart is the only live cluster (the others finished, or died and were not started again)
+                raise NoLivePeer(
+                    f"cluster {self.cluster} was started again, but no other cluster is alive to heal from (the run "
+                    "ended, or every other cluster is gone)"
+                )
             if time.monotonic() > deadline:
                 raise ElasticError(
                     f"only clusters {list(quorum.clusters)} of {self.num_clusters} joined within network.timeout = "

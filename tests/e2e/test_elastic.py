@@ -178,3 +178,59 @@ def test_below_min_clusters_the_run_stops_with_one_line(start_run):
         "dilocox: error: only 1 of 2 clusters (clusters [0]) are left in the round, fewer than sync.min_clusters = 2: "
         "the run stops"
     ]
+
+
+@pytest.fixture
+def lighthouse():
+    """`dilocox lighthouse` in a subprocess, with the heartbeat and stall timeout of ELASTIC; yields its URL."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dilocox", "lighthouse", "--bind", "127.0.0.1:0", "--network.heartbeat=0.5s",
+         "--network.stall_timeout=5s"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        found = re.search(r"--network\.lighthouse=(http://\S+);", first)
+        assert found, f"no address in the lighthouse's first line: {first!r}"
+        yield found.group(1)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0  # SIGTERM is its normal end
+        assert proc.stdout.read().strip() == "dilocox: lighthouse stopped"
+
+
+@pytest.mark.timeout(240)
+def test_clusters_of_two_launchers_meet_at_one_lighthouse_and_a_killed_one_heals_across_them(
+    tmp_path, start_run, lighthouse
+):
+    # two machines, as two launchers that share nothing but the Lighthouse and the network: A starts clusters 0 and
+    # 1, B starts cluster 2, each with its own run directory
+    steps = 40
+    flags = [*ELASTIC, "--topology.num_clusters=3", f"--train.steps={steps}", "--sync.inner_steps=10"]
+    static = start_run("static", *[f for f in flags if f != "--topology.elastic=true"])
+    assert static.finish() == 0, "the static run failed"
+    static_loss = json.loads((tmp_path / "static" / "summary.json").read_text())["final_eval_loss"]
+
+    across = [*flags, f"--network.lighthouse={lighthouse}", "--network.advertise_host=127.0.0.1"]
+    a = start_run("machine_a", *across, "--topology.local_clusters=0-1")
+    b = start_run("machine_b", *across, "--topology.local_clusters=2")
+    a.wait_for_step(15)  # mid-round: cluster 0 (on A) writes the run's metrics
+    os.kill(b.pid_of(2), signal.SIGKILL)
+    assert a.finish() == 0, "launcher A failed"
+    assert b.finish() == 0, "launcher B failed"
+    assert sorted(a.pids()) == [0, 1] and sorted(b.pids()) == [2]
+    assert "dilocox: elastic: cluster 2 failed" in b.output and "start 2)" in b.output
+    assert re.search(r"dilocox: elastic: cluster 2 rejoined at step \d+ .*healed from a live peer", b.output)
+    assert "clusters [2] of this machine finished; the run's metrics, summary and checkpoints are written by " \
+        "cluster 0's machine" in b.output  # fmt: skip
+    assert not (tmp_path / "machine_b" / "summary.json").exists()
+
+    records = {**_records(tmp_path / "machine_a"), **_records(tmp_path / "machine_b")}
+    assert sorted(_records(tmp_path / "machine_a")) == [0, 1] and sorted(_records(tmp_path / "machine_b")) == [2]
+    assert len({r["outer_params_sha256"] for r in records.values()}) == 1, records  # bit-identical across machines
+    assert records[2]["healed_from_peer"] and not records[0]["healed_from_peer"]
+    assert all(r["step"] == steps for r in records.values())
+    loss = json.loads((tmp_path / "machine_a" / "summary.json").read_text())["final_eval_loss"]
+    print(f"final eval loss: static {static_loss:.4f}, two launchers with cluster 2 killed and healed {loss:.4f}")
+    assert abs(loss - static_loss) / static_loss < 0.05

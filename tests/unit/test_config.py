@@ -239,3 +239,50 @@ def test_every_option_has_a_one_line_docstring():
     """--help and config.toml show each option's docstring as one line (STYLE: a one-line docstring per field)."""
     for name, _, _, doc in options():
         assert doc and "\n" not in doc, name
+
+
+ELASTIC = ["--topology.elastic=true", "--sync.kind=dilocox", "--topology.num_clusters=4"]
+ACROSS = ["--network.lighthouse=http://lh:29510", "--network.advertise_host=10.0.0.2"]
+
+
+@pytest.mark.parametrize(
+    ("local", "clusters"),
+    [("", (0, 1, 2, 3)), ("2", (2,)), ("0,1", (0, 1)), ("2-3", (2, 3)), (" 3, 0-1 ", (0, 1, 3))],
+)
+def test_local_clusters_name_the_clusters_this_machine_starts(local, clusters):
+    cfg = load_config(None, [*ELASTIC, *ACROSS, f"--topology.local_clusters={local}"])
+    cfg.validate()
+    assert cfg.topology.launched_clusters() == clusters
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ([*ELASTIC, *ACROSS, "--topology.local_clusters=4"], "'4' is not a cluster or a range of clusters of 0..3"),
+        ([*ELASTIC, *ACROSS, "--topology.local_clusters=2-1"], "'2-1' is not a cluster or a range"),
+        ([*ELASTIC, *ACROSS, "--topology.local_clusters=one"], "'one' is not a cluster"),
+        ([*ELASTIC, *ACROSS, "--topology.local_clusters=0,0-1"], "names a cluster twice"),
+        (
+            [*ELASTIC, "--network.advertise_host=10.0.0.2", "--topology.local_clusters=0"],
+            "start `dilocox lighthouse` on a host they all reach",
+        ),
+        (
+            [*ELASTIC, "--network.lighthouse=http://lh:29510", "--topology.local_clusters=0"],
+            "pass --network.advertise_host=ADDRESS",
+        ),
+        (["--topology.local_clusters=0"], "topology.local_clusters is only used by elastic runs"),
+        (["--network.advertise_host=10.0.0.2"], "network.advertise_host is only used by elastic runs"),
+        (["--network.lighthouse=http://lh:29510"], "network.lighthouse is only used by elastic runs"),
+        ([*ELASTIC, "--network.lighthouse=lh:29510"], "must be a torchft Lighthouse's URL"),
+    ],
+)
+def test_elastic_across_machines_errors_name_the_field_and_the_fix(overrides, message):
+    cfg = load_config(None, overrides)
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(").replace(")", r"\)")):
+        cfg.validate()
+
+
+def test_every_cluster_on_this_machine_needs_neither_a_lighthouse_nor_an_address():
+    cfg = load_config(None, [*ELASTIC, "--topology.local_clusters=0-3"])
+    cfg.validate()
+    assert cfg.topology.launched_clusters() == (0, 1, 2, 3)

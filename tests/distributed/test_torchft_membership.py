@@ -1,0 +1,149 @@
+"""The pieces of an elastic run that talk to torchft over the network (docs/design.md §10.1): the heal transport a
+joining cluster loads a live peer's state with, and a restart that finds nobody to heal from. A real Lighthouse,
+a real torchft Manager and real HTTP; one process."""
+
+from __future__ import annotations
+
+import datetime
+import http.server
+import io
+import pickle
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("torchft")
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(60)]
+
+from dilocox.sync.membership import ElasticMembership, NoLivePeer, _heal_transport, start_lighthouse  # noqa: E402
+
+TIMEOUT = datetime.timedelta(seconds=10)
+
+
+class _Touch:
+    """Unpickling this creates `path`: what a malicious peer's heal state would do in a process that unpickles it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def _serve(body: bytes) -> tuple[http.server.HTTPServer, str]:
+    """An HTTP server that answers every GET with `body`, as a (malicious) peer's checkpoint server would."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_port}/checkpoint/0/full"
+
+
+def _streamed(obj: object) -> bytes:
+    from torch.distributed._serialization import _streaming_save
+
+    buffer = io.BytesIO()
+    _streaming_save(obj, buffer)
+    return buffer.getvalue()
+
+
+def test_the_heal_state_travels_from_the_advertised_address_and_loads_writable_tensors():
+    sender = _heal_transport(TIMEOUT, "127.0.0.1", max_bytes=1 << 20)
+    receiver = _heal_transport(TIMEOUT, "127.0.0.1", max_bytes=1 << 20)
+    try:
+        # the address other machines fetch from is the advertised host, not this machine's hostname
+        assert sender.metadata().startswith("http://127.0.0.1:")
+        state = {
+            "outer_params": torch.arange(1000, dtype=torch.float32),
+            "outer_optimizer": {"state": {0: {"momentum_buffer": torch.ones(1000)}}, "param_groups": [{"lr": 0.7}]},
+            "outer_step": 3,
+            "phase": "round",
+        }
+        sender.send_checkpoint(dst_ranks=[1], step=5, state_dict=state, timeout=TIMEOUT)
+        healed = receiver.recv_checkpoint(src_rank=0, metadata=sender.metadata(), step=5, timeout=TIMEOUT)
+        assert torch.equal(healed["outer_params"], state["outer_params"])
+        assert healed["outer_step"] == 3 and healed["phase"] == "round"
+        momentum = healed["outer_optimizer"]["state"][0]["momentum_buffer"]
+        momentum.mul_(0.9)  # the outer optimizer updates it in place: it must own writable memory
+        assert torch.equal(momentum, torch.full((1000,), 0.9))
+    finally:
+        sender.shutdown(wait=False)
+        receiver.shutdown(wait=False)
+
+
+def test_a_heal_state_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    marker = tmp_path / "ran"
+    server, address = _serve(_streamed({"outer_params": torch.zeros(3), "payload": _Touch(marker)}))
+    try:
+        transport = _heal_transport(TIMEOUT, "127.0.0.1", max_bytes=1 << 20)
+        with pytest.raises(pickle.UnpicklingError, match="Unsupported global"):
+            transport._load_from_address(address, TIMEOUT)
+        transport.shutdown(wait=False)
+        assert not marker.exists()
+        # torchft's own transport unpickles it whole: the peer's code runs (why dilocox does not use it as it is)
+        HTTPTransport._load_from_address(address, TIMEOUT)
+        assert marker.exists()
+    finally:
+        server.shutdown()
+
+
+def test_a_heal_state_larger_than_its_bound_is_refused_before_it_is_loaded():
+    server, address = _serve(_streamed({"outer_params": torch.zeros(4096)}))  # ~16 KiB
+    try:
+        transport = _heal_transport(TIMEOUT, "127.0.0.1", max_bytes=4096)
+        with pytest.raises(ValueError, match="is larger than 4,096 bytes: refused"):
+            transport._load_from_address(address, TIMEOUT)
+        transport.shutdown(wait=False)
+    finally:
+        server.shutdown()
+
+
+def _membership(lighthouse: str, cluster: int, store: dist.TCPStore) -> ElasticMembership:
+    return ElasticMembership(
+        cluster=cluster,
+        num_clusters=3,
+        min_clusters=1,
+        lighthouse=lighthouse,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank_in_cluster=0,
+        ranks_per_cluster=1,
+        timeout=datetime.timedelta(seconds=30),
+        quorum_timeout=datetime.timedelta(seconds=30),
+        control_timeout=datetime.timedelta(seconds=5),
+        state_dict=lambda: {},
+        load_state_dict=lambda state: None,
+        heal_max_bytes=1 << 20,
+    )
+
+
+def test_a_restart_alone_at_the_lighthouse_stops_at_once_with_no_live_peer():
+    # the run ended (or every other cluster died) before cluster 2's restart came: it would otherwise wait for its
+    # peers up to network.timeout (30 s here) and then fail as if the user had started too few clusters
+    lighthouse = start_lighthouse(heartbeat_timeout_s=1.0, join_timeout_s=2.0)
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    membership = _membership(lighthouse.address(), 2, store)
+    try:
+        membership.restarted = True
+        start = time.monotonic()
+        with pytest.raises(NoLivePeer, match="cluster 2 was started again, but no other cluster is alive"):
+            membership.join()
+        assert time.monotonic() - start < 10
+    finally:
+        membership.close()
+        lighthouse.shutdown()
