@@ -149,7 +149,7 @@ class TopologyConfig:
             if not span or span.start < 0 or span.stop > self.num_clusters:
                 raise ValueError(
                     f"topology.local_clusters = {self.local_clusters!r}: {part.strip()!r} is not a cluster or a range "
-                    f"of clusters of 0..{self.num_clusters - 1}; write e.g. \"0,1\" or \"2-3\""
+                    f'of clusters of 0..{self.num_clusters - 1}; write e.g. "0,1" or "2-3"'
                 )
             clusters.extend(span)
         if len(set(clusters)) != len(clusters):
