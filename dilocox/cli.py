@@ -261,6 +261,7 @@ def cmd_lighthouse(argv: list[str]) -> int:
         bind, argv = _take_option(argv, "--bind")
         config_path, rest = _take_option(argv, "--config")
         cfg = load_config(config_path, rest)
+        cfg.network.validate()
     except ValueError as exc:
         return _error(str(exc))
     try:

@@ -327,6 +327,19 @@ def test_help_lists_options_with_docstrings():
     assert "H: local inner steps between two outer syncs" in result.stdout
 
 
+def test_lighthouse_bad_input_is_one_line_and_exit_2():
+    pytest.importorskip("torchft")
+    for args, message in [
+        (["--bind", "nonsense"], "dilocox: error: the Lighthouse could not start on nonsense: invalid socket address"),
+        (["--bind"], "dilocox: error: --bind needs a value: --bind BIND"),
+        (["--network.heartbeat=0"], "dilocox: error: network.heartbeat = '0' must be > 0, e.g. '5s'"),
+    ]:
+        result = dilocox("lighthouse", *args, timeout=60)
+        assert (result.returncode, result.stderr.strip(), result.stdout) == (2, message, ""), args
+    result = dilocox("lighthouse", "--help", timeout=60)
+    assert result.returncode == 0 and "--network.lighthouse" in result.stdout
+
+
 def test_a_cluster_that_diverges_heals_and_the_run_finishes(tmp_path):
     """faults.kind = diverge: cluster 1's parameters go NaN in round 2. It abstains, the others leave it out, it
     restarts round 3 from the agreed parameters, and the run ends normally with the exclusion counted."""
