@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import difflib
 import functools
+import hashlib
 import inspect
 import json
 import tomllib
@@ -313,6 +314,20 @@ class Config:
                 f"{t.num_clusters} x {t.dp_degree} x {t.pp_degree} = {self.world_size}; start {self.world_size} ranks "
                 "(torchrun --nnodes x --nproc-per-node) or change the topology"
             )
+
+    def shared_fingerprint(self) -> int:
+        """A fingerprint (63 bits) of the settings every cluster of an elastic run must share, wherever it runs
+        (`membership.SHARED_SECTIONS` and run.seed, without `membership.MACHINE_LOCAL_SETTINGS`)."""
+        from dilocox.sync.membership import MACHINE_LOCAL_SETTINGS, SHARED_SECTIONS
+
+        values = to_dict(self)
+        shared = {"run.seed": self.run.seed}
+        for section in SHARED_SECTIONS:
+            for key, value in values[section].items():
+                if f"{section}.{key}" not in MACHINE_LOCAL_SETTINGS:
+                    shared[f"{section}.{key}"] = value
+        digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).digest()
+        return int.from_bytes(digest[:8], "big") >> 1
 
     @property
     def min_clusters(self) -> int:

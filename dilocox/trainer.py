@@ -242,6 +242,7 @@ class Trainer:
             if cluster_store is None:
                 raise ValueError("an elastic run needs its cluster's store: start it with `dilocox train`")
             self.membership = self._join_membership(cluster_store)
+            self.membership.config_fingerprint = cfg.shared_fingerprint()
         self.channel = WanChannel(
             None if self.elastic else self.groups.cluster_group,  # elastic: rebound to each round's group
             bandwidth=cfg.network.bandwidth_bytes_per_s,

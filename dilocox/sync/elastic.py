@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox.sync.base import RoundStats
-from dilocox.sync.membership import ElasticMembership, Quorum
+from dilocox.sync.membership import ElasticError, ElasticMembership, Quorum, shared_settings
 from dilocox.sync.reducers import PendingMean
 
 if TYPE_CHECKING:
@@ -73,6 +73,9 @@ class MemberReport:
     """End of training: a cluster its launcher is starting again is not in this quorum (it asked too late)."""
     digest: int
     """`outer_digest` of its outer params, which every member must hold bit for bit."""
+    config: int = 0
+    """`Config.shared_fingerprint` of its run's settings: clusters started on several machines with different
+    configs stop with one line at their first boundary instead of averaging what does not belong together."""
 
 
 def outer_digest(outer_params: torch.Tensor) -> int:
@@ -98,12 +101,14 @@ def exchange_reports(
     report."""
     if group.size() == 1:
         return [report]
-    table = torch.zeros(group.size(), 4, dtype=torch.int64)  # (members, fields)
-    table[group.rank()] = torch.tensor([report.holding, report.ok, report.restart_missing, report.digest])
+    table = torch.zeros(group.size(), 5, dtype=torch.int64)  # (members, fields)
+    table[group.rank()] = torch.tensor(
+        [report.holding, report.ok, report.restart_missing, report.digest, report.config]
+    )
     options = dist.AllreduceOptions()
     options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
     group.allreduce([table], options).wait()
-    return [MemberReport(bool(h), bool(o), bool(r), int(d)) for h, o, r, d in table.tolist()]
+    return [MemberReport(bool(h), bool(o), bool(r), int(d), int(c)) for h, o, r, d, c in table.tolist()]
 
 
 def confirm(*, group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
@@ -301,6 +306,7 @@ class ElasticRounds:
                 ok=ok,
                 restart_missing=self.phase == "flush" and time.monotonic() < deadline and self._restart_missing(quorum),
                 digest=outer_digest(s.outer_params),
+                config=self.membership.config_fingerprint,
             )
             try:
                 reports = exchange_reports(mine, group=quorum.group, timeout=control)
@@ -309,6 +315,7 @@ class ElasticRounds:
                 self._fail(error, round_index)
                 arrived, quorum = None, None
                 continue
+            self._check_configs(quorum, reports, mine)
             if any(report.restart_missing for report in reports):
                 # A cluster died so close to the end that its restart was marked after this quorum formed, or the
                 # restart asked to join just after it: meet again with it (not a failure, nothing was sent).
@@ -383,6 +390,16 @@ class ElasticRounds:
                 "restarts it, and it heals from a live peer"
             )
         self._fail(RuntimeError(f"clusters {clusters} hold other outer params and leave the run"), round_index)
+
+    def _check_configs(self, quorum: Quorum, reports: list[MemberReport], mine: MemberReport) -> None:
+        """Every member of a round runs the settings this cluster runs, or the run stops here (a user error: one
+        line, exit 2 on every machine), before anything of this round is sent."""
+        others = [quorum.clusters[rank] for rank, report in enumerate(reports) if report.config != mine.config]
+        if others:
+            raise ElasticError(
+                f"clusters {others} run other settings than cluster {self.membership.cluster}: every machine must "
+                f"give the same values to {shared_settings()}"
+            )
 
     def _restart_missing(self, quorum: Quorum) -> bool:
         return any(cluster not in quorum.clusters for cluster in self.membership.restarts_in_progress())

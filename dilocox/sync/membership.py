@@ -31,6 +31,24 @@ class ElasticError(ValueError):
     """The elastic run cannot go on (fewer clusters than `sync.min_clusters`): one line, a non-zero exit."""
 
 
+SHARED_SECTIONS = ("model", "data", "train", "topology", "sync", "compression", "cocktail")
+"""The config sections every cluster of an elastic run must share (with run.seed), on whichever machine it runs."""
+MACHINE_LOCAL_SETTINGS = (
+    "data.path",
+    "data.tokenizer",
+    "model.init_from",
+    "topology.local_clusters",
+    "topology.max_cluster_restarts",
+)
+"""The settings of SHARED_SECTIONS that may differ between machines (where files are, what this machine starts)."""
+
+
+def shared_settings() -> str:
+    """The settings every machine of an elastic run must give the same values, in words."""
+    sections = ", ".join(f"[{name}]" for name in SHARED_SECTIONS)
+    return f"{sections} and run.seed, except {', '.join(MACHINE_LOCAL_SETTINGS)}"
+
+
 class NoLivePeer(RuntimeError):
     """A restarted cluster found no other cluster alive to heal from: the run ended, or every other cluster is gone.
     Its launcher counts it as lost (one line), not as a user error."""
@@ -176,6 +194,8 @@ class ElasticMembership:
         """The clusters its launcher is starting again and that have not joined the run yet, each with whether it
         has asked to join (set by the launcher; None: nobody restarts clusters). The end of training waits for
         them (`wait_for_restarts`, `restarts_in_progress`)."""
+        self.config_fingerprint = 0
+        """`Config.shared_fingerprint` of this cluster's run (set by the trainer), compared at every boundary."""
         self.restarted = False
         """This process is a restart of its cluster (set by the launcher): it joins a run in progress, so a first
         quorum of itself alone means no other cluster is alive (`join`)."""

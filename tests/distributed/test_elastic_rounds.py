@@ -24,7 +24,7 @@ from dilocox import CompressionConfig, SyncConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync
 from dilocox.sync.elastic import RejoinRequired
-from dilocox.sync.membership import Quorum
+from dilocox.sync.membership import ElasticError, Quorum
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
@@ -124,6 +124,7 @@ class Member:
         self.state_dict: Callable[[], dict] = dict
         self.load_state_dict: Callable[[dict], None] = lambda state: None
         self.restarts: Callable[[], dict[int, bool]] = dict
+        self.config_fingerprint = 0
         self._group: dist.ProcessGroup | None = None
         self._group_id = -1
 
@@ -207,6 +208,9 @@ class Cluster:
     def outer(self) -> torch.Tensor:
         return self.sync.outer_params.clone()
 
+    def channel_bytes(self) -> int:
+        return self.sync.channel.bytes_sent
+
 
 def run_threads(*targets: Callable[[], None]) -> list[BaseException | None]:
     """Run each target in its own thread; their exceptions, in order (None: it returned)."""
@@ -275,6 +279,20 @@ def test_without_faults_every_cluster_applies_every_average_as_a_static_run(comp
     assert {quorum_id for quorum_id, _ in lighthouse.formed} == {1}  # one quorum all along: nothing sent twice
     assert [c.member.step for c in clusters] == [ROUNDS + 2] * 3  # the join, every round, the flush
     assert torch.equal(outers[0], static_outer(compression))
+
+
+def test_clusters_with_other_settings_stop_at_their_first_boundary_before_sending_anything():
+    lighthouse = Lighthouse({0, 1, 2})
+    clusters = [Cluster(c, lighthouse, compression="none") for c in range(3)]
+    clusters[2].member.config_fingerprint = 12345  # cluster 2's machine was started with another config
+    join_all(clusters)
+    errors = run_threads(*[c.train for c in clusters])
+    assert all(isinstance(error, ElasticError) for error in errors), errors
+    assert str(errors[0]).startswith("clusters [2] run other settings than cluster 0: every machine must give the "
+                                     "same values to [model], [data]")  # fmt: skip
+    assert str(errors[2]).startswith("clusters [0, 1] run other settings than cluster 2")
+    assert all(c.channel_bytes() == 0 for c in clusters)  # stopped before the first round's sync was launched
+    assert all(torch.equal(c.outer(), start_params()) for c in clusters)
 
 
 def test_a_cluster_gone_between_rounds_is_left_out_and_the_survivors_average_what_they_sent():

@@ -234,3 +234,18 @@ def test_clusters_of_two_launchers_meet_at_one_lighthouse_and_a_killed_one_heals
     loss = json.loads((tmp_path / "machine_a" / "summary.json").read_text())["final_eval_loss"]
     print(f"final eval loss: static {static_loss:.4f}, two launchers with cluster 2 killed and healed {loss:.4f}")
     assert abs(loss - static_loss) / static_loss < 0.05
+
+
+@pytest.mark.timeout(180)
+def test_machines_started_with_other_settings_stop_with_one_line_at_the_first_boundary(tmp_path, start_run, lighthouse):
+    flags = [*ELASTIC, "--topology.num_clusters=3", "--train.steps=40", "--sync.inner_steps=10",
+             f"--network.lighthouse={lighthouse}", "--network.advertise_host=127.0.0.1"]  # fmt: skip
+    a = start_run("machine_a", *flags, "--topology.local_clusters=0-1")
+    b = start_run("machine_b", *flags, "--topology.local_clusters=2", "--train.lr=1e-3")  # a typo on one machine
+    assert (a.finish(), b.finish()) == (2, 2)
+    same = r": every machine must give the same values to \[model\], \[data\], .* and run\.seed, except data\.path"
+    for run, pattern in [(a, r"clusters \[2\] run other settings than cluster [01]"),
+                         (b, r"clusters \[0, 1\] run other settings than cluster 2")]:  # fmt: skip
+        errors = [line for line in run.lines if line.startswith("dilocox: error:")]
+        assert len(errors) == 1 and re.match(f"dilocox: error: {pattern}{same}", errors[0]), run.output
+    assert not (tmp_path / "machine_a" / "checkpoints").exists()

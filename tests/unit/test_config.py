@@ -286,3 +286,17 @@ def test_every_cluster_on_this_machine_needs_neither_a_lighthouse_nor_an_address
     cfg = load_config(None, [*ELASTIC, "--topology.local_clusters=0-3"])
     cfg.validate()
     assert cfg.topology.launched_clusters() == (0, 1, 2, 3)
+
+
+def test_the_shared_fingerprint_sees_what_clusters_must_share_and_ignores_what_machines_may_differ_in():
+    base = load_config(None, ELASTIC)
+    same = [
+        "--run.out_dir=elsewhere", "--data.path=/mnt/other/corpus.txt", "--topology.local_clusters=2",
+        "--topology.max_cluster_restarts=9", "--network.advertise_host=10.0.0.9", "--metrics.progress=false",
+        "--checkpoint.interval=7", "--eval.interval=3", "--run.num_threads=2",
+    ]  # fmt: skip
+    assert load_config(None, [*ELASTIC, *same]).shared_fingerprint() == base.shared_fingerprint()
+    for differs in ["--train.lr=1e-3", "--run.seed=1", "--sync.inner_steps=10", "--compression.energy=0.9",
+                    "--model.flavor=small", "--data.val_fraction=0.1", "--topology.num_clusters=3"]:  # fmt: skip
+        assert load_config(None, [*ELASTIC, differs]).shared_fingerprint() != base.shared_fingerprint(), differs
+    assert 0 <= base.shared_fingerprint() < 2**63  # it travels in an int64 tensor
