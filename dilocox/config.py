@@ -373,7 +373,6 @@ class Config:
                 self.compression.kind != "none" and self.compression.reduction == "scalable",
                 "use compression.reduction = gather",
             ),
-            ("network.auth_key_file", bool(self.network.auth_key_file), "leave network.auth_key_file empty"),
             (
                 f"faults.kind = {self.faults.kind}",
                 self.faults.enabled,

@@ -15,7 +15,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -258,6 +258,8 @@ class WanChannel:
         self._auth = auth
         # A tag names the group by its global ranks: a payload of another group (another stage) does not verify.
         self._group_ranks = () if group is None else tuple(dist.get_process_group_ranks(group))
+        self._tag_group = self._group_ranks  # an elastic round's group: its quorum id and clusters (`rebind`)
+        self._clusters: tuple[int, ...] = ()  # the cluster of each group rank where it is not the group rank
 
         self._lock = threading.Lock()  # guards the counters and the lifecycle flags below
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -386,16 +388,27 @@ class WanChannel:
             # their exchanges alike (a state saved before it existed restarts at 0 on every rank alike).
             self._launched = int(state.get("num_launched", 0))
 
-    def rebind(self, group: dist.ProcessGroup) -> None:
+    def rebind(
+        self, group: dist.ProcessGroup, *, identity: Sequence[int] | None = None, clusters: Sequence[int] = ()
+    ) -> None:
         """Carry later collectives over `group`, the slow link of an elastic run's new round (torchft reconfigures
         it when clusters leave or join, docs/design.md §10.1). Transfers already launched must have completed; an
-        earlier failure is forgotten, since it belonged to the old group. Counters and the link model go on."""
-        if self._auth is not None:
-            raise ValueError("an authenticated WanChannel cannot change its group (network.auth_key_file)")
+        earlier failure is forgotten, since it belonged to the old group. Counters and the link model go on.
+
+        `identity` names the group in the tags of authenticated payloads (an elastic round's quorum id and member
+        clusters); needed with `auth`. A new identity is a new group, whose members all number their exchanges from
+        0, so a payload replayed from another round's group, or from another position in it, does not verify.
+        `clusters`: the cluster of each group rank, for messages."""
+        if self._auth is not None and identity is None:
+            raise ValueError("an authenticated WanChannel changes its group only with the group's identity")
         with self._lock:
             self.group = group
             self.world_size, self.group_rank = group.size(), group.rank()
             self._group_ranks = ()
+            self._clusters = tuple(clusters)
+            if identity is not None and tuple(identity) != self._tag_group:
+                self._tag_group = tuple(identity)
+                self._launched = 0
             self._failure = None
             self._released = False
 
@@ -671,7 +684,7 @@ class WanChannel:
         """(nbytes + 32,) uint8 on the host: the bytes of `tensor` followed by their tag for this exchange."""
         assert self._auth is not None
         data = _to_host(tensor).contiguous().view(torch.uint8)  # (nbytes,)
-        tag = self._auth.tag(data.numpy(), seq=exchange, sender=self.group_rank, group=self._group_ranks)
+        tag = self._auth.tag(data.numpy(), seq=exchange, sender=self.group_rank, group=self._tag_group)
         return torch.cat([data, torch.frombuffer(bytearray(tag), dtype=torch.uint8)])
 
     def _open(
@@ -696,7 +709,7 @@ class WanChannel:
                     wire[nbytes:].numpy(),
                     seq=exchange,
                     sender=sender,
-                    group=self._group_ranks,
+                    group=self._tag_group,
                 )
             )
             opened.append(wire[:nbytes].view(tensor.dtype).to(tensor.device) if ok else None)
@@ -705,13 +718,18 @@ class WanChannel:
         if rejected:
             with self._lock:
                 self._payloads_rejected += len(rejected)
-            clusters = ", ".join(str(sender) for sender in rejected)
+            cluster_of = self._clusters or range(self.world_size)
+            clusters = ", ".join(str(cluster_of[sender]) for sender in rejected)
             then = "it goes on without it"
             if len(rejected) == self.world_size - 1:
                 then = "no peer's payload verified, so this cluster uses its own only"
+            me = f"cluster {cluster_of[self.group_rank]}"
+            if not self._clusters:  # a static run: the global rank too (an elastic cluster is its own world)
+                me = f"rank {dist.get_rank()} ({me})"
             print(
-                f"dilocox: warning: rank {dist.get_rank()} (cluster {self.group_rank}) rejected the slow-link "
-                f"payload of cluster {clusters} in exchange {exchange}: its HMAC-SHA256 tag does not verify under "
+                f"dilocox: warning: {me} rejected the "
+                f"slow-link payload of cluster {clusters} in exchange {exchange}: its HMAC-SHA256 tag does not verify "
+                "under "
                 f"network.auth_key_file (another key, or forged or corrupted on the way); {then}",
                 file=sys.stderr,
                 flush=True,

@@ -147,6 +147,8 @@ class ElasticRounds:
         """This cluster healed at this boundary: it did not train the round that ends here, so it abstains from it."""
         self.others_hold = False
         """Healed: the peers hold shares of a sync in flight that this cluster has no share of."""
+        self.sent_own = False
+        """The sync settled last held an update of this cluster's own (it did not abstain from it)."""
         self.boundary_step = 0
         """The inner step of the boundary being settled (sent to a cluster that heals there)."""
         self.phase = "round"
@@ -176,7 +178,7 @@ class ElasticRounds:
             s._set_outer_lr(s.outer_step)
             if stats is not None and not stats.skipped:
                 s.apply(avg)
-            heal = newcomer or own_bad or (stats is not None and s._left_out(stats))
+            heal = newcomer or own_bad or self._left_out(stats)
             theta = s.outer_params
         else:
             avg, stats = self._settle(round_steps=round_steps, round_index=round_index - 1)
@@ -184,7 +186,7 @@ class ElasticRounds:
                 s._set_outer_lr(s.outer_step - 1)
                 if not stats.skipped:
                     s.apply(avg)
-            heal = newcomer or own_bad or (stats is not None and s._left_out(stats))
+            heal = newcomer or own_bad or self._left_out(stats)
             if heal:
                 s.reducer.heal()
             assert self.quorum is not None
@@ -251,7 +253,7 @@ class ElasticRounds:
         return quorum
 
     def _bind(self, quorum: Quorum) -> None:
-        self.sync.channel.rebind(quorum.group)
+        self.sync.channel.rebind(quorum.group, identity=(quorum.quorum_id, *quorum.clusters), clusters=quorum.clusters)
         self.sync.num_clusters = quorum.size  # the eager merge's share: of the clusters of this round
 
     def _launch(self, pseudo_grad: torch.Tensor, abstain: bool, round_index: int, quorum: Quorum) -> PendingMean:
@@ -268,6 +270,7 @@ class ElasticRounds:
         cost; (None, None) when no cluster holds one (`delayed_update_verdict`)."""
         s = self.sync
         due, s.pending = s.pending, None
+        self.sent_own = due is not None and not due.abstained
         if due is not None:
             self.guard_snapshot = self._guard_state()
         try:
@@ -400,6 +403,13 @@ class ElasticRounds:
                 f"clusters {others} run other settings than cluster {self.membership.cluster}: every machine must "
                 f"give the same values to {shared_settings()}"
             )
+
+    def _left_out(self, stats: RoundStats | None) -> bool:
+        """Whether the others left out the update this cluster sent in the sync just settled. One it abstained from
+        (new to the quorum, or its own was non-finite) is missing from every gather by design, not left out: taking
+        that for a verdict against it restarted a rejoined cluster's next round from scratch (its eager start, its
+        inner optimizer state and its error-feedback residuals) when the sync used a codec."""
+        return stats is not None and self.sent_own and self.sync._left_out(stats)
 
     def _restart_missing(self, quorum: Quorum) -> bool:
         return any(cluster not in quorum.clusters for cluster in self.membership.restarts_in_progress())

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox import CompressionConfig, SyncConfig
+from dilocox.net.auth import PayloadAuth
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync
 from dilocox.sync.elastic import RejoinRequired
@@ -31,6 +32,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 NUMEL = 40
 ROUNDS = 4
 LONG = datetime.timedelta(seconds=300)  # a wait this long would fail the test by its timeout: nothing may wait it out
+KEY = b"k" * 32  # network.auth_key_file's shared key
 
 
 def progress(cluster: int, round_index: int) -> torch.Tensor:
@@ -164,11 +166,13 @@ class Member:
 class Cluster:
     """One cluster's outer loop: a DiLoCoSync over (NUMEL,) parameters, ending rounds as `Member` settles them."""
 
-    def __init__(self, cluster: int, lighthouse: Lighthouse, *, compression: str = "fp16", **member) -> None:
+    def __init__(
+        self, cluster: int, lighthouse: Lighthouse, *, compression: str = "fp16", key: bytes | None = None, **member
+    ) -> None:
         self.member = Member(cluster, lighthouse, **member)
         self.param = torch.nn.Parameter(start_params())
         cfg = SyncConfig(kind="dilocox", inner_steps=1, sync_delay=1, outer_lr=1.0, outer_momentum=0.0, merge="eager")
-        channel = WanChannel(None, bandwidth=None, latency_s=0.0)
+        channel = WanChannel(None, bandwidth=None, latency_s=0.0, auth=None if key is None else PayloadAuth(key))
         self.sync = DiLoCoSync(
             [self.param],
             cfg,
@@ -295,6 +299,37 @@ def test_clusters_with_other_settings_stop_at_their_first_boundary_before_sendin
     assert all(torch.equal(c.outer(), start_params()) for c in clusters)
 
 
+def test_authenticated_payloads_across_changing_quorums_give_the_static_run_bit_for_bit():
+    lighthouse = Lighthouse({0, 1, 2})
+    clusters = [Cluster(c, lighthouse, key=KEY) for c in range(3)]
+    join_all(clusters)
+    assert run_threads(*[c.train for c in clusters]) == [None] * 3
+    assert all(torch.equal(c.outer(), static_outer("fp16")) for c in clusters)
+    assert [c.sync.channel.payloads_rejected for c in clusters] == [0, 0, 0]
+
+
+def test_a_cluster_with_another_key_is_rejected_left_out_and_the_others_average_their_own():
+    lighthouse = Lighthouse({0, 1, 2})
+    clusters = [Cluster(c, lighthouse, key=KEY if c < 2 else b"x" * 32) for c in range(3)]
+    join_all(clusters)
+
+    def forger() -> None:
+        try:
+            clusters[2].train()
+        finally:  # its process ends: the Lighthouse stops waiting for it
+            lighthouse.set_expected({0, 1})
+
+    errors = run_threads(clusters[0].train, clusters[1].train, forger)
+    assert errors[:2] == [None, None]
+    # it averaged its own payload only, so its outer params left its peers' at the next boundary: it stops to heal
+    assert isinstance(errors[2], RejoinRequired) and "outer params differ" in str(errors[2])
+    assert all(c.sync.channel.payloads_rejected >= 1 for c in clusters)
+    survivors = [clusters[0].outer(), clusters[1].outer()]
+    assert torch.equal(survivors[0], survivors[1])
+    # no round counted cluster 2's update (fp16 payloads: within their rounding)
+    torch.testing.assert_close(survivors[0], expected_outer([[0, 1]] * ROUNDS), rtol=0, atol=1e-3)
+
+
 def test_a_cluster_gone_between_rounds_is_left_out_and_the_survivors_average_what_they_sent():
     lighthouse = Lighthouse({0, 1, 2})
     clusters = [Cluster(c, lighthouse, compression="none") for c in range(3)]
@@ -312,11 +347,15 @@ def test_a_cluster_gone_between_rounds_is_left_out_and_the_survivors_average_wha
     torch.testing.assert_close(survivors[0], expected_outer([[0, 1, 2], [0, 1], [0, 1], [0, 1]]), rtol=0, atol=1e-5)
 
 
-def test_a_restarted_cluster_heals_from_a_peer_abstains_and_ends_bit_identical():
+@pytest.mark.parametrize("key", [None, KEY], ids=["plain", "authenticated"])
+def test_a_restarted_cluster_heals_from_a_peer_abstains_and_ends_bit_identical(key):
+    # authenticated: fp16 payloads (summed ones carry no tag); the restart's channel numbers its exchanges from 0
+    # while its peers' count on, so each new quorum's group must start its numbering afresh on every member
+    compression = "none" if key is None else "fp16"
     lighthouse = Lighthouse({0, 1, 2})
-    clusters = [Cluster(c, lighthouse, compression="none") for c in range(3)]
+    clusters = [Cluster(c, lighthouse, compression=compression, key=key) for c in range(3)]
     join_all(clusters)
-    restarted = Cluster(2, lighthouse, compression="none")
+    restarted = Cluster(2, lighthouse, compression=compression, key=key)
     waits: list[bool] = []  # judge_link of every wait of the restarted cluster's outer loop
     wait_sync = restarted.sync.wait_sync
     restarted.sync.wait_sync = lambda *a, judge_link=True, **k: (
@@ -340,7 +379,9 @@ def test_a_restarted_cluster_heals_from_a_peer_abstains_and_ends_bit_identical()
     assert restarted.member.heals == 1 and restarted.sync.guard_counts["healed_rounds"] == 0
     # round 1 sent again without cluster 2 (boundary 2), round 2 again with the newcomer abstaining (boundary 3),
     # round 3 without the newcomer's share (it did not train it), round 4 with it
-    torch.testing.assert_close(outers[0], expected_outer([[0, 1], [0, 1], [0, 1], [0, 1, 2]]), rtol=0, atol=1e-5)
+    atol = 1e-5 if key is None else 1e-3  # fp16 payloads: within their rounding
+    torch.testing.assert_close(outers[0], expected_outer([[0, 1], [0, 1], [0, 1], [0, 1, 2]]), rtol=0, atol=atol)
+    assert [c.sync.channel.payloads_rejected for c in [*clusters[:2], restarted]] == [0, 0, 0]
     # the restarted cluster's waits: the share sent again at boundary 3, the sync of round 3 at boundary 4, the
     # last one at the flush; only the one that had a round of compute to hide behind may judge the link
     assert waits == [False, True, False]

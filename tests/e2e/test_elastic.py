@@ -201,13 +201,16 @@ def lighthouse():
 
 
 @pytest.mark.timeout(240)
-def test_clusters_of_two_launchers_meet_at_one_lighthouse_and_a_killed_one_heals_across_them(
+def test_clusters_of_two_launchers_meet_at_one_lighthouse_and_a_killed_one_heals_across_them_authenticated(
     tmp_path, start_run, lighthouse
 ):
-    # two machines, as two launchers that share nothing but the Lighthouse and the network: A starts clusters 0 and
-    # 1, B starts cluster 2, each with its own run directory
+    # two machines, as two launchers that share nothing but the Lighthouse, the network and the payload key: A starts
+    # clusters 0 and 1, B starts cluster 2, each with its own run directory
     steps = 40
-    flags = [*ELASTIC, "--topology.num_clusters=3", f"--train.steps={steps}", "--sync.inner_steps=10"]
+    key = tmp_path / "wan.key"
+    key.write_bytes(bytes(range(32)))
+    flags = [*ELASTIC, "--topology.num_clusters=3", f"--train.steps={steps}", "--sync.inner_steps=10",
+             f"--network.auth_key_file={key}"]  # fmt: skip
     static = start_run("static", *[f for f in flags if f != "--topology.elastic=true"])
     assert static.finish() == 0, "the static run failed"
     static_loss = json.loads((tmp_path / "static" / "summary.json").read_text())["final_eval_loss"]
@@ -231,7 +234,10 @@ def test_clusters_of_two_launchers_meet_at_one_lighthouse_and_a_killed_one_heals
     assert len({r["outer_params_sha256"] for r in records.values()}) == 1, records  # bit-identical across machines
     assert records[2]["healed_from_peer"] and not records[0]["healed_from_peer"]
     assert all(r["step"] == steps for r in records.values())
-    loss = json.loads((tmp_path / "machine_a" / "summary.json").read_text())["final_eval_loss"]
+    summary = json.loads((tmp_path / "machine_a" / "summary.json").read_text())
+    assert summary["payloads_rejected"] == 0  # every payload was tagged under the shared key and verified
+    assert "rejected the slow-link payload" not in a.output + b.output
+    loss = summary["final_eval_loss"]
     print(f"final eval loss: static {static_loss:.4f}, two launchers with cluster 2 killed and healed {loss:.4f}")
     assert abs(loss - static_loss) / static_loss < 0.05
 
