@@ -727,10 +727,9 @@ class WanChannel:
             if not self._clusters:  # a static run: the global rank too (an elastic cluster is its own world)
                 me = f"rank {dist.get_rank()} ({me})"
             print(
-                f"dilocox: warning: {me} rejected the "
-                f"slow-link payload of cluster {clusters} in exchange {exchange}: its HMAC-SHA256 tag does not verify "
-                "under "
-                f"network.auth_key_file (another key, or forged or corrupted on the way); {then}",
+                f"dilocox: warning: {me} rejected the slow-link payload of cluster {clusters} in exchange {exchange}: "
+                "its HMAC-SHA256 tag does not verify under network.auth_key_file (another key, or forged or corrupted "
+                f"on the way); {then}",
                 file=sys.stderr,
                 flush=True,
             )
