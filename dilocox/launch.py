@@ -445,6 +445,19 @@ def _last_round_clusters(run_dir: Path, cluster: int) -> tuple[int, ...] | None:
         return None
 
 
+def _answers(url: str, timeout_s: float = 3.0) -> bool:
+    """Whether something accepts TCP connections at the host and port of `url` (a Lighthouse that died does not)."""
+    import socket
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 80), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def launch_elastic(cfg: Config) -> int:
     """Start this machine's clusters (`topology.local_clusters`, all of them by default), each as its own group of
     processes, with a torchft Lighthouse in this process unless network.lighthouse names one (several machines meet
@@ -523,6 +536,16 @@ def launch_elastic(cfg: Config) -> int:
                             print(f"dilocox: elastic: {no_peer.read_text()}; it is stopped", flush=True)
                             no_peer.unlink()
                             continue
+                        if lighthouse is None and not _answers(address):
+                            # every cluster needs it at every boundary: a restart would only wait network.timeout
+                            stop_all()
+                            print(
+                                f"dilocox: error: the Lighthouse at {address} does not answer, so no cluster can go "
+                                f"on (cluster {cluster} failed first); every cluster of this machine is stopped. An "
+                                "elastic run does not resume from disk yet: start it again once the Lighthouse runs",
+                                file=sys.stderr,
+                            )
+                            return 1
                         why = f"exit code {exc.exit_code}" if hasattr(exc, "exit_code") else exc.__class__.__name__
                         detail = getattr(exc, "msg", "").strip().splitlines()
                         if detail and not hasattr(exc, "exit_code"):  # a Python error: its last line says what

@@ -181,8 +181,8 @@ def test_below_min_clusters_the_run_stops_with_one_line(start_run):
 
 
 @pytest.fixture
-def lighthouse():
-    """`dilocox lighthouse` in a subprocess, with the heartbeat and stall timeout of ELASTIC; yields its URL."""
+def lighthouse_proc():
+    """`dilocox lighthouse` in a subprocess, with the heartbeat and stall timeout of ELASTIC: (its URL, process)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "dilocox", "lighthouse", "--bind", "127.0.0.1:0", "--network.heartbeat=0.5s",
          "--network.stall_timeout=5s"],
@@ -193,11 +193,18 @@ def lighthouse():
         first = proc.stdout.readline()
         found = re.search(r"--network\.lighthouse=(http://\S+);", first)
         assert found, f"no address in the lighthouse's first line: {first!r}"
-        yield found.group(1)
+        yield found.group(1), proc
     finally:
-        proc.terminate()
-        assert proc.wait(timeout=20) == 0  # SIGTERM is its normal end
-        assert proc.stdout.read().strip() == "dilocox: lighthouse stopped"
+        if proc.poll() is None:  # a test may have killed it
+            proc.terminate()
+            assert proc.wait(timeout=20) == 0  # SIGTERM is its normal end
+            assert proc.stdout.read().strip() == "dilocox: lighthouse stopped"
+
+
+@pytest.fixture
+def lighthouse(lighthouse_proc):
+    """The URL of a `dilocox lighthouse` (`lighthouse_proc`)."""
+    return lighthouse_proc[0]
 
 
 @pytest.mark.timeout(240)
@@ -255,3 +262,20 @@ def test_machines_started_with_other_settings_stop_with_one_line_at_the_first_bo
         errors = [line for line in run.lines if line.startswith("dilocox: error:")]
         assert len(errors) == 1 and re.match(f"dilocox: error: {pattern}{same}", errors[0]), run.output
     assert not (tmp_path / "machine_a" / "checkpoints").exists()
+
+
+@pytest.mark.timeout(180)
+def test_when_the_lighthouse_dies_the_launcher_stops_its_clusters_with_one_line(start_run, lighthouse_proc):
+    # restarting clusters cannot help (each would wait network.timeout for the Lighthouse): one line and exit 1
+    url, proc = lighthouse_proc
+    flags = [*ELASTIC, "--network.timeout=10s", "--topology.num_clusters=3", "--train.steps=100000",
+             "--sync.inner_steps=10", f"--network.lighthouse={url}"]  # fmt: skip
+    run = start_run("orphaned", *flags)
+    run.wait_for_step(15)
+    proc.kill()
+    proc.wait()
+    assert run.finish(timeout=120) == 1
+    errors = [line for line in run.lines if line.startswith("dilocox: error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"dilocox: error: the Lighthouse at {url} does not answer, so no "
+                                                     "cluster can go on"), run.output  # fmt: skip
+    assert "starting it again" not in run.output
