@@ -269,10 +269,11 @@ def cmd_lighthouse(argv: list[str]) -> int:
     except ImportError:
         return _error("the Lighthouse is torchft's: pip install 'dilocox[elastic]'")
     timeouts = lighthouse_timeouts(cfg)
+    bind = bind or "[::]:29510"
     try:
-        lighthouse = start_lighthouse(bind=bind or "[::]:29510", **timeouts)
+        lighthouse = start_lighthouse(bind=bind, **timeouts)
     except Exception as exc:  # torchft's server says why it could not bind (a port in use, a bad address)
-        return _error(f"the Lighthouse could not start on {bind or '[::]:29510'}: {exc}")
+        return _error(f"the Lighthouse could not start on {bind}: {exc}")
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stopped.set())

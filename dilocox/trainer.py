@@ -242,7 +242,6 @@ class Trainer:
             if cluster_store is None:
                 raise ValueError("an elastic run needs its cluster's store: start it with `dilocox train`")
             self.membership = self._join_membership(cluster_store)
-            self.membership.config_fingerprint = cfg.shared_fingerprint()
         self.channel = WanChannel(
             None if self.elastic else self.groups.cluster_group,  # elastic: rebound to each round's group
             bandwidth=cfg.network.bandwidth_bytes_per_s,
@@ -310,6 +309,7 @@ class Trainer:
             load_state_dict=lambda state: self.sync.diloco.elastic.load_heal_state(state),
             # the heal state is the outer params and the outer optimizer's momentum (fp32), and small counters
             heal_max_bytes=3 * 4 * sum(p.numel() for p in self.model.parameters()) + (16 << 20),
+            config_fingerprint=cfg.shared_fingerprint(),
         )
 
     # ---------------------------------------------------------------------------------------------- state

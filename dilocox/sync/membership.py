@@ -153,6 +153,7 @@ class ElasticMembership:
         state_dict: Callable[[], Any],
         load_state_dict: Callable[[Any], None],
         heal_max_bytes: int,
+        config_fingerprint: int,
     ) -> None:
         from torchft import Manager
 
@@ -194,8 +195,8 @@ class ElasticMembership:
         """The clusters its launcher is starting again and that have not joined the run yet, each with whether it
         has asked to join (set by the launcher; None: nobody restarts clusters). The end of training waits for
         them (`wait_for_restarts`, `restarts_in_progress`)."""
-        self.config_fingerprint = 0
-        """`Config.shared_fingerprint` of this cluster's run (set by the trainer), compared at every boundary."""
+        self.config_fingerprint = config_fingerprint
+        """`Config.shared_fingerprint` of this cluster's run, compared at every boundary."""
         self.restarted = False
         """This process is a restart of its cluster (set by the launcher): it joins a run in progress, so a first
         quorum of itself alone means no other cluster is alive (`join`)."""

@@ -129,6 +129,7 @@ def _membership(lighthouse: str, cluster: int, store: dist.TCPStore) -> ElasticM
         state_dict=lambda: {},
         load_state_dict=lambda state: None,
         heal_max_bytes=1 << 20,
+        config_fingerprint=0,
     )
 
 
