@@ -259,7 +259,8 @@ def resume_fields(cfg: Config, saved: dict[str, Any]) -> list[str]:
         fields += [f"sync.{name}" for name in ("inner_steps", "sync_delay", "outer_lr", "outer_momentum", "nesterov")]
         fields.append("compression.kind")
         if cfg.compression.kind != "none":
-            formats = ("reduction", "rank", "group_size", "factor_dtype", "small_tensors", "rank_max")
+            formats = ("reduction", "rank", "group_size", "factor_dtype", "small_tensors", "rank_max", "density")
+            formats += ("chunk_size",)
             fields += [f"compression.{name}" for name in formats]
     return fields
 

@@ -33,6 +33,7 @@ from dilocox.compress.int4 import (
 )
 from dilocox.compress.lowrank import Factors, factorize, randomized_factors
 from dilocox.compress.payload import Payload, compression_ratio
+from dilocox.compress.topk import TopKCodec
 
 __all__ = [
     "AGGREGATES",
@@ -55,6 +56,7 @@ __all__ = [
     "LowRankCodec",
     "Payload",
     "RankDecision",
+    "TopKCodec",
     "ValueFormat",
     "build_codec",
     "compression_ratio",

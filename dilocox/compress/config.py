@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 from dilocox.checks import check_choice, check_fraction, check_positive, check_types
 
-CODEC_KINDS = ("none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive")
+MAX_CHUNK = 1 << 16
+"""The largest `compression.chunk_size`: topk_int4 sends positions inside a chunk as uint16."""
+
+CODEC_KINDS = ("none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive", "topk_int4")
 """Every `compression.kind`; `none` sends fp32 (the uncompressed outer sync)."""
 FACTOR_DTYPES = ("fp32", "fp16", "bf16")
 """Encodings of the `lowrank` codec's factors (`lowrank_int4` and `adaptive` always use int4)."""
@@ -72,6 +75,10 @@ class CompressionConfig:
     """adaptive: per_matrix (each matrix its own rank), or one rank for all: pooled energy, mean or max."""
     spectrum_of: str = "pseudo_grad"
     """adaptive: the rank keeps energy of the pseudo_grad's own spectrum, or of codec_input (plus the residual)."""
+    density: float = 0.06
+    """topk_int4: share of each chunk's values sent (its largest in magnitude), with their uint16 positions."""
+    chunk_size: int = 4096
+    """topk_int4: values per chunk; each chunk keeps its own top share (at most 65536, for uint16 positions)."""
     reduction: str = "gather"
     """Averaging of payloads: gather ((C-1) x payload per rank, any codec) or scalable (~2 x payload; not adaptive)."""
 
@@ -80,7 +87,13 @@ class CompressionConfig:
         check_types("compression", self)
         check_choice("compression.kind", self.kind, CODEC_KINDS)
         check_positive("compression", self, "rank", "group_size", "power_iterations", "rank_min", "window")
-        check_positive("compression", self, "ramp_rounds")
+        check_positive("compression", self, "ramp_rounds", "chunk_size")
+        check_fraction("compression.density", self.density, low=0.0, high=1.0, fix="e.g. 0.06 of every chunk's values")
+        if self.chunk_size > MAX_CHUNK:
+            raise ValueError(
+                f"compression.chunk_size = {self.chunk_size} must be <= {MAX_CHUNK}: positions inside a chunk are "
+                "sent as uint16"
+            )
         check_choice("compression.factor_dtype", self.factor_dtype, FACTOR_DTYPES)
         check_choice("compression.small_tensors", self.small_tensors, SMALL_TENSOR_MODES)
         check_choice("compression.schedule", self.schedule, SCHEDULES)

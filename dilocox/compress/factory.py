@@ -15,6 +15,7 @@ import torch
 from dilocox.compress.adaptive import AdaptiveCodec, AdaptiveRank
 from dilocox.compress.codecs import CastFormat, Codec, ElementwiseCodec, Int4Format, LowRankCodec
 from dilocox.compress.config import CompressionConfig
+from dilocox.compress.topk import TopKCodec
 
 _DTYPES = {"none": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -48,6 +49,8 @@ def build_codec(cfg: CompressionConfig | str, *, seed: int = 0, **options: Any) 
         return ElementwiseCodec(cfg.kind, CastFormat(_DTYPES[cfg.kind]), generator=generator)
     if cfg.kind == "int4":
         return ElementwiseCodec(cfg.kind, int4, generator=generator)
+    if cfg.kind == "topk_int4":
+        return TopKCodec(density=cfg.density, chunk_size=cfg.chunk_size, value_format=int4, generator=generator)
     if cfg.kind == "adaptive":
         return AdaptiveCodec(
             AdaptiveRank(cfg, seed=seed),

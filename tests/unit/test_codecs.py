@@ -69,13 +69,19 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 # ------------------------------------------------------------------------------------------------------- byte sizes
 
 
-def hand_nbytes(kind: str, shape, *, rank=8, group_size=64, small_tensors="raw", factor_dtype="fp32") -> int:
-    """The byte formulas of the module docstring, written out independently of the codecs."""
+def hand_nbytes(
+    kind: str, shape, *, rank=8, group_size=64, small_tensors="raw", factor_dtype="fp32", density=0.06, chunk_size=4096
+) -> int:
+    """The byte formulas of the modules' docstrings, written out independently of the codecs."""
 
     def int4_size(count: int) -> int:
         return 2 * math.ceil(count / group_size) + math.ceil(count / 2)
 
     numel = math.prod(shape)
+    if kind == "topk_int4":
+        chunks = [chunk_size] * (numel // chunk_size) + ([numel % chunk_size] if numel % chunk_size else [])
+        kept = [min(length, max(1, round(density * length))) for length in chunks]
+        return sum(2 * count + int4_size(count) for count in kept)
     if kind == "none":
         return 4 * numel
     if kind in ("fp16", "bf16"):
@@ -110,6 +116,10 @@ def hand_nbytes(kind: str, shape, *, rank=8, group_size=64, small_tensors="raw",
         ("lowrank", {"rank": 3, "small_tensors": "int4"}),
         ("lowrank_int4", {}),
         ("lowrank_int4", {"rank": 2, "group_size": 32, "small_tensors": "int4"}),
+        ("topk_int4", {}),
+        ("topk_int4", {"density": 0.1, "chunk_size": 16, "group_size": 4}),
+        ("topk_int4", {"density": 1.0, "chunk_size": 100}),
+        ("topk_int4", {"density": 0.3, "chunk_size": 65536}),
     ],
 )
 def test_nbytes_match_hand_formula_and_payloads(kind, options):
@@ -178,7 +188,7 @@ def test_encode_list_round_trip_over_mixed_shapes(kind):
     for original, approx in zip(tensors, decoded, strict=True):
         if original.numel() == 0:
             continue
-        if original.dim() <= 1 or kind in ("none", "fp16", "bf16"):
+        if (original.dim() <= 1 and kind != "topk_int4") or kind in ("none", "fp16", "bf16"):
             tolerance = {"int4": 0.2, "lowrank_int4": 0.2, "adaptive": 0.2}.get(kind, 0.01)
             assert relative_error(approx, original) <= tolerance
     if kind in ("none", "fp16", "bf16", "int4"):
@@ -296,6 +306,55 @@ def test_int4_stochastic_rounding_is_unbiased_and_reproducible():
 
 
 # ----------------------------------------------------------------------------------------------------------- lowrank
+
+
+def test_topk_keeps_the_largest_of_every_chunk_and_nothing_else():
+    codec = build_codec("topk_int4", density=0.25, chunk_size=8)
+    values = randn(3, 7, seed=5)  # 21 values: chunks of 8, 8 and 5 keep 2, 2 and 1
+    decoded = codec.decode(codec.encode(values), values.shape).reshape(-1)
+    flat = values.reshape(-1)
+    for start, length, kept in ((0, 8, 2), (8, 8, 2), (16, 5, 1)):
+        chunk, got = flat[start : start + length], decoded[start : start + length]
+        largest = chunk.abs().topk(kept).indices
+        assert set(torch.nonzero(got).reshape(-1).tolist()) == set(largest.tolist()), start
+        half_scale = float(chunk.abs().max()) / 7 / 2 * 1.001  # the fp16 scale is rounded up
+        assert float((got[largest] - chunk[largest]).abs().max()) <= half_scale, start
+
+
+def test_topk_at_density_one_is_int4_of_every_value_in_order_of_magnitude():
+    codec = build_codec("topk_int4", density=1.0, chunk_size=16, group_size=16)
+    values = randn(16, seed=6)
+    order = values.abs().argsort(descending=True)
+    expected = torch.empty(16)
+    expected[order] = decode_int4(encode_int4(values[order], 16), 16, 16)
+    assert torch.equal(codec.decode(codec.encode(values), (16,)), expected)
+
+
+def test_topk_error_feedback_sends_a_constant_pseudo_gradient_in_full_over_rounds():
+    """What a round leaves out waits in the residual until it is among the largest: over many rounds the decoded
+    updates add up to the inputs, where the codec alone drops nine tenths of every round."""
+    codec = build_codec("topk_int4", density=0.1, chunk_size=50, group_size=8)
+    feedback = ErrorFeedback()
+    value = randn(10, 20, seed=7)
+    total = torch.zeros_like(value)
+    rounds = 100
+    for _ in range(rounds):
+        _, (sent,) = feedback.compress(codec, [value])
+        total += sent
+    assert torch.allclose(total + feedback.residuals[0], rounds * value, atol=1e-3)
+    assert relative_error(total / rounds, value) < 0.1
+    assert relative_error(codec.decode(codec.encode(value), value.shape), value) > 0.5
+
+
+def test_topk_rejects_a_position_outside_its_chunk_and_state_of_other_settings():
+    codec = build_codec("topk_int4", density=0.25, chunk_size=8)
+    payload = codec.encode(randn(12))  # chunks of 8 and 4 keep 2 and 1: positions in bytes 0-3 and 4-5
+    corrupted = payload.data.clone()
+    corrupted[4], corrupted[5] = 5, 0  # position 5 in the last chunk, which holds 4 values
+    with pytest.raises(ValueError, match="position 5 in a chunk of 4 values"):
+        codec.decode_list(Payload(corrupted), [(12,)])
+    with pytest.raises(ValueError, match="density, chunk_size"):
+        build_codec("topk_int4", density=0.5, chunk_size=8).load_state_dict(codec.state_dict())
 
 
 def test_lowrank_recovers_an_exactly_low_rank_matrix():
@@ -576,6 +635,10 @@ def test_payloads_of_different_sizes_are_walked_in_a_concatenation():
         ("adaptive", {"schedule": "cosine"}, "compression.schedule"),
         ("adaptive", {"ramp_rounds": 0}, "compression.ramp_rounds"),
         ("adaptive", {"aggregate": "median"}, "compression.aggregate"),
+        ("topk_int4", {"density": 0.0}, "compression.density"),
+        ("topk_int4", {"density": 1.5}, "compression.density"),
+        ("topk_int4", {"chunk_size": 0}, "compression.chunk_size"),
+        ("topk_int4", {"chunk_size": 70000}, "compression.chunk_size"),
     ],
 )
 def test_bad_options_raise_value_error_naming_the_field(kind, options, field):
