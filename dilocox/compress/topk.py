@@ -155,4 +155,3 @@ def _read_uint16s(reader: ByteReader, count: int) -> torch.Tensor:
     """The next `2 count` bytes as (count,) int64 little-endian uint16s."""
     pairs = reader.take(2 * count).view(count, 2).to(torch.int64)  # (count, 2): low, high
     return pairs[:, 0] | (pairs[:, 1] << 8)
-
