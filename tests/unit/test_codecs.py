@@ -81,7 +81,8 @@ def hand_nbytes(
     if kind == "topk_int4":
         chunks = [chunk_size] * (numel // chunk_size) + ([numel % chunk_size] if numel % chunk_size else [])
         kept = [min(length, max(1, round(density * length))) for length in chunks]
-        return sum(2 * count + int4_size(count) for count in kept)
+        positions = 3 * math.ceil(sum(kept) / 2) if chunk_size <= 4096 else 2 * sum(kept)  # 12 bits or uint16 each
+        return positions + sum(int4_size(count) for count in kept)
     if kind == "none":
         return 4 * numel
     if kind in ("fp16", "bf16"):
@@ -119,6 +120,7 @@ def hand_nbytes(
         ("topk_int4", {}),
         ("topk_int4", {"density": 0.1, "chunk_size": 16, "group_size": 4}),
         ("topk_int4", {"density": 1.0, "chunk_size": 100}),
+        ("topk_int4", {"density": 0.3, "chunk_size": 4097}),
         ("topk_int4", {"density": 0.3, "chunk_size": 65536}),
     ],
 )
@@ -321,6 +323,18 @@ def test_topk_keeps_the_largest_of_every_chunk_and_nothing_else():
         assert float((got[largest] - chunk[largest]).abs().max()) <= half_scale, start
 
 
+@pytest.mark.parametrize("chunk_size", [4000, 5000])  # positions in 12 bits; as uint16
+def test_topk_positions_round_trip_in_both_layouts(chunk_size):
+    codec = build_codec("topk_int4", density=0.05, chunk_size=chunk_size)
+    values = randn(100, 100, seed=8)
+    decoded = codec.decode(codec.encode(values), values.shape).reshape(-1)
+    flat = values.reshape(-1)
+    for start in range(0, flat.numel(), chunk_size):
+        chunk = flat[start : start + chunk_size]
+        largest = chunk.abs().topk(codec.kept(chunk.numel())).indices
+        assert set(torch.nonzero(decoded[start : start + chunk_size]).reshape(-1).tolist()) == set(largest.tolist())
+
+
 def test_topk_at_density_one_is_int4_of_every_value_in_order_of_magnitude():
     codec = build_codec("topk_int4", density=1.0, chunk_size=16, group_size=16)
     values = randn(16, seed=6)
@@ -348,9 +362,9 @@ def test_topk_error_feedback_sends_a_constant_pseudo_gradient_in_full_over_round
 
 def test_topk_rejects_a_position_outside_its_chunk_and_state_of_other_settings():
     codec = build_codec("topk_int4", density=0.25, chunk_size=8)
-    payload = codec.encode(randn(12))  # chunks of 8 and 4 keep 2 and 1: positions in bytes 0-3 and 4-5
+    payload = codec.encode(randn(12))  # chunks of 8 and 4 keep 2 and 1: 3 positions of 12 bits in bytes 0-5
     corrupted = payload.data.clone()
-    corrupted[4], corrupted[5] = 5, 0  # position 5 in the last chunk, which holds 4 values
+    corrupted[3], corrupted[4] = 5, 0  # the third position (the last chunk's, which holds 4 values) is 5
     with pytest.raises(ValueError, match="position 5 in a chunk of 4 values"):
         codec.decode_list(Payload(corrupted), [(12,)])
     with pytest.raises(ValueError, match="density, chunk_size"):
