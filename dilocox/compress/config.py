@@ -49,6 +49,8 @@ class CompressionConfig:
     """Round int4 values stochastically (unbiased) instead of to nearest."""
     error_feedback: bool = True
     """Add what the codec lost to the next round's pseudo-gradient."""
+    feedback_decay: float = 1.0
+    """Scale the error-feedback residual by this before adding it (1: keep it whole)."""
     factor_dtype: str = "fp32"
     """lowrank: encoding of the factors, fp32, fp16 or bf16 (lowrank_int4 and adaptive use int4)."""
     small_tensors: str = "raw"
@@ -88,6 +90,7 @@ class CompressionConfig:
         check_choice("compression.kind", self.kind, CODEC_KINDS)
         check_positive("compression", self, "rank", "group_size", "power_iterations", "rank_min", "window")
         check_positive("compression", self, "ramp_rounds", "chunk_size")
+        check_fraction("compression.feedback_decay", self.feedback_decay, low=0.0, high=1.0, fix="1 keeps it whole")
         check_fraction("compression.density", self.density, low=0.0, high=1.0, fix="e.g. 0.06 of every chunk's values")
         if self.chunk_size > MAX_CHUNK:
             raise ValueError(

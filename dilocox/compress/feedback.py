@@ -18,7 +18,9 @@ class ErrorFeedback:
     Each round encodes `pseudo_grad + residual`, decodes it locally (the exact tensors the other clusters will
     see) and keeps `residual = (pseudo_grad + residual) - decoded`. Hence, to float rounding, the sum over rounds
     of the decoded tensors plus the final residual equals the sum of the inputs. `enabled=False` is a pass-through
-    (encode, decode, no residual) for the ablation.
+    (encode, decode, no residual) for the ablation. `decay` < 1 (`compression.feedback_decay`) scales the residual
+    before it is added, `decay * residual + pseudo_grad`, so that what waits longest counts least (SparseLoCo,
+    Sarfi et al. 2025, decays its error-feedback buffer); the sum identity then holds only for `decay = 1`.
 
         feedback = ErrorFeedback()
         payload, decoded = feedback.compress(codec, pseudo_grads)   # send payload; decoded is what others receive
@@ -32,8 +34,11 @@ class ErrorFeedback:
         feedback.keep([c - s for c, s in zip(corrected, sent)])
     """
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, decay: float = 1.0) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"compression.feedback_decay = {decay!r} must be in (0, 1]; 1 keeps every residual whole")
         self.enabled = enabled
+        self.decay = float(decay)
         self.residuals: list[torch.Tensor] | None = None
         """fp32, one per tensor, shaped like the inputs; None until the first round."""
 
@@ -52,6 +57,8 @@ class ErrorFeedback:
             # In place: the residual buffers become this round's codec input, then what the codec lost. On a
             # 10M-parameter shard this saves two 40 MB allocations a round; the arithmetic is the same.
             for residual, tensor in zip(self.residuals, tensors, strict=True):
+                if self.decay != 1.0:
+                    residual.mul_(self.decay)
                 residual.add_(tensor.detach())
         payload = codec.encode_list(self.residuals)
         decoded = codec.decode_list(payload, shapes)
@@ -67,7 +74,10 @@ class ErrorFeedback:
         self._move_to(tensors)
         if not self.enabled or self.residuals is None:
             return [tensor.detach().to(torch.float32, copy=True) for tensor in tensors]
-        return [tensor.detach().float() + residual for tensor, residual in zip(tensors, self.residuals, strict=True)]
+        return [
+            tensor.detach().float() + (residual if self.decay == 1.0 else self.decay * residual)
+            for tensor, residual in zip(tensors, self.residuals, strict=True)
+        ]
 
     def keep(self, residuals: Sequence[torch.Tensor]) -> None:
         """Store what this round's encoding lost, one tensor per input (a no-op when disabled)."""

@@ -261,11 +261,12 @@ class CodecReducer:
         channel: WanChannel,
         dp_group: dist.ProcessGroup | None,
         seed: int = 0,
+        feedback_decay: float = 1.0,
     ) -> None:
         self.codec = codec
         self.numel = sum(shape.numel() for shape in shapes)
         self.slice = ReplicaSlice.of(shapes, dp_group)
-        self.feedback = ErrorFeedback(enabled=error_feedback)
+        self.feedback = ErrorFeedback(enabled=error_feedback, decay=feedback_decay)
         self.channel = channel
         self.dp_group = dp_group
         self.seed = seed  # shared by every cluster (the scalable path's common warm starts)
@@ -312,8 +313,17 @@ class GatherReducer(CodecReducer):
         guard: UpdateGuard | None = None,
         how: str = "mean",
         trim_fraction: float = 0.25,
+        feedback_decay: float = 1.0,
     ) -> None:
-        super().__init__(codec, shapes, error_feedback=error_feedback, channel=channel, dp_group=dp_group, seed=seed)
+        super().__init__(
+            codec,
+            shapes,
+            error_feedback=error_feedback,
+            channel=channel,
+            dp_group=dp_group,
+            seed=seed,
+            feedback_decay=feedback_decay,
+        )
         self.empty_reason = "it sent none: its own was non-finite"
         """Why a cluster sends an empty payload (elastic runs: also a cluster new to the round)."""
         self.guard = guard
@@ -447,11 +457,20 @@ def build_reducer(
 
         low_rank = isinstance(codec, LowRankCodec)
         reducer: type[CodecReducer] = ScalableLowRankReducer if low_rank else ScalableElementwiseReducer
-        return reducer(codec, shapes, error_feedback=cfg.error_feedback, channel=channel, dp_group=dp_group, seed=seed)
+        return reducer(
+            codec,
+            shapes,
+            error_feedback=cfg.error_feedback,
+            feedback_decay=cfg.feedback_decay,
+            channel=channel,
+            dp_group=dp_group,
+            seed=seed,
+        )
     gather = GatherReducer(
         codec,
         shapes,
         error_feedback=cfg.error_feedback,
+        feedback_decay=cfg.feedback_decay,
         channel=channel,
         dp_group=dp_group,
         seed=seed,

@@ -649,6 +649,7 @@ def test_payloads_of_different_sizes_are_walked_in_a_concatenation():
         ("adaptive", {"schedule": "cosine"}, "compression.schedule"),
         ("adaptive", {"ramp_rounds": 0}, "compression.ramp_rounds"),
         ("adaptive", {"aggregate": "median"}, "compression.aggregate"),
+        ("int4", {"feedback_decay": 1.5}, "compression.feedback_decay"),
         ("topk_int4", {"density": 0.0}, "compression.density"),
         ("topk_int4", {"density": 1.5}, "compression.density"),
         ("topk_int4", {"chunk_size": 0}, "compression.chunk_size"),

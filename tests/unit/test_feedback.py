@@ -112,6 +112,24 @@ def test_int4_error_feedback_by_hand():
     assert without.tolist() == [-7, 0, 0, 1, -14, 0, 0, 0] != rounds[1][1]
 
 
+def test_feedback_decay_scales_the_residual_before_adding_it():
+    """int4, one group of 4, scale 1 (absmax 7): round 1 leaves [0, 0.25, 0.25, 0.5] behind, as in the test above."""
+    codec = build_codec("int4", group_size=4)
+    decayed, whole = ErrorFeedback(decay=0.5), ErrorFeedback()
+    first, second = torch.tensor([7, 3.25, -1.75, 0.5]), torch.tensor([-7, 0.5, 0.25, 1.0])
+    for feedback in (decayed, whole):
+        feedback.compress(codec, [first])
+        assert feedback.residuals[0].tolist() == [0, 0.25, 0.25, 0.5]
+    assert decayed.corrected([second])[0].tolist() == [-7, 0.625, 0.375, 1.25]  # second + 0.5 * residual
+    _, (sent,) = decayed.compress(codec, [second])
+    assert sent.tolist() == [-7, 1, 0, 1]
+    assert decayed.residuals[0].tolist() == [0, -0.375, 0.375, 0.25]
+    _, (sent_whole,) = whole.compress(codec, [second])  # second + residual = [-7, 0.75, 0.5, 1.5]
+    assert sent_whole.tolist() == [-7, 1, 0, 2]
+    with pytest.raises(ValueError, match=r"compression\.feedback_decay = 0"):
+        ErrorFeedback(decay=0.0)
+
+
 # ------------------------------------------------------------------------------ the bugs the comparison must catch
 
 
