@@ -97,12 +97,14 @@ class AdaptiveRank:
         """Measure the spectra of the 2+-D `tensors` (as matrices (shape[0], -1)), record and return the rank."""
         sigmas: list[torch.Tensor] = []
         totals: list[float] = []
+        costs: list[int] = []
         for tensor in tensors:
             if tensor.dim() <= 1:
                 continue
             matrix = as_matrix(tensor.detach().to(torch.float32))  # (m, n)
             if matrix.numel() == 0:
                 continue
+            costs.append(sum(matrix.shape))
             factors = randomized_factors(
                 matrix,
                 self.cfg.rank_max,
@@ -112,18 +114,28 @@ class AdaptiveRank:
             )
             sigmas.append(factors.sigma)
             totals.append(float(torch.linalg.vector_norm(matrix)) ** 2)
-        return self.update_from_spectra(sigmas, totals)
+        return self.update_from_spectra(sigmas, totals, costs)
 
-    def update_from_spectra(self, sigmas: Sequence[torch.Tensor], total_energies: Sequence[float]) -> int:
+    def update_from_spectra(
+        self,
+        sigmas: Sequence[torch.Tensor],
+        total_energies: Sequence[float],
+        rank_costs: Sequence[int] | None = None,
+    ) -> int:
         """Record and return this round's rank from each matrix's leading singular values and total energy.
 
         `sigmas[i]` holds matrix i's largest singular values, descending (any number, at most rank_max used);
-        `total_energies[i]` its squared Frobenius norm, the sum of *all* its squared singular values.
+        `total_energies[i]` its squared Frobenius norm, the sum of *all* its squared singular values;
+        `rank_costs[i]` what one more rank of matrix i sends, m + n values (`budget` only; default 1 each).
         """
         if len(sigmas) != len(total_energies):
             raise ValueError(f"got {len(sigmas)} spectra but {len(total_energies)} total energies; pass one per matrix")
         target = self.target_energy()
         spectra = [sigma[: self.cfg.rank_max].double().cpu() for sigma in sigmas]
+        if self.cfg.aggregate == "budget":
+            costs = [1] * len(spectra) if rank_costs is None else list(rank_costs)
+            raw = self._budget_raw_ranks(spectra, total_energies, costs, target)
+            return self._update_per_matrix(spectra, total_energies, target, raw)
         if self.cfg.aggregate == "per_matrix":
             return self._update_per_matrix(spectra, total_energies, target)
         raw_rank = self._raw_rank(spectra, total_energies, target)
@@ -140,14 +152,43 @@ class AdaptiveRank:
         smoothed = math.ceil(sum([*recent, raw_rank]) / (len(recent) + 1) - 1e-9)
         return min(max(smoothed, self.cfg.rank_min), self.cfg.rank_max)
 
-    def _update_per_matrix(self, sigmas: list[torch.Tensor], totals: Sequence[float], target: float) -> int:
-        raw = tuple(self._matrix_raw_rank(sigma, total, target) for sigma, total in zip(sigmas, totals, strict=True))
+    def _update_per_matrix(
+        self, sigmas: list[torch.Tensor], totals: Sequence[float], target: float, raw: tuple[int, ...] | None = None
+    ) -> int:
+        if raw is None:
+            raw = tuple(self._matrix_raw_rank(s, total, target) for s, total in zip(sigmas, totals, strict=True))
         recent = [d.matrix_raw_ranks for d in self._window() if len(d.matrix_raw_ranks) == len(raw)]
         ranks = tuple(self._smoothed(raw[i], [r[i] for r in recent]) for i in range(len(raw)))
         rank = math.ceil(sum(ranks) / len(ranks) - 1e-9) if ranks else self.cfg.rank_min
         raw_rank = math.ceil(sum(raw) / len(raw) - 1e-9) if raw else 1
         self.history.append(RankDecision(self.rounds, target, raw_rank, rank, raw, ranks))
         return rank
+
+    def _budget_raw_ranks(
+        self, sigmas: list[torch.Tensor], totals: Sequence[float], costs: Sequence[int], target: float
+    ) -> tuple[int, ...]:
+        """Per-matrix ranks that keep `target` of the pooled energy of all matrices for the fewest values sent.
+
+        Greedy on energy per value: every matrix's next singular direction is a candidate worth sigma^2 / cost; taking
+        candidates from the best ratio down keeps each matrix's a prefix (its sigmas descend) and stops once the kept
+        share reaches the target. At least one rank each; rank_max each when the estimated spectra cannot reach it.
+        """
+        if len(costs) != len(sigmas):
+            raise ValueError(f"got {len(costs)} rank costs for {len(sigmas)} matrices; pass one per matrix")
+        total = sum(totals)
+        if not sigmas or total <= 0:
+            return tuple(1 for _ in sigmas)
+        owner = torch.cat([torch.full((sigma.numel(),), i, dtype=torch.int64) for i, sigma in enumerate(sigmas)])
+        energy = torch.cat([sigma.square() for sigma in sigmas])  # (candidates,) float64
+        ratio = energy / torch.tensor([float(costs[i]) for i in owner.tolist()], dtype=torch.float64)
+        order = torch.argsort(ratio, descending=True, stable=True)
+        kept = torch.cumsum(energy[order], dim=0) / total  # share kept after taking each candidate
+        reached = torch.nonzero(kept >= target - _ENERGY_TOLERANCE)
+        if not reached.numel():
+            return tuple(self.cfg.rank_max for _ in sigmas)
+        taken = owner[order[: int(reached[0, 0]) + 1]]
+        counts = torch.bincount(taken, minlength=len(sigmas)).tolist()
+        return tuple(min(max(count, 1), self.cfg.rank_max) for count in counts)
 
     def _matrix_raw_rank(self, sigma: torch.Tensor, total: float, target: float) -> int:
         """Smallest k in [1, rank_max] keeping `target` of one matrix's energy (1 for a zero matrix)."""
@@ -304,6 +345,7 @@ class AdaptiveCodec(LowRankCodec):
         sigmas: list[torch.Tensor] = []
         totals: list[float] = []
         slots: list[int] = []
+        costs: list[int] = []
         for index, value in enumerate(values):
             matrix = self._measured_matrix(value)
             if matrix is None:
@@ -318,7 +360,8 @@ class AdaptiveCodec(LowRankCodec):
             sigmas.append(sigma)
             totals.append(total)
             slots.append(slot)
-        self.policy.update_from_spectra(sigmas, totals)
+            costs.append(sum(matrix.shape))  # values one more rank sends: a column of P and one of Q
+        self.policy.update_from_spectra(sigmas, totals, costs)
         self._round_ranks = dict(zip(slots, self.policy.history[-1].matrix_ranks, strict=False))
         try:
             return super()._encode_values(values, first_slot)

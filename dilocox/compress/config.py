@@ -25,8 +25,9 @@ SMALL_TENSOR_MODES = ("raw", "int4")
 """How the low-rank codecs send 0-D and 1-D tensors."""
 SCHEDULES = ("spectrum", "early_strong", "late_strong")
 """How the adaptive rank's energy target moves over rounds (see `AdaptiveRank.target_energy`)."""
-AGGREGATES = ("per_matrix", "pooled", "mean", "max")
-"""How the adaptive rank turns the spectra of several matrices into ranks: each its own, or one for all."""
+AGGREGATES = ("per_matrix", "budget", "pooled", "mean", "max")
+"""How the adaptive rank turns the spectra of several matrices into ranks: each its own (from its own energy, or
+together from the pooled energy at the fewest values sent), or one for all."""
 SPECTRUM_SOURCES = ("pseudo_grad", "codec_input")
 """Whose spectrum the adaptive rank measures: the raw pseudo-gradient, or it plus the error-feedback residual."""
 REDUCTIONS = ("gather", "scalable")
@@ -74,7 +75,8 @@ class CompressionConfig:
     ramp_rounds: int = 100
     """adaptive: rounds over which early_strong / late_strong ramp the energy target."""
     aggregate: str = "per_matrix"
-    """adaptive: per_matrix (each matrix its own rank), or one rank for all: pooled energy, mean or max."""
+    """adaptive: per_matrix (each its own rank from its energy), budget (each its own, keeping `energy` of the
+    pooled energy for the fewest values), or one rank for all: pooled energy, mean or max."""
     spectrum_of: str = "pseudo_grad"
     """adaptive: the rank keeps energy of the pseudo_grad's own spectrum, or of codec_input (plus the residual)."""
     density: float = 0.06

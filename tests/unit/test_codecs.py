@@ -497,6 +497,23 @@ def test_adaptive_rank_aggregates_matrices():
     assert picks == {"pooled": 3, "mean": 5, "max": 7}
 
 
+def test_adaptive_budget_ranks_keep_the_pooled_energy_for_the_fewest_values():
+    """Matrix A: squared sigmas 8, 1, 1 at 1 value per rank; B: 4, 4, 2 at 2 values per rank; 20 in all. Keeping 90%
+    (18) by energy per value takes A 8, B 4, B 4, then A 1, A 1 (ratio 1, before B's 2 / 2 = 1 by order): ranks
+    (3, 2), 7 values. Each matrix at 90% of its own energy would take (2, 3): 8 values for the same 18."""
+    spectra = [torch.tensor([8.0, 1.0, 1.0]).sqrt(), torch.tensor([4.0, 4.0, 2.0]).sqrt()]
+    budget = adaptive_rank(aggregate="budget", rank_min=1, rank_max=3, window=1)
+    budget.update_from_spectra(spectra, [10.0, 10.0], [1, 2])
+    assert budget.history[-1].matrix_raw_ranks == (3, 2) and budget.history[-1].matrix_ranks == (3, 2)
+    per_matrix = adaptive_rank(aggregate="per_matrix", rank_min=1, rank_max=3, window=1)
+    per_matrix.update_from_spectra(spectra, [10.0, 10.0])
+    assert per_matrix.history[-1].matrix_ranks == (2, 3)
+    # a target the estimated spectra cannot reach sends every matrix at rank_max
+    short = adaptive_rank(aggregate="budget", rank_min=1, rank_max=3, window=1)
+    short.update_from_spectra(spectra, [10.0, 20.0], [1, 2])  # B's 3 singular values hold half of its energy
+    assert short.history[-1].matrix_raw_ranks == (3, 3)
+
+
 def test_adaptive_rank_smooths_over_its_window():
     low = matrix_with_spectrum(spectrum_keeping(3, 64), 96, 64)
     high = matrix_with_spectrum(spectrum_keeping(7, 64), 96, 64)
