@@ -75,8 +75,7 @@ class CompressionConfig:
     ramp_rounds: int = 100
     """adaptive: rounds over which early_strong / late_strong ramp the energy target."""
     aggregate: str = "per_matrix"
-    """adaptive: per_matrix (each its own rank from its energy), budget (each its own, keeping `energy` of the
-    pooled energy for the fewest values), or one rank for all: pooled energy, mean or max."""
+    """adaptive: per_matrix (own energy each), budget (pooled energy, fewest values) or one rank: pooled, mean, max."""
     spectrum_of: str = "pseudo_grad"
     """adaptive: the rank keeps energy of the pseudo_grad's own spectrum, or of codec_input (plus the residual)."""
     density: float = 0.06
