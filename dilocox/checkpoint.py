@@ -259,8 +259,9 @@ def resume_fields(cfg: Config, saved: dict[str, Any]) -> list[str]:
         fields += [f"sync.{name}" for name in ("inner_steps", "sync_delay", "outer_lr", "outer_momentum", "nesterov")]
         fields.append("compression.kind")
         if cfg.compression.kind != "none":
-            formats = ("reduction", "rank", "group_size", "factor_dtype", "small_tensors", "rank_max", "density")
-            formats += ("chunk_size",)
+            formats = ("reduction", "rank", "group_size", "factor_dtype", "small_tensors", "rank_max")
+            if cfg.compression.kind == "topk_int4":
+                formats += ("density", "chunk_size")
             fields += [f"compression.{name}" for name in formats]
     return fields
 
