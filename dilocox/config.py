@@ -369,6 +369,11 @@ class Config:
             ),
             ("sync.fit_link = true", self.sync.fit_link, "leave sync.fit_link off (H stays fixed)"),
             (
+                f"sync.overlap_steps = {self.sync.overlap_steps}",
+                self.sync.overlap_steps > 0,
+                "use 0 (each average lands at the end of the next round)",
+            ),
+            (
                 "compression.reduction = scalable",
                 self.compression.kind != "none" and self.compression.reduction == "scalable",
                 "use compression.reduction = gather",

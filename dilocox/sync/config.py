@@ -58,6 +58,8 @@ class SyncConfig:
     """Use Nesterov momentum in the outer SGD."""
     sync_delay: int = 0
     """Rounds between launching an outer sync and applying it: 0 = blocking, 1 = overlapped (dilocox: 1 unless set)."""
+    overlap_steps: int = 0
+    """With sync_delay 1: apply round t's average this many inner steps into round t+1 (0: at its end, a round late)."""
     merge: str = "keep_local"
     """With sync_delay 1, where a round starts: keep_local (phi - own progress), reset, eager (dilocox), lookahead."""
     outer_lr_schedule: str = "constant"
@@ -150,6 +152,22 @@ class SyncConfig:
             raise ValueError(
                 "sync.fit_link = true sizes H so that a sync travels during the next round, which needs "
                 "sync.sync_delay = 1 (sync.kind = dilocox sets it); with a blocking sync raise sync.inner_steps instead"
+            )
+        check_non_negative("sync", self, "overlap_steps")
+        if self.overlap_steps and self.sync_delay != 1:
+            raise ValueError(
+                f"sync.overlap_steps = {self.overlap_steps} applies a delayed sync inside the next round, which needs "
+                "sync.sync_delay = 1 (sync.kind = dilocox sets it); use 0 with a blocking sync"
+            )
+        if self.overlap_steps >= self.inner_steps:
+            raise ValueError(
+                f"sync.overlap_steps = {self.overlap_steps} must be below sync.inner_steps = {self.inner_steps}; "
+                "use 0 to apply each average at the end of the next round"
+            )
+        if self.overlap_steps and self.fit_link:
+            raise ValueError(
+                "sync.fit_link = true sizes H so that a sync travels during a whole round, but sync.overlap_steps = "
+                f"{self.overlap_steps} applies it {self.overlap_steps} steps in; use one or the other"
             )
         if self.fit_link and 0 < self.fit_link_max_steps < self.inner_steps:
             raise ValueError(

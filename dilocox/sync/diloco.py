@@ -11,6 +11,7 @@ the sync of round t travels while round t+1 trains and is applied at the end of 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterator
@@ -152,8 +153,33 @@ class DiLoCoSync:
             if self.faults.active(cluster=self.channel.group_rank, round_index=self.outer_step + 1):
                 self.flat.scatter_data(torch.full((self.numel,), float("nan")))  # faults: this round diverges
         if step not in (self.round_end, self.total_steps):
+            if self.pending is not None and step == self.last_boundary + self.cfg.overlap_steps:
+                return self._apply_in_round(step)
             return None
         return self.end_round(step)
+
+    def _apply_in_round(self, step: int) -> RoundStats:
+        """`sync.overlap_steps`: wait for the last round's sync `overlap_steps` into this round and apply it now.
+
+        The cluster keeps what it computed since the boundary: its parameters move by what phi moved past the round
+        start (the true average replaces the estimate the merge rule started from, as at a boundary), and the round
+        start becomes phi, so this round's pseudo-gradient is still all of its own progress."""
+        due, self.pending = self.pending, None
+        round_index = self.outer_step  # the round that launched it, which ended at the last boundary
+        avg, stats = self.wait_sync(due, round_steps=step - self.last_boundary, round_index=round_index)
+        self._set_outer_lr(self.outer_step - 1)
+        if not stats.skipped:
+            self.apply(avg)
+        if self._left_out(stats, due):
+            self.reducer.heal()
+            if self.cfg.guard:
+                self._heal(round_index, "the others left its update out")
+            theta = self.outer_params
+        else:
+            theta = self.flat.gather_data().to(self.state_device) + (self.outer_params - self.round_start)
+        self.flat.scatter_data(theta)
+        self.round_start = self.outer_params.clone()
+        return dataclasses.replace(stats, inner_steps=self.inner_steps)
 
     def end_round(self, step: int) -> RoundStats | None:
         """Launch this round's sync and apply the one that is due (this one when blocking, the last one if delayed).
@@ -403,6 +429,12 @@ class DiLoCoSync:
             if compute_s > latency
             else ""
         )
+        if self.cfg.overlap_steps:
+            return (
+                f"warning: the slow link cannot keep up: one outer sync takes {link_s:.2f} s on the link but the "
+                f"{round_steps} steps it may travel during (sync.overlap_steps) compute in {compute_s:.2f} s, so "
+                f"training waits for it; use sync.overlap_steps >= {need_h} (below sync.inner_steps), or 0{fit}"
+            )
         return (
             f"warning: the slow link cannot keep up: one outer sync takes {link_s:.2f} s on the link but a round "
             f"computes in {compute_s:.2f} s, so training waits for it; use sync.inner_steps >= {need_h}{fit} "

@@ -7,7 +7,9 @@ Nesterov steps along g + m buf, plain momentum along buf). With `sync_delay = 1`
 round's mean, and the next round starts at the outer params (`reset`), at the outer params minus this cluster's own
 last pseudo-gradient (`keep_local`), or at one outer step taken on a copy of phi and its momentum with this cluster's
 share of its last pseudo-gradient (`eager`: g / C) or all of it (`lookahead`: g); the mean still in flight is applied
-by the flush at the end. The outer learning rate of update k (0-based, of K = 3) follows the schedule: linear
+by the flush at the end. With `overlap_steps = k` > 0 the mean in flight is applied k inner steps into the next
+round instead: phi takes the outer step, every cluster's params move by what phi moved past its round start, and
+the round start becomes phi. The outer learning rate of update k (0-based, of K = 3) follows the schedule: linear
 warm-up over W updates, then constant or cosine down to lr x rho.
 """
 
@@ -41,10 +43,12 @@ VARIANTS = {
     "delayed-cosine-warmup": {"sync_delay": 1, **COSINE, "outer_warmup_rounds": 1, "outer_min_lr_ratio": 0.2, **OUTER},
     "blocking-constant-warmup": {"sync_delay": 0, "outer_warmup_rounds": 2, **OUTER},
     "delayed-lookahead-cosine": {"sync_delay": 1, "merge": "lookahead", **COSINE, "outer_min_lr_ratio": 0.0, **OUTER},
+    "delayed-eager-averaging-overlap1": {"sync_delay": 1, "merge": "eager", "overlap_steps": 1, **AVERAGING},
+    "delayed-keep_local-overlap2": {"sync_delay": 1, "overlap_steps": 2, **OUTER},
 }
 DEFAULTS = {
     "merge": "keep_local", "nesterov": True, "outer_lr_schedule": "constant", "outer_warmup_rounds": 0,
-    "outer_min_lr_ratio": 0.1,
+    "outer_min_lr_ratio": 0.1, "overlap_steps": 0,
 }  # fmt: skip
 NUM_UPDATES = math.ceil(STEPS / H)
 
@@ -79,7 +83,7 @@ def load(model, vector: torch.Tensor) -> None:
 
 
 def reference(sync_delay, merge, outer_lr, outer_momentum, nesterov, outer_lr_schedule, outer_warmup_rounds,
-              outer_min_lr_ratio) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:  # fmt: skip
+              outer_min_lr_ratio, overlap_steps) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:  # fmt: skip
     """(outer params, every cluster's params) after each round and after the final flush."""
     models = [make_model() for _ in range(NUM_CLUSTERS)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=INNER_LR) for m in models]
@@ -114,11 +118,20 @@ def reference(sync_delay, merge, outer_lr, outer_momentum, nesterov, outer_lr_sc
         return outer_step(phi, buf, estimate, updates)[0]  # on copies: phi and buf are not assigned
 
     trace = []
+    last_boundary = 0
     for step in range(1, STEPS + 1):
         for cluster, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
             inner_step(model, optimizer, cluster, step)
         if step % H and step != STEPS:
+            if pending is not None and overlap_steps and step == last_boundary + overlap_steps:
+                phi, buf = outer_step(phi, buf, pending, updates)
+                updates += 1
+                pending = None
+                for c, model in enumerate(models):
+                    load(model, flat(model) + (phi - round_start[c]))
+                round_start = [phi.clone() for _ in models]
             continue
+        last_boundary = step
         pseudo_grads = [round_start[c] - flat(m) for c, m in enumerate(models)]
         mean = sum(pseudo_grads) / NUM_CLUSTERS
         if sync_delay == 0:
@@ -203,6 +216,11 @@ def test_the_merge_rules_differ_and_reduce_as_documented():
     """The reference's rules are not accidentally the same: eager keeps 1/C of the own round with plain averaging,
     lookahead with plain averaging is keep_local, and a schedule changes phi."""
     plain = {"sync_delay": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": True}
+    late = reference(**(DEFAULTS | plain | {"merge": "eager"}))
+    early = reference(**(DEFAULTS | plain | {"merge": "eager", "overlap_steps": 1}))
+    # phi is the same at step 6 either way; round 2 trained from round 1's mean for 2 of its 3 steps only when early
+    torch.testing.assert_close(late[1][0], early[1][0], rtol=0, atol=1e-6)
+    assert (late[1][1][0] - early[1][1][0]).abs().max() > 1e-3
     keep = reference(**(DEFAULTS | plain))
     look = reference(**(DEFAULTS | plain | {"merge": "lookahead"}))
     eager = reference(**(DEFAULTS | plain | {"merge": "eager"}))
