@@ -78,7 +78,9 @@ class CompressionConfig:
     """adaptive: per_matrix (own energy each), budget (pooled energy, fewest values) or one rank: pooled, mean, max."""
     spectrum_of: str = "pseudo_grad"
     """adaptive: the rank keeps energy of the pseudo_grad's own spectrum, or of codec_input (plus the residual)."""
-    density: float = 0.06
+    # 0.075 with compression.feedback_decay = 0.9: 1/525 of AllReduce's bytes on the gap protocol
+    # (benchmarks/results/eager_adaptive/, docs/design.md §4.1)
+    density: float = 0.075
     """topk_int4: share of each chunk's values sent (its largest in magnitude), with their uint16 positions."""
     chunk_size: int = 4096
     """topk_int4: values per chunk; each chunk keeps its own top share (at most 65536, for uint16 positions)."""
@@ -92,7 +94,7 @@ class CompressionConfig:
         check_positive("compression", self, "rank", "group_size", "power_iterations", "rank_min", "window")
         check_positive("compression", self, "ramp_rounds", "chunk_size")
         check_fraction("compression.feedback_decay", self.feedback_decay, low=0.0, high=1.0, fix="1 keeps it whole")
-        check_fraction("compression.density", self.density, low=0.0, high=1.0, fix="e.g. 0.06 of every chunk's values")
+        check_fraction("compression.density", self.density, low=0.0, high=1.0, fix="e.g. 0.075 of every chunk's values")
         if self.chunk_size > MAX_CHUNK:
             raise ValueError(
                 f"compression.chunk_size = {self.chunk_size} must be <= {MAX_CHUNK}: positions inside a chunk are "

@@ -70,7 +70,7 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def hand_nbytes(
-    kind: str, shape, *, rank=8, group_size=64, small_tensors="raw", factor_dtype="fp32", density=0.06, chunk_size=4096
+    kind: str, shape, *, rank=8, group_size=64, small_tensors="raw", factor_dtype="fp32", density=0.075, chunk_size=4096
 ) -> int:
     """The byte formulas of the modules' docstrings, written out independently of the codecs."""
 
