@@ -81,9 +81,9 @@ class CompressionConfig:
     # 0.075 with compression.feedback_decay = 0.9: 1/525 of AllReduce's bytes on the gap protocol
     # (benchmarks/results/eager_adaptive/, docs/design.md §4.1)
     density: float = 0.075
-    """topk_int4: share of each chunk's values sent (its largest in magnitude), with their uint16 positions."""
+    """topk_int4: share of each chunk's values sent (its largest in magnitude, int4), with their positions."""
     chunk_size: int = 4096
-    """topk_int4: values per chunk; each chunk keeps its own top share (at most 65536, for uint16 positions)."""
+    """topk_int4: values per chunk, each keeping its own top share; positions take 12 bits up to 4096, else 16."""
     reduction: str = "gather"
     """Averaging of payloads: gather ((C-1) x payload per rank, any codec) or scalable (~2 x payload; not adaptive)."""
 

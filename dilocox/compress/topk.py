@@ -41,7 +41,7 @@ PACKED_CHUNK = 1 << 12
 
 
 class TopKCodec(Codec):
-    """The `density` largest values of every chunk of `chunk_size`, as uint16 positions and int4 values.
+    """The `density` largest values of every chunk of `chunk_size`, as 12-bit (or uint16) positions and int4 values.
 
     Error feedback (`ErrorFeedback`) keeps what a round did not send, so a value left out now is sent once it has
     grown among the largest of its chunk.
