@@ -197,8 +197,13 @@ def _checkpoint_in_flight(rank, world_size, options):
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "options",
-    [{}, {"merge": "eager"}, {"merge": "lookahead", "outer_lr_schedule": "cosine", "outer_warmup_rounds": 2}],
-    ids=["keep_local", "eager", "lookahead-cosine-warmup"],
+    [
+        {},
+        {"merge": "eager"},
+        {"merge": "lookahead", "outer_lr_schedule": "cosine", "outer_warmup_rounds": 2},
+        {"merge": "eager", "overlap_steps": 1},
+    ],
+    ids=["keep_local", "eager", "lookahead-cosine-warmup", "eager-overlap_steps"],
 )
 def test_checkpoint_does_not_wait_for_the_sync_in_flight_and_resume_is_exact(options):
     for straight, resumed, save_s, in_flight in run_ranks(_checkpoint_in_flight, 2, args=(options,)):
