@@ -452,28 +452,23 @@ def build_reducer(
         numel = sum(shape.numel() for shape in shapes)
         return DenseReducer(numel, channel=channel, dp_group=dp_group, counted=elastic)
     codec = build_codec(cfg, seed=seed)
-    if cfg.reduction == "scalable":  # validate() allows only the kinds these two average
-        from dilocox.sync.scalable import ScalableElementwiseReducer, ScalableLowRankReducer
-
-        low_rank = isinstance(codec, LowRankCodec)
-        reducer: type[CodecReducer] = ScalableLowRankReducer if low_rank else ScalableElementwiseReducer
-        return reducer(
-            codec,
-            shapes,
-            error_feedback=cfg.error_feedback,
-            feedback_decay=cfg.feedback_decay,
-            channel=channel,
-            dp_group=dp_group,
-            seed=seed,
-        )
-    gather = GatherReducer(
-        codec,
-        shapes,
+    common = dict(
         error_feedback=cfg.error_feedback,
         feedback_decay=cfg.feedback_decay,
         channel=channel,
         dp_group=dp_group,
         seed=seed,
+    )
+    if cfg.reduction == "scalable":  # validate() allows only the kinds these two average
+        from dilocox.sync.scalable import ScalableElementwiseReducer, ScalableLowRankReducer
+
+        low_rank = isinstance(codec, LowRankCodec)
+        reducer: type[CodecReducer] = ScalableLowRankReducer if low_rank else ScalableElementwiseReducer
+        return reducer(codec, shapes, **common)
+    gather = GatherReducer(
+        codec,
+        shapes,
+        **common,
         guard=UpdateGuard(guard_max_ratio) if guard_max_ratio is not None else None,
         how=aggregate,
         trim_fraction=trim_fraction,
