@@ -99,6 +99,19 @@ def load_bench(path: Path) -> BenchSpec:
     return spec
 
 
+QUICK_OVERLAP_STEPS = 2
+"""`--quick`'s `sync.overlap_steps` for a run that sets one: it must stay below the quick H of 5."""
+
+
 def run_overrides(spec: BenchSpec, run: BenchRun, quick: bool) -> list[str]:
-    """The `dilocox train` overrides of one run: the bench's, then `--quick`'s, then the run's own."""
-    return [*spec.overrides, *(QUICK_OVERRIDES if quick else []), *run.overrides]
+    """The `dilocox train` overrides of one run: the bench's, then `--quick`'s, then the run's own (under `--quick`
+    a nonzero `sync.overlap_steps` becomes `QUICK_OVERLAP_STEPS`)."""
+    own = list(run.overrides)
+    if quick:
+        own = [
+            f"--sync.overlap_steps={QUICK_OVERLAP_STEPS}"
+            if flag.startswith("--sync.overlap_steps=") and flag != "--sync.overlap_steps=0"
+            else flag
+            for flag in own
+        ]
+    return [*spec.overrides, *(QUICK_OVERRIDES if quick else []), *own]
