@@ -39,7 +39,7 @@ import torch
 from dilocox.compress.config import MAX_RANK
 from dilocox.compress.int4 import decode_int4_runs, encode_int4_runs, int4_nbytes
 from dilocox.compress.lowrank import Factors, factorize
-from dilocox.compress.payload import ByteReader, Payload, numel_of, tensor_bytes
+from dilocox.compress.payload import ByteReader, Payload, numel_of, read_uint16s, tensor_bytes, uint16_bytes
 
 Shape = Sequence[int]
 
@@ -335,7 +335,7 @@ class LowRankCodec(Codec):
             ranks.append(rank)
             matrix_runs.extend([left.reshape(-1), right.reshape(-1)])
         device = values[0].device if values else None
-        chunks = [_uint16_bytes(ranks, device)]
+        chunks = [uint16_bytes(torch.tensor(ranks, dtype=torch.int64, device=device))]
         if small_runs:
             chunks.append(self.small_format.encode_runs(small_runs))
         if matrix_runs:
@@ -370,7 +370,7 @@ class LowRankCodec(Codec):
 
     def _decode_values(self, reader: ByteReader, shapes: list[torch.Size]) -> list[torch.Tensor]:
         matrix_dims = [(shape[0], numel_of(shape[1:])) for shape in shapes if len(shape) > 1]  # (m, n) each
-        ranks = _read_uint16s(reader, len(matrix_dims))
+        ranks = read_uint16s(reader, len(matrix_dims)).tolist()
         lengths: list[int] = []
         for rank, (num_rows, num_cols) in zip(ranks, matrix_dims, strict=True):
             if rank > min(num_rows, num_cols) or (rank and sent_dense(rank, num_rows, num_cols)):
@@ -445,15 +445,3 @@ def sent_dense(rank: int, num_rows: int, num_cols: int) -> bool:
     """Whether the low-rank codecs send an (m, n) matrix dense at `rank` (already capped at min(m, n))."""
     # The factors hold r (m + n) values against m n for the matrix: send whichever has fewer.
     return rank * (num_rows + num_cols) >= num_rows * num_cols
-
-
-def _uint16_bytes(values: list[int], device: torch.device | None) -> torch.Tensor:
-    """Little-endian uint16s: (2 * len(values),) uint8."""
-    return torch.tensor(
-        [byte for value in values for byte in (value & 0xFF, value >> 8)], dtype=torch.uint8, device=device
-    )
-
-
-def _read_uint16s(reader: ByteReader, count: int) -> list[int]:
-    data = reader.take(2 * count).tolist()
-    return [low | (high << 8) for low, high in zip(data[0::2], data[1::2], strict=True)]

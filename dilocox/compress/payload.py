@@ -70,6 +70,18 @@ def numel_of(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
+def uint16_bytes(values: torch.Tensor) -> torch.Tensor:
+    """(k,) integers in [0, 65535] -> (2k,) uint8, little-endian, written byte by byte (no reliance on torch's
+    partial uint16 support)."""
+    return torch.stack([values & 0xFF, values >> 8], dim=1).to(torch.uint8).reshape(-1)
+
+
+def read_uint16s(reader: ByteReader, count: int) -> torch.Tensor:
+    """The inverse of `uint16_bytes`: the reader's next `2 count` bytes -> (count,) int64."""
+    pairs = reader.take(2 * count).view(count, 2).to(torch.int64)  # (count, 2): low byte, high byte
+    return pairs[:, 0] | (pairs[:, 1] << 8)
+
+
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The raw bytes of `tensor` in its own dtype: (numel * element_size,) uint8, a copy-free view when possible."""
     return tensor.contiguous().reshape(-1).view(torch.uint8)

@@ -32,7 +32,7 @@ import torch
 
 from dilocox.compress.config import CocktailConfig
 from dilocox.compress.int4 import decode_int4, encode_int4, int4_nbytes
-from dilocox.compress.payload import ByteReader, Payload
+from dilocox.compress.payload import ByteReader, Payload, read_uint16s, uint16_bytes
 
 UINT16_POSITIONS = 1 << 16
 """The largest sample whose positions fit in uint16 (positions 0 .. 65535)."""
@@ -189,14 +189,12 @@ def _check_step(step: Any) -> None:
 def _position_bytes(positions: torch.Tensor, width: int) -> torch.Tensor:
     """(k,) int64 positions -> (width * k,) uint8: little-endian uint16 (width 2) or native int32 (width 4)."""
     if width == 2:
-        # Written byte by byte: explicit little-endian, and no reliance on torch's partial uint16 support.
-        return torch.stack([positions & 0xFF, positions >> 8], dim=1).to(torch.uint8).reshape(-1)
+        return uint16_bytes(positions)
     return positions.to(torch.int32).view(torch.uint8)
 
 
 def _read_positions(reader: ByteReader, k: int, width: int) -> torch.Tensor:
     """The inverse of `_position_bytes`: the next `width * k` bytes -> (k,) int64."""
     if width == 2:
-        pairs = reader.take(2 * k).view(k, 2).to(torch.int64)  # (k, 2): low byte, high byte
-        return pairs[:, 0] | (pairs[:, 1] << 8)
+        return read_uint16s(reader, k)
     return reader.read(torch.int32, k).to(torch.int64)

@@ -34,7 +34,7 @@ import torch
 
 from dilocox.compress.codecs import Codec, Int4Format, Shape
 from dilocox.compress.config import MAX_CHUNK
-from dilocox.compress.payload import ByteReader, numel_of
+from dilocox.compress.payload import ByteReader, numel_of, read_uint16s, uint16_bytes
 
 PACKED_CHUNK = 1 << 12
 """The largest chunk whose positions are sent in 12 bits; larger chunks send uint16 positions."""
@@ -110,7 +110,7 @@ class TopKCodec(Codec):
     def _position_bytes(self, positions: torch.Tensor) -> torch.Tensor:
         """One tensor's (K,) int64 positions -> its `position_nbytes(K)` bytes."""
         if self.chunk_size > PACKED_CHUNK:
-            return torch.stack([positions & 0xFF, positions >> 8], dim=1).to(torch.uint8).reshape(-1)
+            return uint16_bytes(positions)
         if positions.numel() % 2:
             positions = torch.cat([positions, positions.new_zeros(1)])
         first, second = positions.view(-1, 2).unbind(1)  # (K / 2,) each
@@ -119,11 +119,9 @@ class TopKCodec(Codec):
 
     def _read_positions(self, reader: ByteReader, count: int) -> torch.Tensor:
         """The inverse of `_position_bytes`: one tensor's next bytes -> (count,) int64."""
-        data = reader.take(self.position_nbytes(count)).to(torch.int64)
         if self.chunk_size > PACKED_CHUNK:
-            pairs = data.view(count, 2)  # (count, 2): low, high
-            return pairs[:, 0] | (pairs[:, 1] << 8)
-        triples = data.view(-1, 3)  # (ceil(count / 2), 3)
+            return read_uint16s(reader, count)
+        triples = reader.take(self.position_nbytes(count)).to(torch.int64).view(-1, 3)  # (ceil(count / 2), 3)
         first = triples[:, 0] | ((triples[:, 1] & 0xF) << 8)
         second = (triples[:, 1] >> 4) | (triples[:, 2] << 4)
         return torch.stack([first, second], dim=1).reshape(-1)[:count]
@@ -132,9 +130,10 @@ class TopKCodec(Codec):
 
     def _decode_values(self, reader: ByteReader, shapes: list[torch.Size]) -> list[torch.Tensor]:
         numels = [numel_of(shape) for shape in shapes]
-        lengths = [length for numel in numels for length in self.chunk_lengths(numel)]  # every chunk, in order
+        per_tensor = [self.chunk_lengths(numel) for numel in numels]  # each tensor's chunk lengths
+        lengths = [length for chunk_lengths in per_tensor for length in chunk_lengths]  # every chunk, in order
         counts = [self.kept(length) for length in lengths]
-        kept_per_tensor = [sum(self.kept(length) for length in self.chunk_lengths(numel)) for numel in numels]
+        kept_per_tensor = [sum(self.kept(length) for length in chunk_lengths) for chunk_lengths in per_tensor]
         # (K_all,) int64, inside their chunks
         positions = torch.cat(
             [self._read_positions(reader, kept) for kept in kept_per_tensor] or [torch.zeros(0, dtype=torch.int64)]
