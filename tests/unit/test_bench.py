@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from dilocox.config import load_config
 from dilocox.metrics import METRICS_FILE, RunSummary
 from dilocox.tools.bench.bench_cli import main as bench_main
 from dilocox.tools.bench.paper_regime import steady_hidden_fraction, steady_tokens_per_s, window_steps
-from dilocox.tools.bench.results import collect, compare
+from dilocox.tools.bench.results import collect, compare, kept_rows, write_results
 from dilocox.tools.bench.spec import load_bench, run_overrides
 from dilocox.tools.bench.table import format_table
 
@@ -214,3 +215,43 @@ def test_every_run_of_every_shipped_bench_file_is_a_valid_config(path, quick):
             cfg.validate()
         except ValueError as exc:
             raise AssertionError(f"{path.name} run {run.name}: {exc}") from None
+
+
+def test_a_rerun_keeps_the_rows_of_runs_without_a_run_directory(tmp_path, capsys):
+    """`--only` on a fresh checkout: results.json is committed, runs/ is not. The other rows stay, paired again with
+    the baseline's stored seeds; a row whose run changed since, or a results.json of another mode, is not kept."""
+    runs = tmp_path / "runs"
+    for name, losses in (("allreduce", [4.0, 4.2]), ("diloco", [4.2, 4.3]), ("dilocox", [4.4, 4.41])):
+        for seed, loss in enumerate(losses):
+            run_dir = runs / (name if seed == 0 else f"{name}.seed{seed}")
+            run_dir.mkdir(parents=True)
+            seeded(loss, seed).write(run_dir)
+            (run_dir / METRICS_FILE).write_text(json.dumps({"step": 10, "tokens": 1000, "elapsed_s": 1.0,
+                                                            "eval_loss": loss}) + "\n")  # fmt: skip
+    path = tmp_path / "b.toml"
+    runs_toml = "".join(f"[[runs]]\nname = '{n}'\noverrides = ['--train.lr=1e-3']\n" for n in ("allreduce", "diloco"))
+    path.write_text(f"[bench]\nbase = 'x.toml'\n{runs_toml}[[runs]]\nname = 'dilocox'\n")
+    spec = load_bench(path)
+    first = collect(spec, tmp_path, ["allreduce", "diloco", "dilocox"])
+    write_results({**first, "quick": False}, tmp_path)
+    for name in ("allreduce", "diloco", "dilocox.seed1"):  # a fresh checkout: only dilocox's seed 0 was re-run
+        shutil.rmtree(runs / name)
+    shutil.rmtree(runs / "allreduce.seed1")
+    shutil.rmtree(runs / "diloco.seed1")
+    kept = kept_rows(spec, tmp_path, quick=False, exclude=["dilocox"])
+    assert sorted(kept) == ["allreduce", "diloco"]
+    results = collect(spec, tmp_path, ["dilocox"], kept)
+    assert [r["name"] for r in results["runs"]] == ["allreduce", "diloco", "dilocox"]  # the bench file's order
+    by_name = {r["name"]: r for r in results["runs"]}
+    assert by_name["diloco"]["gap_to_baseline_pct"] == pytest.approx(first["runs"][1]["gap_to_baseline_pct"])
+    assert by_name["diloco"]["num_seeds"] == 2 and by_name["allreduce"]["gap_to_baseline_pct"] == 0
+    assert by_name["dilocox"]["num_seeds"] == 1  # paired with the stored baseline's seed 0
+    assert by_name["dilocox"]["gap_to_baseline_pct"] == pytest.approx(10.0)
+    write_results({**results, "quick": False}, tmp_path)  # plots the kept rows from their stored curves
+    assert [r["name"] for r in json.loads((tmp_path / "results.json").read_text())["runs"]] == list(by_name)
+    assert (tmp_path / "loss_vs_tokens.png").stat().st_size > 1000
+    assert kept_rows(spec, tmp_path, quick=True, exclude=[]) == {}  # written without --quick
+    assert "another bench, mode or common overrides" in capsys.readouterr().err
+    path.write_text(f"[bench]\nbase = 'x.toml'\n{runs_toml.replace('1e-3', '2e-3', 1)}[[runs]]\nname = 'dilocox'\n")
+    assert sorted(kept_rows(load_bench(path), tmp_path, quick=False, exclude=[])) == ["diloco", "dilocox"]
+    assert "run allreduce changed since" in capsys.readouterr().err

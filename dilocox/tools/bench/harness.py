@@ -16,7 +16,7 @@ from typing import Any
 
 from dilocox.config import load_config
 from dilocox.tools.bench.paper_regime import run_paper_regime
-from dilocox.tools.bench.results import collect, write_results
+from dilocox.tools.bench.results import collect, kept_rows, write_results
 from dilocox.tools.bench.runs import has_summary, train_seeds
 from dilocox.tools.bench.spec import REGIMES, load_bench
 from dilocox.tools.bench.table import format_table
@@ -56,7 +56,8 @@ def run_bench(
         for index, run in enumerate(selected, 1):
             train_seeds(spec, run, out_dir / "runs", out_dir, quick=quick, seeds=seeds, base_seed=base_seed,
                         tag=f"[{index}/{len(selected)}]")  # fmt: skip
-        results = collect(spec, out_dir, [r.name for r in spec.runs if has_summary(out_dir / "runs" / r.name)])
+        on_disk = [r.name for r in spec.runs if has_summary(out_dir / "runs" / r.name)]
+        results = collect(spec, out_dir, on_disk, kept_rows(spec, out_dir, quick=quick, exclude=on_disk))
         results["quick"] = quick
     write_results(results, out_dir)
     print(format_table(results))

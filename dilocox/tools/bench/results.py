@@ -4,6 +4,10 @@ Rows come from each run directory's summary.json and metrics.jsonl; `write_resul
 
     results = collect(spec, out_dir, ["allreduce", "dilocox"])
     write_results(results, out_dir)          # results.json, results.md and the plots
+
+Run directories (`OUT/runs/`) are not committed, results.json is: a bench re-run with `--only` on a fresh checkout
+keeps the rows of the other runs from the results.json already in OUT (`kept_rows`), so adding one run to a
+committed table does not drop the rest.
 """
 
 from __future__ import annotations
@@ -12,15 +16,18 @@ import dataclasses
 import datetime
 import json
 import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dilocox.fileio import write_atomic
-from dilocox.metrics import RunSummary, read_metrics
+from dilocox.metrics import METRICS_FILE, RunSummary, read_metrics
 from dilocox.tools.bench.runs import PROCESS_FILE, finished_seeds, seed_run_dir
 from dilocox.tools.bench.spec import BenchSpec
 from dilocox.tools.bench.table import format_table
-from dilocox.tools.plot import load_run, plot_runs, plot_seed_spread, plot_throughput
+from dilocox.tools.plot import RunCurves, load_run, plot_runs, plot_seed_spread, plot_throughput
 
 
 def _curve(run_dir: Path) -> list[dict[str, float]]:
@@ -32,10 +39,59 @@ def _curve(run_dir: Path) -> list[dict[str, float]]:
     ]
 
 
-def collect(spec: BenchSpec, out_dir: Path, names: list[str]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class SeedResult:
+    """What a gap needs of one seed of a run (`RunSummary` has the same fields): for rows kept from results.json."""
+
+    run_seed: int
+    final_eval_loss: float
+    tokens_per_s: float
+
+
+def _seed_results(row: dict[str, Any]) -> list[SeedResult]:
+    """A results.json row's seeds (every seed gets the row's mean throughput, which is all a comparison uses)."""
+    return [SeedResult(s["run_seed"], s["final_eval_loss"], row["tokens_per_s"]) for s in row["seeds"]]
+
+
+def kept_rows(spec: BenchSpec, out_dir: Path, *, quick: bool, exclude: list[str]) -> dict[str, dict[str, Any]]:
+    """The rows of `out_dir/results.json` a re-run keeps, by run name: runs of this bench not in `exclude` (those
+    with a run directory), written in the same mode (`--quick` or not) with the same common and run overrides.
+    A row whose settings changed since is dropped with a one-line notice; so is a results.json of another bench."""
+    path = out_dir / "results.json"
+    if not path.is_file():
+        return {}
+    try:
+        previous = json.loads(path.read_text())
+        written = (previous["bench"], previous["common_overrides"], bool(previous.get("quick")))
+        rows = {row["name"]: row for row in previous["runs"]}
+    except (ValueError, KeyError, TypeError) as err:
+        print(f"note: {path} is not a bench's results ({err}); its rows are not kept", file=sys.stderr)
+        return {}
+    if written != (spec.name, spec.overrides, quick):
+        print(f"note: {path} holds another bench, mode or common overrides; its rows are not kept", file=sys.stderr)
+        return {}
+    kept = {}
+    for run in spec.runs:
+        row = rows.get(run.name)
+        if row is None or run.name in exclude:
+            continue
+        if row.get("overrides") != run.overrides or "seeds" not in row:
+            print(f"note: run {run.name} changed since {path} was written; its old row is dropped", file=sys.stderr)
+            continue
+        kept[run.name] = {**row, "label": run.label or run.name}
+    return kept
+
+
+def collect(
+    spec: BenchSpec, out_dir: Path, names: list[str], kept: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """Per-run rows (from each run's summary.json and metrics.jsonl, every finished seed) with the comparisons to
-    the baseline: means over seeds, their spread, and gaps paired seed by seed (docs/design.md §8)."""
+    the baseline: means over seeds, their spread, and gaps paired seed by seed (docs/design.md §8).
+
+    `kept` (from `kept_rows`): rows of runs without a run directory, taken as they were written except for their
+    gaps, which are paired again with the baseline of this table; rows follow the bench file's order."""
     runs_dir = out_dir / "runs"
+    kept = {name: row for name, row in (kept or {}).items() if name not in names}
     rows, summaries = [], {}
     for name in names:
         seeds = finished_seeds(runs_dir, name)
@@ -60,8 +116,15 @@ def collect(spec: BenchSpec, out_dir: Path, names: list[str]) -> dict[str, Any]:
                 ],
             }
         )
+    baseline = summaries.get(spec.baseline) or (_seed_results(kept[spec.baseline]) if spec.baseline in kept else None)
     for row in rows:
-        row.update(compare(summaries[row["name"]], summaries.get(spec.baseline)))
+        row.update(compare(summaries[row["name"]], baseline))
+    for row in kept.values():
+        row = dict(row)
+        row.update(paired_gaps(_seed_results(row), baseline, row["tokens_per_s"]))
+        rows.append(row)
+    order = [run.name for run in spec.runs]
+    rows.sort(key=lambda row: order.index(row["name"]))
     return {
         "bench": spec.name,
         "source": str(spec.source),
@@ -86,7 +149,9 @@ def _sd(values: list[float]) -> float | None:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
-def compare(runs: RunSummary | list[RunSummary], baseline: RunSummary | list[RunSummary] | None) -> dict[str, Any]:
+def compare(
+    runs: RunSummary | list[RunSummary], baseline: RunSummary | Sequence[RunSummary | SeedResult] | None
+) -> dict[str, Any]:
     """The table's derived columns for one run: means over its seeds, the spread of its eval loss, and its gap to
     the baseline paired seed by seed (seed k against the baseline's seed k, which shares its initial weights and
     data order), with the gap's spread over those pairs.
@@ -107,36 +172,51 @@ def compare(runs: RunSummary | list[RunSummary], baseline: RunSummary | list[Run
         "compression_vs_allreduce": runs[0].allreduce_equiv_bytes / wan if wan else math.inf,
         "hidden_comm_fraction": _mean(hidden) if hidden else None,
         "wall_s": _mean([s.wall_s for s in runs]),
-        "gap_to_baseline_pct": None,
-        "gap_sd_pct": None,
-        "gap_range_pct": None,
-        "gap_resolved": False,
-        "speedup_vs_baseline": None,
     }
-    if base:
-        by_seed = {b.run_seed: b for b in base}
-        pairs = [(s, by_seed[s.run_seed]) for s in runs if s.run_seed in by_seed] or [(runs[0], base[0])]
-        gaps = [100.0 * (s.final_eval_loss - b.final_eval_loss) / b.final_eval_loss for s, b in pairs]
-        sd = _sd(gaps)
-        mean = _mean(gaps)
-        out.update(
-            gap_to_baseline_pct=mean,
-            gap_sd_pct=sd,
-            gap_range_pct=[min(gaps), max(gaps)],
-            gap_resolved=sd is not None and (min(gaps) > 0 or max(gaps) < 0) and abs(mean) > sd,
-            speedup_vs_baseline=out["tokens_per_s"] / _mean([b.tokens_per_s for b in base]),
-        )
+    out.update(paired_gaps(runs, base, out["tokens_per_s"]))
     return out
+
+
+def paired_gaps(runs: Sequence[SeedResult | RunSummary], base: Sequence[SeedResult | RunSummary] | None,
+                tokens_per_s: float) -> dict[str, Any]:  # fmt: skip
+    """The gap columns of `compare`: seed k against the baseline's seed k (the first of each when no seed pairs),
+    their mean, spread and range, whether that resolves, and the speedup of `tokens_per_s` over the baseline's."""
+    if not base:
+        return {"gap_to_baseline_pct": None, "gap_sd_pct": None, "gap_range_pct": None, "gap_resolved": False,
+                "speedup_vs_baseline": None}  # fmt: skip
+    by_seed = {b.run_seed: b for b in base}
+    pairs = [(s, by_seed[s.run_seed]) for s in runs if s.run_seed in by_seed] or [(runs[0], base[0])]
+    gaps = [100.0 * (s.final_eval_loss - b.final_eval_loss) / b.final_eval_loss for s, b in pairs]
+    sd = _sd(gaps)
+    mean = _mean(gaps)
+    return {
+        "gap_to_baseline_pct": mean,
+        "gap_sd_pct": sd,
+        "gap_range_pct": [min(gaps), max(gaps)],
+        "gap_resolved": sd is not None and (min(gaps) > 0 or max(gaps) < 0) and abs(mean) > sd,
+        "speedup_vs_baseline": tokens_per_s / _mean([b.tokens_per_s for b in base]),
+    }
 
 
 def write_results(results: dict[str, Any], out_dir: Path) -> None:
     """`results.json`, `results.md` (the table) and the plots of `dilocox plot` for the bench's runs (their curves
-    from `OUT/runs/NAME`, the throughput bars from the table), into `out_dir`."""
+    from `OUT/runs/NAME`, the throughput bars from the table), into `out_dir`. A row kept from an earlier
+    results.json, without its run directory, plots the eval-loss curve it stored and is absent from the other
+    panels."""
     write_atomic(out_dir / "results.json", json.dumps(results, indent=2).encode())
     write_atomic(out_dir / "results.md", format_table(results).encode())
     rows = results["runs"]
-    plot_runs([load_run(out_dir / "runs" / row["name"], row["label"]) for row in rows], out_dir, title=results["bench"])
+    plot_runs([_curves(out_dir / "runs" / row["name"], row) for row in rows], out_dir, title=results["bench"])
     plot_throughput([row["label"] for row in rows], [row["tokens_per_s"] for row in rows], out_dir / "throughput.png",
                     title=results["bench"])  # fmt: skip
     if any(row.get("num_seeds", 1) > 1 for row in rows):
         plot_seed_spread(rows, out_dir / "loss_vs_tokens_seeds.png", title=results["bench"])
+
+
+def _curves(run_dir: Path, row: dict[str, Any]) -> RunCurves:
+    """The run's metrics.jsonl when its directory is here, else the evaluations its row stored."""
+    return (
+        load_run(run_dir, row["label"])
+        if (run_dir / METRICS_FILE).is_file()
+        else RunCurves(row["label"], run_dir, row["curve"])
+    )
