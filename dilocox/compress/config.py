@@ -14,9 +14,6 @@ from dataclasses import dataclass
 
 from dilocox.checks import check_choice, check_fraction, check_positive, check_types
 
-MAX_CHUNK = 1 << 16
-"""The largest `compression.chunk_size`: topk_int4 sends positions inside a chunk as uint16."""
-
 CODEC_KINDS = ("none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive", "topk_int4")
 """Every `compression.kind`; `none` sends fp32 (the uncompressed outer sync)."""
 FACTOR_DTYPES = ("fp32", "fp16", "bf16")
@@ -83,7 +80,7 @@ class CompressionConfig:
     density: float = 0.075
     """topk_int4: share of each chunk's values sent (its largest in magnitude, int4), with their positions."""
     chunk_size: int = 4096
-    """topk_int4: values per chunk, each keeping its own top share; positions take 12 bits up to 4096, else 16."""
+    """topk_int4: values per chunk, each keeping its own top share (positions: about 2 + log2(1 / density) bits)."""
     reduction: str = "gather"
     """Averaging of payloads: gather ((C-1) x payload per rank, any codec) or scalable (~2 x payload; not adaptive)."""
 
@@ -95,11 +92,6 @@ class CompressionConfig:
         check_positive("compression", self, "ramp_rounds", "chunk_size")
         check_fraction("compression.feedback_decay", self.feedback_decay, low=0.0, high=1.0, fix="1 keeps it whole")
         check_fraction("compression.density", self.density, low=0.0, high=1.0, fix="e.g. 0.075 of every chunk's values")
-        if self.chunk_size > MAX_CHUNK:
-            raise ValueError(
-                f"compression.chunk_size = {self.chunk_size} must be <= {MAX_CHUNK}: positions inside a chunk are "
-                "sent as uint16"
-            )
         check_choice("compression.factor_dtype", self.factor_dtype, FACTOR_DTYPES)
         check_choice("compression.small_tensors", self.small_tensors, SMALL_TENSOR_MODES)
         check_choice("compression.schedule", self.schedule, SCHEDULES)

@@ -19,6 +19,7 @@ from dilocox.compress import (
     build_codec,
     compression_ratio,
     decode_int4,
+    elias_fano,
     encode_int4,
     factorize,
     int4_nbytes,
@@ -81,8 +82,11 @@ def hand_nbytes(
     if kind == "topk_int4":
         chunks = [chunk_size] * (numel // chunk_size) + ([numel % chunk_size] if numel % chunk_size else [])
         kept = [min(length, max(1, round(density * length))) for length in chunks]
-        positions = 3 * math.ceil(sum(kept) / 2) if chunk_size <= 4096 else 2 * sum(kept)  # 12 bits or uint16 each
-        return positions + sum(int4_size(count) for count in kept)
+        # Elias-Fano: l = floor(log2(L / k)) low bits per position, then a bitmap of k + ((L - 1) >> l) + 1 bits
+        pairs = list(zip(chunks, kept, strict=True))
+        low = [math.floor(math.log2(length / count)) if 2 * count <= length else 0 for length, count in pairs]
+        bits = sum(k * w + k + ((length - 1) >> w) + 1 for (length, k), w in zip(pairs, low, strict=True))
+        return math.ceil(bits / 8) + sum(int4_size(count) for count in kept)
     if kind == "none":
         return 4 * numel
     if kind in ("fp16", "bf16"):
@@ -323,8 +327,8 @@ def test_topk_keeps_the_largest_of_every_chunk_and_nothing_else():
         assert float((got[largest] - chunk[largest]).abs().max()) <= half_scale, start
 
 
-@pytest.mark.parametrize("chunk_size", [4000, 5000])  # positions in 12 bits; as uint16
-def test_topk_positions_round_trip_in_both_layouts(chunk_size):
+@pytest.mark.parametrize("chunk_size", [4000, 5000, 100_000])  # a last chunk of 2000 / 0 / all 10,000 values
+def test_topk_positions_round_trip_for_any_chunk_size(chunk_size):
     codec = build_codec("topk_int4", density=0.05, chunk_size=chunk_size)
     values = randn(100, 100, seed=8)
     decoded = codec.decode(codec.encode(values), values.shape).reshape(-1)
@@ -335,13 +339,41 @@ def test_topk_positions_round_trip_in_both_layouts(chunk_size):
         assert set(torch.nonzero(decoded[start : start + chunk_size]).reshape(-1).tolist()) == set(largest.tolist())
 
 
-def test_topk_at_density_one_is_int4_of_every_value_in_order_of_magnitude():
+@pytest.mark.parametrize("universe, count", [(4096, 307), (4096, 1), (4096, 4096), (4096, 2049), (7, 3), (1, 1)])
+def test_elias_fano_round_trips_and_takes_its_bits(universe, count):
+    """Every chunk's code is exactly nbits long; sets at the edges (the first and last positions, every position,
+    a single one) come back; 307 of 4096 take 5.7 bits each, under half of a 12-bit position."""
+    generator = torch.Generator().manual_seed(universe + count)
+    rows = 5
+    positions = torch.stack([torch.randperm(universe, generator=generator)[:count].sort().values for _ in range(rows)])
+    positions[0, 0], positions[-1, -1] = 0, universe - 1  # both ends of the range
+    positions = positions.sort(dim=1).values.unique_consecutive(dim=1) if count > 1 else positions
+    bits = elias_fano.encode(positions, universe=universe)
+    assert bits.numel() == rows * elias_fano.nbits(universe, count)
+    data = elias_fano.pack_bits(bits)
+    assert data.numel() == math.ceil(bits.numel() / 8)
+    decoded = elias_fano.decode(elias_fano.unpack_bits(data, bits.numel()), rows, universe=universe, count=count)
+    assert torch.equal(decoded, positions)
+    if (universe, count) == (4096, 307):
+        assert elias_fano.nbits(universe, count) / count == pytest.approx(5.67, abs=0.01)
+
+
+def test_elias_fano_rejects_codes_no_sorted_positions_give():
+    positions = torch.tensor([[1, 5, 6]])
+    bits = elias_fano.encode(positions, universe=16)  # l = 2: 6 low bits, then 3 + 4 high bits
+    extra = bits.clone()
+    extra[6] = 1 - extra[6]  # one set bit too many or too few in the high part
+    with pytest.raises(ValueError, match="does not hold 3 positions"):
+        elias_fano.decode(extra, 1, universe=16, count=3)
+    swapped = elias_fano.encode(torch.tensor([[1, 6, 5]]), universe=16)  # not ascending: 6 then 5 in one bucket
+    with pytest.raises(ValueError, match="out of order"):
+        elias_fano.decode(swapped, 1, universe=16, count=3)
+
+
+def test_topk_at_density_one_is_int4_of_every_value_in_order():
     codec = build_codec("topk_int4", density=1.0, chunk_size=16, group_size=16)
     values = randn(16, seed=6)
-    order = values.abs().argsort(descending=True)
-    expected = torch.empty(16)
-    expected[order] = decode_int4(encode_int4(values[order], 16), 16, 16)
-    assert torch.equal(codec.decode(codec.encode(values), (16,)), expected)
+    assert torch.equal(codec.decode(codec.encode(values), (16,)), decode_int4(encode_int4(values, 16), 16, 16))
 
 
 def test_topk_error_feedback_sends_a_constant_pseudo_gradient_in_full_over_rounds():
@@ -360,12 +392,13 @@ def test_topk_error_feedback_sends_a_constant_pseudo_gradient_in_full_over_round
     assert relative_error(codec.decode(codec.encode(value), value.shape), value) > 0.5
 
 
-def test_topk_rejects_a_position_outside_its_chunk_and_state_of_other_settings():
+def test_topk_rejects_a_corrupt_position_code_and_state_of_other_settings():
     codec = build_codec("topk_int4", density=0.25, chunk_size=8)
-    payload = codec.encode(randn(12))  # chunks of 8 and 4 keep 2 and 1: 3 positions of 12 bits in bytes 0-5
+    # chunks of 8 and 4 keep 2 and 1: codes of 2 x 2 + 2 + 2 bits (byte 0) and 2 + 1 + 1 bits (byte 1, bits 0-3)
+    payload = codec.encode(randn(12))
     corrupted = payload.data.clone()
-    corrupted[3], corrupted[4] = 5, 0  # the third position (the last chunk's, which holds 4 values) is 5
-    with pytest.raises(ValueError, match="position 5 in a chunk of 4 values"):
+    corrupted[1] = 0b1100  # the last chunk's bitmap (bits 2-3) sets two bits where it keeps one position
+    with pytest.raises(ValueError, match="does not hold 1 positions per chunk of 4"):
         codec.decode_list(Payload(corrupted), [(12,)])
     with pytest.raises(ValueError, match="density, chunk_size"):
         build_codec("topk_int4", density=0.5, chunk_size=8).load_state_dict(codec.state_dict())
@@ -670,7 +703,6 @@ def test_payloads_of_different_sizes_are_walked_in_a_concatenation():
         ("topk_int4", {"density": 0.0}, "compression.density"),
         ("topk_int4", {"density": 1.5}, "compression.density"),
         ("topk_int4", {"chunk_size": 0}, "compression.chunk_size"),
-        ("topk_int4", {"chunk_size": 70000}, "compression.chunk_size"),
     ],
 )
 def test_bad_options_raise_value_error_naming_the_field(kind, options, field):
