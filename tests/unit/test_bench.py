@@ -162,6 +162,17 @@ def seeded(loss, seed, tps=100.0) -> RunSummary:
     return dataclasses.replace(summary(loss, tps, 80, 8000), run_seed=seed)
 
 
+def write_seeded_runs(runs: Path, losses: dict[str, list[float]]) -> None:
+    """Run directories as `dilocox bench --seeds N` leaves them: NAME, NAME.seed1, ..., one evaluation each."""
+    for name, by_seed in losses.items():
+        for seed, loss in enumerate(by_seed):
+            run_dir = runs / (name if seed == 0 else f"{name}.seed{seed}")
+            run_dir.mkdir(parents=True)
+            seeded(loss, seed).write(run_dir)
+            (run_dir / METRICS_FILE).write_text(json.dumps({"step": 10, "tokens": 1000, "elapsed_s": 1.0,
+                                                            "eval_loss": loss}) + "\n")  # fmt: skip
+
+
 def test_seeds_give_means_spreads_and_paired_gaps():
     base = [seeded(4.0, 0), seeded(4.2, 1), seeded(3.8, 2)]
     # +1%, +2%, +3% against the baseline's own seeds: resolved although the losses spread by 5%
@@ -184,13 +195,7 @@ def test_seeds_give_means_spreads_and_paired_gaps():
 
 def test_collect_reads_every_seed_and_the_table_shows_the_spread(tmp_path):
     runs = tmp_path / "runs"
-    for name, losses in (("allreduce", [4.0, 4.2]), ("dilocox", [4.4, 4.41])):
-        for seed, loss in enumerate(losses):
-            run_dir = runs / (name if seed == 0 else f"{name}.seed{seed}")
-            run_dir.mkdir(parents=True)
-            seeded(loss, seed).write(run_dir)
-            (run_dir / METRICS_FILE).write_text(json.dumps({"step": 10, "tokens": 1000, "elapsed_s": 1.0,
-                                                            "eval_loss": loss}) + "\n")  # fmt: skip
+    write_seeded_runs(runs, {"allreduce": [4.0, 4.2], "dilocox": [4.4, 4.41]})
     path = tmp_path / "b.toml"
     path.write_text("[bench]\nbase = 'x.toml'\n[[runs]]\nname = 'allreduce'\n[[runs]]\nname = 'dilocox'\n")
     results = collect(load_bench(path), tmp_path, ["allreduce", "dilocox"])
@@ -221,13 +226,7 @@ def test_a_rerun_keeps_the_rows_of_runs_without_a_run_directory(tmp_path, capsys
     """`--only` on a fresh checkout: results.json is committed, runs/ is not. The other rows stay, paired again with
     the baseline's stored seeds; a row whose run changed since, or a results.json of another mode, is not kept."""
     runs = tmp_path / "runs"
-    for name, losses in (("allreduce", [4.0, 4.2]), ("diloco", [4.2, 4.3]), ("dilocox", [4.4, 4.41])):
-        for seed, loss in enumerate(losses):
-            run_dir = runs / (name if seed == 0 else f"{name}.seed{seed}")
-            run_dir.mkdir(parents=True)
-            seeded(loss, seed).write(run_dir)
-            (run_dir / METRICS_FILE).write_text(json.dumps({"step": 10, "tokens": 1000, "elapsed_s": 1.0,
-                                                            "eval_loss": loss}) + "\n")  # fmt: skip
+    write_seeded_runs(runs, {"allreduce": [4.0, 4.2], "diloco": [4.2, 4.3], "dilocox": [4.4, 4.41]})
     path = tmp_path / "b.toml"
     runs_toml = "".join(f"[[runs]]\nname = '{n}'\noverrides = ['--train.lr=1e-3']\n" for n in ("allreduce", "diloco"))
     path.write_text(f"[bench]\nbase = 'x.toml'\n{runs_toml}[[runs]]\nname = 'dilocox'\n")
