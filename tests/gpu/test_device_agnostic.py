@@ -32,6 +32,19 @@ def test_elementwise_codecs_send_the_same_bytes_on_gpu(kind):
         assert a.is_cuda and torch.equal(a.cpu(), b)
 
 
+def test_topk_sends_the_same_bytes_on_gpu():
+    """Top-k picks the same values on both devices (random inputs have no ties), and its Elias-Fano positions and
+    int4 values are exact integer and elementwise arithmetic."""
+    cpu, gpu = (
+        build_codec("topk_int4", density=0.1, chunk_size=64),
+        build_codec("topk_int4", density=0.1, chunk_size=64),
+    )
+    on_cpu, on_gpu = cpu.encode_list(tensors("cpu")), gpu.encode_list(tensors("cuda"))
+    assert on_gpu.data.is_cuda and torch.equal(on_gpu.data.cpu(), on_cpu.data)
+    for a, b in zip(gpu.decode_list(on_gpu, SHAPES), cpu.decode_list(on_cpu, SHAPES), strict=True):
+        assert a.is_cuda and torch.equal(a.cpu(), b)
+
+
 @pytest.mark.parametrize("kind", ["lowrank", "lowrank_int4", "adaptive"])
 def test_lowrank_codecs_agree_on_gpu(kind):
     cpu, gpu = build_codec(kind, rank=4), build_codec(kind, rank=4)
