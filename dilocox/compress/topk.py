@@ -71,10 +71,18 @@ class TopKCodec(Codec):
         full, last = divmod(numel, self.chunk_size)
         return [self.chunk_size] * full + ([last] if last else [])
 
+    def chunk_groups(self, numel: int) -> list[tuple[int, int]]:
+        """The chunks of a tensor of `numel` values as (rows, L) groups of equal length: the full ones, the last."""
+        full, last = divmod(numel, self.chunk_size)
+        return ([(full, self.chunk_size)] if full else []) + ([(1, last)] if last else [])
+
+    def position_bits(self, numel: int) -> int:
+        """Bits of the positions of a tensor of `numel` values: its chunks' Elias-Fano codes."""
+        return sum(rows * elias_fano.nbits(length, self.kept(length)) for rows, length in self.chunk_groups(numel))
+
     def position_nbytes(self, numel: int) -> int:
-        """Bytes of the positions of a tensor of `numel` values: its chunks' Elias-Fano codes, padded to a byte."""
-        bits = sum(elias_fano.nbits(length, self.kept(length)) for length in self.chunk_lengths(numel))
-        return -(-bits // 8)
+        """Bytes of the positions of a tensor of `numel` values: `position_bits`, padded to a whole byte."""
+        return -(-self.position_bits(numel) // 8)
 
     def expected_nbytes(self, shape: Shape) -> int:
         numel = numel_of(shape)
@@ -83,19 +91,14 @@ class TopKCodec(Codec):
 
     # encoding -----------------------------------------------------------------------------------------------------
 
-    def _parts(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """A flat tensor as its chunks: (floor(n / c), c) full ones, then (1, n % c) for the rest, if any."""
-        full, last = divmod(flat.numel(), self.chunk_size)
-        parts = [flat[: full * self.chunk_size].view(full, self.chunk_size)] if full else []
-        return parts + ([flat[full * self.chunk_size :].view(1, last)] if last else [])
-
     def _encode_values(self, values: list[torch.Tensor], first_slot: int) -> list[torch.Tensor]:
         positions: list[torch.Tensor] = []
         runs: list[torch.Tensor] = []
         for value in values:
             bits: list[torch.Tensor] = []
-            for chunks in self._parts(value.reshape(-1)):  # (rows, L)
-                length = chunks.shape[1]
+            groups = self.chunk_groups(value.numel())
+            for chunks, (rows, length) in zip(value.reshape(-1).split([r * n for r, n in groups]), groups, strict=True):
+                chunks = chunks.view(rows, length)
                 index = torch.topk(chunks.abs(), self.kept(length), dim=1, sorted=False).indices.sort(dim=1).values
                 bits.append(elias_fano.encode(index, universe=length))
                 runs.extend(chunks.gather(1, index).unbind(0))  # one (k,) run per chunk, in order of position
@@ -136,14 +139,8 @@ class TopKCodec(Codec):
 
     def _read_positions(self, reader: ByteReader, numel: int) -> torch.Tensor:
         """One tensor's positions, chunk by chunk: its next `position_nbytes(numel)` bytes -> (K,) int64."""
-        lengths = self.chunk_lengths(numel)
-        bits = elias_fano.unpack_bits(
-            reader.take(self.position_nbytes(numel)),
-            sum(elias_fano.nbits(length, self.kept(length)) for length in lengths),
-        )
-        full, last = divmod(numel, self.chunk_size)
-        groups = [(full, self.chunk_size)] if full else []  # (rows, L): the full chunks, then the last
-        groups += [(1, last)] if last else []
+        bits = elias_fano.unpack_bits(reader.take(self.position_nbytes(numel)), self.position_bits(numel))
+        groups = self.chunk_groups(numel)
         sizes = [rows * elias_fano.nbits(length, self.kept(length)) for rows, length in groups]
         return torch.cat(
             [
