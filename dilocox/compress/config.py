@@ -75,8 +75,8 @@ class CompressionConfig:
     """adaptive: per_matrix (own energy each), budget (pooled energy, fewest values) or one rank: pooled, mean, max."""
     spectrum_of: str = "pseudo_grad"
     """adaptive: the rank keeps energy of the pseudo_grad's own spectrum, or of codec_input (plus the residual)."""
-    # 0.075 with compression.feedback_decay = 0.9: 1/525 of AllReduce's bytes on the gap protocol
-    # (benchmarks/results/eager_adaptive/, docs/design.md §4.1)
+    # 0.075 with compression.feedback_decay = 0.9: 1/43 of fp32 per round; at H = 12 on the gap protocol 1/515 of
+    # AllReduce's bytes and +4.32 +- 0.10% from its loss (benchmarks/results/eager_adaptive/, docs/design.md §4.1)
     density: float = 0.075
     """topk_int4: share of each chunk's values sent (its largest in magnitude, int4), with their positions."""
     chunk_size: int = 4096
