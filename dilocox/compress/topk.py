@@ -66,23 +66,22 @@ class TopKCodec(Codec):
         """How many values a chunk of `length` keeps: min(length, max(1, round(density * length))); 0 when empty."""
         return 0 if length == 0 else min(length, max(1, round(self.density * length)))
 
-    def chunk_lengths(self, numel: int) -> list[int]:
-        """The lengths of the chunks of a tensor of `numel` values, in order."""
-        full, last = divmod(numel, self.chunk_size)
-        return [self.chunk_size] * full + ([last] if last else [])
-
     def chunk_groups(self, numel: int) -> list[tuple[int, int]]:
         """The chunks of a tensor of `numel` values as (rows, L) groups of equal length: the full ones, the last."""
         full, last = divmod(numel, self.chunk_size)
         return ([(full, self.chunk_size)] if full else []) + ([(1, last)] if last else [])
 
-    def position_bits(self, numel: int) -> int:
-        """Bits of the positions of a tensor of `numel` values: its chunks' Elias-Fano codes."""
-        return sum(rows * elias_fano.nbits(length, self.kept(length)) for rows, length in self.chunk_groups(numel))
+    def chunk_lengths(self, numel: int) -> list[int]:
+        """The lengths of the chunks of a tensor of `numel` values, in order."""
+        return [length for rows, length in self.chunk_groups(numel) for _ in range(rows)]
+
+    def _group_bits(self, groups: list[tuple[int, int]]) -> list[int]:
+        """Bits of the Elias-Fano codes of each (rows, L) group of `chunk_groups`."""
+        return [rows * elias_fano.nbits(length, self.kept(length)) for rows, length in groups]
 
     def position_nbytes(self, numel: int) -> int:
-        """Bytes of the positions of a tensor of `numel` values: `position_bits`, padded to a whole byte."""
-        return -(-self.position_bits(numel) // 8)
+        """Bytes of the positions of a tensor of `numel` values: its chunks' Elias-Fano codes, padded to a byte."""
+        return -(-sum(self._group_bits(self.chunk_groups(numel))) // 8)
 
     def expected_nbytes(self, shape: Shape) -> int:
         numel = numel_of(shape)
@@ -139,9 +138,9 @@ class TopKCodec(Codec):
 
     def _read_positions(self, reader: ByteReader, numel: int) -> torch.Tensor:
         """One tensor's positions, chunk by chunk: its next `position_nbytes(numel)` bytes -> (K,) int64."""
-        bits = elias_fano.unpack_bits(reader.take(self.position_nbytes(numel)), self.position_bits(numel))
         groups = self.chunk_groups(numel)
-        sizes = [rows * elias_fano.nbits(length, self.kept(length)) for rows, length in groups]
+        sizes = self._group_bits(groups)
+        bits = elias_fano.unpack_bits(reader.take(-(-sum(sizes) // 8)), sum(sizes))
         return torch.cat(
             [
                 elias_fano.decode(part, rows, universe=length, count=self.kept(length)).reshape(-1)

@@ -88,10 +88,11 @@ def collect(
     """Per-run rows (from each run's summary.json and metrics.jsonl, every finished seed) with the comparisons to
     the baseline: means over seeds, their spread, and gaps paired seed by seed (docs/design.md §8).
 
-    `kept` (from `kept_rows`): rows of runs without a run directory, taken as they were written except for their
-    gaps, which are paired again with the baseline of this table; rows follow the bench file's order."""
+    `kept` (from `kept_rows`, which leaves out `names`): rows of runs without a run directory, taken as they were
+    written except for their gaps, which are paired again with the baseline of this table; rows follow the bench
+    file's order."""
     runs_dir = out_dir / "runs"
-    kept = {name: row for name, row in (kept or {}).items() if name not in names}
+    kept = kept or {}
     rows, summaries = [], {}
     for name in names:
         seeds = finished_seeds(runs_dir, name)
