@@ -165,15 +165,11 @@ class DiLoCoSync:
         start (the true average replaces the estimate the merge rule started from, as at a boundary), and the round
         start becomes phi, so this round's pseudo-gradient is still all of its own progress."""
         due, self.pending = self.pending, None
-        round_index = self.outer_step  # the round that launched it, which ended at the last boundary
-        avg, stats = self.wait_sync(due, round_steps=step - self.last_boundary, round_index=round_index)
-        self._set_outer_lr(self.outer_step - 1)
-        if not stats.skipped:
-            self.apply(avg)
-        if self._left_out(stats, due):
+        stats, left_out = self._apply_due(due, step - self.last_boundary)
+        if left_out:
             self.reducer.heal()
             if self.cfg.guard:
-                self._heal(round_index, "the others left its update out")
+                self._heal(self.outer_step, "the others left its update out")
             theta = self.outer_params
         else:
             theta = self.flat.gather_data().to(self.state_device) + (self.outer_params - self.round_start)
@@ -211,11 +207,7 @@ class DiLoCoSync:
             due, self.pending = self.pending, None
             own_left_out = False
             if due is not None:
-                avg, stats = self.wait_sync(due, round_steps=round_steps, round_index=round_index - 1)
-                self._set_outer_lr(self.outer_step - 1)  # the average of the round before this one
-                if not stats.skipped:  # the guard found no usable mean: phi and its momentum stay
-                    self.apply(avg)
-                own_left_out = self._left_out(stats, due)
+                stats, own_left_out = self._apply_due(due, round_steps)
                 if self.cfg.fit_link:
                     self._fit_inner_steps(stats, round_steps)
             heal = own_bad or own_left_out
@@ -235,6 +227,15 @@ class DiLoCoSync:
         self.outer_step += 1
         self.last_boundary, self.round_end = step, step + self.inner_steps
         return stats
+
+    def _apply_due(self, due: PendingMean, round_steps: int) -> tuple[RoundStats, bool]:
+        """Wait for the delayed sync of round `outer_step` (the one that ended at the last boundary) and take its
+        outer step; returns its stats and whether the others left this cluster's update out."""
+        avg, stats = self.wait_sync(due, round_steps=round_steps, round_index=self.outer_step)
+        self._set_outer_lr(self.outer_step - 1)  # the average of the round before this one
+        if not stats.skipped:  # the guard found no usable mean: phi and its momentum stay
+            self.apply(avg)
+        return stats, self._left_out(stats, due)
 
     def _launch(self, pseudo_grad: torch.Tensor, own_bad: bool, round_index: int) -> PendingMean:
         """Launch this round's sync: abstain if the guard found the update non-finite; `faults` may lie."""
