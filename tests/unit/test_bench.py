@@ -80,6 +80,9 @@ def test_bench_file_errors(tmp_path):
 def test_paper_regime_windows_and_steady_throughput():
     assert window_steps("allreduce", 50) == 2 and window_steps("cocktail", 50) == 2
     assert window_steps("dilocox", 50) == 101  # the round (50, 100] and the flushing last step
+    assert window_steps("dilocox", 48) == 97 and window_steps("diloco", 49) == 99  # one round spans 48 steps
+    assert window_steps("dilocox", 12) == 61  # the 4 rounds (12, 60] span 48 steps; then the flushing last step
+    assert window_steps("dilocox", 47) == 142  # 2 rounds: (47, 141]
     # outer loop, H = 2, 5 steps: the steady window is steps (2, 4]: 2 steps x 100 tokens in 7.0 - 3.0 s
     records = [{"step": s, "tokens": 100 * s, "elapsed_s": t} for s, t in ((1, 1.0), (2, 3.0), (3, 4.0), (4, 7.0),
                                                                           (5, 30.0))]  # fmt: skip

@@ -1,5 +1,5 @@
 """DiLoCoX's comparison in the paper's regime (docs/planner.md, "The paper regime"): convergence with the link
-off, throughput on a link as slow relative to compute as the paper's, over one steady round of short timed runs.
+off, throughput on a link as slow relative to compute as the paper's, over the steady rounds of short timed runs.
 
     results = run_paper_regime(spec, spec.runs, Path("benchmarks/results/paper"), quick=False)
 """
@@ -7,6 +7,7 @@ off, throughput on a link as slow relative to compute as the paper's, over one s
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,24 @@ def _is_per_step(kind: str) -> bool:
     return kind in ("allreduce", "cocktail")
 
 
-def window_steps(kind: str, inner_steps: int) -> int:
-    """Steps of a timed run in the paper regime: enough for one steady round before the last step.
+MIN_STEADY_STEPS = 48
+"""The fewest steps the steady window of an outer-loop run spans (whole rounds): one 12-step round of top-k timed
+99.1% and 92.5% of the no-communication throughput in two runs of one config on this shared 2-core machine."""
 
-    Per-step strategies: 2 steps (AllReduce's take minutes each there). Outer-loop strategies: 2H + 1, so that the
-    window (H, 2H] holds a whole round and the wait for the sync launched at step H, while the last step, which
-    flushes the delayed sync and evaluates, stays outside it."""
-    return 2 if _is_per_step(kind) else 2 * inner_steps + 1
+
+def steady_rounds(inner_steps: int) -> int:
+    """Whole rounds in the steady window of an outer-loop run: one, or as many as span `MIN_STEADY_STEPS`."""
+    return max(1, math.ceil(MIN_STEADY_STEPS / inner_steps))
+
+
+def window_steps(kind: str, inner_steps: int) -> int:
+    """Steps of a timed run in the paper regime: enough for the steady rounds before the last step.
+
+    Per-step strategies: 2 steps (AllReduce's take minutes each there). Outer-loop strategies: (R + 1) H + 1 with
+    R = `steady_rounds(H)` (2H + 1 from H = 48 on), so that the window (H, (R + 1) H] holds R whole rounds and the
+    waits for the syncs launched at their starts, while the first round (start-up, nothing to wait for) and the
+    last step, which flushes the delayed sync and evaluates, stay outside it."""
+    return 2 if _is_per_step(kind) else (steady_rounds(inner_steps) + 1) * inner_steps + 1
 
 
 def steady_tokens_per_s(metrics: list[dict[str, Any]], kind: str, inner_steps: int, steps: int) -> float:

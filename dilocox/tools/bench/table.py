@@ -117,6 +117,8 @@ def format_paper_table(results: dict[str, Any]) -> str:
                 hidden=_hidden_cell(hidden),
             )
         )
+    from dilocox.tools.bench.paper_regime import MIN_STEADY_STEPS  # here: paper_regime imports this module's users
+
     r = results["regime"]
     s = results["runs"][0]["summary"] if results["runs"] else {}
     quick = " (quick)" if results.get("quick") else ""
@@ -131,7 +133,8 @@ def format_paper_table(results: dict[str, Any]) -> str:
         "no-communication run), as AllReduce did in the paper (3,728 / 10.4 - 1).",
         "Eval loss, gaps and bytes come from the convergence runs with the link off; tokens/s, speedups and hidden "
         "communication (of the syncs waited for inside the window) from timed runs on that link (2 steps for "
-        "per-step strategies, 2H + 1 for outer-loop ones; tokens/s over the last whole round before the final step). "
+        "per-step strategies; for outer-loop ones the first round, then whole rounds spanning at least "
+        f"{MIN_STEADY_STEPS} steps, and the final step; tokens/s over those whole rounds). "
         "The no-communication row (every cluster alone) is timed on the same window as the outer-loop runs, with no "
         "sync inside it; its loss is from its link-off run.",
     ]
