@@ -117,7 +117,8 @@ def format_paper_table(results: dict[str, Any]) -> str:
                 hidden=_hidden_cell(hidden),
             )
         )
-    from dilocox.tools.bench.paper_regime import MIN_STEADY_STEPS  # here: paper_regime imports this module's users
+    # not at the top: paper_regime imports results, which imports this module
+    from dilocox.tools.bench.paper_regime import MIN_STEADY_STEPS
 
     r = results["regime"]
     s = results["runs"][0]["summary"] if results["runs"] else {}
