@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dilocox.config import load_config
+from dilocox.fileio import write_atomic
 from dilocox.metrics import RunSummary, read_metrics
 from dilocox.net.link import parse_duration
 from dilocox.tools.bench.planner import format_bandwidth, paper_regime_bandwidth, paper_regime_ratio
@@ -21,6 +22,9 @@ from dilocox.tools.bench.spec import BenchRun, BenchSpec, run_overrides
 
 NO_COMM_RUN = "no-communication"
 """The reference the paper regime adds: every cluster trains alone (one sync at the very end), link off."""
+WINDOW_FILE = "window_inner_steps.txt"
+"""In the no-communication run's timed directory: the H of the window it was timed on (without it, as before
+2026-11-24: 2H + 1 steps)."""
 LINK_OFF = ["--network.bandwidth=unlimited", "--network.latency=0"]
 """Overrides of the convergence runs: loss does not depend on the bandwidth, so they run without the link."""
 
@@ -145,8 +149,21 @@ def run_paper_regime(
             "--checkpoint.interval=0",
             "--metrics.log_interval=1",
         ]
+        if run is reference:  # its one sync at the very end of the window, even where that outlasts train.steps
+            extra.append(f"--sync.inner_steps={window}")
         run_dir, log = out_dir / "timed" / run.name, out_dir / f"{run.name}.timed.log"
         train_run(spec, run, run_dir, log, quick=quick, extra=extra, tag=f"[{index}/{total}] paper link:")
+    if outer:  # the window the compute-only reference was just timed on (its own H is the whole run)
+        write_atomic(out_dir / "timed" / NO_COMM_RUN / WINDOW_FILE, f"{outer[0]}\n".encode())
+    return collect_paper_regime(spec, out_dir, reference, regime, quick=quick)
+
+
+def collect_paper_regime(
+    spec: BenchSpec, out_dir: Path, reference: BenchRun, regime: dict[str, Any], *, quick: bool
+) -> dict[str, Any]:
+    """The paper regime's results from the runs on disk: convergence rows from `runs/`, tokens/s and hidden
+    communication over each timed run's steady window (`timed/`), and the link in `regime`."""
+    ref = RunSummary.read(out_dir / "runs" / NO_COMM_RUN)
     timed: dict[str, dict] = {}
     for run in [reference, *spec.runs]:  # this call's timed runs and, after a partial re-run, the earlier ones
         run_dir = out_dir / "timed" / run.name
@@ -155,8 +172,9 @@ def run_paper_regime(
         summary = RunSummary.read(run_dir)
         metrics = read_metrics(run_dir)
         kind, inner_steps = summary.sync_kind, summary.inner_steps
-        if run.name == NO_COMM_RUN:  # no sync before the last step: its window is the outer-loop runs' one
-            inner_steps = (summary.steps - 1) // 2
+        if run.name == NO_COMM_RUN:  # no sync before the last step: timed on the first outer-loop run's window
+            window_file = run_dir / WINDOW_FILE
+            inner_steps = int(window_file.read_text()) if window_file.exists() else (summary.steps - 1) // 2
         timed[run.name] = {
             "window_steps": summary.steps,
             "wall_s": summary.wall_s,
