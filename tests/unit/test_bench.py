@@ -10,7 +10,15 @@ import pytest
 from dilocox.config import load_config
 from dilocox.metrics import METRICS_FILE, RunSummary
 from dilocox.tools.bench.bench_cli import main as bench_main
-from dilocox.tools.bench.paper_regime import steady_hidden_fraction, steady_tokens_per_s, window_steps
+from dilocox.tools.bench.paper_regime import (
+    WINDOW_FILE,
+    steady_hidden_fraction,
+    steady_tokens_per_s,
+    timed_figures,
+    timed_repeats,
+    timed_run_dir,
+    window_steps,
+)
 from dilocox.tools.bench.results import collect, compare, kept_rows, write_results
 from dilocox.tools.bench.spec import load_bench, run_overrides
 from dilocox.tools.bench.table import format_table
@@ -75,6 +83,10 @@ def test_bench_file_errors(tmp_path):
         load_bench(path)
     with pytest.raises(ValueError, match="no such file"):
         load_bench(tmp_path / "missing.toml")
+    for bad in ("0", "2.5", "true"):
+        path.write_text(f"[bench]\nbase = 'x.toml'\ntiming_repeats = {bad}\n[[runs]]\nname = 'allreduce'\n")
+        with pytest.raises(ValueError, match="timing_repeats = .* must be an integer >= 1"):
+            load_bench(path)
 
 
 def test_paper_regime_windows_and_steady_throughput():
@@ -98,6 +110,37 @@ def test_paper_regime_windows_and_steady_throughput():
     assert steady_hidden_fraction(records[:2], "allreduce", 50, 2, 0.0) == 0.0  # no per-sync log: the whole run
 
 
+def write_timed_run(run_dir: Path, elapsed: list[float], exposed: float, *, steps: int = 5, inner_steps: int = 2):
+    """A timed run of H = 2 and 5 steps as `dilocox train` leaves it: 100 tokens a step, step k ends at elapsed[k-1],
+    one sync of 4 s of link waited for at step 4 (inside the window (2, 4]), `exposed` of it exposed."""
+    run_dir.mkdir(parents=True)
+    dataclasses.replace(summary(4.0, 1.0, 80, 8000), steps=steps, inner_steps=inner_steps, sync_kind="dilocox").write(
+        run_dir
+    )
+    records = [{"step": k, "tokens": 100 * k, "elapsed_s": t} for k, t in enumerate(elapsed, 1)]
+    records[3].update(round_link_s=4.0, round_exposed_s=exposed)
+    (run_dir / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_timed_repeats_report_the_median_and_every_run(tmp_path):
+    # three timed runs of one row: 200 tokens over the window (2, 4] in 4, 2 and 5 s; 1, 0 and 2 s of 4 exposed
+    for repeat, (window_s, exposed) in enumerate(((4.0, 1.0), (2.0, 0.0), (5.0, 2.0))):
+        write_timed_run(timed_run_dir(tmp_path, "dilocox", repeat), [1.0, 3.0, 4.0, 3.0 + window_s, 30.0], exposed)
+    write_timed_run(timed_run_dir(tmp_path, "dilocox", 4), [1.0, 3.0, 4.0, 5.0, 6.0], 0.0)  # after a gap: not read
+    dirs = timed_repeats(tmp_path, "dilocox")
+    assert [d.name for d in dirs] == ["dilocox", "dilocox.rep1", "dilocox.rep2"]
+    figures = timed_figures(dirs)
+    assert figures["steady_tokens_per_s_repeats"] == pytest.approx([50.0, 100.0, 40.0])
+    assert figures["steady_tokens_per_s"] == pytest.approx(50.0)  # the median, not the mean (63.3)
+    assert figures["steady_hidden_comm_fraction"] == pytest.approx(0.75)  # median of 0.75, 1.0, 0.5
+    assert timed_figures(dirs[:2])["steady_tokens_per_s"] == pytest.approx(75.0)  # an even count: the middle two
+    # the no-communication reference is timed on the outer-loop runs' window, which its WINDOW_FILE names
+    write_timed_run(timed_run_dir(tmp_path, "no-communication", 0), [1.0, 2.0, 3.0, 4.0, 5.0], 0.0, inner_steps=5)
+    (timed_run_dir(tmp_path, "no-communication", 0) / WINDOW_FILE).write_text("3\n")
+    reference = timed_figures(timed_repeats(tmp_path, "no-communication"), reference=True)
+    assert reference["steady_tokens_per_s"] == pytest.approx(100.0)  # steps (3, 4]: 100 tokens in 1 s
+
+
 def test_paper_table_names_where_each_number_comes_from():
     base = summary(4.0, 100.0, 8000, 8000)
     fast = summary(4.1, 250.0, 80, 8000, hidden=0.95)
@@ -118,6 +161,18 @@ def test_paper_table_names_where_each_number_comes_from():
     assert "0.3917 Mbps per cluster uplink, 10 ms" in table
     assert "357.5 x the measured compute time of a step (0.300 s" in table
     assert "with the link off" in table and "timed runs on that link" in table
+    assert "median" not in table  # one timed run per row
+    runs[2].update(timed_tokens_per_s_repeats=[960.0, 980.0, 1010.0], of_no_communication_range=[0.96, 1.01])
+    runs[1].update(timed_tokens_per_s_repeats=[2.5])
+    runs[0].update(timed_tokens_per_s_repeats=[990.0, 1000.0, 1020.0], of_no_communication_range=[0.99, 1.02])
+    table = format_table({"bench": "paper", "source": "p.toml", "date": "2026-11-21", "baseline": "allreduce",
+                          "runs": runs, "regime": regime})  # fmt: skip
+    assert (
+        table.splitlines()[4]
+        == "| dilocox | 4.1000 | +2.50% | 980.0 | 392.0x | 98.0% (96.0-101.0) | 0.1 | 1/100 | 95% |"
+    )
+    assert table.splitlines()[3].endswith("| 0.2% | 8.0 | 1/1 | - |")  # one timed run: no range
+    assert "the median over 3 timed runs of each row (allreduce: 1), interleaved" in table
 
 
 def test_collect_reads_what_the_runtime_wrote(tmp_path):
@@ -152,6 +207,9 @@ def test_cli_help_exits_0(capsys):
         (["--nonsense"], "unrecognized arguments: --nonsense"),
         (["--regime", "fast"], "--regime"),
         (["missing.toml"], "no such file"),
+        ([str(REPO / "benchmarks/configs/default.toml"), "--retime"], "are for the paper regime"),
+        ([str(REPO / "benchmarks/configs/paper.toml"), "--timing-repeats", "0"], "--timing-repeats 0 must be >= 1"),
+        ([str(REPO / "benchmarks/configs/paper.toml"), "--retime", "--out", "/nonexistent/x"], "no results.json"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(capsys, argv, named):

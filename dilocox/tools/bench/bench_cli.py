@@ -1,4 +1,5 @@
-"""`dilocox bench [CONFIG] [--out DIR] [--quick] [--only a,b] [--regime paper] [--seeds N]`: arguments, exit codes."""
+"""`dilocox bench [CONFIG] [--out DIR] [--quick] [--only a,b] [--regime paper] [--seeds N] [--timing-repeats N]
+[--retime]`: arguments, exit codes."""
 
 from __future__ import annotations
 
@@ -25,6 +26,19 @@ def _parser() -> ToolParser:
         default=None,
         help="paper: convergence with the link off, throughput on a link as slow relative to compute as the paper's",
     )
+    parser.add_argument(
+        "--timing-repeats",
+        type=int,
+        default=None,
+        help="paper regime: time each run N times, interleaved, and report the median (default: the bench file's "
+        "timing_repeats, 1 with --quick)",
+    )
+    parser.add_argument(
+        "--retime",
+        action="store_true",
+        help="paper regime: re-run only the timed runs (of --only's runs and the reference) on the earlier link; "
+        "the convergence runs on disk stay",
+    )
     return parser
 
 
@@ -41,6 +55,8 @@ def main(argv: list[str]) -> int:
             only=[n for n in args.only.split(",") if n] or None,
             regime=args.regime,
             seeds=args.seeds,
+            timing_repeats=args.timing_repeats,
+            retime=args.retime,
         )
     except SystemExit as exc:  # --help
         return int(exc.code or 0)

@@ -30,28 +30,41 @@ def run_bench(
     only: list[str] | None = None,
     regime: str | None = None,
     seeds: int = 1,
+    timing_repeats: int | None = None,
+    retime: bool = False,
 ) -> dict[str, Any]:
     """Run every run of the bench file (or those named in `only`), then write the table, JSON and plots.
 
     `regime` overrides the file's: "paper" runs `run_paper_regime` instead of one run per strategy. `seeds`: each
     run (each convergence run in the paper regime) with run.seed, run.seed + 1, ...; rows report the mean and the
-    spread over seeds, and gaps paired seed by seed (`results.compare`)."""
+    spread over seeds, and gaps paired seed by seed (`results.compare`). Paper regime only: `timing_repeats` (default
+    the bench file's `timing_repeats`, 1 under `quick`) times each timed run that many times, and `retime` re-runs
+    only the timed runs, for the convergence runs on disk (`run_paper_regime`)."""
     if seeds < 1:
         raise ValueError(f"--seeds {seeds} must be >= 1")
+    if timing_repeats is not None and timing_repeats < 1:
+        raise ValueError(f"--timing-repeats {timing_repeats} must be >= 1")
     spec = load_bench(path)
     if regime is not None:
         if regime not in REGIMES:
             raise ValueError(f"--regime {regime!r} is not one of {list(REGIMES)}")
         spec.regime = regime
+    if spec.regime != "paper" and (retime or timing_repeats is not None):
+        raise ValueError("--retime and --timing-repeats are for the paper regime (--regime paper); this bench times "
+                         "every run once, on its own link")  # fmt: skip
     suffix = ("-paper" if spec.regime == "paper" and not spec.name.endswith("paper") else "") + ("-quick" * quick)
     out_dir = out_dir or Path("benchmarks/results") / (spec.name + suffix)
-    out_dir.mkdir(parents=True, exist_ok=True)
     selected = [r for r in spec.runs if not only or r.name in only]
     if only and len(selected) != len(only):
         raise ValueError(f"--only {only}: unknown run names; the bench has {[r.name for r in spec.runs]}")
+    if retime and not (out_dir / "results.json").exists():
+        raise ValueError(f"--retime: {out_dir} has no results.json to re-time; run the bench without --retime first")
+    out_dir.mkdir(parents=True, exist_ok=True)
     base_seed = load_config(spec.base, spec.overrides).run.seed
     if spec.regime == "paper":
-        results = run_paper_regime(spec, selected, out_dir, quick=quick, seeds=seeds, base_seed=base_seed)
+        repeats = timing_repeats if timing_repeats is not None else 1 if quick else spec.timing_repeats
+        results = run_paper_regime(spec, selected, out_dir, quick=quick, seeds=seeds, base_seed=base_seed,
+                                   timing_repeats=repeats, retime=retime)  # fmt: skip
     else:
         for index, run in enumerate(selected, 1):
             train_seeds(spec, run, out_dir / "runs", out_dir, quick=quick, seeds=seeds, base_seed=base_seed,

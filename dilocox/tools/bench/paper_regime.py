@@ -1,13 +1,15 @@
 """DiLoCoX's comparison in the paper's regime (docs/planner.md, "The paper regime"): convergence with the link
 off, throughput on a link as slow relative to compute as the paper's, over the steady rounds of short timed runs.
 
-    results = run_paper_regime(spec, spec.runs, Path("benchmarks/results/paper"), quick=False)
+    results = run_paper_regime(spec, spec.runs, Path("benchmarks/results/paper"), quick=False, timing_repeats=3)
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +80,42 @@ def steady_hidden_fraction(
     return max(0.0, 1.0 - sum(m["round_exposed_s"] for m in rounds) / link)
 
 
+def timed_run_dir(out_dir: Path, name: str, repeat: int) -> Path:
+    """The directory of timed run `repeat` of run `name` (0: `timed/NAME`, as before repeats; k: `timed/NAME.repK`)."""
+    return out_dir / "timed" / (name if repeat == 0 else f"{name}.rep{repeat}")
+
+
+def timed_log(out_dir: Path, name: str, repeat: int) -> Path:
+    return out_dir / (f"{name}.timed.log" if repeat == 0 else f"{name}.timed.rep{repeat}.log")
+
+
+def timed_repeats(out_dir: Path, name: str) -> list[Path]:
+    """The finished timed runs of run `name`, in order (repeat 0, 1, ... up to the first missing one)."""
+    found: list[Path] = []
+    while has_summary(timed_run_dir(out_dir, name, len(found))):
+        found.append(timed_run_dir(out_dir, name, len(found)))
+    return found
+
+
+def _drop_timed_runs(out_dir: Path, name: str) -> None:
+    """Removes every timed run of `name` (and its log), so that a re-timing never mixes with an older one's repeats."""
+    repeat = 0
+    while timed_run_dir(out_dir, name, repeat).exists() or timed_log(out_dir, name, repeat).exists():
+        shutil.rmtree(timed_run_dir(out_dir, name, repeat), ignore_errors=True)
+        timed_log(out_dir, name, repeat).unlink(missing_ok=True)
+        repeat += 1
+
+
 def run_paper_regime(
-    spec: BenchSpec, selected: list[BenchRun], out_dir: Path, *, quick: bool, seeds: int = 1, base_seed: int = 0
+    spec: BenchSpec,
+    selected: list[BenchRun],
+    out_dir: Path,
+    *,
+    quick: bool,
+    seeds: int = 1,
+    base_seed: int = 0,
+    timing_repeats: int = 1,
+    retime: bool = False,
 ) -> dict[str, Any]:
     """DiLoCoX's comparison in the paper's regime (docs/planner.md, "The paper regime"), in three steps; returns the
     results (`run_bench` writes them):
@@ -91,8 +127,15 @@ def run_paper_regime(
        gradient, so one AllReduce step waits on the link 357.5 times its compute, as in the paper.
     3. Throughput, link on at that bandwidth: every run again for `window_steps`, tokens/s over its steady window
        (`steady_tokens_per_s`), hidden communication from those runs; and the reference on the outer-loop runs'
-       window (no sync inside it), the "no communication" throughput the others are divided by.
+       window (no sync inside it), the "no communication" throughput the others are divided by. With
+       `timing_repeats` N every timed run goes N times, interleaved (reference, a, b, reference, a, b, ...), so that
+       the machine's drift spreads over every row alike, and each row reports the median (`collect_paper_regime`).
+
+    `retime` skips step 1 and keeps the earlier link: only the timed runs of `selected` (and the reference) run
+    again, for the convergence runs on disk.
     """
+    if timing_repeats < 1:
+        raise ValueError(f"--timing-repeats {timing_repeats} must be >= 1")
     configs = {run.name: load_config(spec.base, run_overrides(spec, run, quick)) for run in selected}
     for name, cfg in configs.items():
         if cfg.sync.fit_link:
@@ -102,15 +145,20 @@ def run_paper_regime(
                          "no communication (each cluster alone)")  # fmt: skip
     earlier = out_dir / "results.json"
     partial = len(selected) < len(spec.runs)
-    reuse = partial and earlier.exists() and "regime" in json.loads(earlier.read_text())
+    reuse = (partial or retime) and earlier.exists() and "regime" in json.loads(earlier.read_text())
+    if retime:
+        missing = [r.name for r in [reference, *selected] if not has_summary(out_dir / "runs" / r.name)]
+        if not reuse or missing:
+            what = f"the convergence runs of {missing}" if reuse else "an earlier paper-regime results.json"
+            raise ValueError(f"--retime: {out_dir} has no {what}; run the bench without --retime first")
     # A partial re-run keeps the earlier bandwidth, so that its rows stay comparable with the rows it keeps.
-    runs = selected if reuse else [reference, *selected]
+    runs = [] if retime else selected if reuse else [reference, *selected]
     # The compute-only reference on the same window as the outer-loop runs: H steps after H steps, no sync between.
     outer = [cfg.sync.inner_steps for cfg in configs.values() if not _is_per_step(cfg.sync.kind)]
     timed_runs = [(reference, window_steps("diloco", outer[0]))] if outer else []
     timed_runs += [(run, window_steps(configs[run.name].sync.kind, configs[run.name].sync.inner_steps))
                    for run in selected]  # fmt: skip
-    total = len(runs) + len(timed_runs)
+    total = len(runs) + len(timed_runs) * timing_repeats
     for index, run in enumerate(runs, 1):  # every seed of the convergence runs; one timed run each (below)
         train_seeds(spec, run, out_dir / "runs", out_dir, quick=quick, seeds=seeds, base_seed=base_seed,
                     extra=LINK_OFF, tag=f"[{index}/{total}] link off:")  # fmt: skip
@@ -139,7 +187,10 @@ def run_paper_regime(
             f"{bandwidth * 8 / 1e6:.4g} Mbps (AllReduce waits {regime['ratio']:.1f}x its compute per step)",
             flush=True,
         )
-    for index, (run, window) in enumerate(timed_runs, len(runs) + 1):
+    for run, _ in timed_runs:
+        _drop_timed_runs(out_dir, run.name)
+    order = [(repeat, run, window) for repeat in range(timing_repeats) for run, window in timed_runs]
+    for index, (repeat, run, window) in enumerate(order, len(runs) + 1):
         extra = [
             f"--network.bandwidth={regime['bandwidth']}",
             f"--train.steps={window}",
@@ -151,10 +202,12 @@ def run_paper_regime(
         ]
         if run is reference:  # its one sync at the very end of the window, even where that outlasts train.steps
             extra.append(f"--sync.inner_steps={window}")
-        run_dir, log = out_dir / "timed" / run.name, out_dir / f"{run.name}.timed.log"
-        train_run(spec, run, run_dir, log, quick=quick, extra=extra, tag=f"[{index}/{total}] paper link:")
+        run_dir, log = timed_run_dir(out_dir, run.name, repeat), timed_log(out_dir, run.name, repeat)
+        again = f" (timing {repeat + 1} of {timing_repeats})" if timing_repeats > 1 else ""
+        train_run(spec, run, run_dir, log, quick=quick, extra=extra, tag=f"[{index}/{total}] paper link{again}:")
     if outer:  # the window the compute-only reference was just timed on (its own H is the whole run)
-        write_atomic(out_dir / "timed" / NO_COMM_RUN / WINDOW_FILE, f"{outer[0]}\n".encode())
+        for run_dir in timed_repeats(out_dir, NO_COMM_RUN):
+            write_atomic(run_dir / WINDOW_FILE, f"{outer[0]}\n".encode())
     return collect_paper_regime(spec, out_dir, reference, regime, quick=quick)
 
 
@@ -166,23 +219,8 @@ def collect_paper_regime(
     ref = RunSummary.read(out_dir / "runs" / NO_COMM_RUN)
     timed: dict[str, dict] = {}
     for run in [reference, *spec.runs]:  # this call's timed runs and, after a partial re-run, the earlier ones
-        run_dir = out_dir / "timed" / run.name
-        if not has_summary(run_dir):
-            continue
-        summary = RunSummary.read(run_dir)
-        metrics = read_metrics(run_dir)
-        kind, inner_steps = summary.sync_kind, summary.inner_steps
-        if run.name == NO_COMM_RUN:  # no sync before the last step: timed on the first outer-loop run's window
-            window_file = run_dir / WINDOW_FILE
-            inner_steps = int(window_file.read_text()) if window_file.exists() else (summary.steps - 1) // 2
-        timed[run.name] = {
-            "window_steps": summary.steps,
-            "wall_s": summary.wall_s,
-            "steady_tokens_per_s": steady_tokens_per_s(metrics, kind, inner_steps, summary.steps),
-            "steady_hidden_comm_fraction": steady_hidden_fraction(
-                metrics, kind, inner_steps, summary.steps, summary.hidden_comm_fraction
-            ),
-        }
+        if run_dirs := timed_repeats(out_dir, run.name):
+            timed[run.name] = timed_figures(run_dirs, reference=run.name == NO_COMM_RUN)
 
     spec.runs = [reference, *[r for r in spec.runs if r.name != NO_COMM_RUN]]
     names = [NO_COMM_RUN]
@@ -211,4 +249,35 @@ def collect_paper_regime(
                 timed_wall_s=t["wall_s"],
             )
         row["of_no_communication"] = row["tokens_per_s"] / no_comm_tps
+        if t is not None:
+            repeats = t["steady_tokens_per_s_repeats"]
+            row["timed_tokens_per_s_repeats"] = repeats
+            row["of_no_communication_range"] = [min(repeats) / no_comm_tps, max(repeats) / no_comm_tps]
     return results
+
+
+def timed_figures(run_dirs: list[Path], *, reference: bool = False) -> dict[str, Any]:
+    """One row's throughput from its timed runs (`timed_repeats`): the median over them of the tokens/s of each
+    run's steady window, and of the share of link time hidden there; the per-run tokens/s as well.
+
+    `reference`: the no-communication run, whose window is the first outer-loop run's (its `WINDOW_FILE`; without
+    it, as before 2026-11-24, (steps - 1) // 2)."""
+    tokens_per_s, hidden = [], []
+    for run_dir in run_dirs:
+        summary = RunSummary.read(run_dir)
+        metrics = read_metrics(run_dir)
+        kind, inner_steps = summary.sync_kind, summary.inner_steps
+        if reference:  # no sync before the last step: timed on the first outer-loop run's window
+            window_file = run_dir / WINDOW_FILE
+            inner_steps = int(window_file.read_text()) if window_file.exists() else (summary.steps - 1) // 2
+        tokens_per_s.append(steady_tokens_per_s(metrics, kind, inner_steps, summary.steps))
+        hidden.append(steady_hidden_fraction(metrics, kind, inner_steps, summary.steps, summary.hidden_comm_fraction))
+    first = RunSummary.read(run_dirs[0])
+    known = [h for h in hidden if h is not None]
+    return {
+        "window_steps": first.steps,
+        "wall_s": statistics.median(RunSummary.read(d).wall_s for d in run_dirs),
+        "steady_tokens_per_s": statistics.median(tokens_per_s),
+        "steady_tokens_per_s_repeats": tokens_per_s,
+        "steady_hidden_comm_fraction": statistics.median(known) if known else None,
+    }

@@ -58,6 +58,8 @@ class BenchSpec:
     source: Path = field(default_factory=Path)
     regime: str = "as-configured"
     """"as-configured" (every run on the config's link) or "paper" (see `run_paper_regime`)."""
+    timing_repeats: int = 1
+    """Paper regime: how many times each timed run goes (interleaved; rows report the median)."""
 
 
 def load_bench(path: Path) -> BenchSpec:
@@ -66,7 +68,7 @@ def load_bench(path: Path) -> BenchSpec:
     bench = data.get("bench")
     if not isinstance(bench, dict) or "base" not in bench:
         raise ValueError(f'bench config {path}: needs a [bench] table with base = "path/to/train.toml"')
-    unknown = set(bench) - {"name", "base", "overrides", "baseline", "notes", "regime"}
+    unknown = set(bench) - {"name", "base", "overrides", "baseline", "notes", "regime", "timing_repeats"}
     if unknown or set(data) - {"bench", "runs"}:
         raise ValueError(f"bench config {path}: unknown keys {sorted(unknown | (set(data) - {'bench', 'runs'}))}")
     runs = []
@@ -91,7 +93,10 @@ def load_bench(path: Path) -> BenchSpec:
         notes=bench.get("notes", ""),
         source=path,
         regime=bench.get("regime", "as-configured"),
+        timing_repeats=bench.get("timing_repeats", 1),
     )
+    if not isinstance(spec.timing_repeats, int) or isinstance(spec.timing_repeats, bool) or spec.timing_repeats < 1:
+        raise ValueError(f"bench config {path}: timing_repeats = {spec.timing_repeats!r} must be an integer >= 1")
     if spec.regime not in REGIMES:
         raise ValueError(f"bench config {path}: regime = {spec.regime!r} is not one of {list(REGIMES)}")
     if spec.baseline not in names:

@@ -93,6 +93,30 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines + footer) + "\n"
 
 
+def _of_no_comm_cell(row: dict[str, Any]) -> str:
+    """The median share of the no-communication throughput, and its range over the timed runs where there are
+    several (each run's tokens/s over the reference's median)."""
+    cell = _fmt(100 * row["of_no_communication"], ".1f") + "%"
+    if len(row.get("timed_tokens_per_s_repeats", ())) > 1:
+        low, high = row["of_no_communication_range"]
+        cell += f" ({100 * low:.1f}-{100 * high:.1f})"
+    return cell
+
+
+def _timing_note(results: dict[str, Any]) -> list[str]:
+    counts = {row["label"]: len(row.get("timed_tokens_per_s_repeats", ())) for row in results["runs"]}
+    if max(counts.values(), default=1) < 2:
+        return []
+    most = max(set(counts.values()), key=list(counts.values()).count)
+    others = "; ".join(f"{label}: {n}" for label, n in counts.items() if n != most)
+    return [
+        f"Tokens/s, speedups and hidden communication: the median over {most} timed runs of each row"
+        + (f" ({others})" if others else "")
+        + ", interleaved (every row's first, then every row's second, ...) so that the shared machine's drift falls "
+        "on every row alike; in brackets, the range of each run's tokens/s over the no-communication median."
+    ]
+
+
 def format_paper_table(results: dict[str, Any]) -> str:
     """The paper-regime table: loss from the link-off runs, tokens/s from the timed runs on the paper's link."""
     b = results["baseline"]
@@ -111,7 +135,7 @@ def format_paper_table(results: dict[str, Any]) -> str:
                 gap=_gap_cell(gap, row),
                 tps=_fmt(row["tokens_per_s"], ",.1f"),
                 speed=_fmt(speed, ",.1f") + ("x" if speed else ""),
-                nocomm=_fmt(100 * row["of_no_communication"], ".1f") + "%",
+                nocomm=_of_no_comm_cell(row),
                 bpt=_fmt(row["wan_bytes_per_token"], ",.1f"),
                 ratio=_bytes_ratio_cell(row),
                 hidden=_hidden_cell(hidden),
@@ -139,6 +163,7 @@ def format_paper_table(results: dict[str, Any]) -> str:
         "The no-communication row (every cluster alone) is timed on the same window as the outer-loop runs, with no "
         "sync inside it; its loss is from its link-off run.",
     ]
+    footer += _timing_note(results)
     footer += _seeds_note(results)
     if results.get("notes"):
         footer.append(results["notes"])
