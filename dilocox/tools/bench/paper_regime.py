@@ -149,8 +149,11 @@ def run_paper_regime(
     if retime:
         missing = [r.name for r in [reference, *selected] if not has_summary(out_dir / "runs" / r.name)]
         if not reuse or missing:
-            what = f"the convergence runs of {missing}" if reuse else "an earlier paper-regime results.json"
-            raise ValueError(f"--retime: {out_dir} has no {what}; run the bench without --retime first")
+            what = f"convergence runs of {missing} in runs/" if reuse else "earlier paper-regime results.json"
+            raise ValueError(
+                f"--retime: {out_dir} has no {what} (run directories are not committed: re-time where they were "
+                "trained, or run the bench without --retime)"
+            )
     # A partial re-run keeps the earlier bandwidth, so that its rows stay comparable with the rows it keeps.
     runs = [] if retime else selected if reuse else [reference, *selected]
     # The compute-only reference on the same window as the outer-loop runs: H steps after H steps, no sync between.
