@@ -234,6 +234,12 @@ def write_seeded_runs(runs: Path, losses: dict[str, list[float]]) -> None:
                                                             "eval_loss": loss}) + "\n")  # fmt: skip
 
 
+def test_retime_without_an_earlier_bench_creates_nothing(tmp_path, capsys):
+    out = tmp_path / "never-benched"
+    assert bench_main([str(REPO / "benchmarks/configs/paper.toml"), "--retime", "--out", str(out)]) == 2
+    assert "no results.json" in capsys.readouterr().err and not out.exists()
+
+
 def test_seeds_give_means_spreads_and_paired_gaps():
     base = [seeded(4.0, 0), seeded(4.2, 1), seeded(3.8, 2)]
     # +1%, +2%, +3% against the baseline's own seeds: resolved although the losses spread by 5%

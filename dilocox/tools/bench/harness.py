@@ -57,15 +57,13 @@ def run_bench(
     selected = [r for r in spec.runs if not only or r.name in only]
     if only and len(selected) != len(only):
         raise ValueError(f"--only {only}: unknown run names; the bench has {[r.name for r in spec.runs]}")
-    if retime and not (out_dir / "results.json").exists():
-        raise ValueError(f"--retime: {out_dir} has no results.json to re-time; run the bench without --retime first")
-    out_dir.mkdir(parents=True, exist_ok=True)
     base_seed = load_config(spec.base, spec.overrides).run.seed
-    if spec.regime == "paper":
+    if spec.regime == "paper":  # makes out_dir itself, after checking what --retime needs from it
         repeats = timing_repeats if timing_repeats is not None else 1 if quick else spec.timing_repeats
         results = run_paper_regime(spec, selected, out_dir, quick=quick, seeds=seeds, base_seed=base_seed,
                                    timing_repeats=repeats, retime=retime)  # fmt: skip
     else:
+        out_dir.mkdir(parents=True, exist_ok=True)
         for index, run in enumerate(selected, 1):
             train_seeds(spec, run, out_dir / "runs", out_dir, quick=quick, seeds=seeds, base_seed=base_seed,
                         tag=f"[{index}/{len(selected)}]")  # fmt: skip

@@ -148,12 +148,15 @@ def run_paper_regime(
     reuse = (partial or retime) and earlier.exists() and "regime" in json.loads(earlier.read_text())
     if retime:
         missing = [r.name for r in [reference, *selected] if not has_summary(out_dir / "runs" / r.name)]
-        if not reuse or missing:
-            what = f"convergence runs of {missing} in runs/" if reuse else "earlier paper-regime results.json"
+        if not reuse:
+            raise ValueError(f"--retime: {out_dir} has no results.json of an earlier paper-regime bench to re-time; "
+                             "run the bench without --retime first")  # fmt: skip
+        if missing:
             raise ValueError(
-                f"--retime: {out_dir} has no {what} (run directories are not committed: re-time where they were "
-                "trained, or run the bench without --retime)"
+                f"--retime: {out_dir} has no convergence runs of {missing} in runs/ (run directories are not "
+                "committed: re-time where they were trained, or run the bench without --retime)"
             )
+    out_dir.mkdir(parents=True, exist_ok=True)
     # A partial re-run keeps the earlier bandwidth, so that its rows stay comparable with the rows it keeps.
     runs = [] if retime else selected if reuse else [reference, *selected]
     # The compute-only reference on the same window as the outer-loop runs: H steps after H steps, no sync between.
@@ -265,9 +268,11 @@ def timed_figures(run_dirs: list[Path], *, reference: bool = False) -> dict[str,
 
     `reference`: the no-communication run, whose window is the first outer-loop run's (its `WINDOW_FILE`; without
     it, as before 2026-11-24, (steps - 1) // 2)."""
-    tokens_per_s, hidden = [], []
+    tokens_per_s, hidden, wall_s, steps = [], [], [], []
     for run_dir in run_dirs:
         summary = RunSummary.read(run_dir)
+        wall_s.append(summary.wall_s)
+        steps.append(summary.steps)
         metrics = read_metrics(run_dir)
         kind, inner_steps = summary.sync_kind, summary.inner_steps
         if reference:  # no sync before the last step: timed on the first outer-loop run's window
@@ -275,11 +280,10 @@ def timed_figures(run_dirs: list[Path], *, reference: bool = False) -> dict[str,
             inner_steps = int(window_file.read_text()) if window_file.exists() else (summary.steps - 1) // 2
         tokens_per_s.append(steady_tokens_per_s(metrics, kind, inner_steps, summary.steps))
         hidden.append(steady_hidden_fraction(metrics, kind, inner_steps, summary.steps, summary.hidden_comm_fraction))
-    first = RunSummary.read(run_dirs[0])
     known = [h for h in hidden if h is not None]
     return {
-        "window_steps": first.steps,
-        "wall_s": statistics.median(RunSummary.read(d).wall_s for d in run_dirs),
+        "window_steps": steps[0],  # every timing of a row runs the same window
+        "wall_s": statistics.median(wall_s),
         "steady_tokens_per_s": statistics.median(tokens_per_s),
         "steady_tokens_per_s_repeats": tokens_per_s,
         "steady_hidden_comm_fraction": statistics.median(known) if known else None,

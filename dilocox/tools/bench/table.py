@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 
@@ -107,7 +108,7 @@ def _timing_note(results: dict[str, Any]) -> list[str]:
     counts = {row["label"]: len(row.get("timed_tokens_per_s_repeats", ())) for row in results["runs"]}
     if max(counts.values(), default=1) < 2:
         return []
-    most = max(set(counts.values()), key=list(counts.values()).count)
+    most = Counter(counts.values()).most_common(1)[0][0]
     others = "; ".join(f"{label}: {n}" for label, n in counts.items() if n != most)
     return [
         f"Tokens/s, speedups and hidden communication: the median over {most} timed runs of each row"
