@@ -32,7 +32,7 @@ from dilocox.faults import FaultConfig
 from dilocox.metrics import WANDB_MODES
 from dilocox.net.config import NetworkConfig
 from dilocox.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
-from dilocox.sync.config import KIND_DEFAULTS, SyncConfig, check_robust_reduction
+from dilocox.sync.config import KIND_DEFAULTS, SyncConfig, check_local_residual, check_robust_reduction
 
 OPTIMIZERS = ("adamw", "sgd")
 """`train.optimizer`: the inner optimizer."""
@@ -229,6 +229,7 @@ class Config:
         self.faults.validate(self.topology.num_clusters if self.topology.num_clusters >= 1 else None)
         if self.sync.has_outer_loop:
             check_robust_reduction(self.sync, self.compression)
+            check_local_residual(self.sync, self.compression, elastic=self.topology.elastic)
         if self.faults.enabled and not self.sync.has_outer_loop:
             raise ValueError(
                 f"faults.kind = {self.faults.kind!r} injects faults into outer rounds: use sync.kind = diloco or "

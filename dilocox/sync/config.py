@@ -62,6 +62,8 @@ class SyncConfig:
     """With sync_delay 1: apply round t's average this many inner steps into round t+1 (0: at its end, a round late)."""
     merge: str = "keep_local"
     """With sync_delay 1, where a round starts: keep_local (phi - own progress), reset, eager (dilocox), lookahead."""
+    local_residual: bool = False
+    """Keep 1/C of this cluster's error-feedback residual (what its codec has not sent yet) in its own parameters."""
     outer_lr_schedule: str = "constant"
     """Outer learning rate over the outer updates: constant, or cosine down to outer_lr x outer_min_lr_ratio."""
     outer_warmup_rounds: int = 0
@@ -146,6 +148,11 @@ class SyncConfig:
                 "learning rate as a fraction of sync.outer_lr (1 = no decay)"
             )
         check_choice("sync.outer_state_device", self.outer_state_device, OUTER_STATE_DEVICES)
+        if self.local_residual and not self.has_outer_loop:
+            raise ValueError(
+                f"sync.local_residual = true keeps a codec's residual between outer rounds, but sync.kind = "
+                f"{self.kind!r} has none; use sync.kind = diloco or dilocox"
+            )
         if not self.has_outer_loop and self.sync_delay:
             raise ValueError("sync.sync_delay = 1 needs an outer loop: use sync.kind = diloco or dilocox")
         if self.fit_link and self.sync_delay != 1:
@@ -187,4 +194,23 @@ def check_robust_reduction(sync: SyncConfig, compression: Any) -> None:
             f"compression.kind = {compression.kind!r} with compression.reduction = {compression.reduction!r} sums "
             "them in transit; use a codec with compression.reduction = gather (e.g. compression.kind = fp16 or "
             "adaptive), or sync.aggregate = mean"
+        )
+
+
+def check_local_residual(sync: SyncConfig, compression: Any, *, elastic: bool = False) -> None:
+    """`sync.local_residual` keeps what a codec's error feedback holds back, so it needs such a codec; elastic runs
+    heal a rejoining cluster from a peer's parameters, which hold that peer's residual, not its own."""
+    if not sync.local_residual:
+        return
+    if compression.kind == "none" or not compression.error_feedback:
+        raise ValueError(
+            "sync.local_residual = true keeps what a codec's error feedback holds back, but compression.kind = "
+            f"{compression.kind!r} with compression.error_feedback = {str(compression.error_feedback).lower()} holds "
+            "nothing back; use a codec with error feedback (e.g. compression.kind = topk_int4), or set "
+            "sync.local_residual = false"
+        )
+    if elastic:
+        raise ValueError(
+            "sync.local_residual = true is not supported in elastic runs (topology.elastic = true): set "
+            "sync.local_residual = false"
         )

@@ -25,7 +25,7 @@ from dilocox.compress import CompressionConfig
 from dilocox.faults import FaultConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, RoundStats, dp_mean_
-from dilocox.sync.config import FIT_HEADROOM, SyncConfig, check_robust_reduction
+from dilocox.sync.config import FIT_HEADROOM, SyncConfig, check_local_residual, check_robust_reduction
 from dilocox.sync.elastic import ElasticRounds
 from dilocox.sync.membership import ElasticMembership
 from dilocox.sync.reducers import GatherReducer, PendingMean, Reducer, build_reducer
@@ -55,6 +55,14 @@ class DiLoCoSync:
       (`agreed_model`); the next pseudo-gradient is measured from the round start, so when the true average lands
       it replaces the predicted part instead of adding to it.
 
+    `sync.local_residual` (a codec with error feedback): a codec sends part of each pseudo-gradient and holds the
+    rest back in its residual, for later rounds. Without it the cluster's parameters lose that part at every landing
+    (they restart from phi, which has only what was sent). With it they keep this cluster's share of it: wherever a
+    round starts, or restarts when an average lands, it starts lower by held_back / C, held_back being the residual
+    times `compression.feedback_decay` (what the next encoding adds); under the delay the in-flight round's own share
+    is then `pseudo_grad + held_back` of the last rounds, as the merge rule takes it. The clusters' parameters differ
+    by their residuals; phi, the agreed model, is unchanged, and `flush()` still sets every cluster to phi.
+
     The outer learning rate of each update follows `sync.outer_lr_schedule` (`SyncConfig.outer_lr_at`), over the
     run's ceil(total_steps / H) updates. The average itself is its `reducer`'s (`compression.kind` and
     `compression.reduction`, docs/design.md §4.4).
@@ -83,6 +91,7 @@ class DiLoCoSync:
         cfg.validate()
         compression = compression or CompressionConfig()
         check_robust_reduction(cfg, compression)
+        check_local_residual(cfg, compression, elastic=membership is not None)
         self.cfg = cfg
         self.name = cfg.kind  # diloco or dilocox: the same code, other defaults
         self.flat = FlatParams(params)
@@ -170,11 +179,13 @@ class DiLoCoSync:
             self.reducer.heal()
             if self.cfg.guard:
                 self._heal(self.outer_step, "the others left its update out")
-            theta = self.outer_params
+            start = self.outer_params.clone()
+            theta = start
         else:
-            theta = self.flat.gather_data().to(self.state_device) + (self.outer_params - self.round_start)
+            start = self._with_held_back(self.outer_params)
+            theta = self.flat.gather_data().to(self.state_device) + (start - self.round_start)
         self.flat.scatter_data(theta)
-        self.round_start = self.outer_params.clone()
+        self.round_start = start
         return dataclasses.replace(stats, inner_steps=self.inner_steps)
 
     def end_round(self, step: int) -> RoundStats | None:
@@ -202,7 +213,7 @@ class DiLoCoSync:
             if not stats.skipped:
                 self.apply(avg)
             heal = own_bad or self._left_out(stats)
-            theta = self.outer_params
+            theta = self.outer_params if heal else self._with_held_back(self.outer_params)
         else:
             due, self.pending = self.pending, None
             own_left_out = False
@@ -213,9 +224,13 @@ class DiLoCoSync:
             heal = own_bad or own_left_out
             if heal:  # before this round's encoding: what the bad round left in the residuals is not sent again
                 self.reducer.heal()
-            # pseudo_grad stays intact until the sync is waited for
+            # pseudo_grad stays intact until the sync is waited for; what the last encodings held back is read
+            # before this one takes it in
+            held_back = self._held_back_share()
             self.pending = self._launch(pseudo_grad, own_bad, round_index)
             theta = self.outer_params if heal else self._delayed_round_start(pseudo_grad)
+            if held_back is not None and not heal:
+                theta = theta - held_back
         if self.cfg.guard:
             # Only this cluster's own non-finite updates can stop the run; one the others leave out (an outlier,
             # or a lying cluster) heals and goes on: a cluster that is out of step must not stop the others.
@@ -274,6 +289,9 @@ class DiLoCoSync:
         if self.elastic is not None:
             return self.elastic.flush()
         if self.pending is None:
+            if self.cfg.local_residual:  # blocking: the clusters hold phi minus their held-back shares
+                self.flat.scatter_data(self.outer_params)
+                self.round_start = self.outer_params.clone()
             return None
         due, self.pending = self.pending, None
         avg, stats = self.wait_sync(due, judge_link=False)  # launched just now: no round of compute to hide behind
@@ -397,6 +415,19 @@ class DiLoCoSync:
         lr = self._outer_lr(update)
         for group in self.outer_optimizer.param_groups:
             group["lr"] = lr
+
+    def _held_back_share(self) -> torch.Tensor | None:
+        """`sync.local_residual`: this cluster's share (1/C) of what its codec still holds back, None when off."""
+        if not self.cfg.local_residual:
+            return None
+        held_back = self.reducer.held_back()
+        return None if held_back is None else held_back.to(self.state_device) / self.num_clusters
+
+    def _with_held_back(self, phi: torch.Tensor) -> torch.Tensor:
+        """Where a round (re)starts from the agreed `phi` once no average is in flight: phi itself, or under
+        `sync.local_residual` phi minus this cluster's share of what its codec holds back (a new tensor)."""
+        held_back = self._held_back_share()
+        return phi.clone() if held_back is None else phi - held_back
 
     def _delayed_round_start(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
         """Where the next round starts under the one-step delay, with round t's average in flight (`sync.merge`)."""

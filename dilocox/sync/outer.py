@@ -76,6 +76,7 @@ class OuterSync:
         outer_momentum: float | None = None,
         nesterov: bool | None = None,
         merge: str | None = None,
+        local_residual: bool | None = None,
         dp_group: dist.ProcessGroup | None = None,
         bandwidth: str | None = None,
         latency: str = "0",
@@ -95,6 +96,7 @@ class OuterSync:
             outer_momentum=outer_momentum,
             nesterov=nesterov,
             merge=merge,
+            local_residual=local_residual,
         )
         bytes_per_s = None if bandwidth is None else parse_bandwidth(bandwidth)
         latency_s = parse_duration(latency)

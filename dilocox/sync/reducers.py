@@ -89,6 +89,11 @@ class Reducer(Protocol):
     def current_rank(self) -> int | None:
         """The low-rank codec's rank of the next encoding (adaptive: the last chosen), None for other codecs."""
 
+    def held_back(self) -> torch.Tensor | None:
+        """What of this cluster's past pseudo-gradients its next encoding will add (the error-feedback residual,
+        times `compression.feedback_decay`), as one flat (numel,) vector identical on the cluster's dp replicas;
+        None when the reducer keeps no residual (fp32, error feedback off, before the first round)."""
+
     def state_bytes(self) -> int:
         """Bytes of the reducer's own state on this rank (residuals, warm starts)."""
 
@@ -178,6 +183,9 @@ class DenseReducer:
         pass
 
     def current_rank(self) -> int | None:
+        return None
+
+    def held_back(self) -> torch.Tensor | None:
         return None
 
     def state_bytes(self) -> int:
@@ -276,6 +284,17 @@ class CodecReducer:
 
     def heal(self) -> None:
         self.feedback.reset()
+
+    def held_back(self) -> torch.Tensor | None:
+        """The replicas' residuals, all-gathered over the fast dp_group into one vector (a no-op at dp 1)."""
+        residuals = self.feedback.residuals if self.feedback.enabled else None
+        if residuals is None:
+            return None
+        flat = residuals[0].new_zeros(self.numel)
+        for (start, end), residual in zip(self.slice.spans, residuals, strict=True):
+            flat[start:end] = residual.reshape(-1)
+        start, end = self.slice.bounds[_dp_rank(self.dp_group)]
+        return gather_slices_(flat, flat[start:end].clone(), self.slice.bounds, self.dp_group).mul_(self.feedback.decay)
 
     def state_bytes(self) -> int:
         """Residuals (at full size from the start) and the codec's warm starts (those grow in the first round)."""

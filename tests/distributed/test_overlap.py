@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dilocox.compress import CompressionConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync, SyncConfig
 from tests.distributed.resume import straight_and_resumed
@@ -20,6 +21,7 @@ from tests.multiproc import run_ranks
 
 GOLDEN = Path(__file__).parent / "golden" / "delayed_diloco.json"
 STEPS, H, LR, OUTER_LR, MOMENTUM = 6, 2, 0.1, 0.7, 0.9
+TOPK = {"kind": "topk_int4", "density": 0.3, "feedback_decay": 0.9}
 
 
 def make_model() -> torch.nn.Module:
@@ -174,16 +176,21 @@ def test_overlap_hides_the_link():
 
 def _checkpoint_in_flight(rank, world_size, options):
     """6 rounds on a slow link, checkpointed at the end of round 3 while that round's sync is on the wire; `options`
-    are further SyncConfig fields (the merge rule, the outer learning-rate schedule)."""
+    are further SyncConfig fields (the merge rule, the outer learning-rate schedule), and `compression` a codec's
+    CompressionConfig fields."""
     inner_steps, rounds, step_s = 2, 6, 0.03
-    nbytes = sum(p.numel() for p in make_model().parameters()) * 4
-    bandwidth = nbytes / 0.25  # each sync needs ~0.25 s of link: far longer than the ~0.06 s of a round
+    options = dict(options)
+    compression = CompressionConfig(**options.pop("compression", {}))
+    # each sync needs ~0.25 s of link: far longer than the ~0.06 s of a round (a codec's payload is under 1/4 of fp32)
+    nbytes = sum(p.numel() for p in make_model().parameters()) * (4 if compression.kind == "none" else 1)
 
     def fresh():
         model = make_model()
-        channel = WanChannel(torch.distributed.group.WORLD, bandwidth=bandwidth, latency_s=0.0)
+        channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.25, latency_s=0.0)
         cfg = SyncConfig(inner_steps=inner_steps, outer_lr=OUTER_LR, outer_momentum=MOMENTUM, sync_delay=1, **options)
-        sync = DiLoCoSync(model.parameters(), cfg, channel=channel, dp_group=None, total_steps=rounds * inner_steps)
+        sync = DiLoCoSync(
+            model.parameters(), cfg, compression, channel=channel, dp_group=None, total_steps=rounds * inner_steps
+        )
         return model, channel, sync, torch.optim.SGD(model.parameters(), lr=LR)
 
     def train_step(model, optimizer, step):
@@ -202,8 +209,9 @@ def _checkpoint_in_flight(rank, world_size, options):
         {"merge": "eager"},
         {"merge": "lookahead", "outer_lr_schedule": "cosine", "outer_warmup_rounds": 2},
         {"merge": "eager", "overlap_steps": 1},
+        {"merge": "eager", "overlap_steps": 1, "local_residual": True, "compression": TOPK},
     ],
-    ids=["keep_local", "eager", "lookahead-cosine-warmup", "eager-overlap_steps"],
+    ids=["keep_local", "eager", "lookahead-cosine-warmup", "eager-overlap_steps", "eager-overlap_steps-local_residual"],
 )
 def test_checkpoint_does_not_wait_for_the_sync_in_flight_and_resume_is_exact(options):
     for straight, resumed, save_s, in_flight in run_ranks(_checkpoint_in_flight, 2, args=(options,)):

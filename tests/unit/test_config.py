@@ -101,6 +101,17 @@ def test_missing_and_invalid_files(tmp_path):
         (["--sync.outer_lr_schedule=linear"], "sync.outer_lr_schedule = 'linear' is not one of: constant, cosine"),
         (["--sync.outer_warmup_rounds=-1"], "sync.outer_warmup_rounds = -1 must be >= 0"),
         (["--sync.outer_min_lr_ratio=1.5"], "sync.outer_min_lr_ratio = 1.5 must be in"),
+        (["--sync.kind=allreduce", "--sync.local_residual=true"], "residual between outer rounds, but sync.kind"),
+        (["--sync.kind=dilocox", "--sync.local_residual=true", "--compression.kind=none"], "holds nothing back"),
+        (
+            [
+                "--sync.kind=dilocox",
+                "--sync.local_residual=true",
+                "--compression.kind=topk_int4",
+                "--topology.elastic=true",
+            ],
+            "not supported in elastic runs",
+        ),
         (["--topology.pp_degree=4", "--train.num_microbatches=2"], "fewer than the 4 pipeline stages"),
         (["--train.num_microbatches=3"], "does not divide train.micro_batch_size = 8"),
         (["--train.pipeline_schedule=zb"], "train.pipeline_schedule"),

@@ -77,6 +77,11 @@ def test_a_compression_config_is_used_as_given_and_never_changed():
         ({"sync_delay": 2}, ["sync.sync_delay = 2 must be 0 (blocking) or 1"]),
         ({"merge": "average"}, ["sync.merge = 'average' is not one of: reset, keep_local"]),
         ({"outer_lr": 0.0}, ["sync.outer_lr = 0.0 must be > 0"]),
+        ({"kind": "diloco", "local_residual": True}, ["compression.kind = 'none'", "holds nothing back", "topk_int4"]),
+        (
+            {"local_residual": True, "compression": CompressionConfig(kind="topk_int4", error_feedback=False)},
+            ["compression.error_feedback = false holds nothing back", "sync.local_residual = false"],
+        ),
         ({"bandwidth": "100"}, ["network.bandwidth = '100' is not a rate"]),
         ({"latency": "10ms"}, ["latency = '10ms' is only emulated together with a bandwidth"]),
     ],

@@ -1,0 +1,212 @@
+"""`sync.local_residual` on 3 gloo ranks against a single-process simulation of the 3 clusters.
+
+The reference is written out plainly and shares no code with `dilocox.sync` (it uses the codec itself, tested on its
+own in tests/unit/test_codecs.py): per cluster, H plain-SGD inner steps; pseudo-gradient g = round start - params; the
+codec sends decode(encode(g + d r)) and keeps r = (g + d r) - decoded (d = compression.feedback_decay); phi takes the
+mean of what was sent (outer SGD as `torch.optim.SGD` documents it). With local_residual each cluster also keeps
+h / C, h = d r (what its next encoding will add), in its parameters:
+- blocking: round t+1 starts at phi - h / C (h after round t's encoding);
+- delayed: round t+1 starts where the merge rule says (keep_local phi - g, eager one outer step on a copy of phi with
+  g / C), minus h / C with h read before round t's encoding (what the in-flight round does not carry yet);
+- an average that lands k steps into a round (`overlap_steps`): phi takes it, each cluster's restart point becomes
+  phi - h / C (h after the in-flight round's encoding), and its parameters move by what that point moved past the
+  old round start; the final flush sets every cluster to phi.
+"""
+
+import pytest
+import torch
+
+from dilocox.compress import CompressionConfig, build_codec
+from dilocox.config import load_config
+from dilocox.net.channel import WanChannel
+from dilocox.sync import build_sync
+from dilocox.topology import Topology, build_process_groups
+from tests.multiproc import run_ranks
+
+NUM_CLUSTERS, H, STEPS, INNER_LR, DECAY = 3, 3, 7, 0.1, 0.9  # rounds end at steps 3, 6 and 7
+CODEC = {"kind": "topk_int4", "density": 0.4, "feedback_decay": DECAY}
+AVERAGING = {"outer_lr": 1.0, "outer_momentum": 0.0}
+NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9}
+VARIANTS = {
+    # name: the SyncConfig fields each variant sets (local_residual on unless named)
+    "blocking-averaging": {"sync_delay": 0, **AVERAGING},
+    "blocking-nesterov": {"sync_delay": 0, **NESTEROV},
+    "delayed-eager": {"sync_delay": 1, "merge": "eager", **AVERAGING},
+    "delayed-keep_local-nesterov": {"sync_delay": 1, "merge": "keep_local", **NESTEROV},
+    "delayed-eager-overlap1": {"sync_delay": 1, "merge": "eager", "overlap_steps": 1, **AVERAGING},
+    "delayed-eager-overlap1-off": {
+        "sync_delay": 1,
+        "merge": "eager",
+        "overlap_steps": 1,
+        "local_residual": False,
+        **AVERAGING,
+    },  # fmt: skip
+    "blocking-averaging-off": {"sync_delay": 0, "local_residual": False, **AVERAGING},
+}
+DEFAULTS = {"merge": "keep_local", "overlap_steps": 0, "local_residual": True}
+
+
+def settings(name: str) -> dict:
+    return DEFAULTS | VARIANTS[name]
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)  # every cluster starts from the same parameters
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def inner_step(model, optimizer, cluster: int, step: int, sync=None) -> None:
+    generator = torch.Generator().manual_seed(1000 * cluster + step)
+    x, y = torch.randn(5, 6, generator=generator), torch.randn(5, 3, generator=generator)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    if sync is not None:
+        sync.reduce_gradients()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def load(model, vector: torch.Tensor) -> None:
+    with torch.no_grad():
+        for p, chunk in zip(model.parameters(), vector.split([p.numel() for p in model.parameters()]), strict=True):
+            p.copy_(chunk.view_as(p))
+
+
+def reference(sync_delay, merge, outer_lr, outer_momentum, overlap_steps, local_residual):
+    """(outer params, every cluster's params) after each round and after the final flush."""
+    models = [make_model() for _ in range(NUM_CLUSTERS)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=INNER_LR) for m in models]
+    shapes = [p.shape for p in models[0].parameters()]
+    codecs = [build_codec(CompressionConfig(**CODEC)) for _ in models]
+    residuals = [None] * NUM_CLUSTERS
+    phi = flat(models[0]).clone()
+    buf = None
+
+    def outer_step(phi, buf, g):
+        if outer_momentum > 0:  # Nesterov: phi - lr (g + m buf), buf = m buf + g (g at the first step)
+            buf = g.clone() if buf is None else outer_momentum * buf + g
+            return phi - outer_lr * (g + outer_momentum * buf), buf
+        return phi - outer_lr * g, buf
+
+    def held_share(c):
+        if not local_residual or residuals[c] is None:
+            return torch.zeros_like(phi)
+        return DECAY * residuals[c] / NUM_CLUSTERS
+
+    def send(c, g):
+        """What cluster c's codec sends of g (decoded), keeping its residual."""
+        codec_input = g if residuals[c] is None else g + DECAY * residuals[c]
+        parts = list(codec_input.split([s.numel() for s in shapes]))
+        tensors = [part.view(s) for part, s in zip(parts, shapes, strict=True)]
+        decoded = torch.cat([t.reshape(-1) for t in codecs[c].decode_list(codecs[c].encode_list(tensors), shapes)])
+        residuals[c] = codec_input - decoded
+        return decoded
+
+    def start(g):
+        if merge == "keep_local":
+            return phi - g
+        return outer_step(phi, buf, g / NUM_CLUSTERS)[0]  # eager, on copies
+
+    round_start = [phi.clone() for _ in models]
+    pending = None
+    trace = []
+    last_boundary = 0
+    for step in range(1, STEPS + 1):
+        for cluster, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+            inner_step(model, optimizer, cluster, step)
+        if step % H and step != STEPS:
+            if pending is not None and overlap_steps and step == last_boundary + overlap_steps:
+                phi, buf = outer_step(phi, buf, pending)
+                pending = None
+                for c, model in enumerate(models):
+                    restart = phi - held_share(c)
+                    load(model, flat(model) + (restart - round_start[c]))
+                    round_start[c] = restart
+            continue
+        last_boundary = step
+        pseudo_grads = [round_start[c] - flat(m) for c, m in enumerate(models)]
+        if sync_delay == 0:
+            mean = sum(send(c, g) for c, g in enumerate(pseudo_grads)) / NUM_CLUSTERS
+            phi, buf = outer_step(phi, buf, mean)
+            round_start = [phi - held_share(c) for c in range(NUM_CLUSTERS)]
+        else:
+            if pending is not None:
+                phi, buf = outer_step(phi, buf, pending)
+            held_before = [held_share(c) for c in range(NUM_CLUSTERS)]
+            pending = sum(send(c, g) for c, g in enumerate(pseudo_grads)) / NUM_CLUSTERS
+            round_start = [start(g) - held_before[c] for c, g in enumerate(pseudo_grads)]
+        for model, start_params in zip(models, round_start, strict=True):
+            load(model, start_params)
+        trace.append((phi.clone(), [flat(m) for m in models]))
+    if pending is not None:
+        phi, buf = outer_step(phi, buf, pending)
+    for model in models:
+        load(model, phi)
+    trace.append((phi.clone(), [flat(m) for m in models]))
+    return trace
+
+
+def _run(rank, world_size):
+    groups = build_process_groups(Topology(NUM_CLUSTERS), rank)
+    codec_flags = [f"--compression.{key}={value}" for key, value in CODEC.items()]
+    traces = {}
+    for name in VARIANTS:
+        flags = [f"--sync.{key}={str(value).lower() if isinstance(value, bool) else value}"
+                 for key, value in settings(name).items()]  # fmt: skip
+        cfg = load_config(
+            None, ["--sync.kind=diloco", f"--sync.inner_steps={H}", f"--train.steps={STEPS}", *codec_flags, *flags]
+        )
+        cfg.validate()
+        model = make_model()
+        channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+        sync = build_sync(cfg, model.parameters(), channel=channel, dp_group=groups.dp_group)
+        optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+        trace = []
+        for step in range(1, STEPS + 1):
+            inner_step(model, optimizer, rank, step, sync)
+            sync.after_inner_step(step)
+            if sync.is_round_boundary(step):
+                trace.append((sync.outer_params.clone(), flat(model)))
+        sync.flush()
+        trace.append((sync.outer_params.clone(), flat(model)))
+        channel.close()
+        traces[name] = trace
+    return traces
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(_run, NUM_CLUSTERS)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_local_residual_matches_the_single_process_simulation(runs, variant):
+    want = reference(**settings(variant))
+    assert len(want) == 3 + 1  # rounds ending at steps 3, 6, 7, then the flush
+    for cluster, traces in enumerate(runs):
+        got = traces[variant]
+        assert len(got) == len(want)
+        for (outer_params, params), (want_phi, want_params) in zip(got, want, strict=True):
+            torch.testing.assert_close(outer_params, want_phi, rtol=0, atol=1e-6)
+            torch.testing.assert_close(params, want_params[cluster], rtol=0, atol=1e-6)
+    for (phi_0, _), (phi_1, _), (phi_2, _) in zip(*(traces[variant] for traces in runs), strict=True):
+        assert torch.equal(phi_0, phi_1) and torch.equal(phi_0, phi_2)  # phi only takes the true averages
+
+
+def test_the_reference_keeps_the_held_back_share_and_it_changes_the_run():
+    """The codec really holds part back, local_residual really moves the clusters' parameters by it, the clusters
+    start apart by their own residuals, and the runs end elsewhere than without it."""
+    on, off = reference(**settings("blocking-averaging")), reference(**settings("blocking-averaging-off"))
+    torch.testing.assert_close(on[0][0], off[0][0], rtol=0, atol=0)  # round 1 sends the same either way
+    for cluster in range(NUM_CLUSTERS):
+        assert torch.equal(off[0][1][cluster], off[0][0])  # without it every cluster restarts at phi
+        assert (on[0][1][cluster] - on[0][0]).abs().max() > 1e-3  # with it, at phi - h / C
+    assert (on[0][1][0] - on[0][1][1]).abs().max() > 1e-3
+    assert (on[-1][0] - off[-1][0]).abs().max() > 1e-4
+    early_on = reference(**settings("delayed-eager-overlap1"))
+    early_off = reference(**settings("delayed-eager-overlap1-off"))
+    assert (early_on[1][1][0] - early_off[1][1][0]).abs().max() > 1e-3
