@@ -32,7 +32,13 @@ from dilocox.faults import FaultConfig
 from dilocox.metrics import WANDB_MODES
 from dilocox.net.config import NetworkConfig
 from dilocox.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
-from dilocox.sync.config import KIND_DEFAULTS, SyncConfig, check_local_residual, check_robust_reduction
+from dilocox.sync.config import (
+    KIND_DEFAULTS,
+    SyncConfig,
+    check_local_residual,
+    check_robust_reduction,
+    fit_kind_defaults,
+)
 
 OPTIMIZERS = ("adamw", "sgd")
 """`train.optimizer`: the inner optimizer."""
@@ -574,6 +580,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for name, value in KIND_DEFAULTS.get(cfg.sync.kind, {}).items():
         if name not in explicit:
             _set(cfg, name, value, from_text=False)
+    fit_kind_defaults(cfg.sync, cfg.compression, explicit, elastic=cfg.topology.elastic)
     if "train.warmup_steps" not in explicit:
         cfg.train.warmup_steps = default_warmup_steps(cfg.train.steps)  # a short run still gets its cosine decay
     return cfg

@@ -29,7 +29,7 @@ from dilocox.faults import FaultConfig
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.net.link import parse_bandwidth, parse_duration
 from dilocox.sync.base import RoundStats
-from dilocox.sync.config import KIND_DEFAULTS, OUTER_LOOP_KINDS, SyncConfig
+from dilocox.sync.config import KIND_DEFAULTS, OUTER_LOOP_KINDS, SyncConfig, fit_kind_defaults
 from dilocox.sync.diloco import DiLoCoSync
 from dilocox.sync.membership import ElasticMembership
 from dilocox.topology import group_size
@@ -427,6 +427,7 @@ def outer_configs(
         if key not in explicit:
             section, name = key.split(".")
             setattr(sections[section], name, value)
+    fit_kind_defaults(sync, codec, explicit)
     sync.validate()
     codec.validate()
     return sync, codec

@@ -168,6 +168,23 @@ def test_allreduce_does_not_need_round_aligned_checkpoints():
     assert cfg.notes() == []
 
 
+@pytest.mark.parametrize(
+    "overrides, want",
+    [
+        (["--sync.kind=dilocox"], True),  # adaptive, with error feedback
+        (["--sync.kind=dilocox", "--compression.kind=none"], False),
+        (["--sync.kind=dilocox", "--compression.error_feedback=false"], False),
+        (["--sync.kind=dilocox", "--topology.elastic=true"], False),
+        (["--sync.kind=dilocox", "--sync.local_residual=false"], False),
+        (["--sync.kind=diloco", "--compression.kind=topk_int4"], False),
+    ],
+)
+def test_dilocox_keeps_the_local_residual_unless_nothing_is_held_back_or_the_run_is_elastic(overrides, want):
+    cfg = load_config(None, overrides)
+    cfg.validate()
+    assert cfg.sync.local_residual is want
+
+
 def test_checkpoint_interval_off_the_round_grid_is_a_note_not_an_error():
     """Checkpoints are taken at the next round boundary (Trainer._checkpoint_due); the user is told once."""
     cfg = load_config(None, ["--sync.inner_steps=50", "--checkpoint.interval=75"])

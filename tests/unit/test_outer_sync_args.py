@@ -55,6 +55,16 @@ def test_kinds_fill_the_settings_left_out(kind, options, want):
     assert sync.name == kind and sync.inner_steps == 2
 
 
+def test_dilocox_keeps_the_local_residual_where_its_codec_has_one():
+    assert build(kind="dilocox").sync_config.local_residual  # adaptive, with error feedback
+    assert not build(kind="dilocox", compression="none").sync_config.local_residual  # fp32 holds nothing back
+    no_feedback = CompressionConfig(kind="int4", error_feedback=False)
+    assert not build(kind="dilocox", compression=no_feedback).sync_config.local_residual
+    assert not build(kind="diloco", compression="topk_int4").sync_config.local_residual  # diloco: opt-in
+    assert build(kind="diloco", compression="topk_int4", local_residual=True).sync_config.local_residual
+    assert not build(kind="dilocox", local_residual=False).sync_config.local_residual
+
+
 def test_a_compression_config_is_used_as_given_and_never_changed():
     mine = CompressionConfig(kind="lowrank_int4", rank=4)
     sync = build(compression=mine)
