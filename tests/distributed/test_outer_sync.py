@@ -26,14 +26,30 @@ VARIANTS = {
     "dilocox-defaults": (
         {"kind": "dilocox"},
         (
-            SyncConfig(kind="dilocox", inner_steps=H, sync_delay=1, outer_lr=1.0, outer_momentum=0.0, merge="eager"),
+            SyncConfig(
+                kind="dilocox",
+                inner_steps=H,
+                sync_delay=1,
+                outer_lr=1.0,
+                outer_momentum=0.0,
+                merge="eager",
+                local_residual=True,
+            ),
             CompressionConfig(kind="adaptive"),
         ),
     ),
     "dilocox-int4-reset-nesterov": (
         {"kind": "dilocox", "compression": "int4", "merge": "reset", "outer_lr": 0.7, "outer_momentum": 0.9},
         (
-            SyncConfig(kind="dilocox", inner_steps=H, sync_delay=1, merge="reset", outer_lr=0.7, outer_momentum=0.9),
+            SyncConfig(
+                kind="dilocox",
+                inner_steps=H,
+                sync_delay=1,
+                merge="reset",
+                outer_lr=0.7,
+                outer_momentum=0.9,
+                local_residual=True,
+            ),
             CompressionConfig(kind="int4"),
         ),
     ),
