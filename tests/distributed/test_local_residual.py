@@ -17,13 +17,20 @@ import pytest
 import torch
 
 from dilocox.compress import CompressionConfig, build_codec
-from dilocox.config import load_config
-from dilocox.net.channel import WanChannel
-from dilocox.sync import build_sync
 from dilocox.topology import Topology, build_process_groups
+from tests.distributed.test_outer_reference import (
+    STEPS,
+    assert_traces_match,
+    drive,
+    flat,
+    inner_step,
+    load,
+    make_model,
+    sync_flags,
+)
 from tests.multiproc import run_ranks
 
-NUM_CLUSTERS, H, STEPS, INNER_LR, DECAY = 3, 3, 7, 0.1, 0.9  # rounds end at steps 3, 6 and 7
+NUM_CLUSTERS, H, INNER_LR, DECAY = 3, 3, 0.1, 0.9  # rounds end at steps 3, 6 and 7 (STEPS = 7)
 CODEC = {"kind": "topk_int4", "density": 0.4, "feedback_decay": DECAY}
 AVERAGING = {"outer_lr": 1.0, "outer_momentum": 0.0}
 NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9}
@@ -48,31 +55,6 @@ DEFAULTS = {"merge": "keep_local", "overlap_steps": 0, "local_residual": True}
 
 def settings(name: str) -> dict:
     return DEFAULTS | VARIANTS[name]
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)  # every cluster starts from the same parameters
-    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-
-
-def inner_step(model, optimizer, cluster: int, step: int, sync=None) -> None:
-    generator = torch.Generator().manual_seed(1000 * cluster + step)
-    x, y = torch.randn(5, 6, generator=generator), torch.randn(5, 3, generator=generator)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    if sync is not None:
-        sync.reduce_gradients()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def load(model, vector: torch.Tensor) -> None:
-    with torch.no_grad():
-        for p, chunk in zip(model.parameters(), vector.split([p.numel() for p in model.parameters()]), strict=True):
-            p.copy_(chunk.view_as(p))
 
 
 def reference(sync_delay, merge, outer_lr, outer_momentum, overlap_steps, local_residual):
@@ -151,30 +133,9 @@ def reference(sync_delay, merge, outer_lr, outer_momentum, overlap_steps, local_
 
 def _run(rank, world_size):
     groups = build_process_groups(Topology(NUM_CLUSTERS), rank)
-    codec_flags = [f"--compression.{key}={value}" for key, value in CODEC.items()]
-    traces = {}
-    for name in VARIANTS:
-        flags = [f"--sync.{key}={str(value).lower() if isinstance(value, bool) else value}"
-                 for key, value in settings(name).items()]  # fmt: skip
-        cfg = load_config(
-            None, ["--sync.kind=diloco", f"--sync.inner_steps={H}", f"--train.steps={STEPS}", *codec_flags, *flags]
-        )
-        cfg.validate()
-        model = make_model()
-        channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
-        sync = build_sync(cfg, model.parameters(), channel=channel, dp_group=groups.dp_group)
-        optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-        trace = []
-        for step in range(1, STEPS + 1):
-            inner_step(model, optimizer, rank, step, sync)
-            sync.after_inner_step(step)
-            if sync.is_round_boundary(step):
-                trace.append((sync.outer_params.clone(), flat(model)))
-        sync.flush()
-        trace.append((sync.outer_params.clone(), flat(model)))
-        channel.close()
-        traces[name] = trace
-    return traces
+    common = ["--sync.kind=diloco", f"--sync.inner_steps={H}", f"--train.steps={STEPS}"]
+    common += [f"--compression.{key}={value}" for key, value in CODEC.items()]
+    return {name: drive(groups, rank, common + sync_flags(settings(name)), make_model()) for name in VARIANTS}
 
 
 @pytest.fixture(scope="module")
@@ -185,14 +146,7 @@ def runs():
 @pytest.mark.dist
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_local_residual_matches_the_single_process_simulation(runs, variant):
-    want = reference(**settings(variant))
-    assert len(want) == 3 + 1  # rounds ending at steps 3, 6, 7, then the flush
-    for cluster, traces in enumerate(runs):
-        got = traces[variant]
-        assert len(got) == len(want)
-        for (outer_params, params), (want_phi, want_params) in zip(got, want, strict=True):
-            torch.testing.assert_close(outer_params, want_phi, rtol=0, atol=1e-6)
-            torch.testing.assert_close(params, want_params[cluster], rtol=0, atol=1e-6)
+    assert_traces_match([traces[variant] for traces in runs], reference(**settings(variant)))
     for (phi_0, _), (phi_1, _), (phi_2, _) in zip(*(traces[variant] for traces in runs), strict=True):
         assert torch.equal(phi_0, phi_1) and torch.equal(phi_0, phi_2)  # phi only takes the true averages
 

@@ -157,28 +157,45 @@ def reference(sync_delay, merge, outer_lr, outer_momentum, nesterov, outer_lr_sc
     return trace
 
 
+def sync_flags(settings: dict) -> list[str]:
+    """`--sync.key=value` for each SyncConfig field of a variant."""
+    return [f"--sync.{key}={str(v).lower() if isinstance(v, bool) else v}" for key, v in settings.items()]
+
+
+def drive(groups, rank: int, flags: list[str], model: torch.nn.Module, step_fn=None) -> list:
+    """Train `model` as this rank's cluster for STEPS plain-SGD steps under `load_config(flags)`'s outer sync, as the
+    trainer drives it; (outer params, params) after each round and after the final flush."""
+    step_fn = step_fn or inner_step
+    cfg = load_config(None, flags)
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+    sync = build_sync(cfg, model.parameters(), channel=channel, dp_group=groups.dp_group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    trace = []
+    for step in range(1, STEPS + 1):
+        step_fn(model, optimizer, rank, step, sync)
+        sync.after_inner_step(step)
+        if sync.is_round_boundary(step):
+            trace.append((sync.outer_params.clone(), flat(model)))
+    sync.flush()
+    trace.append((sync.outer_params.clone(), flat(model)))
+    channel.close()
+    return trace
+
+
+def assert_traces_match(got: list[list], want: list) -> None:
+    """Every cluster's `drive` trace (`got[cluster]`) equals the simulation's `want` to 1e-6, round by round."""
+    assert len(want) == 3 + 1  # rounds ending at steps 3, 6, 7, then the flush
+    for cluster, trace in enumerate(got):
+        assert len(trace) == len(want)
+        for (outer_params, params), (want_phi, want_params) in zip(trace, want, strict=True):
+            torch.testing.assert_close(outer_params, want_phi, rtol=0, atol=1e-6)
+            torch.testing.assert_close(params, want_params[cluster], rtol=0, atol=1e-6)
+
+
 def _run(rank, world_size):
     groups = build_process_groups(Topology(NUM_CLUSTERS), rank)
-    traces = {}
-    for name in VARIANTS:
-        flags = [f"--sync.{key}={str(value).lower() if isinstance(value, bool) else value}"
-                 for key, value in settings(name).items()]  # fmt: skip
-        cfg = load_config(None, ["--sync.kind=diloco", f"--sync.inner_steps={H}", f"--train.steps={STEPS}", *flags])
-        model = make_model()
-        channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
-        sync = build_sync(cfg, model.parameters(), channel=channel, dp_group=groups.dp_group)
-        optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-        trace = []
-        for step in range(1, STEPS + 1):
-            inner_step(model, optimizer, rank, step, sync)
-            sync.after_inner_step(step)
-            if sync.is_round_boundary(step):
-                trace.append((sync.outer_params.clone(), flat(model)))
-        sync.flush()
-        trace.append((sync.outer_params.clone(), flat(model)))
-        channel.close()
-        traces[name] = trace
-    return traces
+    common = ["--sync.kind=diloco", f"--sync.inner_steps={H}", f"--train.steps={STEPS}"]
+    return {name: drive(groups, rank, common + sync_flags(settings(name)), make_model()) for name in VARIANTS}
 
 
 @pytest.fixture(scope="module")
@@ -190,13 +207,7 @@ def runs():
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_outer_loop_matches_the_single_process_simulation(runs, variant):
     want = reference(**settings(variant))
-    assert len(want) == 3 + 1  # rounds ending at steps 3, 6, 7, then the flush
-    for cluster, traces in enumerate(runs):
-        got = traces[variant]
-        assert len(got) == len(want)
-        for (outer_params, params), (want_phi, want_params) in zip(got, want, strict=True):
-            torch.testing.assert_close(outer_params, want_phi, rtol=0, atol=1e-6)
-            torch.testing.assert_close(params, want_params[cluster], rtol=0, atol=1e-6)
+    assert_traces_match([traces[variant] for traces in runs], want)
     # the outer steps moved the parameters (else a sync that applied nothing would pass), and under the delay the
     # merge rules that keep local progress really start the clusters' rounds apart
     assert (want[-1][0] - want[0][0]).abs().max() > 1e-2
