@@ -420,8 +420,8 @@ class DiLoCoSync:
         """`sync.local_residual`: this cluster's share (1/C) of what its codec still holds back, None when off."""
         if not self.cfg.local_residual:
             return None
-        held_back = self.reducer.held_back()
-        return None if held_back is None else held_back.to(self.state_device) / self.num_clusters
+        held_back = self.reducer.held_back(self.state_device)
+        return None if held_back is None else held_back / self.num_clusters
 
     def _with_held_back(self, phi: torch.Tensor) -> torch.Tensor:
         """Where a round (re)starts from the agreed `phi` once no average is in flight: phi itself, or under

@@ -89,10 +89,11 @@ class Reducer(Protocol):
     def current_rank(self) -> int | None:
         """The low-rank codec's rank of the next encoding (adaptive: the last chosen), None for other codecs."""
 
-    def held_back(self) -> torch.Tensor | None:
+    def held_back(self, device: torch.device) -> torch.Tensor | None:
         """What of this cluster's past pseudo-gradients its next encoding will add (the error-feedback residual,
-        times `compression.feedback_decay`), as one flat (numel,) vector identical on the cluster's dp replicas;
-        None when the reducer keeps no residual (fp32, error feedback off, before the first round)."""
+        times `compression.feedback_decay`), as one flat (numel,) vector on `device`, identical on the cluster's dp
+        replicas (every replica calls it); None when the reducer keeps no residual (fp32, error feedback off, before
+        the first round)."""
 
     def state_bytes(self) -> int:
         """Bytes of the reducer's own state on this rank (residuals, warm starts)."""
@@ -185,7 +186,7 @@ class DenseReducer:
     def current_rank(self) -> int | None:
         return None
 
-    def held_back(self) -> torch.Tensor | None:
+    def held_back(self, device: torch.device) -> torch.Tensor | None:
         return None
 
     def state_bytes(self) -> int:
@@ -285,14 +286,14 @@ class CodecReducer:
     def heal(self) -> None:
         self.feedback.reset()
 
-    def held_back(self) -> torch.Tensor | None:
+    def held_back(self, device: torch.device) -> torch.Tensor | None:
         """The replicas' residuals, all-gathered over the fast dp_group into one vector (a no-op at dp 1)."""
         residuals = self.feedback.residuals if self.feedback.enabled else None
         if residuals is None:
             return None
-        flat = residuals[0].new_zeros(self.numel)
+        flat = torch.zeros(self.numel, device=device)  # a replica whose slice holds no tensor sends zeros
         for (start, end), residual in zip(self.slice.spans, residuals, strict=True):
-            flat[start:end] = residual.reshape(-1)
+            flat[start:end] = residual.reshape(-1).to(device)
         start, end = self.slice.bounds[_dp_rank(self.dp_group)]
         return gather_slices_(flat, flat[start:end].clone(), self.slice.bounds, self.dp_group).mul_(self.feedback.decay)
 
