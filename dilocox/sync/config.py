@@ -207,8 +207,13 @@ def fit_kind_defaults(sync: SyncConfig, compression: Any, explicit: set[str], *,
     with `compression.kind = none` or in an elastic run simply goes without it (set explicitly, it is an error)."""
     if "sync.local_residual" in explicit or not sync.local_residual:
         return
-    if compression.kind == "none" or not compression.error_feedback or elastic:
+    if not holds_back(compression) or elastic:
         sync.local_residual = False
+
+
+def holds_back(compression: Any) -> bool:
+    """Whether the codec keeps an error-feedback residual, what `sync.local_residual` keeps a share of."""
+    return compression.kind != "none" and compression.error_feedback
 
 
 def check_local_residual(sync: SyncConfig, compression: Any, *, elastic: bool = False) -> None:
@@ -216,7 +221,7 @@ def check_local_residual(sync: SyncConfig, compression: Any, *, elastic: bool = 
     heal a rejoining cluster from a peer's parameters, which hold that peer's residual, not its own."""
     if not sync.local_residual:
         return
-    if compression.kind == "none" or not compression.error_feedback:
+    if not holds_back(compression):
         raise ValueError(
             "sync.local_residual = true keeps what a codec's error feedback holds back, but compression.kind = "
             f"{compression.kind!r} with compression.error_feedback = {str(compression.error_feedback).lower()} holds "

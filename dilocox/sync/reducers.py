@@ -292,8 +292,8 @@ class CodecReducer:
         if residuals is None:
             return None
         flat = torch.zeros(self.numel, device=device)  # a replica whose slice holds no tensor sends zeros
-        for (start, end), residual in zip(self.slice.spans, residuals, strict=True):
-            flat[start:end] = residual.reshape(-1).to(device)
+        for view, residual in zip(self.slice.tensors(flat), residuals, strict=True):
+            view.copy_(residual)
         start, end = self.slice.bounds[_dp_rank(self.dp_group)]
         return gather_slices_(flat, flat[start:end].clone(), self.slice.bounds, self.dp_group).mul_(self.feedback.decay)
 
