@@ -35,7 +35,7 @@ from dilocox.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from dilocox.sync.config import (
     KIND_DEFAULTS,
     SyncConfig,
-    check_local_residual,
+    check_held_back_options,
     check_robust_reduction,
     fit_kind_defaults,
 )
@@ -235,7 +235,7 @@ class Config:
         self.faults.validate(self.topology.num_clusters if self.topology.num_clusters >= 1 else None)
         if self.sync.has_outer_loop:
             check_robust_reduction(self.sync, self.compression)
-            check_local_residual(self.sync, self.compression, elastic=self.topology.elastic)
+            check_held_back_options(self.sync, self.compression, elastic=self.topology.elastic)
         if self.faults.enabled and not self.sync.has_outer_loop:
             raise ValueError(
                 f"faults.kind = {self.faults.kind!r} injects faults into outer rounds: use sync.kind = diloco or "

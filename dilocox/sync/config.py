@@ -34,6 +34,7 @@ KIND_DEFAULTS: dict[str, dict[str, Any]] = {
         "sync.outer_momentum": 0.0,
         "sync.merge": "eager",
         "sync.local_residual": True,
+        "sync.drain_residual": True,
     }
 }
 """Settings a strategy changes from the global defaults, unless the file or a flag sets them explicitly. dilocox
@@ -46,6 +47,10 @@ better on every seed by 1.31 +- 0.49 points (benchmarks/results/outer_delay/), a
 the local residual wherever its codec has error feedback and the run is not elastic (`fit_kind_defaults`): in the
 paper regime, over 3 seeds, +7.81% from AllReduce against +8.57% without, better on every seed by 0.76 +- 0.10
 points (benchmarks/results/paper_decomposition/)."""
+
+
+HELD_BACK_OPTIONS = ("local_residual", "drain_residual")
+"""The `[sync]` options that work on what a codec's error feedback holds back (`holds_back`)."""
 
 
 @dataclass
@@ -68,6 +73,8 @@ class SyncConfig:
     """With sync_delay 1, where a round starts: keep_local (phi - own progress), reset, eager (dilocox), lookahead."""
     local_residual: bool = False
     """Keep 1/C of this cluster's error-feedback residual (what its codec has not sent yet) in its own parameters."""
+    drain_residual: bool = False
+    """At the end of training, send what every codec still holds back (its residual) once, dense int4, into phi."""
     outer_lr_schedule: str = "constant"
     """Outer learning rate over the outer updates: constant, or cosine down to outer_lr x outer_min_lr_ratio."""
     outer_warmup_rounds: int = 0
@@ -152,11 +159,12 @@ class SyncConfig:
                 "learning rate as a fraction of sync.outer_lr (1 = no decay)"
             )
         check_choice("sync.outer_state_device", self.outer_state_device, OUTER_STATE_DEVICES)
-        if self.local_residual and not self.has_outer_loop:
-            raise ValueError(
-                f"sync.local_residual = true keeps a codec's residual between outer rounds, but sync.kind = "
-                f"{self.kind!r} has none; use sync.kind = diloco or dilocox"
-            )
+        for option in HELD_BACK_OPTIONS:
+            if getattr(self, option) and not self.has_outer_loop:
+                raise ValueError(
+                    f"sync.{option} = true works on a codec's residual between outer rounds, but sync.kind = "
+                    f"{self.kind!r} has no outer rounds; use sync.kind = diloco or dilocox"
+                )
         if not self.has_outer_loop and self.sync_delay:
             raise ValueError("sync.sync_delay = 1 needs an outer loop: use sync.kind = diloco or dilocox")
         if self.fit_link and self.sync_delay != 1:
@@ -203,12 +211,12 @@ def check_robust_reduction(sync: SyncConfig, compression: Any) -> None:
 
 def fit_kind_defaults(sync: SyncConfig, compression: Any, explicit: set[str], *, elastic: bool = False) -> None:
     """Undo a strategy default (`KIND_DEFAULTS`) that the rest of the settings cannot use, unless it was set
-    explicitly: dilocox's `sync.local_residual` needs a codec with error feedback and a static run, so `dilocox`
-    with `compression.kind = none` or in an elastic run simply goes without it (set explicitly, it is an error)."""
-    if "sync.local_residual" in explicit or not sync.local_residual:
-        return
-    if not holds_back(compression) or elastic:
-        sync.local_residual = False
+    explicitly: dilocox's `sync.local_residual` and `sync.drain_residual` need a codec with error feedback and a
+    static run, so `dilocox` with `compression.kind = none` or in an elastic run simply goes without them (set
+    explicitly, it is an error)."""
+    for option in HELD_BACK_OPTIONS:
+        if f"sync.{option}" not in explicit and getattr(sync, option) and (not holds_back(compression) or elastic):
+            setattr(sync, option, False)
 
 
 def holds_back(compression: Any) -> bool:
@@ -216,20 +224,22 @@ def holds_back(compression: Any) -> bool:
     return compression.kind != "none" and compression.error_feedback
 
 
-def check_local_residual(sync: SyncConfig, compression: Any, *, elastic: bool = False) -> None:
-    """`sync.local_residual` keeps what a codec's error feedback holds back, so it needs such a codec; elastic runs
-    heal a rejoining cluster from a peer's parameters, which hold that peer's residual, not its own."""
-    if not sync.local_residual:
-        return
-    if not holds_back(compression):
-        raise ValueError(
-            "sync.local_residual = true keeps what a codec's error feedback holds back, but compression.kind = "
-            f"{compression.kind!r} with compression.error_feedback = {str(compression.error_feedback).lower()} holds "
-            "nothing back; use a codec with error feedback (e.g. compression.kind = topk_int4), or set "
-            "sync.local_residual = false"
-        )
-    if elastic:
-        raise ValueError(
-            "sync.local_residual = true is not supported in elastic runs (topology.elastic = true): set "
-            "sync.local_residual = false"
-        )
+def check_held_back_options(sync: SyncConfig, compression: Any, *, elastic: bool = False) -> None:
+    """`sync.local_residual` and `sync.drain_residual` work on what a codec's error feedback holds back, so they need
+    such a codec; elastic runs heal a rejoining cluster from a peer's parameters, which hold that peer's residual,
+    not its own, and end their rounds elsewhere (`ElasticRounds`)."""
+    for option in HELD_BACK_OPTIONS:
+        if not getattr(sync, option):
+            continue
+        if not holds_back(compression):
+            raise ValueError(
+                f"sync.{option} = true works on what a codec's error feedback holds back, but compression.kind = "
+                f"{compression.kind!r} with compression.error_feedback = {str(compression.error_feedback).lower()} "
+                f"holds nothing back; use a codec with error feedback (e.g. compression.kind = topk_int4), or set "
+                f"sync.{option} = false"
+            )
+        if elastic:
+            raise ValueError(
+                f"sync.{option} = true is not supported in elastic runs (topology.elastic = true): set "
+                f"sync.{option} = false"
+            )

@@ -25,7 +25,7 @@ from dilocox.compress import CompressionConfig
 from dilocox.faults import FaultConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, RoundStats, dp_mean_
-from dilocox.sync.config import FIT_HEADROOM, SyncConfig, check_local_residual, check_robust_reduction
+from dilocox.sync.config import FIT_HEADROOM, SyncConfig, check_held_back_options, check_robust_reduction
 from dilocox.sync.elastic import ElasticRounds
 from dilocox.sync.membership import ElasticMembership
 from dilocox.sync.reducers import GatherReducer, PendingMean, Reducer, build_reducer
@@ -62,6 +62,9 @@ class DiLoCoSync:
     times `compression.feedback_decay` (what the next encoding adds); under the delay the in-flight round's own share
     is then `pseudo_grad + held_back` of the last rounds, as the merge rule takes it. The clusters' parameters differ
     by their residuals; phi, the agreed model, is unchanged, and `flush()` still sets every cluster to phi.
+    `sync.drain_residual` (a codec with error feedback): at the end of training `flush()` sends what every codec still
+    holds back once more, densely in int4, and phi takes its mean (times the outer learning rate, no momentum), so
+    the model the run ends with holds all of every cluster's progress rather than what the codec had sent so far.
 
     The outer learning rate of each update follows `sync.outer_lr_schedule` (`SyncConfig.outer_lr_at`), over the
     run's ceil(total_steps / H) updates. The average itself is its `reducer`'s (`compression.kind` and
@@ -91,13 +94,15 @@ class DiLoCoSync:
         cfg.validate()
         compression = compression or CompressionConfig()
         check_robust_reduction(cfg, compression)
-        check_local_residual(cfg, compression, elastic=membership is not None)
+        check_held_back_options(cfg, compression, elastic=membership is not None)
         self.cfg = cfg
         self.name = cfg.kind  # diloco or dilocox: the same code, other defaults
         self.flat = FlatParams(params)
         self.numel = self.flat.numel
         self.channel = channel
         self.dp_group = dp_group
+        self.compression = compression
+        self.seed = seed
         self.inner_steps = cfg.inner_steps  # H of the round in progress (fit_link may change it between rounds)
         self.round_end = cfg.inner_steps  # the step at which the round in progress ends
         self.last_boundary = 0  # the step at which the last round ended
@@ -285,22 +290,52 @@ class DiLoCoSync:
             )
 
     def flush(self) -> RoundStats | None:
-        """Apply the sync still in flight; afterwards every cluster holds the same parameters (phi)."""
+        """Apply the sync still in flight (and with `sync.drain_residual` what the codecs still hold back); afterwards
+        every cluster holds the same parameters (phi). Returns the stats of the sync it waited for, if any."""
         if self.elastic is not None:
             return self.elastic.flush()
-        if self.pending is None:
-            if self.cfg.local_residual:  # blocking: the clusters hold phi minus their held-back shares
-                self.flat.scatter_data(self.outer_params)
-                self.round_start = self.outer_params.clone()
-            return None
-        due, self.pending = self.pending, None
-        avg, stats = self.wait_sync(due, judge_link=False)  # launched just now: no round of compute to hide behind
-        self._set_outer_lr(self.outer_step - 1)  # launched by the last end_round
-        if not stats.skipped:
-            self.apply(avg)
-        self.flat.scatter_data(self.outer_params)
-        self.round_start = self.outer_params.clone()
+        stats = None
+        if self.pending is not None:
+            due, self.pending = self.pending, None
+            avg, stats = self.wait_sync(due, judge_link=False)  # launched just now: no round of compute to hide behind
+            self._set_outer_lr(self.outer_step - 1)  # launched by the last end_round
+            if not stats.skipped:
+                self.apply(avg)
+        if self.cfg.drain_residual:
+            self._drain()
+        if stats is not None or self.cfg.local_residual or self.cfg.drain_residual:
+            self.flat.scatter_data(self.outer_params)  # blocking: the clusters held phi minus their shares
+            self.round_start = self.outer_params.clone()
         return stats
+
+    def _drain(self) -> None:
+        """`sync.drain_residual`: send every cluster's held-back residual (`Reducer.held_back`) dense in int4 and
+        subtract its mean times the outer learning rate from phi, without a momentum step (the residual is progress
+        already made, not a direction to keep going); the codec then holds nothing back. One payload of about
+        4.25 bits per value per cluster, waited for at the end: nothing is left to compute behind it."""
+        held_back = self.reducer.held_back(self.state_device)
+        if held_back is None:  # no round has ended yet
+            return
+        codec = CompressionConfig(kind="int4", error_feedback=False, group_size=self.compression.group_size)
+        drain = build_reducer(
+            codec,
+            self.flat.shapes,
+            channel=self.channel,
+            dp_group=self.dp_group,
+            seed=self.seed,
+            guard_max_ratio=self.cfg.guard_max_ratio if self.cfg.guard else None,
+            aggregate=self.cfg.aggregate,
+            trim_fraction=self.cfg.trim_fraction,
+        )
+        avg, stats = self.wait_sync(drain.launch(held_back), judge_link=False, judge_mean=False)
+        if not stats.skipped:
+            self.outer_params.sub_(avg, alpha=self.outer_optimizer.param_groups[0]["lr"])
+        self.reducer.heal()  # sent: nothing is held back any more
+        self.warnings.append(
+            f"drain: sent the held-back residual (int4, {stats.bytes_sent:,} bytes from this rank, "
+            f"{stats.link_s:.2f} s of link, {stats.exposed_s:.2f} s waited)"
+            + (": no usable mean, phi kept as it was" if stats.skipped else "")
+        )
 
     @contextmanager
     def agreed_model(self) -> Iterator[bool]:
@@ -324,19 +359,21 @@ class DiLoCoSync:
         round_steps: int | None = None,
         round_index: int | None = None,
         judge_link: bool = True,
+        judge_mean: bool = True,
     ) -> tuple[torch.Tensor, RoundStats]:
         """The averaged pseudo-gradient of a launched sync, with the link time it took and the part that was hidden.
 
         `round_steps`: inner steps computed since the sync was launched (this round's H), for the per-round log;
         `round_index`: the round that launched it (1-based), for the guard's messages; `judge_link`: whether a
         link slower than the compute since the launch deserves the slow-link warning (not at the final flush,
-        which waits right after the last launch)."""
+        which waits right after the last launch); `judge_mean`: whether the summing reductions' guard judges the mean
+        against recent rounds' (not for the drain, whose residual is no round's pseudo-gradient)."""
         round_steps = self.inner_steps if round_steps is None else round_steps
         round_index = self.outer_step if round_index is None else round_index
         compute_s = time.perf_counter() - pending.transfer.launch_time
         blocked_from = time.perf_counter()
         avg = pending.wait()
-        skipped = self._guard_mean(avg, pending, round_index) if self.cfg.guard else False
+        skipped = self._guard_mean(avg, pending, round_index, judge_mean) if self.cfg.guard else False
         if skipped:
             avg = torch.zeros_like(avg)
         stats = RoundStats(
@@ -356,12 +393,12 @@ class DiLoCoSync:
             self.warnings.append(self._slow_link_advice(stats, round_steps=round_steps))
         return avg, stats
 
-    def _guard_mean(self, avg: torch.Tensor, pending: PendingMean, round_index: int) -> bool:
+    def _guard_mean(self, avg: torch.Tensor, pending: PendingMean, round_index: int, judge_mean: bool) -> bool:
         """Log what the gather reduction left out; judge the mean of the summing ones. True: skip this round."""
         for cluster, why in sorted(pending.excluded.items()):
             self.warnings.append(f"guard: round {round_index}: cluster {cluster}'s update left out ({why})")
         self.guard_counts["excluded_updates"] += len(pending.excluded)
-        if self.mean_guard is not None:
+        if self.mean_guard is not None and judge_mean:
             verdict = self.mean_guard.judge([avg])[0]
             if verdict is None:
                 self.mean_guard.accept([avg])

@@ -56,10 +56,12 @@ class OuterSync:
         # here every cluster holds the same parameters
 
     `kind` picks the defaults of `sync_delay`, `compression`, `outer_lr` and `outer_momentum` (`KIND_DEFAULTS`):
-    `dilocox` is delayed, adaptive low-rank int4, plain averaging; `diloco` is blocking, fp32, SGD lr 0.7 with
-    Nesterov 0.9. `dp_group` (the data-parallel replicas of this model inside the cluster) gets the gradient mean
-    before every inner step, from a pre-step hook on `inner_optimizer` unless `reduce_gradients()` was called
-    since the last one, and shares the cluster's uplink: each replica sends 1/D of the pseudo-gradient.
+    `dilocox` is delayed, adaptive low-rank int4, plain averaging, with `local_residual` and `drain_residual` (each
+    `flush()` then also sends what the codec still holds back, one dense int4 payload: flush at the end, not to
+    peek); `diloco` is blocking, fp32, SGD lr 0.7 with Nesterov 0.9. `dp_group` (the data-parallel replicas of
+    this model inside the cluster) gets the gradient mean before every inner step, from a pre-step hook on
+    `inner_optimizer` unless `reduce_gradients()` was called since the last one, and shares the cluster's uplink:
+    each replica sends 1/D of the pseudo-gradient.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class OuterSync:
         nesterov: bool | None = None,
         merge: str | None = None,
         local_residual: bool | None = None,
+        drain_residual: bool | None = None,
         dp_group: dist.ProcessGroup | None = None,
         bandwidth: str | None = None,
         latency: str = "0",
@@ -97,6 +100,7 @@ class OuterSync:
             nesterov=nesterov,
             merge=merge,
             local_residual=local_residual,
+            drain_residual=drain_residual,
         )
         bytes_per_s = None if bandwidth is None else parse_bandwidth(bandwidth)
         latency_s = parse_duration(latency)

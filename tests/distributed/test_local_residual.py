@@ -11,6 +11,8 @@ h / C, h = d r (what its next encoding will add), in its parameters:
 - an average that lands k steps into a round (`overlap_steps`): phi takes it, each cluster's restart point becomes
   phi - h / C (h after the in-flight round's encoding), and its parameters move by what that point moved past the
   old round start; the final flush sets every cluster to phi.
+With drain_residual the final flush then also sends every cluster's h = d r dense in int4 (the int4 codec, no error
+feedback), and phi takes the mean of what arrives times the outer learning rate, with no momentum step.
 """
 
 import pytest
@@ -47,17 +49,28 @@ VARIANTS = {
         "overlap_steps": 1,
         "local_residual": False,
         **AVERAGING,
-    },  # fmt: skip
+    },
     "blocking-averaging-off": {"sync_delay": 0, "local_residual": False, **AVERAGING},
+    "blocking-averaging-drain": {"sync_delay": 0, "drain_residual": True, **AVERAGING},
+    "delayed-keep_local-nesterov-drain": {"sync_delay": 1, "merge": "keep_local", "drain_residual": True, **NESTEROV},
+    "delayed-eager-drain-only": {
+        "sync_delay": 1,
+        "merge": "eager",
+        "local_residual": False,
+        "drain_residual": True,
+        **AVERAGING,
+    },
+    "delayed-eager-off": {"sync_delay": 1, "merge": "eager", "local_residual": False, **AVERAGING},
 }
-DEFAULTS = {"merge": "keep_local", "overlap_steps": 0, "local_residual": True}
+DEFAULTS = {"merge": "keep_local", "overlap_steps": 0, "local_residual": True, "drain_residual": False}
+DRAIN_CODEC = CompressionConfig(kind="int4", error_feedback=False)
 
 
 def settings(name: str) -> dict:
     return DEFAULTS | VARIANTS[name]
 
 
-def reference(sync_delay, merge, outer_lr, outer_momentum, overlap_steps, local_residual):
+def reference(sync_delay, merge, outer_lr, outer_momentum, overlap_steps, local_residual, drain_residual):
     """(outer params, every cluster's params) after each round and after the final flush."""
     models = [make_model() for _ in range(NUM_CLUSTERS)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=INNER_LR) for m in models]
@@ -125,22 +138,41 @@ def reference(sync_delay, merge, outer_lr, outer_momentum, overlap_steps, local_
         trace.append((phi.clone(), [flat(m) for m in models]))
     if pending is not None:
         phi, buf = outer_step(phi, buf, pending)
+    if drain_residual:
+        phi = phi - outer_lr * sum(int4_round_trip(DECAY * r, shapes) for r in residuals) / NUM_CLUSTERS
     for model in models:
         load(model, phi)
     trace.append((phi.clone(), [flat(m) for m in models]))
     return trace
 
 
+def int4_round_trip(vector, shapes):
+    """What the drain's int4 codec delivers of `vector`, one tensor per shape."""
+    tensors = [part.view(s) for part, s in zip(vector.split([s.numel() for s in shapes]), shapes, strict=True)]
+    codec = build_codec(DRAIN_CODEC)
+    return torch.cat([t.reshape(-1) for t in codec.decode_list(codec.encode_list(tensors), shapes)])
+
+
 def _run(rank, world_size):
     groups = build_process_groups(Topology(NUM_CLUSTERS), rank)
     common = ["--sync.kind=diloco", f"--sync.inner_steps={H}", f"--train.steps={STEPS}"]
     common += [f"--compression.{key}={value}" for key, value in CODEC.items()]
-    return {name: drive(groups, rank, common + sync_flags(settings(name)), make_model()) for name in VARIANTS}
+    traces, flush_bytes = {}, {}
+    for name in VARIANTS:
+        flush_bytes[name] = []
+        flags = common + sync_flags(settings(name))
+        traces[name] = drive(groups, rank, flags, make_model(), flush_bytes=flush_bytes[name])
+    return traces, flush_bytes
 
 
 @pytest.fixture(scope="module")
-def runs():
+def results():
     return run_ranks(_run, NUM_CLUSTERS)
+
+
+@pytest.fixture(scope="module")
+def runs(results):
+    return [traces for traces, _ in results]
 
 
 @pytest.mark.dist
@@ -149,6 +181,23 @@ def test_local_residual_matches_the_single_process_simulation(runs, variant):
     assert_traces_match([traces[variant] for traces in runs], reference(**settings(variant)))
     for (phi_0, _), (phi_1, _), (phi_2, _) in zip(*(traces[variant] for traces in runs), strict=True):
         assert torch.equal(phi_0, phi_1) and torch.equal(phi_0, phi_2)  # phi only takes the true averages
+
+
+@pytest.mark.dist
+def test_the_drain_sends_one_int4_payload_per_cluster(results):
+    """The final flush's bytes: nothing for a blocking run without the drain; with it, this rank's int4 payload of
+    the whole model to each of the C - 1 others (the all-gather's ring count). A delayed run's flush also completes
+    the last round's top-k sync, so there the drain adds exactly that payload to the flush of the same run without
+    it (their rounds are the same until the flush)."""
+    shapes = [p.shape for p in make_model().parameters()]
+    drain_payload = build_codec(DRAIN_CODEC).encode_list([torch.ones(s) for s in shapes]).nbytes
+    assert drain_payload > 0
+    for _, flush_bytes in results:
+        assert flush_bytes["blocking-averaging"] == [0]
+        assert flush_bytes["blocking-averaging-drain"] == [(NUM_CLUSTERS - 1) * drain_payload]
+        last_round = flush_bytes["delayed-eager-off"][0]
+        assert last_round > 0
+        assert flush_bytes["delayed-eager-drain-only"] == [last_round + (NUM_CLUSTERS - 1) * drain_payload]
 
 
 def test_the_reference_keeps_the_held_back_share_and_it_changes_the_run():
@@ -164,3 +213,11 @@ def test_the_reference_keeps_the_held_back_share_and_it_changes_the_run():
     early_on = reference(**settings("delayed-eager-overlap1"))
     early_off = reference(**settings("delayed-eager-overlap1-off"))
     assert (early_on[1][1][0] - early_off[1][1][0]).abs().max() > 1e-3
+
+
+def test_the_reference_drain_moves_only_the_final_phi():
+    """The drain is not a no-op: the rounds are the same, and only the flush moves phi (by what was held back)."""
+    drained, kept = reference(**settings("blocking-averaging-drain")), reference(**settings("blocking-averaging"))
+    for (phi_a, params_a), (phi_b, params_b) in zip(drained[:-1], kept[:-1], strict=True):
+        assert torch.equal(phi_a, phi_b) and all(torch.equal(a, b) for a, b in zip(params_a, params_b, strict=True))
+    assert (drained[-1][0] - kept[-1][0]).abs().max() > 1e-3

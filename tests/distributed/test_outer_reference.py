@@ -162,9 +162,10 @@ def sync_flags(settings: dict) -> list[str]:
     return [f"--sync.{key}={str(v).lower() if isinstance(v, bool) else v}" for key, v in settings.items()]
 
 
-def drive(groups, rank: int, flags: list[str], model: torch.nn.Module, step_fn=None) -> list:
+def drive(groups, rank: int, flags: list[str], model: torch.nn.Module, step_fn=None, flush_bytes=None) -> list:
     """Train `model` as this rank's cluster for STEPS plain-SGD steps under `load_config(flags)`'s outer sync, as the
-    trainer drives it; (outer params, params) after each round and after the final flush."""
+    trainer drives it; (outer params, params) after each round and after the final flush. `flush_bytes` (a list)
+    gets the bytes this rank sent on the slow link during the final flush."""
     step_fn = step_fn or inner_step
     cfg = load_config(None, flags)
     channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
@@ -176,7 +177,10 @@ def drive(groups, rank: int, flags: list[str], model: torch.nn.Module, step_fn=N
         sync.after_inner_step(step)
         if sync.is_round_boundary(step):
             trace.append((sync.outer_params.clone(), flat(model)))
+    sent_before = channel.stats()["bytes_sent"]
     sync.flush()
+    if flush_bytes is not None:
+        flush_bytes.append(channel.stats()["bytes_sent"] - sent_before)
     trace.append((sync.outer_params.clone(), flat(model)))
     channel.close()
     return trace

@@ -102,6 +102,16 @@ def test_missing_and_invalid_files(tmp_path):
         (["--sync.outer_warmup_rounds=-1"], "sync.outer_warmup_rounds = -1 must be >= 0"),
         (["--sync.outer_min_lr_ratio=1.5"], "sync.outer_min_lr_ratio = 1.5 must be in"),
         (["--sync.kind=allreduce", "--sync.local_residual=true"], "residual between outer rounds, but sync.kind"),
+        (["--sync.kind=cocktail", "--sync.drain_residual=true"], "sync.drain_residual = true works on a codec's"),
+        (
+            ["--sync.kind=dilocox", "--sync.drain_residual=true", "--compression.error_feedback=false"],
+            "sync.drain_residual = false",
+        ),
+        (
+            ["--sync.kind=dilocox", "--sync.drain_residual=true", "--sync.local_residual=false"]
+            + ["--topology.elastic=true"],
+            "sync.drain_residual = true is not supported in elastic runs",
+        ),
         (["--sync.kind=dilocox", "--sync.local_residual=true", "--compression.kind=none"], "holds nothing back"),
         (
             [
@@ -183,6 +193,13 @@ def test_dilocox_keeps_the_local_residual_unless_nothing_is_held_back_or_the_run
     cfg = load_config(None, overrides)
     cfg.validate()
     assert cfg.sync.local_residual is want
+    assert cfg.sync.drain_residual is (want or overrides == ["--sync.kind=dilocox", "--sync.local_residual=false"])
+
+
+def test_the_drain_is_turned_off_on_its_own():
+    cfg = load_config(None, ["--sync.kind=dilocox", "--sync.drain_residual=false"])
+    cfg.validate()
+    assert cfg.sync.local_residual and not cfg.sync.drain_residual
 
 
 def test_checkpoint_interval_off_the_round_grid_is_a_note_not_an_error():

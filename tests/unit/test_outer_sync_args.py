@@ -65,6 +65,14 @@ def test_dilocox_keeps_the_local_residual_where_its_codec_has_one():
     assert not build(kind="dilocox", local_residual=False).sync_config.local_residual
 
 
+def test_dilocox_drains_the_residual_where_its_codec_has_one():
+    assert build(kind="dilocox").sync_config.drain_residual
+    assert not build(kind="dilocox", compression="none").sync_config.drain_residual
+    assert not build(kind="diloco", compression="topk_int4").sync_config.drain_residual  # diloco: opt-in
+    assert build(kind="diloco", compression="topk_int4", drain_residual=True).sync_config.drain_residual
+    assert not build(kind="dilocox", drain_residual=False).sync_config.drain_residual
+
+
 def test_a_compression_config_is_used_as_given_and_never_changed():
     mine = CompressionConfig(kind="lowrank_int4", rank=4)
     sync = build(compression=mine)
@@ -92,6 +100,7 @@ def test_a_compression_config_is_used_as_given_and_never_changed():
             {"local_residual": True, "compression": CompressionConfig(kind="topk_int4", error_feedback=False)},
             ["compression.error_feedback = false holds nothing back", "sync.local_residual = false"],
         ),
+        ({"kind": "diloco", "drain_residual": True}, ["sync.drain_residual = true", "holds nothing back"]),
         ({"bandwidth": "100"}, ["network.bandwidth = '100' is not a rate"]),
         ({"latency": "10ms"}, ["latency = '10ms' is only emulated together with a bandwidth"]),
     ],
