@@ -48,7 +48,7 @@ class CompressionConfig:
     error_feedback: bool = True
     """Add what the codec lost to the next round's pseudo-gradient."""
     feedback_decay: float = 1.0
-    """Scale the error-feedback residual by this before adding it (1: keep it whole)."""
+    """Scale the error-feedback residual by this before adding it (1 keeps it whole: best with sync.local_residual)."""
     factor_dtype: str = "fp32"
     """lowrank: encoding of the factors, fp32, fp16 or bf16 (lowrank_int4 and adaptive use int4)."""
     small_tensors: str = "raw"
