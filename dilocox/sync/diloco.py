@@ -107,17 +107,7 @@ class DiLoCoSync:
         self.round_end = cfg.inner_steps  # the step at which the round in progress ends
         self.last_boundary = 0  # the step at which the last round ended
         self.total_steps = total_steps
-        self.reducer: Reducer = build_reducer(
-            compression,
-            self.flat.shapes,
-            channel=channel,
-            dp_group=dp_group,
-            seed=seed,
-            guard_max_ratio=cfg.guard_max_ratio if cfg.guard else None,
-            aggregate=cfg.aggregate,
-            trim_fraction=cfg.trim_fraction,
-            elastic=membership is not None,
-        )
+        self.reducer: Reducer = self._build_reducer(compression, elastic=membership is not None)
         self.faults = faults if faults is not None and faults.enabled else None
         self.mean_guard = (
             UpdateGuard(cfg.guard_max_ratio) if cfg.guard and not isinstance(self.reducer, GatherReducer) else None
@@ -154,6 +144,21 @@ class DiLoCoSync:
         self.elastic = ElasticRounds(self, membership) if membership is not None else None
         """Elastic runs (topology.elastic, docs/design.md §10.1): torchft's quorum decides which clusters take part in
         each round, and this ends the rounds and the training instead."""
+
+    def _build_reducer(self, compression: CompressionConfig, *, elastic: bool = False) -> Reducer:
+        """A reducer of `compression` over this rank's tensors, on its channel, with the guard and the aggregate of
+        `[sync]`: the rounds' (`self.reducer`) and the drain's."""
+        return build_reducer(
+            compression,
+            self.flat.shapes,
+            channel=self.channel,
+            dp_group=self.dp_group,
+            seed=self.seed,
+            guard_max_ratio=self.cfg.guard_max_ratio if self.cfg.guard else None,
+            aggregate=self.cfg.aggregate,
+            trim_fraction=self.cfg.trim_fraction,
+            elastic=elastic,
+        )
 
     # ---------------------------------------------------------------------------------------------- protocol
     def reduce_gradients(self) -> None:
@@ -316,16 +321,8 @@ class DiLoCoSync:
         held_back = self.reducer.held_back(self.state_device)
         if held_back is None:  # no round has ended yet
             return
-        codec = CompressionConfig(kind="int4", error_feedback=False, group_size=self.compression.group_size)
-        drain = build_reducer(
-            codec,
-            self.flat.shapes,
-            channel=self.channel,
-            dp_group=self.dp_group,
-            seed=self.seed,
-            guard_max_ratio=self.cfg.guard_max_ratio if self.cfg.guard else None,
-            aggregate=self.cfg.aggregate,
-            trim_fraction=self.cfg.trim_fraction,
+        drain = self._build_reducer(
+            CompressionConfig(kind="int4", error_feedback=False, group_size=self.compression.group_size)
         )
         avg, stats = self.wait_sync(drain.launch(held_back), judge_link=False, judge_mean=False)
         if not stats.skipped:
