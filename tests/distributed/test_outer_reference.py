@@ -165,7 +165,8 @@ def sync_flags(settings: dict) -> list[str]:
 def drive(groups, rank: int, flags: list[str], model: torch.nn.Module, step_fn=None, flush_bytes=None) -> list:
     """Train `model` as this rank's cluster for STEPS plain-SGD steps under `load_config(flags)`'s outer sync, as the
     trainer drives it; (outer params, params) after each round and after the final flush. `flush_bytes` (a list)
-    gets the bytes this rank sent on the slow link during the final flush."""
+    gets the bytes this rank had sent on the slow link before the final flush and after it (a delayed sync's
+    transfer may be counted on either side: it completes on the channel's thread)."""
     step_fn = step_fn or inner_step
     cfg = load_config(None, flags)
     channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
@@ -180,7 +181,7 @@ def drive(groups, rank: int, flags: list[str], model: torch.nn.Module, step_fn=N
     sent_before = channel.stats()["bytes_sent"]
     sync.flush()
     if flush_bytes is not None:
-        flush_bytes.append(channel.stats()["bytes_sent"] - sent_before)
+        flush_bytes.extend([sent_before, channel.stats()["bytes_sent"]])
     trace.append((sync.outer_params.clone(), flat(model)))
     channel.close()
     return trace
