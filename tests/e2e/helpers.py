@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -82,7 +83,14 @@ def start_long_run(run_dir: Path) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
+        # as from a terminal: a shell's background job (a CI script's `cmd &`) would hand down SIGINT ignored, and
+        # Python then never raises KeyboardInterrupt, so Ctrl+C could not be tested
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def torchrun_workers(torchrun: int) -> list[int]:
