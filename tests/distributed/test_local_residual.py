@@ -94,9 +94,7 @@ def reference(sync_delay, merge, outer_lr, outer_momentum, overlap_steps, local_
     def send(c, g):
         """What cluster c's codec sends of g (decoded), keeping its residual."""
         codec_input = g if residuals[c] is None else g + DECAY * residuals[c]
-        parts = list(codec_input.split([s.numel() for s in shapes]))
-        tensors = [part.view(s) for part, s in zip(parts, shapes, strict=True)]
-        decoded = torch.cat([t.reshape(-1) for t in codecs[c].decode_list(codecs[c].encode_list(tensors), shapes)])
+        decoded = round_trip(codecs[c], codec_input, shapes)
         residuals[c] = codec_input - decoded
         return decoded
 
@@ -139,17 +137,17 @@ def reference(sync_delay, merge, outer_lr, outer_momentum, overlap_steps, local_
     if pending is not None:
         phi, buf = outer_step(phi, buf, pending)
     if drain_residual:
-        phi = phi - outer_lr * sum(int4_round_trip(DECAY * r, shapes) for r in residuals) / NUM_CLUSTERS
+        drain = build_codec(DRAIN_CODEC)
+        phi = phi - outer_lr * sum(round_trip(drain, DECAY * r, shapes) for r in residuals) / NUM_CLUSTERS
     for model in models:
         load(model, phi)
     trace.append((phi.clone(), [flat(m) for m in models]))
     return trace
 
 
-def int4_round_trip(vector, shapes):
-    """What the drain's int4 codec delivers of `vector`, one tensor per shape."""
+def round_trip(codec, vector, shapes):
+    """What `codec` delivers of the flat `vector` (one tensor per shape, encoded and decoded), flat again."""
     tensors = [part.view(s) for part, s in zip(vector.split([s.numel() for s in shapes]), shapes, strict=True)]
-    codec = build_codec(DRAIN_CODEC)
     return torch.cat([t.reshape(-1) for t in codec.decode_list(codec.encode_list(tensors), shapes)])
 
 
