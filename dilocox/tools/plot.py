@@ -11,6 +11,7 @@ before the first evaluation) simply has no line in that panel. `dilocox bench` d
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,30 +148,64 @@ def _pyplot():
     return plt
 
 
+_LINESTYLES = ("-", "--", ":", "-.")
+_PLOT_HEIGHT = 4.2
+"""Inches of a chart's panels; the legend below them adds its own height."""
+_BAR_LABEL_CHARS = 60
+"""Characters per line of a bar's label in the throughput chart."""
+
+
+def run_style(index: int) -> dict[str, str]:
+    """Colour and line style of the `index`-th run, the same in every chart: matplotlib's ten colours, then the ten
+    again dashed, dotted and dash-dotted, so that a bench of dozens of rows still tells its lines apart."""
+    return {"color": f"C{index % 10}", "linestyle": _LINESTYLES[index // 10 % len(_LINESTYLES)]}
+
+
+def legend_below(fig: Any, entries: list[tuple[str, dict[str, Any]]]) -> None:
+    """One legend for the whole figure, under its panels: `entries` are (label, line style) pairs. The figure grows
+    by the legend's height (long labels wrap), so the panels keep their size however many runs there are."""
+    from matplotlib.lines import Line2D
+
+    width, height = fig.get_size_inches()
+    columns = 2 if width >= 12 and len(entries) > 1 else 1
+    chars = int(width * 17 / columns) - 8  # about 17 characters of 7-point text per inch, less the line sample
+    labels = [textwrap.fill(label, chars) for label, _ in entries]
+    handles = [Line2D([], [], linewidth=1.2, **style) for _, style in entries]
+    legend = fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=7, frameon=False)
+    fig.canvas.draw()  # lays the legend out, so its height is measured rather than guessed
+    legend_height = legend.get_window_extent().height / fig.dpi + 0.1  # inches: text, unlike axes, keeps its size
+    fig.set_size_inches(width, height + legend_height)
+    fig.tight_layout(rect=(0, legend_height / (height + legend_height), 1, 1))
+
+
 def plot_runs(runs: list[RunCurves], out_dir: Path, *, title: str = "") -> list[Path]:
     """Write every chart of `CHARTS` for `runs` into `out_dir`; returns the paths."""
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for chart in CHARTS:
-        fig, axes = plt.subplots(1, len(chart.panels), figsize=(6 * len(chart.panels), 4.2), squeeze=False)
+        fig, axes = plt.subplots(1, len(chart.panels), figsize=(6 * len(chart.panels), _PLOT_HEIGHT), squeeze=False)
+        drawn: dict[int, dict[str, Any]] = {}  # the runs with a line in some panel, by index
         for ax, panel in zip(axes[0], chart.panels, strict=True):
-            for run in runs:
+            for index, run in enumerate(runs):
                 xs, ys = run.series(panel.x, panel.y)
                 if xs:
-                    style = {"marker": "o", "markersize": 3} if panel.markers else {}
-                    ax.plot(xs, ys, label=run.label, linewidth=1.2, **style)
+                    marker = {"marker": "o", "markersize": 3} if panel.markers else {}
+                    ax.plot(xs, ys, linewidth=1.2, **run_style(index), **marker)
+                    drawn[index] = run_style(index)
             if ax.get_lines():
                 if panel.log_y and all(v > 0 for line in ax.get_lines() for v in line.get_ydata()):
                     ax.set_yscale("log")  # byte counts of strategies differ by orders of magnitude
-                ax.legend(fontsize=8)
             else:
                 ax.text(0.5, 0.5, f"no run logged {panel.y}", ha="center", va="center", transform=ax.transAxes)
             ax.set_xlabel(panel.xlabel)
             ax.set_ylabel(panel.ylabel)
             ax.grid(alpha=0.3)
         fig.suptitle(f"{title}: {chart.title}" if title else chart.title)
-        fig.tight_layout()
+        if drawn:
+            legend_below(fig, [(runs[index].label, style) for index, style in sorted(drawn.items())])
+        else:
+            fig.tight_layout()
         path = out_dir / chart.filename
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -181,8 +216,11 @@ def plot_runs(runs: list[RunCurves], out_dir: Path, *, title: str = "") -> list[
 def plot_throughput(labels: list[str], tokens_per_s: list[float], path: Path, *, title: str = "") -> Path:
     """A bar chart of training tokens/s (all ranks), one bar per run."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 0.9 + 0.45 * max(1, len(labels))))
-    ax.barh(labels, tokens_per_s, color="tab:blue")
+    wrapped = [textwrap.fill(label, _BAR_LABEL_CHARS) for label in labels]  # long bench labels: several lines each
+    lines = sum(label.count("\n") + 1 for label in wrapped)
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.16 * lines + 0.12 * max(1, len(labels))))
+    ax.barh(range(len(wrapped)), tokens_per_s, color="tab:blue")
+    ax.set_yticks(range(len(wrapped)), wrapped, fontsize=7)
     ax.set_xlabel("tokens/s (training, all ranks)")
     ax.set_title(f"{title}: throughput" if title else "throughput")
     ax.invert_yaxis()
@@ -197,7 +235,8 @@ def plot_seed_spread(rows: list[dict[str, Any]], path: Path, *, title: str = "")
     each with `seeds`: one `curve` of {tokens, eval_loss} per seed, evaluated at the same steps)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row in rows:
+    entries = []
+    for index, row in enumerate(rows):
         curves = [seed["curve"] for seed in row.get("seeds", []) if seed["curve"]]
         if not curves:
             continue
@@ -205,14 +244,18 @@ def plot_seed_spread(rows: list[dict[str, Any]], path: Path, *, title: str = "")
         tokens = [curves[0][i]["tokens"] for i in range(length)]
         losses = [[c[i]["eval_loss"] for c in curves] for i in range(length)]
         mean = [sum(v) / len(v) for v in losses]
-        (line,) = ax.plot(tokens, mean, marker="o", markersize=3, label=f"{row['label']} ({len(curves)} seeds)")
-        ax.fill_between(tokens, [min(v) for v in losses], [max(v) for v in losses], color=line.get_color(), alpha=0.2)
+        style = run_style(index)
+        ax.plot(tokens, mean, marker="o", markersize=3, linewidth=1.2, **style)
+        ax.fill_between(tokens, [min(v) for v in losses], [max(v) for v in losses], color=style["color"], alpha=0.2)
+        entries.append((f"{row['label']} ({len(curves)} seeds)", style))
     ax.set_xlabel("tokens")
     ax.set_ylabel("validation loss (agreed model)")
     ax.set_title(f"{title}: mean and min-max over seeds" if title else "mean and min-max over seeds")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    if entries:
+        legend_below(fig, entries)
+    else:
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
