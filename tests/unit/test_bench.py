@@ -321,3 +321,57 @@ def test_a_rerun_keeps_the_rows_of_runs_without_a_run_directory(tmp_path, capsys
     path.write_text(f"[bench]\nbase = 'x.toml'\n{runs_toml.replace('1e-3', '2e-3', 1)}[[runs]]\nname = 'dilocox'\n")
     assert sorted(kept_rows(load_bench(path), tmp_path, quick=False, exclude=[])) == ["diloco", "dilocox"]
     assert "run allreduce changed since" in capsys.readouterr().err
+
+
+def test_a_tuned_baseline_is_the_best_mean_of_its_most_seeded_runs_and_gets_its_own_column(tmp_path):
+    """`tuned_baseline`: every row is also compared, seed by seed, with the baseline at its best setting; a lucky
+    single seed cannot be that best against a mean over more seeds."""
+    runs = tmp_path / "runs"
+    write_seeded_runs(
+        runs,
+        {
+            "allreduce": [4.0, 4.2],
+            "allreduce-lr4e-3": [3.9, 4.1],  # the best mean with 2 seeds
+            "allreduce-lr8e-3": [3.5],  # lower, but one seed
+            "dilocox": [4.29, 4.51],
+        },
+    )
+    path = tmp_path / "b.toml"
+    names = ("allreduce", "allreduce-lr4e-3", "allreduce-lr8e-3", "dilocox")
+    path.write_text(
+        "[bench]\nbase = 'x.toml'\ntuned_baseline = ['allreduce', 'allreduce-lr4e-3', 'allreduce-lr8e-3']\n"
+        + "".join(f"[[runs]]\nname = '{name}'\n" for name in names)
+    )
+    results = collect(load_bench(path), tmp_path, list(names))
+    assert results["tuned_baseline"] == "allreduce-lr4e-3"
+    by_name = {row["name"]: row for row in results["runs"]}
+    dilocox = by_name["dilocox"]
+    assert dilocox["gap_to_baseline_pct"] == pytest.approx((7.25 + 7.380952) / 2)  # against allreduce, unchanged
+    assert dilocox["tuned_gap_to_baseline_pct"] == pytest.approx((10.0 + 10.0) / 2)  # 4.29 / 3.9, 4.51 / 4.1
+    assert dilocox["tuned_gap_sd_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert by_name["allreduce"]["tuned_gap_to_baseline_pct"] == pytest.approx((2.564103 + 2.439024) / 2)
+    assert by_name["allreduce-lr8e-3"]["tuned_gap_to_baseline_pct"] == pytest.approx(-10.25641)  # seed 0 only
+    table = format_table({**results, "date": "d"})
+    header = table.splitlines()[0]
+    assert "| gap to allreduce | gap to the tuned baseline |" in header
+    row = next(line for line in table.splitlines() if line.startswith("| dilocox |"))
+    assert row.split(" | ")[2:4] == ["+7.32 ± 0.09%", "+10.00 ± 0.00%"]
+    assert "Tuned baseline (allreduce-lr4e-3): the lowest mean eval loss" in table
+    # without a tuned baseline the table keeps its columns
+    plain = format_table({**results, "tuned_baseline": None, "date": "d"})
+    assert "tuned" not in plain.splitlines()[0] and plain.splitlines()[1].count("---") == 9
+
+
+def test_tuned_baseline_errors(tmp_path):
+    path = tmp_path / "b.toml"
+    runs = "[[runs]]\nname = 'allreduce'\n[[runs]]\nname = 'dilocox'\n"
+    for value, match in (
+        ("['allreduce', 'ar-lr4e-3']", "tuned_baseline names \\['ar-lr4e-3'\\], which are not runs of it"),
+        ("'allreduce'", "tuned_baseline = 'allreduce' must be a list of run names"),
+    ):
+        path.write_text(f"[bench]\nbase = 'x.toml'\ntuned_baseline = {value}\n{runs}")
+        with pytest.raises(ValueError, match=match):
+            load_bench(path)
+    path.write_text(f"[bench]\nbase = 'x.toml'\nregime = 'paper'\ntuned_baseline = ['allreduce']\n{runs}")
+    with pytest.raises(ValueError, match="tuned_baseline is a column of the link-off table"):
+        load_bench(path)

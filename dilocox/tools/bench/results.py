@@ -126,16 +126,35 @@ def collect(
         rows.append(row)
     order = [run.name for run in spec.runs]
     rows.sort(key=lambda row: order.index(row["name"]))
+    seeds = {name: list(runs) for name, runs in summaries.items()} | {
+        row["name"]: _seed_results(row) for row in rows if row["name"] not in summaries
+    }
+    tuned = best_baseline([row for row in rows if row["name"] in spec.tuned_baseline])
+    for row in rows:
+        if tuned is not None:
+            gaps = paired_gaps(seeds[row["name"]], seeds[tuned], row["tokens_per_s"])
+            row.update({f"tuned_{key}": gaps[key] for key in ("gap_to_baseline_pct", "gap_sd_pct", "gap_resolved")})
     return {
         "bench": spec.name,
         "source": str(spec.source),
         "base_config": spec.base,
         "common_overrides": spec.overrides,
         "baseline": spec.baseline,
+        "tuned_baseline": tuned,
+        "tuned_baseline_candidates": [name for name in spec.tuned_baseline if name in seeds],
         "notes": spec.notes,
         "date": datetime.date.today().isoformat(),
         "runs": rows,
     }
+
+
+def best_baseline(candidates: list[dict[str, Any]]) -> str | None:
+    """The name of the tuned baseline among `candidates` (rows of the baseline at other settings): the lowest mean
+    eval loss among those with the most seeds, so that one lucky seed cannot win over a 3-seed mean."""
+    if not candidates:
+        return None
+    most = max(row["num_seeds"] for row in candidates)
+    return min((row for row in candidates if row["num_seeds"] == most), key=lambda row: row["final_eval_loss"])["name"]
 
 
 def _mean(values: list[float]) -> float:

@@ -60,6 +60,10 @@ class BenchSpec:
     """"as-configured" (every run on the config's link) or "paper" (see `run_paper_regime`)."""
     timing_repeats: int = 1
     """Paper regime: how many times each timed run goes (interleaved; rows report the median)."""
+    tuned_baseline: list[str] = field(default_factory=list)
+    """Runs of the baseline at other settings (e.g. inner learning rates): the table adds a column of gaps to the
+    best of them, the one with the lowest mean eval loss among those with the most seeds, so every row is also
+    compared with the baseline at its best rather than at one setting."""
 
 
 def load_bench(path: Path) -> BenchSpec:
@@ -68,7 +72,8 @@ def load_bench(path: Path) -> BenchSpec:
     bench = data.get("bench")
     if not isinstance(bench, dict) or "base" not in bench:
         raise ValueError(f'bench config {path}: needs a [bench] table with base = "path/to/train.toml"')
-    unknown = set(bench) - {"name", "base", "overrides", "baseline", "notes", "regime", "timing_repeats"}
+    keys = {"name", "base", "overrides", "baseline", "notes", "regime", "timing_repeats", "tuned_baseline"}
+    unknown = set(bench) - keys
     if unknown or set(data) - {"bench", "runs"}:
         raise ValueError(f"bench config {path}: unknown keys {sorted(unknown | (set(data) - {'bench', 'runs'}))}")
     runs = []
@@ -94,6 +99,7 @@ def load_bench(path: Path) -> BenchSpec:
         source=path,
         regime=bench.get("regime", "as-configured"),
         timing_repeats=bench.get("timing_repeats", 1),
+        tuned_baseline=bench.get("tuned_baseline", []),
     )
     if not isinstance(spec.timing_repeats, int) or isinstance(spec.timing_repeats, bool) or spec.timing_repeats < 1:
         raise ValueError(f"bench config {path}: timing_repeats = {spec.timing_repeats!r} must be an integer >= 1")
@@ -101,6 +107,16 @@ def load_bench(path: Path) -> BenchSpec:
         raise ValueError(f"bench config {path}: regime = {spec.regime!r} is not one of {list(REGIMES)}")
     if spec.baseline not in names:
         raise ValueError(f"bench config {path}: baseline {spec.baseline!r} is not one of the runs {names}")
+    tuned = spec.tuned_baseline
+    if not isinstance(tuned, list) or not all(isinstance(name, str) for name in tuned):
+        raise ValueError(f"bench config {path}: tuned_baseline = {tuned!r} must be a list of run names")
+    if missing := [name for name in tuned if name not in names]:
+        raise ValueError(f"bench config {path}: tuned_baseline names {missing}, which are not runs of it: {names}")
+    if tuned and spec.regime != "as-configured":
+        raise ValueError(
+            f"bench config {path}: tuned_baseline is a column of the link-off table; the {spec.regime} regime's table "
+            "has none: compare the settings in a link-off bench (e.g. benchmarks/configs/paper_decomposition.toml)"
+        )
     return spec
 
 

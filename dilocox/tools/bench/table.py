@@ -54,19 +54,32 @@ def format_table(results: dict[str, Any]) -> str:
     """The markdown table of a bench (one row per run)."""
     if results.get("regime"):
         return format_paper_table(results)
+    tuned = results.get("tuned_baseline")
     head = (
-        "| run | eval loss | gap to {b} | tokens/s | speedup vs {b} | slow-link bytes/token | "
-        "bytes vs AllReduce | hidden comm | wall s |".format(b=results["baseline"])
+        "| run | eval loss | gap to {b} |{t} tokens/s | speedup vs {b} | slow-link bytes/token | "
+        "bytes vs AllReduce | hidden comm | wall s |".format(
+            b=results["baseline"], t=" gap to the tuned baseline |" * bool(tuned)
+        )
     )
-    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [head, "| --- | ---: | ---: |" + " ---: |" * bool(tuned) + " ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in results["runs"]:
         gap = row["gap_to_baseline_pct"]
         row = {**row, "baseline_name": results["baseline"]}
+        tuned_cell = ""
+        if tuned:
+            tuned_row = {
+                "name": row["name"],
+                "baseline_name": tuned,
+                "gap_sd_pct": row["tuned_gap_sd_pct"],
+                "gap_resolved": row["tuned_gap_resolved"],
+            }
+            tuned_cell = f" {_gap_cell(row['tuned_gap_to_baseline_pct'], tuned_row)} |"
         lines.append(
-            "| {label} | {loss} | {gap} | {tps} | {speed} | {bpt} | {ratio} | {hidden} | {wall} |".format(
+            "| {label} | {loss} | {gap} |{tuned} {tps} | {speed} | {bpt} | {ratio} | {hidden} | {wall} |".format(
                 label=row["label"],
                 loss=_loss_cell(row),
                 gap=_gap_cell(gap, row),
+                tuned=tuned_cell,
                 tps=_fmt(row["tokens_per_s"], ",.0f"),
                 speed=_fmt(row["speedup_vs_baseline"], ".2f") + ("x" if row["speedup_vs_baseline"] else ""),
                 bpt=_fmt(row["wan_bytes_per_token"], ",.1f"),
@@ -89,6 +102,13 @@ def format_table(results: dict[str, Any]) -> str:
         "common overrides.",
     ]
     footer += _seeds_note(results)
+    if tuned:
+        labels = {row["name"]: row["label"] for row in results["runs"]}
+        candidates = "; ".join(labels[name] for name in results["tuned_baseline_candidates"])
+        footer.append(
+            f"Tuned baseline ({labels[tuned]}): the lowest mean eval loss, among those with the most seeds, of "
+            f"{candidates}. Its column pairs every row with it seed by seed, like the {results['baseline']} column."
+        )
     if results.get("notes"):
         footer.append(results["notes"])
     return "\n".join(lines + footer) + "\n"
