@@ -44,17 +44,35 @@ def _clean(value: Any) -> Any:
 
 def truncate_metrics(run_dir: Path, last_step: int) -> None:
     """Drop lines logged after `last_step` (a resumed run rewrites what the interrupted run logged past its
-    checkpoint, so the file stays one line per step)."""
+    checkpoint, so the file stays one line per step), and a last line a killed run left half written."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    kept = [line for line, record in _complete_records(path) if record["step"] <= last_step]
     write_atomic(path, "".join(line + "\n" for line in kept).encode())
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl, also while the run is writing it (`dilocox plot` of a live run)."""
     path = Path(run_dir) / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [record for _, record in _complete_records(path)] if path.exists() else []
+
+
+def _complete_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) for every complete line of a metrics.jsonl. The text after the last newline is a record still
+    being written, or one a killed run tore, and is left out; a complete line that is not JSON is an error."""
+    records = []
+    for number, line in enumerate(path.read_text().split("\n")[:-1], start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append((line, json.loads(line)))
+        except ValueError as err:
+            raise ValueError(
+                f"{path} line {number} is not a metrics record ({err}): the file was edited or damaged; remove that "
+                "line, or the file (the run's summary.json and checkpoints do not depend on it)"
+            ) from None
+    return records
 
 
 def numeric_items(record: dict[str, Any]) -> dict[str, float]:

@@ -1,12 +1,13 @@
 """What the e2e tests share: `dilocox` in a subprocess, its metrics, and the processes of a running launcher."""
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from dilocox.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG = str(REPO / "configs" / "debug.toml")
@@ -27,7 +28,8 @@ def dilocox(*args, timeout=240, env=None, **kwargs) -> subprocess.CompletedProce
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert (run_dir / "metrics.jsonl").is_file(), f"{run_dir} has no metrics.jsonl"
+    return read_metrics(run_dir)
 
 
 def child_pids(pid: int) -> list[int]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dilocox.metrics import read_metrics
 from tests.e2e.helpers import DEBUG, REPO
 
 pytest.importorskip("torchft")
@@ -63,7 +64,7 @@ class Run:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if metrics.exists():
-                steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
+                steps = [record["step"] for record in read_metrics(self.run_dir)]  # complete lines only
                 if steps and steps[-1] >= step:
                     return
             assert self.proc.poll() is None, f"the run ended before step {step}"

@@ -6,7 +6,17 @@ import sys
 import pytest
 
 from dilocox.cli import main
-from dilocox.metrics import TENSORBOARD_DIR, RunSummary, TensorBoardSink, check_sinks, format_summary, numeric_items
+from dilocox.metrics import (
+    METRICS_FILE,
+    TENSORBOARD_DIR,
+    RunSummary,
+    TensorBoardSink,
+    check_sinks,
+    format_summary,
+    numeric_items,
+    read_metrics,
+    truncate_metrics,
+)
 
 
 def test_sinks_take_the_finite_numbers_of_a_record():
@@ -115,3 +125,20 @@ def test_summary_names_the_latency_only_where_the_link_is_emulated():
     unlimited = format_summary(dataclasses.replace(SUMMARY, bandwidth="unlimited")).splitlines()[0]
     assert unlimited.endswith("20 steps, 2 outer steps, link unlimited (not emulated)")
     assert "10ms" not in format_summary(dataclasses.replace(SUMMARY, bandwidth="unlimited"))
+
+
+def test_a_half_written_last_line_is_left_out_and_a_resume_drops_it(tmp_path):
+    """metrics.jsonl is read while the run appends to it (`dilocox plot` of a live run, a test waiting for a step),
+    and a killed run may leave its last line torn: only complete lines are records."""
+    lines = ['{"step": 10, "loss": 5.5}', '{"step": 20, "loss": 5.1}', '{"step": 30, "loss": 4.9}']
+    path = tmp_path / METRICS_FILE
+    path.write_text("\n".join(lines) + '\n{"step": 40, "lo')
+    assert [record["step"] for record in read_metrics(tmp_path)] == [10, 20, 30]
+    truncate_metrics(tmp_path, 20)
+    assert path.read_text() == lines[0] + "\n" + lines[1] + "\n"  # kept lines stay byte for byte
+    path.write_text(lines[0] + "\n")
+    assert read_metrics(tmp_path) == [{"step": 10, "loss": 5.5}]
+    path.write_text(lines[0] + "\nnot json\n" + lines[1] + "\n")  # a complete line that is not a record: damage
+    with pytest.raises(ValueError, match="line 2 is not a metrics record"):
+        read_metrics(tmp_path)
+    assert read_metrics(tmp_path / "no-such-run") == []
