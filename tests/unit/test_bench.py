@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import shutil
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -196,9 +197,18 @@ def test_collect_reads_what_the_runtime_wrote(tmp_path):
     assert row["gap_to_baseline_pct"] == 0 and row["speedup_vs_baseline"] == 1.0
 
 
-def test_cli_help_exits_0(capsys):
+def test_cli_help_exits_0_and_its_example_bench_file_is_one(capsys, tmp_path):
     assert bench_main(["--help"]) == 0
-    assert "usage: dilocox bench" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "usage: dilocox bench" in out
+    example = out.split("a bench file (more in benchmarks/configs/):")[1].split("\n[bench] may also")[0]
+    path = tmp_path / "mine.toml"
+    path.write_text(textwrap.dedent(example).replace("../../configs/default.toml", str(REPO / "configs/default.toml")))
+    spec = load_bench(path)
+    assert [run.name for run in spec.runs] == ["allreduce", "allreduce-lr4e-3", "dilocox"]
+    assert spec.baseline == "allreduce" and spec.tuned_baseline == ["allreduce", "allreduce-lr4e-3"]
+    for run in spec.runs:
+        load_config(spec.base, run_overrides(spec, run, False)).validate()
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -10,9 +11,42 @@ from dilocox.tools.args import ToolParser, user_error
 from dilocox.tools.bench.harness import run_bench
 from dilocox.tools.bench.spec import REGIMES
 
+BENCH_FILE = """\
+a bench file (more in benchmarks/configs/):
+
+  [bench]
+  name = "mine"                        # results go to benchmarks/results/mine/ (or --out)
+  base = "../../configs/default.toml"  # the `dilocox train` config of every run, relative to this file
+  overrides = ["--eval.interval=50"]   # flags every run gets
+  baseline = "allreduce"               # the run every gap is paired with, seed by seed
+  tuned_baseline = ["allreduce", "allreduce-lr4e-3"]  # optional: a second gap column, to the best of these
+  notes = "printed under the table"
+
+  [[runs]]
+  name = "allreduce"
+  overrides = ["--sync.kind=allreduce"]
+
+  [[runs]]
+  name = "allreduce-lr4e-3"
+  overrides = ["--sync.kind=allreduce", "--train.lr=4e-3"]
+
+  [[runs]]
+  name = "dilocox"
+  label = "DiLoCoX, the default"       # the row's name in results.md (default: name)
+  overrides = ["--sync.kind=dilocox"]
+
+[bench] may also set regime = "paper" (convergence link off, throughput on the paper-like link: docs/planner.md
+section 3) and timing_repeats = N (that regime's timed runs per row, the median reported).
+"""
+
 
 def _parser() -> ToolParser:
-    parser = ToolParser(prog="dilocox bench", description="Compare strategies on one setting.")
+    parser = ToolParser(
+        prog="dilocox bench",
+        description="Compare strategies on one setting.",
+        epilog=BENCH_FILE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("config", nargs="?", default="benchmarks/configs/default.toml", help="bench TOML file")
     parser.add_argument("--out", default=None, help="output directory (default benchmarks/results/NAME)")
     parser.add_argument("--quick", action="store_true", help="debug flavor, 20 steps: a smoke check of the table")
