@@ -130,8 +130,8 @@ def collect(
         row["name"]: _seed_results(row) for row in rows if row["name"] not in summaries
     }
     tuned = best_baseline([row for row in rows if row["name"] in spec.tuned_baseline])
-    for row in rows:
-        if tuned is not None:
+    if tuned is not None:
+        for row in rows:
             gaps = paired_gaps(seeds[row["name"]], seeds[tuned], row["tokens_per_s"])
             row.update({f"tuned_{key}": gaps[key] for key in ("gap_to_baseline_pct", "gap_sd_pct", "gap_resolved")})
     return {
