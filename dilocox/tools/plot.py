@@ -163,8 +163,13 @@ def run_style(index: int) -> dict[str, str]:
 
 def legend_below(fig: Any, entries: list[tuple[str, dict[str, Any]]]) -> None:
     """One legend for the whole figure, under its panels: `entries` are (label, line style) pairs. The figure grows
-    by the legend's height (long labels wrap), so the panels keep their size however many runs there are."""
+    by the legend's height (long labels wrap), so the panels keep their size however many runs there are; with no
+    entries the figure is only laid out."""
     from matplotlib.lines import Line2D
+
+    if not entries:
+        fig.tight_layout()
+        return
 
     width, height = fig.get_size_inches()
     columns = 2 if width >= 12 and len(entries) > 1 else 1
@@ -191,8 +196,8 @@ def plot_runs(runs: list[RunCurves], out_dir: Path, *, title: str = "") -> list[
                 xs, ys = run.series(panel.x, panel.y)
                 if xs:
                     marker = {"marker": "o", "markersize": 3} if panel.markers else {}
-                    ax.plot(xs, ys, linewidth=1.2, **run_style(index), **marker)
                     drawn[index] = run_style(index)
+                    ax.plot(xs, ys, linewidth=1.2, **drawn[index], **marker)
             if ax.get_lines():
                 if panel.log_y and all(v > 0 for line in ax.get_lines() for v in line.get_ydata()):
                     ax.set_yscale("log")  # byte counts of strategies differ by orders of magnitude
@@ -202,10 +207,7 @@ def plot_runs(runs: list[RunCurves], out_dir: Path, *, title: str = "") -> list[
             ax.set_ylabel(panel.ylabel)
             ax.grid(alpha=0.3)
         fig.suptitle(f"{title}: {chart.title}" if title else chart.title)
-        if drawn:
-            legend_below(fig, [(runs[index].label, style) for index, style in sorted(drawn.items())])
-        else:
-            fig.tight_layout()
+        legend_below(fig, [(runs[index].label, style) for index, style in sorted(drawn.items())])
         path = out_dir / chart.filename
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -252,10 +254,7 @@ def plot_seed_spread(rows: list[dict[str, Any]], path: Path, *, title: str = "")
     ax.set_ylabel("validation loss (agreed model)")
     ax.set_title(f"{title}: mean and min-max over seeds" if title else "mean and min-max over seeds")
     ax.grid(alpha=0.3)
-    if entries:
-        legend_below(fig, entries)
-    else:
-        fig.tight_layout()
+    legend_below(fig, entries)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -60,13 +60,11 @@ class Run:
         return started[-1]
 
     def wait_for_step(self, step: int, timeout: float = 120) -> None:
-        metrics = self.run_dir / "metrics.jsonl"
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if metrics.exists():
-                steps = [record["step"] for record in read_metrics(self.run_dir)]  # complete lines only
-                if steps and steps[-1] >= step:
-                    return
+            steps = [record["step"] for record in read_metrics(self.run_dir)]  # complete lines only; none yet: []
+            if steps and steps[-1] >= step:
+                return
             assert self.proc.poll() is None, f"the run ended before step {step}"
             time.sleep(0.05)
         raise AssertionError(f"step {step} not reached within {timeout:.0f} s")

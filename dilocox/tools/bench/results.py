@@ -117,22 +117,24 @@ def collect(
                 ],
             }
         )
-    baseline = summaries.get(spec.baseline) or (_seed_results(kept[spec.baseline]) if spec.baseline in kept else None)
+    # every run's seeds, whether read from its run directory or kept from results.json
+    seed_results: dict[str, Sequence[RunSummary | SeedResult]] = {
+        name: _seed_results(row) for name, row in kept.items()
+    }
+    seed_results.update(summaries)
+    baseline = seed_results.get(spec.baseline)
     for row in rows:
         row.update(compare(summaries[row["name"]], baseline))
     for row in kept.values():
         row = dict(row)
-        row.update(paired_gaps(_seed_results(row), baseline, row["tokens_per_s"]))
+        row.update(paired_gaps(seed_results[row["name"]], baseline, row["tokens_per_s"]))
         rows.append(row)
     order = [run.name for run in spec.runs]
     rows.sort(key=lambda row: order.index(row["name"]))
-    seeds = {name: list(runs) for name, runs in summaries.items()} | {
-        row["name"]: _seed_results(row) for row in rows if row["name"] not in summaries
-    }
     tuned = best_baseline([row for row in rows if row["name"] in spec.tuned_baseline])
     if tuned is not None:
         for row in rows:
-            gaps = paired_gaps(seeds[row["name"]], seeds[tuned], row["tokens_per_s"])
+            gaps = paired_gaps(seed_results[row["name"]], seed_results[tuned], row["tokens_per_s"])
             row.update({f"tuned_{key}": gaps[key] for key in ("gap_to_baseline_pct", "gap_sd_pct", "gap_resolved")})
     return {
         "bench": spec.name,
@@ -141,7 +143,7 @@ def collect(
         "common_overrides": spec.overrides,
         "baseline": spec.baseline,
         "tuned_baseline": tuned,
-        "tuned_baseline_candidates": [name for name in spec.tuned_baseline if name in seeds],
+        "tuned_baseline_candidates": [name for name in spec.tuned_baseline if name in seed_results],
         "notes": spec.notes,
         "date": datetime.date.today().isoformat(),
         "runs": rows,
