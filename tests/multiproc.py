@@ -48,6 +48,10 @@ def _entry(
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    # Every rank finishes gloo's connection mesh before any goes on: a rank whose function returns at once would
+    # otherwise tear down its group while a peer is still connecting, and that peer fails inside init instead of
+    # reporting its own result ("Connection closed by peer", seen once in a .ci/run).
+    dist.barrier()
     out = os.path.join(result_dir, f"rank{rank}.pkl")
     try:
         value = fn(rank, world_size, *args)
