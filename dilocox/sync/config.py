@@ -19,7 +19,7 @@ OUTER_LOOP_KINDS = ("diloco", "dilocox")
 """The kinds with H local steps and an outer sync of pseudo-gradients; the others sync every step."""
 OUTER_STATE_DEVICES = ("device", "cpu")
 """Where the outer state lives (`sync.outer_state_device`)."""
-MERGE_RULES = ("reset", "keep_local", "eager", "lookahead")
+MERGE_RULES = ("reset", "keep_local", "eager", "lookahead", "own_payload")
 """Where a round starts under the one-step delay (see `DiLoCoSync` and docs/design.md §3)."""
 OUTER_LR_SCHEDULES = ("constant", "cosine")
 """How the outer learning rate moves over the outer updates (`SyncConfig.outer_lr_at`)."""
@@ -72,7 +72,7 @@ class SyncConfig:
     overlap_steps: int = 0
     """With sync_delay 1: apply round t's average this many inner steps into round t+1 (0: at its end, a round late)."""
     merge: str = "keep_local"
-    """With sync_delay 1, where a round starts: keep_local (phi - own progress), reset, eager (dilocox), lookahead."""
+    """With sync_delay 1, where a round starts: keep_local (phi - own progress), reset, eager, lookahead, own_payload"""
     local_residual: bool = False
     """Keep 1/C of this cluster's error-feedback residual (what its codec has not sent yet) in its own parameters."""
     drain_residual: bool = False
@@ -227,9 +227,9 @@ def holds_back(compression: Any) -> bool:
 
 
 def check_held_back_options(sync: SyncConfig, compression: Any, *, elastic: bool = False) -> None:
-    """`sync.local_residual` and `sync.drain_residual` work on what a codec's error feedback holds back, so they need
-    such a codec; elastic runs heal a rejoining cluster from a peer's parameters, which hold that peer's residual,
-    not its own, and end their rounds elsewhere (`ElasticRounds`)."""
+    """`sync.local_residual`, `sync.drain_residual` and the delayed merge rule `own_payload` work on what a codec's
+    error feedback holds back, so they need such a codec; elastic runs heal a rejoining cluster from a peer's
+    parameters, which hold that peer's residual, not its own, and end their rounds elsewhere (`ElasticRounds`)."""
     for option in HELD_BACK_OPTIONS:
         if not getattr(sync, option):
             continue
@@ -244,4 +244,17 @@ def check_held_back_options(sync: SyncConfig, compression: Any, *, elastic: bool
             raise ValueError(
                 f"sync.{option} = true is not supported in elastic runs (topology.elastic = true): set "
                 f"sync.{option} = false"
+            )
+    if sync.merge == "own_payload" and sync.sync_delay == 1:
+        if not holds_back(compression):
+            raise ValueError(
+                "sync.merge = 'own_payload' starts each round from what this cluster's codec sent, read from its "
+                f"error-feedback residual, but compression.kind = {compression.kind!r} with "
+                f"compression.error_feedback = {str(compression.error_feedback).lower()} keeps none; use a codec with "
+                "error feedback (e.g. compression.kind = topk_int4), or sync.merge = eager"
+            )
+        if elastic:
+            raise ValueError(
+                "sync.merge = 'own_payload' is not supported in elastic runs (topology.elastic = true): use "
+                "sync.merge = eager"
             )

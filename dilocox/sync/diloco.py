@@ -236,11 +236,9 @@ class DiLoCoSync:
                 self.reducer.heal()
             # pseudo_grad stays intact until the sync is waited for; what the last encodings held back is read
             # before this one takes it in
-            held_back = self._held_back_share()
+            held_before = self.reducer.held_back(self.state_device) if self._reads_held_back() else None
             self.pending = self._launch(pseudo_grad, own_bad, round_index)
-            theta = self.outer_params if heal else self._delayed_round_start(pseudo_grad)
-            if held_back is not None and not heal:
-                theta = theta - held_back
+            theta = self.outer_params if heal else self._delayed_round_start(pseudo_grad, held_before)
         if self.cfg.guard:
             # Only this cluster's own non-finite updates can stop the run; one the others leave out (an outlier,
             # or a lying cluster) heals and goes on: a cluster that is out of step must not stop the others.
@@ -457,20 +455,39 @@ class DiLoCoSync:
         held_back = self.reducer.held_back(self.state_device)
         return None if held_back is None else held_back / self.num_clusters
 
+    def _reads_held_back(self) -> bool:
+        """Whether a delayed round's start depends on what the codec held back before the round's encoding."""
+        return self.cfg.local_residual or self.cfg.merge == "own_payload"
+
     def _with_held_back(self, phi: torch.Tensor) -> torch.Tensor:
         """Where a round (re)starts from the agreed `phi` once no average is in flight: phi itself, or under
         `sync.local_residual` phi minus this cluster's share of what its codec holds back (a new tensor)."""
         held_back = self._held_back_share()
         return phi.clone() if held_back is None else phi - held_back
 
-    def _delayed_round_start(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
-        """Where the next round starts under the one-step delay, with round t's average in flight (`sync.merge`)."""
+    def _delayed_round_start(self, pseudo_grad: torch.Tensor, held_before: torch.Tensor | None = None) -> torch.Tensor:
+        """Where the next round starts under the one-step delay, with round t's average in flight (`sync.merge`),
+        `pseudo_grad` having just been launched. `held_before`: what the codec held back before that launch (None:
+        nothing, or not read). Under `sync.local_residual` the start is lowered by this cluster's share of what the
+        codec holds back and round t's own share does not carry: `held_before` (its encoding added that to
+        pseudo_grad), or for `own_payload`, which counts all that was sent, what it still holds back after."""
+        if self.cfg.merge == "own_payload":
+            held_after = self.reducer.held_back(self.state_device)  # d r_new, d = compression.feedback_decay
+            sent = pseudo_grad - held_after / self.compression.feedback_decay  # codec input minus its new residual
+            if held_before is not None:
+                sent = sent + held_before
+            start = self.predicted_outer_params(sent, update=self.outer_step)
+            return start - held_after / self.num_clusters if self.cfg.local_residual else start
         if self.cfg.merge == "reset":
-            return self.outer_params
-        if self.cfg.merge == "keep_local":
-            return self.outer_params - pseudo_grad
-        own_share = pseudo_grad / self.num_clusters if self.cfg.merge == "eager" else pseudo_grad
-        return self.predicted_outer_params(own_share, update=self.outer_step)
+            start = self.outer_params
+        elif self.cfg.merge == "keep_local":
+            start = self.outer_params - pseudo_grad
+        else:
+            own_share = pseudo_grad / self.num_clusters if self.cfg.merge == "eager" else pseudo_grad
+            start = self.predicted_outer_params(own_share, update=self.outer_step)
+        if self.cfg.local_residual and held_before is not None:
+            return start - held_before / self.num_clusters
+        return start
 
     def predicted_outer_params(self, estimate: torch.Tensor, *, update: int) -> torch.Tensor:
         """phi after outer update `update` if its averaged pseudo-gradient were `estimate`: one step of the outer SGD

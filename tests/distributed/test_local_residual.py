@@ -8,6 +8,8 @@ h / C, h = d r (what its next encoding will add), in its parameters:
 - blocking: round t+1 starts at phi - h / C (h after round t's encoding);
 - delayed: round t+1 starts where the merge rule says (keep_local phi - g, eager one outer step on a copy of phi with
   g / C), minus h / C with h read before round t's encoding (what the in-flight round does not carry yet);
+  own_payload: one outer step on a copy of phi with what the cluster's codec sent of round t, minus h / C with h read
+  after that encoding;
 - an average that lands k steps into a round (`overlap_steps`): phi takes it, each cluster's restart point becomes
   phi - h / C (h after the in-flight round's encoding), and its parameters move by what that point moved past the
   old round start; the final flush sets every cluster to phi.
@@ -61,6 +63,14 @@ VARIANTS = {
         **AVERAGING,
     },
     "delayed-eager-off": {"sync_delay": 1, "merge": "eager", "local_residual": False, **AVERAGING},
+    "delayed-own_payload": {"sync_delay": 1, "merge": "own_payload", **AVERAGING},
+    "delayed-own_payload-nesterov-overlap1": {
+        "sync_delay": 1,
+        "merge": "own_payload",
+        "overlap_steps": 1,
+        **NESTEROV,
+    },
+    "delayed-own_payload-off": {"sync_delay": 1, "merge": "own_payload", "local_residual": False, **AVERAGING},
 }
 DEFAULTS = {"merge": "keep_local", "overlap_steps": 0, "local_residual": True, "drain_residual": False}
 DRAIN_CODEC = CompressionConfig(kind="int4", error_feedback=False)
@@ -129,8 +139,12 @@ def reference(sync_delay, merge, outer_lr, outer_momentum, overlap_steps, local_
             if pending is not None:
                 phi, buf = outer_step(phi, buf, pending)
             held_before = [held_share(c) for c in range(NUM_CLUSTERS)]
-            pending = sum(send(c, g) for c, g in enumerate(pseudo_grads)) / NUM_CLUSTERS
-            round_start = [start(g) - held_before[c] for c, g in enumerate(pseudo_grads)]
+            sent = [send(c, g) for c, g in enumerate(pseudo_grads)]
+            pending = sum(sent) / NUM_CLUSTERS
+            if merge == "own_payload":  # own decoded payload taken as the mean, minus h / C after the encoding
+                round_start = [outer_step(phi, buf, sent[c])[0] - held_share(c) for c in range(NUM_CLUSTERS)]
+            else:
+                round_start = [start(g) - held_before[c] for c, g in enumerate(pseudo_grads)]
         for model, start_params in zip(models, round_start, strict=True):
             load(model, start_params)
         trace.append((phi.clone(), [flat(m) for m in models]))
@@ -221,3 +235,12 @@ def test_the_reference_drain_moves_only_the_final_phi():
     for (phi_a, params_a), (phi_b, params_b) in zip(drained[:-1], kept[:-1], strict=True):
         assert torch.equal(phi_a, phi_b) and all(torch.equal(a, b) for a, b in zip(params_a, params_b, strict=True))
     assert (drained[-1][0] - kept[-1][0]).abs().max() > 1e-3
+
+
+def test_the_reference_own_payload_starts_elsewhere_than_eager():
+    """`own_payload` is not `eager` under another name: the clusters start round 2 elsewhere (phi is the same until
+    round 1's average lands), and the run ends elsewhere."""
+    own, eager = reference(**settings("delayed-own_payload")), reference(**settings("delayed-eager"))
+    assert torch.equal(own[0][0], eager[0][0])
+    assert (own[0][1][0] - eager[0][1][0]).abs().max() > 1e-3
+    assert (own[-1][0] - eager[-1][0]).abs().max() > 1e-4

@@ -97,7 +97,10 @@ def test_missing_and_invalid_files(tmp_path):
         (["--data.shard=blocks"], "data.shard = 'blocks' is not one of: mixed, contiguous"),
         (["--sync.sync_delay=2"], "sync.sync_delay = 2 must be 0"),
         (["--sync.kind=allreduce", "--sync.sync_delay=1"], "needs an outer loop"),
-        (["--sync.merge=greedy"], "sync.merge = 'greedy' is not one of: reset, keep_local, eager, lookahead"),
+        (
+            ["--sync.merge=greedy"],
+            "sync.merge = 'greedy' is not one of: reset, keep_local, eager, lookahead, own_payload",
+        ),
         (["--sync.outer_lr_schedule=linear"], "sync.outer_lr_schedule = 'linear' is not one of: constant, cosine"),
         (["--sync.outer_warmup_rounds=-1"], "sync.outer_warmup_rounds = -1 must be >= 0"),
         (["--sync.outer_min_lr_ratio=1.5"], "sync.outer_min_lr_ratio = 1.5 must be in"),
@@ -113,6 +116,15 @@ def test_missing_and_invalid_files(tmp_path):
             "sync.drain_residual = true is not supported in elastic runs",
         ),
         (["--sync.kind=dilocox", "--sync.local_residual=true", "--compression.kind=none"], "holds nothing back"),
+        (
+            ["--sync.kind=dilocox", "--sync.merge=own_payload", "--compression.kind=none"],
+            "sync.merge = 'own_payload' starts each round from what this cluster's codec sent",
+        ),
+        (
+            ["--sync.kind=dilocox", "--sync.merge=own_payload", "--compression.kind=topk_int4"]
+            + ["--topology.elastic=true"],
+            "sync.merge = 'own_payload' is not supported in elastic runs",
+        ),
         (
             [
                 "--sync.kind=dilocox",
