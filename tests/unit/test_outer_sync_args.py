@@ -101,6 +101,14 @@ def test_a_compression_config_is_used_as_given_and_never_changed():
             ["compression.error_feedback = false holds nothing back", "sync.local_residual = false"],
         ),
         ({"kind": "diloco", "drain_residual": True}, ["sync.drain_residual = true", "holds nothing back"]),
+        (
+            {
+                "sync_delay": 1,
+                "merge": "own_payload",
+                "compression": CompressionConfig(kind="int4", error_feedback=False),
+            },
+            ["sync.merge = 'own_payload'", "compression.error_feedback = false keeps none", "sync.merge = eager"],
+        ),
         ({"bandwidth": "100"}, ["network.bandwidth = '100' is not a rate"]),
         ({"latency": "10ms"}, ["latency = '10ms' is only emulated together with a bandwidth"]),
     ],
