@@ -470,12 +470,12 @@ class DiLoCoSync:
         `pseudo_grad` having just been launched. `held_before`: what the codec held back before that launch (None:
         nothing, or not read). Under `sync.local_residual` the start is lowered by this cluster's share of what the
         codec holds back and round t's own share does not carry: `held_before` (its encoding added that to
-        pseudo_grad), or for `own_payload`, which counts all that was sent, what it still holds back after."""
-        if self.cfg.merge == "own_payload":
+        pseudo_grad), or for `own_payload`, which counts all that was sent, what it still holds back after.
+        `own_payload` trusts the payload only once it carries more than one round: where the codec held nothing back
+        before (the first round, or the round after a heal) it starts where `eager` does."""
+        if self.cfg.merge == "own_payload" and held_before is not None:
             held_after = self.reducer.held_back(self.state_device)  # d r_new, d = compression.feedback_decay
-            sent = pseudo_grad - held_after / self.compression.feedback_decay  # codec input minus its new residual
-            if held_before is not None:
-                sent = sent + held_before
+            sent = pseudo_grad + held_before - held_after / self.compression.feedback_decay  # input - new residual
             start = self.predicted_outer_params(sent, update=self.outer_step)
             return start - held_after / self.num_clusters if self.cfg.local_residual else start
         if self.cfg.merge == "reset":
@@ -483,7 +483,7 @@ class DiLoCoSync:
         elif self.cfg.merge == "keep_local":
             start = self.outer_params - pseudo_grad
         else:
-            own_share = pseudo_grad / self.num_clusters if self.cfg.merge == "eager" else pseudo_grad
+            own_share = pseudo_grad if self.cfg.merge == "lookahead" else pseudo_grad / self.num_clusters
             start = self.predicted_outer_params(own_share, update=self.outer_step)
         if self.cfg.local_residual and held_before is not None:
             return start - held_before / self.num_clusters

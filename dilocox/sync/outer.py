@@ -56,12 +56,12 @@ class OuterSync:
         # here every cluster holds the same parameters
 
     `kind` picks the defaults of `sync_delay`, `compression`, `outer_lr` and `outer_momentum` (`KIND_DEFAULTS`):
-    `dilocox` is delayed, adaptive low-rank int4, plain averaging, with `local_residual` and `drain_residual` (each
-    `flush()` then also sends what the codec still holds back, one dense int4 payload: flush at the end, not to
-    peek); `diloco` is blocking, fp32, SGD lr 0.7 with Nesterov 0.9. `dp_group` (the data-parallel replicas of
-    this model inside the cluster) gets the gradient mean before every inner step, from a pre-step hook on
-    `inner_optimizer` unless `reduce_gradients()` was called since the last one, and shares the cluster's uplink:
-    each replica sends 1/D of the pseudo-gradient.
+    `dilocox` is delayed, adaptive low-rank int4, plain averaging, merging by `own_payload`, with `local_residual`
+    and `drain_residual` (each `flush()` then also sends what the codec still holds back, one dense int4 payload:
+    flush at the end, not to peek); `diloco` is blocking, fp32, SGD lr 0.7 with Nesterov 0.9. `dp_group` (the
+    data-parallel replicas of this model inside the cluster) gets the gradient mean before every inner step, from a
+    pre-step hook on `inner_optimizer` unless `reduce_gradients()` was called since the last one, and shares the
+    cluster's uplink: each replica sends 1/D of the pseudo-gradient.
     """
 
     def __init__(

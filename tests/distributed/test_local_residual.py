@@ -9,7 +9,7 @@ h / C, h = d r (what its next encoding will add), in its parameters:
 - delayed: round t+1 starts where the merge rule says (keep_local phi - g, eager one outer step on a copy of phi with
   g / C), minus h / C with h read before round t's encoding (what the in-flight round does not carry yet);
   own_payload: one outer step on a copy of phi with what the cluster's codec sent of round t, minus h / C with h read
-  after that encoding;
+  after that encoding (as eager where the codec held nothing back before, in the first round);
 - an average that lands k steps into a round (`overlap_steps`): phi takes it, each cluster's restart point becomes
   phi - h / C (h after the in-flight round's encoding), and its parameters move by what that point moved past the
   old round start; the final flush sets every cluster to phi.
@@ -111,7 +111,7 @@ def reference(sync_delay, merge, outer_lr, outer_momentum, overlap_steps, local_
     def start(g):
         if merge == "keep_local":
             return phi - g
-        return outer_step(phi, buf, g / NUM_CLUSTERS)[0]  # eager, on copies
+        return outer_step(phi, buf, g / NUM_CLUSTERS)[0]  # eager (and own_payload's first round), on copies
 
     round_start = [phi.clone() for _ in models]
     pending = None
@@ -139,12 +139,15 @@ def reference(sync_delay, merge, outer_lr, outer_momentum, overlap_steps, local_
             if pending is not None:
                 phi, buf = outer_step(phi, buf, pending)
             held_before = [held_share(c) for c in range(NUM_CLUSTERS)]
+            fresh = [r is None for r in residuals]  # the codec holds nothing back yet: own_payload starts as eager
             sent = [send(c, g) for c, g in enumerate(pseudo_grads)]
             pending = sum(sent) / NUM_CLUSTERS
+            round_start = [start(g) - held_before[c] for c, g in enumerate(pseudo_grads)]
             if merge == "own_payload":  # own decoded payload taken as the mean, minus h / C after the encoding
-                round_start = [outer_step(phi, buf, sent[c])[0] - held_share(c) for c in range(NUM_CLUSTERS)]
-            else:
-                round_start = [start(g) - held_before[c] for c, g in enumerate(pseudo_grads)]
+                round_start = [
+                    round_start[c] if fresh[c] else outer_step(phi, buf, sent[c])[0] - held_share(c)
+                    for c in range(NUM_CLUSTERS)
+                ]
         for model, start_params in zip(models, round_start, strict=True):
             load(model, start_params)
         trace.append((phi.clone(), [flat(m) for m in models]))
@@ -238,9 +241,10 @@ def test_the_reference_drain_moves_only_the_final_phi():
 
 
 def test_the_reference_own_payload_starts_elsewhere_than_eager():
-    """`own_payload` is not `eager` under another name: the clusters start round 2 elsewhere (phi is the same until
-    round 1's average lands), and the run ends elsewhere."""
+    """`own_payload` is not `eager` under another name: the first round, with nothing held back before it, starts
+    where eager's does; from the second on the clusters start elsewhere, and the run ends elsewhere."""
     own, eager = reference(**settings("delayed-own_payload")), reference(**settings("delayed-eager"))
-    assert torch.equal(own[0][0], eager[0][0])
-    assert (own[0][1][0] - eager[0][1][0]).abs().max() > 1e-3
+    assert torch.equal(own[0][0], eager[0][0]) and torch.equal(own[1][0], eager[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(own[0][1], eager[0][1], strict=True))  # round 1: as eager
+    assert (own[1][1][0] - eager[1][1][0]).abs().max() > 1e-3  # round 2 on: its own payload
     assert (own[-1][0] - eager[-1][0]).abs().max() > 1e-4

@@ -32,7 +32,7 @@ VARIANTS = {
                 sync_delay=1,
                 outer_lr=1.0,
                 outer_momentum=0.0,
-                merge="eager",
+                merge="own_payload",
                 local_residual=True,
                 drain_residual=True,
             ),

@@ -208,6 +208,24 @@ def test_dilocox_keeps_the_local_residual_unless_nothing_is_held_back_or_the_run
     assert cfg.sync.drain_residual is (want or overrides == ["--sync.kind=dilocox", "--sync.local_residual=false"])
 
 
+@pytest.mark.parametrize(
+    "overrides, want",
+    [
+        (["--sync.kind=dilocox"], "own_payload"),  # adaptive, with error feedback
+        (["--sync.kind=dilocox", "--sync.local_residual=false"], "own_payload"),
+        (["--sync.kind=dilocox", "--compression.kind=none"], "eager"),
+        (["--sync.kind=dilocox", "--compression.error_feedback=false"], "eager"),
+        (["--sync.kind=dilocox", "--topology.elastic=true"], "eager"),
+        (["--sync.kind=dilocox", "--compression.kind=topk_int4", "--sync.merge=keep_local"], "keep_local"),
+        (["--sync.kind=diloco", "--compression.kind=topk_int4", "--sync.sync_delay=1"], "keep_local"),
+    ],
+)
+def test_dilocox_merges_by_its_own_payload_where_the_codec_holds_back(overrides, want):
+    cfg = load_config(None, overrides)
+    cfg.validate()
+    assert cfg.sync.merge == want
+
+
 def test_the_drain_is_turned_off_on_its_own():
     cfg = load_config(None, ["--sync.kind=dilocox", "--sync.drain_residual=false"])
     cfg.validate()
@@ -272,7 +290,7 @@ def test_dilocox_kind_defaults_apply_unless_set(tmp_path):
     assert load_config(None, ["--sync.kind=dilocox"]).compression.kind == "adaptive"
     dilocox = load_config(None, ["--sync.kind=dilocox"]).sync
     assert (dilocox.outer_lr, dilocox.outer_momentum) == (1.0, 0.0)  # plain averaging under the delay
-    assert dilocox.merge == "eager" and load_config(None, ["--sync.kind=diloco"]).sync.merge == "keep_local"
+    assert dilocox.merge == "own_payload" and load_config(None, ["--sync.kind=diloco"]).sync.merge == "keep_local"
     assert load_config(None, ["--sync.kind=dilocox", "--sync.merge=keep_local"]).sync.merge == "keep_local"
     diloco = load_config(None, ["--sync.kind=diloco"]).sync
     assert (diloco.outer_lr, diloco.outer_momentum) == (0.7, 0.9)
