@@ -45,7 +45,7 @@ better on every seed by 1.31 +- 0.49 points (benchmarks/results/outer_delay/), a
 (pooled rank) +6.80 +- 0.24% against +8.03 +- 0.52% (benchmarks/results/eager_adaptive/). With the paper's outer SGD
 (0.7 / Nesterov 0.9) set --sync.merge=keep_local too: eager was +21.1% there, keep_local +12.6% (1 seed). Where its
 codec has error feedback and the run is not elastic it merges by `own_payload` instead (`fit_kind_defaults`): in the
-paper regime, over 3 seeds, +6.34% from AllReduce against eager's +7.44%, better on every seed by 1.10 +- 0.10
+paper regime, over 3 seeds, +6.23% from AllReduce against eager's +7.44%, better on every seed by 1.21 +- 0.43
 points (benchmarks/results/paper_decomposition/). It keeps
 the local residual wherever its codec has error feedback and the run is not elastic (`fit_kind_defaults`): in the
 paper regime, over 3 seeds, +7.81% from AllReduce against +8.57% without, better on every seed by 0.76 +- 0.10

@@ -51,6 +51,10 @@ class DiLoCoSync:
         pseudo-gradient, momentum included: a delay-corrected momentum by weight prediction (SpecTrain, Chen et al.
         2018): the next round computes its pseudo-gradient near where phi will be when that is applied, and the
         momentum's part of the next step, already known, is not left one round behind. Plain averaging: keep_local.
+      - `own_payload` (a codec with error feedback): at the outer step phi would take if round t's average were
+        what this cluster's codec sent of it (its decoded payload: mostly the progress every cluster makes, while
+        the round's noise waits in the residual), less its share of what the codec still holds back; as `eager`
+        in a round whose encoding found nothing held back (the first).
       Under every rule phi itself only ever takes the true averages, so every cluster holds the same phi
       (`agreed_model`); the next pseudo-gradient is measured from the round start, so when the true average lands
       it replaces the predicted part instead of adding to it.
