@@ -58,7 +58,7 @@ class RunConfig:
     out_dir: str = "runs/dilocox"
     """Run directory: config.toml, metrics.jsonl, summary.json, tokenizer.json and checkpoints/ go here."""
     seed: int = 0
-    """Seed of the model initialization, data order and dropout-free RNG state."""
+    """Seed of the initial weights, data order, codec draws and (data.split_seed = -1) the held-out split."""
     overwrite: bool = False
     """Replace an existing run directory instead of refusing to start (resuming never needs this)."""
     num_threads: int = 1
@@ -89,6 +89,8 @@ class DataConfig:
     """Field that holds the text in .jsonl records and .parquet columns."""
     shard: str = "mixed"
     """Windows per data shard: mixed (a seed-keyed deal from the whole corpus) or contiguous (one stretch each)."""
+    split_seed: int = -1
+    """Seed of the held-out split (and so of the BPE trained on the rest); -1 = run.seed, >= 0 = one for all seeds."""
 
 
 @dataclass
@@ -220,6 +222,11 @@ class Config:
         return self.train.num_microbatches or self.topology.pp_degree
 
     @property
+    def split_seed(self) -> int:
+        """The seed of the held-out split: `data.split_seed`, or run.seed where that is -1."""
+        return self.run.seed if self.data.split_seed == -1 else self.data.split_seed
+
+    @property
     def world_size(self) -> int:
         t = self.topology
         return t.num_clusters * t.dp_degree * t.pp_degree
@@ -290,6 +297,10 @@ class Config:
             raise ValueError(f"train.beta1/beta2 = {self.train.beta1}/{self.train.beta2} must be in [0, 1)")
         if not 0.0 < self.data.val_fraction <= 0.5:
             raise ValueError(f"data.val_fraction = {self.data.val_fraction} must be in (0, 0.5]")
+        if self.data.split_seed < -1:
+            raise ValueError(
+                f"data.split_seed = {self.data.split_seed} must be >= 0, or -1 to hold out the split of run.seed"
+            )
         check_choice("train.pipeline_schedule", self.train.pipeline_schedule, PIPELINE_SCHEDULES)
         if self.train.num_microbatches < 0:
             raise ValueError(f"train.num_microbatches = {self.train.num_microbatches} must be >= 0 (0 = pp_degree)")

@@ -49,7 +49,7 @@ def evaluate_run(
             tokenizer=str(tokenizer_file),
             val_fraction=d.val_fraction,
             text_field=d.text_field,
-            seed=cfg.run.seed,
+            seed=cfg.split_seed,
         )
         tokens, source = data.val, "validation split"
     args = checkpoint_model_args(meta, tokenizer.vocab_size)

@@ -289,6 +289,9 @@ class RunSummary:
     """Tokens scored by the final evaluation (0 in summaries written before it was recorded)."""
     run_seed: int = 0
     """run.seed: the initial weights, the data order and the codecs' random draws."""
+    split_seed: int | None = None
+    """The seed of the held-out split the evals scored (data.split_seed, or run.seed where that is -1); None in
+    summaries written before it was recorded, which scored run.seed's split."""
     guard_excluded_updates: int = 0
     """sync.guard: clusters' updates left out of a mean, summed over rounds (judged alike by every cluster; with
     pipeline stages, stage 0's judgement)."""

@@ -53,7 +53,7 @@ def prepare_data(cfg: Config) -> TokenData:
         vocab_size=d.vocab_size,
         val_fraction=d.val_fraction,
         text_field=d.text_field,
-        seed=cfg.run.seed,
+        seed=cfg.split_seed,
     )
 
 
@@ -641,6 +641,7 @@ class Trainer:
             run_dir=str(self.run_dir),
             final_eval_tokens=self.eval_tokens,
             run_seed=c.run.seed,
+            split_seed=c.split_seed,
             guard_excluded_updates=guard.get("excluded_updates", 0),
             guard_skipped_rounds=guard.get("skipped_rounds", 0),
         )

@@ -94,6 +94,7 @@ def test_missing_and_invalid_files(tmp_path):
         (["--train.lr=nan"], "finite"),
         (["--sync.outer_momentum=1.0"], "sync.outer_momentum"),
         (["--data.val_fraction=0.9"], "data.val_fraction"),
+        (["--data.split_seed=-2"], "data.split_seed = -2 must be >= 0, or -1"),
         (["--data.shard=blocks"], "data.shard = 'blocks' is not one of: mixed, contiguous"),
         (["--sync.sync_delay=2"], "sync.sync_delay = 2 must be 0"),
         (["--sync.kind=allreduce", "--sync.sync_delay=1"], "needs an outer loop"),

@@ -15,6 +15,7 @@ import torch
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import dilocox.data.dataset as dataset_module
+from dilocox.config import load_config
 from dilocox.data import (
     EOS_TOKEN,
     ShardedTokenStream,
@@ -30,6 +31,7 @@ from dilocox.data import (
 )
 from dilocox.data.dataset import IndexPermutation
 from dilocox.fileio import write_atomic
+from dilocox.trainer import prepare_data
 
 WORDS = "the king queen sword crown night day love death river stone fire hope fear bright dark".split()
 UNICODE_SAMPLES = [
@@ -265,6 +267,20 @@ def test_prepare_tokens_split_by_document(tmp_path, small_tokenizer):
     assert train_text == EOS_TOKEN.join(doc for i, doc in enumerate(documents) if i not in held_out)
     assert small_tokenizer.decode(data.val) == EOS_TOKEN.join(documents[i] for i in held_out)
     assert not any(f"document{i}\n" in train_text for i in held_out)
+
+
+def test_split_seed_holds_out_one_split_for_every_run_seed(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", make_documents(10))
+
+    def held_out(run_seed: int, split_seed: int) -> np.ndarray:
+        cfg = load_config(None, [f"--data.path={corpus}", "--data.vocab_size=300", "--data.val_fraction=0.2",
+                                 f"--run.seed={run_seed}", f"--data.split_seed={split_seed}"])  # fmt: skip
+        return prepare_data(cfg).val
+
+    assert np.array_equal(held_out(3, 0), held_out(0, 0))  # a fixed split: one held-out set (and BPE) for all
+    assert np.array_equal(held_out(0, -1), held_out(0, 0))  # -1 holds out run.seed's split
+    assert not np.array_equal(held_out(3, -1), held_out(0, -1))
+    assert np.array_equal(held_out(3, -1), held_out(0, 3))
 
 
 @pytest.mark.parametrize("num_documents", [2, 3, 10, 38, 101])

@@ -37,8 +37,9 @@ def _seeds_note(results: dict[str, Any]) -> list[str]:
         return []
     return [
         f"Eval loss: mean ± sample standard deviation over {seeds} seeds (run.seed, +1, ...: initial weights, data "
-        'order and codec draws). Gap: mean ± standard deviation of the gaps paired seed by seed; "within noise" '
-        "where the gap changes sign across seeds or is smaller than its standard deviation."
+        "order and codec draws, and the held-out split unless data.split_seed fixes it). Gap: mean ± standard "
+        'deviation of the gaps paired seed by seed; "within noise" where the gap changes sign across seeds or is '
+        "smaller than its standard deviation."
     ]
 
 
