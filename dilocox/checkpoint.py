@@ -238,7 +238,7 @@ _IDENTITY_FIELDS = {
     "flavor": "model.flavor",
 }
 """`run_identity` keys as config fields (checkpoints written before meta.json held the config carry only these)."""
-_LEGACY_VALUES = {"data.shard": "contiguous"}
+_LEGACY_VALUES = {"data.shard": "contiguous", "data.split_seed": -1}
 """What a config written before a field existed meant by its absence."""
 
 
@@ -246,15 +246,16 @@ def resume_fields(cfg: Config, saved: dict[str, Any]) -> list[str]:
     """The config fields, in the order they are compared, that a run must share with the checkpoint it resumes:
     what the saved tensors' shapes and meanings depend on. Topology: the rank files, data shards and slices. The
     model and, when the BPE is trained here, its vocabulary: every tensor's shape (the tokenizer itself and the
-    model's dimensions are compared after the data is loaded, `check_resume_model`). `data.shard` and
-    `train.seq_len`: the saved data position counts windows of `seq_len + 1` tokens in that deal. The inner
+    model's dimensions are compared after the data is loaded, `check_resume_model`). `data.shard`,
+    `data.split_seed` and `train.seq_len`: the saved data position counts windows of `seq_len + 1` tokens of that
+    training split in that deal. The inner
     optimizer: its state. The outer loop's settings (`sync.RESUME_SETTINGS`) and the codec's format: the saved
     outer optimizer, round and a sync in flight, whose payload is sent again as it was encoded."""
     fields = ["topology.num_clusters", "topology.dp_degree", "topology.pp_degree", "model.flavor", "sync.kind"]
     saved_trains_bpe = not saved.get("data", {}).get("tokenizer") and not saved.get("model", {}).get("init_from")
     if saved_trains_bpe and not cfg.data.tokenizer and not cfg.model.init_from:
         fields.append("data.vocab_size")  # both train their BPE here: its size is the model's vocabulary
-    fields += ["data.shard", "train.seq_len", "train.optimizer"]
+    fields += ["data.shard", "data.split_seed", "train.seq_len", "train.optimizer"]
     if cfg.sync.has_outer_loop:
         fields += [f"sync.{name}" for name in ("inner_steps", "sync_delay", "outer_lr", "outer_momentum", "nesterov")]
         fields.append("compression.kind")

@@ -268,6 +268,15 @@ def test_seeds_give_means_spreads_and_paired_gaps():
     assert compare([seeded(4.04, 0)], base)["gap_to_baseline_pct"] == pytest.approx(1.0)
     assert not compare([seeded(4.04, 0)], base)["gap_resolved"]
     assert compare([seeded(4.284, 1)], base)["gap_to_baseline_pct"] == pytest.approx(2.0)
+    # and on the held-out split scored: seed 1 on seed 0's split (data.split_seed = 0) does not pair with a seed 1
+    # that scored its own split (nor, without a pair, with a first seed on another split), and pairs with one scored
+    # on split 0 (seed 0 scores split 0 either way)
+    on_split0 = [dataclasses.replace(seeded(4.284, 1), split_seed=0)]
+    assert compare(on_split0, base[1:])["gap_to_baseline_pct"] is None
+    assert compare(on_split0, base)["gap_to_baseline_pct"] == pytest.approx(7.1)  # seed 0 of the baseline: split 0
+    base_split0 = [dataclasses.replace(seeded(4.0, 0), split_seed=0), dataclasses.replace(seeded(4.2, 1), split_seed=0)]
+    assert compare(on_split0, base_split0)["gap_to_baseline_pct"] == pytest.approx(2.0)
+    assert compare([seeded(4.04, 0)], base_split0)["gap_to_baseline_pct"] == pytest.approx(1.0)
 
 
 def test_collect_reads_every_seed_and_the_table_shows_the_spread(tmp_path):

@@ -112,6 +112,7 @@ def test_resume_compares_the_fields_the_saved_state_depends_on(tmp_path):
             "sync.nesterov was true in the checkpoint, false now; resume with --sync.nesterov=true",
         ),
         ("--topology.pp_degree=2", "topology.pp_degree was 1 in the checkpoint, 2 now"),
+        ("--data.split_seed=0", "data.split_seed was -1 in the checkpoint, 0 now; resume with --data.split_seed=-1"),
     ]:
         cfg = load_config(None, ["--sync.kind=dilocox", "--compression.kind=lowrank_int4", flag])
         with pytest.raises(ValueError, match=f"^cannot resume {path}: {message}"):

@@ -46,11 +46,14 @@ class SeedResult:
     run_seed: int
     final_eval_loss: float
     tokens_per_s: float
+    split_seed: int | None = None
 
 
 def _seed_results(row: dict[str, Any]) -> list[SeedResult]:
     """A results.json row's seeds (every seed gets the row's mean throughput, which is all a comparison uses)."""
-    return [SeedResult(s["run_seed"], s["final_eval_loss"], row["tokens_per_s"]) for s in row["seeds"]]
+    return [
+        SeedResult(s["run_seed"], s["final_eval_loss"], row["tokens_per_s"], s.get("split_seed")) for s in row["seeds"]
+    ]
 
 
 def kept_rows(spec: BenchSpec, out_dir: Path, *, quick: bool, exclude: list[str]) -> dict[str, dict[str, Any]]:
@@ -112,7 +115,12 @@ def collect(
                 "process_s": float(process_file.read_text()) if process_file.exists() else None,
                 "curve": _curve(dirs[0]),
                 "seeds": [
-                    {"run_seed": s.run_seed, "final_eval_loss": s.final_eval_loss, "curve": _curve(d)}
+                    {
+                        "run_seed": s.run_seed,
+                        "split_seed": s.split_seed,
+                        "final_eval_loss": s.final_eval_loss,
+                        "curve": _curve(d),
+                    }
                     for s, d in zip(summaries[name], dirs, strict=True)
                 ],
             }
@@ -201,13 +209,16 @@ def compare(
 
 def paired_gaps(runs: Sequence[SeedResult | RunSummary], base: Sequence[SeedResult | RunSummary] | None,
                 tokens_per_s: float) -> dict[str, Any]:  # fmt: skip
-    """The gap columns of `compare`: seed k against the baseline's seed k (the first of each when no seed pairs),
-    their mean, spread and range, whether that resolves, and the speedup of `tokens_per_s` over the baseline's."""
-    if not base:
+    """The gap columns of `compare`: seed k against the baseline's seed k scored on the same held-out split (the
+    first of each when no seed pairs and the two score one split; no gap when they score different splits), their
+    mean, spread and range, whether that resolves, and the speedup of `tokens_per_s` over the baseline's."""
+    by_seed = {_pairing(b): b for b in base or []}
+    pairs = [(s, by_seed[_pairing(s)]) for s in runs if _pairing(s) in by_seed]
+    if not pairs and base and _pairing(runs[0])[1] == _pairing(base[0])[1]:
+        pairs = [(runs[0], base[0])]
+    if not pairs:
         return {"gap_to_baseline_pct": None, "gap_sd_pct": None, "gap_range_pct": None, "gap_resolved": False,
                 "speedup_vs_baseline": None}  # fmt: skip
-    by_seed = {b.run_seed: b for b in base}
-    pairs = [(s, by_seed[s.run_seed]) for s in runs if s.run_seed in by_seed] or [(runs[0], base[0])]
     gaps = [100.0 * (s.final_eval_loss - b.final_eval_loss) / b.final_eval_loss for s, b in pairs]
     sd = _sd(gaps)
     mean = _mean(gaps)
@@ -218,6 +229,11 @@ def paired_gaps(runs: Sequence[SeedResult | RunSummary], base: Sequence[SeedResu
         "gap_resolved": sd is not None and (min(gaps) > 0 or max(gaps) < 0) and abs(mean) > sd,
         "speedup_vs_baseline": tokens_per_s / _mean([b.tokens_per_s for b in base]),
     }
+
+
+def _pairing(run: SeedResult | RunSummary) -> tuple[int, int]:
+    """What a gap pairs seeds on: run.seed and the held-out split scored (run.seed's where none was recorded)."""
+    return run.run_seed, run.run_seed if run.split_seed is None else run.split_seed
 
 
 def write_results(results: dict[str, Any], out_dir: Path) -> None:
