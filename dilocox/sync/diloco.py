@@ -52,9 +52,10 @@ class DiLoCoSync:
         2018): the next round computes its pseudo-gradient near where phi will be when that is applied, and the
         momentum's part of the next step, already known, is not left one round behind. Plain averaging: keep_local.
       - `own_payload` (a codec with error feedback): at the outer step phi would take if round t's average were
-        what this cluster's codec sent of it (its decoded payload: mostly the progress every cluster makes, while
-        the round's noise waits in the residual), less its share of what the codec still holds back; as `eager`
-        in a round whose encoding found nothing held back (the first).
+        what this cluster's codec sent of it (its decoded payload), less its share of what the codec still holds
+        back; as `eager` in a round whose encoding found nothing held back (the first). Not a better guess of the
+        average (the clusters' payloads are nearly uncorrelated, docs/design.md §3): the round's first steps run
+        from the cluster's own point on the values it sent.
       Under every rule phi itself only ever takes the true averages, so every cluster holds the same phi
       (`agreed_model`); the next pseudo-gradient is measured from the round start, so when the true average lands
       it replaces the predicted part instead of adding to it.
