@@ -248,9 +248,9 @@ def resume_fields(cfg: Config, saved: dict[str, Any]) -> list[str]:
     model and, when the BPE is trained here, its vocabulary: every tensor's shape (the tokenizer itself and the
     model's dimensions are compared after the data is loaded, `check_resume_model`). `data.shard`,
     `data.split_seed` and `train.seq_len`: the saved data position counts windows of `seq_len + 1` tokens of that
-    training split in that deal. The inner
-    optimizer: its state. The outer loop's settings (`sync.RESUME_SETTINGS`) and the codec's format: the saved
-    outer optimizer, round and a sync in flight, whose payload is sent again as it was encoded."""
+    training split in that deal. The inner optimizer: its state. The outer loop's settings (`sync.RESUME_SETTINGS`)
+    and the codec's format: the saved outer optimizer, round and a sync in flight, whose payload is sent again as it
+    was encoded."""
     fields = ["topology.num_clusters", "topology.dp_degree", "topology.pp_degree", "model.flavor", "sync.kind"]
     saved_trains_bpe = not saved.get("data", {}).get("tokenizer") and not saved.get("model", {}).get("init_from")
     if saved_trains_bpe and not cfg.data.tokenizer and not cfg.model.init_from:
