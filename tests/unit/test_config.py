@@ -286,6 +286,21 @@ def test_shipped_configs_parse_and_validate(path):
     load_config(path).validate()
 
 
+def test_the_topk_recipe_trains_what_its_bench_row_measured():
+    """configs/dilocox-topk.toml claims the measured gap of a bench row: it must train exactly that row's setting."""
+    from dilocox.tools.bench.spec import load_bench
+
+    spec = load_bench(REPO / "benchmarks" / "configs" / "paper_decomposition.toml")
+    row = next(
+        r for r in spec.runs if r.name == "dilocox-topk-d05-h12-overlap7-local-residual-decay1-lr3e-3-drain-own-payload"
+    )
+    measured = to_dict(load_config(REPO / "configs" / "default.toml", row.overrides))
+    recipe = to_dict(load_config(REPO / "configs" / "dilocox-topk.toml"))
+    for section in ("model", "data", "train", "topology", "sync", "compression"):
+        assert recipe[section] == measured[section], section
+    assert recipe["compression"]["kind"] == "topk_int4" and recipe["sync"]["merge"] == "own_payload"
+
+
 def test_dilocox_kind_defaults_apply_unless_set(tmp_path):
     assert load_config(None, ["--sync.kind=dilocox"]).sync.sync_delay == 1
     assert load_config(None, ["--sync.kind=dilocox"]).compression.kind == "adaptive"
