@@ -36,6 +36,7 @@ from dilocox.trainer import build_inner_optimizer, build_model, lr_at, prepare_d
 REPO = Path(__file__).resolve().parents[1]
 CODECS = {
     "top-k int4, density 0.05": {"kind": "topk_int4", "density": 0.05},
+    "top-k int4, density 0.25": {"kind": "topk_int4", "density": 0.25},
     "low-rank int4, rank 8": {"kind": "lowrank_int4", "rank": 8},
     "low-rank fp32, rank 8": {"kind": "lowrank", "rank": 8},
     "adaptive low-rank int4, rank_max 8": {"kind": "adaptive", "rank_max": 8},
