@@ -125,9 +125,11 @@ def moved(start: list[torch.Tensor], change: list[torch.Tensor]) -> list[torch.T
     return [s + c for s, c in zip(start, change, strict=True)]
 
 
-def whole_drops(sequence: list[list[torch.Tensor]], start: list[torch.Tensor], held_out: HeldOut) -> dict[str, float]:
-    """The held-out loss at the first round's start and the drops the pseudo-gradients themselves buy from there."""
-    total = [sum(parts) for parts in zip(*sequence, strict=True)]
+def whole_drops(
+    sequence: list[list[torch.Tensor]], total: list[torch.Tensor], start: list[torch.Tensor], held_out: HeldOut
+) -> dict[str, float]:
+    """The held-out loss at the first round's start and the drops the pseudo-gradients themselves (the first, and
+    their sum `total`) buy from there."""
     base = held_out.loss(start)
     return {
         "base": base,
@@ -139,6 +141,7 @@ def whole_drops(sequence: list[list[torch.Tensor]], start: list[torch.Tensor], h
 def measure(
     options: dict,
     sequence: list[list[torch.Tensor]],
+    total: list[torch.Tensor],
     start: list[torch.Tensor],
     held_out: HeldOut,
     whole: dict[str, float],
@@ -146,7 +149,6 @@ def measure(
     codec = build_codec(CompressionConfig(**options), seed=0)
     feedback = ErrorFeedback()
     payload_bytes, first_kept, first_decoded = [], None, None
-    total = [torch.zeros_like(t) for t in sequence[0]]
     sent = [torch.zeros_like(t) for t in sequence[0]]
     for pseudo_grad in sequence:
         payload, decoded = feedback.compress(codec, pseudo_grad)
@@ -156,7 +158,6 @@ def measure(
                 1 - norm([d - p for d, p in zip(decoded, pseudo_grad, strict=True)]) ** 2 / norm(pseudo_grad) ** 2
             )
             first_decoded = decoded
-        total = [a + b for a, b in zip(total, pseudo_grad, strict=True)]
         sent = [a + b for a, b in zip(sent, decoded, strict=True)]
     dot = sum(float((a.double() * b.double()).sum()) for a, b in zip(total, sent, strict=True))
 
@@ -197,9 +198,10 @@ def main() -> None:
         "| held-out loss drop bought, round 1 | all rounds |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    whole = whole_drops(sequence, start, held_out)
+    total = [sum(parts) for parts in zip(*sequence, strict=True)]  # the pseudo-gradients' sum, every codec's reference
+    whole = whole_drops(sequence, total, start, held_out)
     for label, options in CODECS.items():
-        m = measure(options, sequence, start, held_out, whole)
+        m = measure(options, sequence, total, start, held_out, whole)
         lines.append(
             f"| {label} | {m['bytes']:,.0f} | {m['first_kept']:.3f} | {m['residual']:.2f} | {m['cosine']:.3f} "
             f"| {m['loss_first']:.3f} | {m['loss_all']:.3f} |"
