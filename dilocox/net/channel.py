@@ -31,6 +31,7 @@ from dilocox.net.link import (
     ring_all_gather_bytes,
     ring_all_reduce_bytes,
 )
+from dilocox.net.staging import HostStaging, StagingTicket
 
 __all__ = [
     "PendingTransfer",
@@ -82,6 +83,8 @@ class PendingTransfer(Generic[ResultT]):
     _result: Any = field(default=None, repr=False)
     _error: BaseException | None = field(default=None, repr=False)
     _channel: WanChannel | None = field(default=None, repr=False)
+    _staged: StagingTicket | None = field(default=None, repr=False)
+    """How a CUDA payload is staged through the host (None for a host payload)."""
 
     def done(self) -> bool:
         """True once `wait()` would return (or raise) without blocking."""
@@ -99,6 +102,8 @@ class PendingTransfer(Generic[ResultT]):
                 f"WAN channel {self.kind} launched at t={self.launch_time:.3f}s failed on the communicator thread: "
                 f"{self._error!r}"
             ) from self._error
+        if self._staged is not None:
+            self._staged.before_use()  # the compute stream reads the result after its copy back, not before
         return self._result
 
     def _complete(self, result: Any) -> None:
@@ -136,10 +141,13 @@ class Wire:
             return wire.all_gather(reduced, sizes)       # everyone's reduced chunk
     """
 
-    def __init__(self, group: dist.ProcessGroup, world_size: int, rank: int) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, world_size: int, rank: int, *, staging: HostStaging | None = None
+    ) -> None:
         self.group = group
         self.world_size = world_size
         self.rank = rank
+        self.staging = staging if staging is not None else HostStaging()
         self.nbytes_sent = 0
         self.nbytes_recv = 0
         self.phases = 0
@@ -161,14 +169,14 @@ class Wire:
         self.phases += 1
         if not any(send_sizes) and not any(recv_sizes):  # sizes follow the shapes: then every rank has nothing
             return list(chunks)
-        received = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-        sending = _to_host(torch.cat(chunks))
+        received = self.staging.host_buffer(sum(recv_sizes), torch.uint8)
+        sending = self.staging.to_host(torch.cat(chunks))
         dist.all_to_all_single(
             received, sending, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=self.group
         )
         self.nbytes_sent += sum(send_sizes) - send_sizes[rank]
         self.nbytes_recv += sum(recv_sizes) - recv_sizes[rank]
-        parts = list(torch.split(received.to(chunks[rank].device), recv_sizes))
+        parts = list(torch.split(self.staging.to_device(received, chunks[rank].device), recv_sizes))
         parts[rank] = chunks[rank]
         return parts
 
@@ -178,7 +186,7 @@ class Wire:
         if len(sizes) != world or sizes[rank] != tensor.numel() or tensor.dim() != 1:
             raise ValueError(f"all_gather needs this rank's 1-D payload of sizes[{rank}] bytes and one size per rank")
         self.phases += 1
-        gathered = _gather_payloads(self.group, tensor, list(sizes), rank)
+        gathered = _gather_payloads(self.group, tensor, list(sizes), rank, self.staging)
         sent, recv = ring_all_gather_bytes(list(sizes), rank)
         self.nbytes_sent += sent
         self.nbytes_recv += recv
@@ -256,6 +264,7 @@ class WanChannel:
             if self.group_rank < 0:
                 raise ValueError("this rank is not a member of the WanChannel's group: pass its own cluster_group")
         self._auth = auth
+        self._staging = HostStaging()  # device payloads cross through pinned host buffers on a side stream
         # A tag names the group by its global ranks: a payload of another group (another stage) does not verify.
         self._group_ranks = () if group is None else tuple(dist.get_process_group_ranks(group))
         self._tag_group = self._group_ranks  # an elastic round's group: its quorum id and clusters (`rebind`)
@@ -441,7 +450,7 @@ class WanChannel:
         self._refuse_unauthenticated("all_reduce")
         if self.world_size == 1:
             return self._completed("all_reduce", tensor)
-        return self._submit("all_reduce", lambda _: self._run_all_reduce(tensor, op), account)
+        return self._submit("all_reduce", lambda _: self._run_all_reduce(tensor, op), account, device=tensor.device)
 
     def launch_all_gather(
         self, tensor: torch.Tensor, *, max_numel: int | None = None, account: bool = True
@@ -473,10 +482,16 @@ class WanChannel:
             )
         if self.world_size == 1:
             return self._completed("all_gather", [tensor])
-        return self._submit("all_gather", functools.partial(self._run_all_gather, tensor, limit), account)
+        run = functools.partial(self._run_all_gather, tensor, limit)
+        return self._submit("all_gather", run, account, device=tensor.device)
 
     def launch_program(
-        self, program: Callable[[Wire], ResultT], *, kind: str = "program", account: bool = True
+        self,
+        program: Callable[[Wire], ResultT],
+        *,
+        kind: str = "program",
+        account: bool = True,
+        device: torch.device | None = None,
     ) -> PendingTransfer[ResultT]:
         """Start a multi-step collective: `program(wire)` runs on the communicator thread and returns the result.
 
@@ -484,13 +499,14 @@ class WanChannel:
         runs on the same thread and in the same launch order as every other collective of this channel, so state it
         reads or writes is never raced by another transfer; it must not touch tensors the trainer is using. The
         link is charged the program's `max(sent, recv)` bytes and one latency per step. `wait()` raises what the
-        program raised.
+        program raised. `device`: where the tensors the program reads and returns live; on a CUDA device the
+        program runs on the channel's side stream, after the compute stream's work queued before this launch.
         """
         self._refuse_unauthenticated(kind)
         if self.world_size == 1:
             assert self.group is None or dist.get_world_size(self.group) == 1
             return self._completed(kind, program(_LocalWire()))
-        return self._submit(kind, lambda _: self._run_program(program), account)
+        return self._submit(kind, lambda _: self._run_program(program), account, device=device)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "avg") -> torch.Tensor:
         """Blocking `launch_all_reduce(...).wait()`."""
@@ -552,7 +568,9 @@ class WanChannel:
                 "of their sender; all-gather tagged payloads and reduce them locally (compression.reduction = gather)"
             )
 
-    def _submit(self, kind: str, run: Callable[[int], _Outcome], account: bool = True) -> PendingTransfer[Any]:
+    def _submit(
+        self, kind: str, run: Callable[[int], _Outcome], account: bool = True, *, device: torch.device | None = None
+    ) -> PendingTransfer[Any]:
         transfer: PendingTransfer[Any] = PendingTransfer(kind=kind, launch_time=time.perf_counter(), _channel=self)
         with self._lock:
             if self._closed:
@@ -569,6 +587,7 @@ class WanChannel:
             if account:
                 transfer.seq = self._submitted
                 self._submitted += 1
+            transfer._staged = self._staging.ticket(device)  # on this thread: after the payload's kernels
             self._queue.put(_Job(transfer, run, account, exchange=self._launched))
             self._launched += 1
         return transfer
@@ -612,7 +631,9 @@ class WanChannel:
     def _execute(self, job: _Job) -> None:
         transfer = job.transfer
         real_start = time.perf_counter()
-        outcome = job.run(job.exchange)
+        with self._staging.running(transfer._staged):
+            outcome = job.run(job.exchange)
+            self._staging.finish(transfer._staged, outcome.result)
         real_end = time.perf_counter()
         if not job.account:
             transfer.nbytes_sent, transfer.nbytes_recv = outcome.nbytes_sent, outcome.nbytes_recv
@@ -641,12 +662,12 @@ class WanChannel:
 
     def _run_all_reduce(self, tensor: torch.Tensor, op: str) -> _Outcome:
         # gloo reduces contiguous host buffers only; reduce a copy and write it back so the call stays in-place.
-        buffer = _to_host(tensor if tensor.is_contiguous() else tensor.contiguous())
+        buffer = self._staging.to_host(tensor)
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
         if op == "avg":
             buffer.div_(self.world_size)
         if buffer is not tensor:
-            tensor.copy_(buffer)
+            self._staging.copy_to_device_(tensor, buffer)
         sent, recv = ring_all_reduce_bytes(tensor.numel(), tensor.element_size(), self.world_size, self.group_rank)
         return _Outcome(tensor, sent, recv)
 
@@ -669,7 +690,7 @@ class WanChannel:
                     "the length was corrupted on the way"
                 )
         control_bytes, _ = ring_all_gather_bytes([_LENGTH_BYTES] * world, rank)
-        gathered: list[torch.Tensor | None] = list(_gather_payloads(self.group, wire, numels, rank))
+        gathered: list[torch.Tensor | None] = list(_gather_payloads(self.group, wire, numels, rank, self._staging))
         sizes = [n * wire.element_size() for n in numels]
         sent, recv = ring_all_gather_bytes(sizes, rank)
         if self._auth is not None:
@@ -683,7 +704,7 @@ class WanChannel:
     def _seal(self, tensor: torch.Tensor, exchange: int) -> torch.Tensor:
         """(nbytes + 32,) uint8 on the host: the bytes of `tensor` followed by their tag for this exchange."""
         assert self._auth is not None
-        data = _to_host(tensor).contiguous().view(torch.uint8)  # (nbytes,)
+        data = self._staging.to_host(tensor).view(torch.uint8)  # (nbytes,)
         tag = self._auth.tag(data.numpy(), seq=exchange, sender=self.group_rank, group=self._tag_group)
         return torch.cat([data, torch.frombuffer(bytearray(tag), dtype=torch.uint8)])
 
@@ -712,7 +733,7 @@ class WanChannel:
                     group=self._tag_group,
                 )
             )
-            opened.append(wire[:nbytes].view(tensor.dtype).to(tensor.device) if ok else None)
+            opened.append(self._staging.to_device(wire[:nbytes].view(tensor.dtype), tensor.device) if ok else None)
             if not ok:
                 rejected.append(sender)
         if rejected:
@@ -737,29 +758,22 @@ class WanChannel:
 
     def _run_program(self, program: Callable[[Wire], Any]) -> _Outcome:
         assert self.group is not None
-        wire = Wire(self.group, self.world_size, self.group_rank)
+        wire = Wire(self.group, self.world_size, self.group_rank, staging=self._staging)
         result = program(wire)
         return _Outcome(result, wire.nbytes_sent, wire.nbytes_recv, phases=wire.phases)
 
 
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """The slow link is gloo over TCP on host memory: a device tensor crosses it as a host copy, made here on the
-    communicator thread (docs/design.md §9); a host tensor is used as it is."""
-    return tensor if tensor.device.type == "cpu" else tensor.cpu()
-
-
 def _gather_payloads(
-    group: dist.ProcessGroup, tensor: torch.Tensor, numels: list[int], rank: int
+    group: dist.ProcessGroup, tensor: torch.Tensor, numels: list[int], rank: int, staging: HostStaging
 ) -> list[torch.Tensor]:
-    """Every rank's payload, on the device of this rank's `tensor` (see `_gather_host_payloads`)."""
-    gathered = _gather_host_payloads(group, _to_host(tensor), numels, rank)
-    gathered = [part.to(tensor.device) for part in gathered]
-    gathered[rank] = tensor
-    return gathered
+    """Every rank's payload, on the device of this rank's `tensor` (see `_gather_host_payloads`). The slow link is
+    gloo over TCP on host memory: a device payload crosses it through `staging` (docs/design.md §9)."""
+    gathered = _gather_host_payloads(group, staging.to_host(tensor), numels, rank, staging)
+    return [tensor if peer == rank else staging.to_device(part, tensor.device) for peer, part in enumerate(gathered)]
 
 
 def _gather_host_payloads(
-    group: dist.ProcessGroup, tensor: torch.Tensor, numels: list[int], rank: int
+    group: dist.ProcessGroup, tensor: torch.Tensor, numels: list[int], rank: int, staging: HostStaging
 ) -> list[torch.Tensor]:
     """Every rank's 1-D `tensor` of `numels[i]` elements, in rank order (this rank's entry is `tensor` itself).
 
@@ -770,7 +784,7 @@ def _gather_host_payloads(
     world = len(numels)
     if world == 2:
         peer = 1 - rank
-        received = torch.empty(numels[peer], dtype=tensor.dtype)
+        received = staging.host_buffer(numels[peer], tensor.dtype)
         if numels[peer] or numels[rank]:
             # group ranks, not global ones: an elastic run's group (torchft's) is not in the default world
             pending = []
@@ -787,9 +801,10 @@ def _gather_host_payloads(
     if tensor.numel() == longest and tensor.is_contiguous():
         padded = tensor
     else:
-        padded = torch.zeros(longest, dtype=tensor.dtype)
+        padded = staging.host_buffer(longest, tensor.dtype)
         padded[: tensor.numel()] = tensor
-    slots = [torch.empty(longest, dtype=tensor.dtype) for _ in range(world)]
+        padded[tensor.numel() :] = 0
+    slots = [staging.host_buffer(longest, tensor.dtype) for _ in range(world)]
     dist.all_gather(slots, padded, group=group)
     gathered = [slot[:n] for slot, n in zip(slots, numels, strict=True)]
     gathered[rank] = tensor

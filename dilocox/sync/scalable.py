@@ -191,7 +191,7 @@ class _ScalableReducer(CodecReducer):
     def _start(self, flat: torch.Tensor, sent: torch.Tensor, *, codec_s: float, account: bool) -> PendingMean:
         program, assemble, payload_bytes = self._program(sent)
         cost = CodecCost(payload_bytes=payload_bytes, dense_bytes=4 * self.slice.numel, codec_s=codec_s)
-        transfer = self.channel.launch_program(program, kind="scalable_mean", account=account)
+        transfer = self.channel.launch_program(program, kind="scalable_mean", account=account, device=sent.device)
 
         def finish() -> torch.Tensor:
             out = transfer.wait()
