@@ -1,4 +1,4 @@
-"""Soak: 20 injected faults of mixed kinds in one long run of the real CLI (issue 12), not in the default suite.
+"""Soak: 20 injected faults of mixed kinds in one long run of the real CLI, not in the default suite.
 
     python benchmarks/soak.py                                   # about 8 minutes on 2 cores, writes the results
     python benchmarks/soak.py --process-only --reuse-clean --out benchmarks/results/soak/process_only

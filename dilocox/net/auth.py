@@ -1,4 +1,4 @@
-"""HMAC-SHA256 tags on slow-link payloads (`network.auth_key_file`; docs/design.md §5, README "Security").
+"""HMAC-SHA256 tags on slow-link payloads (`network.auth_key_file`; docs/design.md §5, docs/guides/security.md).
 
 Every cluster holds the same secret key. A sender appends `tag(payload)` to each payload it puts on the slow link;
 a receiver recomputes it and uses the payload only if the two match. The tag covers a domain string, the ranks of

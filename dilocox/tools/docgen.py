@@ -1,0 +1,163 @@
+"""Reference pages of the documentation site, generated from the code: every config option and every command.
+
+The configuration reference is read from the config dataclasses (`dilocox.config.options`: name, type, default and
+the docstring under each field, the text `dilocox train --help` prints), the strategies' own defaults
+(`KIND_DEFAULTS`) and the allowed values that each section's `validate()` enforces; the CLI reference is each
+command's own `--help`. Nothing is copied by hand, so the pages cannot drift from the code.
+
+It is also the MkDocs hook that puts them into the site (`mkdocs.yml`: `hooks: [dilocox/tools/docgen.py]`): a page
+holding a marker line gets the generated text in its place.
+
+    markdown = config_reference()                    # the [section] tables, as Markdown
+    markdown = cli_reference()                       # every `dilocox <command> --help`
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+from typing import Any
+
+CONFIG_MARKER = "<!-- generated: config-reference -->"
+"""The line of a docs page that `on_page_markdown` replaces by `config_reference()`."""
+CLI_MARKER = "<!-- generated: cli-reference -->"
+"""The line of a docs page that `on_page_markdown` replaces by `cli_reference()`."""
+HELP_COLUMNS = "110"
+"""Terminal width argparse wraps `--help` at while the CLI reference is generated (the same on every machine)."""
+
+SECTION_SUMMARIES = {
+    "run": "The run directory, seed, threads and device.",
+    "model": "The model's shape, or a Hugging Face model to start from.",
+    "data": "The training text, tokenizer and held-out split.",
+    "train": "The inner loop: steps, batch, inner optimizer and its schedule, precision.",
+    "topology": "Clusters and the parallel degrees inside each (world size = clusters x dp x pp), elastic membership.",
+    "sync": "The strategy that keeps the clusters together and its outer loop (H, delay, outer optimizer, guard).",
+    "compression": "The codec that encodes pseudo-gradients for the slow link, and how payloads are averaged.",
+    "cocktail": "The CocktailSGD baseline's per-step gradient compression (`sync.kind = cocktail`).",
+    "network": "The slow link (emulated bandwidth, latency), timeouts, failure detection, payload authentication.",
+    "eval": "Evaluations of the agreed model during training and at the end.",
+    "checkpoint": "Checkpoint interval, retention and resume.",
+    "metrics": "metrics.jsonl, the progress line, TensorBoard and Weights & Biases.",
+    "faults": "Injected faults for testing the guard and robust aggregation; never set for a model you want.",
+}
+"""One line under each section's heading of the configuration reference."""
+
+_PROBE = "\x00not-an-option-value"
+"""A value no string option accepts: validating it makes a choice option name its allowed values."""
+
+
+def allowed_values(name: str) -> tuple[str, ...] | None:
+    """The values a string option accepts, as its section's `validate()` states them (None: free text).
+
+    The option is set to a value nothing accepts and the config validated; a choice option refuses it with
+    `check_choice`'s message, which lists the choices. Every other option keeps its default, so the first refusal
+    is this option's."""
+    from dilocox.config import Config
+
+    cfg = Config()
+    section, key = name.split(".")
+    if not isinstance(getattr(getattr(cfg, section), key), str):
+        return None
+    setattr(getattr(cfg, section), key, _PROBE)
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        match = re.fullmatch(rf"{re.escape(name)} = {re.escape(repr(_PROBE))} is not one of: (.*)", str(exc))
+        if match:
+            return tuple(choice.strip() for choice in match.group(1).split(","))
+    return None
+
+
+def _show(value: Any) -> str:
+    """A default as it is written in a TOML file."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '""' if value == "" else f'"{value}"'
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _cell(text: str) -> str:
+    """Text for one Markdown table cell: one line, pipes escaped."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def config_reference() -> str:
+    """Markdown: one table per config section with every option's type, default, allowed values and docstring."""
+    from dilocox.config import options
+    from dilocox.sync.config import KIND_DEFAULTS
+
+    kind_defaults = {
+        name: [(kind, value) for kind, values in KIND_DEFAULTS.items() for key, value in values.items() if key == name]
+        for name, *_ in options()
+    }
+    lines: list[str] = []
+    section = None
+    for name, typ, default, doc in options():
+        head = name.split(".")[0]
+        if head != section:
+            section = head
+            lines += ["", f"## `[{section}]`", "", SECTION_SUMMARIES.get(section, ""), ""]
+            lines += ["| option | type | default | allowed values | meaning |", "| --- | --- | --- | --- | --- |"]
+        shown = f"`{_show(default)}`"
+        for kind, value in kind_defaults[name]:
+            shown += f" (`sync.kind = {kind}`: `{_show(value)}`)"
+        choices = allowed_values(name)
+        allowed = ", ".join(f"`{c}`" for c in choices) if choices else ""
+        anchor = name.replace(".", "-").replace("_", "-")
+        meaning = _cell(doc) or "(undocumented)"
+        lines.append(f'| <a id="{anchor}"></a>`{name}` | {typ.__name__} | {shown} | {allowed} | {meaning} |')
+    return "\n".join(lines).strip() + "\n"
+
+
+def command_help(command: str) -> str:
+    """What `dilocox COMMAND --help` prints (run in this process, argparse wrapped at `HELP_COLUMNS`)."""
+    from dilocox.cli import main
+
+    out = io.StringIO()
+    previous = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = HELP_COLUMNS
+    try:
+        with contextlib.redirect_stdout(out):
+            try:
+                main([command, "--help"])
+            except SystemExit:  # argparse's -h exits after printing
+                pass
+    finally:
+        if previous is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = previous
+    return out.getvalue().rstrip() + "\n"
+
+
+def cli_reference() -> str:
+    """Markdown: every command with its `--help`; `train`'s option list is the configuration reference."""
+    from dilocox.cli import COMMANDS, USAGE
+
+    lines = ["```text", "$ dilocox --help", USAGE.rstrip(), "```"]
+    for command in COMMANDS:
+        text = command_help(command)
+        if command == "train":  # the options that follow are every config option: the configuration reference
+            text = (
+                text.split("\n[run]\n", 1)[0].rstrip()
+                + "\n\n  --SECTION.KEY=VALUE  every option of the configuration reference\n"
+            )
+        lines += ["", f"## `dilocox {command}`", "", "```text", f"$ dilocox {command} --help", text.rstrip(), "```"]
+        if command == "train":
+            lines += [
+                "",
+                "Every `--section.key` option, its default and allowed values: [Configuration](configuration.md).",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    """MkDocs hook: replace the marker lines by the generated references."""
+    if CONFIG_MARKER in markdown:
+        markdown = markdown.replace(CONFIG_MARKER, config_reference())
+    if CLI_MARKER in markdown:
+        markdown = markdown.replace(CLI_MARKER, cli_reference())
+    return markdown
