@@ -148,7 +148,7 @@ def test_a_restart_alone_at_the_lighthouse_stops_at_once_with_no_live_peer():
     # peers up to network.timeout (30 s here) and then fail as if the user had started too few clusters
     lighthouse = start_lighthouse(heartbeat_timeout_s=1.0, join_timeout_s=2.0)
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
-    membership = _membership(lighthouse.address(), 2, store)
+    membership = _membership(lighthouse_url(lighthouse, "127.0.0.1"), 2, store)
     try:
         membership.restarted = True
         start = time.monotonic()
