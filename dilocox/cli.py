@@ -265,7 +265,7 @@ def cmd_lighthouse(argv: list[str]) -> int:
     except ValueError as exc:
         return _error(str(exc))
     try:
-        from dilocox.sync.membership import start_lighthouse
+        from dilocox.sync.membership import lighthouse_url, start_lighthouse
     except ImportError:
         return _error("the Lighthouse is torchft's: pip install 'dilocox[elastic]'")
     timeouts = lighthouse_timeouts(cfg)
@@ -277,10 +277,12 @@ def cmd_lighthouse(argv: list[str]) -> int:
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stopped.set())
+    host = bind.rpartition(":")[0].strip("[]")  # on every interface: torchft's URL, with this machine's hostname
+    url = lighthouse.address() if host in ("", "::", "0.0.0.0") else lighthouse_url(lighthouse, host)
     print(
-        f"dilocox: lighthouse at {lighthouse.address()} (a cluster silent for {timeouts['heartbeat_timeout_s']:g}s is "
+        f"dilocox: lighthouse at {url} (a cluster silent for {timeouts['heartbeat_timeout_s']:g}s is "
         f"left out; the others wait up to {timeouts['join_timeout_s']:g}s for one that beats but does not come); on "
-        f"every machine pass --network.lighthouse={lighthouse.address()}; Ctrl+C stops it",
+        f"every machine pass --network.lighthouse={url}; Ctrl+C stops it",
         flush=True,
     )
     try:

@@ -41,6 +41,7 @@ from dilocox.device import resolve_device
 from dilocox.fileio import write_atomic
 from dilocox.metrics import check_sinks
 from dilocox.net.json_gather import all_gather_json
+from dilocox.net.listen import LOOPBACK, bind_string, listening_socket, serve_store
 from dilocox.net.watchdog import EXIT_STALLED, JobStore, run_was_stopped
 from dilocox.parallel import check_split
 from dilocox.runlock import RunLock
@@ -128,6 +129,8 @@ def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Pa
         )
     if world_size is None:
         check_local_ranks(cfg)
+        if cfg.network.advertise_host:  # not an address of this machine: one line here, not a launcher's traceback
+            listening_socket(cfg.network.advertise_host).close()
     check_sinks(tensorboard=cfg.metrics.tensorboard, wandb=cfg.metrics.wandb)  # a missing extra fails here
     resolve_device(cfg.run.device, local_rank=0)  # asking for a GPU where there is none fails here, not in a rank
     resume = resolve_resume(cfg)
@@ -246,12 +249,14 @@ def _die_with(launcher: int) -> None:
 
 def _enter_forked_rank(launcher: int, env: dict, cwd: str) -> None:
     """The start of every rank forked from the fork server: watch the launcher, take the launcher's environment and
-    directory of now (not the fork server's from its start), keep gloo on the loopback unless told otherwise."""
+    directory of now (not the fork server's from its start), put gloo on the loopback. Every group a rank builds
+    itself joins ranks of this machine (a static run's world, an elastic cluster), whatever GLOO_SOCKET_IFNAME a
+    user keeps for torchrun jobs; an elastic run's slow-link group binds its own address (`membership.py`)."""
     _die_with(launcher)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 
 
 def _local_rank_main(
@@ -294,7 +299,7 @@ def launch_local(cfg: Config, data: TokenData, resume: Path | None) -> int:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # our own line says who was stopped
     # The job's store lives in this process, not in a rank: a stopped rank cannot take it down with it.
     timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
-    store = dist.TCPStore(_LOCAL_HOST, 0, None, is_master=True, timeout=timeout, wait_for_workers=False)
+    store = serve_store(_LOCAL_HOST, timeout)
     # Ranks are forked from a fork server that imports torch and dilocox once, instead of each rank importing them
     # again (about 2 s of CPU per rank). The server never touches CUDA or a process group, so a fork copies none.
     forkserver.start(forkserver.LOCAL_PRELOAD)  # unless `dilocox train` started it already (forkserver.start_early)
@@ -356,7 +361,7 @@ def _resume_hint(cfg: Config) -> str:
     return f"; resume from {newest[-1]} with --checkpoint.resume=latest" if newest else ""
 
 
-_LOCAL_HOST = "127.0.0.1"
+_LOCAL_HOST = LOOPBACK
 STOP_GRACE_S = 2.0
 
 
@@ -395,7 +400,7 @@ def _elastic_rank_main(
     t = cfg.topology
     ranks_per_cluster = t.dp_degree * t.pp_degree
     timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
-    store = dist.TCPStore(_LOCAL_HOST, port, ranks_per_cluster, is_master=False, timeout=timeout)
+    store = dist.TCPStore(advertise_host, port, ranks_per_cluster, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=local_rank, world_size=ranks_per_cluster, timeout=timeout)
     rank = cluster * ranks_per_cluster + local_rank
     from dilocox.sync.membership import NoLivePeer
@@ -464,17 +469,17 @@ def launch_elastic(cfg: Config) -> int:
     at one). A cluster whose processes die is started again, up to topology.max_cluster_restarts times, and heals
     from a live peer; the others go on meanwhile. This launcher ends when each of its clusters has finished or is
     lost; it exits 1 when none of them finished."""
-    from dilocox.sync.membership import start_lighthouse
+    from dilocox.sync.membership import lighthouse_url, start_lighthouse
 
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     t = cfg.topology
     clusters = t.launched_clusters()
-    advertise_host = cfg.network.advertise_host or _LOCAL_HOST
+    advertise_host = cfg.network.listen_host
     lighthouse = None
     address = cfg.network.lighthouse
     if not address:
-        lighthouse = start_lighthouse(**lighthouse_timeouts(cfg))
-        address = lighthouse.address()
+        lighthouse = start_lighthouse(bind=bind_string(advertise_host), **lighthouse_timeouts(cfg))
+        address = lighthouse_url(lighthouse, advertise_host)
     timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
     restarts = dict.fromkeys(clusters, 0)
     running: dict[int, tuple[Any, dist.TCPStore]] = {}
@@ -490,8 +495,8 @@ def launch_elastic(cfg: Config) -> int:
         if restarts[cluster]:  # the live clusters' end of training waits for it (ElasticMembership.wait_for_restarts)
             Path(tmp, f"restarting{cluster}").touch()
         # a fresh store for every start: a restarted cluster must not meet its dead processes' keys. It listens on
-        # every interface: the clusters of other machines reach it at advertise_host (torchft's group of a round)
-        store = dist.TCPStore(_LOCAL_HOST, 0, None, is_master=True, timeout=timeout, wait_for_workers=False)
+        # advertise_host, where the clusters of other machines reach it (torchft's group of a round)
+        store = serve_store(advertise_host, timeout)
         args = (cluster, to_dict(cfg), store.port, tmp, address, advertise_host, restarts[cluster] > 0)
         ctx = mp.start_processes(
             _elastic_rank_main,

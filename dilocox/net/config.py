@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from dilocox.checks import check_types
 from dilocox.net.auth import PayloadAuth, read_auth_key
 from dilocox.net.link import parse_bandwidth, parse_duration
+from dilocox.net.listen import LOOPBACK
 
 
 @dataclass
@@ -36,7 +37,12 @@ class NetworkConfig:
     lighthouse: str = ""
     """topology.elastic: a torchft Lighthouse's URL (`dilocox lighthouse` prints it); "" = the launcher's own."""
     advertise_host: str = ""
-    """elastic, several machines: the address other machines reach this one at ("" = 127.0.0.1, one machine)."""
+    """elastic, several machines: this machine's address the others reach; it listens there only ("" = 127.0.0.1)."""
+
+    @property
+    def listen_host(self) -> str:
+        """The address every listening socket of this machine's launcher and ranks binds (`net/listen.py`)."""
+        return self.advertise_host or LOOPBACK
 
     @property
     def bandwidth_bytes_per_s(self) -> float | None:

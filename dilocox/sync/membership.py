@@ -16,15 +16,20 @@ What a round's clusters do with a sync launched in one quorum and resolved in th
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import logging
 import time
-from collections.abc import Callable
+import urllib.parse
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from dilocox.net.listen import LOOPBACK, bind_address, url_host
 
 
 class ElasticError(ValueError):
@@ -55,15 +60,20 @@ class NoLivePeer(RuntimeError):
 
 
 def _heal_transport(timeout: datetime.timedelta, host: str, max_bytes: int):
-    """torchft's HTTP checkpoint transport, made fit for a network between machines: it advertises `host` (torchft
-    advertises `socket.gethostname()`, which other machines may not resolve) and it loads what a peer sends with
-    `weights_only=True` and at most `max_bytes` (torchft unpickles it whole: a peer could run code in this process)."""
+    """torchft's HTTP checkpoint transport, made fit for a network between machines: it listens on `host` only and
+    advertises it (torchft listens on every interface and advertises `socket.gethostname()`, which other machines
+    may not resolve), and it loads what a peer sends with `weights_only=True` and at most `max_bytes` (torchft
+    unpickles it whole: a peer could run code in this process)."""
     import urllib.request
 
     from torch.distributed._serialization import _streaming_load
     from torchft.checkpointing.http_transport import HTTPTransport
 
     class HealTransport(HTTPTransport):
+        def __init__(self, timeout: datetime.timedelta) -> None:
+            with _torchft_servers_on(host):
+                super().__init__(timeout=timeout, num_chunks=0)
+
         @classmethod
         def _load_from_address(cls, address: str, timeout: datetime.timedelta) -> object:
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as response:
@@ -74,9 +84,41 @@ def _heal_transport(timeout: datetime.timedelta, host: str, max_bytes: int):
 
         def address(self) -> str:
             port = self._server.socket.getsockname()[1]
-            return f"http://{_url_host(host)}:{port}/checkpoint/"
+            return f"http://{url_host(host)}:{port}/checkpoint/"
 
-    return HealTransport(timeout=timeout, num_chunks=0)
+    return HealTransport(timeout)
+
+
+@contextlib.contextmanager
+def _torchft_servers_on(host: str) -> Iterator[None]:
+    """While torchft builds a Manager or a checkpoint transport, its servers listen on `host` only.
+
+    torchft 0.2 gives no argument for it: `Manager.__init__` binds its ManagerServer (gRPC, whose `Kill` call ends the
+    process) to `[::]:port`, and `HTTPTransport.__init__` its checkpoint server (which serves the heal state, the
+    model's outer params) to `("", 0)`, both every interface. Both look their server class up in their module when
+    they build it, so the two names are swapped here for classes that keep torchft's port and bind `host`; nothing
+    else of torchft changes. The process builds one Manager, on its main thread."""
+    from torchft import manager
+    from torchft.checkpointing import http_transport
+
+    family, address = bind_address(host)
+    manager_server = manager.ManagerServer
+    http_server = http_transport._IPv6HTTPServer
+
+    def bound_manager_server(*, bind: str, **kwargs: Any):
+        return manager_server(bind=f"{url_host(address)}:{bind.rsplit(':', 1)[1]}", **kwargs)
+
+    class BoundHTTPServer(http_server):
+        address_family = family
+
+        def __init__(self, server_address: tuple[str, int], handler: type) -> None:
+            super().__init__((address, server_address[1]), handler)
+
+    manager.ManagerServer, http_transport._IPv6HTTPServer = bound_manager_server, BoundHTTPServer
+    try:
+        yield
+    finally:
+        manager.ManagerServer, http_transport._IPv6HTTPServer = manager_server, http_server
 
 
 class _WritableReader(io.BytesIO):
@@ -85,11 +127,6 @@ class _WritableReader(io.BytesIO):
 
     def read(self, size: int | None = -1) -> bytearray:  # type: ignore[override]
         return bytearray(super().read(size))
-
-
-def _url_host(host: str) -> str:
-    """`host` as the host part of a URL (an IPv6 address goes in brackets)."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 @dataclass(frozen=True)
@@ -110,13 +147,33 @@ class Quorum:
         return len(self.clusters)
 
 
-def _reconfigurable_gloo(timeout: datetime.timedelta):
-    """torchft's reconfigurable gloo group, remembering the members of its last configuration."""
+def _reconfigurable_gloo(timeout: datetime.timedelta, host: str):
+    """torchft's reconfigurable gloo group, remembering the members of its last configuration; its gloo sockets are
+    on `host` (torchft's group takes the interface of GLOO_SOCKET_IFNAME, or of this machine's hostname)."""
     from torchft import ProcessGroupGloo
 
     class SlowLinkGroup(ProcessGroupGloo):
         members: tuple[int, ...] = ()
         quorum_id: int = -1
+
+        def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
+            # torchft's ProcessGroupGloo._create_pg with the gloo device given: listening on `host`
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_address(host)[1])]
+            options._timeout = self._timeout
+            backend = dist.ProcessGroupGloo(store, rank, world_size, options)
+            backend._set_sequence_number_for_group()
+            if self._global_ranks:
+                backend.options.global_ranks_in_group = self._global_ranks
+            if self._group_rank and self._group_world_size:
+                backend.options.group_name = (
+                    f"torchft_quorum_{self._quorum_id}_rank_{self._group_rank % self._group_world_size}"
+                )
+            pg = dist.ProcessGroup(store, rank, world_size)
+            pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+            for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+                pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO, backend)
+            return pg
 
         def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
                       group_world_size=None, global_ranks=None) -> None:  # fmt: skip
@@ -169,26 +226,28 @@ class ElasticMembership:
         next quorum before the Lighthouse would form it without this member."""
         self._healed = False
         self._load_state_dict = load_state_dict
-        self.group = _reconfigurable_gloo(timeout)
-        self.manager = Manager(
-            pg=self.group,
-            load_state_dict=self._heal,
-            state_dict=state_dict,
-            min_replica_size=1,  # sync.min_clusters is checked here, with a message that names it
-            use_async_quorum=False,  # the quorum, and a heal, complete at the round boundary
-            timeout=timeout,
-            quorum_timeout=quorum_timeout,
-            connect_timeout=timeout,
-            rank=rank_in_cluster,
-            world_size=ranks_per_cluster,
-            store_addr=store_addr,
-            store_port=store_port,
-            lighthouse_addr=lighthouse,
-            replica_id=f"cluster{cluster}",
-            hostname=store_addr,  # the address other machines reach this one at (network.advertise_host)
-            init_sync=False,  # every cluster builds the same initial model from run.seed
-            checkpoint_transport=_heal_transport(timeout, store_addr, heal_max_bytes),
-        )
+        self.group = _reconfigurable_gloo(timeout, store_addr)
+        heal_transport = _heal_transport(timeout, store_addr, heal_max_bytes)
+        with _torchft_servers_on(store_addr):  # the address other machines reach this one at (or the loopback)
+            self.manager = Manager(
+                pg=self.group,
+                load_state_dict=self._heal,
+                state_dict=state_dict,
+                min_replica_size=1,  # sync.min_clusters is checked here, with a message that names it
+                use_async_quorum=False,  # the quorum, and a heal, complete at the round boundary
+                timeout=timeout,
+                quorum_timeout=quorum_timeout,
+                connect_timeout=timeout,
+                rank=rank_in_cluster,
+                world_size=ranks_per_cluster,
+                store_addr=store_addr,
+                store_port=store_port,
+                lighthouse_addr=lighthouse,
+                replica_id=f"cluster{cluster}",
+                hostname=url_host(store_addr),  # where other machines reach it (network.advertise_host), in a URL
+                init_sync=False,  # every cluster builds the same initial model from run.seed
+                checkpoint_transport=heal_transport,
+            )
         self.heals = 0
         """Times this cluster's state came from a live peer."""
         self.restarts: Callable[[], dict[int, bool]] | None = None
@@ -307,10 +366,11 @@ class ElasticMembership:
         self.manager.shutdown(wait=False)
 
 
-def start_lighthouse(*, bind: str = "[::]:0", heartbeat_timeout_s: float, join_timeout_s: float):
-    """A torchft LighthouseServer in the launcher's process; `.address()` is what the
-    clusters pass as network.lighthouse. A cluster whose heartbeat is silent for `heartbeat_timeout_s` is left out
-    of the next quorum; the live ones wait at most `join_timeout_s` for a cluster that beats but does not come."""
+def start_lighthouse(*, bind: str = f"{LOOPBACK}:0", heartbeat_timeout_s: float, join_timeout_s: float):
+    """A torchft LighthouseServer listening on `bind` (`host:port`; port 0: the system picks), in the launcher's
+    process or `dilocox lighthouse`; `lighthouse_url` is what the clusters pass as network.lighthouse. A cluster whose
+    heartbeat is silent for `heartbeat_timeout_s` is left out of the next quorum; the live ones wait at most
+    `join_timeout_s` for a cluster that beats but does not come."""
     from torchft.coordination import LighthouseServer
 
     return LighthouseServer(
@@ -319,3 +379,9 @@ def start_lighthouse(*, bind: str = "[::]:0", heartbeat_timeout_s: float, join_t
         join_timeout_ms=int(join_timeout_s * 1000),
         heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
     )
+
+
+def lighthouse_url(lighthouse, host: str) -> str:
+    """The URL of `lighthouse` at `host`, where it listens (torchft's `address()` names `socket.gethostname()`, which
+    need not resolve to the address it listens on)."""
+    return f"http://{url_host(host)}:{urllib.parse.urlsplit(lighthouse.address()).port}"

@@ -1,13 +1,15 @@
 """The pieces of an elastic run that talk to torchft over the network (docs/design.md §10.1): the heal transport a
-joining cluster loads a live peer's state with, and a restart that finds nobody to heal from. A real Lighthouse,
-a real torchft Manager and real HTTP; one process."""
+joining cluster loads a live peer's state with, a restart that finds nobody to heal from, and where torchft's servers
+listen (§11). A real Lighthouse, a real torchft Manager and real HTTP; one process."""
 
 from __future__ import annotations
 
 import datetime
 import http.server
 import io
+import os
 import pickle
+import socket
 import threading
 import time
 from pathlib import Path
@@ -19,7 +21,15 @@ import torch.distributed as dist
 pytest.importorskip("torchft")
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(60)]
 
-from dilocox.sync.membership import ElasticMembership, NoLivePeer, _heal_transport, start_lighthouse  # noqa: E402
+from dilocox.net.listen import bind_string, serve_store  # noqa: E402
+from dilocox.sync.membership import (  # noqa: E402
+    ElasticMembership,
+    NoLivePeer,
+    _heal_transport,
+    lighthouse_url,
+    start_lighthouse,
+)
+from tests.e2e.helpers import listening_sockets  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=10)
 
@@ -113,13 +123,13 @@ def test_a_heal_state_larger_than_its_bound_is_refused_before_it_is_loaded():
         server.shutdown()
 
 
-def _membership(lighthouse: str, cluster: int, store: dist.TCPStore) -> ElasticMembership:
+def _membership(lighthouse: str, cluster: int, store: dist.TCPStore, host: str = "127.0.0.1") -> ElasticMembership:
     return ElasticMembership(
         cluster=cluster,
         num_clusters=3,
         min_clusters=1,
         lighthouse=lighthouse,
-        store_addr="127.0.0.1",
+        store_addr=host,
         store_port=store.port,
         rank_in_cluster=0,
         ranks_per_cluster=1,
@@ -138,13 +148,46 @@ def test_a_restart_alone_at_the_lighthouse_stops_at_once_with_no_live_peer():
     # peers up to network.timeout (30 s here) and then fail as if the user had started too few clusters
     lighthouse = start_lighthouse(heartbeat_timeout_s=1.0, join_timeout_s=2.0)
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
-    membership = _membership(lighthouse.address(), 2, store)
+    membership = _membership(lighthouse_url(lighthouse, "127.0.0.1"), 2, store)
     try:
         membership.restarted = True
         start = time.monotonic()
         with pytest.raises(NoLivePeer, match="cluster 2 was started again, but no other cluster is alive"):
             membership.join()
         assert time.monotonic() - start < 10
+    finally:
+        membership.close()
+        lighthouse.shutdown()
+
+
+def _can_listen(host: str) -> bool:
+    try:
+        with socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_torchfts_servers_and_the_slow_link_group_listen_on_the_clusters_address_only(host):
+    # torchft 0.2 binds its manager server (whose Kill call ends the process) and its checkpoint server (the heal
+    # state: the outer params) to every interface, and its gloo group to GLOO_SOCKET_IFNAME's interface
+    if not _can_listen(host):
+        pytest.skip(f"this machine cannot listen on {host}")
+    before = set(listening_sockets(os.getpid()))
+    lighthouse = start_lighthouse(bind=bind_string(host), heartbeat_timeout_s=1.0, join_timeout_s=1.0)
+    store = serve_store(host, TIMEOUT)
+    membership = _membership(lighthouse_url(lighthouse, host), 0, store, host)
+    try:
+        quorum = membership.start_round(check=False)  # alone at the Lighthouse: the round's gloo group of one
+        assert quorum.clusters == (0,)
+        grown = set(listening_sockets(os.getpid())) - before
+        manager_port = int(membership.manager._manager.address().rsplit(":", 1)[1])
+        heal_port = membership.manager._checkpoint_transport._server.server_address[1]
+        # the Lighthouse, the store, the manager server, the heal server and the round's gloo group
+        assert {manager_port, heal_port} <= {port for _, port in grown} and len(grown) == 5, grown
+        assert {address for address, _ in grown} == {host}, grown
+        assert membership.manager._checkpoint_transport.metadata().startswith(f"http://{bind_string(host, heal_port)}/")
     finally:
         membership.close()
         lighthouse.shutdown()

@@ -1,7 +1,10 @@
 """What the e2e tests share: `dilocox` in a subprocess, its metrics, and the processes of a running launcher."""
 
+import contextlib
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -66,7 +69,7 @@ def alive_pids(pids: list[int]) -> list[int]:
     ]
 
 
-def start_long_run(run_dir: Path) -> subprocess.Popen:
+def start_long_run(run_dir: Path, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [
             sys.executable,
@@ -85,6 +88,7 @@ def start_long_run(run_dir: Path) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
+        env=env,
         # as from a terminal: a shell's background job (a CI script's `cmd &`) would hand down SIGINT ignored, and
         # Python then never raises KeyboardInterrupt, so Ctrl+C could not be tested
         preexec_fn=_default_sigint,
@@ -103,3 +107,53 @@ def torchrun_workers(torchrun: int) -> list[int]:
         for pid in child_pids(agent)
         if "dilocox" in Path(f"/proc/{pid}/cmdline").read_text()
     ]
+
+
+LOOPBACK = ("127.0.0.1", "::1")
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """The (address, port) of every TCP socket `pid` listens on: its sockets' inodes (/proc/PID/fd) looked up in its
+    network namespace's tables (/proc/PID/net/tcp, tcp6). A process that ended meanwhile has none."""
+    inodes = set()
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):  # a descriptor closed meanwhile
+                found = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(fd))
+                if found:
+                    inodes.add(found.group(1))
+        tables = [Path(f"/proc/{pid}/net/{name}").read_text() for name in ("tcp", "tcp6")]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+    listening = []
+    for table in tables:
+        for line in table.splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # TCP_LISTEN
+                listening.append(_proc_address(fields[1]))
+    return sorted(listening)
+
+
+def _proc_address(field: str) -> tuple[str, int]:
+    """ "0100007F:1F90" -> ("127.0.0.1", 8080): the address is in 32-bit words of host (little-endian) order."""
+    address, port = field.split(":")
+    raw = bytes.fromhex(address)
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw), int(port, 16)
+
+
+def non_loopback_interface() -> str | None:
+    """An interface with an IPv4 address other than the loopback's (what a user may keep in GLOO_SOCKET_IFNAME for
+    torchrun jobs), or None when this machine has none."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's IPv4 address, bytes 20-24 of the ifreq
+                request = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+            if request[20] != 127:
+                return name
+    return None

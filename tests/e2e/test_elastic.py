@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dilocox.metrics import read_metrics
-from tests.e2e.helpers import DEBUG, REPO
+from tests.e2e.helpers import DEBUG, LOOPBACK, REPO, descendant_pids, listening_sockets, non_loopback_interface
 
 pytest.importorskip("torchft")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -30,11 +30,11 @@ ELASTIC = [
 class Run:
     """`dilocox train` in a subprocess, its output read as it comes (the launcher prints each cluster's pid)."""
 
-    def __init__(self, run_dir: Path, *flags: str) -> None:
+    def __init__(self, run_dir: Path, *flags: str, env: dict | None = None) -> None:
         self.run_dir = run_dir
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dilocox", "train", "--config", DEBUG, f"--run.out_dir={run_dir}", *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
         )  # fmt: skip
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -103,8 +103,8 @@ def start_run(request, tmp_path):
     printed in full when the test fails (with every live rank's stack when it hung)."""
     runs: dict[str, Run] = {}
 
-    def start(name: str, *flags: str) -> Run:
-        runs[name] = Run(tmp_path / name, *flags)
+    def start(name: str, *flags: str, env: dict | None = None) -> Run:
+        runs[name] = Run(tmp_path / name, *flags, env=env)
         return runs[name]
 
     yield start
@@ -163,6 +163,27 @@ def test_a_killed_cluster_rejoins_heals_from_a_peer_and_ends_bit_identical(tmp_p
         f"{records[2]['rejoined_at_step']} {loss:.4f} ({'at the end, the others waited' if waited else 'mid-run'})"
     )
     assert abs(loss - clean_loss) / clean_loss < 0.05
+
+
+@pytest.mark.timeout(240)
+def test_a_one_machine_elastic_run_listens_on_the_loopback_only(start_run):
+    # the launcher's cluster stores and Lighthouse; in each cluster torchft's manager server, its heal server (it
+    # serves the outer params), the round's gloo group and the cluster's own gloo groups: none of them beyond the
+    # loopback, even for a user who keeps GLOO_SOCKET_IFNAME on a network interface (docs/design.md §11)
+    env = {key: value for key, value in os.environ.items() if key != "GLOO_SOCKET_IFNAME"}
+    interface = non_loopback_interface()
+    if interface is not None:
+        env["GLOO_SOCKET_IFNAME"] = interface
+    flags = [*ELASTIC, "--topology.num_clusters=2", "--train.steps=100000", "--sync.inner_steps=10"]
+    run = start_run("listening", *flags, env=env)
+    run.wait_for_step(12, timeout=240)  # past the first boundary: the round's group is built
+    launcher = run.proc.pid
+    listening = {pid: listening_sockets(pid) for pid in [launcher, *descendant_pids(launcher)]}
+    assert len(listening[launcher]) == 2 + 1, listening  # a store per cluster and the Lighthouse
+    clusters = [run.pid_of(cluster) for cluster in (0, 1)]
+    assert all(len(listening[pid]) >= 3 for pid in clusters), listening  # manager, heal server, gloo groups
+    outside = {pid: [s for s in sockets if s[0] not in LOOPBACK] for pid, sockets in listening.items()}
+    assert not any(outside.values()), f"listening beyond the loopback (GLOO_SOCKET_IFNAME={interface}): {outside}"
 
 
 def test_below_min_clusters_the_run_stops_with_one_line(start_run):

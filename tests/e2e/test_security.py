@@ -1,11 +1,24 @@
 """`network.auth_key_file` through the CLI: tagged payloads, exact bytes with their tags, and a key that never
-reaches the run directory."""
+reaches the run directory; a one-machine run that listens on the loopback only."""
 
 import json
+import os
+import signal
 
 import pytest
 
-from tests.e2e.helpers import DEBUG, dilocox, metrics
+from tests.e2e.helpers import (
+    DEBUG,
+    LOOPBACK,
+    descendant_pids,
+    dilocox,
+    listening_sockets,
+    metrics,
+    non_loopback_interface,
+    rank_pids,
+    start_long_run,
+    wait_for_training,
+)
 
 pytestmark = pytest.mark.e2e
 TAG_BYTES = 32
@@ -47,4 +60,39 @@ def test_a_summed_reduction_with_a_key_is_refused_before_anything_is_written(tmp
     short.write_bytes(b"12345")
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", f"--network.auth_key_file={short}")
     assert result.returncode == 2 and "holds 5 bytes, fewer than the 16 a key needs" in result.stderr
+    assert not run_dir.exists()
+
+
+def test_a_one_machine_run_listens_on_the_loopback_only(tmp_path):
+    # as a user who keeps GLOO_SOCKET_IFNAME on a network interface for torchrun jobs (or has none set)
+    env = {key: value for key, value in os.environ.items() if key != "GLOO_SOCKET_IFNAME"}
+    interface = non_loopback_interface()
+    if interface is not None:
+        env["GLOO_SOCKET_IFNAME"] = interface
+    run_dir = tmp_path / "run"
+    proc = start_long_run(run_dir, env=env)
+    try:
+        wait_for_training(run_dir, proc, timeout=240)
+        ranks = rank_pids(proc.pid)
+        assert len(ranks) == 2
+        listening = {pid: listening_sockets(pid) for pid in [proc.pid, *descendant_pids(proc.pid)]}
+        assert len(listening[proc.pid]) == 1  # the job's store
+        assert all(listening[rank] for rank in ranks)  # each rank's gloo groups
+        outside = {pid: [s for s in sockets if s[0] not in LOOPBACK] for pid, sockets in listening.items()}
+        assert not any(outside.values()), f"listening beyond the loopback (GLOO_SOCKET_IFNAME={interface}): {outside}"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+
+
+def test_an_advertise_host_this_machine_cannot_listen_on_is_one_line_before_anything_is_written(tmp_path):
+    run_dir = tmp_path / "run"
+    result = dilocox(
+        "train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--topology.elastic=true", "--sync.kind=dilocox",
+        "--network.advertise_host=203.0.113.77",  # TEST-NET-3: documentation only, no machine's address
+    )  # fmt: skip
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert result.stderr.startswith(
+        "dilocox: error: network.advertise_host = '203.0.113.77' is not an address this machine can listen on ("
+    )
     assert not run_dir.exists()
