@@ -1,10 +1,12 @@
 """What the e2e tests share: `dilocox` in a subprocess, its metrics, and the processes of a running launcher."""
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from dilocox.metrics import read_metrics
@@ -103,3 +105,31 @@ def torchrun_workers(torchrun: int) -> list[int]:
         for pid in child_pids(agent)
         if "dilocox" in Path(f"/proc/{pid}/cmdline").read_text()
     ]
+
+
+@contextlib.contextmanager
+def run_lock_held(run_dir: Path) -> Iterator[subprocess.Popen]:
+    """A live process that holds `run_dir`'s lock (`RunLock`) until the block ends: a live run, as the lock sees it,
+    that writes nothing else while it holds it."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(run_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held", "the lock holder did not start"
+        yield holder
+    finally:
+        holder.stdin.close()  # the holder releases the lock and exits
+        holder.wait(timeout=60)
+
+
+_HOLD_LOCK = """import sys
+from dilocox.runlock import RunLock
+lock = RunLock.acquire(sys.argv[1])
+print("held", flush=True)
+sys.stdin.read()
+lock.release()
+"""
