@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from dilocox.checkpoint import list_checkpoints, load_rank_state
+
 
 def matrix_names(model_state: dict[str, torch.Tensor]) -> list[str]:
     """The parameters with 2+ dims, in the order the codec sees them (the order of the stage's parameters)."""
@@ -25,10 +27,13 @@ def matrix_names(model_state: dict[str, torch.Tensor]) -> list[str]:
 
 def read_decisions(run_dir: Path) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     """(matrix names, used ranks (rounds, matrices), raw ranks (rounds, matrices)) of cluster 0 in `run_dir`."""
-    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    checkpoints = list_checkpoints(run_dir)
     if not checkpoints:
         raise SystemExit(f"{run_dir}: no checkpoint (the bench keeps the final one)")
-    state = torch.load(checkpoints[-1] / "rank_00000.pt", map_location="cpu", weights_only=False)
+    try:
+        state = load_rank_state(checkpoints[-1], 0)  # verified against meta.json
+    except ValueError as exc:
+        raise SystemExit(f"{run_dir}: {exc}") from None
     policy = state["sync"]["reducer"]["codec"].get("policy")
     if policy is None or "matrix_ranks" not in policy or policy["matrix_ranks"].shape[-1] == 0:
         raise SystemExit(f"{run_dir}: no per-matrix ranks (compression.kind = adaptive, aggregate = per_matrix)")

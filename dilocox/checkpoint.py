@@ -1,23 +1,25 @@
-"""Checkpoints at round boundaries: one `torch.save` file per rank, made complete atomically.
+"""Checkpoints at round boundaries: one `torch.save` file per rank, made complete atomically, and verified on read.
 
 Layout of `RUN_DIR/checkpoints/`:
 
     step_00000100/          a complete checkpoint (it has meta.json)
         rank_00000.pt       model, inner optimizer, sync state (outer params, outer optimizer, reducer),
         rank_00001.pt       data position, RNG states and channel counters of that rank
-        meta.json           step, world size, topology, config, and every rank file's size and sha256; last
+        meta.json           step, world size, topology, config, every rank file's size and sha256 (`files`), and its
+                            own `digest`: the sha256 of the canonical JSON of everything else in it; written last
     .step_00000200.partial  a checkpoint being written; never read, removed by the next save
 
 Every rank writes its file into the `.partial` directory (fsync'd) with a small digest file beside it, all ranks
 meet at a barrier, and rank 0 moves the digests into meta.json, renames the directory into place and fsyncs the
-directories, so a checkpoint that looks complete always is. Resuming verifies every file's size and sha256:
-`latest` skips a corrupt checkpoint (one line says which and why) for the newest one that verifies; a named one
-that fails is a one-line error. Multi-machine runs need `run.out_dir` on storage that every node sees (as
-torchrun jobs usually have).
+directories, so a checkpoint that looks complete always is. Every read goes through `verify_checkpoint`: meta.json
+must match its digest and list the rank files, and each rank file read must have the size and sha256 listed.
+`latest` skips a corrupt checkpoint (one line says which and why) for the newest one that verifies; a named one that
+fails is a one-line error. Multi-machine runs need `run.out_dir` on storage that every node sees (as torchrun jobs
+usually have).
 
     save_checkpoint(run_dir, step, state, rank=rank, meta=meta, keep=2)
-    path = find_checkpoint(run_dir, "latest")      # verified
-    state = load_rank_state(path, rank)
+    path = find_checkpoint(run_dir, "latest")      # verified: meta.json and every rank file
+    state = load_rank_state(path, rank)            # verifies meta.json and this rank's file, then loads it
     model = consolidated_model_state(path, agreed=True)   # the whole model, from every stage's file
 """
 
@@ -29,6 +31,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +49,23 @@ DIGEST_SUFFIX = ".digest.json"
 """A rank file's size and sha256, written beside it in the `.partial` directory and moved into meta.json."""
 
 
+META_DIGEST = "digest"
+"""The meta.json entry that holds its own digest: sha256 of the canonical JSON (`_canonical`) of the other entries."""
+RESUME_FIX = "use the previous checkpoint (`latest`, the default, skips a corrupt one)"
+"""What to do about a corrupt checkpoint, unless the reader says otherwise."""
+
+
 class CorruptCheckpoint(ValueError):
-    """A checkpoint whose files do not match the sizes and sha256 digests its meta.json recorded."""
+    """A checkpoint whose meta.json does not match its digest or lists no rank files, or whose rank files do not match
+    the sizes and sha256 digests it lists. `problem` says which file and what is wrong."""
+
+    def __init__(self, message: str, problem: str = "") -> None:
+        super().__init__(message)
+        self.problem = problem or message
+
+
+def _corrupt(path: Path, problem: str, fix: str = RESUME_FIX) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"checkpoint {path} is corrupt: {problem}; {fix}", problem)
 
 
 def _rank_file(rank: int) -> str:
@@ -111,7 +129,7 @@ def save_checkpoint(
     if rank == 0:
         digests = sorted(partial.glob("*" + DIGEST_SUFFIX))
         files = {d.name.removesuffix(DIGEST_SUFFIX): json.loads(d.read_text()) for d in digests}
-        write_atomic(partial / META, json.dumps({"step": step, **meta, "files": files}, indent=2).encode())
+        write_meta(partial, {"step": step, **meta, "files": files})
         for d in digests:
             d.unlink()
         _fsync(partial)
@@ -120,7 +138,7 @@ def save_checkpoint(
         os.replace(partial, final)
         _fsync(root)
         # Only checkpoints that verify count towards `keep`, so pruning never deletes the last good one.
-        good = [c for c in list_checkpoints(run_dir) if c == final or _problem(c, full=False) is None]
+        good = [c for c in list_checkpoints(run_dir) if c == final or _verifies(c, full=False)]
         for old in good[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier(group)
@@ -147,10 +165,11 @@ def find_checkpoint(run_dir: Path, resume: str) -> Path:
                 "check run.out_dir or start without --checkpoint.resume"
             )
         for path in reversed(found):
-            problem = _problem(path)
-            if problem is None:
+            try:
+                verify_checkpoint(path)
                 return path
-            print(f"dilocox: warning: skipping corrupt checkpoint {path}: {problem}", file=sys.stderr)
+            except CorruptCheckpoint as exc:
+                print(f"dilocox: warning: skipping corrupt checkpoint {path}: {exc.problem}", file=sys.stderr)
         raise CorruptCheckpoint(
             f"checkpoint.resume = latest: every checkpoint in {Path(run_dir) / CHECKPOINT_DIR} is corrupt (see the "
             "warnings above); start a new run"
@@ -165,54 +184,100 @@ def find_checkpoint(run_dir: Path, resume: str) -> Path:
     return path
 
 
-def verify_checkpoint(path: Path) -> None:
-    """Raise `CorruptCheckpoint` (one line: which file, what is wrong) unless every rank file of the checkpoint
-    has the size and sha256 its meta.json recorded."""
-    problem = _problem(Path(path))
-    if problem is not None:
-        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {problem}; resume from an older one or `latest`")
+def _canonical(meta: dict[str, Any]) -> bytes:
+    """The bytes meta.json's digest is taken of: its entries but the digest, as JSON with sorted keys, no spaces and
+    ASCII only, so that re-indenting the file does not change it and changing any value does."""
+    body = {key: value for key, value in meta.items() if key != META_DIGEST}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def _problem(path: Path, *, full: bool = True) -> str | None:
-    """What is wrong with a checkpoint's files, or None. `full=False` checks sizes only (no reading)."""
+def write_meta(path: Path, meta: dict[str, Any]) -> None:
+    """Write the meta.json of checkpoint directory `path` (atomically), with its own digest."""
+    body = {key: value for key, value in meta.items() if key != META_DIGEST}
+    body[META_DIGEST] = hashlib.sha256(_canonical(body)).hexdigest()
+    write_atomic(Path(path) / META, json.dumps(body, indent=2).encode())
+
+
+_warned_no_digest: set[Path] = set()
+"""Checkpoints whose meta.json without a digest was already reported by this process."""
+
+
+def verify_checkpoint(
+    path: Path, files: Iterable[str] | None = None, *, full: bool = True, fix: str = RESUME_FIX
+) -> dict[str, Any]:
+    """The meta.json of checkpoint `path`, once it verifies: every reader of a checkpoint goes through here.
+
+    meta.json must be a JSON object that matches its own digest (`write_meta`) and lists the checkpoint's rank files
+    (`files`: name -> size and sha256, one per rank of `world_size`); then each rank file named in `files` (every one
+    listed when None, none for `()`) must have the listed size and, with `full`, the listed sha256 (`full=False`
+    reads no rank file). Raises `CorruptCheckpoint`, one line naming the file, what is wrong and `fix`.
+
+    A meta.json without a digest (written before meta.json had one) is accepted with its rank files verified; a full
+    verification (`files=None`, `full`) says once per process that meta.json itself could not be checked."""
+    path = Path(path)
     try:
-        meta = read_meta(path)
-    except (OSError, ValueError) as exc:
-        return f"{META} is unreadable ({exc.__class__.__name__})"
-    if "files" not in meta:
-        return None  # written before checkpoints recorded digests: complete (it has meta.json), not verifiable
-    files = meta["files"]
-    if not isinstance(files, dict) or not files:
-        return f"{META} lists no rank files"
+        meta = json.loads((path / META).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise _corrupt(path, f"{META} is unreadable ({exc.__class__.__name__})", fix) from None
+    if not isinstance(meta, dict):
+        raise _corrupt(path, f"{META} is not a JSON object", fix)
+    if META_DIGEST in meta:
+        if meta[META_DIGEST] != hashlib.sha256(_canonical(meta)).hexdigest():
+            raise _corrupt(path, f"{META} does not match its digest (edited or damaged since saved)", fix)
+    listed = meta.get("files")
+    if not isinstance(listed, dict) or not listed:
+        raise _corrupt(path, f"{META} lists no rank files (its `files` entry is missing or empty)", fix)
     world_size = meta.get("world_size")
-    if isinstance(world_size, int) and len(files) != world_size:
-        return f"{META} lists {len(files)} rank files for a world of {world_size}"
-    for name, want in sorted(files.items()):
+    if isinstance(world_size, int) and len(listed) != world_size:
+        raise _corrupt(path, f"{META} lists {len(listed)} rank files for a world of {world_size}", fix)
+    for name in sorted(listed if files is None else files):
+        want = listed.get(name)
+        if not isinstance(want, dict) or Path(name).name != name:
+            raise _corrupt(path, f"{META} does not list {name} as a rank file of this checkpoint", fix)
         file = path / name
         if not file.is_file():
-            return f"{name} is missing"
-        size = file.stat().st_size
-        if size != want.get("bytes"):
-            return f"{name} has {size:,} bytes, {want.get('bytes'):,} were written"
+            raise _corrupt(path, f"{name} is missing", fix)
+        size, written = file.stat().st_size, want.get("bytes")
+        if size != written:
+            shown = f"{written:,}" if isinstance(written, int) else repr(written)
+            raise _corrupt(path, f"{name} has {size:,} bytes, {shown} were written", fix)
         if full and _digest(file)["sha256"] != want.get("sha256"):
-            return f"{name} does not match its sha256 (bit rot or a partial overwrite)"
-    return None
+            raise _corrupt(path, f"{name} does not match its sha256 (bit rot or a partial overwrite)", fix)
+    if META_DIGEST not in meta and files is None and full and path.resolve() not in _warned_no_digest:
+        _warned_no_digest.add(path.resolve())
+        print(
+            f"dilocox: warning: {path / META} has no digest (saved by an older dilocox): its rank files verify, "
+            "meta.json itself cannot be checked; checkpoints saved from now on carry one",
+            file=sys.stderr,
+        )
+    return meta
+
+
+def _verifies(path: Path, *, full: bool = True) -> bool:
+    try:
+        verify_checkpoint(path, full=full)
+    except CorruptCheckpoint:
+        return False
+    return True
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    return json.loads((Path(path) / META).read_text())
+    """The meta.json of checkpoint `path`, verified against its digest (no rank file is read)."""
+    return verify_checkpoint(path, ())
 
 
 def load_rank_state(path: Path, rank: int) -> dict[str, Any]:
-    file = Path(path) / _rank_file(rank)
-    if not file.is_file():
+    """The state of `rank` in checkpoint `path`, after verifying meta.json and that rank's file."""
+    name = _rank_file(rank)
+    if not (Path(path) / name).is_file():
         raise ValueError(f"checkpoint {path} has no state for rank {rank}: was it written by a different topology?")
+    verify_checkpoint(path, [name])
+    file = Path(path) / name
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # a file that verified but does not unpickle: another torch, or written by hand
-        raise CorruptCheckpoint(
-            f"checkpoint file {file} cannot be read ({exc.__class__.__name__}: {str(exc).splitlines()[0][:120]}); "
-            "resume from an older checkpoint"
+        raise _corrupt(
+            path, f"{name} cannot be read ({exc.__class__.__name__}: {str(exc).splitlines()[0][:120]})"
         ) from None
 
 
@@ -332,19 +397,21 @@ def check_resume_model(path: Path, args: ModelArgs, *, tokenizer_vocab: str, tok
 
 
 def find_step(run_dir: Path, step: int | None) -> Path:
-    """The complete checkpoint of `step` in `run_dir`, or its newest one when `step` is None."""
+    """The complete checkpoint of `step` in `run_dir`, or its newest one when `step` is None, verified: meta.json and
+    every rank file (`verify_checkpoint`); a corrupt one is refused in one line that names the other steps."""
     found = list_checkpoints(run_dir)
     if not found:
         raise ValueError(
             f"{run_dir} has no complete checkpoint (nothing in {Path(run_dir) / CHECKPOINT_DIR}); train it first "
             "(checkpoints are saved every checkpoint.interval steps and at the end)"
         )
-    if step is None:
-        return found[-1]
-    path = _step_dir(Path(run_dir) / CHECKPOINT_DIR, step)
+    path = found[-1] if step is None else _step_dir(Path(run_dir) / CHECKPOINT_DIR, step)
     if path not in found:
         steps = ", ".join(str(int(p.name.split("_")[1])) for p in found)
         raise ValueError(f"{run_dir} has no checkpoint of step {step}; its checkpoints are at steps {steps}")
+    others = ", ".join(str(int(p.name.split("_")[1])) for p in found if p != path)
+    fix = f"pass --step with another of its steps ({others})" if others else "the run has no other checkpoint"
+    verify_checkpoint(path, fix=fix)
     return path
 
 
@@ -368,13 +435,13 @@ def consolidated_model_state(path: Path, *, agreed: bool) -> tuple[dict[str, tor
     """
     meta = read_meta(path)
     topology = Topology(meta["num_clusters"], meta["dp_degree"], meta["pp_degree"])
+    names = [_rank_file(topology.rank_of(0, 0, stage)) for stage in range(topology.pp_degree)]
+    verify_checkpoint(path, names)  # the files read below: their sizes and sha256
     state: dict[str, torch.Tensor] = {}
     used_outer = False
-    for stage in range(topology.pp_degree):
-        file = Path(path) / f"rank_{topology.rank_of(0, 0, stage):05d}.pt"
-        if not file.is_file():
-            raise ValueError(f"checkpoint {path} has no {file.name}: it is incomplete")
-        # mmap: only the model and outer params are read, not the optimizer states next to them
+    for name in names:
+        file = Path(path) / name
+        # mmap: the optimizer states next to the model and outer params are not copied into memory
         rank_state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         stage_state = dict(rank_state["model"])
         outer = rank_state["sync"].get("outer_params") if agreed else None

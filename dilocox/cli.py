@@ -116,15 +116,13 @@ def cmd_train(argv: list[str]) -> int:
         forkserver.start_early(config_path, rest)  # its imports run while this process imports and checks the config
     from dilocox.config import load_config
     from dilocox.launch import launch_local, launch_torchrun, preflight, prepare_run_dir
-    from dilocox.runlock import RunLock
 
     try:
         cfg = load_config(config_path, rest)
         if torchrun:
             return launch_torchrun(cfg)
         data, resume = preflight(cfg)
-        prepare_run_dir(cfg, data, resume)
-        lock = RunLock.acquire(Path(cfg.run.out_dir))
+        lock = prepare_run_dir(cfg, data, resume)  # takes the run directory's lock before writing into it
     except ValueError as exc:
         return _error(str(exc))
     try:

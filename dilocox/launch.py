@@ -44,7 +44,7 @@ from dilocox.net.json_gather import all_gather_json
 from dilocox.net.listen import LOOPBACK, bind_string, listening_socket, serve_store
 from dilocox.net.watchdog import EXIT_STALLED, JobStore, run_was_stopped
 from dilocox.parallel import check_split
-from dilocox.runlock import RunLock
+from dilocox.runlock import LOCK_FILE, RunLock
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -73,40 +73,57 @@ def resolve_resume(cfg: Config) -> Path | None:
         )
     path = find_checkpoint(Path(cfg.run.out_dir), "latest" if resume == "auto" else resume)
     check_resume(cfg, path)
-    if resume == "auto":
-        print(f"dilocox: resuming from {path} (checkpoint.resume = auto; pass --checkpoint.resume= to refuse)")
     return path
 
 
-def prepare_run_dir(cfg: Config, data: TokenData, resume: Path | None) -> Path:
-    """Create (or reopen, when resuming) the run directory and write config.toml and tokenizer.json into it."""
+def prepare_run_dir(cfg: Config, data: TokenData, resume: Path | None) -> RunLock:
+    """Take the run directory's lock, then create (or reopen, when resuming) it and write config.toml and
+    tokenizer.json into it; returns the lock, which the caller releases when the run ends. Nothing in the directory is
+    written, replaced or removed before the lock is held, so a second run refused by a live one leaves it as it was."""
     run_dir = Path(cfg.run.out_dir)
-    existing = run_dir.exists() and any(run_dir.iterdir()) if run_dir.is_dir() else run_dir.exists()
-    if existing and resume is None:
-        if not run_dir.is_dir():
-            raise ValueError(f"run.out_dir = {run_dir} is a file; choose a directory path")
-        RunLock.ensure_free(run_dir)
-        # auto and a run that died before its first checkpoint (a finished run always has one): start it again
-        restart = cfg.checkpoint.resume == "auto" and (run_dir / "config.toml").is_file()
-        if not (cfg.run.overwrite or restart):
-            raise ValueError(
-                f"run.out_dir = {run_dir} already holds files; continue a run there with --checkpoint.resume=latest, "
-                "replace it with --run.overwrite=true, or choose another --run.out_dir"
-            )
-        if restart and not cfg.run.overwrite:
-            print(f"dilocox: {run_dir} has no checkpoint: starting its run again (checkpoint.resume = auto)")
-        shutil.rmtree(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"run.out_dir = {run_dir} is a file; choose a directory path")
+    replace = resume is None and run_dir.is_dir() and any(p.name != LOCK_FILE for p in run_dir.iterdir())
+    # auto and a run that died before its first checkpoint (a finished run always has one): start it again
+    restart = replace and cfg.checkpoint.resume == "auto" and (run_dir / "config.toml").is_file()
+    if replace and not (cfg.run.overwrite or restart):
+        RunLock.ensure_free(run_dir)  # a live run's directory: say so rather than that it holds files
+        raise ValueError(
+            f"run.out_dir = {run_dir} already holds files; continue a run there with --checkpoint.resume=latest, "
+            "replace it with --run.overwrite=true, or choose another --run.out_dir"
+        )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / "config.toml", to_toml(cfg).encode())
-        tokenizer = run_dir / "tokenizer.json"
-        if Path(data.tokenizer_path).resolve() != tokenizer.resolve():
-            write_atomic(tokenizer, Path(data.tokenizer_path).read_bytes())
+        lock = RunLock.acquire(run_dir)
     except OSError as exc:
         raise ValueError(
             f"run.out_dir = {run_dir} is not writable ({exc.strerror}); choose another --run.out_dir"
         ) from None
-    return run_dir
+    try:
+        if replace:
+            if restart and not cfg.run.overwrite:
+                print(f"dilocox: {run_dir} has no checkpoint: starting its run again (checkpoint.resume = auto)")
+            for entry in run_dir.iterdir():
+                if entry.name == LOCK_FILE:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+        write_atomic(run_dir / "config.toml", to_toml(cfg).encode())
+        tokenizer = run_dir / "tokenizer.json"
+        if Path(data.tokenizer_path).resolve() != tokenizer.resolve():
+            write_atomic(tokenizer, Path(data.tokenizer_path).read_bytes())
+    except BaseException as exc:
+        lock.release()
+        if isinstance(exc, OSError):
+            raise ValueError(
+                f"run.out_dir = {run_dir} is not writable ({exc.strerror}); choose another --run.out_dir"
+            ) from None
+        raise
+    if resume is not None and cfg.checkpoint.resume == "auto":
+        print(f"dilocox: resuming from {resume} (checkpoint.resume = auto; pass --checkpoint.resume= to refuse)")
+    return lock
 
 
 def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Path | None]:
@@ -133,6 +150,8 @@ def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Pa
             listening_socket(cfg.network.advertise_host).close()
     check_sinks(tensorboard=cfg.metrics.tensorboard, wandb=cfg.metrics.wandb)  # a missing extra fails here
     resolve_device(cfg.run.device, local_rank=0)  # asking for a GPU where there is none fails here, not in a rank
+    if world_size is None:  # under torchrun rank 0 checks it (the others would see rank 0's own lock)
+        RunLock.ensure_free(Path(cfg.run.out_dir))  # a live run's directory: refused before its checkpoints are read
     resume = resolve_resume(cfg)
     data = prepare_data(cfg)
     args = model_shape(cfg, data.vocab_size)  # model.init_from: its config and weights' shapes too
@@ -655,10 +674,11 @@ def launch_torchrun(cfg: Config) -> int:
         error = None
         data = resume = None
         try:
+            if rank == 0:
+                RunLock.ensure_free(Path(cfg.run.out_dir))
             data, resume = preflight(cfg, world_size)
             if rank == 0:
-                prepare_run_dir(cfg, data, resume)
-                lock = RunLock.acquire(Path(cfg.run.out_dir))
+                lock = prepare_run_dir(cfg, data, resume)
         except ValueError as exc:
             error = str(exc)
         if error is not None and len(error) > _MAX_ERROR_CHARS:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from dilocox.metrics import read_metrics
@@ -157,3 +158,31 @@ def non_loopback_interface() -> str | None:
             if request[20] != 127:
                 return name
     return None
+
+
+@contextlib.contextmanager
+def run_lock_held(run_dir: Path) -> Iterator[subprocess.Popen]:
+    """A live process that holds `run_dir`'s lock (`RunLock`) until the block ends: a live run, as the lock sees it,
+    that writes nothing else while it holds it."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(run_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held", "the lock holder did not start"
+        yield holder
+    finally:
+        holder.stdin.close()  # the holder releases the lock and exits
+        holder.wait(timeout=60)
+
+
+_HOLD_LOCK = """import sys
+from dilocox.runlock import RunLock
+lock = RunLock.acquire(sys.argv[1])
+print("held", flush=True)
+sys.stdin.read()
+lock.release()
+"""

@@ -1,5 +1,6 @@
-"""Verified checkpoints: sizes and sha256 in meta.json, a corrupt checkpoint skipped for `latest` and refused by
-name in one line, and retention that never deletes the last good checkpoint."""
+"""Verified checkpoints: sizes and sha256 in meta.json and meta.json's own digest, checked by every reader; a corrupt
+checkpoint skipped for `latest` and refused by name in one line, and retention that never deletes the last good
+checkpoint."""
 
 import hashlib
 import json
@@ -10,10 +11,13 @@ import torch
 from dilocox.checkpoint import (
     CorruptCheckpoint,
     find_checkpoint,
+    find_step,
     list_checkpoints,
     load_rank_state,
+    read_meta,
     save_checkpoint,
     verify_checkpoint,
+    write_meta,
 )
 
 
@@ -77,21 +81,107 @@ def test_retention_never_deletes_the_last_good_checkpoint(tmp_path):
     assert find_checkpoint(tmp_path, "latest").name == "step_00000030"
 
 
-def test_a_checkpoint_from_before_digests_still_loads(tmp_path):
+def rewrite_meta(path, edit):
+    """Apply `edit` to the JSON of `path`/meta.json and write it back as it is (no new digest)."""
+    meta = json.loads((path / "meta.json").read_text())
+    edit(meta)
+    (path / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def test_meta_json_carries_the_digest_of_the_rest_of_it(tmp_path):
     path = save(tmp_path, 10)
     meta = json.loads((path / "meta.json").read_text())
-    del meta["files"]
-    (path / "meta.json").write_text(json.dumps(meta))
+    rest = {key: value for key, value in meta.items() if key != "digest"}
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    assert meta["digest"] == hashlib.sha256(canonical).hexdigest()
+    (path / "meta.json").write_text(json.dumps(meta))  # the same entries laid out otherwise: still verifies
+    assert verify_checkpoint(path) == meta and read_meta(path) == meta
+
+
+def rename_files(meta):
+    meta["checkpoint_files"] = meta.pop("files")
+
+
+META_DAMAGE = {
+    "files-renamed": (rename_files, "meta.json does not match its digest"),
+    "files-renamed-no-digest": (lambda m: (rename_files(m), m.pop("digest", None)), "meta.json lists no rank files"),
+    "digest-wrong": (lambda m: m.update(digest=hashlib.sha256(b"other").hexdigest()), "does not match its digest"),
+    "step-edited": (lambda m: m.update(step=11), "meta.json does not match its digest"),
+    "world-edited": (lambda m: (m.update(world_size=2), m.pop("digest", None)), "lists 1 rank files for a world of 2"),
+}
+
+
+@pytest.mark.parametrize("damage", META_DAMAGE.values(), ids=META_DAMAGE.keys())
+def test_a_meta_json_that_does_not_verify_is_refused_by_every_reader_and_skipped_by_latest(tmp_path, capsys, damage):
+    edit, why = damage
+    good, bad = save(tmp_path, 10), save(tmp_path, 20)
+    rewrite_meta(bad, edit)
+    assert find_checkpoint(tmp_path, "latest") == good
+    warning = capsys.readouterr().err
+    assert warning.count("\n") == 1 and f"skipping corrupt checkpoint {bad}: " in warning and why in warning
+    readers = [
+        lambda: find_checkpoint(tmp_path, str(bad)),
+        lambda: find_step(tmp_path, None),
+        lambda: find_step(tmp_path, 20),
+        lambda: verify_checkpoint(bad),
+        lambda: read_meta(bad),
+        lambda: load_rank_state(bad, 0),
+    ]
+    for read in readers:
+        with pytest.raises(CorruptCheckpoint, match=f"^checkpoint {bad} is corrupt: .*{why}") as info:
+            read()
+        assert "\n" not in str(info.value)
+    with pytest.raises(CorruptCheckpoint, match=r"pass --step with another of its steps \(10\)$"):
+        find_step(tmp_path, None)
+    assert find_step(tmp_path, 10) == good
+
+
+def test_an_unreadable_meta_json_is_refused_in_one_line(tmp_path):
+    path = save(tmp_path, 10)
+    (path / "meta.json").write_text('{"step": 10, "fi')  # cut short
+    with pytest.raises(CorruptCheckpoint, match=r"meta.json is unreadable \(JSONDecodeError\)") as info:
+        find_step(tmp_path, None)
+    assert str(info.value).endswith("the run has no other checkpoint")
+
+
+def test_a_checkpoint_saved_before_meta_had_a_digest_loads_with_its_files_verified(tmp_path, capsys):
+    path = save(tmp_path, 10)
+    rewrite_meta(path, lambda m: m.pop("digest"))
     assert find_checkpoint(tmp_path, "latest") == path
+    assert find_step(tmp_path, None) == path
+    warning = capsys.readouterr().err
+    assert warning.count("\n") == 1 and "meta.json has no digest" in warning  # once per checkpoint and process
+    assert load_rank_state(path, 0)["step"] == 10
+    flip_a_bit(path / "rank_00000.pt")
+    with pytest.raises(CorruptCheckpoint, match="rank_00000.pt does not match its sha256"):
+        load_rank_state(path, 0)
+    with pytest.raises(CorruptCheckpoint, match="every checkpoint"):
+        find_checkpoint(tmp_path, "latest")
+
+
+def test_a_reader_verifies_the_rank_file_it_reads(tmp_path):
+    """load_rank_state checks the sha256 of the one rank file it reads; a full verification checks them all."""
+    path = save(tmp_path, 10)
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "rank_00001.pt").write_bytes(b"x" * 10)
+    meta["files"]["rank_00001.pt"] = {"bytes": 10, "sha256": "0" * 64}
+    meta["world_size"] = 2
+    write_meta(path, meta)
+    assert load_rank_state(path, 0)["step"] == 10
+    for read in (lambda: load_rank_state(path, 1), lambda: verify_checkpoint(path)):
+        with pytest.raises(CorruptCheckpoint, match="rank_00001.pt does not match its sha256"):
+            read()
 
 
 # ---------------------------------------------------------------------------------------------- resume compatibility
 
 
 def checkpoint_with(tmp_path, meta):
+    """A checkpoint directory with only this meta.json (and its digest): what the resume checks read."""
     path = tmp_path / "run" / "checkpoints" / "step_00000010"
     path.mkdir(parents=True)
-    (path / "meta.json").write_text(json.dumps({"step": 10, **meta}))
+    files = {f"rank_{rank:05d}.pt": {"bytes": 0, "sha256": ""} for rank in range(meta.get("world_size", 1))}
+    write_meta(path, {"step": 10, **meta, "files": files})
     return path
 
 
