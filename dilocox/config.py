@@ -333,18 +333,23 @@ class Config:
                 "(torchrun --nnodes x --nproc-per-node) or change the topology"
             )
 
-    def shared_fingerprint(self) -> int:
-        """A fingerprint (63 bits) of the settings every cluster of an elastic run must share, wherever it runs
-        (`membership.SHARED_SECTIONS` and run.seed, without `membership.MACHINE_LOCAL_SETTINGS`)."""
+    def shared_settings(self) -> dict[str, Any]:
+        """The settings every cluster of a run must share, wherever it runs, by dotted name:
+        `membership.SHARED_SECTIONS` and run.seed, without `membership.MACHINE_LOCAL_SETTINGS` (where files are, what
+        one machine starts)."""
         from dilocox.sync.membership import MACHINE_LOCAL_SETTINGS, SHARED_SECTIONS
 
         values = to_dict(self)
-        shared = {"run.seed": self.run.seed}
+        shared: dict[str, Any] = {"run.seed": self.run.seed}
         for section in SHARED_SECTIONS:
             for key, value in values[section].items():
                 if f"{section}.{key}" not in MACHINE_LOCAL_SETTINGS:
                     shared[f"{section}.{key}"] = value
-        digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).digest()
+        return shared
+
+    def shared_fingerprint(self) -> int:
+        """A fingerprint (63 bits) of `shared_settings`."""
+        digest = hashlib.sha256(json.dumps(self.shared_settings(), sort_keys=True).encode()).digest()
         return int.from_bytes(digest[:8], "big") >> 1
 
     @property

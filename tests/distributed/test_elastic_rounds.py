@@ -127,6 +127,7 @@ class Member:
         self.load_state_dict: Callable[[dict], None] = lambda state: None
         self.restarts: Callable[[], dict[int, bool]] = dict
         self.config_fingerprint = 0
+        self.shared_settings: dict = {"train.lr": 0.002}
         self._group: dist.ProcessGroup | None = None
         self._group_id = -1
 
@@ -289,12 +290,15 @@ def test_clusters_with_other_settings_stop_at_their_first_boundary_before_sendin
     lighthouse = Lighthouse({0, 1, 2})
     clusters = [Cluster(c, lighthouse, compression="none") for c in range(3)]
     clusters[2].member.config_fingerprint = 12345  # cluster 2's machine was started with another config
+    clusters[2].member.shared_settings = {"train.lr": 0.001}
     join_all(clusters)
     errors = run_threads(*[c.train for c in clusters])
     assert all(isinstance(error, ElasticError) for error in errors), errors
-    assert str(errors[0]).startswith("clusters [2] run other settings than cluster 0: every machine must give the "
-                                     "same values to [model], [data]")  # fmt: skip
-    assert str(errors[2]).startswith("clusters [0, 1] run other settings than cluster 2")
+    differences = "(train.lr: 0.002 on clusters 0-1, 0.001 on cluster 2)"
+    assert str(errors[0]).startswith(f"clusters [2] run other settings than cluster 0 {differences}: every machine "
+                                     "must give the same values to [model], [data]")  # fmt: skip
+    assert str(errors[2]).startswith(f"clusters [0, 1] run other settings than cluster 2 {differences}")
+    assert str(errors[0]).endswith("and hold the same key in network.auth_key_file")
     assert all(c.channel_bytes() == 0 for c in clusters)  # stopped before the first round's sync was launched
     assert all(torch.equal(c.outer(), start_params()) for c in clusters)
 
