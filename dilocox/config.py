@@ -275,6 +275,11 @@ class Config:
                 f"compression.kind = {self.compression.kind!r} compresses pseudo-gradients: use sync.kind = diloco or "
                 f"dilocox ({self.sync.kind} has its own gradient format)"
             )
+        if self.faults.kind == "forge" and not self.network.auth_key_file:
+            raise ValueError(
+                "faults.kind = 'forge' sends payloads under a tag that does not verify, but without "
+                "network.auth_key_file no tag is sent or checked: set network.auth_key_file"
+            )
         if self.network.auth_key_file:
             gather = "--compression.reduction=gather with a codec (e.g. --compression.kind=int4)"
             outer, reduction = self.sync.has_outer_loop, self.compression.reduction

@@ -675,6 +675,11 @@ def launch_torchrun(cfg: Config) -> int:
         run_rank(cfg, rank, Path(cfg.run.out_dir), resume, data, job_store=job_store)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except ValueError as exc:  # what the ranks decided together (diverged, payloads rejected): one line, as locally
+        if run_was_stopped(job_store):
+            os._exit(EXIT_STALLED)
+        print(f"dilocox: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
     except Exception:
         if run_was_stopped(job_store):  # a collective broken by the stall: the watchdog's line said it all
             os._exit(EXIT_STALLED)

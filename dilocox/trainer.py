@@ -249,6 +249,7 @@ class Trainer:
             latency_s=cfg.network.latency_s,
             num_sharing=cfg.topology.dp_degree * cfg.topology.pp_degree,
             auth=cfg.network.payload_auth(),
+            stop_if_cut_off=not self.elastic,  # elastic: only a cut-off cluster stops, and heals from a live peer
         )
         self.sync = build_sync(
             cfg,

@@ -273,6 +273,9 @@ class DiLoCoSync:
             return pending
         if self.faults is not None and self.faults.kind != "diverge":
             if self.faults.active(cluster=self.channel.group_rank, round_index=round_index):
+                if self.faults.kind == "forge":  # the values are honest, their tag is not
+                    self.channel.forge_next_payload()
+                    return self.reducer.launch(pseudo_grad)
                 return self.reducer.launch(self.faults.corrupt(pseudo_grad, round_index=round_index))
         return self.reducer.launch(pseudo_grad)
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox.agreement import describe_differences
+from dilocox.net.channel import PayloadsRejected
 from dilocox.sync.base import RoundStats
 from dilocox.sync.membership import ElasticError, ElasticMembership, Quorum, shared_settings
 from dilocox.sync.reducers import PendingMean
@@ -321,6 +322,8 @@ class ElasticRounds:
         judge_link = self.phase == "round"  # at the end of training the last sync was launched just now
         try:
             arrived = self._wait(due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
+        except RejoinRequired:
+            raise
         except RuntimeError as error:  # a peer died during it: that group is broken here, the settling needs a new one
             self._fail(error, round_index, quietly=True)
             arrived, quorum = None, None
@@ -375,6 +378,8 @@ class ElasticRounds:
                 return arrived
             try:
                 return self._redo(due, quorum, round_steps=round_steps, round_index=round_index)
+            except RejoinRequired:
+                raise
             except RuntimeError as error:
                 attempts += 1
                 self._fail(error, round_index)
@@ -458,10 +463,18 @@ class ElasticRounds:
     def _wait(
         self, due: PendingMean | None, *, round_steps: int | None, round_index: int, judge_link: bool
     ) -> tuple[torch.Tensor, RoundStats] | None:
-        """`DiLoCoSync.wait_sync` of `due`, or None when there is none; a failed transfer raises RuntimeError."""
+        """`DiLoCoSync.wait_sync` of `due`, or None when there is none; a failed transfer raises RuntimeError, and
+        RejoinRequired where every other member rejected this cluster's payload (the channel's `PayloadsRejected`):
+        it cannot average what the others do, so it stops and heals from a live peer while they go on without it."""
         if due is None:
             return None
-        return self.sync.wait_sync(due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
+        try:
+            return self.sync.wait_sync(due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
+        except PayloadsRejected as error:
+            raise RejoinRequired(
+                f"cluster {self.membership.cluster} is cut off: {error}; it stops so that its launcher restarts it "
+                "and it heals from a live peer, while the others go on without it"
+            ) from None
 
     # ---------------------------------------------------------------------------------------------- state
     def _guard_state(self) -> dict[str, Any]:

@@ -173,7 +173,8 @@ class Cluster:
         self.member = Member(cluster, lighthouse, **member)
         self.param = torch.nn.Parameter(start_params())
         cfg = SyncConfig(kind="dilocox", inner_steps=1, sync_delay=1, outer_lr=1.0, outer_momentum=0.0, merge="eager")
-        channel = WanChannel(None, bandwidth=None, latency_s=0.0, auth=None if key is None else PayloadAuth(key))
+        auth = None if key is None else PayloadAuth(key)
+        channel = WanChannel(None, bandwidth=None, latency_s=0.0, auth=auth, stop_if_cut_off=False)  # as the trainer
         self.sync = DiLoCoSync(
             [self.param],
             cfg,
@@ -325,8 +326,10 @@ def test_a_cluster_with_another_key_is_rejected_left_out_and_the_others_average_
 
     errors = run_threads(clusters[0].train, clusters[1].train, forger)
     assert errors[:2] == [None, None]
-    # it averaged its own payload only, so its outer params left its peers' at the next boundary: it stops to heal
-    assert isinstance(errors[2], RejoinRequired) and "outer params differ" in str(errors[2])
+    # every other cluster rejected its payload (and it theirs): it cannot average what they do, so it stops to heal
+    assert isinstance(errors[2], RejoinRequired), errors[2]
+    assert str(errors[2]).startswith("cluster 2 is cut off: every other cluster rejected the slow-link payload of "
+                                     "cluster 2 in exchange 0")  # fmt: skip
     assert all(c.sync.channel.payloads_rejected >= 1 for c in clusters)
     survivors = [clusters[0].outer(), clusters[1].outer()]
     assert torch.equal(survivors[0], survivors[1])

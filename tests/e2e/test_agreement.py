@@ -1,11 +1,11 @@
-"""Ranks that do not run the same settings stop before training: real torchrun nodes, each ending with one line and a
-non-zero exit."""
+"""Ranks that do not run the same settings stop before training, and a cluster whose payloads are all rejected stops
+the run: real torchrun nodes and a real local run, each ending with one line and a non-zero exit."""
 
 import re
 
 import pytest
 
-from tests.e2e.helpers import DEBUG, torchrun_nodes
+from tests.e2e.helpers import DEBUG, dilocox, torchrun_nodes
 
 pytestmark = pytest.mark.e2e
 
@@ -48,3 +48,28 @@ def test_torchrun_nodes_with_other_settings_stop_before_training_naming_the_sett
         assert "exitcode  : 2" in result.stderr  # torchrun's report of the worker: a user error
         assert _no_python_traceback_of_dilocox(result.stderr), result.stderr[-3000:]
     assert not run_dir.exists()  # nothing written: no run directory, no checkpoint
+
+
+def test_a_cluster_whose_payloads_every_other_cluster_rejects_stops_a_local_run(tmp_path):
+    key = tmp_path / "wan.key"
+    key.write_bytes(b"k" * 32)
+    run_dir = tmp_path / "run"
+    result = dilocox(
+        "train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--topology.num_clusters=3", *AUTHENTICATED,
+        f"--network.auth_key_file={key}", "--train.steps=20", "--sync.inner_steps=5", "--checkpoint.interval=0",
+        "--eval.interval=0", "--faults.kind=forge", "--faults.cluster=2", "--faults.rounds=1",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("dilocox: error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert re.match(
+        r"dilocox: error: every other cluster rejected the slow-link payload of cluster 2 in exchange \d+ \(its "
+        r"HMAC-SHA256 tag does not verify under network\.auth_key_file: .*\); a cluster whose payloads are refused "
+        r"trains apart from the others, so the run stops",
+        errors[0],
+    ), errors[0]
+    # each of the other clusters said what it rejected
+    for rank in (0, 1):
+        assert f"rank {rank} (cluster {rank}) rejected the slow-link payload of cluster 2" in result.stderr
+    assert _no_python_traceback_of_dilocox(result.stderr), result.stderr[-3000:]
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "summary.json").exists()
