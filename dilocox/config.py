@@ -275,6 +275,11 @@ class Config:
                 f"compression.kind = {self.compression.kind!r} compresses pseudo-gradients: use sync.kind = diloco or "
                 f"dilocox ({self.sync.kind} has its own gradient format)"
             )
+        if self.faults.kind == "forge" and not self.network.auth_key_file:
+            raise ValueError(
+                "faults.kind = 'forge' sends payloads under a tag that does not verify, but without "
+                "network.auth_key_file no tag is sent or checked: set network.auth_key_file"
+            )
         if self.network.auth_key_file:
             gather = "--compression.reduction=gather with a codec (e.g. --compression.kind=int4)"
             outer, reduction = self.sync.has_outer_loop, self.compression.reduction
@@ -333,18 +338,23 @@ class Config:
                 "(torchrun --nnodes x --nproc-per-node) or change the topology"
             )
 
-    def shared_fingerprint(self) -> int:
-        """A fingerprint (63 bits) of the settings every cluster of an elastic run must share, wherever it runs
-        (`membership.SHARED_SECTIONS` and run.seed, without `membership.MACHINE_LOCAL_SETTINGS`)."""
+    def shared_settings(self) -> dict[str, Any]:
+        """The settings every cluster of a run must share, wherever it runs, by dotted name:
+        `membership.SHARED_SECTIONS` and run.seed, without `membership.MACHINE_LOCAL_SETTINGS` (where files are, what
+        one machine starts)."""
         from dilocox.sync.membership import MACHINE_LOCAL_SETTINGS, SHARED_SECTIONS
 
         values = to_dict(self)
-        shared = {"run.seed": self.run.seed}
+        shared: dict[str, Any] = {"run.seed": self.run.seed}
         for section in SHARED_SECTIONS:
             for key, value in values[section].items():
                 if f"{section}.{key}" not in MACHINE_LOCAL_SETTINGS:
                     shared[f"{section}.{key}"] = value
-        digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).digest()
+        return shared
+
+    def shared_fingerprint(self) -> int:
+        """A fingerprint (63 bits) of `shared_settings`."""
+        digest = hashlib.sha256(json.dumps(self.shared_settings(), sort_keys=True).encode()).digest()
         return int.from_bytes(digest[:8], "big") >> 1
 
     @property

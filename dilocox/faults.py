@@ -10,6 +10,7 @@ run whose model you want; it exists for tests, the fault benchmark and users who
 | `scale` | sends its pseudo-gradient times `faults.scale` |
 | `random` | sends Gaussian noise of its pseudo-gradient's norm |
 | `sign` | sends its pseudo-gradient negated |
+| `forge` | sends its payloads under a tag that does not verify, as a forger without the key would (needs a key) |
 
 The lying kinds (all but `diverge`) change only what is sent: the cluster's own parameters follow the honest
 update, so its next pseudo-gradients are normal again.
@@ -27,14 +28,14 @@ import torch
 
 from dilocox.checks import check_choice, check_types
 
-FAULT_KINDS = ("none", "diverge", "nan", "scale", "random", "sign")
+FAULT_KINDS = ("none", "diverge", "nan", "scale", "random", "sign", "forge")
 """Every `faults.kind`."""
 
 
 @dataclass
 class FaultConfig:
     kind: str = "none"
-    """none, diverge, nan, scale, random or sign (see the table above)."""
+    """none, diverge, nan, scale, random, sign or forge (see the table above)."""
     cluster: int = 0
     """The misbehaving cluster (0-based)."""
     rounds: str = "2-"
@@ -89,4 +90,4 @@ class FaultConfig:
             generator = torch.Generator().manual_seed(round_index)
             noise = torch.randn(pseudo_grad.shape, generator=generator).to(pseudo_grad.device)
             return noise * (pseudo_grad.norm() / noise.norm().clamp_min(1e-30))
-        raise ValueError(f"faults.kind = {self.kind!r} does not change what is sent")
+        raise ValueError(f"faults.kind = {self.kind!r} does not change the values sent")

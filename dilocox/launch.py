@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from dilocox import forkserver
+from dilocox.agreement import check_same_settings
 from dilocox.checkpoint import check_resume, check_resume_model, find_checkpoint, list_checkpoints
 from dilocox.config import Config, from_dict, to_dict, to_toml
 from dilocox.data import TokenData
@@ -298,6 +299,7 @@ def _local_rank_main(
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     job_store = JobStore(store, f"the launcher's store at {_LOCAL_HOST}:{port}")
     try:
+        check_same_settings(cfg, group=dist.group.WORLD)  # every rank reads the key file itself
         run_rank(cfg, rank, Path(cfg.run.out_dir), Path(resume) if resume else None, job_store=job_store)
     except Exception as exc:
         if run_was_stopped(job_store):  # a collective broken by the stall: the watchdog's line said it all
@@ -671,6 +673,12 @@ def launch_torchrun(cfg: Config) -> int:
     job_store = _torchrun_job_store(store)
     lock = None
     try:
+        try:  # each node was started with its own command line: compare before anything is written
+            check_same_settings(cfg, group=dist.group.WORLD, node=os.environ.get("GROUP_RANK"))
+        except ValueError as exc:  # the same on every rank: each node says it once
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                print(f"dilocox: error: {exc}", file=sys.stderr)
+            return EXIT_USER_ERROR
         error = None
         data = resume = None
         try:
@@ -692,6 +700,11 @@ def launch_torchrun(cfg: Config) -> int:
         run_rank(cfg, rank, Path(cfg.run.out_dir), resume, data, job_store=job_store)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except ValueError as exc:  # what the ranks decided together (diverged, payloads rejected): one line, as locally
+        if run_was_stopped(job_store):
+            os._exit(EXIT_STALLED)
+        print(f"dilocox: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
     except Exception:
         if run_was_stopped(job_store):  # a collective broken by the stall: the watchdog's line said it all
             os._exit(EXIT_STALLED)

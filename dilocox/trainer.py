@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dilocox.agreement import run_settings, settings_fingerprint
 from dilocox.checkpoint import check_resume, list_checkpoints, load_rank_state, run_identity, save_checkpoint
 from dilocox.config import DTYPES, Config, to_dict
 from dilocox.data import ShardedTokenStream, TokenData, iter_eval_batches, prepare_tokens
@@ -248,6 +249,7 @@ class Trainer:
             latency_s=cfg.network.latency_s,
             num_sharing=cfg.topology.dp_degree * cfg.topology.pp_degree,
             auth=cfg.network.payload_auth(),
+            stop_if_cut_off=not self.elastic,  # elastic: only a cut-off cluster stops, and heals from a live peer
         )
         self.sync = build_sync(
             cfg,
@@ -292,6 +294,7 @@ class Trainer:
 
         cfg, t = self.cfg, self.cfg.topology
         timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
+        settings = run_settings(cfg)  # compared with the other clusters' at every boundary, the payload key's too
         return ElasticMembership(
             cluster=self.coords.cluster,
             num_clusters=t.num_clusters,
@@ -309,7 +312,8 @@ class Trainer:
             load_state_dict=lambda state: self.sync.diloco.elastic.load_heal_state(state),
             # the heal state is the outer params and the outer optimizer's momentum (fp32), and small counters
             heal_max_bytes=3 * 4 * sum(p.numel() for p in self.model.parameters()) + (16 << 20),
-            config_fingerprint=cfg.shared_fingerprint(),
+            config_fingerprint=settings_fingerprint(settings),
+            shared_settings=settings,
         )
 
     # ---------------------------------------------------------------------------------------------- state

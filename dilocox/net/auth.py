@@ -25,6 +25,8 @@ MIN_KEY_BYTES = 16
 """The shortest key accepted (128 bits)."""
 DOMAIN = b"dilocox/slow-link-payload/v1\x00"
 """Binds a tag to this use of the key: the same key used elsewhere never yields a valid payload tag."""
+FINGERPRINT_LABEL = b"dilocox/auth-key-fingerprint/v1\x00"
+"""The fixed message whose HMAC under the key is the key's fingerprint (never a payload: no tag input starts so)."""
 
 Buffer = bytes | bytearray | memoryview  # or anything else exposing the buffer protocol (a numpy array)
 
@@ -80,6 +82,12 @@ class PayloadAuth:
         mac.update(struct.pack("<qIQ", seq, sender, view.nbytes))
         mac.update(view)
         return mac.digest()
+
+    def fingerprint(self) -> str:
+        """16 hex digits that tell keys apart without revealing them: the HMAC-SHA256 of a fixed label under the key.
+        Ranks compare it before training (`dilocox.agreement`); without the key it cannot be computed, and it gives
+        nothing that helps to guess the key or to forge a payload tag (another message, another domain)."""
+        return hmac.new(self._key, FINGERPRINT_LABEL, hashlib.sha256).hexdigest()[:16]
 
     def verify(self, payload: Buffer, tag: Buffer, *, seq: int, sender: int, group: Sequence[int]) -> bool:
         """Whether `tag` is the tag of this payload, transfer, sender and group (a constant-time comparison)."""

@@ -5,7 +5,9 @@ algorithm puts on the wire (conventions in `dilocox.net.link`), and, in emulatio
 only when a FIFO model of the slow link says it would have arrived. Training overlaps with the transfer exactly
 as it would with a real slow link; time the trainer spends blocked in `wait()` is recorded as exposed. With a
 `PayloadAuth` (network.auth_key_file) every all-gathered payload carries an HMAC-SHA256 tag, and a payload whose
-tag does not verify is dropped (None in its place) and counted, never used.
+tag does not verify is dropped (None in its place) and counted, never used. The members then tell each other which
+payloads they dropped, so that every member leaves out the same ones and all of them average the same payloads; a
+cluster whose payload every other member dropped stops the run (`PayloadsRejected`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from dilocox.net.auth import TAG_BYTES, PayloadAuth
+from dilocox.net.auth import MIN_KEY_BYTES, TAG_BYTES, PayloadAuth
 from dilocox.net.link import (
     LinkModel,
     link_charge_bytes,
@@ -47,7 +49,14 @@ _REDUCE_OPS = ("sum", "avg")
 _LENGTH_BYTES = 8  # one int64 element count per rank in the length exchange of an all-gather
 _CANCEL_JOIN_S = 5.0  # how long close(cancel=True) waits for a collective already on the wire
 _STAT_KEYS = ("bytes_sent", "bytes_recv", "control_bytes", "link_busy_s", "exposed_s", "num_transfers")
+_FORGER = PayloadAuth(b"dilocox/faults/a-key-no-cluster-holds".ljust(MIN_KEY_BYTES))
+"""faults.kind = forge: what a forger without the shared key tags its payloads with."""
 _ADDED_STAT_KEYS = ("payloads_rejected",)  # counters newer than some checkpoints: 0 when a saved state lacks them
+
+
+class PayloadsRejected(ValueError):
+    """Every other member rejected a cluster's authenticated payload (or no payload verified on every member): the
+    same one line on every member of the group, which stops the run rather than let that cluster train apart."""
 
 
 @dataclass(eq=False)
@@ -97,6 +106,8 @@ class PendingTransfer(Generic[ResultT]):
             self._finished.wait()
             if self._channel is not None:
                 self._channel._add_exposed(time.perf_counter() - blocked_from)
+        if isinstance(self._error, PayloadsRejected):  # a verdict of the members, not a broken transfer
+            raise self._error
         if self._error is not None:
             raise RuntimeError(
                 f"WAN channel {self.kind} launched at t={self.launch_time:.3f}s failed on the communicator thread: "
@@ -231,9 +242,14 @@ class WanChannel:
     collective time when unlimited), and `exposed_s` as the trainer's time blocked in `wait()`.
 
     `auth` (a `PayloadAuth` of network.auth_key_file) tags every all-gathered payload and checks every peer's tag
-    (docs/design.md §5): `wait()` returns None in place of a payload that fails, `payloads_rejected` counts it and
-    one warning line names its cluster. Summed collectives cannot be checked per sender, so an authenticated
-    channel refuses all-reduces and programs.
+    (docs/design.md §5): `payloads_rejected` counts a payload that fails and one warning line names its cluster.
+    The members then exchange their verdicts (one byte per sender, a second step of the all-gather counted in
+    `control_bytes`), and `wait()` returns None in place of every payload that a member rejected
+    (`rejection_verdict`), this rank's own included, so that every member averages the same payloads. A payload that
+    every other member rejected (its cluster holds another key, or someone forges its payloads) fails the transfer
+    with `PayloadsRejected` on every member, which stops the run; with `stop_if_cut_off` False (an elastic run) only
+    on the cut-off member, which heals from a live peer, while the others go on without it. Summed collectives cannot
+    be checked per sender, so an authenticated channel refuses all-reduces and programs.
     """
 
     def __init__(
@@ -244,6 +260,7 @@ class WanChannel:
         latency_s: float,
         num_sharing: int = 1,
         auth: PayloadAuth | None = None,
+        stop_if_cut_off: bool = True,
     ) -> None:
         if isinstance(num_sharing, bool) or not isinstance(num_sharing, int) or num_sharing < 1:
             raise ValueError(
@@ -265,6 +282,9 @@ class WanChannel:
                 raise ValueError("this rank is not a member of the WanChannel's group: pass its own cluster_group")
         self._auth = auth
         self._staging = HostStaging()  # device payloads cross through pinned host buffers on a side stream
+        self.stop_if_cut_off = stop_if_cut_off
+        """With `auth`: a payload every other member rejected fails the transfer on every member
+        (`PayloadsRejected`); else only on the cut-off member, and the others leave its payload out."""
         # A tag names the group by its global ranks: a payload of another group (another stage) does not verify.
         self._group_ranks = () if group is None else tuple(dist.get_process_group_ranks(group))
         self._tag_group = self._group_ranks  # an elastic round's group: its quorum id and clusters (`rebind`)
@@ -284,6 +304,7 @@ class WanChannel:
         self._exposed_s = 0.0
         self._num_transfers = 0
         self._payloads_rejected = 0
+        self._forge_next = False  # faults.kind = forge: the next all-gathered payload carries a forged tag
         self._submitted = 0  # accounted transfers launched so far (the next one's `seq`)
         self._launched = 0  # collectives launched so far, accounted or not (the next one's `_Job.exchange`)
 
@@ -482,8 +503,16 @@ class WanChannel:
             )
         if self.world_size == 1:
             return self._completed("all_gather", [tensor])
-        run = functools.partial(self._run_all_gather, tensor, limit)
+        forge, self._forge_next = self._forge_next, False
+        run = functools.partial(self._run_all_gather, tensor, limit, forge=forge)
         return self._submit("all_gather", run, account, device=tensor.device)
+
+    def forge_next_payload(self) -> None:
+        """`faults.kind = forge`: the next all-gathered payload goes out under the tag of a key no cluster holds, as
+        a forger's would (its values are this rank's own). Needs `auth`."""
+        if self._auth is None:
+            raise ValueError("faults.kind = 'forge' needs network.auth_key_file: without it no tag is sent")
+        self._forge_next = True
 
     def launch_program(
         self,
@@ -671,12 +700,15 @@ class WanChannel:
         sent, recv = ring_all_reduce_bytes(tensor.numel(), tensor.element_size(), self.world_size, self.group_rank)
         return _Outcome(tensor, sent, recv)
 
-    def _run_all_gather(self, tensor: torch.Tensor, max_numel: int, exchange: int) -> _Outcome:
+    def _run_all_gather(self, tensor: torch.Tensor, max_numel: int, exchange: int, *, forge: bool = False) -> _Outcome:
         world, rank = self.world_size, self.group_rank
         if self._auth is None:
             wire, limit, unit = tensor, max_numel, "elements"
         else:  # the payload's bytes and their tag, one uint8 vector
             wire, limit, unit = self._seal(tensor, exchange), max_numel * tensor.element_size() + TAG_BYTES, "bytes"
+            if forge:
+                tag = _FORGER.tag(wire[:-TAG_BYTES].numpy(), seq=exchange, sender=rank, group=self._tag_group)
+                wire[-TAG_BYTES:] = torch.frombuffer(bytearray(tag), dtype=torch.uint8)
         # gloo gathers equal sizes only: exchange the lengths, pad to the longest, trim on arrival.
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(lengths, torch.tensor([wire.numel()], dtype=torch.int64), group=self.group)
@@ -693,10 +725,13 @@ class WanChannel:
         gathered: list[torch.Tensor | None] = list(_gather_payloads(self.group, wire, numels, rank, self._staging))
         sizes = [n * wire.element_size() for n in numels]
         sent, recv = ring_all_gather_bytes(sizes, rank)
-        if self._auth is not None:
-            gathered = self._open(gathered, tensor, exchange)
-        gathered[rank] = tensor
-        return _Outcome(gathered, sent, recv, control_bytes)
+        if self._auth is None:
+            gathered[rank] = tensor
+            return _Outcome(gathered, sent, recv, control_bytes)
+        opened = self._open(gathered, tensor, exchange)
+        # the verdicts travel once the payloads have arrived: a second step, with its own latency
+        verdict_bytes, _ = ring_all_gather_bytes([world] * world, rank)
+        return _Outcome(opened, sent, recv, control_bytes + verdict_bytes, phases=2)
 
     def _global_rank_note(self, peer: int) -> str:
         return f" (global rank {self._group_ranks[peer]})" if peer < len(self._group_ranks) else ""
@@ -711,11 +746,13 @@ class WanChannel:
     def _open(
         self, sealed: list[torch.Tensor | None], tensor: torch.Tensor, exchange: int
     ) -> list[torch.Tensor | None]:
-        """Every peer's payload whose tag verifies, as `tensor`'s dtype on its device; None for the others, which
-        are counted and named in one warning line."""
+        """Every payload that the members of the group kept, as `tensor`'s dtype on its device (this rank's own is
+        `tensor`); None for those any of them rejected (`rejection_verdict`). The payloads this rank rejects are
+        counted and named in one warning line; the members all-gather their verdicts (one byte per sender), so each
+        leaves out the same payloads."""
         assert self._auth is not None
         opened: list[torch.Tensor | None] = []
-        rejected = []
+        rejected_here = torch.zeros(self.world_size, dtype=torch.uint8)  # (senders,) 1: this rank rejected it
         for sender, wire in enumerate(sealed):
             assert wire is not None
             if sender == self.group_rank:
@@ -734,33 +771,85 @@ class WanChannel:
                 )
             )
             opened.append(self._staging.to_device(wire[:nbytes].view(tensor.dtype), tensor.device) if ok else None)
-            if not ok:
-                rejected.append(sender)
-        if rejected:
+            rejected_here[sender] = not ok
+        rows = [torch.empty(self.world_size, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(rows, rejected_here, group=self.group)
+        rejected = [[bool(v) for v in row.tolist()] for row in rows]  # (receivers, senders)
+        cluster_of = self._clusters or range(self.world_size)
+        mine = [sender for sender, flag in enumerate(rejected_here.tolist()) if flag]
+        if mine:
             with self._lock:
-                self._payloads_rejected += len(rejected)
-            cluster_of = self._clusters or range(self.world_size)
-            clusters = ", ".join(str(cluster_of[sender]) for sender in rejected)
-            then = "it goes on without it"
-            if len(rejected) == self.world_size - 1:
-                then = "no peer's payload verified, so this cluster uses its own only"
+                self._payloads_rejected += len(mine)
+            clusters = ", ".join(str(cluster_of[sender]) for sender in mine)
             me = f"cluster {cluster_of[self.group_rank]}"
             if not self._clusters:  # a static run: the global rank too (an elastic cluster is its own world)
                 me = f"rank {dist.get_rank()} ({me})"
             print(
                 f"dilocox: warning: {me} rejected the slow-link payload of cluster {clusters} in exchange {exchange}: "
                 "its HMAC-SHA256 tag does not verify under network.auth_key_file (another key, or forged or corrupted "
-                f"on the way); {then}",
+                "on the way); every cluster leaves it out of this exchange",
                 file=sys.stderr,
                 flush=True,
             )
-        return opened
+        left_out, cut_off = rejection_verdict(rejected)
+        if self.stop_if_cut_off:
+            stop = bool(cut_off) or len(left_out) == self.world_size
+        else:
+            stop = self.group_rank in cut_off
+        if stop:
+            what = _rejection_message(rejected, cut_off, list(cluster_of), exchange)
+            if self.stop_if_cut_off:
+                then = (
+                    "a cluster whose payloads are refused trains apart from the others"
+                    if cut_off
+                    else "the clusters have no update in common"
+                )
+                what += (
+                    f"; {then}, so the run stops: give every cluster the same key file, and look for what alters "
+                    "payloads on the way if they have it"
+                )
+            raise PayloadsRejected(what)
+        return [None if sender in left_out else payload for sender, payload in enumerate(opened)]
 
     def _run_program(self, program: Callable[[Wire], Any]) -> _Outcome:
         assert self.group is not None
         wire = Wire(self.group, self.world_size, self.group_rank, staging=self._staging)
         result = program(wire)
         return _Outcome(result, wire.nbytes_sent, wire.nbytes_recv, phases=wire.phases)
+
+
+def rejection_verdict(rejected: Sequence[Sequence[bool]]) -> tuple[list[int], list[int]]:
+    """What the members of a group do with the payloads of one authenticated all-gather, from every member's verdicts
+    (`rejected[r][s]`: member r rejected sender s's payload). Returns (left_out, cut_off): cut_off, the senders that
+    every other member rejected; left_out, the cut-off senders and those that any other member rejected, which every
+    member leaves out alike, so that they all average the same payloads. A cut-off member's own verdicts do not
+    count: it is the odd one out (another key), and the others can go on without it."""
+    members = range(len(rejected))
+    cut_off = [s for s in members if len(rejected) > 1 and all(rejected[r][s] for r in members if r != s)]
+    judges = [r for r in members if r not in cut_off]
+    left_out = [s for s in members if s in cut_off or any(rejected[r][s] for r in judges if r != s)]
+    return left_out, cut_off
+
+
+def _rejection_message(
+    rejected: Sequence[Sequence[bool]], cut_off: list[int], clusters: list[int], exchange: int
+) -> str:
+    """What `PayloadsRejected` says happened: the cut-off clusters (or, with none, who rejected whom) and why."""
+    why = (
+        f"{'its HMAC-SHA256 tag does' if len(cut_off) == 1 else 'their HMAC-SHA256 tags do'} not verify under "
+        "network.auth_key_file: another key there, or payloads forged or corrupted on the way"
+    )
+    if cut_off:
+        named = ", ".join(str(clusters[s]) for s in cut_off)
+        what = (
+            f"every other cluster rejected the slow-link payload of cluster{'s' if len(cut_off) > 1 else ''} {named} "
+            f"in exchange {exchange}"
+        )
+    else:
+        by = [", ".join(str(clusters[r]) for r, row in enumerate(rejected) if row[s]) for s in range(len(rejected))]
+        pairs = "; ".join(f"cluster {clusters[s]}'s by cluster {who}" for s, who in enumerate(by) if who)
+        what = f"no slow-link payload of exchange {exchange} verified on every cluster (rejected: {pairs})"
+    return f"{what} ({why})"
 
 
 def _gather_payloads(

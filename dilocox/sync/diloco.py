@@ -273,6 +273,9 @@ class DiLoCoSync:
             return pending
         if self.faults is not None and self.faults.kind != "diverge":
             if self.faults.active(cluster=self.channel.group_rank, round_index=round_index):
+                if self.faults.kind == "forge":  # the values are honest, their tag is not
+                    self.channel.forge_next_payload()
+                    return self.reducer.launch(pseudo_grad)
                 return self.reducer.launch(self.faults.corrupt(pseudo_grad, round_index=round_index))
         return self.reducer.launch(pseudo_grad)
 
@@ -511,12 +514,7 @@ class DiLoCoSync:
     def _slow_link_advice(self, stats: RoundStats, *, round_steps: int) -> str:
         link_s, compute_s, nbytes = stats.link_s, stats.compute_s or 0.0, stats.bytes_sent
         need_h = math.ceil(round_steps * link_s / compute_s)
-        latency = self.channel.latency_s
-        fit = (
-            f" or network.bandwidth >= {nbytes * 8 * self.channel.num_sharing / (compute_s - latency) / 1e6:,.0f}Mbps"
-            if compute_s > latency
-            else ""
-        )
+        fit = self._bandwidth_advice(nbytes, compute_s)
         if self.cfg.overlap_steps:
             return (
                 f"warning: the slow link cannot keep up: one outer sync takes {link_s:.2f} s on the link but the "
@@ -528,6 +526,19 @@ class DiLoCoSync:
             f"computes in {compute_s:.2f} s, so training waits for it; use sync.inner_steps >= {need_h}{fit} "
             "(or sync.fit_link = true to size H to the link as it goes)"
         )
+
+    def _bandwidth_advice(self, nbytes: int, compute_s: float) -> str:
+        """`or network.bandwidth >= X`: the emulated uplink under which a sync of `nbytes` from this rank would fit
+        in `compute_s` after the latency. Empty where no bandwidth setting helps: the bandwidth is unlimited (the
+        link time is then the real collective's own), the latency alone is as long as the compute, or the uplink is
+        already that fast (the real collective was slower than the emulated link)."""
+        latency, uplink = self.channel.latency_s, self.channel.uplink_bytes_per_s
+        if uplink is None:
+            return " (network.bandwidth is unlimited: this is the real collective's time, not an emulated link's)"
+        if compute_s <= latency:
+            return ""
+        needed = nbytes * self.channel.num_sharing / (compute_s - latency)  # bytes/s of the cluster's uplink
+        return f" or network.bandwidth >= {_format_rate(8 * needed)}" if needed > uplink else ""
 
     # ---------------------------------------------------------------------------------------------- state
     def state_bytes(self) -> int:
@@ -601,3 +612,11 @@ class DiLoCoSync:
             self.pending = self.reducer.relaunch(sent, account=not counted)
         else:
             self.pending = None
+
+
+def _format_rate(bits_per_s: float) -> str:
+    """A bandwidth as `network.bandwidth` takes it, rounded up to 3 significant digits: 1.24Gbps, 457Mbps, 7.5Kbps."""
+    prefix, scale = next(((p, s) for p, s in (("G", 1e9), ("M", 1e6)) if bits_per_s >= s), ("K", 1e3))
+    value = bits_per_s / scale
+    digits = max(0, 2 - math.floor(math.log10(value))) if value > 0 else 0
+    return f"{math.ceil(value * 10**digits) / 10**digits:g}{prefix}bps"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from dilocox.agreement import describe_differences
+from dilocox.net.channel import PayloadsRejected
 from dilocox.sync.base import RoundStats
 from dilocox.sync.membership import ElasticError, ElasticMembership, Quorum, shared_settings
 from dilocox.sync.reducers import PendingMean
@@ -74,8 +77,9 @@ class MemberReport:
     digest: int
     """`outer_digest` of its outer params, which every member must hold bit for bit."""
     config: int = 0
-    """`Config.shared_fingerprint` of its run's settings: clusters started on several machines with different
-    configs stop with one line at their first boundary instead of averaging what does not belong together."""
+    """`agreement.settings_fingerprint` of its run's settings and payload key: clusters started on several machines
+    with different configs stop with one line at their first boundary instead of averaging what does not belong
+    together."""
 
 
 def outer_digest(outer_params: torch.Tensor) -> int:
@@ -109,6 +113,38 @@ def exchange_reports(
     options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
     group.allreduce([table], options).wait()
     return [MemberReport(bool(h), bool(o), bool(r), int(d), int(c)) for h, o, r, d, c in table.tolist()]
+
+
+def exchange_settings(
+    settings: dict[str, Any], *, group: dist.ProcessGroup, timeout: datetime.timedelta
+) -> list[dict[str, Any]]:
+    """Every member's `agreement.run_settings`, in group rank order, when their fingerprints differ: two small
+    all-reduces over `group` (the JSON's lengths, then its bytes, each member filling its own row), bounded by
+    `timeout`. Control traffic, once, just before the run stops. A length above `_MAX_SETTINGS_BYTES` is refused
+    before anything of that size is allocated."""
+    data = json.dumps(settings, sort_keys=True).encode()
+    size, rank = group.size(), group.rank()
+    options = dist.AllreduceOptions()
+    options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
+    lengths = torch.zeros(size, dtype=torch.int64)
+    lengths[rank] = len(data)
+    group.allreduce([lengths], options).wait()
+    if not all(0 <= n <= _MAX_SETTINGS_BYTES for n in lengths.tolist()):
+        raise ElasticError(f"a member of the round declared settings of {lengths.tolist()} bytes: not dilocox's")
+    table = torch.zeros(size, int(lengths.max()), dtype=torch.int64)  # (members, bytes)
+    table[rank, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+    group.allreduce([table], options).wait()
+    described = []
+    for row, length in zip(table.tolist(), lengths.tolist(), strict=True):
+        try:
+            described.append(json.loads(bytes(row[:length])))
+        except (ValueError, UnicodeDecodeError):
+            described.append({})
+    return described
+
+
+_MAX_SETTINGS_BYTES = 256 << 10
+"""The most bytes a member may declare for its settings as JSON (about 5 KB)."""
 
 
 def confirm(*, group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
@@ -286,6 +322,8 @@ class ElasticRounds:
         judge_link = self.phase == "round"  # at the end of training the last sync was launched just now
         try:
             arrived = self._wait(due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
+        except RejoinRequired:
+            raise
         except RuntimeError as error:  # a peer died during it: that group is broken here, the settling needs a new one
             self._fail(error, round_index, quietly=True)
             arrived, quorum = None, None
@@ -340,6 +378,8 @@ class ElasticRounds:
                 return arrived
             try:
                 return self._redo(due, quorum, round_steps=round_steps, round_index=round_index)
+            except RejoinRequired:
+                raise
             except RuntimeError as error:
                 attempts += 1
                 self._fail(error, round_index)
@@ -399,9 +439,15 @@ class ElasticRounds:
         line, exit 2 on every machine), before anything of this round is sent."""
         others = [quorum.clusters[rank] for rank, report in enumerate(reports) if report.config != mine.config]
         if others:
+            described = exchange_settings(
+                self.membership.shared_settings, group=quorum.group, timeout=self.membership.control_timeout
+            )
+            differences = describe_differences(described, noun="cluster", numbers=quorum.clusters)
             raise ElasticError(
-                f"clusters {others} run other settings than cluster {self.membership.cluster}: every machine must "
-                f"give the same values to {shared_settings()}"
+                f"clusters {others} run other settings than cluster {self.membership.cluster}"
+                + (f" ({differences})" if differences else "")
+                + f": every machine must give the same values to {shared_settings()}, and hold the same key in "
+                "network.auth_key_file"
             )
 
     def _left_out(self, stats: RoundStats | None) -> bool:
@@ -417,10 +463,18 @@ class ElasticRounds:
     def _wait(
         self, due: PendingMean | None, *, round_steps: int | None, round_index: int, judge_link: bool
     ) -> tuple[torch.Tensor, RoundStats] | None:
-        """`DiLoCoSync.wait_sync` of `due`, or None when there is none; a failed transfer raises RuntimeError."""
+        """`DiLoCoSync.wait_sync` of `due`, or None when there is none; a failed transfer raises RuntimeError, and
+        RejoinRequired where every other member rejected this cluster's payload (the channel's `PayloadsRejected`):
+        it cannot average what the others do, so it stops and heals from a live peer while they go on without it."""
         if due is None:
             return None
-        return self.sync.wait_sync(due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
+        try:
+            return self.sync.wait_sync(due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
+        except PayloadsRejected as error:
+            raise RejoinRequired(
+                f"cluster {self.membership.cluster} is cut off: {error}; it stops so that its launcher restarts it "
+                "and it heals from a live peer, while the others go on without it"
+            ) from None
 
     # ---------------------------------------------------------------------------------------------- state
     def _guard_state(self) -> dict[str, Any]:

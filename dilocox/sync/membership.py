@@ -211,6 +211,7 @@ class ElasticMembership:
         load_state_dict: Callable[[Any], None],
         heal_max_bytes: int,
         config_fingerprint: int,
+        shared_settings: dict[str, Any] | None = None,
     ) -> None:
         from torchft import Manager
 
@@ -255,7 +256,9 @@ class ElasticMembership:
         has asked to join (set by the launcher; None: nobody restarts clusters). The end of training waits for
         them (`wait_for_restarts`, `restarts_in_progress`)."""
         self.config_fingerprint = config_fingerprint
-        """`Config.shared_fingerprint` of this cluster's run, compared at every boundary."""
+        """`agreement.settings_fingerprint` of `shared_settings`, compared at every boundary."""
+        self.shared_settings = shared_settings or {}
+        """`agreement.run_settings` of this cluster's run: what the members compare by name when fingerprints differ."""
         self.restarted = False
         """This process is a restart of its cluster (set by the launcher): it joins a run in progress, so a first
         quorum of itself alone means no other cluster is alive (`join`)."""

@@ -384,14 +384,17 @@ class GatherReducer(CodecReducer):
         own_index = self.channel.group_rank
 
         def finish() -> torch.Tensor:
-            payloads = transfer.wait()  # None in place of a payload whose tag did not verify (network.auth_key_file)
+            # None in place of a payload whose tag did not verify on some cluster (network.auth_key_file), this
+            # cluster's own included: every cluster leaves out the same ones
+            payloads = transfer.wait()
             decode_from = time.perf_counter()
             updates: list[torch.Tensor | None] = []  # every cluster's decoded slice (slice,), None: nothing usable
             malformed: dict[int, str] = {}
             for index, data in enumerate(payloads):
                 decoded = own_decoded if index == own_index else None
                 if data is None:
-                    malformed[index] = "its payload's tag did not verify (network.auth_key_file)"
+                    decoded = None
+                    malformed[index] = "its payload's tag did not verify on every cluster (network.auth_key_file)"
                 elif not data.numel():
                     malformed[index] = self.empty_reason
                 elif index != own_index:

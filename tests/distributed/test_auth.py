@@ -1,8 +1,9 @@
 """Authenticated slow-link payloads and bounded control messages on 3 real gloo ranks (clusters).
 
-Faults are injected by test-only subclasses of the channel, after the sender tags its payload (bits flipped on the
-way, a replayed payload), and by a cluster that holds another key. The receivers must drop exactly those payloads,
-count them, say so on stderr, and average the ones they accepted, exactly.
+Faults are injected by test-only subclasses of the channel (bits flipped on the way to one receiver only, a
+replayed payload), by a cluster that holds another key and by `faults.kind = forge`. The receivers must drop exactly
+those payloads, count them and say so on stderr; every cluster must then leave out the same payloads and average the
+rest, exactly, and a cluster whose payload every other cluster rejects stops the run on every cluster alike.
 """
 
 import contextlib
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from dilocox.compress import CompressionConfig, Payload
 from dilocox.net.auth import TAG_BYTES, PayloadAuth
-from dilocox.net.channel import WanChannel
+from dilocox.net.channel import PayloadsRejected, WanChannel, rejection_verdict
 from dilocox.net.json_gather import all_gather_json
 from dilocox.net.link import ring_all_gather_bytes
 from dilocox.sync.reducers import build_reducer
@@ -26,13 +27,14 @@ KEY = b"the shared key of every cluster!"
 OTHER_KEY = b"a key that nobody else holds....."
 
 
-class FlippingChannel(WanChannel):
-    """Flips one bit of every payload it sends, after tagging it (corruption or tampering on the way)."""
+class FlippingOnArrivalChannel(WanChannel):
+    """Flips one bit of cluster 1's payload as it arrives here, before the tag is checked (corruption or tampering on
+    the way to this receiver only: the other receivers get it whole)."""
 
-    def _seal(self, tensor: torch.Tensor, exchange: int) -> torch.Tensor:
-        sealed = super()._seal(tensor, exchange)
-        sealed[3] ^= 0x04
-        return sealed
+    def _open(self, sealed: list, tensor: torch.Tensor, exchange: int) -> list:
+        sealed[1] = sealed[1].clone()
+        sealed[1][3] ^= 0x04
+        return super()._open(sealed, tensor, exchange)
 
 
 class ReplayingChannel(WanChannel):
@@ -83,32 +85,60 @@ def _worker(rank: int, world_size: int) -> dict:
     group = dist.new_group(list(range(world_size)))
     out: dict = {}
 
-    # 1. cluster 1's bits flip after tagging; cluster 2 holds another key
-    channel_type = FlippingChannel if rank == 1 else WanChannel
-    auth = PayloadAuth(OTHER_KEY if rank == 2 else KEY)
-    with channel_type(group, bandwidth=None, latency_s=0.0, auth=auth) as channel:
+    # 1. cluster 1's payload is corrupted on its way to cluster 0 only: cluster 0 rejects it, cluster 2 verifies it,
+    # and every cluster (cluster 1 too) leaves it out, so all three average the same payloads (0 and 2)
+    channel_type = FlippingOnArrivalChannel if rank == 0 else WanChannel
+    with channel_type(group, bandwidth=None, latency_s=0.0, auth=PayloadAuth(KEY)) as channel:
         reducer, pending, mean, delta, warning = _gather_round(channel, 0, rank)
-    payloads = _all_payloads(pending.sent)
-    accepted = {0: [0], 1: [0, 1], 2: [2]}[rank]
-    out["faults"] = {
-        "exact": torch.equal(mean, _mean_of(reducer, payloads, accepted)),
+    payloads = round0 = _all_payloads(pending.sent)
+    out["partial"] = {
+        "exact": torch.equal(mean, _mean_of(reducer, payloads, [0, 2])),
+        "excluded": sorted(pending.excluded),
         "rejected": delta["payloads_rejected"],
         "bytes": (delta["bytes_sent"], delta["bytes_recv"]),
         "want_bytes": ring_all_gather_bytes([payloads[0].numel() + TAG_BYTES] * NUM_CLUSTERS, rank),
+        # the lengths, then the verdicts: one byte per sender from every cluster
+        "control": delta["control_bytes"],
+        "want_control": ring_all_gather_bytes([8] * NUM_CLUSTERS, rank)[0]
+        + ring_all_gather_bytes([NUM_CLUSTERS] * NUM_CLUSTERS, rank)[0],
         "warning": warning,
     }
 
-    # 2. a replay: cluster 1 sends its correctly tagged first payload again in the second exchange
+    # 2. cluster 2 holds another key: clusters 0 and 1 reject its payload, so it is cut off and every cluster stops
+    # with the same line; elastic (stop_if_cut_off = False): cluster 2 alone stops (to heal), the others average
+    # their own two payloads (cluster 2's verdicts against them do not count)
+    auth = PayloadAuth(OTHER_KEY if rank == 2 else KEY)
+    with WanChannel(group, bandwidth=None, latency_s=0.0, auth=auth) as channel:
+        with pytest.raises(PayloadsRejected) as info:
+            _gather_round(channel, 0, rank)
+    out["cut_off"] = str(info.value)
+    with WanChannel(group, bandwidth=None, latency_s=0.0, auth=auth, stop_if_cut_off=False) as channel:
+        if rank == 2:
+            with pytest.raises(PayloadsRejected) as info:
+                _gather_round(channel, 0, rank)
+            out["elastic"] = str(info.value)
+        else:
+            reducer, pending, mean, delta, warning = _gather_round(channel, 0, rank)
+            exact = torch.equal(mean, _mean_of(reducer, round0, [0, 1]))  # the same round-0 payloads as in 1.
+            out["elastic"] = (sorted(pending.excluded), delta["payloads_rejected"], exact)
+
+    # 3. a replay: cluster 1 sends its correctly tagged first payload again in the second exchange; and a forged tag
+    # (faults.kind = forge) in the third: each time every other cluster rejects it and the run stops
     channel_type = ReplayingChannel if rank == 1 else WanChannel
     with channel_type(group, bandwidth=None, latency_s=0.0, auth=PayloadAuth(KEY)) as channel:
         first = _gather_round(channel, 0, rank)
-        second = _gather_round(channel, 1, rank)
+        with pytest.raises(PayloadsRejected) as info:
+            _gather_round(channel, 1, rank)
         with pytest.raises(ValueError, match="authenticated WanChannel cannot run all_reduce"):
             channel.launch_all_reduce(torch.zeros(3))
-    out["replay"] = [r[3]["payloads_rejected"] for r in (first, second)]
-    payloads = _all_payloads(second[1].sent)
-    accepted = [0, 2] if rank != 1 else [0, 1, 2]
-    out["replay_exact"] = torch.equal(second[2], _mean_of(second[0], payloads, accepted))
+    out["replay"] = (first[3]["payloads_rejected"], str(info.value))
+    with WanChannel(group, bandwidth=None, latency_s=0.0, auth=PayloadAuth(KEY)) as channel:
+        honest = _gather_round(channel, 0, rank)
+        if rank == 1:
+            channel.forge_next_payload()
+        with pytest.raises(PayloadsRejected) as info:
+            _gather_round(channel, 1, rank)
+    out["forged"] = (honest[3]["payloads_rejected"], str(info.value))
 
     # 3. a declared length above the receiver's bound fails before anything of that size is allocated
     mine = torch.zeros(10 if rank == 2 else 4, dtype=torch.uint8)
@@ -143,23 +173,56 @@ def results():
 
 
 @pytest.mark.dist
-def test_forged_and_corrupted_payloads_are_rejected_counted_and_the_mean_uses_the_rest(results):
-    faults = [r["faults"] for r in results]
-    assert [f["exact"] for f in faults] == [True] * NUM_CLUSTERS  # mean of exactly the accepted payloads
-    # cluster 0 drops 1 (flipped) and 2 (other key); 1 drops 2; 2 (other key) verifies nobody's
-    assert [f["rejected"] for f in faults] == [2, 1, 2]
-    for f in faults:  # every tag crossed the link: 32 bytes per payload, counted as payload
-        assert f["bytes"] == f["want_bytes"]
-    assert "cluster 1, 2 in exchange 0" in faults[0]["warning"]
-    assert "uses its own only" in faults[0]["warning"] and len(faults[0]["warning"].splitlines()) == 1
-    assert "cluster 2 in exchange 0" in faults[1]["warning"] and "goes on without it" in faults[1]["warning"]
-    assert "cluster 0, 1 in exchange 0" in faults[2]["warning"] and "uses its own only" in faults[2]["warning"]
+def test_a_payload_one_cluster_rejects_is_left_out_by_every_cluster_and_all_average_the_same(results):
+    partial = [r["partial"] for r in results]
+    assert [p["exact"] for p in partial] == [True] * NUM_CLUSTERS  # the mean of clusters 0 and 2 on every cluster
+    assert [p["excluded"] for p in partial] == [[1]] * NUM_CLUSTERS  # cluster 1 leaves its own out too
+    assert [p["rejected"] for p in partial] == [1, 0, 0]  # counted where the tag failed
+    for p in partial:  # every tag crossed the link: 32 bytes per payload, counted as payload; verdicts as control
+        assert p["bytes"] == p["want_bytes"] and p["control"] == p["want_control"]
+    warning = partial[0]["warning"]
+    assert len(warning.splitlines()) == 1 and "rank 0 (cluster 0) rejected the slow-link payload of cluster 1 in " \
+        "exchange 0" in warning and "every cluster leaves it out of this exchange" in warning  # fmt: skip
+    assert partial[1]["warning"] == partial[2]["warning"] == ""
 
 
 @pytest.mark.dist
-def test_a_replayed_payload_is_rejected(results):
-    assert [r["replay"] for r in results] == [[0, 1], [0, 0], [0, 1]]
-    assert all(r["replay_exact"] for r in results)
+def test_a_cluster_every_other_cluster_rejects_stops_every_cluster_with_one_line(results):
+    messages = {r["cut_off"] for r in results}
+    assert len(messages) == 1  # the same verdict on every cluster
+    (message,) = messages
+    assert "\n" not in message
+    assert message.startswith("every other cluster rejected the slow-link payload of cluster 2 in exchange 0 (its ")
+    assert "does not verify under network.auth_key_file" in message and "so the run stops" in message
+    # elastic: cluster 2 alone stops (to heal from a live peer); the others average their own two payloads
+    assert results[0]["elastic"] == results[1]["elastic"] == ([2], 1, True)
+    assert results[2]["elastic"].startswith("every other cluster rejected the slow-link payload of cluster 2 in ")
+    assert "so the run stops" not in results[2]["elastic"]
+
+
+@pytest.mark.dist
+def test_a_replayed_or_forged_payload_stops_the_run(results):
+    assert [r["replay"][0] for r in results] == [0, 0, 0]
+    assert {r["replay"][1] for r in results} == {results[0]["replay"][1]}
+    assert "payload of cluster 1 in exchange 1" in results[0]["replay"][1]
+    assert [r["forged"][0] for r in results] == [0, 0, 0]
+    assert {r["forged"][1] for r in results} == {results[0]["forged"][1]}
+    assert "payload of cluster 1 in exchange 1" in results[0]["forged"][1]
+
+
+@pytest.mark.parametrize(
+    "rejected, left_out, cut_off",
+    [
+        ([[0, 0, 0], [0, 0, 0], [0, 0, 0]], [], []),
+        ([[0, 1, 0], [0, 0, 0], [0, 0, 0]], [1], []),  # one receiver only: left out by all, nobody cut off
+        ([[0, 0, 1], [0, 0, 1], [1, 1, 0]], [2], [2]),  # cluster 2 holds another key: its own verdicts do not count
+        ([[0, 1], [0, 0]], [1], [1]),  # two clusters: one rejection cuts the other off
+        ([[0, 1], [1, 0]], [0, 1], [0, 1]),  # ... or both, each by the other
+        ([[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]], [0, 1, 2, 3], []),  # two keys, two camps
+    ],
+)
+def test_rejection_verdict(rejected, left_out, cut_off):
+    assert rejection_verdict([[bool(v) for v in row] for row in rejected]) == (left_out, cut_off)
 
 
 @pytest.mark.dist

@@ -127,6 +127,7 @@ class Member:
         self.load_state_dict: Callable[[dict], None] = lambda state: None
         self.restarts: Callable[[], dict[int, bool]] = dict
         self.config_fingerprint = 0
+        self.shared_settings: dict = {"train.lr": 0.002}
         self._group: dist.ProcessGroup | None = None
         self._group_id = -1
 
@@ -172,7 +173,8 @@ class Cluster:
         self.member = Member(cluster, lighthouse, **member)
         self.param = torch.nn.Parameter(start_params())
         cfg = SyncConfig(kind="dilocox", inner_steps=1, sync_delay=1, outer_lr=1.0, outer_momentum=0.0, merge="eager")
-        channel = WanChannel(None, bandwidth=None, latency_s=0.0, auth=None if key is None else PayloadAuth(key))
+        auth = None if key is None else PayloadAuth(key)
+        channel = WanChannel(None, bandwidth=None, latency_s=0.0, auth=auth, stop_if_cut_off=False)  # as the trainer
         self.sync = DiLoCoSync(
             [self.param],
             cfg,
@@ -289,12 +291,15 @@ def test_clusters_with_other_settings_stop_at_their_first_boundary_before_sendin
     lighthouse = Lighthouse({0, 1, 2})
     clusters = [Cluster(c, lighthouse, compression="none") for c in range(3)]
     clusters[2].member.config_fingerprint = 12345  # cluster 2's machine was started with another config
+    clusters[2].member.shared_settings = {"train.lr": 0.001}
     join_all(clusters)
     errors = run_threads(*[c.train for c in clusters])
     assert all(isinstance(error, ElasticError) for error in errors), errors
-    assert str(errors[0]).startswith("clusters [2] run other settings than cluster 0: every machine must give the "
-                                     "same values to [model], [data]")  # fmt: skip
-    assert str(errors[2]).startswith("clusters [0, 1] run other settings than cluster 2")
+    differences = "(train.lr: 0.002 on clusters 0-1, 0.001 on cluster 2)"
+    assert str(errors[0]).startswith(f"clusters [2] run other settings than cluster 0 {differences}: every machine "
+                                     "must give the same values to [model], [data]")  # fmt: skip
+    assert str(errors[2]).startswith(f"clusters [0, 1] run other settings than cluster 2 {differences}")
+    assert str(errors[0]).endswith("and hold the same key in network.auth_key_file")
     assert all(c.channel_bytes() == 0 for c in clusters)  # stopped before the first round's sync was launched
     assert all(torch.equal(c.outer(), start_params()) for c in clusters)
 
@@ -321,8 +326,10 @@ def test_a_cluster_with_another_key_is_rejected_left_out_and_the_others_average_
 
     errors = run_threads(clusters[0].train, clusters[1].train, forger)
     assert errors[:2] == [None, None]
-    # it averaged its own payload only, so its outer params left its peers' at the next boundary: it stops to heal
-    assert isinstance(errors[2], RejoinRequired) and "outer params differ" in str(errors[2])
+    # every other cluster rejected its payload (and it theirs): it cannot average what they do, so it stops to heal
+    assert isinstance(errors[2], RejoinRequired), errors[2]
+    assert str(errors[2]).startswith("cluster 2 is cut off: every other cluster rejected the slow-link payload of "
+                                     "cluster 2 in exchange 0")  # fmt: skip
     assert all(c.sync.channel.payloads_rejected >= 1 for c in clusters)
     survivors = [clusters[0].outer(), clusters[1].outer()]
     assert torch.equal(survivors[0], survivors[1])

@@ -19,6 +19,47 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 """torchrun with 2 workers on this machine; the program and its arguments follow."""
 
 
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now (for a rendezvous the test starts next)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_nodes(
+    num_nodes: int, *args, node_args: dict[int, list[str]] | None = None, timeout: float = 240
+) -> list[subprocess.CompletedProcess]:
+    """`torchrun --nnodes num_nodes` on this machine, one process per node (a static rendezvous at 127.0.0.1 with
+    node i given --node-rank=i), each node running `dilocox *args` plus `node_args[i]`; waits for every node and
+    returns their results in node order."""
+    port = free_port()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={num_nodes}", "--nproc-per-node=1",
+                "--master-addr=127.0.0.1", f"--master-port={port}"]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [*torchrun, f"--node-rank={node}", "-m", "dilocox", *map(str, args), *(node_args or {}).get(node, [])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )
+        for node in range(num_nodes)
+    ]
+    try:
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [
+        subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        for proc, (stdout, stderr) in zip(procs, outputs, strict=True)
+    ]
+
+
 def dilocox(*args, timeout=240, env=None, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "dilocox", *map(str, args)],

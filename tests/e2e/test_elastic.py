@@ -276,7 +276,10 @@ def test_machines_started_with_other_settings_stop_with_one_line_at_the_first_bo
     a = start_run("machine_a", *flags, "--topology.local_clusters=0-1")
     b = start_run("machine_b", *flags, "--topology.local_clusters=2", "--train.lr=1e-3")  # a typo on one machine
     assert (a.finish(), b.finish()) == (2, 2)
-    same = r": every machine must give the same values to \[model\], \[data\], .* and run\.seed, except data\.path"
+    same = (
+        r" \(train\.lr: 0\.003 on clusters 0-1, 0\.001 on cluster 2\): every machine must give the same values "
+        r"to \[model\], \[data\], .* and run\.seed, except data\.path"
+    )
     for run, pattern in [(a, r"clusters \[2\] run other settings than cluster [01]"),
                          (b, r"clusters \[0, 1\] run other settings than cluster 2")]:  # fmt: skip
         errors = [line for line in run.lines if line.startswith("dilocox: error:")]
