@@ -5,7 +5,6 @@ import importlib.metadata
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -234,20 +233,21 @@ def test_user_tokenizer_without_eos_gets_one(tmp_path):
 # ---- prepare_tokens -----------------------------------------------------------------------------------------------
 
 
-def test_default_corpus_tokens_and_cache():
-    start = time.perf_counter()
+def test_default_corpus_tokens_and_cache(monkeypatch):
     data = prepare_tokens(vocab_size=2048)
-    cold_s = time.perf_counter() - start
-    start = time.perf_counter()
-    again = prepare_tokens(vocab_size=2048)
-    warm_s = time.perf_counter() - start
-    print(f"default corpus: cold {cold_s:.1f} s, cached {warm_s:.3f} s, {len(data.train)} + {len(data.val)} tokens")
+
+    def not_again(*args, **kwargs):
+        raise AssertionError("an identical second call read or tokenized the corpus again instead of the cache")
+
+    with monkeypatch.context() as patched:  # the second call reads the cache only: no corpus, no BPE, no tokenizing
+        for name in ("load_documents", "train_bpe", "_tokenize_and_split"):
+            patched.setattr(dataset_module, name, not_again)
+        again = prepare_tokens(vocab_size=2048)
 
     assert (data.num_train_documents, data.num_val_documents) == (36, 2)
     assert data.train.dtype == np.uint16 and data.vocab_size == 2048
     assert int((data.train == data.eos_id).sum()) == 35 and int((data.val == data.eos_id).sum()) == 1
     assert 1_000_000 < len(data.train) < 3_000_000 and 30_000 < len(data.val) < 300_000
-    assert warm_s < 1.0
     assert np.array_equal(again.train, data.train) and np.array_equal(again.val, data.val)
     tok = data.load_tokenizer()
     plays = load_documents()
