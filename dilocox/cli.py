@@ -133,12 +133,16 @@ def cmd_train(argv: list[str]) -> int:
         lock.release()
 
 
-EVAL_USAGE = """usage: dilocox eval RUN_DIR [--data.path PATH] [--checkpoint DIR] [--max-batches N] [--json]
+EVAL_USAGE = """usage: dilocox eval RUN_DIR [--data.path PATH] [--checkpoint DIR] [--max-batches N] [--local] [--json]
 
 Load the newest complete checkpoint of RUN_DIR (or --checkpoint DIR) with the run's tokenizer and print the mean
 token loss and perplexity on the run's validation split, or on the text at --data.path (.txt/.md/.jsonl/.parquet,
-a directory or a glob). The model is cluster 0's, all pipeline stages together: the one the training log's eval
-losses were computed on."""
+a directory or a glob). The model is the agreed model of the run, all pipeline stages together: the outer
+parameters every cluster holds (diloco, dilocox), the model the training log's eval_loss and `dilocox export` use;
+allreduce and cocktail runs keep every cluster equal. --local scores cluster 0's own parameters instead (the log's
+eval_loss_local with eval.local = true), which inside a dilocox run differ from the agreed model. Runs on the run's
+run.num_threads CPU threads. --max-batches N scores the first N batches of train.micro_batch_size sequences (the
+log's eval uses eval.max_batches, its final eval eval.final_max_batches; 0: all)."""
 
 
 def cmd_eval(argv: list[str]) -> int:
@@ -149,6 +153,7 @@ def cmd_eval(argv: list[str]) -> int:
     parser.add_argument("--data.path", dest="data_path", default=None)
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--max-batches", type=int, default=0)
+    parser.add_argument("--local", action="store_true")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
     args, unknown = parser.parse_known_args(argv)
@@ -163,7 +168,11 @@ def cmd_eval(argv: list[str]) -> int:
 
     try:
         result = evaluate_run(
-            Path(args.run_dir), data_path=args.data_path, checkpoint=args.checkpoint, max_batches=args.max_batches
+            Path(args.run_dir),
+            data_path=args.data_path,
+            checkpoint=args.checkpoint,
+            max_batches=args.max_batches,
+            local=args.local,
         )
     except ValueError as exc:
         return _error(str(exc))
@@ -172,7 +181,7 @@ def cmd_eval(argv: list[str]) -> int:
     else:
         print(
             f"{result['source']}: loss {result['loss']:.4f}  perplexity {result['perplexity']:,.2f}  "
-            f"({result['tokens']:,} tokens, checkpoint step {result['step']})"
+            f"({result['tokens']:,} tokens, checkpoint step {result['step']}, {result['model']} model)"
         )
     return 0
 
