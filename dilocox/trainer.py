@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from dilocox.checkpoint import check_resume, list_checkpoints, load_rank_state, run_identity, save_checkpoint
 from dilocox.config import DTYPES, Config, to_dict
-from dilocox.data import ShardedTokenStream, TokenData, iter_eval_batches, prepare_tokens
+from dilocox.data import ShardedTokenStream, TokenData, is_prepared_dir, iter_eval_batches, prepare_tokens
 from dilocox.device import describe, intra_cluster_backend, resolve_device
 from dilocox.metrics import MetricsLogger, RunSummary, format_summary, truncate_metrics
 from dilocox.models import Decoder, ModelArgs, count_parameters, model_args
@@ -40,7 +40,52 @@ from dilocox.topology import Topology, build_process_groups
 
 
 def prepare_data(cfg: Config) -> TokenData:
-    """Load (or build and cache) the tokenizer and the token arrays named by the `data` section."""
+    """Load (or build and cache) the tokenizer and the token arrays named by the `data` section.
+
+    A corpus so small that `data.val_fraction` of it holds less than one evaluation batch (`train.micro_batch_size`
+    windows of `train.seq_len + 1` tokens) gets a larger validation split instead: the smallest fraction, up to
+    0.5, that holds one. The fraction used is written into `cfg` (and so into the run's config.toml, which
+    `dilocox eval` reads) and said in one line. A prepared directory's split is fixed and is not changed."""
+    data = _prepare_tokens(cfg)
+    need = cfg.train.micro_batch_size * (cfg.train.seq_len + 1)  # tokens of one evaluation batch
+    if len(data.val) >= need or is_prepared_dir(cfg.data.path):
+        return data
+    asked, short = cfg.data.val_fraction, len(data.val)
+    fraction = asked
+    for _ in range(_MAX_SPLIT_TRIES):
+        total = len(data.train) + len(data.val)
+        # proportional to the tokens still missing (whole documents are held out, so aim a little above)
+        wanted = max(fraction * 1.05, fraction * need / max(1, len(data.val)) * 1.02, need / max(1, total))
+        fraction = min(_MAX_VAL_FRACTION, math.ceil(wanted * 1000) / 1000)
+        cfg.data.val_fraction = fraction
+        data = _prepare_tokens(cfg)
+        if len(data.val) >= need or fraction >= _MAX_VAL_FRACTION:
+            break
+    if len(data.val) < need:
+        shards = cfg.topology.num_clusters * cfg.topology.dp_degree
+        raise ValueError(
+            f"data.path = {cfg.data.path}: the corpus has {len(data.train) + len(data.val):,} tokens; even "
+            f"data.val_fraction = {fraction:g} holds out {len(data.val):,}, less than one evaluation batch of "
+            f"train.micro_batch_size x (train.seq_len + 1) = {need:,} tokens. Use more text (these settings need about "
+            f"{need * (1 + shards):,} tokens: one batch to evaluate and one for each of the {shards} data shards), or "
+            "lower --train.micro_batch_size or --train.seq_len (docs/design.md, 'How much text a run needs')"
+        )
+    if os.environ.get("RANK", "0") == "0":  # once, not on every rank under torchrun
+        print(
+            f"dilocox: data.val_fraction = {asked:g} of this corpus is {short:,} tokens, less than one evaluation "
+            f"batch (train.micro_batch_size x (train.seq_len + 1) = {cfg.train.micro_batch_size} x "
+            f"{cfg.train.seq_len + 1} = {need:,} tokens): holding out data.val_fraction = {fraction:g} instead "
+            f"({len(data.val):,} tokens; recorded in the run's config.toml)",
+            flush=True,
+        )
+    return data
+
+
+_MAX_VAL_FRACTION = 0.5
+_MAX_SPLIT_TRIES = 8
+
+
+def _prepare_tokens(cfg: Config) -> TokenData:
     d = cfg.data
     tokenizer = d.tokenizer
     if not tokenizer and cfg.model.init_from:
