@@ -52,6 +52,10 @@ def train_help() -> str:
         "(RANK, WORLD_SIZE, MASTER_ADDR set) it runs as the one rank torchrun gave it.",
         "",
         "  --config FILE   a TOML file with sections like [train] and [sync] (see configs/)",
+        "",
+        "Environment:",
+        "  DILOCOX_CACHE   where trained tokenizers and tokenized corpora are cached, so a second run on the same",
+        "                  text skips tokenizing (default ~/.cache/dilocox; safe to delete; docs/design.md §11)",
     ]
     section = None
     for name, typ, default, doc in options():
@@ -244,7 +248,8 @@ List the model flavors (model.flavor) with their shapes and parameter counts."""
 
 ENV_USAGE = """usage: dilocox env
 
-Print the versions of dilocox, Python and torch, the GPUs torch sees and the platform (for bug reports)."""
+Print the versions of dilocox, Python and torch, the GPUs torch sees, the platform and the token cache
+($DILOCOX_CACHE, default ~/.cache/dilocox) (for bug reports)."""
 
 
 LIGHTHOUSE_USAGE = """usage: dilocox lighthouse [--bind HOST:PORT] [--config FILE] [--network.KEY=VALUE ...]
@@ -421,6 +426,10 @@ def cmd_env(argv: list[str]) -> int:
         print(f"gpu {index}: {describe(torch.device('cuda', index))}")
     print(f"run.device = auto would use {describe(resolve_device('auto', local_rank=0))} for local rank 0")
     print(f"platform {platform.platform()}  cpus {__import__('os').cpu_count()}")
+    from dilocox.data.dataset import cache_dir
+
+    where = "$DILOCOX_CACHE" if os.environ.get("DILOCOX_CACHE") else "default; set DILOCOX_CACHE to move it"
+    print(f"token cache: {cache_dir()} ({where}): trained tokenizers and tokenized corpora, safe to delete")
     return 0
 
 
