@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from dilocox import forkserver
-from dilocox.checkpoint import check_resume, check_resume_model, find_checkpoint, list_checkpoints
+from dilocox.checkpoint import check_auto_resume, check_resume, check_resume_model, find_checkpoint, list_checkpoints
 from dilocox.config import Config, from_dict, to_dict, to_toml
 from dilocox.data import TokenData
 from dilocox.device import resolve_device
@@ -71,6 +71,8 @@ def resolve_resume(cfg: Config) -> Path | None:
             "disk yet; start it in a new --run.out_dir or with --run.overwrite=true"
         )
     path = find_checkpoint(Path(cfg.run.out_dir), "latest" if resume == "auto" else resume)
+    if resume == "auto":  # found, not asked for: it may belong to another run
+        check_auto_resume(cfg, path)
     check_resume(cfg, path)
     if resume == "auto":
         print(f"dilocox: resuming from {path} (checkpoint.resume = auto; pass --checkpoint.resume= to refuse)")
