@@ -662,6 +662,8 @@ class Trainer:
             wan_bytes_total=sum(g["bytes_sent"] for g in gathered),
             allreduce_equiv_bytes=sum(g["allreduce_equiv"] for g in gathered),
             payloads_rejected=sum(g["payloads_rejected"] for g in gathered),
+            # an elastic cluster is its own world: `gathered` holds this cluster's ranks only
+            wan_bytes_clusters=[self.coords.cluster] if self.elastic else None,
             link_busy_s=stats["link_busy_s"],
             exposed_comm_s=stats["exposed_s"],
             hidden_comm_fraction=(
