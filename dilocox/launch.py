@@ -113,7 +113,7 @@ def prepare_run_dir(cfg: Config, data: TokenData, resume: Path | None) -> Path:
 def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Path | None]:
     """Every check that can fail on user input, before anything is written or any rank starts. `world_size` is
     torchrun's; without it this machine starts every rank (`check_local_ranks`)."""
-    from dilocox.trainer import check_batches, model_shape, prepare_data
+    from dilocox.trainer import check_batches, data_warnings, model_shape, prepare_data
 
     if world_size is not None and cfg.topology.elastic:
         raise ValueError(
@@ -151,6 +151,9 @@ def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Pa
     if resume is not None:  # another tokenizer or model shape than the checkpoint's: refused before any rank starts
         vocab = data.load_tokenizer().vocab_fingerprint()
         check_resume_model(resume, args, tokenizer_vocab=vocab, tokenizer_path=data.tokenizer_path)
+    if os.environ.get("RANK", "0") == "0":  # once, not on every rank under torchrun
+        for warning in data_warnings(cfg, data):
+            print(warning, file=sys.stderr, flush=True)
     return data, resume
 
 

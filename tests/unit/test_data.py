@@ -302,8 +302,9 @@ def own_text(path: Path, num_bytes: int = 200_000) -> Path:
 
 
 def test_a_small_corpus_gets_a_validation_split_that_holds_one_evaluation_batch(tmp_path, capsys):
-    """With the default batch (8 x 257 tokens), 5% of ~200 KB of text is too little to evaluate: the split grows to
-    the smallest fraction that holds one batch, says so, and records it in the config (config.toml, dilocox eval)."""
+    """With the default batch (8 x 257 tokens), 5% of a ~200 KB text file is too little to evaluate: its held-out tail
+    grows to the smallest fraction that holds one batch, says so, and records it in the config (config.toml, which
+    dilocox eval reads)."""
     text = own_text(tmp_path / "own.txt")
     cfg = load_config(None, [f"--data.path={text}"])
     assert cfg.data.val_fraction == 0.05 and cfg.train.micro_batch_size * (cfg.train.seq_len + 1) == 2056
@@ -317,11 +318,33 @@ def test_a_small_corpus_gets_a_validation_split_that_holds_one_evaluation_batch(
     check_batches(cfg, data)
     said = capsys.readouterr().out
     assert f"holding out data.val_fraction = {cfg.data.val_fraction:g} instead" in said
-    assert "data.val_fraction = 0.05 of this corpus is" in said
+    assert "data.val_fraction = 0.05 of this text is" in said
 
     tiny = own_text(tmp_path / "tiny.txt", num_bytes=8_000)  # even half of it holds no evaluation batch
-    with pytest.raises(ValueError, match=r"even data.val_fraction = 0.5 holds out .*less than one evaluation batch"):
-        prepare_data(load_config(None, [f"--data.path={tiny}"]))
+    cfg = load_config(None, [f"--data.path={tiny}"])
+    data = prepare_data(cfg)
+    assert cfg.data.val_fraction == 0.05  # left as asked: check_batches says how much text these settings need
+    with pytest.raises(ValueError, match="too small"):
+        check_batches(cfg, data)
+
+
+def test_a_corpus_of_documents_too_small_to_evaluate_is_told_the_fraction_to_set(tmp_path):
+    """Whole documents are held out, and another fraction holds out others: the message names the one to set."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(20):
+        own_text(corpus / f"part{i:02d}.txt", num_bytes=10_000)
+    cfg = load_config(None, [f"--data.path={corpus}"])
+    data = prepare_data(cfg)
+    assert cfg.data.val_fraction == 0.05 and len(data.val) < 2056
+    with pytest.raises(ValueError) as short:
+        check_batches(cfg, data)
+    message = str(short.value)
+    assert message.startswith(f"the validation data has {len(data.val):,} tokens (data.val_fraction = 0.05 of ")
+    assert "not enough for one evaluation batch of train.micro_batch_size = 8 windows (2,056 tokens)" in message
+    fraction = message.split("--data.val_fraction=")[1].split()[0]
+    cfg = load_config(None, [f"--data.path={corpus}", f"--data.val_fraction={fraction}"])  # the advice works
+    check_batches(cfg, prepare_data(cfg))
 
 
 @pytest.mark.parametrize("num_documents", [2, 3, 10, 38, 101])
