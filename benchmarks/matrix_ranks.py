@@ -7,7 +7,8 @@
 matrices' ranks, rounded up). The decisions of every matrix are in the adaptive codec's state, which every
 checkpoint holds (`RankDecision.matrix_ranks`); this reads cluster 0's (rank_00000.pt, the stage of pipeline stage
 0) from a run's newest checkpoint and writes, per run, a heatmap of the rank of every matrix over the rounds
-(`NAME.png`) and a table of the ranks at a few rounds (`NAME.md`). Needs matplotlib.
+(`NAME.png`) and a table of the ranks at a few rounds (`NAME.md`). Needs matplotlib, and the run directories with
+their checkpoints where the bench ran: git keeps a bench's tables and plots, not its runs.
 """
 
 from __future__ import annotations

@@ -643,16 +643,7 @@ def write_results(out: Path, work: Path, result: dict) -> None:
         "for SIGSTOP), stopping the ranks and starting the new ones on a loaded 2-core machine.",
         "",
     ]
-    (out / "results.md").write_text("\n".join(lines))
-    for name in ("soak", "clean"):
-        for file in ("metrics.jsonl", "summary.json"):
-            source = work / name / file
-            if source.exists():
-                (out / name).mkdir(exist_ok=True)
-                shutil.copy(source, out / name / file)
-    logs = sorted((work / "logs").glob("segment_*.log"))
-    if logs:
-        (out / "soak.log").write_text("".join(f"==> {log.name}\n{log.read_text()}" for log in logs))
+    (out / "results.md").write_text("\n".join(lines))  # the run directories and logs stay in WORK
 
 
 def main() -> int:

@@ -367,6 +367,35 @@ def check_resume(cfg: Config, path: Path) -> None:
         )
 
 
+def check_auto_resume(cfg: Config, path: Path) -> None:
+    """`checkpoint.resume = auto` found `path` in run.out_dir: refuse, in one line, to take it for this run when it
+    belongs to another one: a run on another corpus (`data.path`), or one already past `train.steps` (a run
+    directory reused for a new, shorter run). Reads meta.json only; `check_resume` compares the rest."""
+    meta = read_meta(path)
+    saved = meta.get("config")
+    saved_path = saved.get("data", {}).get("path") if isinstance(saved, dict) else None
+    new_start = "start the new run with another --run.out_dir, or replace that one with --run.overwrite=true"
+    if saved_path is not None and _corpus(saved_path) != _corpus(cfg.data.path):
+        raise ValueError(
+            f"run.out_dir = {cfg.run.out_dir} holds another run, trained on data.path = {_describe_corpus(saved_path)} "
+            f"(checkpoint {Path(path).name}), not on {_describe_corpus(cfg.data.path)}: {new_start} "
+            "(--checkpoint.resume=latest continues that run on this data)"
+        )
+    if meta["step"] > cfg.train.steps:
+        raise ValueError(
+            f"run.out_dir = {cfg.run.out_dir} holds a run at step {meta['step']} (checkpoint {Path(path).name}), past "
+            f"train.steps = {cfg.train.steps}: to continue that run raise --train.steps; otherwise {new_start}"
+        )
+
+
+def _corpus(data_path: str) -> str:
+    return str(Path(data_path).expanduser().resolve()) if data_path else ""
+
+
+def _describe_corpus(data_path: str) -> str:
+    return repr(data_path) if data_path else "'' (the built-in Shakespeare plays)"
+
+
 def check_resume_model(path: Path, args: ModelArgs, *, tokenizer_vocab: str, tokenizer_path: str) -> None:
     """After the data is loaded: refuse a checkpoint whose tokenizer maps ids to other tokens (`tokenizer_vocab`:
     `Tokenizer.vocab_fingerprint` of this run's, recorded in meta.json; for older checkpoints taken from the

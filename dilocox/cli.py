@@ -52,6 +52,10 @@ def train_help() -> str:
         "(RANK, WORLD_SIZE, MASTER_ADDR set) it runs as the one rank torchrun gave it.",
         "",
         "  --config FILE   a TOML file with sections like [train] and [sync] (see configs/)",
+        "",
+        "Environment:",
+        "  DILOCOX_CACHE   where trained tokenizers and tokenized corpora are cached, so a second run on the same",
+        "                  text skips tokenizing (default ~/.cache/dilocox; safe to delete; docs/design.md §12)",
     ]
     section = None
     for name, typ, default, doc in options():
@@ -131,12 +135,16 @@ def cmd_train(argv: list[str]) -> int:
         lock.release()
 
 
-EVAL_USAGE = """usage: dilocox eval RUN_DIR [--data.path PATH] [--checkpoint DIR] [--max-batches N] [--json]
+EVAL_USAGE = """usage: dilocox eval RUN_DIR [--data.path PATH] [--checkpoint DIR] [--max-batches N] [--local] [--json]
 
 Load the newest complete checkpoint of RUN_DIR (or --checkpoint DIR) with the run's tokenizer and print the mean
 token loss and perplexity on the run's validation split, or on the text at --data.path (.txt/.md/.jsonl/.parquet,
-a directory or a glob). The model is cluster 0's, all pipeline stages together: the one the training log's eval
-losses were computed on."""
+a directory or a glob). The model is the agreed model of the run, all pipeline stages together: the outer
+parameters every cluster holds (diloco, dilocox), the model the training log's eval_loss and `dilocox export` use;
+allreduce and cocktail runs keep every cluster equal. --local scores cluster 0's own parameters instead (the log's
+eval_loss_local with eval.local = true), which inside a dilocox run differ from the agreed model. Runs on the run's
+run.num_threads CPU threads. --max-batches N scores the first N batches of train.micro_batch_size sequences (the
+log's eval uses eval.max_batches, its final eval eval.final_max_batches; 0: all)."""
 
 
 def cmd_eval(argv: list[str]) -> int:
@@ -147,6 +155,7 @@ def cmd_eval(argv: list[str]) -> int:
     parser.add_argument("--data.path", dest="data_path", default=None)
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--max-batches", type=int, default=0)
+    parser.add_argument("--local", action="store_true")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
     args, unknown = parser.parse_known_args(argv)
@@ -161,7 +170,11 @@ def cmd_eval(argv: list[str]) -> int:
 
     try:
         result = evaluate_run(
-            Path(args.run_dir), data_path=args.data_path, checkpoint=args.checkpoint, max_batches=args.max_batches
+            Path(args.run_dir),
+            data_path=args.data_path,
+            checkpoint=args.checkpoint,
+            max_batches=args.max_batches,
+            local=args.local,
         )
     except ValueError as exc:
         return _error(str(exc))
@@ -170,7 +183,7 @@ def cmd_eval(argv: list[str]) -> int:
     else:
         print(
             f"{result['source']}: loss {result['loss']:.4f}  perplexity {result['perplexity']:,.2f}  "
-            f"({result['tokens']:,} tokens, checkpoint step {result['step']})"
+            f"({result['tokens']:,} tokens, checkpoint step {result['step']}, {result['model']} model)"
         )
     return 0
 
@@ -233,7 +246,8 @@ List the model flavors (model.flavor) with their shapes and parameter counts."""
 
 ENV_USAGE = """usage: dilocox env
 
-Print the versions of dilocox, Python and torch, the GPUs torch sees and the platform (for bug reports)."""
+Print the versions of dilocox, Python and torch, the GPUs torch sees, the platform and the token cache
+($DILOCOX_CACHE, default ~/.cache/dilocox) (for bug reports)."""
 
 
 LIGHTHOUSE_USAGE = """usage: dilocox lighthouse [--bind HOST:PORT] [--config FILE] [--network.KEY=VALUE ...]
@@ -412,6 +426,10 @@ def cmd_env(argv: list[str]) -> int:
         print(f"gpu {index}: {describe(torch.device('cuda', index))}")
     print(f"run.device = auto would use {describe(resolve_device('auto', local_rank=0))} for local rank 0")
     print(f"platform {platform.platform()}  cpus {__import__('os').cpu_count()}")
+    from dilocox.data.dataset import cache_dir
+
+    where = "$DILOCOX_CACHE" if os.environ.get("DILOCOX_CACHE") else "default; set DILOCOX_CACHE to move it"
+    print(f"token cache: {cache_dir()} ({where}): trained tokenizers and tokenized corpora, safe to delete")
     return 0
 
 

@@ -1,7 +1,8 @@
 """`dilocox eval`: the loss of a run's checkpoint on its validation split or on any text.
 
-The model evaluated is the one the training log's eval losses were computed on: the weights of cluster 0, all
-its pipeline stages put together (`consolidated_model_state`), so a pipeline-split run is evaluated whole.
+The model evaluated is the one the training log's eval_loss and `dilocox export` use: the agreed model (the outer
+parameters every cluster holds, `consolidated_model_state(agreed=True)`), or with `local=True` cluster 0's own
+weights (the log's eval_loss_local); all pipeline stages put together, so a pipeline-split run is evaluated whole.
 
 result = evaluate_run(Path("runs/dilocox"))                         # {"loss": ..., "perplexity": ...}
 result = evaluate_run(Path("runs/dilocox"), data_path="my_text.txt")
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from dilocox.checkpoint import checkpoint_model_args, consolidated_model_state, find_checkpoint, read_meta
 from dilocox.config import from_dict
@@ -25,11 +27,18 @@ from dilocox.trainer import evaluate, model_eval_step
 
 
 def evaluate_run(
-    run_dir: Path, *, data_path: str | None = None, checkpoint: str | None = None, max_batches: int = 0
+    run_dir: Path,
+    *,
+    data_path: str | None = None,
+    checkpoint: str | None = None,
+    max_batches: int = 0,
+    local: bool = False,
 ) -> dict[str, Any]:
     if not (run_dir / "config.toml").is_file():
         raise ValueError(f"{run_dir} is not a dilocox run directory (no config.toml); pass the run.out_dir of a run")
     cfg = from_dict(tomllib.loads((run_dir / "config.toml").read_text()))
+    # the run's CPU threads: torch's default (one per core) oversubscribes a machine the user shares or trains on
+    torch.set_num_threads(cfg.run.num_threads)
     path = find_checkpoint(run_dir, checkpoint or "latest")
     meta = read_meta(path)
     tokenizer_file = run_dir / "tokenizer.json"
@@ -54,7 +63,7 @@ def evaluate_run(
         tokens, source = data.val, "validation split"
     args = checkpoint_model_args(meta, tokenizer.vocab_size)
     model = build_stage(dataclasses.replace(args, max_seq_len=cfg.train.seq_len), 0, 1, seed=cfg.run.seed)
-    model.load_state_dict(consolidated_model_state(path, agreed=False)[0])
+    model.load_state_dict(consolidated_model_state(path, agreed=not local)[0])
     seq_len, batch = cfg.train.seq_len, cfg.train.micro_batch_size
     if len(tokens) < batch * (seq_len + 1):
         batch = max(1, len(tokens) // (seq_len + 1))  # small user files still get evaluated
@@ -68,4 +77,6 @@ def evaluate_run(
         "loss": loss,
         "perplexity": math.exp(loss),
         "tokens": num_tokens,
+        "model": "local" if local else "agreed",
+        "num_threads": torch.get_num_threads(),
     }

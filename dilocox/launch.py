@@ -35,7 +35,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 from dilocox import forkserver
 from dilocox.agreement import check_same_settings
-from dilocox.checkpoint import check_resume, check_resume_model, find_checkpoint, list_checkpoints
+from dilocox.checkpoint import check_auto_resume, check_resume, check_resume_model, find_checkpoint, list_checkpoints
 from dilocox.config import Config, from_dict, to_dict, to_toml
 from dilocox.data import TokenData
 from dilocox.device import resolve_device
@@ -73,6 +73,8 @@ def resolve_resume(cfg: Config) -> Path | None:
             "disk yet; start it in a new --run.out_dir or with --run.overwrite=true"
         )
     path = find_checkpoint(Path(cfg.run.out_dir), "latest" if resume == "auto" else resume)
+    if resume == "auto":  # found, not asked for: it may belong to another run
+        check_auto_resume(cfg, path)
     check_resume(cfg, path)
     return path
 
@@ -130,7 +132,7 @@ def prepare_run_dir(cfg: Config, data: TokenData, resume: Path | None) -> RunLoc
 def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Path | None]:
     """Every check that can fail on user input, before anything is written or any rank starts. `world_size` is
     torchrun's; without it this machine starts every rank (`check_local_ranks`)."""
-    from dilocox.trainer import check_batches, model_shape, prepare_data
+    from dilocox.trainer import check_batches, data_warnings, model_shape, prepare_data
 
     if world_size is not None and cfg.topology.elastic:
         raise ValueError(
@@ -172,6 +174,9 @@ def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Pa
     if resume is not None:  # another tokenizer or model shape than the checkpoint's: refused before any rank starts
         vocab = data.load_tokenizer().vocab_fingerprint()
         check_resume_model(resume, args, tokenizer_vocab=vocab, tokenizer_path=data.tokenizer_path)
+    if os.environ.get("RANK", "0") == "0":  # once, not on every rank under torchrun
+        for warning in data_warnings(cfg, data):
+            print(warning, file=sys.stderr, flush=True)
     return data, resume
 
 

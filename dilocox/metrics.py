@@ -255,9 +255,10 @@ class RunSummary:
     eval_s: float
     """Seconds rank 0 spent evaluating during training."""
     wan_bytes_total: int
-    """Bytes all ranks put on the slow link."""
+    """Bytes the ranks of `wan_bytes_clusters` put on the slow link (all ranks of a static run)."""
     allreduce_equiv_bytes: int
-    """Bytes an AllReduce run of the same steps would have put on it (every strategy's yardstick)."""
+    """Bytes an AllReduce run of the same steps would have put on it from the same ranks (every strategy's
+    yardstick)."""
     link_busy_s: float
     """Link time of rank 0's transfers."""
     exposed_comm_s: float
@@ -299,6 +300,10 @@ class RunSummary:
     """sync.guard: rounds without a usable mean, whose outer step was skipped (stage 0)."""
     payloads_rejected: int = 0
     """Slow-link payloads all ranks dropped because their HMAC tag did not verify (network.auth_key_file)."""
+    wan_bytes_clusters: list[int] | None = None
+    """The clusters whose ranks the byte counts cover: None for every cluster (a static run). An elastic run's
+    clusters are separate worlds that never pool their counters, so its summary counts the ranks of the cluster
+    that wrote it ([0])."""
 
     def write(self, run_dir: Path) -> None:
         data = {k: _clean(v) for k, v in dataclasses.asdict(self).items()}
@@ -333,6 +338,11 @@ def format_summary(s: RunSummary) -> str:
     link = f"{s.bandwidth} / {s.latency}" if parse_bandwidth(s.bandwidth) is not None else "unlimited (not emulated)"
     ratio = s.allreduce_equiv_bytes / s.wan_bytes_total if s.wan_bytes_total else float("inf")
     versus = f"{ratio:,.1f}x" if s.allreduce_equiv_bytes else "one cluster: no slow link"
+    senders, scope = "all ranks", ""
+    if s.wan_bytes_clusters is not None:
+        names = ", ".join(str(c) for c in s.wan_bytes_clusters)
+        senders = f"cluster {names}'s ranks" if len(s.wan_bytes_clusters) == 1 else f"the ranks of clusters {names}"
+        scope = f"; an elastic run counts each cluster alone, not all {s.num_clusters}"
     first = s.initial_eval_loss
     loss = f"{first:.3f} -> {s.final_eval_loss:.3f}" if first is not None else f"{s.final_eval_loss:.3f}"
     return "\n".join(
@@ -341,8 +351,8 @@ def format_summary(s: RunSummary) -> str:
             f"{s.steps} steps, {s.outer_steps} outer steps, link {link}",
             f"  eval loss   {loss}   (perplexity {math.exp(min(s.final_eval_loss, 50)):,.1f})",
             f"  throughput  {s.tokens:,} tokens in {s.wall_s:.1f} s = {s.tokens_per_s:,.0f} tokens/s",
-            f"  slow link   {fmt_bytes(s.wan_bytes_total)} sent by all ranks; AllReduce would send "
-            f"{fmt_bytes(s.allreduce_equiv_bytes)} ({versus})",
+            f"  slow link   {fmt_bytes(s.wan_bytes_total)} sent by {senders}; AllReduce would send "
+            f"{fmt_bytes(s.allreduce_equiv_bytes)} ({versus}{scope})",
             f"  link time   busy {s.link_busy_s:.2f} s, trainer blocked {s.exposed_comm_s:.2f} s (rank 0)"
             + (f", {100 * s.hidden_comm_fraction:.0f}% hidden" if s.hidden_comm_fraction is not None else ""),
         ]

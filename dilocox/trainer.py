@@ -25,7 +25,8 @@ import torch.distributed as dist
 from dilocox.agreement import run_settings, settings_fingerprint
 from dilocox.checkpoint import check_resume, list_checkpoints, load_rank_state, run_identity, save_checkpoint
 from dilocox.config import DTYPES, Config, to_dict
-from dilocox.data import ShardedTokenStream, TokenData, iter_eval_batches, prepare_tokens
+from dilocox.data import ShardedTokenStream, TokenData, is_prepared_dir, iter_eval_batches, prepare_tokens
+from dilocox.data.tokenizer import smaller_vocab_warning
 from dilocox.device import describe, intra_cluster_backend, resolve_device
 from dilocox.metrics import MetricsLogger, RunSummary, format_summary, truncate_metrics
 from dilocox.models import Decoder, ModelArgs, count_parameters, model_args
@@ -41,7 +42,61 @@ from dilocox.topology import Topology, build_process_groups
 
 
 def prepare_data(cfg: Config) -> TokenData:
-    """Load (or build and cache) the tokenizer and the token arrays named by the `data` section."""
+    """Load (or build and cache) the tokenizer and the token arrays named by the `data` section.
+
+    A corpus that is one document (a single text file, split by tokens: its tail is held out) so small that
+    `data.val_fraction` of it is less than one evaluation batch (`train.micro_batch_size` windows of
+    `train.seq_len + 1` tokens) gets a longer tail instead: the smallest fraction, up to 0.5, that holds one batch.
+    The fraction used is written into `cfg` (and so into the run's config.toml, which `dilocox eval` reads) and said
+    in one line. A corpus of several documents holds out whole documents, which another fraction would change rather
+    than extend, and a prepared directory's split is fixed: `check_batches` names the fraction to set instead."""
+    data = _prepare_tokens(cfg)
+    need = eval_batch_tokens(cfg)
+    if len(data.val) >= need or data.num_val_documents > 0 or is_prepared_dir(cfg.data.path):
+        return data
+    asked, first = cfg.data.val_fraction, data
+    fraction = asked
+    for _ in range(_MAX_SPLIT_TRIES):
+        total = len(data.train) + len(data.val)
+        # the BPE is trained on the head only, so the token count moves a little with the fraction: aim just above
+        wanted = max(fraction * 1.02, need / max(1, total) * 1.02)
+        fraction = min(_MAX_VAL_FRACTION, math.ceil(wanted * 1000) / 1000)
+        cfg.data.val_fraction = fraction
+        data = _prepare_tokens(cfg)
+        if len(data.val) >= need or fraction >= _MAX_VAL_FRACTION:
+            break
+    if len(data.val) < need:  # too little text even at half: check_batches says how much the settings need
+        cfg.data.val_fraction = asked
+        return first
+    if os.environ.get("RANK", "0") == "0":  # once, not on every rank under torchrun
+        print(
+            f"dilocox: data.val_fraction = {asked:g} of this text is {len(first.val):,} tokens, less than one "
+            f"evaluation batch (train.micro_batch_size x (train.seq_len + 1) = {cfg.train.micro_batch_size} x "
+            f"{cfg.train.seq_len + 1} = {need:,} tokens): holding out data.val_fraction = {fraction:g} instead "
+            f"({len(data.val):,} tokens; recorded in the run's config.toml)",
+            flush=True,
+        )
+    return data
+
+
+def data_warnings(cfg: Config, data: TokenData) -> list[str]:
+    """What the launcher says about the data once every check passed: a BPE trained here with fewer ids than
+    `data.vocab_size` asked (the text ran out of merges)."""
+    trained_here = not cfg.data.tokenizer and not cfg.model.init_from and not is_prepared_dir(cfg.data.path)
+    warning = smaller_vocab_warning(data.vocab_size, cfg.data.vocab_size, option="--data.vocab_size")
+    return [warning] if trained_here and warning else []
+
+
+def eval_batch_tokens(cfg: Config) -> int:
+    """Tokens of one evaluation batch: `train.micro_batch_size` windows of `train.seq_len + 1`."""
+    return cfg.train.micro_batch_size * (cfg.train.seq_len + 1)
+
+
+_MAX_VAL_FRACTION = 0.5
+_MAX_SPLIT_TRIES = 8
+
+
+def _prepare_tokens(cfg: Config) -> TokenData:
     d = cfg.data
     tokenizer = d.tokenizer
     if not tokenizer and cfg.model.init_from:
@@ -72,6 +127,21 @@ def check_batches(cfg: Config, data: TokenData) -> None:
             num_shards=topology.num_shards,
             seed=cfg.run.seed,
             shard=cfg.data.shard,
+        )
+    need, total = eval_batch_tokens(cfg), len(data.train) + len(data.val)
+    if len(data.val) < need and not is_prepared_dir(cfg.data.path):
+        windows = len(data.val) // (cfg.train.seq_len + 1)
+        raise ValueError(
+            f"the validation data has {len(data.val):,} tokens (data.val_fraction = {cfg.data.val_fraction:g} of "
+            f"{total:,}), {windows} windows of train.seq_len + 1 = {cfg.train.seq_len + 1}, not enough for one "
+            f"evaluation batch of train.micro_batch_size = {cfg.train.micro_batch_size} windows ({need:,} tokens); "
+            + (
+                f"hold out more with --data.val_fraction={min(0.5, math.ceil(need / total * 120) / 100):g} (about: "
+                "whole documents are held out), "
+                if need <= total / 2
+                else f"use more text (these settings need about {need * (1 + topology.num_shards):,} tokens), "
+            )
+            + "or lower --train.micro_batch_size or --train.seq_len (docs/design.md §12, 'How much text a run needs')"
         )
     iter_eval_batches(data.val, seq_len=cfg.train.seq_len, batch_size=cfg.train.micro_batch_size)
 
@@ -621,6 +691,8 @@ class Trainer:
             wan_bytes_total=sum(g["bytes_sent"] for g in gathered),
             allreduce_equiv_bytes=sum(g["allreduce_equiv"] for g in gathered),
             payloads_rejected=sum(g["payloads_rejected"] for g in gathered),
+            # an elastic cluster is its own world: `gathered` holds this cluster's ranks only
+            wan_bytes_clusters=[self.coords.cluster] if self.elastic else None,
             link_busy_s=stats["link_busy_s"],
             exposed_comm_s=stats["exposed_s"],
             hidden_comm_fraction=(

@@ -6,6 +6,9 @@ Each rank is a cluster with its own data. Every H = 10 inner steps the clusters 
 pseudo-gradients over the slow link, with the one-step delay: round t's average travels while round t+1 trains.
 """
 
+import os
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -66,4 +69,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if not all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        # each rank is one process that torchrun starts and tells its place (RANK, WORLD_SIZE, MASTER_ADDR, ...)
+        sys.exit(f"{sys.argv[0]}: run it with torchrun: torchrun --standalone --nproc-per-node 2 {sys.argv[0]}")
     main()

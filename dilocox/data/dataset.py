@@ -392,9 +392,10 @@ def iter_eval_batches(
     num_windows = len(tokens) // window_len if seq_len >= 1 else 0
     if seq_len < 1 or batch_size < 1 or num_windows < batch_size:
         raise ValueError(
-            f"the validation data has {len(tokens)} tokens, {num_windows} windows of seq_len + 1 = {window_len}, "
-            f"not enough for one batch of {batch_size}; reduce the evaluation batch size or train.seq_len, or raise "
-            f"data.val_fraction"
+            f"the validation data has {len(tokens):,} tokens, {num_windows} windows of train.seq_len + 1 = "
+            f"{window_len}, not enough for one evaluation batch of train.micro_batch_size = {batch_size} windows "
+            f"({batch_size * window_len:,} tokens); lower --train.micro_batch_size or --train.seq_len, raise "
+            "--data.val_fraction (up to 0.5), or use more text (docs/design.md, 'How much text a run needs')"
         )
     if max_batches is not None and max_batches < 1:
         raise ValueError(f"max_batches={max_batches} must be >= 1, or None for the whole validation set")

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +37,7 @@ from dilocox.data.tokenfiles import (
     token_file_dtype,
     tokenizer_fingerprint,
 )
-from dilocox.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, train_bpe
+from dilocox.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, smaller_vocab_warning, train_bpe
 from dilocox.fileio import write_atomic
 
 READERS = ("auto", "files", "datasets")
@@ -112,6 +113,8 @@ def prepare_dataset(
         tok = train_bpe(sample, vocab_size)
         del sample
         say(f"pass 2/3: trained a BPE of {tok.vocab_size} ids ({time.perf_counter() - start:.0f} s)")
+        if warning := smaller_vocab_warning(tok.vocab_size, vocab_size, option="--vocab-size"):
+            print(warning, file=sys.stderr, flush=True)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))

@@ -120,6 +120,20 @@ def train_bpe(documents: Iterable[str], vocab_size: int) -> Tokenizer:
     return Tokenizer(backend)
 
 
+def smaller_vocab_warning(vocab_size: int, asked: int, *, option: str) -> str | None:
+    """The warning line for a BPE trained with `vocab_size` ids, fewer than `asked` (None when it has them all).
+
+    BPE adds an id per merge of two adjacent tokens inside a word; on a small text every word becomes a single token
+    before the vocabulary fills, and training stops there. The model's vocabulary is then the tokenizer's."""
+    if vocab_size >= asked:
+        return None
+    return (
+        f"dilocox: warning: the BPE has {vocab_size:,} ids, fewer than the {asked:,} asked ({option}={asked}): "
+        "every word of this text is already a single token, so nothing is left to merge; the model's vocabulary is "
+        f"{vocab_size:,} ids. Use more text for more ids, or {option}={vocab_size} to ask for what it has"
+    )
+
+
 def check_vocab_size(vocab_size: int) -> None:
     """Raise the user-facing error for a BPE vocabulary too small to hold every byte and ``<|endoftext|>``."""
     if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:

@@ -16,7 +16,6 @@ import functools
 import queue
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox.net.auth import MIN_KEY_BYTES, TAG_BYTES, PayloadAuth
+from dilocox.net.clock import Clock, MonotonicClock
 from dilocox.net.link import (
     LinkModel,
     link_charge_bytes,
@@ -67,8 +67,9 @@ class PendingTransfer(Generic[ResultT]):
         ...                                     # compute while the link is busy; do not touch pseudo_grad
         avg_pseudo_grad = transfer.wait()
 
-    Times are `time.perf_counter()` seconds. The byte and time fields are final once `done()` is true (the
-    sizes of an all-gather are only known after its length exchange on the communicator thread).
+    Times are seconds of the channel's clock (`time.perf_counter()` by default). The byte and time fields are final
+    once `done()` is true (the sizes of an all-gather are only known after its length exchange on the communicator
+    thread).
     """
 
     kind: str
@@ -102,10 +103,13 @@ class PendingTransfer(Generic[ResultT]):
     def wait(self) -> ResultT:
         """Block until the transfer completes and return its result; the blocked time counts as exposed."""
         if not self._finished.is_set():
-            blocked_from = time.perf_counter()
-            self._finished.wait()
-            if self._channel is not None:
-                self._channel._add_exposed(time.perf_counter() - blocked_from)
+            if self._channel is None:
+                self._finished.wait()
+            else:
+                clock = self._channel.clock
+                blocked_from = clock.now()
+                clock.block(self._finished)
+                self._channel._add_exposed(clock.now() - blocked_from)
         if isinstance(self._error, PayloadsRejected):  # a verdict of the members, not a broken transfer
             raise self._error
         if self._error is not None:
@@ -250,6 +254,9 @@ class WanChannel:
     with `PayloadsRejected` on every member, which stops the run; with `stop_if_cut_off` False (an elastic run) only
     on the cut-off member, which heals from a live peer, while the others go on without it. Summed collectives cannot
     be checked per sender, so an authenticated channel refuses all-reduces and programs.
+
+    `clock` (default: real time) stamps launches and completions, holds each emulated transfer until its arrival and
+    times the trainer's waits; a virtual clock makes the emulated schedule exact whatever the machine's load.
     """
 
     def __init__(
@@ -261,6 +268,7 @@ class WanChannel:
         num_sharing: int = 1,
         auth: PayloadAuth | None = None,
         stop_if_cut_off: bool = True,
+        clock: Clock | None = None,
     ) -> None:
         if isinstance(num_sharing, bool) or not isinstance(num_sharing, int) or num_sharing < 1:
             raise ValueError(
@@ -274,6 +282,8 @@ class WanChannel:
         self.num_sharing = num_sharing
         self.latency_s = latency_s
         self.uplink_bytes_per_s = bandwidth
+        self.clock: Clock = MonotonicClock() if clock is None else clock
+        """Stamps launches and completions, holds emulated transfers and times the trainer's waits."""
         if group is None:
             self.world_size, self.group_rank = 1, 0
         else:
@@ -305,6 +315,7 @@ class WanChannel:
         self._num_transfers = 0
         self._payloads_rejected = 0
         self._forge_next = False  # faults.kind = forge: the next all-gathered payload carries a forged tag
+        self._in_flight = 0  # launched and not yet completed or failed
         self._submitted = 0  # accounted transfers launched so far (the next one's `seq`)
         self._launched = 0  # collectives launched so far, accounted or not (the next one's `_Job.exchange`)
 
@@ -368,6 +379,12 @@ class WanChannel:
     def num_transfers(self) -> int:
         with self._lock:
             return self._num_transfers
+
+    @property
+    def num_in_flight(self) -> int:
+        """Transfers launched and not yet completed (or failed), the one on the communicator thread included."""
+        with self._lock:
+            return self._in_flight
 
     @property
     def payloads_rejected(self) -> int:
@@ -573,6 +590,7 @@ class WanChannel:
                     break
                 if job is not None:
                     job.transfer._fail(RuntimeError("the WanChannel was closed with cancel=True before this ran"))
+                    self._job_ended()
         self._queue.put(None)
         thread.join(timeout=_CANCEL_JOIN_S if cancel else None)
 
@@ -585,7 +603,7 @@ class WanChannel:
     # ----------------------------------------------------------------------------------------- internals
 
     def _completed(self, kind: str, result: Any) -> PendingTransfer[Any]:
-        now = time.perf_counter()
+        now = self.clock.now()
         transfer: PendingTransfer[Any] = PendingTransfer(kind=kind, launch_time=now, start_time=now, done_time=now)
         transfer._complete(result)
         return transfer
@@ -600,7 +618,7 @@ class WanChannel:
     def _submit(
         self, kind: str, run: Callable[[int], _Outcome], account: bool = True, *, device: torch.device | None = None
     ) -> PendingTransfer[Any]:
-        transfer: PendingTransfer[Any] = PendingTransfer(kind=kind, launch_time=time.perf_counter(), _channel=self)
+        transfer: PendingTransfer[Any] = PendingTransfer(kind=kind, launch_time=self.clock.now(), _channel=self)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"cannot launch {kind}: the WanChannel is closed")
@@ -619,7 +637,12 @@ class WanChannel:
             transfer._staged = self._staging.ticket(device)  # on this thread: after the payload's kernels
             self._queue.put(_Job(transfer, run, account, exchange=self._launched))
             self._launched += 1
+            self._in_flight += 1
         return transfer
+
+    def _job_ended(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
 
     def _add_exposed(self, seconds: float) -> None:
         with self._lock:
@@ -644,11 +667,14 @@ class WanChannel:
                         with self._lock:
                             self._failure = exc
                         job.transfer._fail(exc)
+                self._job_ended()
                 job = None
         finally:
             # Only reached early on an interpreter-level failure: never leave a waiter blocked forever.
-            if job is not None and not job.transfer.done():
-                job.transfer._fail(RuntimeError("the WanChannel communicator thread stopped"))
+            if job is not None:
+                if not job.transfer.done():
+                    job.transfer._fail(RuntimeError("the WanChannel communicator thread stopped"))
+                self._job_ended()
             while True:
                 try:
                     leftover = self._queue.get_nowait()
@@ -656,14 +682,15 @@ class WanChannel:
                     break
                 if leftover is not None:
                     leftover.transfer._fail(RuntimeError("the WanChannel communicator thread stopped"))
+                    self._job_ended()
 
     def _execute(self, job: _Job) -> None:
         transfer = job.transfer
-        real_start = time.perf_counter()
+        real_start = self.clock.now()
         with self._staging.running(transfer._staged):
             outcome = job.run(job.exchange)
             self._staging.finish(transfer._staged, outcome.result)
-        real_end = time.perf_counter()
+        real_end = self.clock.now()
         if not job.account:
             transfer.nbytes_sent, transfer.nbytes_recv = outcome.nbytes_sent, outcome.nbytes_recv
             transfer.start_time, transfer.done_time, transfer.link_s = real_start, real_end, real_end - real_start
@@ -677,7 +704,7 @@ class WanChannel:
             busy_before = self._link.busy_s
             start, model_done = self._link.schedule(charge, transfer.launch_time, phases=max(1, outcome.phases))
             busy_s = self._link.busy_s - busy_before
-            _sleep_until(model_done)
+            self.clock.sleep_until(model_done)
             done = max(model_done, real_end)
         transfer.nbytes_sent, transfer.nbytes_recv = outcome.nbytes_sent, outcome.nbytes_recv
         transfer.start_time, transfer.done_time, transfer.link_s = start, done, done - start
@@ -911,9 +938,3 @@ class _LocalWire(Wire):
 
     def all_gather(self, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         return [tensor]
-
-
-def _sleep_until(deadline: float) -> None:
-    # time.sleep may wake a little early on some platforms; loop so completion is never before the model's time.
-    while (remaining := deadline - time.perf_counter()) > 0:
-        time.sleep(remaining)

@@ -131,7 +131,8 @@ class Watchdog:
     """Beats this rank's counter in the job's store and stops the process when another rank stops beating.
 
     `on_stall(message)` ends the process (default: flush and `os._exit(EXIT_STALLED)`); `message` is the line this
-    rank printed, or None when another rank reported first. Tests pass their own to watch it in one process."""
+    rank printed, or None when another rank reported first. Tests pass their own to watch it in one process, and a
+    `clock` of their own (default `time.monotonic`) to decide silences on time they move themselves."""
 
     def __init__(
         self,
@@ -143,6 +144,7 @@ class Watchdog:
         stall_timeout_s: float,
         setting: str | None = None,
         on_stall: Callable[[str | None], None] = _exit_process,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 < 2 * heartbeat_s <= stall_timeout_s:
             raise ValueError(f"stall_timeout_s = {stall_timeout_s} must be at least 2 x heartbeat_s = {heartbeat_s}")
@@ -154,6 +156,7 @@ class Watchdog:
         self.setting = setting or f"network.stall_timeout = {stall_timeout_s:g}s"
         self.store_name = job_store.name
         self.on_stall = on_stall
+        self.clock = clock
         ns = job_store.namespace
         self._beat_keys = [f"{ns}/beat/{r}" for r in range(topology.world_size)]
         self._abort_key, self._reported_key = f"{ns}/abort", f"{ns}/reported"
@@ -186,7 +189,7 @@ class Watchdog:
 
     # ------------------------------------------------------------------------------------------------ lifetime
     def start(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self._last_answer = now
         self._changed_at = [now] * len(self._changed_at)
         self._thread = threading.Thread(target=self._run, name="dilocox-watchdog", daemon=True)
@@ -221,7 +224,7 @@ class Watchdog:
                 self._keys_exist = True
             values = self._call(lambda store: store.multi_get([*self._beat_keys, self._abort_key]))
         except Exception:
-            silent = time.monotonic() - self._last_answer
+            silent = self.clock() - self._last_answer
             if silent >= self.stall_timeout_s and not self._stopping.is_set():
                 self._stop_run(
                     f"dilocox: error: rank {self.rank} has had no answer from {self.store_name} for {silent:.0f} s "
@@ -229,7 +232,7 @@ class Watchdog:
                     claim=False,
                 )
             return
-        now = self._last_answer = time.monotonic()
+        now = self._last_answer = self.clock()
         if values[-1] != b"0":
             self._follow_report()
             return

@@ -7,7 +7,6 @@ loss.backward(); sync.reduce_gradients(); inner_optimizer.step()
 
 from __future__ import annotations
 
-import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -86,10 +85,10 @@ class CocktailSync:
         shard = grads[self.shard_start : self.shard_end]  # (shard,)
         (corrected,) = self.feedback.corrected([shard])
         payload = self.codec.encode(corrected, step=self.sync_step)
-        blocked_from = time.perf_counter()
+        blocked_from = self.channel.clock.now()
         transfer = self.channel.launch_all_gather(payload.data)
         payloads = transfer.wait()  # one (nbytes,) uint8 per cluster, in cluster order; None: its tag failed
-        exposed = time.perf_counter() - blocked_from
+        exposed = self.channel.clock.now() - blocked_from
         avg_shard = torch.zeros(self.shard_numel, device=grads.device)  # (shard,) fp32
         for cluster, data in enumerate(payloads):
             if data is None:

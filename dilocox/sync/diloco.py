@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -373,15 +372,16 @@ class DiLoCoSync:
         against recent rounds' (not for the drain, whose residual is no round's pseudo-gradient)."""
         round_steps = self.inner_steps if round_steps is None else round_steps
         round_index = self.outer_step if round_index is None else round_index
-        compute_s = time.perf_counter() - pending.transfer.launch_time
-        blocked_from = time.perf_counter()
+        clock = self.channel.clock  # the link's clock: real time, or a test's virtual seconds
+        compute_s = clock.now() - pending.transfer.launch_time
+        blocked_from = clock.now()
         avg = pending.wait()
         skipped = self._guard_mean(avg, pending, round_index, judge_mean) if self.cfg.guard else False
         if skipped:
             avg = torch.zeros_like(avg)
         stats = RoundStats(
             link_s=pending.transfer.link_s,
-            exposed_s=time.perf_counter() - blocked_from,
+            exposed_s=clock.now() - blocked_from,
             bytes_sent=pending.transfer.nbytes_sent,
             compute_s=compute_s,
             inner_steps=round_steps,

@@ -187,6 +187,29 @@ def _reconfigurable_gloo(timeout: datetime.timedelta, host: str):
     return SlowLinkGroup(timeout=timeout)
 
 
+_NO_FLIGHT_RECORDER = "Unable to reset NCCL flight recorder"
+
+
+class _NoFlightRecorderWarning(logging.Filter):
+    """Drops torchft's "Unable to reset NCCL flight recorder recording so traces will be incorrect." and nothing
+    else. torchft's Manager resets NCCL's flight recorder after every reconfiguration of its group and warns, on every
+    cluster at every new quorum, when torch has no NCCL support (a CPU build). The group it reconfigures here is gloo
+    (the slow link, `_reconfigurable_gloo`), which records no NCCL traces, so the warning never concerns this run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _NO_FLIGHT_RECORDER not in record.getMessage()
+
+
+def quiet_torchft_logs() -> None:
+    """torchft's loggers at WARNING (its Rust side is set by RUST_LOG), without the flight-recorder warning that does
+    not apply to a gloo group; every other warning and error still shows."""
+    for name in ("torchft", "torchft.manager", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    manager_logger = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _NoFlightRecorderWarning) for f in manager_logger.filters):
+        manager_logger.addFilter(_NoFlightRecorderWarning())
+
+
 class ElasticMembership:
     """One torchft `Manager` for this rank's position (dp, pp) in its cluster: replica id = the cluster.
 
@@ -215,8 +238,7 @@ class ElasticMembership:
     ) -> None:
         from torchft import Manager
 
-        for name in ("torchft", "torchft.manager", "torchft_quorums", "torchft_commits", "torchft_errors"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+        quiet_torchft_logs()
         self.cluster = cluster
         self.num_clusters = num_clusters
         self.min_clusters = min_clusters

@@ -1,7 +1,10 @@
 """`dilocox plot RUN_DIR... --out DIR`: the curves of any set of runs, read from their metrics.jsonl, as PNG files.
 
 One chart per file, one line per run; a run that did not log a metric (no codec rank in a DiLoCo run, no eval loss
-before the first evaluation) simply has no line in that panel. `dilocox bench` draws its plots with the same code.
+before the first evaluation) simply has no line in that panel, a panel no run has a line in is left out, and so is a
+chart left with no panel. The hidden share of link time is drawn for runs whose sync can travel during compute (a
+delayed outer sync, `sync.sync_delay = 1`) only: a blocking sync waits for all of it, so its share is 0 by
+construction. `dilocox bench` draws its plots with the same code.
 
     runs = [load_run(Path("runs/a")), load_run(Path("runs/b"), label="dilocox")]
     xs, ys = runs[0].series("tokens", "eval_loss")          # the values the chart draws
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +54,8 @@ class Panel:
     xlabel: str
     markers: bool = False
     log_y: bool = False
+    overlapping_only: bool = False
+    """Drawn for the runs whose sync may be hidden behind compute (`RunCurves.overlaps`) only."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +97,15 @@ CHARTS = (
         "hidden_fraction.png",
         "link time hidden behind compute (rank 0)",
         (
-            Panel("round_hidden_fraction", "step", "hidden share of each sync's link time", _STEP, markers=True),
-            Panel("hidden_fraction", "tokens", "hidden share of all link time so far", _TOKENS),
+            Panel(
+                "round_hidden_fraction",
+                "step",
+                "hidden share of each sync's link time",
+                _STEP,
+                markers=True,
+                overlapping_only=True,
+            ),
+            Panel("hidden_fraction", "tokens", "hidden share of all link time so far", _TOKENS, overlapping_only=True),
         ),
     ),
     Chart(
@@ -114,6 +127,9 @@ class RunCurves:
     label: str
     run_dir: Path
     records: list[dict[str, Any]] = field(repr=False)
+    overlaps: bool = True
+    """Whether its sync may travel during compute (a delayed outer sync); False for a blocking one (sync_delay 0,
+    AllReduce, CocktailSGD), whose link time is all exposed. True where the run directory does not say."""
 
     def value(self, record: dict[str, Any], key: str) -> float | None:
         """`key` of `record` (or the `DERIVED` value of that name); None when absent, not a number or not finite."""
@@ -134,7 +150,35 @@ def load_run(run_dir: Path, label: str | None = None) -> RunCurves:
     run_dir = Path(run_dir)
     if not (run_dir / METRICS_FILE).is_file():
         raise ValueError(f"{run_dir} has no {METRICS_FILE}: not a dilocox run directory, or it has not logged yet")
-    return RunCurves(label or run_dir.name, run_dir, read_metrics(run_dir))
+    return RunCurves(label or run_dir.name, run_dir, read_metrics(run_dir), overlaps=_overlaps(run_dir))
+
+
+def _overlaps(run_dir: Path) -> bool:
+    """From the run's resolved config.toml (every run writes one first): an outer loop with the one-step delay."""
+    try:
+        sync = tomllib.loads((run_dir / "config.toml").read_text()).get("sync", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return True
+    return sync.get("kind") in ("diloco", "dilocox") and sync.get("sync_delay") == 1
+
+
+def chart_lines(runs: list[RunCurves]) -> list[tuple[Chart, list[tuple[Panel, list[int]]]]]:
+    """What `plot_runs` draws: each chart with its panels and, per panel, the indices of the runs with a line in it;
+    panels without a line and charts without a panel are left out."""
+    drawn = []
+    for chart in CHARTS:
+        panels = []
+        for panel in chart.panels:
+            lines = [
+                index
+                for index, run in enumerate(runs)
+                if (run.overlaps or not panel.overlapping_only) and run.series(panel.x, panel.y)[0]
+            ]
+            if lines:
+                panels.append((panel, lines))
+        if panels:
+            drawn.append((chart, panels))
+    return drawn
 
 
 def _pyplot():
@@ -184,25 +228,22 @@ def legend_below(fig: Any, entries: list[tuple[str, dict[str, Any]]]) -> None:
 
 
 def plot_runs(runs: list[RunCurves], out_dir: Path, *, title: str = "") -> list[Path]:
-    """Write every chart of `CHARTS` for `runs` into `out_dir`; returns the paths."""
+    """Write the charts of `CHARTS` that have a line to draw for `runs` (`chart_lines`) into `out_dir`; returns the
+    paths."""
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for chart in CHARTS:
-        fig, axes = plt.subplots(1, len(chart.panels), figsize=(6 * len(chart.panels), _PLOT_HEIGHT), squeeze=False)
+    for chart, panels in chart_lines(runs):
+        fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), _PLOT_HEIGHT), squeeze=False)
         drawn: dict[int, dict[str, Any]] = {}  # the runs with a line in some panel, by index
-        for ax, panel in zip(axes[0], chart.panels, strict=True):
-            for index, run in enumerate(runs):
-                xs, ys = run.series(panel.x, panel.y)
-                if xs:
-                    marker = {"marker": "o", "markersize": 3} if panel.markers else {}
-                    drawn[index] = run_style(index)
-                    ax.plot(xs, ys, linewidth=1.2, **drawn[index], **marker)
-            if ax.get_lines():
-                if panel.log_y and all(v > 0 for line in ax.get_lines() for v in line.get_ydata()):
-                    ax.set_yscale("log")  # byte counts of strategies differ by orders of magnitude
-            else:
-                ax.text(0.5, 0.5, f"no run logged {panel.y}", ha="center", va="center", transform=ax.transAxes)
+        for ax, (panel, lines) in zip(axes[0], panels, strict=True):
+            for index in lines:
+                xs, ys = runs[index].series(panel.x, panel.y)
+                marker = {"marker": "o", "markersize": 3} if panel.markers else {}
+                drawn[index] = run_style(index)
+                ax.plot(xs, ys, linewidth=1.2, **drawn[index], **marker)
+            if panel.log_y and all(v > 0 for line in ax.get_lines() for v in line.get_ydata()):
+                ax.set_yscale("log")  # byte counts of strategies differ by orders of magnitude
             ax.set_xlabel(panel.xlabel)
             ax.set_ylabel(panel.ylabel)
             ax.grid(alpha=0.3)
@@ -261,8 +302,8 @@ def plot_seed_spread(rows: list[dict[str, Any]], path: Path, *, title: str = "")
 
 
 DESCRIPTION = """Plot runs side by side from their metrics.jsonl: loss vs tokens and vs wall time, slow-link bytes, the
-hidden share of link time, the codec rank and H over outer rounds, and (for finished runs) throughput. A run that
-did not log a metric has no line in that plot."""
+hidden share of link time (runs with a delayed sync), the codec rank and H over outer rounds, and (for finished runs)
+throughput. A run that did not log a metric has no line in that plot; a panel or chart with no line is not written."""
 
 
 def main(argv: list[str]) -> int:

@@ -1,25 +1,35 @@
 """The straight-then-resumed run that the delayed-sync resume tests share (called inside a rank's worker)."""
 
 import copy
-import time
+
+from tests.clock import SimulatedClock
 
 
-def straight_and_resumed(fresh, train_step, *, total_steps: int, save_after: int) -> dict:
+def simulated(channel_factory):
+    """A channel built by `channel_factory(clock)` on a fresh `SimulatedClock`, which follows it."""
+    clock = SimulatedClock()
+    return clock.follow(channel_factory(clock))
+
+
+def straight_and_resumed(fresh, train_step, *, total_steps: int, save_after: int, step_s: float) -> dict:
     """Run `total_steps` inner steps straight, saving every state after step `save_after` (as torch.save would
     freeze it), then rebuild with `fresh()`, load that state and run the rest.
 
-    `fresh()` returns (model, channel, sync, optimizer); `train_step(model, optimizer, step)` runs one inner step,
-    after which the driver calls `sync.after_inner_step(step)`. Returns the outer params and bytes sent of both runs
-    (after `flush()`), whether the sync was still in flight when saved, and how long saving its state took."""
+    `fresh()` returns (model, channel, sync, optimizer), the channel on a `SimulatedClock` it follows (`simulated`);
+    `train_step(model, optimizer, step)` runs one inner step, which computes for `step_s` virtual seconds, after
+    which the driver calls `sync.after_inner_step(step)`. Returns the outer params and bytes sent of both runs
+    (after `flush()`), whether the sync was still in flight when saved, and the virtual seconds saving its state
+    took (0 unless saving waited for the link)."""
 
     def run(model, channel, sync, optimizer, steps, saved=None):
         for step in steps:
             train_step(model, optimizer, step)
+            channel.clock.sleep(step_s)
             sync.after_inner_step(step)
             if step == save_after and saved is not None:
-                started = time.perf_counter()
+                started = channel.clock.now()
                 saved["sync"] = copy.deepcopy(sync.state_dict())
-                saved["save_s"] = time.perf_counter() - started
+                saved["save_s"] = channel.clock.now() - started
                 saved["channel"] = channel.state_dict()
                 saved["model"] = {k: v.clone() for k, v in model.state_dict().items()}
                 saved["optimizer"] = copy.deepcopy(optimizer.state_dict())

@@ -7,7 +7,6 @@ final flush) of a hand-written single-process reference; regenerate it with
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 from dilocox.compress import CompressionConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync, SyncConfig
-from tests.distributed.resume import straight_and_resumed
+from tests.distributed.resume import simulated, straight_and_resumed
 from tests.multiproc import run_ranks
 
 GOLDEN = Path(__file__).parent / "golden" / "delayed_diloco.json"
@@ -136,21 +135,22 @@ def test_delayed_trace_matches_golden_and_reference(variants, merge):
 
 
 def _exposure(rank, world_size, sync_delay):
-    """Rounds of H sleeps (emulated compute) with a link that needs about half a round per sync."""
-    step_s, inner_steps, rounds = 0.06, 4, 5
+    """Rounds of H steps of compute on a virtual clock with a link that needs half a round per sync."""
+    step_s, inner_steps, rounds = 0.0625, 4, 5
     model = torch.nn.Linear(64, 64)  # 4160 fp32 values: 16,640 bytes per sync on 2 ranks
     nbytes = sum(p.numel() for p in model.parameters()) * 4
     link_s = 0.5 * step_s * inner_steps
-    latency = 0.01
-    channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / (link_s - latency), latency_s=latency)
+    latency = 0.0078125
+    channel = simulated(
+        lambda clock: WanChannel(
+            torch.distributed.group.WORLD, bandwidth=nbytes / (link_s - latency), latency_s=latency, clock=clock
+        )
+    )
     sync = DiLoCoSync(
         model.parameters(), SyncConfig(inner_steps=inner_steps, sync_delay=sync_delay), channel=channel, dp_group=None
     )
-    # a peer that starts late holds every sync back by its lag, which would count as exposed link time (CI failed on
-    # this once: ~0.06 s per round of start skew on a loaded machine)
-    torch.distributed.barrier()
     for step in range(1, rounds * inner_steps + 1):
-        time.sleep(step_s)
+        channel.clock.sleep(step_s)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01)
@@ -158,20 +158,21 @@ def _exposure(rank, world_size, sync_delay):
     stats = channel.stats()  # before the flush: the final wait is the end of training, not a round
     sync.flush()
     channel.close()
-    return stats
+    return stats, link_s
 
 
 @pytest.mark.dist
 def test_overlap_hides_the_link():
     delayed = run_ranks(_exposure, 2, args=(1,))
     blocking = run_ranks(_exposure, 2, args=(0,))
-    for stats in delayed:
-        assert stats["link_busy_s"] > 0.4  # 4 completed syncs of ~0.12 s
-        # hidden: a few scheduling jitters at most (a loaded 2-core machine adds ~10 ms per wait), against the blocking
-        # run's whole link time
-        assert stats["exposed_s"] < 0.25 * stats["link_busy_s"], stats
-    for stats in blocking:
-        assert stats["exposed_s"] > 0.8 * stats["link_busy_s"], stats
+    for stats, link_s in delayed:
+        assert stats["num_transfers"] == 4  # the fifth sync is waited for by the flush
+        assert stats["link_busy_s"] == pytest.approx(4 * link_s, rel=1e-9)
+        assert stats["exposed_s"] == 0.0  # each sync travels during a round that computes twice as long
+    for stats, link_s in blocking:
+        assert stats["num_transfers"] == 5
+        assert stats["link_busy_s"] == pytest.approx(5 * link_s, rel=1e-9)
+        assert stats["exposed_s"] == pytest.approx(stats["link_busy_s"], rel=1e-9)  # every sync waited for in full
 
 
 def _checkpoint_in_flight(rank, world_size, options):
@@ -181,12 +182,14 @@ def _checkpoint_in_flight(rank, world_size, options):
     inner_steps, rounds, step_s = 2, 6, 0.03
     options = dict(options)
     compression = CompressionConfig(**options.pop("compression", {}))
-    # each sync needs ~0.25 s of link: far longer than the ~0.06 s of a round (a codec's payload is under 1/4 of fp32)
+    # each sync needs ~0.25 s of link: far longer than the 0.06 s of a round (a codec's payload is under 1/4 of fp32)
     nbytes = sum(p.numel() for p in make_model().parameters()) * (4 if compression.kind == "none" else 1)
 
     def fresh():
         model = make_model()
-        channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.25, latency_s=0.0)
+        channel = simulated(
+            lambda clock: WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.25, latency_s=0.0, clock=clock)
+        )
         cfg = SyncConfig(inner_steps=inner_steps, outer_lr=OUTER_LR, outer_momentum=MOMENTUM, sync_delay=1, **options)
         sync = DiLoCoSync(
             model.parameters(), cfg, compression, channel=channel, dp_group=None, total_steps=rounds * inner_steps
@@ -194,10 +197,11 @@ def _checkpoint_in_flight(rank, world_size, options):
         return model, channel, sync, torch.optim.SGD(model.parameters(), lr=LR)
 
     def train_step(model, optimizer, step):
-        time.sleep(step_s)
         inner_step(model, optimizer, rank, step)
 
-    out = straight_and_resumed(fresh, train_step, total_steps=rounds * inner_steps, save_after=3 * inner_steps)
+    out = straight_and_resumed(
+        fresh, train_step, total_steps=rounds * inner_steps, save_after=3 * inner_steps, step_s=step_s
+    )
     return out["straight"], out["resumed"], out["save_s"], out["in_flight"]
 
 
@@ -216,21 +220,22 @@ def _checkpoint_in_flight(rank, world_size, options):
 def test_checkpoint_does_not_wait_for_the_sync_in_flight_and_resume_is_exact(options):
     for straight, resumed, save_s, in_flight in run_ranks(_checkpoint_in_flight, 2, args=(options,)):
         assert in_flight  # the transfer was still on the wire when the state was saved
-        assert save_s < 0.1  # ... and saving did not wait for its ~0.25 s
+        assert save_s == 0.0  # ... and saving did not wait for it (a wait would move the virtual clock)
         assert torch.equal(straight[0], resumed[0])
         assert straight[1] == resumed[1]  # the re-sent transfer is counted once
 
 
 def _delayed_sync_warnings(rank, world_size, link_s, step_s):
-    """Delayed syncs of `link_s` seconds each over rounds of 2 steps of `step_s`, then the final flush (which waits
-    right after the last launch); returns the sync's warnings."""
+    """Delayed syncs of `link_s` seconds each over rounds of 2 steps of `step_s` (virtual seconds), then the final
+    flush (which waits right after the last launch); returns the sync's warnings."""
     model = torch.nn.Linear(16, 16)
     nbytes = sum(p.numel() for p in model.parameters()) * 4
-    channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / link_s, latency_s=0.0)
+    channel = simulated(
+        lambda clock: WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / link_s, latency_s=0.0, clock=clock)
+    )
     sync = DiLoCoSync(model.parameters(), SyncConfig(inner_steps=2, sync_delay=1), channel=channel, dp_group=None)
-    torch.distributed.barrier()  # a peer that started late would count as link time of the first sync
     for step in range(1, 7):
-        time.sleep(step_s)
+        channel.clock.sleep(step_s)
         sync.after_inner_step(step)
     sync.flush()
     channel.close()
@@ -239,12 +244,13 @@ def _delayed_sync_warnings(rank, world_size, link_s, step_s):
 
 @pytest.mark.dist
 def test_warns_once_when_the_link_cannot_keep_up():
-    # a link that needs ~3 rounds per sync: the delayed sync cannot be hidden and the user is told what fits
-    for warnings in run_ranks(_delayed_sync_warnings, 2, args=(0.3, 0.05)):
+    # a link that needs 4 rounds per sync: the delayed sync cannot be hidden and the user is told what fits
+    # (times are powers of two, so the advice is exact: 0.5 s of link over rounds of 2 x 0.0625 s needs H = 8)
+    for warnings in run_ranks(_delayed_sync_warnings, 2, args=(0.5, 0.0625)):
         assert len(warnings) == 1
         assert "cannot keep up" in warnings[0]
-        needed = int(warnings[0].split("sync.inner_steps >= ")[1].split()[0])
-        assert 4 <= needed <= 8  # ~0.3 s of link over ~0.1 s rounds of 2 steps: H of about 6
+        assert "one outer sync takes 0.50 s on the link but a round computes in 0.12 s" in warnings[0]
+        assert "sync.inner_steps >= 8 " in warnings[0]
         assert "network.bandwidth >=" in warnings[0]
 
 
@@ -252,23 +258,25 @@ def test_warns_once_when_the_link_cannot_keep_up():
 def test_the_final_flush_does_not_warn_that_the_link_cannot_keep_up():
     # regression: the flush waits right after the last launch, with no compute to hide behind, and every run ended
     # with "a round computes in 0.00 s ... use sync.inner_steps >= 600" on an unlimited link. Here the link keeps
-    # up (~2 ms per sync, ~0.2 s rounds: room for a loaded machine).
+    # up (2 ms per sync, 0.2 s rounds), and the flush's wait is not judged.
     for warnings in run_ranks(_delayed_sync_warnings, 2, args=(0.002, 0.1)):
         assert warnings == []
 
 
 def _fit_link(rank, world_size, max_steps):
-    """A sync needs ~0.3 s of link; a step computes in ~0.05 s, so H = 2 leaves it exposed and fit_link raises H."""
+    """A sync needs 0.5 s of link; a step computes in 0.0625 s (virtual seconds), so H = 2 leaves it exposed and
+    fit_link raises H to ceil(1.1 x 0.5 / 0.0625) = 9."""
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 16)
     nbytes = sum(p.numel() for p in model.parameters()) * 4
-    channel = WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.3, latency_s=0.0)
+    channel = simulated(
+        lambda clock: WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.5, latency_s=0.0, clock=clock)
+    )
     cfg = SyncConfig(inner_steps=2, sync_delay=1, fit_link=True, fit_link_max_steps=max_steps)
     sync = DiLoCoSync(model.parameters(), cfg, channel=channel, dp_group=None, total_steps=60)
-    torch.distributed.barrier()  # a peer's start skew would count as exposed link time in every round
     rounds = []
     for step in range(1, 61):
-        time.sleep(0.05)
+        channel.clock.sleep(0.0625)
         with torch.no_grad():
             model.weight.add_(0.01 * (rank + 1))  # each cluster moves its own way
         stats = sync.after_inner_step(step)
@@ -283,12 +291,16 @@ def _fit_link(rank, world_size, max_steps):
 def test_fit_link_raises_h_until_the_sync_is_hidden():
     results = run_ranks(_fit_link, 2, args=(0,))
     (rounds, final_h, warnings, params), other = results
-    assert [r[:2] for r in rounds] == [r[:2] for r in other[0]]  # both clusters end their rounds at the same steps
+    assert rounds == other[0]  # both clusters end their rounds at the same steps
     assert torch.equal(params, other[3])
-    assert rounds[0][1] == 2 and rounds[0][2] > 0.1  # the first syncs are exposed at H = 2
-    assert 5 <= final_h <= 12  # ~1.1 x 0.3 s / 0.05 s = 7 steps
-    # then hidden behind the longer rounds (the last one, cut short by the end of training at step 60, is not judged)
-    assert all(exposed < 0.05 for _, h, exposed in rounds[-4:-1])
+    # the first sync, launched at step 2 (0.125 s) and due at 0.625 s, is waited for at step 4 (0.25 s): 0.375 s
+    assert rounds[0] == (4, 2, 0.375)
+    assert final_h == 9
+    # then hidden behind the 9-step rounds (0.5625 s of compute for 0.5 s of link); the last round, cut short by the
+    # end of training at step 60, is not judged
+    steps = [(13, 9), (22, 9), (31, 9), (40, 9), (49, 9), (58, 9), (60, 2)]
+    assert [(step, h) for step, h, _ in rounds[1:]] == steps
+    assert all(exposed == 0.0 for _, _, exposed in rounds[1:-1])
     assert warnings == []
 
 

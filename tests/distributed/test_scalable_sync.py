@@ -1,7 +1,6 @@
 """The scalable compressed mean (compression.reduction = "scalable") on real gloo ranks: C = 2, 3, 4."""
 
 import math
-import time
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ from dilocox.compress import CompressionConfig, build_codec
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync, SyncConfig
 from dilocox.sync.scalable import ScalableElementwiseReducer, ScalableLowRankReducer
-from tests.distributed.resume import straight_and_resumed
+from tests.distributed.resume import simulated, straight_and_resumed
 from tests.multiproc import run_ranks
 
 SHAPES = [torch.Size([12, 10]), torch.Size([10]), torch.Size([6, 10]), torch.Size([6])]
@@ -127,11 +126,13 @@ def make_model() -> torch.nn.Module:
 def _delayed_resume(rank, world_size):
     """dilocox with scalable lowrank_int4 on a slow link, checkpointed with a sync in flight and resumed."""
     inner_steps, rounds = 2, 6
-    bandwidth = 2_000 / 0.25  # ~2 kB a sync: ~0.25 s of link against ~0.06 s of compute a round
+    bandwidth = 2_000 / 0.25  # ~2 kB a sync: ~0.25 s of link against 0.06 virtual s of compute a round
 
     def fresh():
         model = make_model()
-        channel = WanChannel(torch.distributed.group.WORLD, bandwidth=bandwidth, latency_s=0.0)
+        channel = simulated(
+            lambda clock: WanChannel(torch.distributed.group.WORLD, bandwidth=bandwidth, latency_s=0.0, clock=clock)
+        )
         compression = CompressionConfig(
             kind="lowrank_int4", rank=2, group_size=8, stochastic_rounding=True, reduction="scalable"
         )
@@ -140,14 +141,15 @@ def _delayed_resume(rank, world_size):
         return model, channel, sync, torch.optim.SGD(model.parameters(), lr=0.1)
 
     def train_step(model, optimizer, step):
-        time.sleep(0.03)
         g = torch.Generator().manual_seed(100 * rank + step)
         x, y = torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    out = straight_and_resumed(fresh, train_step, total_steps=rounds * inner_steps, save_after=3 * inner_steps)
+    out = straight_and_resumed(
+        fresh, train_step, total_steps=rounds * inner_steps, save_after=3 * inner_steps, step_s=0.03
+    )
     return out["straight"], out["resumed"], out["in_flight"]
 
 

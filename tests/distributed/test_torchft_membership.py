@@ -11,7 +11,6 @@ import os
 import pickle
 import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -123,7 +122,14 @@ def test_a_heal_state_larger_than_its_bound_is_refused_before_it_is_loaded():
         server.shutdown()
 
 
-def _membership(lighthouse: str, cluster: int, store: dist.TCPStore, host: str = "127.0.0.1") -> ElasticMembership:
+def _membership(
+    lighthouse: str,
+    cluster: int,
+    store: dist.TCPStore,
+    host: str = "127.0.0.1",
+    *,
+    timeout: datetime.timedelta = datetime.timedelta(seconds=30),
+) -> ElasticMembership:
     return ElasticMembership(
         cluster=cluster,
         num_clusters=3,
@@ -133,7 +139,7 @@ def _membership(lighthouse: str, cluster: int, store: dist.TCPStore, host: str =
         store_port=store.port,
         rank_in_cluster=0,
         ranks_per_cluster=1,
-        timeout=datetime.timedelta(seconds=30),
+        timeout=timeout,
         quorum_timeout=datetime.timedelta(seconds=30),
         control_timeout=datetime.timedelta(seconds=5),
         state_dict=lambda: {},
@@ -145,16 +151,15 @@ def _membership(lighthouse: str, cluster: int, store: dist.TCPStore, host: str =
 
 def test_a_restart_alone_at_the_lighthouse_stops_at_once_with_no_live_peer():
     # the run ended (or every other cluster died) before cluster 2's restart came: it would otherwise wait for its
-    # peers up to network.timeout (30 s here) and then fail as if the user had started too few clusters
+    # peers up to network.timeout and then fail as if the user had started too few clusters; that timeout is longer
+    # than the test's own, so a wait for it fails the test
     lighthouse = start_lighthouse(heartbeat_timeout_s=1.0, join_timeout_s=2.0)
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
-    membership = _membership(lighthouse_url(lighthouse, "127.0.0.1"), 2, store)
+    membership = _membership(lighthouse_url(lighthouse, "127.0.0.1"), 2, store, timeout=datetime.timedelta(hours=1))
     try:
         membership.restarted = True
-        start = time.monotonic()
         with pytest.raises(NoLivePeer, match="cluster 2 was started again, but no other cluster is alive"):
             membership.join()
-        assert time.monotonic() - start < 10
     finally:
         membership.close()
         lighthouse.shutdown()

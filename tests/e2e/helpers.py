@@ -111,6 +111,15 @@ def alive_pids(pids: list[int]) -> list[int]:
     ]
 
 
+def wait_until_gone(pids: list[int], timeout: float = 120) -> list[int]:
+    """Wait for `pids` to exit; returns those still alive after `timeout` (a hang guard, not a speed bound: processes
+    that stop at all stop within seconds)."""
+    deadline = time.monotonic() + timeout
+    while (alive := alive_pids(pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
 def start_long_run(run_dir: Path, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [

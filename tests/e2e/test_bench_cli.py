@@ -77,8 +77,8 @@ def test_bench_quick_paper_regime_produces_a_complete_table(tmp_path):
 
 def check_paper_regime_results(out: Path, *, repeats: int = 1, per_step_repeats: int | None = None) -> None:
     """The paper-regime bench's numbers against what its own calibration and byte counters imply: a wrong bandwidth,
-    a link charge left out or a wrong window fails here (the old bounds, speedup > 10 where ~50 is implied and
-    AllReduce under 1% of the no-communication throughput, passed with the link charged 0.8x or not at all).
+    a link charge left out or a wrong window fails here. What is asserted is what the code decides (the calibrated
+    link, the emulated link time, the window, the medians of the runs' own records), never how fast this machine ran.
 
     `repeats` timed runs of dilocox and the reference (`per_step_repeats`, default the same, of AllReduce): each
     row's tokens/s is the median of its timed runs' (the mean of two)."""
@@ -134,26 +134,29 @@ def check_paper_regime_results(out: Path, *, repeats: int = 1, per_step_repeats:
         assert by_name[name]["tokens_per_s"] == pytest.approx(median_tokens_per_s(name, first, last), rel=1e-9)
         assert by_name[name]["of_no_communication"] == pytest.approx(by_name[name]["tokens_per_s"] / no_comm_tps)
 
-    # AllReduce: every step computes, then waits for the whole gradient on the link. The compute is ~1/358 of the
-    # step, so a noisy compute time moves this by well under 1%; a wrong bandwidth, sharing or link charge does not.
-    assert by_name["allreduce"]["tokens_per_s"] == pytest.approx(tokens_per_step / (compute_s + transfer_s), rel=0.05)
+    # AllReduce: every step computes, then waits for the whole gradient on the link: the emulated link is busy for
+    # latency + gradient / bandwidth per step (the link model's decision, exact whatever the machine's load), and no
+    # step can be faster than its transfer.
     assert timed["allreduce"][1]["wan_bytes_sent"] == grad_bytes
+    assert timed["allreduce"][1]["link_busy_s"] == pytest.approx(transfer_s, rel=1e-6)
+    assert by_name["allreduce"]["tokens_per_s"] <= tokens_per_step / transfer_s
 
-    # DiLoCoX: each sync launched at a round's start travels during that round and is waited for at its end, so a
-    # round lasts the longer of its compute (the no-communication run's on the same window) and the link time of one
-    # sync: latency + max(sent, recv) / bandwidth, from the run's own byte counters over the window's R syncs (the
-    # 8-byte length header is noise).
+    # DiLoCoX: each sync launched at a round's start travels during that round and is waited for at its end. The
+    # link is busy for latency + max(sent, recv) / bandwidth per sync: from the run's own byte counters over the
+    # window's R syncs, within 1% (the window's totals stand in for each sync's own max(sent, recv), and the 8-byte
+    # length header is noise; a link charged 0.8x or a wrong bandwidth is off by far more), and no round is shorter
+    # than its sync.
     dx = timed["dilocox"]
     sent = (dx[end]["wan_bytes_sent"] - dx[h]["wan_bytes_sent"]) / rounds
     recv = (dx[end]["wan_bytes_recv"] - dx[h]["wan_bytes_recv"]) / rounds
     assert 0 < sent < grad_bytes / 4 and 0 < recv < grad_bytes / 4  # compressed
     link_s = latency + max(sent, recv) / bandwidth
-    round_s = max(h * tokens_per_step / no_comm_tps, link_s)
-    want_dilocox_tps = h * tokens_per_step / round_s
-    assert by_name["dilocox"]["tokens_per_s"] == pytest.approx(want_dilocox_tps, rel=0.2)
-    # hence the speedup, within the same band around the ratio those times imply
-    want_speedup = want_dilocox_tps / (tokens_per_step / (compute_s + transfer_s))
-    assert by_name["dilocox"]["speedup_vs_baseline"] == pytest.approx(want_speedup, rel=0.2)
+    assert dx[end]["link_busy_s"] - dx[h]["link_busy_s"] == pytest.approx(rounds * link_s, rel=0.01)
+    assert by_name["dilocox"]["tokens_per_s"] <= h * tokens_per_step / link_s
+    # the speedup is the ratio of the two rows' throughputs
+    assert by_name["dilocox"]["speedup_vs_baseline"] == pytest.approx(
+        by_name["dilocox"]["tokens_per_s"] / by_name["allreduce"]["tokens_per_s"], rel=1e-9
+    )
     assert by_name["allreduce"]["speedup_vs_baseline"] == 1.0
     table = (out / "results.md").read_text()
     assert table.count("\n| ") == 1 + 3 and "paper regime" in table

@@ -1,6 +1,7 @@
 """`dilocox train` and `dilocox eval` as a user runs them: a subprocess, real ranks, real files."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -76,6 +77,35 @@ def test_eval_command_matches_training_eval(debug_run):
     result = dilocox("eval", run_dir, "--data.path", text)
     assert result.returncode == 0, result.stderr
     assert "perplexity" in result.stdout and str(text) in result.stdout
+
+
+def test_eval_scores_the_agreed_model_of_a_checkpoint_inside_training_as_the_log_did(tmp_path):
+    """Inside a dilocox run (delayed sync) cluster 0's own weights differ from the agreed model the log scores:
+    `dilocox eval` of the step-20 checkpoint on the log's batches gives the log's eval_loss, and --local its
+    eval_loss_local; it runs on the run's run.num_threads."""
+    run_dir = tmp_path / "dilocox"
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--sync.kind=dilocox",
+                     "--train.steps=30", "--eval.local=true", "--checkpoint.keep=5")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = {r["step"]: r for r in metrics(run_dir) if "eval_loss" in r}[20]
+    checkpoint = run_dir / "checkpoints" / "step_00000020"
+    # eval.max_batches = 4 during training
+    agreed = json.loads(dilocox("eval", run_dir, "--checkpoint", checkpoint, "--max-batches", "4", "--json").stdout)
+    local = json.loads(
+        dilocox("eval", run_dir, "--checkpoint", checkpoint, "--max-batches", "4", "--local", "--json").stdout
+    )
+    assert (agreed["step"], agreed["model"], local["model"]) == (20, "agreed", "local")
+    assert agreed["tokens"] == local["tokens"] == logged["eval_tokens"]
+    assert agreed["loss"] == pytest.approx(logged["eval_loss"], abs=1e-6)
+    assert local["loss"] == pytest.approx(logged["eval_loss_local"], abs=1e-6)
+    assert abs(agreed["loss"] - local["loss"]) > 1e-3  # the two models differ here: the choice matters
+
+    threads = (os.cpu_count() or 1) + 1  # not torch's default of one per core
+    config = run_dir / "config.toml"
+    config.write_text(config.read_text().replace("num_threads = 1\n", f"num_threads = {threads}\n", 1))
+    result = dilocox("eval", run_dir, "--max-batches", "1", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout)["num_threads"] == threads
 
 
 def test_resume_equals_uninterrupted_run(debug_run, tmp_path):

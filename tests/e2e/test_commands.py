@@ -3,6 +3,7 @@ and a topology that cannot work is refused before anything is written."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,19 @@ def test_commands_without_options_show_help_and_refuse_arguments(command, capsys
     assert "params" not in out and "torch" not in out.splitlines()[0]  # the help, not the command's output
     assert main([command, "--bogus"]) == 2
     assert capsys.readouterr().err.startswith("dilocox: error: unexpected argument(s): --bogus\n")
+
+
+def test_the_token_cache_is_named_by_env_and_train_help(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("DILOCOX_CACHE", str(tmp_path / "cache"))
+    assert main(["env"]) == 0
+    assert f"token cache: {tmp_path / 'cache'} ($DILOCOX_CACHE)" in capsys.readouterr().out
+    monkeypatch.delenv("DILOCOX_CACHE")
+    assert main(["env"]) == 0
+    default = Path("~/.cache/dilocox").expanduser()
+    assert f"token cache: {default} (default; set DILOCOX_CACHE to move it)" in capsys.readouterr().out
+    assert main(["train", "--help"]) == 0
+    help_text = capsys.readouterr().out
+    assert "DILOCOX_CACHE" in help_text and "~/.cache/dilocox" in help_text
 
 
 @pytest.mark.parametrize("args", [["env"], ["train", "--help"], ["eval", "--help"]])

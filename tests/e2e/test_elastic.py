@@ -131,8 +131,11 @@ def test_a_killed_cluster_rejoins_heals_from_a_peer_and_ends_bit_identical(tmp_p
     assert clean.finish() == 0, "the clean run failed"
     clean_summary = json.loads((tmp_path / "clean" / "summary.json").read_text())
     clean_loss = clean_summary["final_eval_loss"]
-    # cluster 0's slow-link bytes against what AllReduce would have sent from its place among the 3 clusters
+    # cluster 0's slow-link bytes against what AllReduce would have sent from its place among the 3 clusters, and the
+    # summary says so; no line about NCCL's flight recorder (torchft warns about it on a CPU build, for a gloo group)
     assert clean_summary["allreduce_equiv_bytes"] > clean_summary["wan_bytes_total"] > 0
+    assert clean_summary["wan_bytes_clusters"] == [0]
+    assert "sent by cluster 0's ranks" in clean.output and "flight recorder" not in clean.output
 
     run = start_run("killed", *flags)
     # mid-round (rounds end at multiples of 10). The restarted process is forked in a second or a few: it rejoins at

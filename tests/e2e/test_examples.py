@@ -3,6 +3,7 @@
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -31,3 +32,15 @@ def test_custom_loop_example_trains_and_ends_with_identical_parameters():
     assert sent[0] < sent[1] / 7  # int4 in groups of 64: 4.25 bits per value instead of 32
     initial, final = map(float, re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert final < initial / 5
+
+
+def test_custom_loop_example_without_torchrun_says_how_to_run_it_in_one_line():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    result = subprocess.run(
+        [sys.executable, "examples/custom_loop.py"], capture_output=True, text=True, timeout=120, cwd=REPO, env=env
+    )
+    assert result.returncode == 1
+    assert result.stderr == (
+        "examples/custom_loop.py: run it with torchrun: torchrun --standalone --nproc-per-node 2 "
+        "examples/custom_loop.py\n"
+    )

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -22,6 +21,7 @@ from tests.e2e.helpers import (
     start_long_run,
     torchrun_workers,
     wait_for_training,
+    wait_until_gone,
 )
 
 pytestmark = pytest.mark.e2e
@@ -37,12 +37,7 @@ def test_ctrl_c_stops_all_ranks(tmp_path):
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr[-3000:]
     assert "interrupted" in stderr
-    time.sleep(0.5)
-    assert not [
-        pid
-        for pid in ranks
-        if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-    ]
+    assert not wait_until_gone(ranks)
 
 
 def test_a_live_run_locks_its_directory_and_sigterm_stops_every_rank(tmp_path):
@@ -59,8 +54,7 @@ def test_a_live_run_locks_its_directory_and_sigterm_stops_every_rank(tmp_path):
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "stopped by SIGTERM, all 2 ranks stopped" in stderr
-    time.sleep(0.5)
-    assert not alive_pids(ranks)
+    assert not wait_until_gone(ranks)
     assert not (run_dir / ".dilocox.lock").exists()
     again = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--train.steps=10", timeout=120)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -76,9 +70,7 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
     assert len(ranks) == 2 and len(everything) >= 3  # the fork server, its 2 ranks (and a resource tracker)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
-    deadline = time.time() + 10
-    while alive_pids(everything) and time.time() < deadline:
-        time.sleep(0.2)
+    wait_until_gone(everything)
     assert not alive_pids(ranks), "ranks kept training after their launcher was killed"
     assert not alive_pids(everything), "the fork server or the resource tracker outlived the launcher"
 

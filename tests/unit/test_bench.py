@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import shutil
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -394,3 +395,54 @@ def test_tuned_baseline_errors(tmp_path):
     path.write_text(f"[bench]\nbase = 'x.toml'\nregime = 'paper'\ntuned_baseline = ['allreduce']\n{runs}")
     with pytest.raises(ValueError, match="tuned_baseline is a column of the link-off table"):
         load_bench(path)
+
+
+def test_bench_output_goes_under_the_ignored_runs_folder_by_default():
+    from dilocox.tools.bench.harness import default_out_dir
+
+    assert default_out_dir("default", regime=None, quick=False) == Path("runs/bench/default")
+    assert default_out_dir("default", regime=None, quick=True) == Path("runs/bench/default-quick")
+    assert default_out_dir("outer", regime="paper", quick=True) == Path("runs/bench/outer-paper-quick")
+    assert default_out_dir("paper", regime="paper", quick=False) == Path("runs/bench/paper")
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+
+
+@pytest.fixture
+def git_checkout():
+    if shutil.which("git") is None or _git("rev-parse", "--is-inside-work-tree").stdout.strip() != "true":
+        pytest.skip("needs the repository's git checkout (a source tree without .git has no ignore rules to check)")
+
+
+def test_git_ignores_what_runs_and_benches_leave_and_keeps_only_tables_and_plots_of_results(git_checkout):
+    """The README's example folders and every bench's default output are ignored; a bench written into
+    benchmarks/results keeps its tables and plots there, not its run directories and logs."""
+    new = "benchmarks/results/new"
+    ignored = ["runs/bench/default-quick/results.json", "runs/default/metrics.jsonl", "data/shakespeare/index.json",
+               "hf/model.safetensors", "plots/loss.png", f"{new}/runs/allreduce/summary.json",
+               f"{new}/timed/dilocox/metrics.jsonl", f"{new}/allreduce.log"]  # fmt: skip
+    kept = [f"{new}/results.json", f"{new}/results.md", f"{new}/loss_vs_tokens.png"]
+    checked = _git("check-ignore", "--no-index", *ignored, *kept).stdout.split()
+    assert checked == ignored
+    tracked = _git("ls-files", "benchmarks/results").stdout.split()
+    assert tracked, "no committed benchmark results"
+    others = [p for p in tracked if not (p.endswith((".png", "/results.json", ".md")))]
+    assert others == [], f"per-run files committed under benchmarks/results: {others[:5]}"
+
+
+def test_a_partial_paper_rerun_without_the_run_directories_is_refused_before_it_runs(tmp_path, capsys):
+    """A results.json from git (tables and plots only): `--only` would re-read every other row from runs/ and timed/,
+    so it stops at once and says why, instead of dropping those rows."""
+    out = tmp_path / "paper"
+    out.mkdir()
+    rows = [{"name": name} for name in ("no-communication", "allreduce", "dilocox")]
+    (out / "results.json").write_text(json.dumps({"bench": "paper", "regime": {"bandwidth": "1Mbps"}, "runs": rows}))
+    argv = [str(REPO / "benchmarks/configs/paper.toml"), "--quick", "--only", "dilocox", "--out", str(out)]
+    assert bench_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dilocox: error: {out}: a partial re-run reads every other row back")
+    assert err.count("\n") == 1
+    assert "['no-communication', 'allreduce'] have none here" in err
+    assert sorted(p.name for p in out.iterdir()) == ["results.json"]  # nothing ran, nothing was written

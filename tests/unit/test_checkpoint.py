@@ -251,3 +251,45 @@ def test_the_model_and_tokenizer_of_a_checkpoint_are_compared_after_the_data_is_
     wider = dataclasses.replace(args, dim=args.dim * 2)
     with pytest.raises(ValueError, match=rf"the model's dim was {args.dim} in the checkpoint, {2 * args.dim} now"):
         check_resume_model(path, wider, tokenizer_vocab="abc", tokenizer_path="t.json")
+
+
+def test_a_run_directory_that_holds_another_run_is_named_as_such_under_auto_resume(tmp_path):
+    """checkpoint.resume = auto takes the newest checkpoint of run.out_dir: one trained on another corpus, or past
+    this run's train.steps, belongs to another run, and the message says how to start this one elsewhere."""
+    from dilocox.checkpoint import run_identity
+    from dilocox.config import load_config, to_dict
+    from dilocox.launch import resolve_resume
+
+    run_dir = tmp_path / "default"
+    one = ["--topology.num_clusters=1"]  # one rank file per checkpoint
+    saved = load_config(None, [*one, f"--run.out_dir={run_dir}", "--train.steps=400"])  # the built-in corpus
+    state = {"model": {"w": torch.zeros(2)}, "step": 400}
+    meta = {"world_size": saved.world_size, **run_identity(saved), "config": to_dict(saved)}
+    path = save_checkpoint(run_dir, 400, state, rank=0, meta=meta, keep=2)
+    own = tmp_path / "own.txt"
+    own.write_text("my own text\n")
+
+    other_data = load_config(None, [*one, f"--run.out_dir={run_dir}", f"--data.path={own}", "--train.steps=400"])
+    with pytest.raises(ValueError) as refused:
+        resolve_resume(other_data)
+    assert str(refused.value) == (
+        f"run.out_dir = {run_dir} holds another run, trained on data.path = '' (the built-in Shakespeare plays) "
+        f"(checkpoint step_00000400), not on {str(own)!r}: start the new run with another --run.out_dir, or replace "
+        "that one with --run.overwrite=true (--checkpoint.resume=latest continues that run on this data)"
+    )
+    shorter = load_config(None, [*one, f"--run.out_dir={run_dir}", "--train.steps=200"])
+    with pytest.raises(ValueError) as refused:
+        resolve_resume(shorter)
+    assert str(refused.value) == (
+        f"run.out_dir = {run_dir} holds a run at step 400 (checkpoint step_00000400), past train.steps = 200: to "
+        "continue that run raise --train.steps; otherwise start the new run with another --run.out_dir, or replace "
+        "that one with --run.overwrite=true"
+    )
+    # every option the messages name exists, and each way out works
+    assert resolve_resume(load_config(None, [*one, f"--run.out_dir={run_dir}", "--train.steps=800"])) == path
+    continued = [*one, f"--run.out_dir={run_dir}", f"--data.path={own}", "--checkpoint.resume=latest"]
+    continued.append("--train.steps=800")
+    assert resolve_resume(load_config(None, continued)) == path  # asked for by name: fine-tuning on other data
+    replaced = [*one, f"--run.out_dir={run_dir}", f"--data.path={own}", "--run.overwrite=true"]
+    assert resolve_resume(load_config(None, replaced)) is None
+    assert resolve_resume(load_config(None, [*one, f"--run.out_dir={tmp_path / 'new'}", f"--data.path={own}"])) is None

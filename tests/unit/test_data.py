@@ -5,7 +5,6 @@ import importlib.metadata
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +30,7 @@ from dilocox.data import (
 )
 from dilocox.data.dataset import IndexPermutation
 from dilocox.fileio import write_atomic
-from dilocox.trainer import prepare_data
+from dilocox.trainer import check_batches, prepare_data
 
 WORDS = "the king queen sword crown night day love death river stone fire hope fear bright dark".split()
 UNICODE_SAMPLES = [
@@ -234,20 +233,21 @@ def test_user_tokenizer_without_eos_gets_one(tmp_path):
 # ---- prepare_tokens -----------------------------------------------------------------------------------------------
 
 
-def test_default_corpus_tokens_and_cache():
-    start = time.perf_counter()
+def test_default_corpus_tokens_and_cache(monkeypatch):
     data = prepare_tokens(vocab_size=2048)
-    cold_s = time.perf_counter() - start
-    start = time.perf_counter()
-    again = prepare_tokens(vocab_size=2048)
-    warm_s = time.perf_counter() - start
-    print(f"default corpus: cold {cold_s:.1f} s, cached {warm_s:.3f} s, {len(data.train)} + {len(data.val)} tokens")
+
+    def not_again(*args, **kwargs):
+        raise AssertionError("an identical second call read or tokenized the corpus again instead of the cache")
+
+    with monkeypatch.context() as patched:  # the second call reads the cache only: no corpus, no BPE, no tokenizing
+        for name in ("load_documents", "train_bpe", "_tokenize_and_split"):
+            patched.setattr(dataset_module, name, not_again)
+        again = prepare_tokens(vocab_size=2048)
 
     assert (data.num_train_documents, data.num_val_documents) == (36, 2)
     assert data.train.dtype == np.uint16 and data.vocab_size == 2048
     assert int((data.train == data.eos_id).sum()) == 35 and int((data.val == data.eos_id).sum()) == 1
     assert 1_000_000 < len(data.train) < 3_000_000 and 30_000 < len(data.val) < 300_000
-    assert warm_s < 1.0
     assert np.array_equal(again.train, data.train) and np.array_equal(again.val, data.val)
     tok = data.load_tokenizer()
     plays = load_documents()
@@ -274,13 +274,77 @@ def test_split_seed_holds_out_one_split_for_every_run_seed(tmp_path):
 
     def held_out(run_seed: int, split_seed: int) -> np.ndarray:
         cfg = load_config(None, [f"--data.path={corpus}", "--data.vocab_size=300", "--data.val_fraction=0.2",
-                                 f"--run.seed={run_seed}", f"--data.split_seed={split_seed}"])  # fmt: skip
-        return prepare_data(cfg).val
+                                 f"--run.seed={run_seed}", f"--data.split_seed={split_seed}",
+                                 "--train.seq_len=16"])  # fmt: skip
+        val = prepare_data(cfg).val
+        assert cfg.data.val_fraction == 0.2  # the split asked for: it holds an evaluation batch of 8 x 17 tokens
+        return val
 
     assert np.array_equal(held_out(3, 0), held_out(0, 0))  # a fixed split: one held-out set (and BPE) for all
     assert np.array_equal(held_out(0, -1), held_out(0, 0))  # -1 holds out run.seed's split
     assert not np.array_equal(held_out(3, -1), held_out(0, -1))
     assert np.array_equal(held_out(3, -1), held_out(0, 3))
+
+
+def own_text(path: Path, num_bytes: int = 200_000) -> Path:
+    """About `num_bytes` of generated prose from 400 made-up words: a BPE of 2048 ids learns every word, so the text
+    is about 1 token per 7 bytes, as dense as the ~200 KB files users bring (5% of it is under 2,056 tokens)."""
+    rng = np.random.default_rng(7)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    words = ["".join(rng.choice(letters, size=rng.integers(4, 10))) for _ in range(400)]
+    sentences, size = [], 0
+    while size < num_bytes:
+        sentence = " ".join(rng.choice(words, size=rng.integers(6, 16))).capitalize() + ".\n"
+        sentences.append(sentence)
+        size += len(sentence)
+    path.write_text("".join(sentences))
+    return path
+
+
+def test_a_small_corpus_gets_a_validation_split_that_holds_one_evaluation_batch(tmp_path, capsys):
+    """With the default batch (8 x 257 tokens), 5% of a ~200 KB text file is too little to evaluate: its held-out tail
+    grows to the smallest fraction that holds one batch, says so, and records it in the config (config.toml, which
+    dilocox eval reads)."""
+    text = own_text(tmp_path / "own.txt")
+    cfg = load_config(None, [f"--data.path={text}"])
+    assert cfg.data.val_fraction == 0.05 and cfg.train.micro_batch_size * (cfg.train.seq_len + 1) == 2056
+    at_five_percent = prepare_tokens(path=str(text), vocab_size=cfg.data.vocab_size, val_fraction=0.05)
+    assert len(at_five_percent.val) < 2056  # what failed before
+    data = prepare_data(cfg)
+    assert 2056 <= len(data.val) < 2056 * 1.2  # one batch, not much more
+    assert 0.05 < cfg.data.val_fraction <= 0.1
+    again = prepare_tokens(path=str(text), vocab_size=cfg.data.vocab_size, val_fraction=cfg.data.val_fraction)
+    assert np.array_equal(again.val, data.val)  # the recorded fraction gives the same split back
+    check_batches(cfg, data)
+    said = capsys.readouterr().out
+    assert f"holding out data.val_fraction = {cfg.data.val_fraction:g} instead" in said
+    assert "data.val_fraction = 0.05 of this text is" in said
+
+    tiny = own_text(tmp_path / "tiny.txt", num_bytes=8_000)  # even half of it holds no evaluation batch
+    cfg = load_config(None, [f"--data.path={tiny}"])
+    data = prepare_data(cfg)
+    assert cfg.data.val_fraction == 0.05  # left as asked: check_batches says how much text these settings need
+    with pytest.raises(ValueError, match="too small"):
+        check_batches(cfg, data)
+
+
+def test_a_corpus_of_documents_too_small_to_evaluate_is_told_the_fraction_to_set(tmp_path):
+    """Whole documents are held out, and another fraction holds out others: the message names the one to set."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(20):
+        own_text(corpus / f"part{i:02d}.txt", num_bytes=10_000)
+    cfg = load_config(None, [f"--data.path={corpus}"])
+    data = prepare_data(cfg)
+    assert cfg.data.val_fraction == 0.05 and len(data.val) < 2056
+    with pytest.raises(ValueError) as short:
+        check_batches(cfg, data)
+    message = str(short.value)
+    assert message.startswith(f"the validation data has {len(data.val):,} tokens (data.val_fraction = 0.05 of ")
+    assert "not enough for one evaluation batch of train.micro_batch_size = 8 windows (2,056 tokens)" in message
+    fraction = message.split("--data.val_fraction=")[1].split()[0]
+    cfg = load_config(None, [f"--data.path={corpus}", f"--data.val_fraction={fraction}"])  # the advice works
+    check_batches(cfg, prepare_data(cfg))
 
 
 @pytest.mark.parametrize("num_documents", [2, 3, 10, 38, 101])
@@ -473,8 +537,10 @@ def test_eval_batches_are_deterministic_windows_from_the_start():
         assert torch.equal(targets, inputs + 1)
     limited = list(iter_eval_batches(tokens, seq_len=9, batch_size=8, max_batches=3))
     assert len(limited) == 3 and all(torch.equal(x[0], y[0]) for x, y in zip(limited, batches, strict=False))
-    with pytest.raises(ValueError, match="not enough for one batch"):
+    with pytest.raises(ValueError, match=r"not enough for one evaluation batch of train.micro_batch_size = 8") as short:
         iter_eval_batches(tokens[:50], seq_len=9, batch_size=8)
+    for option in ("--train.micro_batch_size", "--train.seq_len", "--data.val_fraction"):  # options that exist
+        assert option in str(short.value)
     with pytest.raises(ValueError, match="0 windows"):
         iter_eval_batches(tokens[:5], seq_len=9, batch_size=1)
 

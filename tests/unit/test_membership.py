@@ -2,6 +2,7 @@
 
 import datetime
 import json
+import logging
 
 import pytest
 import torch
@@ -92,3 +93,32 @@ def test_below_min_clusters_the_round_is_refused_with_one_line_naming_the_settin
     assert str(refused.value) == (
         "only 1 of 3 clusters (clusters [1]) are left in the round, fewer than sync.min_clusters = 2: the run stops"
     )
+
+
+def test_torchft_flight_recorder_warning_is_dropped_and_its_other_warnings_and_errors_are_not(caplog):
+    """torchft's Manager warns after every reconfiguration, on a CPU build of torch, that it cannot reset NCCL's
+    flight recorder; the slow-link group is gloo, so that line is dropped, through torchft's own logger, and only it."""
+    from torchft.manager import _ManagerLogger
+
+    from dilocox.sync.membership import quiet_torchft_logs
+
+    class Step:
+        def current_step(self) -> int:
+            return 3
+
+    quiet_torchft_logs()
+    quiet_torchft_logs()  # idempotent: one filter
+    manager_log = _ManagerLogger(Step(), "cluster0", 0)  # what torchft's Manager logs through
+    with caplog.at_level(logging.WARNING):
+        manager_log.warn("Unable to reset NCCL flight recorder recording so traces will be incorrect.")
+        manager_log.warn("a warning that does apply")
+        try:
+            raise RuntimeError("gloo connection reset")
+        except RuntimeError:
+            manager_log.exception("got exception in pg configure: gloo connection reset")
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages == [
+        "[cluster0/0 - step 3] a warning that does apply",
+        "[cluster0/0 - step 3] got exception in pg configure: gloo connection reset",
+    ]
+    assert len(logging.getLogger("torchft.manager").filters) == 1

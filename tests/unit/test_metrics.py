@@ -127,6 +127,19 @@ def test_summary_names_the_latency_only_where_the_link_is_emulated():
     assert "10ms" not in format_summary(dataclasses.replace(SUMMARY, bandwidth="unlimited"))
 
 
+def test_summary_says_whose_slow_link_bytes_it_counts(tmp_path):
+    static = [line for line in format_summary(SUMMARY).splitlines() if "slow link" in line]
+    assert len(static) == 1 and " sent by all ranks; AllReduce would send " in static[0]
+    elastic = dataclasses.replace(SUMMARY, wan_bytes_clusters=[0])
+    line = next(line for line in format_summary(elastic).splitlines() if "slow link" in line)
+    assert " sent by cluster 0's ranks; AllReduce would send " in line
+    assert line.endswith(f"; an elastic run counts each cluster alone, not all {SUMMARY.num_clusters})")
+    elastic.write(tmp_path)
+    assert RunSummary.read(tmp_path).wan_bytes_clusters == [0]
+    SUMMARY.write(tmp_path)
+    assert RunSummary.read(tmp_path).wan_bytes_clusters is None
+
+
 def test_a_half_written_last_line_is_left_out_and_a_resume_drops_it(tmp_path):
     """metrics.jsonl is read while the run appends to it (`dilocox plot` of a live run, a test waiting for a step),
     and a killed run may leave its last line torn: only complete lines are records."""

@@ -4,7 +4,6 @@ import ast
 import math
 import pathlib
 import resource
-import time
 from dataclasses import replace
 
 import pytest
@@ -236,9 +235,7 @@ def test_flavor_parameter_counts():
 
 def test_paper_model_is_counted_on_meta_without_allocating():
     rss_before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
     num_params = count_parameters(model_args("qwen1.5-107b"))
-    assert time.perf_counter() - start < 10.0
     # 107B fp32 parameters would be 428 GB; the meta build must not even touch a few hundred MB.
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before_kib < 300 * 1024
     assert abs(num_params - 107e9) / 107e9 < 0.01

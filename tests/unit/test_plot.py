@@ -1,9 +1,13 @@
 """The charts of `dilocox plot` and `dilocox bench` stay readable with dozens of long-labelled runs: one legend under
 the panels, never over them, and the panels keep their size."""
 
+import json
+
 import pytest
 
-from dilocox.tools.plot import legend_below, run_style
+from dilocox.config import load_config, to_toml
+from dilocox.tools.plot import chart_lines, legend_below, load_run, run_style
+from dilocox.tools.plot import main as plot_main
 
 plt = pytest.importorskip("matplotlib.pyplot")
 
@@ -33,3 +37,47 @@ def test_the_legend_sits_under_the_panels_and_their_labels(panels):
         assert ax.get_window_extent(renderer).height / fig.dpi >= 2.5  # the panel kept most of its 4.2 inches
     assert legend.y0 >= 0  # inside the figure
     plt.close(fig)
+
+
+def write_run(run_dir, flags, records):
+    """A run directory as `dilocox train` leaves it: the resolved config.toml and metrics.jsonl."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.toml").write_text(to_toml(load_config(None, flags)))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run_dir
+
+
+def records(*, delayed: bool):
+    """Four logged steps of a DiLoCo run with one sync per two steps; a codec's rank only for the delayed run."""
+    rows = []
+    for step in (2, 4, 6, 8):
+        exposed = 0.0 if delayed else 0.5
+        row = {"step": step, "tokens": 100 * step, "elapsed_s": step, "loss": 5 - step / 10,
+               "wan_bytes_sent": 1000 * step, "link_busy_s": step / 4, "exposed_comm_s": exposed * step / 4,
+               "outer_step": step // 2, "round_link_s": 0.5, "round_exposed_s": exposed,
+               "round_hidden_s": 0.5 - exposed, "round_bytes_sent": 2000, "round_inner_steps": 2}  # fmt: skip
+        if delayed:
+            row["round_rank"] = 4
+        rows.append(row)
+    return rows
+
+
+def test_a_blocking_run_gets_no_hidden_share_and_no_empty_panel(tmp_path):
+    blocking = load_run(write_run(tmp_path / "diloco", ["--sync.kind=diloco"], records(delayed=False)))
+    delayed = load_run(write_run(tmp_path / "dilocox", ["--sync.kind=dilocox"], records(delayed=True)))
+    assert not blocking.overlaps and delayed.overlaps
+
+    def drawn(runs):
+        return {chart.filename: {panel.y: lines for panel, lines in panels} for chart, panels in chart_lines(runs)}
+
+    alone = drawn([blocking])
+    assert "hidden_fraction.png" not in alone  # 0 by construction: nothing to show
+    assert alone["rounds.png"] == {"round_inner_steps": [0]}  # no codec: no empty rank panel
+    assert alone["loss_vs_tokens.png"] == {"loss": [0]}  # no evaluation logged yet: no empty eval panel
+    both = drawn([blocking, delayed])
+    assert both["hidden_fraction.png"] == {"round_hidden_fraction": [1], "hidden_fraction": [1]}
+    assert both["rounds.png"] == {"round_rank": [1], "round_inner_steps": [0, 1]}
+
+    assert plot_main([str(tmp_path / "diloco"), "--out", str(tmp_path / "plots")]) == 0
+    written = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert written == ["loss_vs_time.png", "loss_vs_tokens.png", "rounds.png", "slow_link_bytes.png"]

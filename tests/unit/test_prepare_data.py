@@ -11,6 +11,7 @@ import tokenizers
 import torch
 from tokenizers import models, pre_tokenizers
 
+from dilocox.config import load_config
 from dilocox.data import (
     EOS_TOKEN,
     ShardedTokenStream,
@@ -24,6 +25,8 @@ from dilocox.data import (
 from dilocox.data.corpus import iter_document_pieces
 from dilocox.data.prepare import prepare_dataset
 from dilocox.data.tokenfiles import INDEX_FILE, TokenFiles, read_index
+from dilocox.launch import preflight
+from dilocox.trainer import data_warnings, prepare_data
 
 WORDS = "the king queen sword crown night day love death river stone fire hope fear bright dark".split()
 
@@ -357,3 +360,36 @@ def test_a_saved_hf_dataset_prepares_like_the_same_documents_in_jsonl(tmp_path):
 
     with pytest.raises(ValueError, match=r"data\.text_field='text'.*no such column.*--text-field"):
         prepare_dataset(str(tmp_path / "saved"), tmp_path / "d", vocab_size=300)
+
+
+def test_a_text_too_small_for_the_vocabulary_asked_gives_fewer_ids_and_says_so(tmp_path, capsys):
+    """16 distinct words: BPE runs out of merges long before 1024 ids. prepare-data and train both say so."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for seed in range(6):
+        (corpus / f"doc{seed}.txt").write_text(make_text(seed, 40))
+    index = prepare_dataset(str(corpus), tmp_path / "prepared", vocab_size=1024, val_fraction=0.2)
+    ids = index["vocab_size"]
+    assert 257 < ids < 1024
+    err = capsys.readouterr().err
+    assert err == (
+        f"dilocox: warning: the BPE has {ids:,} ids, fewer than the 1,024 asked (--vocab-size=1024): every word of "
+        f"this text is already a single token, so nothing is left to merge; the model's vocabulary is {ids:,} ids. "
+        f"Use more text for more ids, or --vocab-size={ids} to ask for what it has\n"
+    )
+    small = [f"--data.path={corpus}", "--data.val_fraction=0.2", "--train.seq_len=16"]
+    cfg = load_config(None, [*small, "--data.vocab_size=1024"])
+    data = prepare_data(cfg)
+    assert data.vocab_size == ids and capsys.readouterr().err == ""  # said by the launcher once its checks pass
+    warned = data_warnings(cfg, data)
+    assert warned == [
+        f"dilocox: warning: the BPE has {ids:,} ids, fewer than the 1,024 asked (--data.vocab_size=1024): every word "
+        f"of this text is already a single token, so nothing is left to merge; the model's vocabulary is {ids:,} "
+        f"ids. Use more text for more ids, or --data.vocab_size={ids} to ask for what it has"
+    ]
+    exact = load_config(None, [*small, f"--data.vocab_size={ids}"])
+    assert data_warnings(exact, prepare_data(exact)) == []
+    preflight(load_config(None, [*small, "--data.vocab_size=1024", f"--run.out_dir={tmp_path / 'run'}"]))
+    assert capsys.readouterr().err == warned[0] + "\n"  # `dilocox train`'s checks, once
+    prepare_dataset(str(corpus), tmp_path / "exact", vocab_size=ids, val_fraction=0.2)
+    assert capsys.readouterr().err == ""  # asked for what it has: nothing to say

@@ -15,22 +15,31 @@ from dilocox.net.config import NetworkConfig
 from dilocox.net.watchdog import DONE, JobStore, Watchdog, describe_ranks
 from dilocox.topology import Topology
 
-HEARTBEAT, STALL = 0.1, 0.8
+HEARTBEAT, STALL = 0.125, 1.0  # seconds of a ManualClock: binary fractions, so silences add up exactly
+
+
+class ManualClock:
+    """The watchdog's clock, moved by the test: silences are decided on this time, not on the machine's speed."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 class Outcome:
-    """What `on_stall` was called with, per rank (instead of ending the test process)."""
+    """What `on_stall` was called with, per rank, and when on the test's clock (instead of ending the process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
         self.calls: dict[int, str | None] = {}
         self.at: dict[int, float] = {}
-        self.event = threading.Event()
 
     def handler(self, rank: int):
         def on_stall(message: str | None) -> None:
             self.calls[rank] = message
-            self.at[rank] = time.monotonic()
-            self.event.set()
+            self.at[rank] = self.clock()
 
         return on_stall
 
@@ -51,52 +60,59 @@ def _watchdogs(server, topo: Topology, ranks: list[int], outcome: Outcome, names
             heartbeat_s=HEARTBEAT,
             stall_timeout_s=STALL,
             on_stall=outcome.handler(rank),
+            clock=outcome.clock,
         )
         for rank in ranks
     ]
 
 
+def _heartbeat(clock: ManualClock, dogs: list[Watchdog], outcome: Outcome) -> None:
+    """One heartbeat of every watchdog that has not stopped, `HEARTBEAT` later on the clock."""
+    clock.now += HEARTBEAT
+    for dog in dogs:
+        if dog.rank not in outcome.calls:
+            dog.check_once()
+
+
 def test_a_silent_rank_is_named_once_with_its_coordinates(server):
     """Ranks 0-2 beat; rank 3 (cluster 1, dp 0, pp 1) beats twice and then stops, as a SIGSTOPped process does."""
     topo = Topology(num_clusters=2, dp_degree=1, pp_degree=2)
-    outcome = Outcome()
+    clock = ManualClock()
+    outcome = Outcome(clock)
     dogs = _watchdogs(server, topo, [0, 1, 2], outcome, "silent")
-    for dog in dogs:
-        dog.start()
     server.add("silent/beat/3", 1)
-    time.sleep(2 * HEARTBEAT)
+    _heartbeat(clock, dogs, outcome)
+    _heartbeat(clock, dogs, outcome)
     server.add("silent/beat/3", 1)
-    last_beat = time.monotonic()
-    deadline = last_beat + 30
-    while len(outcome.calls) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for dog in dogs:
-        dog.stop()
+    last_beat = clock()
+    for _ in range(100):
+        _heartbeat(clock, dogs, outcome)
+        if len(outcome.calls) == 3:
+            break
     assert sorted(outcome.calls) == [0, 1, 2], "every watching rank stops"
     reports = [m for m in outcome.calls.values() if m is not None]
     assert len(reports) == 1, reports  # one line per job: the first to claim the abort key
     report = reports[0]
     assert report.startswith("dilocox: error: rank 3 (cluster 1, dp 0, pp 1) has not sent a heartbeat for ")
-    assert "(network.stall_timeout = 0.8s): it is stopped, hung or cut off; the run stops" in report
-    silent_s = int(report.split("heartbeat for ")[1].split(" s ")[0])
-    assert silent_s >= 1  # 0.8 s rounded: never before the timeout
-    assert min(outcome.at.values()) - last_beat >= STALL
+    assert "1 s (network.stall_timeout = 1s): it is stopped, hung or cut off; the run stops" in report
+    # its last beat is seen at the next heartbeat, and it is named exactly one stall timeout after that
+    assert min(outcome.at.values()) - last_beat == HEARTBEAT + STALL
     assert [dog.report for dog in dogs].count(report) == 1
 
 
 def test_finished_ranks_are_not_reported_and_a_clean_run_never_trips(server):
     """A rank that stops on purpose marks itself done; the ones still running keep watching the others only."""
     topo = Topology(num_clusters=3)
-    outcome = Outcome()
+    clock = ManualClock()
+    outcome = Outcome(clock)
     dogs = _watchdogs(server, topo, [0, 1, 2], outcome, "clean")
-    for dog in dogs:
-        dog.start()
-    time.sleep(3 * HEARTBEAT)
-    dogs[2].stop()  # the first to finish
+    for _ in range(3):
+        _heartbeat(clock, dogs, outcome)
+    dogs[2].start()  # its own thread, for stop() to end: the first to finish
+    dogs[2].stop()
     assert int(server.get("clean/beat/2")) >= DONE
-    assert not outcome.event.wait(4 * STALL), outcome.calls
-    for dog in dogs[:2]:
-        dog.stop()
+    for _ in range(int(4 * STALL / HEARTBEAT)):
+        _heartbeat(clock, dogs[:2], outcome)
     assert outcome.calls == {}
 
 
@@ -118,22 +134,28 @@ time.sleep(600)
 
 
 def test_a_frozen_store_host_is_reported_and_the_watchdog_does_not_hang():
-    """A TCPStore client waits for ever on a frozen server: the watchdog still reports, within its bound."""
+    """A TCPStore client waits for ever on a frozen server: every heartbeat still returns (its store calls are
+    bounded), and the silence, counted on the test's clock from the last answer, is reported."""
     host = subprocess.Popen([sys.executable, "-c", _FROZEN_SERVER], stdout=subprocess.PIPE, text=True)
     try:
         port = int(host.stdout.readline())
         client = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=2))
-        outcome = Outcome()
+        clock = ManualClock()
+        outcome = Outcome(clock)
         job = JobStore(client, f"the job's store at 127.0.0.1:{port} (hosted by rank 0)")
         dog = Watchdog(job, rank=1, topology=Topology(2), heartbeat_s=HEARTBEAT, stall_timeout_s=STALL,
-                       on_stall=outcome.handler(1))  # fmt: skip
-        dog.start()
+                       on_stall=outcome.handler(1), clock=clock)  # fmt: skip
         client.add("dilocox/watchdog/beat/0", 1)
-        time.sleep(3 * HEARTBEAT)
+        for _ in range(2):  # under the stall timeout: nothing to report, however slow the store answered
+            _heartbeat(clock, [dog], outcome)
+        assert outcome.calls == {}
         os.kill(host.pid, signal.SIGSTOP)
-        frozen_at = time.monotonic()
-        assert outcome.event.wait(30), "the watchdog hung on the frozen store"
-        assert outcome.at[1] > frozen_at  # silence counts from the last answer, which came before the freeze
+        frozen_at = clock()
+        for _ in range(100):
+            _heartbeat(clock, [dog], outcome)
+            if outcome.calls:
+                break
+        assert outcome.at[1] - frozen_at == STALL  # silence counts from the last answer, the heartbeat before
         message = outcome.calls[1]
         assert message.startswith(
             f"dilocox: error: rank 1 has had no answer from the job's store at 127.0.0.1:{port} (hosted by rank 0) for"

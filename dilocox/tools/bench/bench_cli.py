@@ -15,7 +15,7 @@ BENCH_FILE = """\
 a bench file (more in benchmarks/configs/):
 
   [bench]
-  name = "mine"                        # results go to benchmarks/results/mine/ (or --out)
+  name = "mine"                        # results go to runs/bench/mine/ (or --out)
   base = "../../configs/default.toml"  # the `dilocox train` config of every run, relative to this file
   overrides = ["--eval.interval=50"]   # flags every run gets
   baseline = "allreduce"               # the run every gap is paired with, seed by seed
@@ -48,7 +48,12 @@ def _parser() -> ToolParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("config", nargs="?", default="benchmarks/configs/default.toml", help="bench TOML file")
-    parser.add_argument("--out", default=None, help="output directory (default benchmarks/results/NAME)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default runs/bench/NAME, which git ignores; --out benchmarks/results/NAME for a result "
+        "the docs cite: git keeps its tables and plots, not its run directories and logs)",
+    )
     parser.add_argument("--quick", action="store_true", help="debug flavor, 20 steps: a smoke check of the table")
     parser.add_argument("--only", default="", help="comma-separated run names to (re)run; others are kept")
     parser.add_argument(

@@ -6,7 +6,11 @@ harness then writes `OUT/results.json`, `OUT/results.md` and plots (eval loss vs
 throughput; `results.py`). `--quick` shrinks every run to the debug flavor and a few steps, for tests and smoke
 checks; the paper regime (`paper_regime.py`) replaces the one run per strategy by convergence and timed runs.
 
-    results = run_bench(Path("benchmarks/configs/default.toml"), out_dir=Path("benchmarks/results/default"))
+    results = run_bench(Path("benchmarks/configs/default.toml"))   # into runs/bench/default/
+
+Output goes to `default_out_dir` (under `runs/`, which git ignores) unless `out_dir` names a place. What the
+repository keeps of a bench under `benchmarks/results/NAME/` is its table (results.json, results.md) and plots; its
+run directories (`runs/`, `timed/`) and logs stay where they were made (`.gitignore`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,15 @@ from dilocox.tools.bench.results import collect, kept_rows, write_results
 from dilocox.tools.bench.runs import has_summary, train_seeds
 from dilocox.tools.bench.spec import REGIMES, load_bench
 from dilocox.tools.bench.table import format_table
+
+BENCH_OUT = Path("runs") / "bench"
+"""Where a bench writes by default: a folder per bench under the ignored `runs/`."""
+
+
+def default_out_dir(name: str, *, regime: str | None, quick: bool) -> Path:
+    """`runs/bench/NAME`, with `-paper` for the paper regime of a bench not named so and `-quick` under --quick."""
+    suffix = ("-paper" if regime == "paper" and not name.endswith("paper") else "") + ("-quick" * quick)
+    return BENCH_OUT / (name + suffix)
 
 
 def run_bench(
@@ -52,8 +65,7 @@ def run_bench(
     if spec.regime != "paper" and (retime or timing_repeats is not None):
         raise ValueError("--retime and --timing-repeats are for the paper regime (--regime paper); this bench times "
                          "every run once, on its own link")  # fmt: skip
-    suffix = ("-paper" if spec.regime == "paper" and not spec.name.endswith("paper") else "") + ("-quick" * quick)
-    out_dir = out_dir or Path("benchmarks/results") / (spec.name + suffix)
+    out_dir = out_dir or default_out_dir(spec.name, regime=spec.regime, quick=quick)
     selected = [r for r in spec.runs if not only or r.name in only]
     if only and len(selected) != len(only):
         raise ValueError(f"--only {only}: unknown run names; the bench has {[r.name for r in spec.runs]}")

@@ -156,6 +156,8 @@ def run_paper_regime(
                 f"--retime: {out_dir} has no convergence runs of {missing} in runs/ (run directories are not "
                 "committed: re-time where they were trained, or run the bench without --retime)"
             )
+    if reuse:
+        _check_runs_to_read_back(out_dir, json.loads(earlier.read_text()), selected, reference, retime=retime)
     out_dir.mkdir(parents=True, exist_ok=True)
     # A partial re-run keeps the earlier bandwidth, so that its rows stay comparable with the rows it keeps.
     runs = [] if retime else selected if reuse else [reference, *selected]
@@ -215,6 +217,28 @@ def run_paper_regime(
         for run_dir in timed_repeats(out_dir, NO_COMM_RUN):
             write_atomic(run_dir / WINDOW_FILE, f"{outer[0]}\n".encode())
     return collect_paper_regime(spec, out_dir, reference, regime, quick=quick)
+
+
+def _check_runs_to_read_back(
+    out_dir: Path, earlier: dict[str, Any], selected: list[BenchRun], reference: BenchRun, *, retime: bool
+) -> None:
+    """A partial re-run (`--only`, `--retime`) tabulates every row again from the run directories on disk: the
+    convergence runs (`runs/NAME`) of every row and the reference, and the timed runs (`timed/NAME`) of the rows it
+    does not time again. Refuse, before anything runs, where they are missing (a results.json from git, which keeps
+    tables and plots only), rather than drop those rows."""
+    trained = set() if retime else {run.name for run in selected}  # convergence runs this call makes
+    timed = {run.name for run in selected} | {reference.name}  # timed runs this call makes
+    rows = [row["name"] for row in earlier.get("runs", [])]
+    names = list(dict.fromkeys([reference.name, *rows]))
+    no_run = [name for name in names if name not in trained and not has_summary(out_dir / "runs" / name)]
+    no_timed = [name for name in rows if name not in timed and not timed_repeats(out_dir, name)]
+    missing = sorted(set(no_run) | set(no_timed), key=names.index)
+    if missing:
+        raise ValueError(
+            f"{out_dir}: a partial re-run reads every other row back from its run directories, and {missing} have "
+            "none here (runs/ and timed/ stay where a bench ran; git keeps only results.json, results.md and the "
+            "plots): re-run where they were made, or run every row of the bench (without --only or --retime)"
+        )
 
 
 def collect_paper_regime(
