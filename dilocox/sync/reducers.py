@@ -89,6 +89,9 @@ class Reducer(Protocol):
     def current_rank(self) -> int | None:
         """The low-rank codec's rank of the next encoding (adaptive: the last chosen), None for other codecs."""
 
+    def current_matrix_ranks(self) -> tuple[int, ...] | None:
+        """The adaptive codec's last chosen rank of each matrix (per_matrix, budget), None for other codecs."""
+
     def held_back(self, device: torch.device) -> torch.Tensor | None:
         """What of this cluster's past pseudo-gradients its next encoding will add (the error-feedback residual,
         times `compression.feedback_decay`), as one flat (numel,) vector on `device`, identical on the cluster's dp
@@ -184,6 +187,9 @@ class DenseReducer:
         pass
 
     def current_rank(self) -> int | None:
+        return None
+
+    def current_matrix_ranks(self) -> tuple[int, ...] | None:
         return None
 
     def held_back(self, device: torch.device) -> torch.Tensor | None:
@@ -282,6 +288,9 @@ class CodecReducer:
 
     def current_rank(self) -> int | None:
         return self.codec.current_rank()
+
+    def current_matrix_ranks(self) -> tuple[int, ...] | None:
+        return self.codec.current_matrix_ranks()
 
     def heal(self) -> None:
         self.feedback.reset()
