@@ -391,6 +391,10 @@ class GatherReducer(CodecReducer):
         max_numel = self.codec.max_nbytes_list(self.slice.shapes)  # every cluster encodes a slice of these shapes
         transfer = self.channel.launch_all_gather(payload.data, max_numel=max_numel, account=account)
         own_index = self.channel.group_rank
+        # Filled by finish() and shared with the PendingMean rather than reached through it: a closure over the
+        # PendingMean that holds it would be a reference cycle, which keeps the round's tensors alive until the
+        # cyclic garbage collector runs, and their memory fragments the heap meanwhile.
+        excluded: dict[int, str] = {}
 
         def finish() -> torch.Tensor:
             payloads = transfer.wait()  # None in place of a payload whose tag did not verify (network.auth_key_file)
@@ -409,9 +413,10 @@ class GatherReducer(CodecReducer):
                     except ValueError as error:  # a corrupt or forged payload must not stop the receivers
                         malformed[index] = f"malformed payload: {error}"
                 updates.append(self._flat(decoded, flat.device))
-            pending.excluded = self._judge(updates)
-            pending.excluded.update(malformed)  # the precise reason where the guard only saw nothing usable
-            accepted = [u for index, u in enumerate(updates) if u is not None and index not in pending.excluded]
+            excluded.clear()
+            excluded.update(self._judge(updates))
+            excluded.update(malformed)  # the precise reason where the guard only saw nothing usable
+            accepted = [u for index, u in enumerate(updates) if u is not None and index not in excluded]
             if self.guard is not None:
                 self.guard.accept(accepted)
             cost.codec_s += time.perf_counter() - decode_from
@@ -419,8 +424,9 @@ class GatherReducer(CodecReducer):
                 return torch.zeros(self.slice.numel, dtype=torch.float32, device=flat.device)
             return aggregate(accepted, self.how, trim_fraction=self.trim_fraction)
 
-        pending = PendingMean(flat, self.slice.bounds, finish, transfer, self.dp_group, sent=payload.data, cost=cost)
-        return pending
+        return PendingMean(
+            flat, self.slice.bounds, finish, transfer, self.dp_group, sent=payload.data, cost=cost, excluded=excluded
+        )
 
     def _flat(self, decoded: list[torch.Tensor] | None, device: torch.device) -> torch.Tensor | None:
         if decoded is None:
