@@ -1,6 +1,6 @@
 """Memory soak: RSS, open file descriptors and threads of every rank over thousands of outer rounds.
 
-    python benchmarks/memory_soak.py                                   # 2,400 rounds, about 25 minutes on 2 busy cores
+    python benchmarks/memory_soak.py                                   # 2,400 rounds, about 18 minutes on 2 busy cores
     python benchmarks/memory_soak.py --steps 600 --warmup 200 --out /tmp/memsoak   # a quicker look
 
 One `dilocox train` run of configs/debug.toml with `sync.kind = dilocox` (the adaptive codec with error feedback,
