@@ -1,24 +1,26 @@
-"""Per-matrix adaptive ranks over the outer rounds of finished runs, read from their final checkpoints.
+"""Per-matrix adaptive ranks over the outer rounds of finished runs, read from their metrics.jsonl.
 
-    python benchmarks/matrix_ranks.py benchmarks/results/outer_delay/runs/adaptive-rank [more run dirs] \
-        --out benchmarks/results/outer_delay/matrix_ranks
+    python benchmarks/matrix_ranks.py RUN_DIR [more run dirs] --out benchmarks/results/outer_delay/matrix_ranks
 
-`metrics.jsonl` logs one rank per round (`round_rank`: under `compression.aggregate = per_matrix` the mean of the
-matrices' ranks, rounded up). The decisions of every matrix are in the adaptive codec's state, which every
-checkpoint holds (`RankDecision.matrix_ranks`); this reads cluster 0's (rank_00000.pt, the stage of pipeline stage
-0) from a run's newest checkpoint and writes, per run, a heatmap of the rank of every matrix over the rounds
-(`NAME.png`) and a table of the ranks at a few rounds (`NAME.md`). Needs matplotlib, and the run directories with
-their checkpoints where the bench ran: git keeps a bench's tables and plots, not its runs.
+Under `compression.aggregate = per_matrix` (or budget) `metrics.jsonl` logs, with every round, the rank of each
+matrix (`round_matrix_ranks`, after smoothing, as sent) and their mean rounded up (`round_rank`); rank 0 logs, so
+these are cluster 0's ranks of pipeline stage 0. The matrix names come from the model state of the run's newest
+checkpoint when it has one. This writes, per run, a heatmap of the rank of every matrix over the rounds (`NAME.png`)
+and a table of the ranks at a few rounds (`NAME.md`). Needs matplotlib.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
-from dilocox.checkpoint import list_checkpoints, load_rank_state
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # read runs with the code of this tree
+
+from dilocox.checkpoint import list_checkpoints, load_rank_state  # noqa: E402
+from dilocox.metrics import read_metrics  # noqa: E402
 
 
 def matrix_names(model_state: dict[str, torch.Tensor]) -> list[str]:
@@ -26,23 +28,24 @@ def matrix_names(model_state: dict[str, torch.Tensor]) -> list[str]:
     return [name for name, tensor in model_state.items() if tensor.dim() >= 2]
 
 
-def read_decisions(run_dir: Path) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-    """(matrix names, used ranks (rounds, matrices), raw ranks (rounds, matrices)) of cluster 0 in `run_dir`."""
-    checkpoints = list_checkpoints(run_dir)
-    if not checkpoints:
-        raise SystemExit(f"{run_dir}: no checkpoint (the bench keeps the final one)")
-    try:
-        state = load_rank_state(checkpoints[-1], 0)  # verified against meta.json
-    except ValueError as exc:
-        raise SystemExit(f"{run_dir}: {exc}") from None
-    policy = state["sync"]["reducer"]["codec"].get("policy")
-    if policy is None or "matrix_ranks" not in policy or policy["matrix_ranks"].shape[-1] == 0:
+def read_decisions(run_dir: Path) -> tuple[list[str], list[int], torch.Tensor]:
+    """(matrix names, the outer step of each logged round, ranks (rounds, matrices)) of cluster 0 in `run_dir`."""
+    rows = [row for row in read_metrics(run_dir) if row.get("round_matrix_ranks")]
+    if not rows:
         raise SystemExit(f"{run_dir}: no per-matrix ranks (compression.kind = adaptive, aggregate = per_matrix)")
-    per_matrix = policy["matrix_ranks"]  # (rounds, 2, matrices): raw, used
-    names = matrix_names(state["model"])
-    if len(names) != per_matrix.shape[-1]:  # a matrix dense even at rank_min is not measured
-        names = [f"matrix {i}" for i in range(per_matrix.shape[-1])]
-    return names, per_matrix[:, 1], per_matrix[:, 0]
+    outer_steps = [int(row["outer_step"]) for row in rows]
+    ranks = torch.tensor([row["round_matrix_ranks"] for row in rows])  # (rounds, matrices)
+    checkpoints = list_checkpoints(run_dir)
+    names: list[str] = []
+    if checkpoints:
+        try:
+            state = load_rank_state(checkpoints[-1], 0)  # verified against meta.json
+        except ValueError as exc:
+            raise SystemExit(f"{run_dir}: {exc}") from None
+        names = matrix_names(state["model"])
+    if len(names) != ranks.shape[-1]:  # no checkpoint, or a matrix dense even at rank_min is not measured
+        names = [f"matrix {i}" for i in range(ranks.shape[-1])]
+    return names, outer_steps, ranks
 
 
 def write(run_dir: Path, out_dir: Path) -> None:
@@ -51,12 +54,13 @@ def write(run_dir: Path, out_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names, ranks, raw = read_decisions(run_dir)
+    names, outer_steps, ranks = read_decisions(run_dir)
     rounds = ranks.shape[0]
     fig, ax = plt.subplots(figsize=(10, 0.22 * len(names) + 1.5))
-    image = ax.imshow(ranks.T.numpy(), aspect="auto", cmap="viridis", interpolation="nearest")
+    extent = (outer_steps[0] - 0.5, outer_steps[-1] + 0.5, len(names) - 0.5, -0.5)
+    image = ax.imshow(ranks.T.numpy(), aspect="auto", cmap="viridis", interpolation="nearest", extent=extent)
     ax.set_yticks(range(len(names)), [n.replace(".weight", "") for n in names], fontsize=7)
-    ax.set_xlabel("outer round")
+    ax.set_xlabel("outer step")
     ax.set_title(f"{run_dir.name}: rank of each matrix (smoothed; mean per round in metrics.jsonl's round_rank)")
     fig.colorbar(image, ax=ax, label="rank")
     fig.tight_layout()
@@ -65,14 +69,14 @@ def write(run_dir: Path, out_dir: Path) -> None:
     plt.close(fig)
     shown = sorted({0, rounds // 4, rounds // 2, 3 * rounds // 4, rounds - 1})
     lines = [
-        f"Rank of each matrix (raw -> used after smoothing) at outer rounds {', '.join(str(r + 1) for r in shown)} "
-        f"of `{run_dir.name}` (cluster 0, from its final checkpoint).",
+        f"Rank of each matrix (after smoothing, as sent) at outer steps "
+        f"{', '.join(str(outer_steps[r]) for r in shown)} of `{run_dir.name}` (cluster 0, from its metrics.jsonl).",
         "",
-        "| matrix | " + " | ".join(f"round {r + 1}" for r in shown) + " |",
+        "| matrix | " + " | ".join(f"outer step {outer_steps[r]}" for r in shown) + " |",
         "| --- | " + " | ".join("---:" for _ in shown) + " |",
     ]
     for index, name in enumerate(names):
-        cells = [f"{int(raw[r, index])} -> {int(ranks[r, index])}" for r in shown]
+        cells = [f"{int(ranks[r, index])}" for r in shown]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     means = [f"{float(ranks[r].float().mean()):.1f}" for r in shown]
     lines.append("| mean (used) | " + " | ".join(means) + " |")

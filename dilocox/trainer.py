@@ -558,6 +558,7 @@ class Trainer:
                     logger.print(self.sync.warnings.pop(0))
                 if logger is None:
                     self.sync.warnings.clear()  # rank 0 prints them; the others' copies go
+                    self.losses.clear()  # rank 0 averages them per logged line; the others keep none
                 eval_loss = None
                 if self.in_eval_pipeline and (self._due(cfg.eval.interval) or last):
                     eval_start = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,11 +49,13 @@ class AdaptiveRank:
     to `energy` over `ramp_rounds` rounds, "late_strong" ramps it down from `energy` to `energy_floor`, and
     "spectrum" keeps `energy`. Only the top rank_max singular values are estimated (randomized SVD, or the Ritz
     values the codec's power iteration yields), never a full SVD; the total energy is the exact squared Frobenius
-    norm, so the kept share is underestimated, never over: the rank errs high.
+    norm, so the kept share is underestimated, never over: the rank errs high. Only the decisions of the last
+    `window` rounds are kept (the smoothing reads no further back), so its memory and its checkpointed state stay the
+    same size however long the run; metrics.jsonl logs every round's ranks.
 
         policy = AdaptiveRank(CompressionConfig(kind="adaptive", rank_min=2, rank_max=32, energy=0.9, window=4))
         rank = policy.update(pseudo_grads)               # once per round
-        policy.ranks                                     # the chosen rank of every round so far
+        policy.history[-1]                               # the last round's decision (per matrix too)
     """
 
     OVERSAMPLE = 8
@@ -65,12 +68,10 @@ class AdaptiveRank:
         self.cfg = cfg
         """The options: rank_min, rank_max, energy, energy_floor, window, schedule, ramp_rounds, aggregate."""
         self.generator = torch.Generator().manual_seed(seed)
-        self.history: list[RankDecision] = []
-        """One decision per round, oldest first."""
-
-    @property
-    def rounds(self) -> int:
-        return len(self.history)
+        self.rounds = 0
+        """Rounds decided so far (the schedule's clock)."""
+        self.history: deque[RankDecision] = deque(maxlen=cfg.window)
+        """The decisions of the last `window` rounds, oldest first."""
 
     @property
     def rank(self) -> int:
@@ -79,7 +80,7 @@ class AdaptiveRank:
 
     @property
     def ranks(self) -> list[int]:
-        """The chosen rank of every round so far."""
+        """The chosen rank of each of the last `window` rounds, oldest first."""
         return [decision.rank for decision in self.history]
 
     def target_energy(self, round_index: int | None = None) -> float:
@@ -140,12 +141,16 @@ class AdaptiveRank:
             return self._update_per_matrix(spectra, total_energies, target)
         raw_rank = self._raw_rank(spectra, total_energies, target)
         rank = self._smoothed(raw_rank, [decision.raw_rank for decision in self._window()])
-        self.history.append(RankDecision(self.rounds, target, raw_rank, rank))
+        self._record(RankDecision(self.rounds, target, raw_rank, rank))
         return rank
+
+    def _record(self, decision: RankDecision) -> None:
+        self.history.append(decision)  # the deque drops the decision that left the window
+        self.rounds += 1
 
     def _window(self) -> list[RankDecision]:
         """The decisions of the rounds before this one that its rank is smoothed over (window - 1 of them)."""
-        return self.history[-(self.cfg.window - 1) :] if self.cfg.window > 1 else []
+        return list(self.history)[-(self.cfg.window - 1) :] if self.cfg.window > 1 else []
 
     def _smoothed(self, raw_rank: int, recent: Sequence[int]) -> int:
         """ceil(mean of `recent` raw ranks and this round's), clipped to [rank_min, rank_max]."""
@@ -161,7 +166,7 @@ class AdaptiveRank:
         ranks = tuple(self._smoothed(raw[i], [r[i] for r in recent]) for i in range(len(raw)))
         rank = math.ceil(sum(ranks) / len(ranks) - 1e-9) if ranks else self.cfg.rank_min
         raw_rank = math.ceil(sum(raw) / len(raw) - 1e-9) if raw else 1
-        self.history.append(RankDecision(self.rounds, target, raw_rank, rank, raw, ranks))
+        self._record(RankDecision(self.rounds, target, raw_rank, rank, raw, ranks))
         return rank
 
     def _budget_raw_ranks(
@@ -214,6 +219,8 @@ class AdaptiveRank:
         return math.ceil(sum(per_matrix) / len(per_matrix) - 1e-9)
 
     def state_dict(self) -> dict[str, Any]:
+        """The decisions of the last `window` rounds (at most `window` rows: the next rounds' smoothing and the
+        schedule's clock, the last row's round + 1, need no more) and the spectrum estimate's generator."""
         # Tensors rather than lists of records so that torch.distributed.checkpoint stores them as plain arrays.
         history = torch.tensor(
             [[d.round, d.target_energy, d.raw_rank, d.rank] for d in self.history], dtype=torch.float64
@@ -227,9 +234,13 @@ class AdaptiveRank:
         return {"history": history, "matrix_ranks": matrix_ranks, "generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict`; a state with more rows (saved while every round was kept) keeps its last `window`."""
         per_matrix = state.get("matrix_ranks")  # absent in states saved before per-matrix ranks
-        self.history = []
-        for index, (round_index, target, raw, rank) in enumerate(state["history"].tolist()):
+        rows = state["history"].tolist()
+        self.rounds = int(rows[-1][0]) + 1 if rows else 0
+        self.history = deque(maxlen=self.cfg.window)
+        first = max(0, len(rows) - self.cfg.window)
+        for index, (round_index, target, raw, rank) in enumerate(rows[first:], start=first):
             raws, ranks = ([], []) if per_matrix is None else per_matrix[index].tolist()
             self.history.append(
                 RankDecision(
@@ -282,7 +293,7 @@ class AdaptiveCodec(LowRankCodec):
 
         codec = build_codec(CompressionConfig(kind="adaptive", rank_min=2, rank_max=32, energy=0.9))
         payload = codec.encode_list(pseudo_grads)        # size varies with the rank: codec.max_nbytes_list bounds it
-        codec.policy.ranks                               # the rank of every round
+        codec.policy.rank                                # the rank of the last round
     """
 
     def __init__(
@@ -310,6 +321,10 @@ class AdaptiveCodec(LowRankCodec):
 
     def current_rank(self) -> int:
         return self.policy.rank
+
+    def current_matrix_ranks(self) -> tuple[int, ...] | None:
+        decisions = self.policy.history
+        return decisions[-1].matrix_ranks if decisions and decisions[-1].matrix_ranks else None
 
     def observe(self, pseudo_grads: Sequence[torch.Tensor]) -> None:
         if self.policy.cfg.spectrum_of != "pseudo_grad":

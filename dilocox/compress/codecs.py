@@ -149,6 +149,11 @@ class Codec(ABC):
         """The rank the next matrix is encoded at, for low-rank codecs (before the min(m, n) cap); else None."""
         return None
 
+    def current_matrix_ranks(self) -> tuple[int, ...] | None:
+        """The adaptive codec's rank of each matrix it measured in the last round (`compression.aggregate` per_matrix
+        or budget); None for every other codec and aggregate."""
+        return None
+
     def observe(self, pseudo_grads: Sequence[torch.Tensor]) -> None:
         """See this round's pseudo-gradient before error feedback adds its residual (`ErrorFeedback.compress`): the
         adaptive codec measures its spectrum there; every other codec ignores it."""

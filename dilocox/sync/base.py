@@ -52,6 +52,8 @@ class RoundStats:
     """Payload size and codec time of a compressed sync."""
     rank: int | None = None
     """The low-rank codec's rank of the next encoding (adaptive: the rank it chose)."""
+    matrix_ranks: tuple[int, ...] | None = None
+    """The adaptive codec's rank of each matrix it measured (per_matrix, budget), in the order of the parameters."""
     excluded: dict[int, str] | None = None
     """With sync.guard: the clusters whose update was left out of this mean, and why (docs/design.md §4.5)."""
     skipped: bool = False
@@ -67,8 +69,8 @@ class RoundStats:
         """Share of the link time that overlapped compute (None when the transfer took no link time)."""
         return self.hidden_s / self.link_s if self.link_s > 0 else None
 
-    def to_record(self) -> dict[str, float]:
-        record: dict[str, float] = {
+    def to_record(self) -> dict[str, float | list[int]]:
+        record: dict[str, float | list[int]] = {
             "round_link_s": self.link_s,
             "round_exposed_s": self.exposed_s,
             "round_hidden_s": self.hidden_s,
@@ -89,6 +91,8 @@ class RoundStats:
             record["round_bits_per_value"] = 8 * self.cost.payload_bytes / (self.cost.dense_bytes / 4)
             if self.rank is not None:
                 record["round_rank"] = self.rank
+            if self.matrix_ranks is not None:
+                record["round_matrix_ranks"] = list(self.matrix_ranks)
         return record
 
 

@@ -387,6 +387,7 @@ class DiLoCoSync:
             inner_steps=round_steps,
             cost=pending.cost,
             rank=self.reducer.current_rank(),
+            matrix_ranks=self.reducer.current_matrix_ranks(),
             excluded=dict(pending.excluded) if self.cfg.guard else None,
             skipped=skipped,
         )

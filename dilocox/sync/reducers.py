@@ -89,6 +89,9 @@ class Reducer(Protocol):
     def current_rank(self) -> int | None:
         """The low-rank codec's rank of the next encoding (adaptive: the last chosen), None for other codecs."""
 
+    def current_matrix_ranks(self) -> tuple[int, ...] | None:
+        """The adaptive codec's last chosen rank of each matrix (per_matrix, budget), None for other codecs."""
+
     def held_back(self, device: torch.device) -> torch.Tensor | None:
         """What of this cluster's past pseudo-gradients its next encoding will add (the error-feedback residual,
         times `compression.feedback_decay`), as one flat (numel,) vector on `device`, identical on the cluster's dp
@@ -184,6 +187,9 @@ class DenseReducer:
         pass
 
     def current_rank(self) -> int | None:
+        return None
+
+    def current_matrix_ranks(self) -> tuple[int, ...] | None:
         return None
 
     def held_back(self, device: torch.device) -> torch.Tensor | None:
@@ -282,6 +288,9 @@ class CodecReducer:
 
     def current_rank(self) -> int | None:
         return self.codec.current_rank()
+
+    def current_matrix_ranks(self) -> tuple[int, ...] | None:
+        return self.codec.current_matrix_ranks()
 
     def heal(self) -> None:
         self.feedback.reset()
@@ -382,6 +391,10 @@ class GatherReducer(CodecReducer):
         max_numel = self.codec.max_nbytes_list(self.slice.shapes)  # every cluster encodes a slice of these shapes
         transfer = self.channel.launch_all_gather(payload.data, max_numel=max_numel, account=account)
         own_index = self.channel.group_rank
+        # Filled by finish() and shared with the PendingMean rather than reached through it: a closure over the
+        # PendingMean that holds it would be a reference cycle, which keeps the round's tensors alive until the
+        # cyclic garbage collector runs, and their memory fragments the heap meanwhile.
+        excluded: dict[int, str] = {}
 
         def finish() -> torch.Tensor:
             # None in place of a payload whose tag did not verify on some cluster (network.auth_key_file), this
@@ -403,9 +416,10 @@ class GatherReducer(CodecReducer):
                     except ValueError as error:  # a corrupt or forged payload must not stop the receivers
                         malformed[index] = f"malformed payload: {error}"
                 updates.append(self._flat(decoded, flat.device))
-            pending.excluded = self._judge(updates)
-            pending.excluded.update(malformed)  # the precise reason where the guard only saw nothing usable
-            accepted = [u for index, u in enumerate(updates) if u is not None and index not in pending.excluded]
+            excluded.clear()
+            excluded.update(self._judge(updates))
+            excluded.update(malformed)  # the precise reason where the guard only saw nothing usable
+            accepted = [u for index, u in enumerate(updates) if u is not None and index not in excluded]
             if self.guard is not None:
                 self.guard.accept(accepted)
             cost.codec_s += time.perf_counter() - decode_from
@@ -413,8 +427,9 @@ class GatherReducer(CodecReducer):
                 return torch.zeros(self.slice.numel, dtype=torch.float32, device=flat.device)
             return aggregate(accepted, self.how, trim_fraction=self.trim_fraction)
 
-        pending = PendingMean(flat, self.slice.bounds, finish, transfer, self.dp_group, sent=payload.data, cost=cost)
-        return pending
+        return PendingMean(
+            flat, self.slice.bounds, finish, transfer, self.dp_group, sent=payload.data, cost=cost, excluded=excluded
+        )
 
     def _flat(self, decoded: list[torch.Tensor] | None, device: torch.device) -> torch.Tensor | None:
         if decoded is None:

@@ -280,6 +280,53 @@ def test_dilocox_compressed_trains_and_resumes_with_a_delayed_update_in_flight(t
     assert json.loads((resumed / "summary.json").read_text())["wan_bytes_total"] == summary["wan_bytes_total"]
 
 
+def test_adaptive_codec_state_stays_bounded_over_rounds_and_a_late_resume_is_exact(tmp_path):
+    """H = 1 and compression.window = 2: the adaptive codec's checkpointed history holds the last 2 rounds whether
+    written after 4 rounds or 8 (the same exact shapes), each round logs every matrix's rank, and a run resumed at
+    round 8 logs the losses, ranks and final eval loss of the run that never stopped."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = [
+        "--config",
+        DEBUG,
+        "--sync.kind=dilocox",
+        "--sync.inner_steps=1",
+        "--compression.window=2",
+        "--train.steps=12",
+        "--checkpoint.interval=4",
+        "--checkpoint.keep=5",
+        "--metrics.log_interval=1",
+        "--eval.interval=0",
+        "--eval.final_max_batches=2",
+    ]
+    result = dilocox("train", *common, f"--run.out_dir={straight}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    policies = {}
+    for step in (4, 8):
+        state = torch.load(straight / "checkpoints" / f"step_{step:08d}" / "rank_00000.pt", weights_only=False)
+        policies[step] = state["sync"]["reducer"]["codec"]["policy"]
+        assert policies[step]["history"][:, 0].tolist() == [step - 2, step - 1]  # 0-based rounds: the last two
+    num_matrices = policies[4]["matrix_ranks"].shape[-1]
+    assert num_matrices > 0 and policies[8]["matrix_ranks"].shape == policies[4]["matrix_ranks"].shape
+    assert policies[4]["matrix_ranks"].shape == (2, 2, num_matrices)
+    want = {r["step"]: r for r in metrics(straight)}
+    rounds = [r for r in want.values() if "round_matrix_ranks" in r]
+    assert len(rounds) == 11  # the first round's sync is applied a round later (sync_delay = 1)
+    assert all(len(r["round_matrix_ranks"]) == num_matrices for r in rounds)
+    result = dilocox(
+        "train",
+        *common,
+        f"--run.out_dir={resumed}",
+        f"--checkpoint.resume={straight / 'checkpoints' / 'step_00000008'}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = metrics(resumed)
+    assert [r["step"] for r in got] == list(range(9, 13))
+    for row in got:
+        assert row["loss"] == want[row["step"]]["loss"], row["step"]
+        assert row["round_matrix_ranks"] == want[row["step"]]["round_matrix_ranks"], row["step"]
+    assert got[-1]["eval_loss"] == want[12]["eval_loss"]
+
+
 def test_pipeline_two_stages_matches_unsplit_and_resumes(debug_run, tmp_path):
     """2 clusters x 2 stages (4 ranks) follow the 1-stage loss curve, and resume exactly."""
     unsplit, _ = debug_run

@@ -551,13 +551,17 @@ def test_adaptive_rank_smooths_over_its_window():
     low = matrix_with_spectrum(spectrum_keeping(3, 64), 96, 64)
     high = matrix_with_spectrum(spectrum_keeping(7, 64), 96, 64)
     policy = adaptive_rank(rank_min=1, rank_max=16, window=2)
-    ranks = [policy.update([matrix]) for matrix in (low, high, high, low)]
-    assert [d.raw_rank for d in policy.history] == [3, 7, 7, 3]
-    assert ranks == [3, 5, 7, 5] == policy.ranks
+    ranks, raw_ranks = [], []
+    for matrix in (low, high, high, low):
+        ranks.append(policy.update([matrix]))
+        raw_ranks.append(policy.history[-1].raw_rank)
+    assert raw_ranks == [3, 7, 7, 3]
+    assert ranks == [3, 5, 7, 5]
+    assert policy.ranks == [7, 5] and policy.rounds == 4  # the last `window` decisions are kept
     # The state carries the window: a restored policy makes the same next choice.
     restored = adaptive_rank(rank_min=1, rank_max=16, window=2)
     restored.load_state_dict(copy.deepcopy(policy.state_dict()))
-    assert restored.ranks == policy.ranks
+    assert restored.history == policy.history and restored.rounds == 4
     assert restored.update([high]) == policy.update([high]) == 5
 
 
@@ -584,7 +588,7 @@ def test_adaptive_codec_sends_the_chosen_rank():
     codec = build_codec("adaptive", rank_min=2, rank_max=16, energy=0.9, window=1)
     for _ in range(4):  # the warm start sharpens the measured spectrum round after round
         payload = codec.encode_list(tensors)
-    assert codec.policy.rank == 5 and len(codec.policy.ranks) == 4
+    assert codec.policy.rank == 5 and codec.policy.rounds == 4
     assert payload.data[:2].tolist() == [5, 0]  # the rank travels in the matrix's header
     assert payload.nbytes == codec.nbytes_at_rank((64, 48), 5) + 4 * 48
     assert codec.expected_nbytes((64, 48)) is None and codec.expected_nbytes((48,)) == 4 * 48
@@ -633,11 +637,14 @@ def test_adaptive_rank_reads_the_pseudo_gradient_not_the_residual_that_builds_up
     options = {"rank_min": 1, "rank_max": 24, "energy": 0.9, "window": 1}
     codec, feedback = build_codec("adaptive", **options), ErrorFeedback()
     old_rule, old_feedback = build_codec("adaptive", spectrum_of="codec_input", **options), ErrorFeedback()
+    ranks, old_ranks = [], []
     for _ in range(6):
         feedback.compress(codec, pseudo_grads)
         old_feedback.compress(old_rule, pseudo_grads)
-    assert codec.policy.ranks == [4] * 6
-    assert old_rule.policy.ranks[-1] > old_rule.policy.ranks[0] and old_rule.policy.ranks[-1] > 4
+        ranks.append(codec.policy.rank)
+        old_ranks.append(old_rule.policy.rank)
+    assert ranks == [4] * 6
+    assert old_ranks[-1] > old_ranks[0] and old_ranks[-1] > 4
 
 
 def test_adaptive_schedules_give_different_rank_sequences_on_the_same_pseudo_gradients():
@@ -648,14 +655,71 @@ def test_adaptive_schedules_give_different_rank_sequences_on_the_same_pseudo_gra
     sequences = {}
     for schedule in ("spectrum", "early_strong", "late_strong"):
         codec, feedback = build_codec("adaptive", schedule=schedule, **options), ErrorFeedback()
+        sequences[schedule] = []
         for _ in range(5):
             feedback.compress(codec, decaying)
-        sequences[schedule] = [d.matrix_ranks for d in codec.policy.history]
+            sequences[schedule].append(codec.policy.history[-1].matrix_ranks)
     assert len({tuple(seq) for seq in sequences.values()}) == 3
     assert len(set(sequences["spectrum"])) == 1
     early, late = [r[0] for r in sequences["early_strong"]], [r[0] for r in sequences["late_strong"]]
     assert early == sorted(early) and early[0] < early[-1]
     assert late == sorted(late, reverse=True) and late[0] > late[-1]
+
+
+def test_adaptive_history_and_its_state_stay_within_the_window_and_resume_exactly():
+    """Over many rounds the policy keeps the decisions of the last `window` rounds only: its history and its
+    checkpointed state have the same exact size at round 3 as at round 40, and a codec restored from the state of
+    round 17 (early_strong: the schedule's clock matters) encodes the next rounds byte for byte like the codec that
+    never stopped. A state saved while every round was kept (the layout before the window) resumes the same way."""
+    options = {"rank_min": 1, "rank_max": 12, "window": 3, "schedule": "early_strong", "ramp_rounds": 30}
+    options |= {"energy": 0.95, "energy_floor": 0.5, "group_size": 16}
+
+    def pseudo_grads(round_index: int) -> list[torch.Tensor]:
+        decaying = 0.75 ** torch.arange(24, dtype=torch.float32)
+        return [
+            matrix_with_spectrum(decaying, 40, 24, seed=round_index),
+            matrix_with_spectrum(decaying[:16] * (1 + round_index % 3), 32, 32, seed=100 + round_index),
+            randn(24, seed=200 + round_index),
+        ]
+
+    def state_size(state: dict) -> dict[str, tuple[int, ...]]:
+        return {key: tuple(value.shape) for key, value in state.items() if key != "generator"}
+
+    codec, feedback = build_codec("adaptive", **options), ErrorFeedback()
+    decisions, sizes, saved = [], {}, None
+    for round_index in range(40):
+        feedback.compress(codec, pseudo_grads(round_index))
+        decisions.append(codec.policy.history[-1])
+        assert len(codec.policy.history) == min(round_index + 1, 3) and codec.policy.rounds == round_index + 1
+        if round_index + 1 in (3, 17, 40):
+            sizes[round_index + 1] = state_size(codec.policy.state_dict())
+        if round_index + 1 == 17:
+            saved = copy.deepcopy((codec.state_dict(), feedback.state_dict()))
+            legacy_policy = {
+                "history": torch.tensor(
+                    [[d.round, d.target_energy, d.raw_rank, d.rank] for d in decisions], dtype=torch.float64
+                ),
+                "matrix_ranks": torch.tensor([[d.matrix_raw_ranks, d.matrix_ranks] for d in decisions]),
+                "generator": codec.policy.generator.get_state(),
+            }
+    assert sizes[3] == sizes[17] == sizes[40] == {"history": (3, 4), "matrix_ranks": (3, 2, 2)}
+    assert [d.round for d in decisions] == list(range(40))
+    assert len({d.target_energy for d in decisions}) > 10  # the ramp moved the target: the clock was read
+    for legacy in (False, True):
+        codec_state, feedback_state = copy.deepcopy(saved)
+        if legacy:
+            codec_state["policy"] = legacy_policy
+        restored, restored_feedback = build_codec("adaptive", **options), ErrorFeedback()
+        restored.load_state_dict(codec_state)
+        restored_feedback.load_state_dict(feedback_state)
+        assert restored.policy.rounds == 17 and list(restored.policy.history) == decisions[14:17]
+        again, again_feedback = build_codec("adaptive", **options), ErrorFeedback()
+        again.load_state_dict(copy.deepcopy(saved[0]))
+        again_feedback.load_state_dict(copy.deepcopy(saved[1]))
+        for round_index in range(17, 40):
+            payload, _ = restored_feedback.compress(restored, pseudo_grads(round_index))
+            assert restored.policy.history[-1] == decisions[round_index]
+            assert torch.equal(payload.data, again_feedback.compress(again, pseudo_grads(round_index))[0].data)
 
 
 def test_payloads_of_different_sizes_are_walked_in_a_concatenation():
