@@ -31,8 +31,9 @@ gave identical fields for every run (docs/design.md §8, "Checking a refactor").
 `compare` re-runs the exact commands stored in the snapshot with the code of this tree and prints, per run,
 `identical`, `DIFFERENT` with every differing field (old -> new; for a series, the first element that differs) or
 `ERROR` with the CLI's message (a config the code now refuses, a crash, a timeout), and exits 1 unless every run is
-identical. `--jobs N` runs N cases at a time: each run is its own process group with its own store port, and a CPU
-run at one thread per rank gives the same bits whatever else the machine does.
+identical. `--jobs N` (default 2) runs N cases at a time: each run has its own processes and store port, and a CPU
+run at one thread per rank gives the same bits whatever else the machine does. On a shared 2-core machine `record`
+took 385 s with `--jobs 2` and `compare` 213 s with `--jobs 3` (each run is mostly process start-up, 9-54 s).
 
 Not covered, because their results depend on timing: `sync.fit_link` (H follows the measured link time) and an
 elastic run with a killed cluster: where the restarted cluster rejoins (which round, or at the end) depends on how
@@ -494,15 +495,28 @@ def record(args: argparse.Namespace) -> int:
         entry: dict[str, Any] = {"what": known[outcome.name].what, "invocations": cases[outcome.name]}
         entry.update({"error": outcome.error} if outcome.error else {"fields": outcome.fields})
         snapshot["runs"][outcome.name] = entry
-    snapshot["runs"] = {case.name: snapshot["runs"][case.name] for case in CASES if case.name in snapshot["runs"]}
+    runs = {case.name: snapshot["runs"][case.name] for case in CASES if case.name in snapshot["runs"]}
+    snapshot = {"format": FORMAT, "recorded_with": snapshot["recorded_with"], "runs": runs}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(snapshot, indent=1) + "\n")
+    out.write_text(dump_snapshot(snapshot) + "\n")
     failed = [o.name for o in outcomes if o.error]
     print(f"wrote {out}: {len(outcomes)} runs in {wall_s:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""))
     twin = _elastic_twin_check(snapshot["runs"])
     if twin:
         print(twin)
     return 1 if failed else 0
+
+
+def dump_snapshot(value: Any, depth: int = 0) -> str:
+    """JSON with one line per run field (and per stored command), so a re-recording diffs field by field."""
+    if depth >= 4 or not isinstance(value, dict | list) or not value:
+        return json.dumps(value)
+    pad = " " * (depth + 1)
+    if isinstance(value, dict):
+        items = [f"{pad}{json.dumps(key)}: {dump_snapshot(item, depth + 1)}" for key, item in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + " " * depth + "}"
+    items = [f"{pad}{dump_snapshot(item, depth + 1)}" for item in value]
+    return "[\n" + ",\n".join(items) + "\n" + " " * depth + "]"
 
 
 def _elastic_twin_check(runs: dict[str, Any]) -> str:
@@ -570,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--against", default="benchmarks/results/snapshot/snapshot.json")
     for sub in (rec, cmp_):
         sub.add_argument("--only", action="append", metavar="NAME", help="this run only (repeatable)")
-        sub.add_argument("--jobs", type=int, default=1, help="runs at a time (results do not depend on it)")
+        sub.add_argument("--jobs", type=int, default=2, help="runs at a time (results do not depend on it)")
         sub.add_argument("--timeout", type=float, default=900.0, help="seconds one `dilocox train` call may take")
         sub.add_argument("--keep", type=Path, default=None, help="copy each run directory and its output here")
     commands.add_parser("list", help="print the cases and their flags")
