@@ -119,7 +119,10 @@ def cmd_train(argv: list[str]) -> int:
 
         forkserver.start_early(config_path, rest)  # its imports run while this process imports and checks the config
     from dilocox.config import load_config
-    from dilocox.launch import launch_local, launch_torchrun, preflight, prepare_run_dir
+    from dilocox.launch.local import launch_local
+    from dilocox.launch.preflight import preflight
+    from dilocox.launch.rundir import prepare_run_dir
+    from dilocox.launch.torchrun import launch_torchrun
 
     try:
         cfg = load_config(config_path, rest)
@@ -267,7 +270,7 @@ def cmd_lighthouse(argv: list[str]) -> int:
         print(LIGHTHOUSE_USAGE)
         return 0
     from dilocox.config import load_config
-    from dilocox.launch import lighthouse_timeouts
+    from dilocox.launch.elastic import lighthouse_timeouts
 
     try:
         bind, argv = _take_option(argv, "--bind")

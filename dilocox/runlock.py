@@ -8,7 +8,8 @@ The file `RUN_DIR/.dilocox.lock` holds the holder's host, pid and start time as 
 two launchers cannot both take it. A lock left by a process that died (same host, pid gone or reused by a process
 that started later) is stale and taken over with a note; a lock from another host cannot be checked from here and
 is refused with the command that removes it. A launcher takes it before it writes, replaces or removes anything in
-the run directory (`launch.prepare_run_dir`), so a run refused by a live one leaves that run's files as they were.
+the run directory (`launch.rundir.prepare_run_dir`), so a run refused by a live one leaves that run's files as they
+were.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from dilocox.agreement import run_settings, settings_fingerprint
 from dilocox.checkpoint import check_resume, list_checkpoints, load_rank_state, run_identity, save_checkpoint
 from dilocox.config import DTYPES, Config, to_dict
 from dilocox.data import ShardedTokenStream, TokenData, is_prepared_dir, iter_eval_batches, prepare_tokens
-from dilocox.data.tokenizer import smaller_vocab_warning
 from dilocox.device import describe, intra_cluster_backend, resolve_device
 from dilocox.metrics import MetricsLogger, RunSummary, format_summary, truncate_metrics
 from dilocox.models import Decoder, ModelArgs, count_parameters, model_args
@@ -49,7 +48,8 @@ def prepare_data(cfg: Config) -> TokenData:
     `train.seq_len + 1` tokens) gets a longer tail instead: the smallest fraction, up to 0.5, that holds one batch.
     The fraction used is written into `cfg` (and so into the run's config.toml, which `dilocox eval` reads) and said
     in one line. A corpus of several documents holds out whole documents, which another fraction would change rather
-    than extend, and a prepared directory's split is fixed: `check_batches` names the fraction to set instead."""
+    than extend, and a prepared directory's split is fixed: `launch.preflight.check_batches` names the fraction
+    to set instead."""
     data = _prepare_tokens(cfg)
     need = eval_batch_tokens(cfg)
     if len(data.val) >= need or data.num_val_documents > 0 or is_prepared_dir(cfg.data.path):
@@ -79,14 +79,6 @@ def prepare_data(cfg: Config) -> TokenData:
     return data
 
 
-def data_warnings(cfg: Config, data: TokenData) -> list[str]:
-    """What the launcher says about the data once every check passed: a BPE trained here with fewer ids than
-    `data.vocab_size` asked (the text ran out of merges)."""
-    trained_here = not cfg.data.tokenizer and not cfg.model.init_from and not is_prepared_dir(cfg.data.path)
-    warning = smaller_vocab_warning(data.vocab_size, cfg.data.vocab_size, option="--data.vocab_size")
-    return [warning] if trained_here and warning else []
-
-
 def eval_batch_tokens(cfg: Config) -> int:
     """Tokens of one evaluation batch: `train.micro_batch_size` windows of `train.seq_len + 1`."""
     return cfg.train.micro_batch_size * (cfg.train.seq_len + 1)
@@ -111,39 +103,6 @@ def _prepare_tokens(cfg: Config) -> TokenData:
         text_field=d.text_field,
         seed=cfg.split_seed,
     )
-
-
-def check_batches(cfg: Config, data: TokenData) -> None:
-    """Raise the data's own ValueError, before any rank starts, when a data shard holds fewer windows of
-    `train.seq_len + 1` tokens than one batch, or the validation split fewer than one evaluation batch: the streams
-    the ranks will build are built here (constructing one reads no tokens)."""
-    topology = Topology(cfg.topology.num_clusters, cfg.topology.dp_degree, cfg.topology.pp_degree)
-    for shard_index in range(topology.num_shards):
-        ShardedTokenStream(
-            data.train,
-            seq_len=cfg.train.seq_len,
-            batch_size=cfg.train.micro_batch_size,
-            shard_index=shard_index,
-            num_shards=topology.num_shards,
-            seed=cfg.run.seed,
-            shard=cfg.data.shard,
-        )
-    need, total = eval_batch_tokens(cfg), len(data.train) + len(data.val)
-    if len(data.val) < need and not is_prepared_dir(cfg.data.path):
-        windows = len(data.val) // (cfg.train.seq_len + 1)
-        raise ValueError(
-            f"the validation data has {len(data.val):,} tokens (data.val_fraction = {cfg.data.val_fraction:g} of "
-            f"{total:,}), {windows} windows of train.seq_len + 1 = {cfg.train.seq_len + 1}, not enough for one "
-            f"evaluation batch of train.micro_batch_size = {cfg.train.micro_batch_size} windows ({need:,} tokens); "
-            + (
-                f"hold out more with --data.val_fraction={min(0.5, math.ceil(need / total * 120) / 100):g} (about: "
-                "whole documents are held out), "
-                if need <= total / 2
-                else f"use more text (these settings need about {need * (1 + topology.num_shards):,} tokens), "
-            )
-            + "or lower --train.micro_batch_size or --train.seq_len (docs/design.md §12, 'How much text a run needs')"
-        )
-    iter_eval_batches(data.val, seq_len=cfg.train.seq_len, batch_size=cfg.train.micro_batch_size)
 
 
 def model_shape(cfg: Config, vocab_size: int) -> ModelArgs:
@@ -376,7 +335,7 @@ class Trainer:
             ranks_per_cluster=t.dp_degree * t.pp_degree,
             timeout=timeout,
             quorum_timeout=timeout,
-            # half the Lighthouse's join timeout (launch.lighthouse_timeouts)
+            # half the Lighthouse's join timeout (launch.elastic.lighthouse_timeouts)
             control_timeout=datetime.timedelta(seconds=(cfg.network.stall_timeout_s or cfg.network.timeout_s) / 2),
             state_dict=lambda: self.sync.diloco.elastic.heal_state(),
             load_state_dict=lambda state: self.sync.diloco.elastic.load_heal_state(state),

@@ -258,7 +258,7 @@ def test_a_run_directory_that_holds_another_run_is_named_as_such_under_auto_resu
     this run's train.steps, belongs to another run, and the message says how to start this one elsewhere."""
     from dilocox.checkpoint import run_identity
     from dilocox.config import load_config, to_dict
-    from dilocox.launch import resolve_resume
+    from dilocox.launch.preflight import resolve_resume
 
     run_dir = tmp_path / "default"
     one = ["--topology.num_clusters=1"]  # one rank file per checkpoint

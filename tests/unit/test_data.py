@@ -30,7 +30,8 @@ from dilocox.data import (
 )
 from dilocox.data.dataset import IndexPermutation
 from dilocox.fileio import write_atomic
-from dilocox.trainer import check_batches, prepare_data
+from dilocox.launch.preflight import check_batches
+from dilocox.trainer import prepare_data
 
 WORDS = "the king queen sword crown night day love death river stone fire hope fear bright dark".split()
 UNICODE_SAMPLES = [

@@ -46,20 +46,8 @@ def test_the_outer_digest_sees_one_flipped_bit_and_ignores_the_order_of_the_sum(
     assert (halves - outer_digest(outer)) % 2**64 == 0
 
 
-def test_the_launcher_names_a_restart_until_it_joins_and_whether_it_asked(tmp_path):
-    from dilocox.launch import _restarts_in_progress
-
-    assert _restarts_in_progress(str(tmp_path), 3) == {}  # first starts are not restarts: the first quorum waits
-    (tmp_path / "restarting2").touch()
-    assert _restarts_in_progress(str(tmp_path), 3) == {2: False}
-    (tmp_path / "ready2").touch()  # just before it asks the Lighthouse for its first quorum
-    assert _restarts_in_progress(str(tmp_path), 3) == {2: True}
-    (tmp_path / "joined2").touch()  # it healed in a quorum with its peers
-    assert _restarts_in_progress(str(tmp_path), 3) == {}
-
-
 def test_the_launcher_reads_which_clusters_ended_the_run_from_the_first_record(tmp_path):
-    from dilocox.launch import _last_round_clusters
+    from dilocox.launch.elastic import _last_round_clusters
 
     assert _last_round_clusters(tmp_path, 0) is None  # no record: the launcher stops no one on its account
     (tmp_path / "elastic").mkdir()

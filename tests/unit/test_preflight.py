@@ -2,9 +2,9 @@
 
 import pytest
 
-from dilocox import launch
 from dilocox.config import load_config
 from dilocox.data.tokenizer import MAX_VOCAB_SIZE, check_vocab_size
+from dilocox.launch import preflight
 
 
 @pytest.mark.parametrize("flag", ["--train.steps=9223372036854775808", "--run.seed=-9223372036854775809"])
@@ -22,11 +22,11 @@ def test_the_bpe_size_is_bounded():
 
 
 def test_local_ranks_must_fit_in_memory(monkeypatch):
-    monkeypatch.setattr(launch, "_available_memory", lambda: 10 * launch._RANK_START_BYTES)
-    launch.check_local_ranks(load_config(None, ["--topology.num_clusters=2", "--topology.dp_degree=5"]))
+    monkeypatch.setattr(preflight, "_available_memory", lambda: 10 * preflight._RANK_START_BYTES)
+    preflight.check_local_ranks(load_config(None, ["--topology.num_clusters=2", "--topology.dp_degree=5"]))
     with pytest.raises(ValueError, match=r"2 x 3 x 2 = 12 local ranks would need about 2.5 GB just to start"):
-        launch.check_local_ranks(
+        preflight.check_local_ranks(
             load_config(None, ["--topology.num_clusters=2", "--topology.dp_degree=3", "--topology.pp_degree=2"])
         )
-    monkeypatch.setattr(launch, "_available_memory", lambda: None)  # no /proc/meminfo: only the process limit
-    launch.check_local_ranks(load_config(None, ["--topology.num_clusters=64"]))
+    monkeypatch.setattr(preflight, "_available_memory", lambda: None)  # no /proc/meminfo: only the process limit
+    preflight.check_local_ranks(load_config(None, ["--topology.num_clusters=64"]))

@@ -25,8 +25,8 @@ from dilocox.data import (
 from dilocox.data.corpus import iter_document_pieces
 from dilocox.data.prepare import prepare_dataset
 from dilocox.data.tokenfiles import INDEX_FILE, TokenFiles, read_index
-from dilocox.launch import preflight
-from dilocox.trainer import data_warnings, prepare_data
+from dilocox.launch.preflight import data_warnings, preflight
+from dilocox.trainer import prepare_data
 
 WORDS = "the king queen sword crown night day love death river stone fire hope fear bright dark".split()
 

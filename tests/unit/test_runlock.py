@@ -57,7 +57,7 @@ def test_a_run_directory_is_written_only_once_its_lock_is_held(tmp_path, capsys,
     """prepare_run_dir into a live run's directory (resumed, replaced, or started again when it has no checkpoint)
     is refused by the lock before it writes, replaces or removes anything, and says nothing of resuming."""
     from dilocox.config import load_config
-    from dilocox.launch import prepare_run_dir
+    from dilocox.launch.rundir import prepare_run_dir
 
     run_dir = tmp_path / "run"
     checkpoint = run_dir / "checkpoints" / "step_00000010"

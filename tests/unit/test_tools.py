@@ -14,7 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 RUNTIME_MODULES = (
     "dilocox.trainer",
-    "dilocox.launch",
+    "dilocox.launch.local",
+    "dilocox.launch.elastic",
+    "dilocox.launch.torchrun",
     "dilocox.cli",
     "dilocox.sync",
     "dilocox.compress",

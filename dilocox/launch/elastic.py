@@ -1,0 +1,372 @@
+"""Start this machine's clusters of an elastic run, each as its own group of processes (its own world, its store
+served here), and start a cluster whose processes die again; it heals from a live peer (docs/design.md §10.1).
+
+    code = launch_elastic(cfg)      # `dilocox train` with topology.elastic = true, on each machine
+
+The launcher and the ranks of its clusters share a `ClusterBoard` (`status.py`): the launcher marks each start
+(STARTING, RESTARTING), a cluster's ranks mark their way into the run (REJOINING, JOINED) or why they stop
+(NO_LIVE_PEER), and every rank reads which restarts are still on their way (`ElasticMembership.restarts`). A rank's
+user error travels through its cluster's store (`processes.report_user_error`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from dilocox import forkserver
+from dilocox.config import Config, from_dict, to_dict
+from dilocox.launch.processes import (
+    EXIT_INTERRUPTED,
+    EXIT_USER_ERROR,
+    STOP_GRACE_S,
+    Stopped,
+    enter_forked_rank,
+    first_user_error,
+    report_user_error,
+    signals_stop_the_run,
+    stop_processes,
+)
+from dilocox.launch.status import ClusterBoard, ClusterStatus
+from dilocox.net.listen import bind_string, serve_store
+
+EXIT_NO_PEER = 5
+"""A restarted cluster found no live cluster to heal from (the run ended without it); it is not restarted."""
+
+
+def lighthouse_timeouts(cfg: Config) -> dict[str, float]:
+    """The Lighthouse's timeouts from `[network]`: a cluster silent for 2 x network.heartbeat is left out of the next
+    round; the live ones wait up to network.stall_timeout (or network.timeout) for one that beats but does not come."""
+    return {
+        "heartbeat_timeout_s": 2 * cfg.network.heartbeat_s,
+        "join_timeout_s": cfg.network.stall_timeout_s or cfg.network.timeout_s,
+    }
+
+
+def launch_elastic(cfg: Config) -> int:
+    """Start this machine's clusters (`topology.local_clusters`, all of them by default), each as its own group of
+    processes, with a torchft Lighthouse in this process unless network.lighthouse names one (several machines meet
+    at one). A cluster whose processes die is started again, up to topology.max_cluster_restarts times, and heals
+    from a live peer; the others go on meanwhile. This launcher ends when each of its clusters has finished or is
+    lost; it exits 1 when none of them finished."""
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    launcher = ElasticLauncher(cfg)
+    forkserver.start(forkserver.ELASTIC_PRELOAD)  # the time a restart takes is the time its peers train without it
+    try:
+        with signals_stop_the_run():
+            stopped_with = launcher.run()
+    except (KeyboardInterrupt, Stopped) as exc:
+        launcher.stop_all()
+        what = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"stopped by {exc}"
+        print(f"\ndilocox: {what}, every cluster stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else 128 + exc.signum
+    finally:
+        launcher.close()
+    return stopped_with if stopped_with is not None else launcher.end()
+
+
+@dataclass
+class _Cluster:
+    """One cluster this launcher runs: the processes and store of its current start (None between starts), and how
+    many times it was started again."""
+
+    index: int
+    restarts: int = 0
+    processes: Any = None  # torch.multiprocessing's ProcessContext
+    store: dist.TCPStore | None = None
+
+    def retire(self) -> None:
+        """The start is over: its processes have exited; its store stops listening once nothing holds it."""
+        self.processes = self.store = None
+
+
+class ElasticLauncher:
+    """This machine's clusters of one elastic run: starts them, starts a failed one again or gives up on it, and
+    stops, once the run has ended, the ones it ended without.
+
+        launcher = ElasticLauncher(cfg)   # a Lighthouse here unless network.lighthouse names one
+        code = launcher.run()             # None once every cluster finished or is lost: launcher.end() says how
+        launcher.close()
+    """
+
+    def __init__(self, cfg: Config) -> None:
+        from dilocox.sync.membership import lighthouse_url, start_lighthouse
+
+        self.cfg = cfg
+        self.topology = cfg.topology
+        self.advertise_host = cfg.network.listen_host
+        self.timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
+        self.clusters = {cluster: _Cluster(cluster) for cluster in self.topology.launched_clusters()}
+        self.board = ClusterBoard(self.topology.num_clusters)
+        self.running: dict[int, _Cluster] = {}
+        self.finished: set[int] = set()
+        self.lost: set[int] = set()
+        self.last_round: tuple[int, ...] | None = None
+        """The clusters that ended the run, from the record of the first cluster that finished."""
+        self.lighthouse = None
+        self.address = cfg.network.lighthouse
+        if not self.address:
+            self.lighthouse = start_lighthouse(bind=bind_string(self.advertise_host), **lighthouse_timeouts(cfg))
+            self.address = lighthouse_url(self.lighthouse, self.advertise_host)
+
+    def run(self) -> int | None:
+        """Start every cluster and follow them until each has finished or is lost. An exit code when the launcher
+        had to stop them all first: a rank's user error, or a Lighthouse that no longer answers."""
+        for cluster in self.clusters:
+            self._start(cluster)
+        while self.running:
+            # woken by the first process that ends: a restart is marked at once, well before the Lighthouse leaves
+            # the dead cluster out (2 x network.heartbeat), which the end of training relies on
+            sentinels = [s for state in self.running.values() for s in state.processes.sentinels]
+            multiprocessing.connection.wait(sentinels, timeout=1)
+            for cluster in list(self.running):
+                code = self._follow(cluster)
+                if code is not None:
+                    return code
+            if self.finished:
+                self._stop_stale()
+        return None
+
+    def stop_all(self) -> None:
+        for state in self.running.values():
+            stop_processes(state.processes)
+            state.retire()
+        self.running.clear()
+
+    def close(self) -> None:
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+
+    def end(self) -> int:
+        """Say which clusters the run finished without; 0 when at least one of this machine's clusters finished."""
+        if self.lost:
+            print(f"dilocox: elastic: the run finished without clusters {sorted(self.lost)}", file=sys.stderr)
+        if len(self.clusters) < self.topology.num_clusters and 0 not in self.clusters and self.finished:
+            print(
+                f"dilocox: elastic: clusters {sorted(self.finished)} of this machine finished; the run's metrics, "
+                "summary and checkpoints are written by cluster 0's machine",
+                flush=True,
+            )
+        return 0 if self.finished else 1
+
+    def _start(self, cluster: int) -> None:
+        """Start `cluster`'s processes with a fresh store: a restarted cluster must not meet its dead processes'
+        keys. The store listens on advertise_host, where the clusters of other machines reach it (torchft's group
+        of a round)."""
+        state = self.clusters[cluster]
+        # a restart is on the board before its processes exist: the live clusters' end of training waits for it
+        self.board.set(cluster, ClusterStatus.RESTARTING if state.restarts else ClusterStatus.STARTING)
+        state.store = serve_store(self.advertise_host, self.timeout)
+        args = (cluster, to_dict(self.cfg), state.store.port, self.board, self.address, self.advertise_host)
+        state.processes = mp.start_processes(
+            _elastic_rank_main,
+            args=(*args, state.restarts > 0, os.getpid(), dict(os.environ), os.getcwd()),
+            nprocs=self.topology.dp_degree * self.topology.pp_degree,
+            join=False,
+            start_method="forkserver",
+        )
+        self.running[cluster] = state
+        pids = " ".join(str(pid) for pid in state.processes.pids())
+        print(f"dilocox: elastic: cluster {cluster} started (pid {pids}, start {state.restarts + 1})", flush=True)
+
+    def _follow(self, cluster: int) -> int | None:
+        """One look at a running cluster: it goes on, finished, or failed (`_failed`)."""
+        state = self.running[cluster]
+        try:
+            done = state.processes.join(timeout=0, grace_period=STOP_GRACE_S)
+        except ProcessException as exc:
+            return self._failed(cluster, exc)
+        if done:
+            del self.running[cluster]
+            state.retire()
+            self.finished.add(cluster)
+            self.last_round = self.last_round or _last_round_clusters(Path(self.cfg.run.out_dir), cluster)
+        return None
+
+    def _failed(self, cluster: int, exc: ProcessException) -> int | None:
+        """A process of `cluster` failed. A rank's user error, or a Lighthouse that does not answer, stops the run;
+        a restart that found no live peer is given up on; otherwise the cluster is started again, or given up on
+        once it has used topology.max_cluster_restarts or the run has ended."""
+        state = self.running.pop(cluster)
+        stop_processes(state.processes)
+        error = self._first_user_error(state)
+        no_peer = self.board.get(cluster) is ClusterStatus.NO_LIVE_PEER
+        message = self.board.message(state.store) if no_peer else ""
+        state.retire()
+        if error is not None:
+            self.stop_all()
+            print(f"dilocox: error: {error}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        if no_peer:  # a restart that came after the run ended: nothing to start again
+            self._give_up(cluster)
+            print(f"dilocox: elastic: {message}; it is stopped", flush=True)
+            return None
+        if self.lighthouse is None and not _answers(self.address):
+            # every cluster needs it at every boundary: a restart would only wait network.timeout
+            self.stop_all()
+            print(
+                f"dilocox: error: the Lighthouse at {self.address} does not answer, so no cluster can go on (cluster "
+                f"{cluster} failed first); every cluster of this machine is stopped. An elastic run does not resume "
+                "from disk yet: start it again once the Lighthouse runs",
+                file=sys.stderr,
+            )
+            return 1
+        self._restart_or_give_up(cluster, _failure(exc))
+        return None
+
+    def _restart_or_give_up(self, cluster: int, why: str) -> None:
+        limit = self.topology.max_cluster_restarts
+        state = self.clusters[cluster]
+        if state.restarts < limit and not self.finished:
+            state.restarts += 1
+            print(
+                f"dilocox: elastic: cluster {cluster} failed ({why}); starting it again (restart {state.restarts} of "
+                f"topology.max_cluster_restarts = {limit}), it heals from a live peer",
+                flush=True,
+            )
+            self._start(cluster)
+        else:
+            self._give_up(cluster)
+            print(
+                f"dilocox: elastic: cluster {cluster} failed ({why}) and is not started again "
+                f"(topology.max_cluster_restarts = {limit}); the others go on",
+                flush=True,
+            )
+
+    def _stop_stale(self) -> None:
+        """The run has ended: a restarted cluster that is not in it yet has no peer left to heal from (it would wait
+        for one up to network.timeout), and one that was not in the last round (stopped or cut off while the others
+        finished) would go on training alone. Both are stopped."""
+        stale = [
+            cluster
+            for cluster in self.running
+            if self.board.get(cluster) is not ClusterStatus.JOINED or not self._in_last_round(cluster)
+        ]
+        for cluster in stale:
+            state = self.running.pop(cluster)
+            stop_processes(state.processes)
+            state.retire()
+            joined = self.board.get(cluster) is ClusterStatus.JOINED
+            self._give_up(cluster)
+            why = (
+                f"cluster {cluster} was not in the run's last round (stopped or cut off meanwhile)"
+                if joined
+                else f"the run ended before the restarted cluster {cluster} rejoined it"
+            )
+            print(f"dilocox: elastic: {why}; it is stopped", flush=True)
+
+    def _in_last_round(self, cluster: int) -> bool:
+        """Whether `cluster` ended the run with the first cluster that finished (True when that one wrote no record)."""
+        return not self.last_round or cluster in self.last_round
+
+    def _give_up(self, cluster: int) -> None:
+        """`cluster` is not started again; its processes have exited. The other clusters stop waiting for it."""
+        self.lost.add(cluster)
+        self.board.set(cluster, ClusterStatus.LOST)
+
+    def _first_user_error(self, failed: _Cluster) -> str | None:
+        """The line of the lowest rank, of the failed cluster or of one still running, that stopped on a user
+        error."""
+        per_cluster = self.topology.dp_degree * self.topology.pp_degree
+        for state in sorted([failed, *self.running.values()], key=lambda state: state.index):
+            ranks = range(state.index * per_cluster, (state.index + 1) * per_cluster)
+            error = first_user_error(state.store, ranks)
+            if error is not None:
+                return error
+        return None
+
+
+def _failure(exc: ProcessException) -> str:
+    """Why a cluster's process failed, in a few words: its exit code, or a Python error's last line."""
+    if hasattr(exc, "exit_code"):
+        return f"exit code {exc.exit_code}"
+    detail = getattr(exc, "msg", "").strip().splitlines()
+    return f"{exc.__class__.__name__}: {detail[-1]}" if detail else exc.__class__.__name__
+
+
+def _last_round_clusters(run_dir: Path, cluster: int) -> tuple[int, ...] | None:
+    """The clusters that ended the run with `cluster`, from its `elastic/cluster{c}.json` (None if it wrote none)."""
+    try:
+        return tuple(json.loads((run_dir / "elastic" / f"cluster{cluster}.json").read_text())["last_round_clusters"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _answers(url: str, timeout_s: float = 3.0) -> bool:
+    """Whether something accepts TCP connections at the host and port of `url` (a Lighthouse that died does not)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 80), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _elastic_rank_main(
+    local_rank: int,
+    cluster: int,
+    cfg_dict: dict,
+    port: int,
+    board: ClusterBoard,
+    lighthouse: str,
+    advertise_host: str,
+    restarted: bool,
+    launcher: int,
+    env: dict,
+    cwd: str,
+) -> None:
+    """One rank of one cluster of an elastic run: the cluster is its own world (its store in the launcher, which
+    other machines reach at `advertise_host`)."""
+    import faulthandler
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints where a cluster waits
+    enter_forked_rank(launcher, env, cwd)
+    cfg = from_dict(cfg_dict)
+    cfg.network.lighthouse = lighthouse
+    t = cfg.topology
+    ranks_per_cluster = t.dp_degree * t.pp_degree
+    timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
+    store = dist.TCPStore(advertise_host, port, ranks_per_cluster, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=local_rank, world_size=ranks_per_cluster, timeout=timeout)
+    rank = cluster * ranks_per_cluster + local_rank
+    from dilocox.sync.membership import NoLivePeer
+    from dilocox.trainer import Trainer
+
+    try:
+        trainer = Trainer(cfg, rank=rank, run_dir=Path(cfg.run.out_dir), cluster_store=(advertise_host, port))
+        if restarted:
+            trainer.on_joining = lambda: board.set(cluster, ClusterStatus.REJOINING)
+        trainer.on_joined = lambda: board.set(cluster, ClusterStatus.JOINED)
+        if trainer.membership is not None:
+            trainer.membership.restarts = board.restarts_in_progress
+            trainer.membership.restarted = restarted
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    except ValueError as exc:  # a user error, or fewer clusters than sync.min_clusters (ElasticError)
+        report_user_error(store, rank, str(exc))
+        sys.stdout.flush()
+        os._exit(EXIT_USER_ERROR)
+    except NoLivePeer as exc:  # a restart with nobody left to heal from: lost, not started again
+        board.report(cluster, ClusterStatus.NO_LIVE_PEER, str(exc), store=store)
+        sys.stdout.flush()
+        os._exit(EXIT_NO_PEER)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # torchft's threads (its manager server, the checkpoint server) must not hold the exit

@@ -1,0 +1,173 @@
+"""Every check that can fail on user input, run by the launcher before anything is written or any rank starts, so
+a mistake (config, data files, tokenizer, run directory, checkpoint to resume) ends with one line and exit code 2
+and leaves no half-made run directory.
+
+    data, resume = preflight(cfg)              # this machine starts every rank (`dilocox train`)
+    data, resume = preflight(cfg, world_size)  # one rank of a torchrun job
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+from dilocox.checkpoint import check_auto_resume, check_resume, check_resume_model, find_checkpoint, list_checkpoints
+from dilocox.config import Config
+from dilocox.data import ShardedTokenStream, TokenData, is_prepared_dir, iter_eval_batches
+from dilocox.data.tokenizer import smaller_vocab_warning
+from dilocox.device import resolve_device
+from dilocox.metrics import check_sinks
+from dilocox.net.listen import listening_socket
+from dilocox.parallel import check_split
+from dilocox.runlock import RunLock
+from dilocox.topology import Topology
+from dilocox.trainer import eval_batch_tokens, model_shape, prepare_data
+
+
+def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Path | None]:
+    """Every check that can fail on user input, before anything is written or any rank starts. `world_size` is
+    torchrun's; without it this machine starts every rank (`check_local_ranks`)."""
+    if world_size is not None and cfg.topology.elastic:
+        raise ValueError(
+            "topology.elastic = true is started by `dilocox train` on each machine, not by torchrun (it starts that "
+            "machine's clusters, topology.local_clusters, and starts dead ones again); under torchrun leave "
+            "topology.elastic off"
+        )
+    cfg.validate(world_size)
+    cores = os.cpu_count() or 1
+    if cfg.run.num_threads > cores:  # torch cannot start that many (100,000 crashed every rank)
+        raise ValueError(
+            f"run.num_threads = {cfg.run.num_threads:,} is more than this machine's {cores} cores; use "
+            f"--run.num_threads={cores} or less (ranks x threads <= cores is fastest)"
+        )
+    if world_size is None:
+        check_local_ranks(cfg)
+        if cfg.network.advertise_host:  # not an address of this machine: one line here, not a launcher's traceback
+            listening_socket(cfg.network.advertise_host).close()
+    check_sinks(tensorboard=cfg.metrics.tensorboard, wandb=cfg.metrics.wandb)  # a missing extra fails here
+    resolve_device(cfg.run.device, local_rank=0)  # asking for a GPU where there is none fails here, not in a rank
+    if world_size is None:  # under torchrun rank 0 checks it (the others would see rank 0's own lock)
+        RunLock.ensure_free(Path(cfg.run.out_dir))  # a live run's directory: refused before its checkpoints are read
+    resume = resolve_resume(cfg)
+    data = prepare_data(cfg)
+    args = model_shape(cfg, data.vocab_size)  # model.init_from: its config and weights' shapes too
+    args.validate()
+    if cfg.train.seq_len > args.max_seq_len:
+        source = (
+            f"max_position_embeddings of model.init_from = {cfg.model.init_from}"
+            if cfg.model.init_from
+            else f"model.flavor = {cfg.model.flavor}"
+        )
+        raise ValueError(
+            f"train.seq_len = {cfg.train.seq_len} is beyond the model's context of {args.max_seq_len} positions "
+            f"({source}); use --train.seq_len={args.max_seq_len} or less, or a model with a longer context"
+        )
+    check_split(args, cfg.topology.pp_degree)  # more stages than layers, or a tied embedding cut in two
+    check_batches(cfg, data)  # every data shard holds a batch, the validation split one evaluation batch
+    if resume is not None:  # another tokenizer or model shape than the checkpoint's: refused before any rank starts
+        vocab = data.load_tokenizer().vocab_fingerprint()
+        check_resume_model(resume, args, tokenizer_vocab=vocab, tokenizer_path=data.tokenizer_path)
+    if os.environ.get("RANK", "0") == "0":  # once, not on every rank under torchrun
+        for warning in data_warnings(cfg, data):
+            print(warning, file=sys.stderr, flush=True)
+    return data, resume
+
+
+_RANK_START_BYTES = 200 << 20
+"""Memory a local rank takes before it builds its model: the interpreter, torch and gloo (a debug-flavor rank
+measured 340 MB resident, shared libraries included)."""
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_local_ranks(cfg: Config) -> None:
+    """Refuse a topology this machine cannot start as local processes: more than the user's process limit, or more
+    ranks than the available memory holds at `_RANK_START_BYTES` each (before any model). torchrun spreads the
+    ranks over machines and is not checked here."""
+    import resource
+
+    t, world = cfg.topology, cfg.world_size
+    ranks = f"topology.num_clusters x dp_degree x pp_degree = {t.num_clusters} x {t.dp_degree} x {t.pp_degree}"
+    fix = "use fewer clusters, replicas or stages, or start the ranks on several machines with torchrun"
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != resource.RLIM_INFINITY and world > soft:
+        raise ValueError(
+            f"{ranks} = {world:,} local ranks, more than this user's {soft:,} processes (ulimit -u); {fix}"
+        )
+    available = _available_memory()
+    if available is not None and world * _RANK_START_BYTES > available:
+        raise ValueError(
+            f"{ranks} = {world:,} local ranks would need about {world * _RANK_START_BYTES / 1e9:,.1f} GB just to start "
+            f"({_RANK_START_BYTES >> 20} MB each before the model), but this machine has {available / 1e9:,.1f} GB "
+            f"available; {fix}"
+        )
+
+
+def resolve_resume(cfg: Config) -> Path | None:
+    """The checkpoint to resume, verified (`checkpoint.resume`): `auto` takes the newest one of run.out_dir when
+    there is one (so `torchrun --max-restarts` recovers) and starts fresh otherwise; "" never resumes."""
+    resume = cfg.checkpoint.resume
+    if not resume or (resume == "auto" and (cfg.run.overwrite or not list_checkpoints(Path(cfg.run.out_dir)))):
+        return None
+    if cfg.topology.elastic:
+        raise ValueError(
+            f"{cfg.run.out_dir} holds checkpoints, but an elastic run heals from live peers and does not resume from "
+            "disk yet; start it in a new --run.out_dir or with --run.overwrite=true"
+        )
+    path = find_checkpoint(Path(cfg.run.out_dir), "latest" if resume == "auto" else resume)
+    if resume == "auto":  # found, not asked for: it may belong to another run
+        check_auto_resume(cfg, path)
+    check_resume(cfg, path)
+    return path
+
+
+def check_batches(cfg: Config, data: TokenData) -> None:
+    """Raise the data's own ValueError, before any rank starts, when a data shard holds fewer windows of
+    `train.seq_len + 1` tokens than one batch, or the validation split fewer than one evaluation batch: the streams
+    the ranks will build are built here (constructing one reads no tokens)."""
+    topology = Topology(cfg.topology.num_clusters, cfg.topology.dp_degree, cfg.topology.pp_degree)
+    for shard_index in range(topology.num_shards):
+        ShardedTokenStream(
+            data.train,
+            seq_len=cfg.train.seq_len,
+            batch_size=cfg.train.micro_batch_size,
+            shard_index=shard_index,
+            num_shards=topology.num_shards,
+            seed=cfg.run.seed,
+            shard=cfg.data.shard,
+        )
+    need, total = eval_batch_tokens(cfg), len(data.train) + len(data.val)
+    if len(data.val) < need and not is_prepared_dir(cfg.data.path):
+        windows = len(data.val) // (cfg.train.seq_len + 1)
+        raise ValueError(
+            f"the validation data has {len(data.val):,} tokens (data.val_fraction = {cfg.data.val_fraction:g} of "
+            f"{total:,}), {windows} windows of train.seq_len + 1 = {cfg.train.seq_len + 1}, not enough for one "
+            f"evaluation batch of train.micro_batch_size = {cfg.train.micro_batch_size} windows ({need:,} tokens); "
+            + (
+                f"hold out more with --data.val_fraction={min(0.5, math.ceil(need / total * 120) / 100):g} (about: "
+                "whole documents are held out), "
+                if need <= total / 2
+                else f"use more text (these settings need about {need * (1 + topology.num_shards):,} tokens), "
+            )
+            + "or lower --train.micro_batch_size or --train.seq_len (docs/design.md §12, 'How much text a run needs')"
+        )
+    iter_eval_batches(data.val, seq_len=cfg.train.seq_len, batch_size=cfg.train.micro_batch_size)
+
+
+def data_warnings(cfg: Config, data: TokenData) -> list[str]:
+    """What the launcher says about the data once every check passed: a BPE trained here with fewer ids than
+    `data.vocab_size` asked (the text ran out of merges)."""
+    trained_here = not cfg.data.tokenizer and not cfg.model.init_from and not is_prepared_dir(cfg.data.path)
+    warning = smaller_vocab_warning(data.vocab_size, cfg.data.vocab_size, option="--data.vocab_size")
+    return [warning] if trained_here and warning else []
