@@ -171,7 +171,16 @@ class Cluster:
     ) -> None:
         self.member = Member(cluster, lighthouse, **member)
         self.param = torch.nn.Parameter(start_params())
-        cfg = SyncConfig(kind="dilocox", inner_steps=1, sync_delay=1, outer_lr=1.0, outer_momentum=0.0, merge="eager")
+        # the clusters' progress is independent noise, not one task's pseudo-gradients: no peer check on it
+        cfg = SyncConfig(
+            kind="dilocox",
+            inner_steps=1,
+            sync_delay=1,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            merge="eager",
+            guard_peers=False,
+        )
         channel = WanChannel(None, bandwidth=None, latency_s=0.0, auth=None if key is None else PayloadAuth(key))
         self.sync = DiLoCoSync(
             [self.param],
@@ -254,7 +263,16 @@ def static_outer(compression: str) -> torch.Tensor:
     def run(cluster: int) -> None:
         group = make_group(store, "static", cluster, 3, LONG)
         param = torch.nn.Parameter(start_params())
-        cfg = SyncConfig(kind="dilocox", inner_steps=1, sync_delay=1, outer_lr=1.0, outer_momentum=0.0, merge="eager")
+        # the clusters' progress is independent noise, not one task's pseudo-gradients: no peer check on it
+        cfg = SyncConfig(
+            kind="dilocox",
+            inner_steps=1,
+            sync_delay=1,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            merge="eager",
+            guard_peers=False,
+        )
         channel = WanChannel(None, bandwidth=None, latency_s=0.0)
         channel.rebind(group)  # the group is not in the default world (there is none here)
         sync = DiLoCoSync([param], cfg, CompressionConfig(kind=compression), channel=channel, dp_group=None,
