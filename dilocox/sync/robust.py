@@ -101,9 +101,11 @@ class PeerCheck:
     Among the `n >= 3` updates the guard left in, an update is excluded when
     - its norm exceeds `max_ratio` x the median of the n norms (one long update cannot move the median), or
     - it agrees (strictly positive inner product, i.e. cosine) with fewer than floor((n - 1) / 2) of the other
-      n - 1 updates: of 3, it points away from both others; of 5, from at least 3 of the 4 others. Honest clusters
-      that train on the same distribution from the same start agree with each other (measured cosines 0.1 to 0.8,
-      docs/results.md); a sign-flipped update has the negated cosine with every one of them.
+      n - 1 updates (of 3, it points away from both others; of 5, from at least 3 of the 4 others), and the
+      updates that pass this test are a strict majority of the n: where they are not (of 3, when the two honest
+      updates of a round happen to point apart too), nothing is excluded for its direction. Honest clusters
+      that train on the same distribution from the same start agree with each other (docs/design.md §4.5); a
+      sign-flipped update has the negated cosine with every one of them.
     Both tests run on all n updates at once (the direction test on those the norm test kept); with fewer than 3
     updates nothing is judged. The input is the Gram matrix of the whole updates (`inner_products`, summed over the
     shards of a sharded update), so the decision depends only on it: the same matrix gives the same verdicts.
@@ -135,15 +137,18 @@ class PeerCheck:
         if len(kept) < PEER_MIN_UPDATES:
             return excluded
         needed = (len(kept) - 1) // 2
+        away: dict[int, str] = {}
         for i in kept:
             others = [j for j in kept if j != i]
             agree = sum(values[i][j] > 0 for j in others)
             if agree < needed:
                 cosines = [values[i][j] / (norms[i] * norms[j]) if norms[i] * norms[j] > 0 else 0.0 for j in others]
-                excluded[i] = (
+                away[i] = (
                     f"it points away from the others: cosine <= 0 with {len(others) - agree} of the other "
                     f"{len(others)} updates (median {_median(cosines):.2f}), positive with {agree} < {needed} needed"
                 )
+        if 2 * len(away) < len(kept):  # those that agree are a majority: otherwise nothing can be told apart
+            excluded.update(away)
         return excluded
 
 

@@ -90,7 +90,8 @@ def reference_dot(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def reference_peer_exclusions(updates: list[torch.Tensor], candidates: list[int], ratio: float) -> set[int]:
     """The rule of docs/design.md §4.5 written out on the vectors: with 3+ candidates, out if the norm exceeds ratio x
-    the median norm; then, among the rest (3+), out if the cosine is positive with fewer than floor((n-1)/2) others."""
+    the median norm; then, among the rest (3+), out if the cosine is positive with fewer than floor((n-1)/2) others,
+    provided those that are not out that way are a strict majority of the rest."""
     if len(candidates) < 3:
         return set()
     norm = {i: math.sqrt(reference_dot(updates[i], updates[i])) for i in candidates}
@@ -98,10 +99,13 @@ def reference_peer_exclusions(updates: list[torch.Tensor], candidates: list[int]
     out = {i for i in candidates if median > 0 and norm[i] > ratio * median}
     kept = [i for i in candidates if i not in out]
     if len(kept) >= 3:
+        away = set()
         for i in kept:
             agreeing = [j for j in kept if j != i and reference_dot(updates[i], updates[j]) > 0]
             if len(agreeing) < (len(kept) - 1) // 2:
-                out.add(i)
+                away.add(i)
+        if len(kept) - len(away) > len(kept) / 2:
+            out |= away
     return out
 
 
@@ -154,6 +158,17 @@ def test_peer_check_majority_two_liars_of_five_are_left_out_and_of_four_no_hones
     assert set(peers.judge(inner_products([u[0], u[1], u[2], -u[3], -u[4]]), list(range(5)))) == {3, 4}
     # two of four: no majority either way, nothing is excluded rather than an honest cluster
     assert peers.judge(inner_products([u[0], u[1], -u[2], -u[3]]), list(range(4))) == {}
+
+
+def test_peer_check_excludes_nothing_for_its_direction_when_no_majority_agrees():
+    peers = PeerCheck(max_ratio=3.0)
+    # three updates that all point apart (the two honest ones of a round happen to disagree, and the third is flipped)
+    e = torch.eye(3)
+    apart = [e[0] - 0.1 * e[1], e[1] - 0.1 * e[0], -(e[0] + e[1]) / 2 + e[2]]
+    gram = inner_products(apart)
+    assert all(gram[i, j] < 0 for i in range(3) for j in range(3) if i != j)
+    assert peers.judge(gram, [0, 1, 2]) == {}
+    assert reference_peer_exclusions(apart, [0, 1, 2], 3.0) == set()
 
 
 @pytest.mark.parametrize("seed", range(40))
