@@ -327,7 +327,8 @@ class DiLoCoSync:
         """`sync.drain_residual`: send every cluster's held-back residual (`Reducer.held_back`) dense in int4 and
         subtract its mean times the outer learning rate from phi, without a momentum step (the residual is progress
         already made, not a direction to keep going); the codec then holds nothing back. One payload of about
-        4.25 bits per value per cluster, waited for at the end: nothing is left to compute behind it."""
+        4.25 bits per value per cluster, waited for at the end: nothing is left to compute behind it. Returns what it
+        waited for (round None), or None before any round ended."""
         held_back = self.reducer.held_back(self.state_device)
         if held_back is None:  # no round has ended yet
             return None
