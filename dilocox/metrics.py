@@ -294,8 +294,8 @@ class RunSummary:
     """The seed of the held-out split the evals scored (data.split_seed, or run.seed where that is -1); None in
     summaries written before it was recorded, which scored run.seed's split."""
     guard_excluded_updates: int = 0
-    """sync.guard: clusters' updates left out of a mean, summed over rounds (judged alike by every cluster; with
-    pipeline stages, stage 0's judgement)."""
+    """sync.guard: clusters' updates left out of a mean, summed over rounds and the final drain (judged alike by
+    every rank of every cluster)."""
     guard_skipped_rounds: int = 0
     """sync.guard: rounds without a usable mean, whose outer step was skipped (stage 0)."""
     payloads_rejected: int = 0

@@ -285,6 +285,7 @@ class Trainer:
             self.model.parameters(),
             channel=self.channel,
             dp_group=self.groups.dp_group,
+            pp_group=self.groups.pp_group,
             inner_optimizer=self.inner_optimizer,
             membership=self.membership,
         )
@@ -511,8 +512,10 @@ class Trainer:
                     self._diverged(f"the training loss is {self.losses[-1]}")
                 boundary = self.sync.is_round_boundary(self.step)
                 last = self.step == cfg.train.steps
-                if last:
-                    self.round_stats = self.sync.flush() or self.round_stats
+                if last:  # the record of the last step carries the updates left out of every sync it waited for
+                    flushed = self.sync.flush()
+                    if flushed is not None:
+                        self.round_stats = flushed.with_exclusions_of(self.round_stats)
                 while self.sync.warnings and logger is not None:
                     logger.print(self.sync.warnings.pop(0))
                 if logger is None:

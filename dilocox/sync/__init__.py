@@ -52,12 +52,14 @@ def build_sync(
     *,
     channel: WanChannel,
     dp_group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None = None,
     inner_optimizer: torch.optim.Optimizer | None = None,
     membership: ElasticMembership | None = None,
 ) -> SyncStrategy:
     """The strategy named by `sync.kind`, over this rank's parameters. The outer-loop kinds get the public
     `OuterSync` around `DiLoCoSync`, so `dilocox train` and a user's own loop (docs/api.md) run one object;
-    `inner_optimizer` has its state reset when the guard heals this cluster."""
+    `inner_optimizer` has its state reset when the guard heals this cluster; over `pp_group` (the cluster's pipeline)
+    the stages agree on what the guard leaves out."""
     if cfg.sync.kind == "allreduce":
         return AllReduceSync(params, channel=channel, dp_group=dp_group)
     if cfg.sync.kind == "cocktail":
@@ -68,6 +70,7 @@ def build_sync(
         cfg.compression,
         channel=channel,
         dp_group=dp_group,
+        pp_group=pp_group,
         seed=cfg.run.seed,
         total_steps=cfg.train.steps,
         inner_optimizer=inner_optimizer,

@@ -10,6 +10,7 @@ A strategy is called by the trainer at two points of every inner step:
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -58,6 +59,24 @@ class RoundStats:
     """With sync.guard: the clusters whose update was left out of this mean, and why (docs/design.md §4.5)."""
     skipped: bool = False
     """With sync.guard: no usable mean, so the outer step was skipped."""
+    round_index: int | None = None
+    """The outer round (1-based) whose average this is (outer loops; None for the residual drained at the end)."""
+    also_excluded: tuple[tuple[int | None, int, str], ...] = ()
+    """With sync.guard: (round, cluster, why) of the updates left out of other syncs waited for at the same step (at
+    the last step: the round that ended there, before the final flush, and the drained residual, round None)."""
+
+    def with_exclusions_of(self, *others: RoundStats | None) -> RoundStats:
+        """These stats, also carrying what the guard left out of `others`, syncs waited for at the same step."""
+        extra = tuple(
+            item
+            for other in others
+            if other is not None
+            for item in (
+                *((other.round_index, cluster, why) for cluster, why in (other.excluded or {}).items()),
+                *other.also_excluded,
+            )
+        )
+        return dataclasses.replace(self, also_excluded=self.also_excluded + extra)
 
     @property
     def hidden_s(self) -> float:
@@ -69,16 +88,20 @@ class RoundStats:
         """Share of the link time that overlapped compute (None when the transfer took no link time)."""
         return self.hidden_s / self.link_s if self.link_s > 0 else None
 
-    def to_record(self) -> dict[str, float | list[int]]:
-        record: dict[str, float | list[int]] = {
+    def to_record(self) -> dict[str, Any]:
+        record: dict[str, Any] = {
             "round_link_s": self.link_s,
             "round_exposed_s": self.exposed_s,
             "round_hidden_s": self.hidden_s,
             "round_bytes_sent": self.bytes_sent,
         }
         if self.excluded is not None:
-            record["round_excluded"] = len(self.excluded)
+            exclusions = [(self.round_index, cluster, why) for cluster, why in self.excluded.items()]
+            exclusions = sorted([*exclusions, *self.also_excluded], key=lambda e: (e[0] is None, e[0] or 0, e[1]))
+            record["round_excluded"] = len(exclusions)
             record["round_skipped"] = int(self.skipped)
+            if exclusions:  # every update left out, with its round and why (the plotting sinks skip non-numbers)
+                record["round_exclusions"] = [{"round": r, "cluster": c, "why": why} for r, c, why in exclusions]
         if self.compute_s is not None:
             record["round_compute_s"] = self.compute_s
         if self.inner_steps is not None:

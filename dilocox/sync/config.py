@@ -96,6 +96,10 @@ class SyncConfig:
     """Per-round numeric guard: non-finite or outsized updates are left out; a diverged cluster heals (§4.5)."""
     guard_max_ratio: float = 10.0
     """guard: an update whose norm exceeds this multiple of the recent accepted median is left out."""
+    guard_peers: bool = True
+    """guard, gather reduction, 3+ updates: also leave out one much longer than the round's median or pointing away."""
+    guard_peer_ratio: float = 3.0
+    """guard_peers: an update whose norm exceeds this multiple of the median norm of the round's updates is left out."""
     guard_max_bad_rounds: int = 3
     """guard: the run stops when this cluster's update, or every cluster's, is unusable this many rounds in a row."""
     aggregate: str = "mean"
@@ -145,6 +149,11 @@ class SyncConfig:
             raise ValueError(
                 f"sync.guard_max_ratio = {self.guard_max_ratio} must be a finite number > 1 (10 leaves out an update "
                 "ten times longer than the recent median)"
+            )
+        if not (math.isfinite(self.guard_peer_ratio) and self.guard_peer_ratio > 1.0):
+            raise ValueError(
+                f"sync.guard_peer_ratio = {self.guard_peer_ratio} must be a finite number > 1 (3 leaves out an update "
+                "three times longer than the median of the round's updates), or set sync.guard_peers = false"
             )
         if not 0.0 < self.trim_fraction < 0.5:
             raise ValueError(

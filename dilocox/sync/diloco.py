@@ -76,9 +76,10 @@ class DiLoCoSync:
 
     With `sync.guard` (docs/design.md §4.5) a cluster whose own pseudo-gradient is non-finite abstains from the
     round and heals: the next round starts from phi, its error-feedback residuals are dropped and `healed` tells
-    the owner of the inner optimizer to reset its state. The gather reduction leaves out every non-finite or
-    outsized update (each cluster judges the same bytes, so all leave out the same ones; a cluster left out heals
-    too); the summing reductions check the mean instead and skip a round whose mean is non-finite or outsized.
+    the owner of the inner optimizer to reset its state where non-finite. The gather reduction leaves out every
+    non-finite or outsized update and, of three or more, one that stands out among the others (`sync.guard_peers`);
+    each cluster judges the same bytes, so all leave out the same ones, and a cluster left out heals too. The
+    summing reductions check the mean instead and skip a round whose mean is non-finite or outsized.
     `sync.guard_max_bad_rounds` bad rounds in a row, of this cluster or of every cluster, raise `GuardError`.
     """
 
@@ -90,6 +91,7 @@ class DiLoCoSync:
         *,
         channel: WanChannel,
         dp_group: dist.ProcessGroup | None,
+        pp_group: dist.ProcessGroup | None = None,
         seed: int = 0,
         total_steps: int | None = None,
         faults: FaultConfig | None = None,
@@ -105,6 +107,8 @@ class DiLoCoSync:
         self.numel = self.flat.numel
         self.channel = channel
         self.dp_group = dp_group
+        self.pp_group = pp_group
+        """The cluster's pipeline, over which the stages agree on what the guard leaves out (None: one stage)."""
         self.compression = compression
         self.seed = seed
         self.inner_steps = cfg.inner_steps  # H of the round in progress (fit_link may change it between rounds)
@@ -157,8 +161,10 @@ class DiLoCoSync:
             self.flat.shapes,
             channel=self.channel,
             dp_group=self.dp_group,
+            pp_group=self.pp_group,
             seed=self.seed,
             guard_max_ratio=self.cfg.guard_max_ratio if self.cfg.guard else None,
+            peer_max_ratio=self.cfg.guard_peer_ratio if self.cfg.guard_peers else None,
             aggregate=self.cfg.aggregate,
             trim_fraction=self.cfg.trim_fraction,
             elastic=elastic,
@@ -312,20 +318,22 @@ class DiLoCoSync:
             if not stats.skipped:
                 self.apply(avg)
         if self.cfg.drain_residual:
-            self._drain()
+            drained = self._drain()
+            stats = stats.with_exclusions_of(drained) if stats is not None else None
         if stats is not None or self.cfg.local_residual or self.cfg.drain_residual:
             self.flat.scatter_data(self.outer_params)  # blocking: the clusters held phi minus their shares
             self.round_start = self.outer_params.clone()
         return stats
 
-    def _drain(self) -> None:
+    def _drain(self) -> RoundStats | None:
         """`sync.drain_residual`: send every cluster's held-back residual (`Reducer.held_back`) dense in int4 and
         subtract its mean times the outer learning rate from phi, without a momentum step (the residual is progress
         already made, not a direction to keep going); the codec then holds nothing back. One payload of about
-        4.25 bits per value per cluster, waited for at the end: nothing is left to compute behind it."""
+        4.25 bits per value per cluster, waited for at the end: nothing is left to compute behind it. Returns what it
+        waited for (round None), or None before any round ended."""
         held_back = self.reducer.held_back(self.state_device)
         if held_back is None:  # no round has ended yet
-            return
+            return None
         drain = self._build_reducer(
             CompressionConfig(kind="int4", error_feedback=False, group_size=self.compression.group_size)
         )
@@ -338,6 +346,7 @@ class DiLoCoSync:
             f"{stats.link_s:.2f} s of link, {stats.exposed_s:.2f} s waited)"
             + (": no usable mean, phi kept as it was" if stats.skipped else "")
         )
+        return dataclasses.replace(stats, round_index=None)
 
     @contextmanager
     def agreed_model(self) -> Iterator[bool]:
@@ -390,6 +399,7 @@ class DiLoCoSync:
             matrix_ranks=self.reducer.current_matrix_ranks(),
             excluded=dict(pending.excluded) if self.cfg.guard else None,
             skipped=skipped,
+            round_index=round_index,
         )
         slower = judge_link and stats.link_s > compute_s > 0
         if self.cfg.sync_delay == 1 and slower and not self._warned and not self.cfg.fit_link:
@@ -399,8 +409,9 @@ class DiLoCoSync:
 
     def _guard_mean(self, avg: torch.Tensor, pending: PendingMean, round_index: int, judge_mean: bool) -> bool:
         """Log what the gather reduction left out; judge the mean of the summing ones. True: skip this round."""
+        where = f"round {round_index}" if judge_mean else "drain"  # only the drained residual is not judged so
         for cluster, why in sorted(pending.excluded.items()):
-            self.warnings.append(f"guard: round {round_index}: cluster {cluster}'s update left out ({why})")
+            self.warnings.append(f"guard: {where}: cluster {cluster}'s update left out ({why})")
         self.guard_counts["excluded_updates"] += len(pending.excluded)
         if self.mean_guard is not None and judge_mean:
             verdict = self.mean_guard.judge([avg])[0]

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from dilocox.compress import Codec, CompressionConfig, ErrorFeedback, LowRankCodec, Payload, build_codec
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.sync.base import CodecCost, shard_bounds
-from dilocox.sync.robust import UpdateGuard, aggregate
+from dilocox.sync.robust import PEER_MIN_UPDATES, PeerCheck, UpdateGuard, aggregate, inner_products
 from dilocox.topology import group_size
 
 
@@ -325,8 +325,9 @@ class GatherReducer(CodecReducer):
 
     Every receiver holds every cluster's update, so this is the reduction that can judge them one by one: with a
     `guard` (docs/design.md §4.5) an update that is missing (an abstaining sender's empty payload), non-finite or
-    outsized is left out, the dp replicas of a cluster agree on what is left out (each judges its own slice), and
-    the rest is averaged by `aggregate` (mean, or a robust statistic against lying clusters)."""
+    outsized is left out, and with `peers` also one that stands out among three or more (`PeerCheck`); the ranks of
+    a cluster, each judging its own slice of its own stage, agree on what is left out over `dp_group` and
+    `pp_group`, and the rest is averaged by `aggregate` (mean, or a robust statistic against lying clusters)."""
 
     name = "gather"
 
@@ -340,10 +341,14 @@ class GatherReducer(CodecReducer):
         dp_group: dist.ProcessGroup | None,
         seed: int = 0,
         guard: UpdateGuard | None = None,
+        peers: PeerCheck | None = None,
+        pp_group: dist.ProcessGroup | None = None,
         how: str = "mean",
         trim_fraction: float = 0.25,
         feedback_decay: float = 1.0,
     ) -> None:
+        if peers is not None and guard is None:
+            raise ValueError("the peer check (sync.guard_peers) is part of the guard: it needs sync.guard = true")
         super().__init__(
             codec,
             shapes,
@@ -356,6 +361,9 @@ class GatherReducer(CodecReducer):
         self.empty_reason = "it sent none: its own was non-finite"
         """Why a cluster sends an empty payload (elastic runs: also a cluster new to the round)."""
         self.guard = guard
+        self.peers = peers
+        self.pp_group = pp_group
+        """The cluster's pipeline: the stages agree on what the guard leaves out of every stage's mean."""
         self.how = how
         self.trim_fraction = trim_fraction
 
@@ -417,7 +425,7 @@ class GatherReducer(CodecReducer):
                         malformed[index] = f"malformed payload: {error}"
                 updates.append(self._flat(decoded, flat.device))
             excluded.clear()
-            excluded.update(self._judge(updates))
+            excluded.update(self._judge(updates, flat.device))
             excluded.update(malformed)  # the precise reason where the guard only saw nothing usable
             accepted = [u for index, u in enumerate(updates) if u is not None and index not in excluded]
             if self.guard is not None:
@@ -438,20 +446,53 @@ class GatherReducer(CodecReducer):
             return torch.zeros(0, dtype=torch.float32, device=device)
         return torch.cat([d.reshape(-1) for d in decoded]).to(device)
 
-    def _judge(self, updates: list[torch.Tensor | None]) -> dict[int, str]:
+    def _judge(self, updates: list[torch.Tensor | None], device: torch.device) -> dict[int, str]:
         """The clusters left out of this mean and why: missing updates always; with a guard also non-finite and
-        outsized ones, agreed over the dp replicas (a cluster one replica leaves out, all leave out)."""
+        outsized ones, and with `peers` those that stand out among the rest. What is left out is the same on every
+        rank of the cluster (`_agree_in_cluster`): a cluster one rank's slice finds bad is left out of every slice
+        of every stage, and the peer check judges the whole updates."""
         if self.guard is None:
             return {index: "no usable update arrived" for index, u in enumerate(updates) if u is None}
         verdicts = self.guard.judge(updates)
-        if group_size(self.dp_group) > 1:
-            flags = torch.tensor([float(v is not None) for v in verdicts])
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
-            verdicts = [
-                v if v is not None or not flag else "left out by another dp replica's guard"
-                for v, flag in zip(verdicts, flags.tolist(), strict=True)
-            ]
-        return {index: v for index, v in enumerate(verdicts) if v is not None}
+        gram = None
+        if self.peers is not None and len(updates) >= PEER_MIN_UPDATES:  # this rank's part of the whole updates' Gram
+            gram = inner_products([u if v is None else None for u, v in zip(updates, verdicts, strict=True)])
+        flags, gram = self._agree_in_cluster([v is not None for v in verdicts], gram, device)
+        verdicts = [
+            v if v is not None or not flag else "left out by the guard of another rank of this cluster (its slice)"
+            for v, flag in zip(verdicts, flags, strict=True)
+        ]
+        excluded = {index: v for index, v in enumerate(verdicts) if v is not None}
+        if gram is not None and self.peers is not None:
+            excluded.update(self.peers.judge(gram, [i for i in range(len(updates)) if i not in excluded]))
+        return excluded
+
+    def _agree_in_cluster(
+        self, flags: list[bool], gram: torch.Tensor | None, device: torch.device
+    ) -> tuple[list[bool], torch.Tensor | None]:
+        """Combine every rank's `flags` (any rank's flag counts) and partial Gram matrix (summed: the whole updates'
+        inner products) over the cluster: the dp replicas, then the pipeline stages. Gathered and summed in rank
+        order, so every rank of the cluster gets the same bits, as does every cluster's rank that holds the same
+        bytes: the decision is one on every rank. The collectives run on `device` (the fast groups' backend may be
+        NCCL); a no-op on one rank."""
+        count = len(flags)
+        packed = torch.tensor(flags, dtype=torch.float64)
+        if gram is not None:
+            packed = torch.cat([packed, gram.flatten()])
+        for group in (self.dp_group, self.pp_group):
+            size = group_size(group)
+            if size == 1:
+                continue
+            parts = [torch.empty_like(packed, device=device) for _ in range(size)]
+            dist.all_gather(parts, packed.to(device), group=group)
+            parts = [part.cpu() for part in parts]
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total[count:] += part[count:]
+                total[:count] = torch.maximum(total[:count], part[:count])
+            packed = total
+        combined = [bool(flag) for flag in packed[:count].tolist()]
+        return combined, None if gram is None else packed[count:].view(count, count)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -474,17 +515,21 @@ def build_reducer(
     *,
     channel: WanChannel,
     dp_group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None = None,
     seed: int = 0,
     guard_max_ratio: float | None = None,
+    peer_max_ratio: float | None = None,
     aggregate: str = "mean",
     trim_fraction: float = 0.25,
     elastic: bool = False,
 ) -> Reducer:
     """The reducer of `compression.kind` and `compression.reduction` over tensors of `shapes` (validated here).
 
-    `guard_max_ratio` (None: no guard) and `aggregate` are `sync.guard_max_ratio` and `sync.aggregate`: only the
-    gather reduction judges and robustly averages the clusters' updates one by one (`SyncConfig` refuses a robust
-    aggregate with the others; their guard is the check of the mean in `DiLoCoSync`)."""
+    `guard_max_ratio` (None: no guard), `peer_max_ratio` (None: no peer check) and `aggregate` are
+    `sync.guard_max_ratio`, `sync.guard_peer_ratio` and `sync.aggregate`: only the gather reduction judges and
+    robustly averages the clusters' updates one by one (`SyncConfig` refuses a robust aggregate with the others;
+    their guard is the check of the mean in `DiLoCoSync`). `pp_group` (the cluster's pipeline) makes its stages
+    agree on what the guard leaves out."""
     cfg.validate()
     if cfg.kind == "none":
         numel = sum(shape.numel() for shape in shapes)
@@ -508,6 +553,8 @@ def build_reducer(
         shapes,
         **common,
         guard=UpdateGuard(guard_max_ratio) if guard_max_ratio is not None else None,
+        peers=PeerCheck(peer_max_ratio) if guard_max_ratio is not None and peer_max_ratio is not None else None,
+        pp_group=pp_group,
         how=aggregate,
         trim_fraction=trim_fraction,
     )

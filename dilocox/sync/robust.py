@@ -1,14 +1,18 @@
-"""Robust averaging of pseudo-gradients: the numeric guard and the aggregation rules (docs/design.md §4.5).
+"""Robust averaging of pseudo-gradients: the numeric guard, the peer check and the aggregation rules (docs/design.md
+§4.5).
 
 Clusters joined by the internet are not all healthy, and not all of them may be trusted. Before an outer step
 uses the pseudo-gradients of a round, `UpdateGuard` judges each cluster's (decoded) update: it must be finite and
-its L2 norm must stay within `max_ratio` times the median norm of the updates accepted in recent rounds. Every
-cluster judges the same bytes with the same history, so every cluster excludes the same senders without another
-message. `aggregate` then averages what was accepted: the plain mean, or a coordinate-wise robust statistic for
-clusters that may lie with finite, normal-sized updates (sign flips, noise).
+its L2 norm must stay within `max_ratio` times the median norm of the updates accepted in recent rounds. With three
+or more updates left, `PeerCheck` then compares them with each other within the round: an update much longer than
+the round's median, or one that points away from most of the others (a sign flip), is left out too. Every cluster
+judges the same bytes with the same history, so every cluster excludes the same senders without another message.
+`aggregate` then averages what was accepted: the plain mean, or a coordinate-wise robust statistic.
 
-    guard = UpdateGuard(max_ratio=10.0)
+    guard, peers = UpdateGuard(max_ratio=10.0), PeerCheck(max_ratio=3.0)
     verdicts = guard.judge([u0, u1, None, u3])       # [None, None, 'no usable update arrived', 'norm 4.1e3 is ...']
+    gram = inner_products([u0, u1, None, u3])        # (4, 4) float64; sum it over the shards of a sharded update
+    excluded = peers.judge(gram, [0, 1])             # {}: fewer than 3 updates cannot be compared
     avg = aggregate([u for u, v in zip(updates, verdicts) if v is None], "trimmed_mean", trim_fraction=0.25)
     guard.accept([u for u, v in zip(updates, verdicts) if v is None])
 """
@@ -27,6 +31,12 @@ AGGREGATES = ("mean", "trimmed_mean", "median", "norm_clip")
 
 HISTORY_ROUNDS = 8
 """The guard's reference is the median norm of the updates accepted in this many recent rounds."""
+
+PEER_MIN_UPDATES = 3
+"""`PeerCheck` compares updates only when at least this many are left: of two, neither can be told the wrong one."""
+
+GRAM_CHUNK = 1 << 18
+"""Values per chunk of `inner_products`: bounds its scratch memory to (clusters x this) float64."""
 
 
 class GuardError(RuntimeError):
@@ -83,6 +93,81 @@ class UpdateGuard:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = deque((list(norms) for norms in state["history"]), maxlen=HISTORY_ROUNDS)
+
+
+class PeerCheck:
+    """Judges the updates of one round against each other: the peer check of `sync.guard_peers` (docs/design.md §4.5).
+
+    Among the `n >= 3` updates the guard left in, an update is excluded when
+    - its norm exceeds `max_ratio` x the median of the n norms (one long update cannot move the median), or
+    - it agrees (strictly positive inner product, i.e. cosine) with fewer than floor((n - 1) / 2) of the other
+      n - 1 updates (of 3, it points away from both others; of 5, from at least 3 of the 4 others), and the
+      updates that pass this test are a strict majority of the n: where they are not (of 3, when the two honest
+      updates of a round happen to point apart too), nothing is excluded for its direction. Honest clusters
+      that train on the same distribution from the same start agree with each other (docs/design.md §4.5); a
+      sign-flipped update has the negated cosine with every one of them.
+    Both tests run on all n updates at once (the direction test on those the norm test kept); with fewer than 3
+    updates nothing is judged. The input is the Gram matrix of the whole updates (`inner_products`, summed over the
+    shards of a sharded update), so the decision depends only on it: the same matrix gives the same verdicts.
+
+        peers = PeerCheck(max_ratio=3.0)
+        excluded = peers.judge(inner_products(updates), candidates=[0, 1, 2])   # {cluster: reason}
+    """
+
+    def __init__(self, max_ratio: float) -> None:
+        if not (math.isfinite(max_ratio) and max_ratio > 1.0):
+            raise ValueError(f"sync.guard_peer_ratio = {max_ratio} must be a finite number > 1")
+        self.max_ratio = max_ratio
+
+    def judge(self, gram: torch.Tensor, candidates: Sequence[int]) -> dict[int, str]:
+        """The `candidates` (indices into the (C, C) float64 `gram`, all with finite entries) to leave out, and why."""
+        if len(candidates) < PEER_MIN_UPDATES:
+            return {}
+        values = gram.tolist()  # Python floats: every comparison below is exact and the same on every rank
+        norms = {i: math.sqrt(max(values[i][i], 0.0)) for i in candidates}
+        median = _median(list(norms.values()))
+        excluded: dict[int, str] = {}
+        for i in candidates:
+            if median > 0 and norms[i] > self.max_ratio * median:
+                excluded[i] = (
+                    f"norm {norms[i]:.3g} is {norms[i] / median:.1f} x the median {median:.3g} of this round's "
+                    f"{len(candidates)} updates"
+                )
+        kept = [i for i in candidates if i not in excluded]
+        if len(kept) < PEER_MIN_UPDATES:
+            return excluded
+        needed = (len(kept) - 1) // 2
+        away: dict[int, str] = {}
+        for i in kept:
+            others = [j for j in kept if j != i]
+            agree = sum(values[i][j] > 0 for j in others)
+            if agree < needed:
+                cosines = [values[i][j] / (norms[i] * norms[j]) if norms[i] * norms[j] > 0 else 0.0 for j in others]
+                away[i] = (
+                    f"it points away from the others: cosine <= 0 with {len(others) - agree} of the other "
+                    f"{len(others)} updates (median {_median(cosines):.2f}), positive with {agree} < {needed} needed"
+                )
+        if 2 * len(away) < len(kept):  # those that agree are a majority: otherwise nothing can be told apart
+            excluded.update(away)
+        return excluded
+
+
+def inner_products(updates: Sequence[torch.Tensor | None], *, chunk: int = GRAM_CHUNK) -> torch.Tensor:
+    """The (C, C) float64 Gram matrix `G[i, j] = <updates[i], updates[j]>` of equal-length fp32 vectors, on the CPU;
+    rows and columns of a None update are 0. Products of fp32 values are exact in float64 and the sums run over
+    fixed chunks in a fixed order, so the same updates give the same matrix. Sharded updates: sum the shards'."""
+    count = len(updates)
+    gram = torch.zeros(count, count, dtype=torch.float64)
+    present = [i for i, u in enumerate(updates) if u is not None]
+    if not present:
+        return gram
+    numel = updates[present[0]].numel()
+    index = torch.tensor(present)
+    for start in range(0, numel, chunk):
+        block = torch.stack([updates[i][start : start + chunk].double() for i in present])  # (present, chunk)
+        part = (block @ block.T).cpu()
+        gram[index.unsqueeze(1), index.unsqueeze(0)] += part
+    return gram
 
 
 def aggregate(updates: Sequence[torch.Tensor], how: str, *, trim_fraction: float = 0.25) -> torch.Tensor:

@@ -172,7 +172,16 @@ class Cluster:
     ) -> None:
         self.member = Member(cluster, lighthouse, **member)
         self.param = torch.nn.Parameter(start_params())
-        cfg = SyncConfig(kind="dilocox", inner_steps=1, sync_delay=1, outer_lr=1.0, outer_momentum=0.0, merge="eager")
+        # the clusters' progress is independent noise, not one task's pseudo-gradients: no peer check on it
+        cfg = SyncConfig(
+            kind="dilocox",
+            inner_steps=1,
+            sync_delay=1,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            merge="eager",
+            guard_peers=False,
+        )
         auth = None if key is None else PayloadAuth(key)
         channel = WanChannel(None, bandwidth=None, latency_s=0.0, auth=auth, stop_if_cut_off=False)  # as the trainer
         self.sync = DiLoCoSync(
@@ -256,7 +265,16 @@ def static_outer(compression: str) -> torch.Tensor:
     def run(cluster: int) -> None:
         group = make_group(store, "static", cluster, 3, LONG)
         param = torch.nn.Parameter(start_params())
-        cfg = SyncConfig(kind="dilocox", inner_steps=1, sync_delay=1, outer_lr=1.0, outer_momentum=0.0, merge="eager")
+        # the clusters' progress is independent noise, not one task's pseudo-gradients: no peer check on it
+        cfg = SyncConfig(
+            kind="dilocox",
+            inner_steps=1,
+            sync_delay=1,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            merge="eager",
+            guard_peers=False,
+        )
         channel = WanChannel(None, bandwidth=None, latency_s=0.0)
         channel.rebind(group)  # the group is not in the default world (there is none here)
         sync = DiLoCoSync([param], cfg, CompressionConfig(kind=compression), channel=channel, dp_group=None,

@@ -1,13 +1,14 @@
 """The numeric guard, the robust aggregates and the injected faults, on tensors (no process group)."""
 
 import math
+import statistics
 
 import pytest
 import torch
 
 from dilocox.config import load_config
 from dilocox.faults import FaultConfig
-from dilocox.sync.robust import UpdateGuard, aggregate
+from dilocox.sync.robust import PeerCheck, UpdateGuard, aggregate, inner_products
 
 
 def updates(*rows) -> list[torch.Tensor]:
@@ -81,6 +82,110 @@ def test_guard_history_decides_once_rounds_were_accepted():
     assert restored.reference([]) == guard.reference([]) == 2.0
 
 
+# ------------------------------------------------------------------------------------------------ the peer check
+def reference_dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The exact inner product of two fp32 vectors, one Python float at a time (math.fsum rounds only once)."""
+    return math.fsum(x * y for x, y in zip(a.tolist(), b.tolist(), strict=True))
+
+
+def reference_peer_exclusions(updates: list[torch.Tensor], candidates: list[int], ratio: float) -> set[int]:
+    """The rule of docs/design.md §4.5 written out on the vectors: with 3+ candidates, out if the norm exceeds ratio x
+    the median norm; then, among the rest (3+), out if the cosine is positive with fewer than floor((n-1)/2) others,
+    provided those that are not out that way are a strict majority of the rest."""
+    if len(candidates) < 3:
+        return set()
+    norm = {i: math.sqrt(reference_dot(updates[i], updates[i])) for i in candidates}
+    median = statistics.median(norm.values())
+    out = {i for i in candidates if median > 0 and norm[i] > ratio * median}
+    kept = [i for i in candidates if i not in out]
+    if len(kept) >= 3:
+        away = set()
+        for i in kept:
+            agreeing = [j for j in kept if j != i and reference_dot(updates[i], updates[j]) > 0]
+            if len(agreeing) < (len(kept) - 1) // 2:
+                away.add(i)
+        if len(kept) - len(away) > len(kept) / 2:
+            out |= away
+    return out
+
+
+def honest_updates(count: int, seed: int, *, numel: int = 500, signal: float = 0.5) -> list[torch.Tensor]:
+    """Pseudo-gradients of clusters on the same task: a common direction plus each cluster's own noise."""
+    generator = torch.Generator().manual_seed(seed)
+    common = torch.randn(numel, generator=generator)
+    return [signal * common + torch.randn(numel, generator=generator) for _ in range(count)]
+
+
+def test_inner_products_match_exact_sums_whatever_the_chunks_and_shards():
+    u = honest_updates(4, seed=1, numel=1000)
+    exact = torch.tensor([[reference_dot(a, b) for b in u] for a in u], dtype=torch.float64)
+    for chunk in (1, 7, 1000, 1 << 18):
+        assert torch.allclose(inner_products(u, chunk=chunk), exact, rtol=1e-12, atol=0)
+    # a sharded update: the shards' Gram matrices sum to the whole one's
+    halves = inner_products([x[:300] for x in u]) + inner_products([x[300:] for x in u])
+    assert torch.allclose(halves, exact, rtol=1e-12, atol=0)
+    # a missing update: its row and column are 0, the rest unchanged
+    gram = inner_products([u[0], None, u[2], u[3]])
+    assert torch.equal(gram[1], torch.zeros(4, dtype=torch.float64)) and torch.equal(gram[:, 1], gram[1])
+    assert torch.allclose(gram[[0, 2, 3]][:, [0, 2, 3]], exact[[0, 2, 3]][:, [0, 2, 3]], rtol=1e-12, atol=0)
+
+
+def test_peer_check_leaves_out_a_long_or_a_sign_flipped_update_of_three():
+    peers = PeerCheck(max_ratio=3.0)
+    u = honest_updates(3, seed=2)
+    assert peers.judge(inner_products(u), [0, 1, 2]) == {}
+    scaled = peers.judge(inner_products([u[0], 9 * u[1], u[2]]), [0, 1, 2])
+    assert list(scaled) == [1] and "x the median" in scaled[1]
+    flipped = peers.judge(inner_products([u[0], u[1], -u[2]]), [0, 1, 2])
+    assert list(flipped) == [2] and "points away from the others" in flipped[2]
+    # below the ratio, a scaled update stays in (docs/design.md §4.5: what is not detected)
+    assert peers.judge(inner_products([2.5 * u[0], u[1], u[2]]), [0, 1, 2]) == {}
+
+
+def test_peer_check_judges_nothing_with_fewer_than_three_updates():
+    peers = PeerCheck(max_ratio=3.0)
+    u = honest_updates(3, seed=3)
+    for pair in ([u[0], -u[1]], [u[0], 100 * u[1]]):
+        assert peers.judge(inner_products(pair), [0, 1]) == {}
+    # three sent, one already left out by the guard: the two left are not compared
+    assert peers.judge(inner_products([u[0], -u[1], u[2]]), [0, 1]) == {}
+
+
+def test_peer_check_majority_two_liars_of_five_are_left_out_and_of_four_no_honest_one_is():
+    peers = PeerCheck(max_ratio=3.0)
+    u = honest_updates(5, seed=4)
+    # two sign flips of five: they agree with each other but with no honest one, 1 < floor(4 / 2)
+    assert set(peers.judge(inner_products([u[0], u[1], u[2], -u[3], -u[4]]), list(range(5)))) == {3, 4}
+    # two of four: no majority either way, nothing is excluded rather than an honest cluster
+    assert peers.judge(inner_products([u[0], u[1], -u[2], -u[3]]), list(range(4))) == {}
+
+
+def test_peer_check_excludes_nothing_for_its_direction_when_no_majority_agrees():
+    peers = PeerCheck(max_ratio=3.0)
+    # three updates that all point apart (the two honest ones of a round happen to disagree, and the third is flipped)
+    e = torch.eye(3)
+    apart = [e[0] - 0.1 * e[1], e[1] - 0.1 * e[0], -(e[0] + e[1]) / 2 + e[2]]
+    gram = inner_products(apart)
+    assert all(gram[i, j] < 0 for i in range(3) for j in range(3) if i != j)
+    assert peers.judge(gram, [0, 1, 2]) == {}
+    assert reference_peer_exclusions(apart, [0, 1, 2], 3.0) == set()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_peer_check_against_the_slow_reference(seed):
+    generator = torch.Generator().manual_seed(1000 + seed)
+    count = 3 + seed % 5
+    u = honest_updates(count, seed=seed, numel=64, signal=[0.05, 0.3, 1.0][seed % 3])
+    for i in torch.randperm(count, generator=generator)[: seed % 3].tolist():  # up to two liars of any kind
+        kind = int(torch.randint(4, (1,), generator=generator))
+        u[i] = [-u[i], float(1 + 10 * torch.rand(1, generator=generator)) * u[i], torch.zeros_like(u[i]), u[i]][kind]
+    candidates = sorted(torch.randperm(count, generator=generator)[: max(2, count - seed % 2)].tolist())
+    ratio = [1.5, 3.0, 10.0][seed % 3]
+    got = PeerCheck(ratio).judge(inner_products(u), candidates)
+    assert set(got) == reference_peer_exclusions(u, candidates, ratio)
+    assert set(got) <= set(candidates)
+
+
 def test_fault_config_rounds_and_corruptions():
     faults = FaultConfig(kind="scale", cluster=2, rounds="3-4", scale=10.0)
     faults.validate(num_clusters=4)
@@ -112,6 +217,8 @@ def test_fault_config_rounds_and_corruptions():
         (["--sync.kind=allreduce", "--sync.aggregate=median"], "outer loop"),
         (["--sync.kind=dilocox", "--sync.trim_fraction=0.5"], "sync.trim_fraction"),
         (["--sync.kind=dilocox", "--sync.guard_max_ratio=1"], "sync.guard_max_ratio"),
+        (["--sync.kind=dilocox", "--sync.guard_peer_ratio=0.5"], "sync.guard_peer_ratio"),
+        (["--sync.kind=dilocox", "--sync.guard_peer_ratio=inf"], "sync.guard_peer_ratio"),
         (["--sync.kind=dilocox", "--sync.guard_max_bad_rounds=0"], "guard_max_bad_rounds"),
         (["--sync.kind=dilocox", "--faults.kind=scale", "--faults.cluster=2"], "faults.cluster"),
         (["--sync.kind=dilocox", "--faults.kind=scale", "--faults.rounds=5-2"], "faults.rounds"),
