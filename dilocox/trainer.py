@@ -35,7 +35,7 @@ from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.net.watchdog import JobStore, Watchdog
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
 from dilocox.parallel.pipeline import mean_token_cross_entropy
-from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync
+from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync, heal_state_bound
 from dilocox.sync.robust import GuardError
 from dilocox.topology import Topology, build_process_groups
 
@@ -340,8 +340,7 @@ class Trainer:
             control_timeout=datetime.timedelta(seconds=(cfg.network.stall_timeout_s or cfg.network.timeout_s) / 2),
             state_dict=lambda: self.sync.diloco.elastic.heal_state(),
             load_state_dict=lambda state: self.sync.diloco.elastic.load_heal_state(state),
-            # the heal state is the outer params and the outer optimizer's momentum (fp32), and small counters
-            heal_max_bytes=3 * 4 * sum(p.numel() for p in self.model.parameters()) + (16 << 20),
+            heal_max_bytes=heal_state_bound(cfg.sync, sum(p.numel() for p in self.model.parameters())),
             config_fingerprint=settings_fingerprint(settings),
             shared_settings=settings,
         )

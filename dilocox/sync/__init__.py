@@ -13,7 +13,7 @@ from dilocox.sync.base import CodecCost, RoundStats, SyncStrategy
 from dilocox.sync.cocktail import CocktailSync
 from dilocox.sync.config import SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
-from dilocox.sync.elastic import ElasticRounds
+from dilocox.sync.elastic import ElasticRounds, heal_state_bound
 from dilocox.sync.membership import ElasticError, ElasticMembership
 from dilocox.sync.outer import OuterSync
 from dilocox.sync.reducers import DenseReducer, GatherReducer, PendingMean, Reducer, build_reducer
@@ -43,6 +43,7 @@ __all__ = [
     "allreduce_bytes_per_step",
     "build_reducer",
     "build_sync",
+    "heal_state_bound",
 ]
 
 

@@ -27,6 +27,12 @@ from dilocox.sync.base import FlatParams, RoundStats, dp_mean_
 from dilocox.sync.config import FIT_HEADROOM, SyncConfig, check_held_back_options, check_robust_reduction
 from dilocox.sync.elastic import ElasticRounds
 from dilocox.sync.membership import ElasticMembership
+from dilocox.sync.outer_optimizer import (
+    OuterOptimizer,
+    OuterOptimizerFactory,
+    outer_lr_schedule,
+    outer_optimizer_factory,
+)
 from dilocox.sync.reducers import GatherReducer, PendingMean, Reducer, build_reducer
 from dilocox.sync.robust import GuardError, UpdateGuard
 
@@ -96,6 +102,7 @@ class DiLoCoSync:
         total_steps: int | None = None,
         faults: FaultConfig | None = None,
         membership: ElasticMembership | None = None,
+        outer_optimizer: OuterOptimizerFactory | None = None,
     ) -> None:
         cfg.validate()
         compression = compression or CompressionConfig()
@@ -130,15 +137,21 @@ class DiLoCoSync:
         self.state_device = params_device if cfg.outer_state_device == "device" else torch.device("cpu")
         """Where the outer state, the pseudo-gradient and its reduction live (sync.outer_state_device)."""
         self.outer_params = self.flat.gather_data().to(self.state_device, copy=True)  # (numel,) fp32, phi
-        self.outer_optimizer = torch.optim.SGD(
-            [self.outer_params],
-            lr=cfg.outer_lr,
-            momentum=cfg.outer_momentum,
-            nesterov=cfg.nesterov and cfg.outer_momentum > 0,  # torch rejects Nesterov without momentum
-        )
         self.num_clusters = channel.world_size  # C, for the eager merge's own share of the average
         self.num_outer_updates = math.ceil(total_steps / cfg.inner_steps) if total_steps else None
         """Outer updates in the run (one per round), the horizon of a cosine outer learning rate."""
+        self.outer = OuterOptimizer(
+            self.outer_params,
+            outer_optimizer if outer_optimizer is not None else outer_optimizer_factory(cfg),
+            lr_at=outer_lr_schedule(cfg, self.num_outer_updates),
+        )
+        """The outer optimizer of phi (`sync.outer_optimizer`, or the factory passed in) and its lr schedule."""
+        if cfg.drain_residual and not self.outer.takes_plain_steps:
+            raise ValueError(
+                f"sync.drain_residual = true adds the drained residual to phi at the outer SGD's learning rate, but "
+                f"the outer optimizer is {self.outer.name}, whose steps have a length of their own; set "
+                "sync.drain_residual = false (OuterSync: drain_residual=False), or use an SGD outer optimizer"
+            )
         if cfg.outer_lr_schedule == "cosine" and self.num_outer_updates is None:
             raise ValueError(
                 "sync.outer_lr_schedule = 'cosine' decays over the run's outer updates, so it needs the run's length: "
@@ -339,7 +352,7 @@ class DiLoCoSync:
         )
         avg, stats = self.wait_sync(drain.launch(held_back), judge_link=False, judge_mean=False)
         if not stats.skipped:
-            self.outer_params.sub_(avg, alpha=self.outer_optimizer.param_groups[0]["lr"])
+            self.outer_params.sub_(avg, alpha=self.outer.lr)
         self.reducer.heal()  # sent: nothing is held back any more
         self.warnings.append(
             f"drain: sent the held-back residual (int4, {stats.bytes_sent:,} bytes from this rank, "
@@ -454,19 +467,11 @@ class DiLoCoSync:
 
     def apply(self, avg_pseudo_grad: torch.Tensor) -> None:
         """One outer step: the averaged pseudo-gradient is the gradient of phi."""
-        self.outer_params.grad = avg_pseudo_grad
-        self.outer_optimizer.step()
-        self.outer_params.grad = None
-
-    def _outer_lr(self, update: int) -> float:
-        """The learning rate of the 0-based outer update `update` (`sync.outer_lr_schedule`)."""
-        return self.cfg.outer_lr_at(update, self.num_outer_updates or update + 1)
+        self.outer.step(avg_pseudo_grad)
 
     def _set_outer_lr(self, update: int) -> None:
-        """Set the outer SGD's learning rate to that of the 0-based outer update `update`."""
-        lr = self._outer_lr(update)
-        for group in self.outer_optimizer.param_groups:
-            group["lr"] = lr
+        """Set the outer optimizer's learning rate to that of the 0-based outer update `update`."""
+        self.outer.set_lr(update)
 
     def _held_back_share(self) -> torch.Tensor | None:
         """`sync.local_residual`: this cluster's share (1/C) of what its codec still holds back, None when off."""
@@ -510,18 +515,9 @@ class DiLoCoSync:
         return start
 
     def predicted_outer_params(self, estimate: torch.Tensor, *, update: int) -> torch.Tensor:
-        """phi after outer update `update` if its averaged pseudo-gradient were `estimate`: one step of the outer SGD
-        (torch.optim.SGD's rule, dampening 0, no weight decay) on scratch copies, so phi and the momentum are left
-        unchanged. Nesterov: phi - lr ((1 + m) g + m^2 buf); heavy ball: phi - lr (g + m buf); no momentum: phi - lr g.
-        """
-        group = self.outer_optimizer.param_groups[0]
-        momentum = group["momentum"]
-        direction = estimate
-        if momentum > 0:
-            buf = self.outer_optimizer.state.get(self.outer_params, {}).get("momentum_buffer")
-            buf = estimate if buf is None else momentum * buf + estimate  # torch's first step: buf = g
-            direction = estimate + momentum * buf if group["nesterov"] else buf
-        return self.outer_params - self._outer_lr(update) * direction
+        """phi after outer update `update` if its averaged pseudo-gradient were `estimate`: the outer optimizer's
+        own step on scratch copies (`OuterOptimizer.predict`), so phi and its state are left unchanged."""
+        return self.outer.predict(estimate, update=update)
 
     def _slow_link_advice(self, stats: RoundStats, *, round_steps: int) -> str:
         link_s, compute_s, nbytes = stats.link_s, stats.compute_s or 0.0, stats.bytes_sent
@@ -554,10 +550,10 @@ class DiLoCoSync:
 
     # ---------------------------------------------------------------------------------------------- state
     def state_bytes(self) -> int:
-        """Bytes of the outer state: outer params, momentum, the round start and the delayed sync (all fp32), and
-        the reducer's (error-feedback residuals, warm starts)."""
-        vectors = 2 + (self.outer_optimizer.defaults["momentum"] > 0) + (self.cfg.sync_delay == 1)
-        return 4 * self.flat.numel * vectors + self.reducer.state_bytes()
+        """Bytes of the outer state: outer params, the round start and the delayed sync (fp32), the outer optimizer's
+        state tensors (momentum, moments) and the reducer's (error-feedback residuals, warm starts)."""
+        vectors = 2 + (self.cfg.sync_delay == 1)
+        return 4 * self.flat.numel * vectors + self.outer.state_bytes() + self.reducer.state_bytes()
 
     def state_dict(self) -> dict[str, Any]:
         """The outer state, including the delayed sync in flight: not waited for (a checkpoint must not stall the
@@ -565,7 +561,7 @@ class DiLoCoSync:
         arrives and is applied at the same step as in an uninterrupted run."""
         return {
             "outer_params": self.outer_params.detach().clone(),
-            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "outer_optimizer": self.outer.state_dict(),
             "round_start": self.round_start.clone(),
             "pending_sent": None if self.pending is None else self.pending.sent.clone(),
             "pending_seq": -1 if self.pending is None else self.pending.transfer.seq,
@@ -606,7 +602,7 @@ class DiLoCoSync:
             )
         with torch.no_grad():
             self.outer_params.copy_(state["outer_params"])
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.outer.load_state_dict(state["outer_optimizer"])
         self.round_start = state["round_start"].to(self.outer_params.device, copy=True)
         self.outer_step = int(state["outer_step"])
         self.inner_steps = int(state["inner_steps"])

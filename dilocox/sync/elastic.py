@@ -30,7 +30,9 @@ import torch.distributed as dist
 from dilocox.agreement import describe_differences
 from dilocox.net.channel import PayloadsRejected
 from dilocox.sync.base import RoundStats
+from dilocox.sync.config import SyncConfig
 from dilocox.sync.membership import ElasticError, ElasticMembership, Quorum, shared_settings
+from dilocox.sync.outer_optimizer import outer_optimizer_factory, outer_state_bytes
 from dilocox.sync.reducers import PendingMean
 
 if TYPE_CHECKING:
@@ -38,8 +40,18 @@ if TYPE_CHECKING:
 
 APPLY, REDO, NOTHING = "apply", "redo", "nothing"
 
+HEAL_STATE_SLACK = 16 << 20
+"""Bytes a heal state may hold beyond phi and the outer optimizer's state: counters, the guard's history, pickling."""
+
 SETTLE_ATTEMPTS = 3
 """Quorums an elastic round may take to settle its sync when clusters keep failing during the settling itself."""
+
+
+def heal_state_bound(cfg: SyncConfig, numel: int) -> int:
+    """The most bytes a live peer's `heal_state` may take for a stage of `numel` values under `cfg`'s outer optimizer:
+    phi (fp32), that optimizer's state at full size (`outer_state_bytes`) and `HEAL_STATE_SLACK`; a joining
+    cluster refuses a larger one before loading it."""
+    return 4 * numel + outer_state_bytes(outer_optimizer_factory(cfg), numel) + HEAL_STATE_SLACK
 
 
 class RejoinRequired(RuntimeError):
@@ -495,7 +507,7 @@ class ElasticRounds:
         s = self.sync
         return {
             "outer_params": s.outer_params.detach().clone(),
-            "outer_optimizer": s.outer_optimizer.state_dict(),
+            "outer_optimizer": s.outer.state_dict(),
             "outer_step": s.outer_step,
             "inner_steps": s.inner_steps,
             "round_end": s.round_end,
@@ -511,7 +523,7 @@ class ElasticRounds:
         s = self.sync
         with torch.no_grad():
             s.outer_params.copy_(state["outer_params"].to(s.outer_params.device))
-        s.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        s.outer.load_state_dict(state["outer_optimizer"])
         s.outer_step = int(state["outer_step"])
         s.inner_steps = int(state["inner_steps"])
         s.round_end = int(state["round_end"])

@@ -32,6 +32,7 @@ from dilocox.sync.base import RoundStats
 from dilocox.sync.config import KIND_DEFAULTS, OUTER_LOOP_KINDS, SyncConfig, fit_kind_defaults
 from dilocox.sync.diloco import DiLoCoSync
 from dilocox.sync.membership import ElasticMembership
+from dilocox.sync.outer_optimizer import OuterOptimizerFactory
 from dilocox.topology import group_size
 
 RESUME_SETTINGS = ("kind", "inner_steps", "sync_delay", "outer_lr", "outer_momentum", "nesterov")
@@ -74,6 +75,7 @@ class OuterSync:
         kind: str = "dilocox",
         compression: str | CompressionConfig | None = None,
         sync_delay: int | None = None,
+        outer_optimizer: str | OuterOptimizerFactory | None = None,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
         nesterov: bool | None = None,
@@ -90,11 +92,14 @@ class OuterSync:
         _check_group("cluster_group", cluster_group)
         _check_group("dp_group", dp_group)
         _check_disjoint(cluster_group, dp_group)
+        factory = _outer_optimizer_argument(outer_optimizer, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                                            nesterov=nesterov)  # fmt: skip
         sync, codec = outer_configs(
             kind,
             compression,
             inner_steps=inner_steps,
             sync_delay=sync_delay,
+            outer_optimizer=outer_optimizer if isinstance(outer_optimizer, str) else None,
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
             nesterov=nesterov,
@@ -121,6 +126,7 @@ class OuterSync:
             dp_group=dp_group,
             seed=seed,
             inner_optimizer=inner_optimizer,
+            outer_optimizer=factory,
         )
         self._start_check = _launch_start_check(self.diloco.outer_params, channel, dp_group)
         if group_size(dp_group) > 1:
@@ -141,13 +147,15 @@ class OuterSync:
         inner_optimizer: torch.optim.Optimizer | None = None,
         faults: FaultConfig | None = None,
         membership: ElasticMembership | None = None,
+        outer_optimizer: OuterOptimizerFactory | None = None,
     ) -> OuterSync:
         """Around a `channel` the caller owns (and closes), with the config dataclasses: the trainer's path
         (`build_sync`), and the one to `sync.fit_link` or `sync.outer_state_device`. Nothing is hooked or
         checked beyond the configs: the caller calls `reduce_gradients()` before each inner step itself, and
         the rounds also end at `total_steps`. `inner_optimizer` (optional here) gets its state reset when the
         guard heals this cluster; `faults` injects the faults of `[faults]`; `pp_group` (a pipeline's stages, each
-        with its own OuterSync) makes the stages agree on what the guard leaves out."""
+        with its own OuterSync) makes the stages agree on what the guard leaves out; `outer_optimizer` (a factory,
+        as for the constructor) replaces the one `sync.outer_optimizer` names."""
         if sync.kind not in OUTER_LOOP_KINDS:
             raise ValueError(f"OuterSync needs sync.kind = diloco or dilocox, not {sync.kind!r}")
         self = cls.__new__(cls)
@@ -164,6 +172,7 @@ class OuterSync:
             inner_optimizer=inner_optimizer,
             faults=faults,
             membership=membership,
+            outer_optimizer=outer_optimizer,
         )
         return self
 
@@ -182,6 +191,7 @@ class OuterSync:
         inner_optimizer: torch.optim.Optimizer | None = None,
         faults: FaultConfig | None = None,
         membership: ElasticMembership | None = None,
+        outer_optimizer: OuterOptimizerFactory | None = None,
     ) -> None:
         self.diloco = DiLoCoSync(
             params,
@@ -194,6 +204,7 @@ class OuterSync:
             total_steps=total_steps,
             faults=faults,
             membership=membership,
+            outer_optimizer=outer_optimizer,
         )
         """The implementation this facade drives (docs/design.md §3)."""
         self.inner_optimizer = inner_optimizer
@@ -442,6 +453,29 @@ def outer_configs(
     sync.validate()
     codec.validate()
     return sync, codec
+
+
+def _outer_optimizer_argument(
+    outer_optimizer: Any, *, outer_lr: float | None, outer_momentum: float | None, nesterov: bool | None
+) -> OuterOptimizerFactory | None:
+    """The factory of a callable `outer_optimizer` (None for a name, which `outer_configs` takes, or for None). The
+    built-in optimizers' keyword arguments do not reach a factory, so passing both is refused."""
+    if outer_optimizer is None or isinstance(outer_optimizer, str):
+        return None
+    if isinstance(outer_optimizer, torch.optim.Optimizer) or not callable(outer_optimizer):
+        raise ValueError(
+            f"outer_optimizer must be 'sgd', 'adamw' or a callable that builds a torch.optim.Optimizer from the list "
+            f"it is given (the outer params, a flat fp32 tensor that OuterSync creates), e.g. lambda params: "
+            f"torch.optim.Adam(params, lr=0.01); got {type(outer_optimizer).__name__}"
+        )
+    given = [name for name, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum),
+                                      ("nesterov", nesterov)) if value is not None]  # fmt: skip
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} configure the built-in outer optimizers; with your own outer_optimizer set them in "
+            "its factory (e.g. lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9))"
+        )
+    return outer_optimizer
 
 
 def _parameters(model_or_params: Any) -> list[torch.Tensor]:
