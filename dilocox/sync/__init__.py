@@ -16,7 +16,8 @@ from dilocox.sync.diloco import DiLoCoSync
 from dilocox.sync.elastic import ElasticRounds, heal_state_bound
 from dilocox.sync.membership import ElasticError, ElasticMembership
 from dilocox.sync.outer import OuterSync
-from dilocox.sync.reducers import DenseReducer, GatherReducer, PendingMean, Reducer, build_reducer
+from dilocox.sync.reducer_factory import build_reducer
+from dilocox.sync.reducers import DenseReducer, GatherReducer, PendingMean, Reducer
 from dilocox.sync.scalable import ScalableElementwiseReducer, ScalableLowRankReducer
 
 if TYPE_CHECKING:

@@ -30,7 +30,8 @@ from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.net.link import parse_bandwidth, parse_duration
 from dilocox.sync.base import RoundStats
 from dilocox.sync.config import KIND_DEFAULTS, OUTER_LOOP_KINDS, SyncConfig, fit_kind_defaults
-from dilocox.sync.diloco import DiLoCoSync
+from dilocox.sync.diloco import STATE_KEYS, DiLoCoSync
+from dilocox.sync.elastic import ElasticRounds
 from dilocox.sync.membership import ElasticMembership
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory
 from dilocox.topology import group_size
@@ -245,22 +246,39 @@ class OuterSync:
         where it is non-finite (AdamW's moments after a diverged round). Finite state is kept: a fresh AdamW's first
         rounds move 3 to 4.5 x further than its warmed-up peers' (docs/design.md §4.5), which the peer check would
         leave out again, and heal again, round after round."""
-        if self.diloco.healed:
-            self.diloco.healed = False
+        if self.diloco.guard.healed:
+            self.diloco.guard.healed = False
             if self.inner_optimizer is not None and not _finite_state(self.inner_optimizer):
                 self.inner_optimizer.state.clear()
 
+    # ---------------------------------------------------------------------------------------------- elastic runs
     def rejoin(self) -> tuple[int, str] | None:
         """Elastic runs: join the run (`ElasticRounds.rejoin`); a cluster that heals from a peer gets (step, phase)
         and its inner optimizer starts afresh."""
-        if self.diloco.elastic is None:
-            raise ValueError("rejoin() is for elastic runs: build the sync with a membership (topology.elastic)")
-        joined = self.diloco.elastic.rejoin()
+        joined = self._elastic().rejoin()
         if joined is not None:
             self.num_steps = joined[0]
             if self.inner_optimizer is not None:
                 self.inner_optimizer.state.clear()
         return joined
+
+    def heal_state(self) -> dict[str, Any]:
+        """Elastic runs: what a live peer sends a cluster that joins (`ElasticRounds.heal_state`)."""
+        return self._elastic().heal_state()
+
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        """Elastic runs: take a live peer's `heal_state` (torchft calls it inside a quorum)."""
+        self._elastic().load_heal_state(state)
+
+    @property
+    def last_clusters(self) -> tuple[int, ...]:
+        """Elastic runs: the clusters of the last boundary settled (after the flush: those that ended the run)."""
+        return self._elastic().last_clusters
+
+    def _elastic(self) -> ElasticRounds:
+        if self.diloco.elastic is None:
+            raise ValueError("this is for elastic runs: build the sync with a membership (topology.elastic)")
+        return self.diloco.elastic
 
     def reduce_gradients(self) -> None:
         """Average this step's gradients over `dp_group` (a copy for a group of one): call it after backward and
@@ -368,16 +386,20 @@ class OuterSync:
         if not isinstance(state, dict) or "outer_params" not in state:
             keys = sorted(state)[:5] if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"load_state_dict takes what OuterSync.state_dict() returned, got {keys}")
-        self._check_settings(state.get("settings"))
+        missing = [key for key in (*STATE_KEYS, "num_steps", "channel", "settings") if key not in state]
+        if missing:
+            raise ValueError(
+                f"this outer-sync state lacks {', '.join(missing)}: load_state_dict takes what OuterSync.state_dict() "
+                "of this version returned"
+            )
+        self._check_settings(state["settings"])
         self._finish_start_check(compare=False)  # the saved state, not the constructor's model, is the start now
-        if "channel" in state:  # the counters first: the sync decides from them how to send a saved transfer again
-            self.channel.load_state_dict(state["channel"])
+        # the counters first: the sync decides from them how to send a saved transfer again
+        self.channel.load_state_dict(state["channel"])
         self.diloco.load_state_dict(state)
-        self.num_steps = int(state.get("num_steps", state["last_boundary"]))
+        self.num_steps = int(state["num_steps"])
 
-    def _check_settings(self, saved: dict[str, Any] | None) -> None:
-        if saved is None:  # saved by the trainer before OuterSync existed; its config was checked on resume
-            return
+    def _check_settings(self, saved: dict[str, Any]) -> None:
         mine = self._resume_settings()
         changed = [
             f"{name} = {saved.get(name)!r} (now {value!r})" for name, value in mine.items() if saved.get(name) != value
