@@ -338,8 +338,8 @@ class Trainer:
             quorum_timeout=timeout,
             # half the Lighthouse's join timeout (launch.elastic.lighthouse_timeouts)
             control_timeout=datetime.timedelta(seconds=(cfg.network.stall_timeout_s or cfg.network.timeout_s) / 2),
-            state_dict=lambda: self.sync.diloco.elastic.heal_state(),
-            load_state_dict=lambda state: self.sync.diloco.elastic.load_heal_state(state),
+            state_dict=lambda: self.sync.heal_state(),
+            load_state_dict=lambda state: self.sync.load_heal_state(state),
             heal_max_bytes=heal_state_bound(cfg.sync, sum(p.numel() for p in self.model.parameters())),
             config_fingerprint=settings_fingerprint(settings),
             shared_settings=settings,
@@ -584,7 +584,7 @@ class Trainer:
             "outer_params_sha256": hashlib.sha256(outer.numpy().tobytes()).hexdigest(),
             "healed_from_peer": joined is not None,
             "rejoined_at_step": None if joined is None else joined[0],
-            "last_round_clusters": list(self.sync.diloco.elastic.last_clusters),
+            "last_round_clusters": list(self.sync.last_clusters),
             "heals": self.membership.heals,
             "resumed_from_checkpoint": None if self.resumed_from is None else str(self.resumed_from),
             "last_eval_loss": self.last_eval_loss,
@@ -642,7 +642,7 @@ class Trainer:
         tokens = self.step * self.tokens_per_step
         c = self.cfg
         checkpoints = list_checkpoints(self.run_dir)
-        guard = getattr(self.sync, "guard_counts", {})
+        guard = self.sync.guard_counts
         summary = RunSummary(
             final_eval_loss=final_eval_loss,
             initial_eval_loss=self.initial_eval_loss,
@@ -680,8 +680,8 @@ class Trainer:
             final_eval_tokens=self.eval_tokens,
             run_seed=c.run.seed,
             split_seed=c.split_seed,
-            guard_excluded_updates=guard.get("excluded_updates", 0),
-            guard_skipped_rounds=guard.get("skipped_rounds", 0),
+            guard_excluded_updates=guard["excluded_updates"],
+            guard_skipped_rounds=guard["skipped_rounds"],
         )
         summary.write(self.run_dir)
         if logger is not None:

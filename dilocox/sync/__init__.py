@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from dilocox.net.channel import WanChannel
 from dilocox.sync.allreduce import AllReduceSync, allreduce_bytes_per_step
-from dilocox.sync.base import CodecCost, RoundStats, SyncStrategy
+from dilocox.sync.base import CodecCost, ElasticSync, RoundStats, SyncStrategy
 from dilocox.sync.cocktail import CocktailSync
 from dilocox.sync.config import SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
@@ -30,6 +30,7 @@ __all__ = [
     "DenseReducer",
     "DiLoCoSync",
     "ElasticError",
+    "ElasticSync",
     "ElasticRounds",
     "ElasticMembership",
     "GatherReducer",
