@@ -48,7 +48,9 @@ class OuterSync:
     DiLoCoX's one-step delay and compressed pseudo-gradients (Qi et al. 2025, arXiv 2506.21263).
 
     Every `inner_steps` (H) calls of `step()` a round ends: the pseudo-gradient `round start - params` is averaged
-    over `cluster_group` (the slow link, through a `WanChannel`) and applied to the outer params by an outer SGD.
+    over `cluster_group` (the slow link, through a `WanChannel`) and applied to the outer params by the outer
+    optimizer: an SGD by default, `"adamw"`, or any `torch.optim.Optimizer` that `outer_optimizer`, a factory, builds
+    from the list it is given (the outer params, one flat fp32 tensor that this object creates).
     With `sync_delay = 1` round t's average travels while round t+1 trains and is applied at the end of round t+1;
     `flush()` (also on leaving the `with` block without an exception) ends the round in progress, waits for what
     is in flight and sets every cluster to the same parameters.
