@@ -322,7 +322,10 @@ def resume_fields(cfg: Config, saved: dict[str, Any]) -> list[str]:
         fields.append("data.vocab_size")  # both train their BPE here: its size is the model's vocabulary
     fields += ["data.shard", "data.split_seed", "train.seq_len", "train.optimizer"]
     if cfg.sync.has_outer_loop:
-        fields += [f"sync.{name}" for name in ("inner_steps", "sync_delay", "outer_lr", "outer_momentum", "nesterov")]
+        outer = ("inner_steps", "sync_delay", "outer_optimizer", "outer_lr", "outer_momentum", "nesterov")
+        fields += [f"sync.{name}" for name in outer]
+        if cfg.sync.outer_optimizer == "adamw":
+            fields += [f"sync.{name}" for name in ("outer_beta1", "outer_beta2", "outer_weight_decay")]
         fields.append("compression.kind")
         if cfg.compression.kind != "none":
             formats = ("reduction", "rank", "group_size", "factor_dtype", "small_tensors", "rank_max")

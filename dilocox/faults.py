@@ -15,18 +15,28 @@ run whose model you want; it exists for tests, the fault benchmark and users who
 The lying kinds (all but `diverge`) change only what is sent: the cluster's own parameters follow the honest
 update, so its next pseudo-gradients are normal again.
 
+The lying kinds are a wrapper around the cluster's reducer (`FaultyReducer`); `diverge` acts on the parameters,
+where the outer loop asks `diverges` at the first step of each round.
+
     faults = FaultConfig(cluster=3, kind="scale", rounds="2-4")
     faults.active(cluster=3, round_index=3)          # True
     sent = faults.corrupt(pseudo_grad, round_index=3)
+    reducer = FaultyReducer(reducer, faults, channel=channel, round_index=lambda: sync.outer_step + 1)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dilocox.checks import check_choice, check_types
+
+if TYPE_CHECKING:
+    from dilocox.net.channel import WanChannel
+    from dilocox.sync.reducers import PendingMean, Reducer
 
 FAULT_KINDS = ("none", "diverge", "nan", "scale", "random", "sign", "forge")
 """Every `faults.kind`."""
@@ -91,3 +101,68 @@ class FaultConfig:
             noise = torch.randn(pseudo_grad.shape, generator=generator).to(pseudo_grad.device)
             return noise * (pseudo_grad.norm() / noise.norm().clamp_min(1e-30))
         raise ValueError(f"faults.kind = {self.kind!r} does not change the values sent")
+
+    def diverges(self, *, cluster: int, round_index: int) -> bool:
+        """Whether `cluster`'s own training goes non-finite at the start of round `round_index` (kind diverge)."""
+        return self.kind == "diverge" and self.active(cluster=cluster, round_index=round_index)
+
+    @property
+    def lies(self) -> bool:
+        """Whether the kind changes what the cluster sends (every kind but none and diverge)."""
+        return self.enabled and self.kind != "diverge"
+
+
+class FaultyReducer:
+    """A reducer whose cluster lies in the rounds `faults` chooses: what it launches is `faults.corrupt`ed (nan,
+    scale, random, sign) or goes out under a forged tag (forge); everything else is the wrapped reducer's. A payload
+    sent again (a resumed run's sync in flight) is sent as it was, lie included.
+
+        reducer = FaultyReducer(build_reducer(...), FaultConfig(kind="sign", cluster=1), channel=channel,
+                                round_index=lambda: sync.outer_step + 1)
+    """
+
+    def __init__(
+        self, reducer: Reducer, faults: FaultConfig, *, channel: WanChannel, round_index: Callable[[], int]
+    ) -> None:
+        self.reducer = reducer
+        self.faults = faults
+        self.channel = channel
+        self.round_index = round_index
+        """The round (1-based) a launch belongs to."""
+        self.name = reducer.name
+
+    def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        round_index = self.round_index()
+        if self.faults.active(cluster=self.channel.group_rank, round_index=round_index):
+            if self.faults.kind == "forge":  # the values are honest, their tag is not
+                self.channel.forge_next_payload()
+            else:
+                pseudo_grad = self.faults.corrupt(pseudo_grad, round_index=round_index)
+        return self.reducer.launch(pseudo_grad)
+
+    def abstain(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        return self.reducer.abstain(pseudo_grad)
+
+    def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
+        return self.reducer.relaunch(sent, account=account)
+
+    def heal(self) -> None:
+        self.reducer.heal()
+
+    def current_rank(self) -> int | None:
+        return self.reducer.current_rank()
+
+    def current_matrix_ranks(self) -> tuple[int, ...] | None:
+        return self.reducer.current_matrix_ranks()
+
+    def held_back(self, device: torch.device) -> torch.Tensor | None:
+        return self.reducer.held_back(device)
+
+    def state_bytes(self) -> int:
+        return self.reducer.state_bytes()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.reducer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reducer.load_state_dict(state)

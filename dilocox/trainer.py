@@ -35,7 +35,7 @@ from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.net.watchdog import JobStore, Watchdog
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
 from dilocox.parallel.pipeline import mean_token_cross_entropy
-from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync
+from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync, heal_state_bound
 from dilocox.sync.robust import GuardError
 from dilocox.topology import Topology, build_process_groups
 
@@ -338,10 +338,9 @@ class Trainer:
             quorum_timeout=timeout,
             # half the Lighthouse's join timeout (launch.elastic.lighthouse_timeouts)
             control_timeout=datetime.timedelta(seconds=(cfg.network.stall_timeout_s or cfg.network.timeout_s) / 2),
-            state_dict=lambda: self.sync.diloco.elastic.heal_state(),
-            load_state_dict=lambda state: self.sync.diloco.elastic.load_heal_state(state),
-            # the heal state is the outer params and the outer optimizer's momentum (fp32), and small counters
-            heal_max_bytes=3 * 4 * sum(p.numel() for p in self.model.parameters()) + (16 << 20),
+            state_dict=lambda: self.sync.heal_state(),
+            load_state_dict=lambda state: self.sync.load_heal_state(state),
+            heal_max_bytes=heal_state_bound(cfg.sync, sum(p.numel() for p in self.model.parameters())),
             config_fingerprint=settings_fingerprint(settings),
             shared_settings=settings,
         )
@@ -585,7 +584,7 @@ class Trainer:
             "outer_params_sha256": hashlib.sha256(outer.numpy().tobytes()).hexdigest(),
             "healed_from_peer": joined is not None,
             "rejoined_at_step": None if joined is None else joined[0],
-            "last_round_clusters": list(self.sync.diloco.elastic.last_clusters),
+            "last_round_clusters": list(self.sync.last_clusters),
             "heals": self.membership.heals,
             "resumed_from_checkpoint": None if self.resumed_from is None else str(self.resumed_from),
             "last_eval_loss": self.last_eval_loss,
@@ -643,7 +642,7 @@ class Trainer:
         tokens = self.step * self.tokens_per_step
         c = self.cfg
         checkpoints = list_checkpoints(self.run_dir)
-        guard = getattr(self.sync, "guard_counts", {})
+        guard = self.sync.guard_counts
         summary = RunSummary(
             final_eval_loss=final_eval_loss,
             initial_eval_loss=self.initial_eval_loss,
@@ -681,8 +680,8 @@ class Trainer:
             final_eval_tokens=self.eval_tokens,
             run_seed=c.run.seed,
             split_seed=c.split_seed,
-            guard_excluded_updates=guard.get("excluded_updates", 0),
-            guard_skipped_rounds=guard.get("skipped_rounds", 0),
+            guard_excluded_updates=guard["excluded_updates"],
+            guard_skipped_rounds=guard["skipped_rounds"],
         )
         summary.write(self.run_dir)
         if logger is not None:

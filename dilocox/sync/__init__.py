@@ -9,14 +9,15 @@ import torch.distributed as dist
 
 from dilocox.net.channel import WanChannel
 from dilocox.sync.allreduce import AllReduceSync, allreduce_bytes_per_step
-from dilocox.sync.base import CodecCost, RoundStats, SyncStrategy
+from dilocox.sync.base import CodecCost, ElasticSync, RoundStats, SyncStrategy
 from dilocox.sync.cocktail import CocktailSync
 from dilocox.sync.config import SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
-from dilocox.sync.elastic import ElasticRounds
+from dilocox.sync.elastic import ElasticRounds, heal_state_bound
 from dilocox.sync.membership import ElasticError, ElasticMembership
 from dilocox.sync.outer import OuterSync
-from dilocox.sync.reducers import DenseReducer, GatherReducer, PendingMean, Reducer, build_reducer
+from dilocox.sync.reducer_factory import build_reducer
+from dilocox.sync.reducers import DenseReducer, GatherReducer, PendingMean, Reducer
 from dilocox.sync.scalable import ScalableElementwiseReducer, ScalableLowRankReducer
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ __all__ = [
     "DenseReducer",
     "DiLoCoSync",
     "ElasticError",
+    "ElasticSync",
     "ElasticRounds",
     "ElasticMembership",
     "GatherReducer",
@@ -43,6 +45,7 @@ __all__ = [
     "allreduce_bytes_per_step",
     "build_reducer",
     "build_sync",
+    "heal_state_bound",
 ]
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dilocox.net.channel import WanChannel, ring_all_reduce_bytes
-from dilocox.sync.base import FlatParams, RoundStats, dp_mean_, shard_bounds
+from dilocox.sync.base import GUARD_COUNTS, FlatParams, RoundStats, dp_mean_, shard_bounds
 from dilocox.sync.reducers import DenseReducer
 from dilocox.topology import group_size
 
@@ -24,6 +24,11 @@ class AllReduceSync:
     name = "allreduce"
     outer_step = 0  # no outer optimizer
     inner_steps = 1  # every step is a round: the replicas agree after each
+
+    @property
+    def guard_counts(self) -> dict[str, int]:
+        """No guard: every total is 0."""
+        return dict.fromkeys(GUARD_COUNTS, 0)
 
     def __init__(self, params, *, channel: WanChannel, dp_group: dist.ProcessGroup | None) -> None:
         self.flat = FlatParams(params)

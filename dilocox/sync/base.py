@@ -119,6 +119,10 @@ class RoundStats:
         return record
 
 
+GUARD_COUNTS = ("excluded_updates", "skipped_rounds", "healed_rounds")
+"""The guard's totals (`SyncStrategy.guard_counts`); per-step strategies have no guard and report zeros."""
+
+
 class SyncStrategy(Protocol):
     """One way of keeping the clusters' models together (docs/design.md §6): everything the trainer uses."""
 
@@ -131,6 +135,10 @@ class SyncStrategy(Protocol):
     """Values of this rank's parameters that the strategy keeps in step."""
     warnings: list[str]
     """Messages for the user (e.g. the link cannot keep up), printed once by the trainer."""
+
+    @property
+    def guard_counts(self) -> dict[str, int]:
+        """sync.guard's totals over the run, by `GUARD_COUNTS` (all 0 for strategies without a guard)."""
 
     def reduce_gradients(self) -> None:
         """Average this step's gradients over the ranks that must agree on them, before the inner step."""
@@ -157,6 +165,28 @@ class SyncStrategy(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class ElasticSync(SyncStrategy, Protocol):
+    """An outer loop whose clusters may fail and rejoin (`topology.elastic`, docs/design.md §10.1): what the trainer
+    uses besides `SyncStrategy`."""
+
+    @property
+    def outer_params(self) -> torch.Tensor:
+        """phi (numel,) fp32: the same on every cluster after each outer step (its digest goes in the run's record)."""
+
+    @property
+    def last_clusters(self) -> tuple[int, ...]:
+        """The clusters of the last boundary settled (after the flush: those that ended the run together)."""
+
+    def rejoin(self) -> tuple[int, str] | None:
+        """Meet the other clusters; one that joins a run in progress heals from a live peer and gets (step, phase)."""
+
+    def heal_state(self) -> dict[str, Any]:
+        """What a live peer sends a cluster that joins (torchft's checkpoint transport)."""
+
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        """Take a live peer's `heal_state`."""
 
 
 class FlatParams:

@@ -17,7 +17,7 @@ from dilocox.compress import CocktailConfig, ErrorFeedback
 from dilocox.compress.payload import Payload
 from dilocox.compress.sparse import SparseInt4Codec
 from dilocox.net.channel import WanChannel, ring_all_gather_bytes, ring_all_reduce_bytes
-from dilocox.sync.base import FlatParams, RoundStats, dp_mean_, shard_bounds
+from dilocox.sync.base import GUARD_COUNTS, FlatParams, RoundStats, dp_mean_, shard_bounds
 from dilocox.sync.reducers import gather_slices_
 from dilocox.topology import group_size
 
@@ -43,6 +43,11 @@ class CocktailSync:
 
     outer_step = 0  # no outer optimizer: every step is a plain data-parallel step, as for allreduce
     inner_steps = 1  # every step is a round: the replicas agree after each
+
+    @property
+    def guard_counts(self) -> dict[str, int]:
+        """No guard: every total is 0."""
+        return dict.fromkeys(GUARD_COUNTS, 0)
 
     def __init__(
         self,

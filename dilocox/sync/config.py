@@ -21,6 +21,8 @@ OUTER_STATE_DEVICES = ("device", "cpu")
 """Where the outer state lives (`sync.outer_state_device`)."""
 MERGE_RULES = ("reset", "keep_local", "eager", "lookahead", "own_payload")
 """Where a round starts under the one-step delay (see `DiLoCoSync` and docs/design.md §3)."""
+OUTER_OPTIMIZERS = ("sgd", "adamw")
+"""Every `sync.outer_optimizer` (`dilocox.sync.outer_optimizer`)."""
 OUTER_LR_SCHEDULES = ("constant", "cosine")
 """How the outer learning rate moves over the outer updates (`SyncConfig.outer_lr_at`)."""
 FIT_HEADROOM = 1.1
@@ -64,12 +66,20 @@ class SyncConfig:
     """Strategy: allreduce, cocktail (compressed every step), diloco (H local steps + outer sync), dilocox."""
     inner_steps: int = 50
     """H: local inner steps between two outer syncs (diloco)."""
+    outer_optimizer: str = "sgd"
+    """The outer optimizer of phi: sgd (outer_lr, outer_momentum, nesterov) or adamw (outer_lr, outer_beta1/2, ...)."""
     outer_lr: float = 0.7
-    """Learning rate of the outer SGD applied to the averaged pseudo-gradient (dilocox: 1.0 unless set)."""
+    """Learning rate of the outer optimizer (dilocox: 1.0 unless set); adamw takes it as its step length: set it."""
     outer_momentum: float = 0.9
     """Momentum of the outer SGD (dilocox: 0, plain averaging, unless set)."""
     nesterov: bool = True
     """Use Nesterov momentum in the outer SGD."""
+    outer_beta1: float = 0.9
+    """adamw: decay rate of the outer AdamW's first moment (its momentum)."""
+    outer_beta2: float = 0.999
+    """adamw: decay rate of the outer AdamW's second moment (its per-value scale)."""
+    outer_weight_decay: float = 0.0
+    """adamw: the outer AdamW's decoupled weight decay of phi, per outer update."""
     sync_delay: int = 0
     """Rounds between launching an outer sync and applying it: 0 = blocking, 1 = overlapped (dilocox: 1 unless set)."""
     overlap_steps: int = 0
@@ -164,6 +174,17 @@ class SyncConfig:
             raise ValueError(
                 f"sync.aggregate = {self.aggregate!r} averages the pseudo-gradients of an outer loop: use sync.kind = "
                 "diloco or dilocox"
+            )
+        check_choice("sync.outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
+        for name in ("outer_beta1", "outer_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"sync.{name} = {getattr(self, name)} must be in [0, 1): a moment's decay rate")
+        check_non_negative("sync", self, "outer_weight_decay")
+        if self.outer_optimizer != "sgd" and self.drain_residual:
+            raise ValueError(
+                f"sync.drain_residual = true adds the drained residual to phi at the outer SGD's learning rate, but "
+                f"sync.outer_optimizer = {self.outer_optimizer!r} takes steps of its own length; set "
+                "sync.drain_residual = false, or use sync.outer_optimizer = sgd"
             )
         check_choice("sync.outer_lr_schedule", self.outer_lr_schedule, OUTER_LR_SCHEDULES)
         check_non_negative("sync", self, "outer_warmup_rounds")

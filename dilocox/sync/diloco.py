@@ -1,86 +1,104 @@
 """DiLoCo (Douillard et al. 2023, arXiv 2311.08105) and its one-step-delay form from DiLoCoX (arXiv 2506.21263).
 
-H local steps, then an outer step on the pseudo-gradient averaged over the clusters. With `sync_delay = 0` the
-trainer waits for the average (blocking DiLoCo, the "OpenDiLoCo" row of DiLoCoX's table). With `sync_delay = 1`
-the sync of round t travels while round t+1 trains and is applied at the end of round t+1, one round stale.
+H local steps, then an outer step on the pseudo-gradient averaged over the clusters. One round reads top-down in
+`DiLoCoSync.end_round`: `prepare_sync` launches the round's pseudo-gradient (its reducer encodes it and averages it
+over the slow link, docs/design.md §4.4, on the channel's thread); `perform_sync` waits for the sync that is due,
+lets the guard judge it and takes the outer optimizer's step; the next round starts at phi, or under the delay where
+the merge rule says. With `sync_delay = 0` the round's own sync is due at once (blocking DiLoCo, the "OpenDiLoCo"
+row of DiLoCoX's table); with `sync_delay = 1` the last round's is, and this round's travels during the next.
 
     sync = DiLoCoSync(model.parameters(), SyncConfig(inner_steps=50, sync_delay=1), channel=channel, dp_group=dp_group)
-    ...inner step...; sync.after_inner_step(step)     # every H steps: launch this round's sync, apply the last one
+    ...inner step...; sync.after_inner_step(step)     # every H steps: end_round(step)
     sync.flush()                                      # end of training: apply the update still in flight
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from dilocox.compress import CompressionConfig
-from dilocox.faults import FaultConfig
+from dilocox.faults import FaultConfig, FaultyReducer
 from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, RoundStats, dp_mean_
-from dilocox.sync.config import FIT_HEADROOM, SyncConfig, check_held_back_options, check_robust_reduction
+from dilocox.sync.config import SyncConfig, check_held_back_options, check_robust_reduction
 from dilocox.sync.elastic import ElasticRounds
+from dilocox.sync.link_fit import fit_inner_steps, fit_link_warning, slow_link_advice
 from dilocox.sync.membership import ElasticMembership
-from dilocox.sync.reducers import GatherReducer, PendingMean, Reducer, build_reducer
-from dilocox.sync.robust import GuardError, UpdateGuard
+from dilocox.sync.merge import InFlight, build_merge_rule
+from dilocox.sync.outer_optimizer import (
+    OuterOptimizer,
+    OuterOptimizerFactory,
+    outer_lr_schedule,
+    outer_optimizer_factory,
+)
+from dilocox.sync.reducer_factory import build_reducer
+from dilocox.sync.reducers import GatherReducer, PendingMean, Reducer
+from dilocox.sync.robust import RoundGuard
+
+STATE_KEYS = (
+    "outer_params",
+    "outer_optimizer",
+    "round_start",
+    "pending_sent",
+    "pending_seq",
+    "outer_step",
+    "inner_steps",
+    "round_end",
+    "last_boundary",
+    "reduction",
+    "reducer",
+    "guard",
+)
+"""The keys of `DiLoCoSync.state_dict`, all of which `load_state_dict` needs."""
+
+
+class Landed(NamedTuple):
+    """A sync that `perform_sync` waited for and applied."""
+
+    stats: RoundStats
+    left_out: bool
+    """The others left out the update this cluster sent (not one it abstained from): it heals."""
 
 
 class DiLoCoSync:
-    """Keeps `outer_params` (phi, fp32) and the outer SGD with Nesterov momentum for this rank's parameters.
+    """Keeps `outer_params` (phi, fp32), the outer optimizer and the round of this rank's parameters.
 
     End of round t (docs/design.md §3), with `pseudo_grad = round start - theta`:
-    - `sync_delay = 0`: wait for `avg_pseudo_grad` of round t, `phi = outer_step(phi, avg)`, theta = phi.
-    - `sync_delay = 1`: launch round t's sync, wait for round t-1's (it had all of round t to travel), apply it.
-      The merge rule says where round t+1 starts:
-      - `reset`: at phi, like every cluster (round t's own progress returns, averaged, one round later);
-      - `keep_local`: at phi minus this cluster's round-t pseudo-gradient, so local progress is not thrown away
-        while its average is in flight (the idea of eager updates, arXiv 2502.12996, and Streaming DiLoCo,
-        arXiv 2501.18512). Clusters then differ by their last round's progress until `flush()`.
-      - `eager` (Kale et al. 2025, arXiv 2502.12996): at the outer step phi would take if round t's average were
-        this cluster's own share of it, pseudo_grad / C (the others' part is in phi already, one round stale),
-        taken on a scratch copy of the momentum (`predicted_outer_params`). With momentum 0 this is exactly the
-        paper's eager update, phi - lr pseudo_grad / C.
-      - `lookahead`: at the outer step phi would take if round t's average were this cluster's whole
-        pseudo-gradient, momentum included: a delay-corrected momentum by weight prediction (SpecTrain, Chen et al.
-        2018): the next round computes its pseudo-gradient near where phi will be when that is applied, and the
-        momentum's part of the next step, already known, is not left one round behind. Plain averaging: keep_local.
-      - `own_payload` (a codec with error feedback): at the outer step phi would take if round t's average were
-        what this cluster's codec sent of it (its decoded payload), less its share of what the codec still holds
-        back; as `eager` in a round whose encoding found nothing held back (the first). Not a better guess of the
-        average (the clusters' payloads are nearly uncorrelated, docs/design.md §3): the round's first steps run
-        from the cluster's own point on the values it sent.
-      Under every rule phi itself only ever takes the true averages, so every cluster holds the same phi
-      (`agreed_model`); the next pseudo-gradient is measured from the round start, so when the true average lands
-      it replaces the predicted part instead of adding to it.
+    - `sync_delay = 0`: launch round t's sync, wait for it, take the outer step, theta = phi.
+    - `sync_delay = 1`: wait for round t-1's sync (it had all of round t to travel), take its outer step, launch
+      round t's. The merge rule (`sync.merge`, `dilocox.sync.merge`) says where round t+1 starts meanwhile: at phi
+      (`reset`), at phi minus this cluster's own progress (`keep_local`), or at the outer step phi would take on an
+      estimate of round t's average (`eager`, `lookahead`, `own_payload`), taken by the outer optimizer on copies.
+      phi itself only ever takes the true averages, so every cluster holds the same phi (`agreed_model`).
 
-    `sync.local_residual` (a codec with error feedback): a codec sends part of each pseudo-gradient and holds the
-    rest back in its residual, for later rounds. Without it the cluster's parameters lose that part at every landing
-    (they restart from phi, which has only what was sent). With it they keep this cluster's share of it: wherever a
-    round starts, or restarts when an average lands, it starts lower by held_back / C, held_back being the residual
-    times `compression.feedback_decay` (what the next encoding adds); under the delay the in-flight round's own share
-    is then `pseudo_grad + held_back` of the last rounds, as the merge rule takes it. The clusters' parameters differ
-    by their residuals; phi, the agreed model, is unchanged, and `flush()` still sets every cluster to phi.
-    `sync.drain_residual` (a codec with error feedback): at the end of training `flush()` sends what every codec still
-    holds back once more, densely in int4, and phi takes its mean (times the outer learning rate, no momentum), so
-    the model the run ends with holds all of every cluster's progress rather than what the codec had sent so far.
+    The outer optimizer is any `torch.optim.Optimizer` over phi (`outer_optimizer`, a factory; by default
+    `sync.outer_optimizer`'s), with the learning rate of each update set by `sync.outer_lr_schedule` over the run's
+    ceil(total_steps / H) updates. The average is its `reducer`'s (`compression.kind` and `compression.reduction`,
+    docs/design.md §4.4); with `faults` a lying cluster's reducer is wrapped (`FaultyReducer`).
 
-    The outer learning rate of each update follows `sync.outer_lr_schedule` (`SyncConfig.outer_lr_at`), over the
-    run's ceil(total_steps / H) updates. The average itself is its `reducer`'s (`compression.kind` and
-    `compression.reduction`, docs/design.md §4.4).
+    `sync.local_residual` (a codec with error feedback): wherever a round starts, or restarts when an average lands,
+    it starts lower by this cluster's share (1/C) of what its codec holds back, so the cluster keeps that progress
+    instead of losing it at every landing. `sync.drain_residual`: at the end of training `flush()` sends what every
+    codec still holds back once more, densely in int4, and phi takes its mean times the outer learning rate (an SGD
+    outer optimizer's plain step), so the model the run ends with holds all of every cluster's progress.
 
-    With `sync.guard` (docs/design.md §4.5) a cluster whose own pseudo-gradient is non-finite abstains from the
-    round and heals: the next round starts from phi, its error-feedback residuals are dropped and `healed` tells
-    the owner of the inner optimizer to reset its state where non-finite. The gather reduction leaves out every
-    non-finite or outsized update and, of three or more, one that stands out among the others (`sync.guard_peers`);
-    each cluster judges the same bytes, so all leave out the same ones, and a cluster left out heals too. The
-    summing reductions check the mean instead and skip a round whose mean is non-finite or outsized.
-    `sync.guard_max_bad_rounds` bad rounds in a row, of this cluster or of every cluster, raise `GuardError`.
+    With `sync.guard` (docs/design.md §4.5, `RoundGuard`) a cluster whose own pseudo-gradient is non-finite
+    abstains from the round and heals: the next round starts from phi, its error-feedback residuals are dropped and
+    `guard.healed` tells the owner of the inner optimizer to reset its state where non-finite. The gather reduction
+    leaves out every non-finite or outsized update (and with `sync.guard_peers` one that stands out among three or
+    more); a cluster left out heals too. The summing reductions check the mean and skip a round whose mean is
+    unusable. `sync.guard_max_bad_rounds` bad rounds in a row raise `GuardError`.
+
+    With a `membership` (elastic runs, docs/design.md §10.1) the same round runs over each boundary's torchft quorum:
+    `ElasticRounds` meets the live clusters, launches over their group and settles the sync that is due among them.
     """
 
     def __init__(
@@ -96,6 +114,7 @@ class DiLoCoSync:
         total_steps: int | None = None,
         faults: FaultConfig | None = None,
         membership: ElasticMembership | None = None,
+        outer_optimizer: OuterOptimizerFactory | None = None,
     ) -> None:
         cfg.validate()
         compression = compression or CompressionConfig()
@@ -111,32 +130,12 @@ class DiLoCoSync:
         """The cluster's pipeline, over which the stages agree on what the guard leaves out (None: one stage)."""
         self.compression = compression
         self.seed = seed
-        self.inner_steps = cfg.inner_steps  # H of the round in progress (fit_link may change it between rounds)
-        self.round_end = cfg.inner_steps  # the step at which the round in progress ends
-        self.last_boundary = 0  # the step at which the last round ended
+        # where the run is: the round in progress ends at round_end (fit_link may change H between rounds)
+        self.inner_steps = cfg.inner_steps
+        self.round_end = cfg.inner_steps
+        self.last_boundary = 0
+        self.outer_step = 0  # rounds completed
         self.total_steps = total_steps
-        self.reducer: Reducer = self._build_reducer(compression, elastic=membership is not None)
-        self.faults = faults if faults is not None and faults.enabled else None
-        self.mean_guard = (
-            UpdateGuard(cfg.guard_max_ratio) if cfg.guard and not isinstance(self.reducer, GatherReducer) else None
-        )
-        """The summing reductions' guard: it judges the mean (the gather reduction judges every update itself)."""
-        self.healed = False
-        """Set when this cluster's parameters were reset to phi; the inner optimizer's owner resets its state."""
-        self.guard_counts = {"excluded_updates": 0, "skipped_rounds": 0, "healed_rounds": 0}
-        """Totals over the run: updates the guard left out, rounds without a usable mean, rounds this cluster healed."""
-        self._bad_in_row = {"own": 0, "all": 0}
-        params_device = self.flat.params[0].device if self.flat.params else torch.device("cpu")
-        self.state_device = params_device if cfg.outer_state_device == "device" else torch.device("cpu")
-        """Where the outer state, the pseudo-gradient and its reduction live (sync.outer_state_device)."""
-        self.outer_params = self.flat.gather_data().to(self.state_device, copy=True)  # (numel,) fp32, phi
-        self.outer_optimizer = torch.optim.SGD(
-            [self.outer_params],
-            lr=cfg.outer_lr,
-            momentum=cfg.outer_momentum,
-            nesterov=cfg.nesterov and cfg.outer_momentum > 0,  # torch rejects Nesterov without momentum
-        )
-        self.num_clusters = channel.world_size  # C, for the eager merge's own share of the average
         self.num_outer_updates = math.ceil(total_steps / cfg.inner_steps) if total_steps else None
         """Outer updates in the run (one per round), the horizon of a cosine outer learning rate."""
         if cfg.outer_lr_schedule == "cosine" and self.num_outer_updates is None:
@@ -144,14 +143,45 @@ class DiLoCoSync:
                 "sync.outer_lr_schedule = 'cosine' decays over the run's outer updates, so it needs the run's length: "
                 "pass total_steps (the trainer passes train.steps), or use 'constant'"
             )
-        self.round_start = self.outer_params.clone()  # theta at the start of the round (phi under reset)
-        self.pending: PendingMean | None = None  # the delayed sync, in flight
-        self.outer_step = 0  # rounds completed
-        self.warnings: list[str] = []  # for the trainer to print once (the link cannot keep up)
+        params_device = self.flat.params[0].device if self.flat.params else torch.device("cpu")
+        self.state_device = params_device if cfg.outer_state_device == "device" else torch.device("cpu")
+        """Where the outer state, the pseudo-gradient and its reduction live (sync.outer_state_device)."""
+        self.outer_params = self.flat.gather_data().to(self.state_device, copy=True)  # (numel,) fp32, phi
+        self.round_start = self.outer_params.clone()  # theta at the start of the round
+        self.outer = OuterOptimizer(
+            self.outer_params,
+            outer_optimizer if outer_optimizer is not None else outer_optimizer_factory(cfg),
+            lr_at=outer_lr_schedule(cfg, self.num_outer_updates),
+        )
+        """The outer optimizer of phi (`sync.outer_optimizer`, or the factory passed in) and its lr schedule."""
+        if cfg.drain_residual and not self.outer.takes_plain_steps:
+            raise ValueError(
+                f"sync.drain_residual = true adds the drained residual to phi at the outer SGD's learning rate, but "
+                f"the outer optimizer is {self.outer.name}, whose steps have a length of their own; set "
+                "sync.drain_residual = false (OuterSync: drain_residual=False), or use an SGD outer optimizer"
+            )
+        self.merge = build_merge_rule(cfg.merge)
+        """Where a round starts while the last round's average is in flight (`sync.merge`, delayed syncs only)."""
+        self.warnings: list[str] = []  # for the trainer to print once (the link cannot keep up, the guard's verdicts)
         self._warned = False
+        reducer = self._build_reducer(compression, elastic=membership is not None)
+        self._update_guard = reducer.guard if isinstance(reducer, GatherReducer) else None
+        """The gather reduction's own guard (its norm history), None for the summing reductions."""
+        self.guard = RoundGuard(
+            max_ratio=cfg.guard_max_ratio,
+            max_bad_rounds=cfg.guard_max_bad_rounds,
+            judges_mean=cfg.guard and not isinstance(reducer, GatherReducer),
+            warnings=self.warnings,
+        )
+        self.faults = faults if faults is not None and faults.enabled else None
+        self.reducer: Reducer = reducer
+        if self.faults is not None and self.faults.lies:
+            self.reducer = FaultyReducer(reducer, self.faults, channel=channel, round_index=lambda: self.outer_step + 1)
+        self.pending: PendingMean | None = None
+        """The sync in flight (launched by `prepare_sync`, landed by `perform_sync`)."""
         self.elastic = ElasticRounds(self, membership) if membership is not None else None
-        """Elastic runs (topology.elastic, docs/design.md §10.1): torchft's quorum decides which clusters take part in
-        each round, and this ends the rounds and the training instead."""
+        """Elastic runs (topology.elastic, docs/design.md §10.1): each boundary's torchft quorum decides which clusters
+        take part; it launches over their group and settles the sync that is due among them."""
 
     def _build_reducer(self, compression: CompressionConfig, *, elastic: bool = False) -> Reducer:
         """A reducer of `compression` over this rank's tensors, on its channel, with the guard and the aggregate of
@@ -177,28 +207,117 @@ class DiLoCoSync:
     def is_round_boundary(self, step: int) -> bool:
         return step in (self.round_end, self.total_steps) or (step > 0 and step == self.last_boundary)
 
-    def after_inner_step(self, step: int) -> RoundStats | None:
-        if self.faults is not None and self.faults.kind == "diverge" and step == self.last_boundary + 1:
-            if self.faults.active(cluster=self.channel.group_rank, round_index=self.outer_step + 1):
-                self.flat.scatter_data(torch.full((self.numel,), float("nan")))  # faults: this round diverges
-        if step not in (self.round_end, self.total_steps):
-            if self.pending is not None and step == self.last_boundary + self.cfg.overlap_steps:
-                return self._apply_in_round(step)
-            return None
-        return self.end_round(step)
+    @property
+    def guard_counts(self) -> dict[str, int]:
+        """sync.guard's totals: excluded_updates, skipped_rounds, healed_rounds."""
+        return self.guard.counts
 
-    def _apply_in_round(self, step: int) -> RoundStats:
-        """`sync.overlap_steps`: wait for the last round's sync `overlap_steps` into this round and apply it now.
+    def after_inner_step(self, step: int) -> RoundStats | None:
+        """At a round's end (every H steps, and at `total_steps`) `end_round`; with `sync.overlap_steps`, that many
+        steps into a round, the landing of the last round's sync (`land_in_round`)."""
+        if self.faults is not None and step == self.last_boundary + 1:
+            if self.faults.diverges(cluster=self.channel.group_rank, round_index=self.outer_step + 1):
+                self.flat.scatter_data(torch.full((self.numel,), float("nan")))  # faults: this round diverges
+        if step in (self.round_end, self.total_steps):
+            return self.end_round(step)
+        if self.pending is not None and step == self.last_boundary + self.cfg.overlap_steps:
+            return self.land_in_round(step)
+        return None
+
+    # ---------------------------------------------------------------------------------------------- the round
+    def end_round(self, step: int) -> RoundStats | None:
+        """End the round in progress at `step`: launch its sync (`prepare_sync`), land the one that is due
+        (`perform_sync`: this one when blocking, the last one if delayed) and start the next round.
+
+        Delayed: the last round's sync lands before this round's is launched. The link is FIFO, so this round's
+        transfer could not start earlier anyway, and the launch then sees everything the last sync left behind
+        (error-feedback residuals and shared warm starts of the scalable path). Returns what the sync that landed
+        cost (None in the first round of a delayed sync: nothing was due)."""
+        round_steps, round_index = step - self.last_boundary, self.outer_step + 1
+        # elastic: a cluster that healed at this boundary did not train the round that ends here, so it abstains
+        newcomer = self.elastic.open_boundary(step) if self.elastic is not None else False
+        pseudo_grad = self.round_start - self.flat.gather_data().to(self.state_device)  # (numel,) round start - theta
+        own_bad = self.cfg.guard and not newcomer and not bool(torch.isfinite(pseudo_grad).all())
+        abstain = own_bad or newcomer
+        if self.cfg.sync_delay == 0:
+            if own_bad:  # before the encoding: what the bad round left in the residuals is not sent
+                self.reducer.heal()
+            self.prepare_sync(pseudo_grad, abstain=abstain)
+            landed = self.perform_sync(round_steps=round_steps, round_index=round_index)
+            heal = abstain or (landed is not None and landed.left_out)
+            theta = self.outer_params if heal else self._with_held_back(self.outer_params)
+        else:
+            landed = self.perform_sync(round_steps=round_steps, round_index=round_index - 1)
+            if landed is not None and self.cfg.fit_link:
+                self._fit_inner_steps(landed.stats, round_steps)
+            heal = abstain or (landed is not None and landed.left_out)
+            if heal:  # before this round's encoding: what the bad round left in the residuals is not sent again
+                self.reducer.heal()
+            # what the last encodings held back is read before this one takes it in
+            held_before = self.reducer.held_back(self.state_device) if self._reads_held_back() else None
+            self.prepare_sync(pseudo_grad, abstain=abstain)  # pseudo_grad stays intact until the sync lands
+            theta = self.outer_params if heal else self._delayed_start(pseudo_grad, held_before)
+        if self.cfg.guard and not newcomer:
+            self.guard.count_own(own_bad, round_index)
+            if heal:
+                why = "its own update is non-finite" if own_bad else "the others left its update out"
+                self.guard.heal(cluster=self.channel.group_rank, round_index=round_index, why=why)
+        if self.elastic is not None:
+            self.elastic.commit()
+        self.flat.scatter_data(theta)
+        self.round_start = theta.clone()
+        self.outer_step += 1
+        self.last_boundary, self.round_end = step, step + self.inner_steps
+        return None if landed is None else landed.stats
+
+    def prepare_sync(self, pseudo_grad: torch.Tensor, *, abstain: bool = False) -> None:
+        """Launch the sync of this round's `pseudo_grad` (numel,) into `pending`: the reducer encodes it and starts
+        averaging it on the channel's thread. A cluster that `abstain`s (its own update is non-finite, or it did not
+        train the round) sends nothing usable, and the others leave it out. Elastic: over this boundary's quorum."""
+        if self.elastic is not None:
+            self.elastic.before_launch()
+        if abstain:
+            self.pending = self.reducer.abstain(pseudo_grad)
+            self.pending.abstained = True
+        else:
+            self.pending = self.reducer.launch(pseudo_grad)
+
+    def perform_sync(self, *, round_steps: int | None, round_index: int, judge_link: bool = True) -> Landed | None:
+        """Land the sync in flight, launched by round `round_index` after `round_steps` steps of compute: wait for its
+        average (elastic: settled among this boundary's live clusters), and unless the guard found it unusable take
+        the outer step of update `round_index - 1` with it. None when no sync was due. `judge_link`: whether a link
+        slower than the compute since the launch deserves the slow-link warning (not at the final flush)."""
+        due, self.pending = self.pending, None
+        if self.elastic is not None:
+            arrived = self.elastic.settle(due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
+        elif due is not None:
+            arrived = self.wait_sync(due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
+        else:
+            arrived = None
+        if arrived is None:
+            return None
+        avg, stats = arrived
+        self.outer.set_lr(round_index - 1)
+        if not stats.skipped:  # the guard found no usable mean: phi and the optimizer's state stay
+            self.outer.step(avg)
+        # an update this cluster abstained from (its own was non-finite, or it is new to the quorum) is missing from
+        # every gather by design: not a verdict against it
+        left_out = due is not None and not due.abstained and self.channel.group_rank in (stats.excluded or {})
+        return Landed(stats, left_out)
+
+    def land_in_round(self, step: int) -> RoundStats:
+        """`sync.overlap_steps`: land the last round's sync `overlap_steps` into this round.
 
         The cluster keeps what it computed since the boundary: its parameters move by what phi moved past the round
         start (the true average replaces the estimate the merge rule started from, as at a boundary), and the round
         start becomes phi, so this round's pseudo-gradient is still all of its own progress."""
-        due, self.pending = self.pending, None
-        stats, left_out = self._apply_due(due, step - self.last_boundary)
-        if left_out:
+        landed = self.perform_sync(round_steps=step - self.last_boundary, round_index=self.outer_step)
+        assert landed is not None, "a sync was in flight"
+        if landed.left_out:
             self.reducer.heal()
             if self.cfg.guard:
-                self._heal(self.outer_step, "the others left its update out")
+                why = "the others left its update out"
+                self.guard.heal(cluster=self.channel.group_rank, round_index=self.outer_step, why=why)
             start = self.outer_params.clone()
             theta = start
         else:
@@ -206,124 +325,123 @@ class DiLoCoSync:
             theta = self.flat.gather_data().to(self.state_device) + (start - self.round_start)
         self.flat.scatter_data(theta)
         self.round_start = start
-        return dataclasses.replace(stats, inner_steps=self.inner_steps)
-
-    def end_round(self, step: int) -> RoundStats | None:
-        """Launch this round's sync and apply the one that is due (this one when blocking, the last one if delayed).
-
-        Delayed: the last round's sync is waited for before this round's is launched. The link is FIFO, so this
-        round's transfer could not start earlier anyway, and the launch then sees everything the last sync left
-        behind (error-feedback residuals and shared warm starts of the scalable path).
-
-        Returns what the sync waited for cost (None in the first round of a delayed sync: nothing was due)."""
-        if self.elastic is not None:
-            return self.elastic.end_round(step)
-        round_steps = step - self.last_boundary
-        pseudo_grad = self.round_start - self.flat.gather_data().to(self.state_device)  # (numel,) round start - theta
-        round_index = self.outer_step + 1
-        own_bad = self.cfg.guard and not bool(torch.isfinite(pseudo_grad).all())
-        stats = None
-        if self.cfg.sync_delay == 0:
-            if own_bad:
-                self.reducer.heal()
-            avg, stats = self.wait_sync(
-                self._launch(pseudo_grad, own_bad, round_index), round_steps=round_steps, round_index=round_index
-            )
-            self._set_outer_lr(self.outer_step)
-            if not stats.skipped:
-                self.apply(avg)
-            heal = own_bad or self._left_out(stats)
-            theta = self.outer_params if heal else self._with_held_back(self.outer_params)
-        else:
-            due, self.pending = self.pending, None
-            own_left_out = False
-            if due is not None:
-                stats, own_left_out = self._apply_due(due, round_steps)
-                if self.cfg.fit_link:
-                    self._fit_inner_steps(stats, round_steps)
-            heal = own_bad or own_left_out
-            if heal:  # before this round's encoding: what the bad round left in the residuals is not sent again
-                self.reducer.heal()
-            # pseudo_grad stays intact until the sync is waited for; what the last encodings held back is read
-            # before this one takes it in
-            held_before = self.reducer.held_back(self.state_device) if self._reads_held_back() else None
-            self.pending = self._launch(pseudo_grad, own_bad, round_index)
-            theta = self.outer_params if heal else self._delayed_round_start(pseudo_grad, held_before)
-        if self.cfg.guard:
-            # Only this cluster's own non-finite updates can stop the run; one the others leave out (an outlier,
-            # or a lying cluster) heals and goes on: a cluster that is out of step must not stop the others.
-            self._count_bad("own", own_bad, f"this cluster's own update was non-finite (round {round_index})")
-            if heal:
-                self._heal(round_index, "its own update is non-finite" if own_bad else "the others left its update out")
-        self.flat.scatter_data(theta)
-        self.round_start = theta.clone()
-        self.outer_step += 1
-        self.last_boundary, self.round_end = step, step + self.inner_steps
-        return stats
-
-    def _apply_due(self, due: PendingMean, round_steps: int) -> tuple[RoundStats, bool]:
-        """Wait for the delayed sync of round `outer_step` (the one that ended at the last boundary) and take its
-        outer step; returns its stats and whether the others left this cluster's update out."""
-        avg, stats = self.wait_sync(due, round_steps=round_steps, round_index=self.outer_step)
-        self._set_outer_lr(self.outer_step - 1)  # the average of the round before this one
-        if not stats.skipped:  # the guard found no usable mean: phi and its momentum stay
-            self.apply(avg)
-        return stats, self._left_out(stats, due)
-
-    def _launch(self, pseudo_grad: torch.Tensor, own_bad: bool, round_index: int) -> PendingMean:
-        """Launch this round's sync: abstain if the guard found the update non-finite; `faults` may lie."""
-        if own_bad:
-            pending = self.reducer.abstain(pseudo_grad)
-            pending.abstained = True
-            return pending
-        if self.faults is not None and self.faults.kind != "diverge":
-            if self.faults.active(cluster=self.channel.group_rank, round_index=round_index):
-                if self.faults.kind == "forge":  # the values are honest, their tag is not
-                    self.channel.forge_next_payload()
-                    return self.reducer.launch(pseudo_grad)
-                return self.reducer.launch(self.faults.corrupt(pseudo_grad, round_index=round_index))
-        return self.reducer.launch(pseudo_grad)
-
-    def _left_out(self, stats: RoundStats, pending: PendingMean | None = None) -> bool:
-        """Whether the others left out an update this cluster did send (not one it abstained from)."""
-        return self.channel.group_rank in (stats.excluded or {}) and not (pending is not None and pending.abstained)
-
-    def _heal(self, round_index: int, why: str) -> None:
-        self.healed = True
-        self.guard_counts["healed_rounds"] += 1
-        self.warnings.append(
-            f"guard: cluster {self.channel.group_rank} restarts round {round_index + 1} from the agreed parameters "
-            f"with a fresh inner optimizer state: {why}"
-        )
-
-    def _count_bad(self, which: str, bad: bool, what: str) -> None:
-        """Consecutive bad rounds of `which` (own: this cluster's update; all: every cluster's); too many stop."""
-        self._bad_in_row[which] = self._bad_in_row[which] + 1 if bad else 0
-        if self._bad_in_row[which] >= self.cfg.guard_max_bad_rounds:
-            raise GuardError(
-                f"{what}, {self._bad_in_row[which]} rounds in a row (sync.guard_max_bad_rounds = "
-                f"{self.cfg.guard_max_bad_rounds}): training cannot recover by itself"
-            )
+        return dataclasses.replace(landed.stats, inner_steps=self.inner_steps)
 
     def flush(self) -> RoundStats | None:
         """Apply the sync still in flight (and with `sync.drain_residual` what the codecs still hold back); afterwards
         every cluster holds the same parameters (phi). Returns the stats of the sync it waited for, if any."""
         if self.elastic is not None:
-            return self.elastic.flush()
-        stats = None
-        if self.pending is not None:
-            due, self.pending = self.pending, None
-            avg, stats = self.wait_sync(due, judge_link=False)  # launched just now: no round of compute to hide behind
-            self._set_outer_lr(self.outer_step - 1)  # launched by the last end_round
-            if not stats.skipped:
-                self.apply(avg)
+            self.elastic.open_boundary(None)
+        # launched by the last end_round: no round of compute to hide behind
+        landed = self.perform_sync(round_steps=None, round_index=self.outer_step, judge_link=False)
+        stats = None if landed is None else landed.stats
         if self.cfg.drain_residual:
             drained = self._drain()
             stats = stats.with_exclusions_of(drained) if stats is not None else None
-        if stats is not None or self.cfg.local_residual or self.cfg.drain_residual:
+        if self.elastic is not None:
+            self.elastic.commit()
+        if stats is not None or self.cfg.local_residual or self.cfg.drain_residual or self.elastic is not None:
             self.flat.scatter_data(self.outer_params)  # blocking: the clusters held phi minus their shares
             self.round_start = self.outer_params.clone()
         return stats
+
+    def wait_sync(
+        self,
+        pending: PendingMean,
+        *,
+        round_steps: int | None = None,
+        round_index: int | None = None,
+        judge_link: bool = True,
+        judge_mean: bool = True,
+    ) -> tuple[torch.Tensor, RoundStats]:
+        """The averaged pseudo-gradient of a launched sync, judged by the guard, with the link time it took and the
+        part that was hidden. Takes no outer step.
+
+        `round_steps`: inner steps computed since the sync was launched (this round's H), for the per-round log;
+        `round_index`: the round that launched it (1-based), for the guard's messages; `judge_link`: whether a
+        link slower than the compute since the launch deserves the slow-link warning; `judge_mean`: whether the
+        summing reductions' guard judges the mean against recent rounds' (not for the drain, whose residual is no
+        round's pseudo-gradient)."""
+        round_steps = self.inner_steps if round_steps is None else round_steps
+        round_index = self.outer_step if round_index is None else round_index
+        clock = self.channel.clock  # the link's clock: real time, or a test's virtual seconds
+        compute_s = clock.now() - pending.transfer.launch_time
+        blocked_from = clock.now()
+        avg = pending.wait()
+        skipped = False
+        if self.cfg.guard:
+            skipped = self.guard.judge_landing(
+                avg,
+                pending.excluded,
+                num_clusters=self.channel.world_size,
+                where=f"round {round_index}" if judge_mean else "drain",
+                judge_mean=judge_mean,
+            )
+            if skipped:
+                self.reducer.heal()  # a non-finite mean may have reached every cluster's residuals
+                avg = torch.zeros_like(avg)
+        stats = RoundStats(
+            link_s=pending.transfer.link_s,
+            exposed_s=clock.now() - blocked_from,
+            bytes_sent=pending.transfer.nbytes_sent,
+            compute_s=compute_s,
+            inner_steps=round_steps,
+            cost=pending.cost,
+            rank=self.reducer.current_rank(),
+            matrix_ranks=self.reducer.current_matrix_ranks(),
+            excluded=dict(pending.excluded) if self.cfg.guard else None,
+            skipped=skipped,
+            round_index=round_index,
+        )
+        slower = judge_link and stats.link_s > compute_s > 0
+        if self.cfg.sync_delay == 1 and slower and not self._warned and not self.cfg.fit_link:
+            self._warned = True
+            advice = slow_link_advice(
+                stats, round_steps=round_steps, overlap_steps=self.cfg.overlap_steps, channel=self.channel
+            )
+            self.warnings.append(advice)
+        return avg, stats
+
+    # -------------------------------------------------------------------------------------- where a round starts
+    def _delayed_start(self, pseudo_grad: torch.Tensor, held_before: torch.Tensor | None) -> torch.Tensor:
+        """Where the next round starts under the one-step delay, round t's `pseudo_grad` just launched: the merge
+        rule's start, lowered under `sync.local_residual` by this cluster's share of what its codec holds back and
+        the start does not carry (`MergeRule.held_share`). `held_before`: what the codec held back before that launch
+        (None: nothing, or not read)."""
+        flight = InFlight(
+            self.outer_params,
+            pseudo_grad,
+            num_clusters=self.channel.world_size,
+            predict=functools.partial(self.outer.predict, update=self.outer_step),
+            held_before=held_before,
+            read_held_after=functools.partial(self.reducer.held_back, self.state_device),
+            feedback_decay=self.compression.feedback_decay,
+        )
+        start = self.merge.start(flight)
+        if self.cfg.local_residual:
+            share = self.merge.held_share(flight)
+            if share is not None:
+                start = start - share / flight.num_clusters
+        return start
+
+    def _with_held_back(self, phi: torch.Tensor) -> torch.Tensor:
+        """Where a round (re)starts from the agreed `phi` once no average is in flight: phi itself, or under
+        `sync.local_residual` phi minus this cluster's share (1/C) of what its codec holds back (a new tensor)."""
+        held_back = self.reducer.held_back(self.state_device) if self.cfg.local_residual else None
+        return phi.clone() if held_back is None else phi - held_back / self.channel.world_size
+
+    def _reads_held_back(self) -> bool:
+        """Whether a delayed round's start depends on what the codec held back before the round's encoding."""
+        return self.cfg.local_residual or self.merge.reads_held_back
+
+    def _fit_inner_steps(self, stats: RoundStats, round_steps: int) -> None:
+        """compression.fit_link: the next round's H, sized to the link by the sync just waited for (`link_fit`)."""
+        self.inner_steps, needed = fit_inner_steps(
+            stats, round_steps=round_steps, cfg=self.cfg, current=self.inner_steps
+        )
+        if needed > self.cfg.max_inner_steps and not self._warned:
+            self._warned = True
+            self.warnings.append(fit_link_warning(stats, round_steps=round_steps, needed=needed, cfg=self.cfg))
 
     def _drain(self) -> RoundStats | None:
         """`sync.drain_residual`: send every cluster's held-back residual (`Reducer.held_back`) dense in int4 and
@@ -339,7 +457,7 @@ class DiLoCoSync:
         )
         avg, stats = self.wait_sync(drain.launch(held_back), judge_link=False, judge_mean=False)
         if not stats.skipped:
-            self.outer_params.sub_(avg, alpha=self.outer_optimizer.param_groups[0]["lr"])
+            self.outer_params.sub_(avg, alpha=self.outer.lr)
         self.reducer.heal()  # sent: nothing is held back any more
         self.warnings.append(
             f"drain: sent the held-back residual (int4, {stats.bytes_sent:,} bytes from this rank, "
@@ -362,202 +480,12 @@ class DiLoCoSync:
         finally:
             self.flat.scatter_data(local)
 
-    # ---------------------------------------------------------------------------------------------- steps
-    def wait_sync(
-        self,
-        pending: PendingMean,
-        *,
-        round_steps: int | None = None,
-        round_index: int | None = None,
-        judge_link: bool = True,
-        judge_mean: bool = True,
-    ) -> tuple[torch.Tensor, RoundStats]:
-        """The averaged pseudo-gradient of a launched sync, with the link time it took and the part that was hidden.
-
-        `round_steps`: inner steps computed since the sync was launched (this round's H), for the per-round log;
-        `round_index`: the round that launched it (1-based), for the guard's messages; `judge_link`: whether a
-        link slower than the compute since the launch deserves the slow-link warning (not at the final flush,
-        which waits right after the last launch); `judge_mean`: whether the summing reductions' guard judges the mean
-        against recent rounds' (not for the drain, whose residual is no round's pseudo-gradient)."""
-        round_steps = self.inner_steps if round_steps is None else round_steps
-        round_index = self.outer_step if round_index is None else round_index
-        clock = self.channel.clock  # the link's clock: real time, or a test's virtual seconds
-        compute_s = clock.now() - pending.transfer.launch_time
-        blocked_from = clock.now()
-        avg = pending.wait()
-        skipped = self._guard_mean(avg, pending, round_index, judge_mean) if self.cfg.guard else False
-        if skipped:
-            avg = torch.zeros_like(avg)
-        stats = RoundStats(
-            link_s=pending.transfer.link_s,
-            exposed_s=clock.now() - blocked_from,
-            bytes_sent=pending.transfer.nbytes_sent,
-            compute_s=compute_s,
-            inner_steps=round_steps,
-            cost=pending.cost,
-            rank=self.reducer.current_rank(),
-            matrix_ranks=self.reducer.current_matrix_ranks(),
-            excluded=dict(pending.excluded) if self.cfg.guard else None,
-            skipped=skipped,
-            round_index=round_index,
-        )
-        slower = judge_link and stats.link_s > compute_s > 0
-        if self.cfg.sync_delay == 1 and slower and not self._warned and not self.cfg.fit_link:
-            self._warned = True
-            self.warnings.append(self._slow_link_advice(stats, round_steps=round_steps))
-        return avg, stats
-
-    def _guard_mean(self, avg: torch.Tensor, pending: PendingMean, round_index: int, judge_mean: bool) -> bool:
-        """Log what the gather reduction left out; judge the mean of the summing ones. True: skip this round."""
-        where = f"round {round_index}" if judge_mean else "drain"  # only the drained residual is not judged so
-        for cluster, why in sorted(pending.excluded.items()):
-            self.warnings.append(f"guard: {where}: cluster {cluster}'s update left out ({why})")
-        self.guard_counts["excluded_updates"] += len(pending.excluded)
-        if self.mean_guard is not None and judge_mean:
-            verdict = self.mean_guard.judge([avg])[0]
-            if verdict is None:
-                self.mean_guard.accept([avg])
-            skip = verdict is not None
-            why = f"the mean has {verdict}"
-        else:
-            skip = len(pending.excluded) >= self.channel.world_size
-            why = "every cluster's update was left out"
-        if skip:
-            self.reducer.heal()  # a non-finite mean may have reached every cluster's residuals
-            self.guard_counts["skipped_rounds"] += 1
-            self.warnings.append(f"guard: round {round_index}: no outer step ({why})")
-        self._count_bad("all", skip, "no usable mean of the clusters' updates")
-        return skip
-
-    def _fit_inner_steps(self, stats: RoundStats, round_steps: int) -> None:
-        """compression.fit_link: choose the next round's H so that the sync launched now, which travels during
-        it, fits in its compute with `FIT_HEADROOM`, judged by the sync just waited for (same size, same link).
-
-        Never below the configured H (the user's choice when the link is fast) nor above `max_inner_steps`. Every
-        rank measures its own link and step time, so they agree on the largest wish with one 8-byte all-reduce
-        over every rank (a control message, not counted as slow-link payload): all clusters and stages must end
-        their rounds at the same steps."""
-        link_s, compute_s = stats.link_s, stats.compute_s or 0.0
-        step_s = compute_s / max(1, round_steps)
-        needed = math.ceil(FIT_HEADROOM * link_s / step_s) if step_s > 0 else self.inner_steps
-        wish = torch.tensor([min(max(needed, self.cfg.inner_steps), self.cfg.max_inner_steps)], dtype=torch.int64)
-        if dist.is_initialized():
-            dist.all_reduce(wish, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
-        self.inner_steps = int(wish.item())
-        if needed > self.cfg.max_inner_steps and not self._warned:
-            self._warned = True
-            self.warnings.append(
-                f"warning: sync.fit_link wants H = {needed} to hide a {link_s:.2f} s sync behind "
-                f"{step_s:.3f} s steps, above sync.fit_link_max_steps = {self.cfg.max_inner_steps}; training waits "
-                "for the link: raise fit_link_max_steps, compress harder or use a faster link"
-            )
-
-    def apply(self, avg_pseudo_grad: torch.Tensor) -> None:
-        """One outer step: the averaged pseudo-gradient is the gradient of phi."""
-        self.outer_params.grad = avg_pseudo_grad
-        self.outer_optimizer.step()
-        self.outer_params.grad = None
-
-    def _outer_lr(self, update: int) -> float:
-        """The learning rate of the 0-based outer update `update` (`sync.outer_lr_schedule`)."""
-        return self.cfg.outer_lr_at(update, self.num_outer_updates or update + 1)
-
-    def _set_outer_lr(self, update: int) -> None:
-        """Set the outer SGD's learning rate to that of the 0-based outer update `update`."""
-        lr = self._outer_lr(update)
-        for group in self.outer_optimizer.param_groups:
-            group["lr"] = lr
-
-    def _held_back_share(self) -> torch.Tensor | None:
-        """`sync.local_residual`: this cluster's share (1/C) of what its codec still holds back, None when off."""
-        if not self.cfg.local_residual:
-            return None
-        held_back = self.reducer.held_back(self.state_device)
-        return None if held_back is None else held_back / self.num_clusters
-
-    def _reads_held_back(self) -> bool:
-        """Whether a delayed round's start depends on what the codec held back before the round's encoding."""
-        return self.cfg.local_residual or self.cfg.merge == "own_payload"
-
-    def _with_held_back(self, phi: torch.Tensor) -> torch.Tensor:
-        """Where a round (re)starts from the agreed `phi` once no average is in flight: phi itself, or under
-        `sync.local_residual` phi minus this cluster's share of what its codec holds back (a new tensor)."""
-        held_back = self._held_back_share()
-        return phi.clone() if held_back is None else phi - held_back
-
-    def _delayed_round_start(self, pseudo_grad: torch.Tensor, held_before: torch.Tensor | None = None) -> torch.Tensor:
-        """Where the next round starts under the one-step delay, with round t's average in flight (`sync.merge`),
-        `pseudo_grad` having just been launched. `held_before`: what the codec held back before that launch (None:
-        nothing, or not read). Under `sync.local_residual` the start is lowered by this cluster's share of what the
-        codec holds back and round t's own share does not carry: `held_before` (its encoding added that to
-        pseudo_grad), or for `own_payload`, which counts all that was sent, what it still holds back after.
-        `own_payload` trusts the payload only once it carries more than one round: where the codec held nothing back
-        before (the first round, or the round after a heal) it starts where `eager` does."""
-        if self.cfg.merge == "own_payload" and held_before is not None:
-            held_after = self.reducer.held_back(self.state_device)  # d r_new, d = compression.feedback_decay
-            sent = pseudo_grad + held_before - held_after / self.compression.feedback_decay  # input - new residual
-            start = self.predicted_outer_params(sent, update=self.outer_step)
-            return start - held_after / self.num_clusters if self.cfg.local_residual else start
-        if self.cfg.merge == "reset":
-            start = self.outer_params
-        elif self.cfg.merge == "keep_local":
-            start = self.outer_params - pseudo_grad
-        else:
-            own_share = pseudo_grad if self.cfg.merge == "lookahead" else pseudo_grad / self.num_clusters
-            start = self.predicted_outer_params(own_share, update=self.outer_step)
-        if self.cfg.local_residual and held_before is not None:
-            return start - held_before / self.num_clusters
-        return start
-
-    def predicted_outer_params(self, estimate: torch.Tensor, *, update: int) -> torch.Tensor:
-        """phi after outer update `update` if its averaged pseudo-gradient were `estimate`: one step of the outer SGD
-        (torch.optim.SGD's rule, dampening 0, no weight decay) on scratch copies, so phi and the momentum are left
-        unchanged. Nesterov: phi - lr ((1 + m) g + m^2 buf); heavy ball: phi - lr (g + m buf); no momentum: phi - lr g.
-        """
-        group = self.outer_optimizer.param_groups[0]
-        momentum = group["momentum"]
-        direction = estimate
-        if momentum > 0:
-            buf = self.outer_optimizer.state.get(self.outer_params, {}).get("momentum_buffer")
-            buf = estimate if buf is None else momentum * buf + estimate  # torch's first step: buf = g
-            direction = estimate + momentum * buf if group["nesterov"] else buf
-        return self.outer_params - self._outer_lr(update) * direction
-
-    def _slow_link_advice(self, stats: RoundStats, *, round_steps: int) -> str:
-        link_s, compute_s, nbytes = stats.link_s, stats.compute_s or 0.0, stats.bytes_sent
-        need_h = math.ceil(round_steps * link_s / compute_s)
-        fit = self._bandwidth_advice(nbytes, compute_s)
-        if self.cfg.overlap_steps:
-            return (
-                f"warning: the slow link cannot keep up: one outer sync takes {link_s:.2f} s on the link but the "
-                f"{round_steps} steps it may travel during (sync.overlap_steps) compute in {compute_s:.2f} s, so "
-                f"training waits for it; use sync.overlap_steps >= {need_h} (below sync.inner_steps), or 0{fit}"
-            )
-        return (
-            f"warning: the slow link cannot keep up: one outer sync takes {link_s:.2f} s on the link but a round "
-            f"computes in {compute_s:.2f} s, so training waits for it; use sync.inner_steps >= {need_h}{fit} "
-            "(or sync.fit_link = true to size H to the link as it goes)"
-        )
-
-    def _bandwidth_advice(self, nbytes: int, compute_s: float) -> str:
-        """`or network.bandwidth >= X`: the emulated uplink under which a sync of `nbytes` from this rank would fit
-        in `compute_s` after the latency. Empty where no bandwidth setting helps: the bandwidth is unlimited (the
-        link time is then the real collective's own), the latency alone is as long as the compute, or the uplink is
-        already that fast (the real collective was slower than the emulated link)."""
-        latency, uplink = self.channel.latency_s, self.channel.uplink_bytes_per_s
-        if uplink is None:
-            return " (network.bandwidth is unlimited: this is the real collective's time, not an emulated link's)"
-        if compute_s <= latency:
-            return ""
-        needed = nbytes * self.channel.num_sharing / (compute_s - latency)  # bytes/s of the cluster's uplink
-        return f" or network.bandwidth >= {_format_rate(8 * needed)}" if needed > uplink else ""
-
     # ---------------------------------------------------------------------------------------------- state
     def state_bytes(self) -> int:
-        """Bytes of the outer state: outer params, momentum, the round start and the delayed sync (all fp32), and
-        the reducer's (error-feedback residuals, warm starts)."""
-        vectors = 2 + (self.outer_optimizer.defaults["momentum"] > 0) + (self.cfg.sync_delay == 1)
-        return 4 * self.flat.numel * vectors + self.reducer.state_bytes()
+        """Bytes of the outer state: outer params, the round start and the delayed sync (fp32), the outer optimizer's
+        state tensors (momentum, moments) and the reducer's (error-feedback residuals, warm starts)."""
+        vectors = 2 + (self.cfg.sync_delay == 1)
+        return 4 * self.flat.numel * vectors + self.outer.state_bytes() + self.reducer.state_bytes()
 
     def state_dict(self) -> dict[str, Any]:
         """The outer state, including the delayed sync in flight: not waited for (a checkpoint must not stall the
@@ -565,7 +493,7 @@ class DiLoCoSync:
         arrives and is applied at the same step as in an uninterrupted run."""
         return {
             "outer_params": self.outer_params.detach().clone(),
-            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "outer_optimizer": self.outer.state_dict(),
             "round_start": self.round_start.clone(),
             "pending_sent": None if self.pending is None else self.pending.sent.clone(),
             "pending_seq": -1 if self.pending is None else self.pending.transfer.seq,
@@ -575,29 +503,15 @@ class DiLoCoSync:
             "last_boundary": self.last_boundary,
             "reduction": self.reducer.name,
             "reducer": self.reducer.state_dict(),
-            "guard": self.guard_state(),
+            "guard": self.guard.state_dict(),
         }
-
-    def guard_state(self) -> dict[str, Any]:
-        """The guard's totals, its bad rounds in a row and the summing reductions' norm history (the gather
-        reduction's own history is its reducer's)."""
-        return {
-            "counts": dict(self.guard_counts),
-            "bad_in_row": dict(self._bad_in_row),
-            "mean": self.mean_guard.state_dict() if self.mean_guard is not None else None,
-        }
-
-    def load_guard_state(self, state: dict[str, Any]) -> None:
-        self.guard_counts.update(state["counts"])
-        self._bad_in_row.update(state["bad_in_row"])
-        if self.mean_guard is not None and state["mean"] is not None:
-            self.mean_guard.load_state_dict(state["mean"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "reducer" not in state:
+        missing = [key for key in STATE_KEYS if key not in state]
+        if missing:
             raise ValueError(
-                "this checkpoint was written by a dilocox older than the reducer layout (2026-11-23) and cannot be "
-                "resumed by this version; start a new run (dilocox eval still reads its model)"
+                f"this outer-sync state lacks {', '.join(missing)}: load_state_dict takes what state_dict() of this "
+                "version returned; start a new run (dilocox eval still reads its model)"
             )
         if state["reduction"] != self.reducer.name:
             raise ValueError(
@@ -606,16 +520,14 @@ class DiLoCoSync:
             )
         with torch.no_grad():
             self.outer_params.copy_(state["outer_params"])
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.outer.load_state_dict(state["outer_optimizer"])
         self.round_start = state["round_start"].to(self.outer_params.device, copy=True)
         self.outer_step = int(state["outer_step"])
         self.inner_steps = int(state["inner_steps"])
         self.round_end = int(state["round_end"])
         self.last_boundary = int(state["last_boundary"])
         self.reducer.load_state_dict(state["reducer"])
-        guard = state.get("guard")  # checkpoints from before the guard (2026-11-23) have none: fresh counts
-        if guard is not None:
-            self.load_guard_state(guard)
+        self.guard.load_state_dict(state["guard"])
         # Every rank resumes from the same step and loads in the same order, so the re-sends pair up across
         # clusters. The link counters (restored first) hold the transfer exactly when it had arrived on this rank.
         if state["pending_sent"] is not None:
@@ -625,10 +537,40 @@ class DiLoCoSync:
         else:
             self.pending = None
 
+    def agreed_state(self) -> dict[str, Any]:
+        """What every cluster holds alike at a boundary: phi, the outer optimizer's state and the round counters
+        (what a cluster that joins an elastic run heals from, `ElasticRounds.heal_state`)."""
+        return {
+            "outer_params": self.outer_params.detach().clone(),
+            "outer_optimizer": self.outer.state_dict(),
+            "outer_step": self.outer_step,
+            "inner_steps": self.inner_steps,
+            "round_end": self.round_end,
+            "last_boundary": self.last_boundary,
+        }
 
-def _format_rate(bits_per_s: float) -> str:
-    """A bandwidth as `network.bandwidth` takes it, rounded up to 3 significant digits: 1.24Gbps, 457Mbps, 7.5Kbps."""
-    prefix, scale = next(((p, s) for p, s in (("G", 1e9), ("M", 1e6)) if bits_per_s >= s), ("K", 1e3))
-    value = bits_per_s / scale
-    digits = max(0, 2 - math.floor(math.log10(value))) if value > 0 else 0
-    return f"{math.ceil(value * 10**digits) / 10**digits:g}{prefix}bps"
+    def load_agreed_state(self, state: dict[str, Any]) -> None:
+        """Take a peer's `agreed_state`: this cluster's parameters and round start become phi, its error-feedback
+        residuals (which belong to rounds its peers have moved past) are dropped and nothing is in flight."""
+        with torch.no_grad():
+            self.outer_params.copy_(state["outer_params"].to(self.outer_params.device))
+        self.outer.load_state_dict(state["outer_optimizer"])
+        self.outer_step = int(state["outer_step"])
+        self.inner_steps = int(state["inner_steps"])
+        self.round_end = int(state["round_end"])
+        self.last_boundary = int(state["last_boundary"])
+        self.reducer.heal()
+        self.pending = None
+        self.flat.scatter_data(self.outer_params)
+        self.round_start = self.outer_params.clone()
+
+    def guard_snapshot(self) -> dict[str, Any]:
+        """The guard's history: this rank's `RoundGuard` and the gather reduction's norm history (what an elastic
+        redo of a sync rolls back to before judging it again)."""
+        reducer = None if self._update_guard is None else self._update_guard.state_dict()
+        return {"sync": self.guard.state_dict(), "reducer": reducer}
+
+    def restore_guard(self, snapshot: dict[str, Any]) -> None:
+        self.guard.load_state_dict(snapshot["sync"])
+        if self._update_guard is not None and snapshot["reducer"] is not None:
+            self._update_guard.load_state_dict(snapshot["reducer"])

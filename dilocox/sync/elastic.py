@@ -3,12 +3,13 @@
 With `topology.elastic = true` (docs/design.md §10.1) the clusters of a round are the members of that round's
 torchft quorum (`ElasticMembership`), and the one-step-delay sync launched over one quorum is resolved at the next
 boundary, whose quorum may differ: a cluster died, or a restarted one joined and healed from a live peer.
-`ElasticRounds` is `DiLoCoSync`'s round end and flush for such a run; it owns everything elastic about the outer
-loop and leaves the outer step itself (apply, guard, merge rule) to `DiLoCoSync`.
+`ElasticRounds` owns everything elastic about the outer loop; the round itself (`DiLoCoSync.end_round`: launch,
+landing, guard, merge rule) is the static run's, which calls it at four points of every boundary, through the
+public methods of `ElasticRound`:
 
     rounds = ElasticRounds(sync, membership)     # DiLoCoSync builds it when given a membership
     joined = rounds.rejoin()                     # the first quorum; a late cluster heals here
-    stats = rounds.end_round(step)               # every H steps; rounds.flush() at the end of training
+    newcomer = rounds.open_boundary(step)        # then, in the round: before_launch(), settle(due, ...), commit()
 
 What the members of a boundary's quorum do with the sync in flight is `delayed_update_verdict`.
 """
@@ -22,24 +23,55 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from dilocox.agreement import describe_differences
-from dilocox.net.channel import PayloadsRejected
+from dilocox.net.channel import PayloadsRejected, WanChannel
 from dilocox.sync.base import RoundStats
+from dilocox.sync.config import SyncConfig
 from dilocox.sync.membership import ElasticError, ElasticMembership, Quorum, shared_settings
-from dilocox.sync.reducers import PendingMean
-
-if TYPE_CHECKING:
-    from dilocox.sync.diloco import DiLoCoSync
+from dilocox.sync.outer_optimizer import outer_optimizer_factory, outer_state_bytes
+from dilocox.sync.reducers import PendingMean, Reducer
 
 APPLY, REDO, NOTHING = "apply", "redo", "nothing"
 
+HEAL_STATE_SLACK = 16 << 20
+"""Bytes a heal state may hold beyond phi and the outer optimizer's state: counters, the guard's history, pickling."""
+
 SETTLE_ATTEMPTS = 3
 """Quorums an elastic round may take to settle its sync when clusters keep failing during the settling itself."""
+
+
+def heal_state_bound(cfg: SyncConfig, numel: int) -> int:
+    """The most bytes a live peer's `heal_state` may take for a stage of `numel` values under `cfg`'s outer optimizer:
+    phi (fp32), that optimizer's state at full size (`outer_state_bytes`) and `HEAL_STATE_SLACK`; a joining
+    cluster refuses a larger one before loading it."""
+    return 4 * numel + outer_state_bytes(outer_optimizer_factory(cfg), numel) + HEAL_STATE_SLACK
+
+
+class ElasticRound(Protocol):
+    """What `ElasticRounds` uses of the round it settles (`DiLoCoSync`): its public state and methods."""
+
+    outer_params: torch.Tensor
+    reducer: Reducer
+    channel: WanChannel
+    warnings: list[str]
+    pending: PendingMean | None
+
+    def wait_sync(
+        self, pending: PendingMean, *, round_steps: int | None, round_index: int | None, judge_link: bool
+    ) -> tuple[torch.Tensor, RoundStats]: ...
+
+    def guard_snapshot(self) -> dict[str, Any]: ...
+
+    def restore_guard(self, snapshot: dict[str, Any]) -> None: ...
+
+    def agreed_state(self) -> dict[str, Any]: ...
+
+    def load_agreed_state(self, state: dict[str, Any]) -> None: ...
 
 
 class RejoinRequired(RuntimeError):
@@ -163,16 +195,17 @@ def _forget_traceback(error: BaseException | None) -> None:
 
 
 class ElasticRounds:
-    """The end of every round and of training in an elastic run, for one `DiLoCoSync` (docs/design.md §10.1).
+    """The boundaries of an elastic run, for one round (`DiLoCoSync`, docs/design.md §10.1).
 
     At each boundary: one quorum (`ElasticMembership.start_round`), the sync in flight settled over it (applied as it
     arrived when nothing changed, sent again among the live clusters otherwise), this round's sync launched over
     it, a commit. A cluster that healed at the boundary (it joined late or restarted) abstains from the round it did
-    not train. A member whose collective fails during the settling reports it and tries a new quorum, up to
-    `SETTLE_ATTEMPTS`; one that finds itself behind its peers stops, so that its launcher restarts it.
+    not train (`open_boundary` says so). A member whose collective fails during the settling reports it and tries a
+    new quorum, up to `SETTLE_ATTEMPTS`; one that finds itself behind its peers stops, so that its launcher restarts
+    it.
     """
 
-    def __init__(self, sync: DiLoCoSync, membership: ElasticMembership) -> None:
+    def __init__(self, sync: ElasticRound, membership: ElasticMembership) -> None:
         self.sync = sync
         self.membership = membership
         self.pending_quorum = -1
@@ -183,8 +216,6 @@ class ElasticRounds:
         """This cluster healed at this boundary: it did not train the round that ends here, so it abstains from it."""
         self.others_hold = False
         """Healed: the peers hold shares of a sync in flight that this cluster has no share of."""
-        self.sent_own = False
-        """The sync settled last held an update of this cluster's own (it did not abstain from it)."""
         self.boundary_step = 0
         """The inner step of the boundary being settled (sent to a cluster that heals there)."""
         self.phase = "round"
@@ -193,67 +224,52 @@ class ElasticRounds:
         """The guard's state before the sync in flight was judged: a redo judges it again from there."""
         self.quorum: Quorum | None = None
         """The quorum of the boundary being settled (its group carries this round's sync)."""
+        self.boundary_quorum: Quorum | None = None
+        """The quorum this boundary met in so far: a blocking sync's launch meets first, a delayed sync's settling."""
 
     # ---------------------------------------------------------------------------------------------- boundaries
-    def end_round(self, step: int) -> RoundStats | None:
-        """`DiLoCoSync.end_round` of an elastic run: the sync due is settled over this boundary's quorum (applied as
-        it arrived, or sent again among the clusters still alive), then this round's is launched over it. A cluster
-        that healed here abstains: it did not train this round."""
-        s = self.sync
+    def open_boundary(self, step: int | None) -> bool:
+        """A boundary begins: the end of the round at `step`, or of training (None). Returns whether this cluster
+        healed at it (it joined late or restarted): it did not train the round that ends here, so it abstains."""
+        self.boundary_quorum = None
+        if step is None:
+            self.phase, self.newcomer = "flush", False
+            return False
         self.boundary_step, self.phase = step, "round"
-        round_steps = step - s.last_boundary
-        round_index = s.outer_step + 1
         newcomer, self.newcomer = self.newcomer, False
-        pseudo_grad = s.round_start - s.flat.gather_data().to(s.state_device)  # (numel,)
-        own_bad = s.cfg.guard and not newcomer and not bool(torch.isfinite(pseudo_grad).all())
-        stats = None
-        if s.cfg.sync_delay == 0:
-            quorum = self._next_quorum()
-            s.pending = self._launch(pseudo_grad, own_bad or newcomer, round_index, quorum)
-            avg, stats = self._settle(round_steps=round_steps, round_index=round_index, quorum=quorum)
-            s._set_outer_lr(s.outer_step)
-            if stats is not None and not stats.skipped:
-                s.apply(avg)
-            heal = newcomer or own_bad or self._left_out(stats)
-            theta = s.outer_params
-        else:
-            avg, stats = self._settle(round_steps=round_steps, round_index=round_index - 1)
-            if stats is not None:
-                s._set_outer_lr(s.outer_step - 1)
-                if not stats.skipped:
-                    s.apply(avg)
-            heal = newcomer or own_bad or self._left_out(stats)
-            if heal:
-                s.reducer.heal()
-            assert self.quorum is not None
-            s.pending = self._launch(pseudo_grad, own_bad or newcomer, round_index, self.quorum)
-            theta = s.outer_params if heal else s._delayed_round_start(pseudo_grad)
-        if s.cfg.guard and not newcomer:
-            s._count_bad("own", own_bad, f"this cluster's own update was non-finite (round {round_index})")
-            if heal:
-                s._heal(round_index, "its own update is non-finite" if own_bad else "the others left its update out")
-        self.membership.commit()
-        s.flat.scatter_data(theta)
-        s.round_start = theta.clone()
-        s.outer_step += 1
-        s.last_boundary, s.round_end = step, step + s.inner_steps
-        return stats
+        return newcomer
 
-    def flush(self) -> RoundStats | None:
-        """`DiLoCoSync.flush` of an elastic run: settle the last sync over one more quorum, so every live cluster
-        applies the same last average and ends with the same outer params."""
-        s = self.sync
-        self.phase = "flush"
-        self.newcomer = False
-        avg, stats = self._settle(round_steps=None, round_index=s.outer_step)
-        if stats is not None:
-            s._set_outer_lr(s.outer_step - 1)
-            if not stats.skipped:
-                s.apply(avg)
+    def before_launch(self) -> None:
+        """This boundary's sync is launched over this boundary's quorum (the one its settling met in, or a new one,
+        to which the channel moves)."""
+        if self.boundary_quorum is None:
+            self.boundary_quorum = self._next_quorum()
+        self.pending_quorum = self.boundary_quorum.quorum_id
+
+    def settle(
+        self, due: PendingMean | None, *, round_steps: int | None, round_index: int, judge_link: bool
+    ) -> tuple[torch.Tensor, RoundStats] | None:
+        """The average of the sync in flight (`due`, this cluster's share, None if it has none) that every cluster
+        of this boundary's quorum agrees on, and what it cost; None when no cluster holds one
+        (`delayed_update_verdict`). `judge_link` as `DiLoCoSync.wait_sync`'s, for a wait that is not a redo."""
+        if due is not None:
+            self.guard_snapshot = self.sync.guard_snapshot()
+        try:
+            return self._settle_in_quorum(
+                due,
+                round_steps=round_steps,
+                round_index=round_index,
+                quorum=self.boundary_quorum,
+                judge_link=judge_link,
+            )
+        finally:
+            self.guard_snapshot = None
+            self.others_hold = False
+            self.boundary_quorum = self.quorum
+
+    def commit(self) -> None:
+        """The boundary is done: torchft's commit (the next quorum finds this cluster at its peers' step)."""
         self.membership.commit()
-        s.flat.scatter_data(s.outer_params)
-        s.round_start = s.outer_params.clone()
-        return stats
 
     @property
     def last_clusters(self) -> tuple[int, ...]:
@@ -289,37 +305,20 @@ class ElasticRounds:
         return quorum
 
     def _bind(self, quorum: Quorum) -> None:
+        """The channel moves to the quorum's group: the merge rules' C is the clusters of this round."""
         self.sync.channel.rebind(quorum.group, identity=(quorum.quorum_id, *quorum.clusters), clusters=quorum.clusters)
-        self.sync.num_clusters = quorum.size  # the eager merge's share: of the clusters of this round
-
-    def _launch(self, pseudo_grad: torch.Tensor, abstain: bool, round_index: int, quorum: Quorum) -> PendingMean:
-        self.pending_quorum = quorum.quorum_id
-        pending = self.sync._launch(pseudo_grad, abstain, round_index)
-        pending.abstained = pending.abstained or abstain
-        return pending
 
     # ---------------------------------------------------------------------------------------------- settling
-    def _settle(
-        self, *, round_steps: int | None, round_index: int, quorum: Quorum | None = None
-    ) -> tuple[torch.Tensor | None, RoundStats | None]:
-        """The average of the sync in flight that every cluster of this boundary's quorum agrees on, and what it
-        cost; (None, None) when no cluster holds one (`delayed_update_verdict`)."""
-        s = self.sync
-        due, s.pending = s.pending, None
-        self.sent_own = due is not None and not due.abstained
-        if due is not None:
-            self.guard_snapshot = self._guard_state()
-        try:
-            return self._settle_in_quorum(due, round_steps=round_steps, round_index=round_index, quorum=quorum)
-        finally:
-            self.guard_snapshot = None
-            self.others_hold = False
-
     def _settle_in_quorum(
-        self, due: PendingMean | None, *, round_steps: int | None, round_index: int, quorum: Quorum | None
-    ) -> tuple[torch.Tensor | None, RoundStats | None]:
+        self,
+        due: PendingMean | None,
+        *,
+        round_steps: int | None,
+        round_index: int,
+        quorum: Quorum | None,
+        judge_link: bool,
+    ) -> tuple[torch.Tensor, RoundStats] | None:
         s = self.sync
-        judge_link = self.phase == "round"  # at the end of training the last sync was launched just now
         try:
             arrived = self._wait(due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
         except RejoinRequired:
@@ -373,7 +372,7 @@ class ElasticRounds:
                 num_not_ok=sum(not report.ok for report in reports),
             )
             if verdict == NOTHING:
-                return None, None
+                return None
             if verdict == APPLY:
                 return arrived
             try:
@@ -393,7 +392,7 @@ class ElasticRounds:
         and return the average once every member has it."""
         s = self.sync
         if self.guard_snapshot is not None:
-            self._load_guard_state(self.guard_snapshot)
+            s.restore_guard(self.guard_snapshot)
         self.pending_quorum = quorum.quorum_id
         if due is not None and not due.abstained:
             due = s.reducer.relaunch(due.sent, account=True)
@@ -417,7 +416,7 @@ class ElasticRounds:
             self.sync.warnings.append(f"elastic: settling round {round_index} failed ({error}); trying a new quorum")
         _forget_traceback(error)
         self.membership.fail(error)
-        self.quorum = self.joined_quorum = None
+        self.quorum = self.joined_quorum = self.boundary_quorum = None
         self.sync.channel.release()
         gc.collect()  # frames and works that held the group may sit in reference cycles
 
@@ -450,13 +449,6 @@ class ElasticRounds:
                 "network.auth_key_file"
             )
 
-    def _left_out(self, stats: RoundStats | None) -> bool:
-        """Whether the others left out the update this cluster sent in the sync just settled. One it abstained from
-        (new to the quorum, or its own was non-finite) is missing from every gather by design, not left out: taking
-        that for a verdict against it restarted a rejoined cluster's next round from scratch (its eager start, its
-        inner optimizer state and its error-feedback residuals) when the sync used a codec."""
-        return stats is not None and self.sent_own and self.sync._left_out(stats)
-
     def _restart_missing(self, quorum: Quorum) -> bool:
         return any(cluster not in quorum.clusters for cluster in self.membership.restarts_in_progress())
 
@@ -477,30 +469,14 @@ class ElasticRounds:
             ) from None
 
     # ---------------------------------------------------------------------------------------------- state
-    def _guard_state(self) -> dict[str, Any]:
-        """The guard's history, the sync's and the gather reduction's (what a redo rolls back to)."""
-        guard = getattr(self.sync.reducer, "guard", None)
-        return {"sync": self.sync.guard_state(), "reducer": None if guard is None else guard.state_dict()}
-
-    def _load_guard_state(self, state: dict[str, Any]) -> None:
-        self.sync.load_guard_state(state["sync"])
-        guard = getattr(self.sync.reducer, "guard", None)
-        if guard is not None and state["reducer"] is not None:
-            guard.load_state_dict(state["reducer"])
-
     def heal_state(self) -> dict[str, Any]:
         """What a live peer sends a cluster that joins at this boundary (torchft's checkpoint transport): the agreed
-        outer state and the round counter; not the error-feedback residuals or codec warm starts, which are each
-        cluster's own (the joiner starts them afresh), nor the sync in flight (it abstains from it)."""
+        outer state and the round counters (`DiLoCoSync.agreed_state`); not the error-feedback residuals or codec warm
+        starts, which are each cluster's own (the joiner starts them afresh), nor the sync in flight (it abstains)."""
         s = self.sync
         return {
-            "outer_params": s.outer_params.detach().clone(),
-            "outer_optimizer": s.outer_optimizer.state_dict(),
-            "outer_step": s.outer_step,
-            "inner_steps": s.inner_steps,
-            "round_end": s.round_end,
-            "last_boundary": s.last_boundary,
-            "guard": self.guard_snapshot if self.guard_snapshot is not None else self._guard_state(),
+            **s.agreed_state(),
+            "guard": self.guard_snapshot if self.guard_snapshot is not None else s.guard_snapshot(),
             "others_hold": s.pending is not None or self.guard_snapshot is not None,
             "boundary_step": self.boundary_step,
             "phase": self.phase,
@@ -508,19 +484,8 @@ class ElasticRounds:
 
     def load_heal_state(self, state: dict[str, Any]) -> None:
         """Take a live peer's `heal_state` (called by torchft inside a quorum); the next settling abstains."""
-        s = self.sync
-        with torch.no_grad():
-            s.outer_params.copy_(state["outer_params"].to(s.outer_params.device))
-        s.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        s.outer_step = int(state["outer_step"])
-        s.inner_steps = int(state["inner_steps"])
-        s.round_end = int(state["round_end"])
-        s.last_boundary = int(state["last_boundary"])
-        self._load_guard_state(state["guard"])
-        s.reducer.heal()  # this cluster's residuals belong to rounds its peers have moved past
-        s.pending = None
+        self.sync.load_agreed_state(state)
+        self.sync.restore_guard(state["guard"])
         self.others_hold = bool(state["others_hold"])
         self.guard_snapshot = None
         self.boundary_step, self.phase = int(state["boundary_step"]), state["phase"]
-        s.flat.scatter_data(s.outer_params)
-        s.round_start = s.outer_params.clone()

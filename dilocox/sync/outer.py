@@ -30,8 +30,10 @@ from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.net.link import parse_bandwidth, parse_duration
 from dilocox.sync.base import RoundStats
 from dilocox.sync.config import KIND_DEFAULTS, OUTER_LOOP_KINDS, SyncConfig, fit_kind_defaults
-from dilocox.sync.diloco import DiLoCoSync
+from dilocox.sync.diloco import STATE_KEYS, DiLoCoSync
+from dilocox.sync.elastic import ElasticRounds
 from dilocox.sync.membership import ElasticMembership
+from dilocox.sync.outer_optimizer import OuterOptimizerFactory
 from dilocox.topology import group_size
 
 RESUME_SETTINGS = ("kind", "inner_steps", "sync_delay", "outer_lr", "outer_momentum", "nesterov")
@@ -46,7 +48,9 @@ class OuterSync:
     DiLoCoX's one-step delay and compressed pseudo-gradients (Qi et al. 2025, arXiv 2506.21263).
 
     Every `inner_steps` (H) calls of `step()` a round ends: the pseudo-gradient `round start - params` is averaged
-    over `cluster_group` (the slow link, through a `WanChannel`) and applied to the outer params by an outer SGD.
+    over `cluster_group` (the slow link, through a `WanChannel`) and applied to the outer params by the outer
+    optimizer: an SGD by default, `"adamw"`, or any `torch.optim.Optimizer` that `outer_optimizer`, a factory, builds
+    from the list it is given (the outer params, one flat fp32 tensor that this object creates).
     With `sync_delay = 1` round t's average travels while round t+1 trains and is applied at the end of round t+1;
     `flush()` (also on leaving the `with` block without an exception) ends the round in progress, waits for what
     is in flight and sets every cluster to the same parameters.
@@ -74,6 +78,7 @@ class OuterSync:
         kind: str = "dilocox",
         compression: str | CompressionConfig | None = None,
         sync_delay: int | None = None,
+        outer_optimizer: str | OuterOptimizerFactory | None = None,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
         nesterov: bool | None = None,
@@ -90,11 +95,14 @@ class OuterSync:
         _check_group("cluster_group", cluster_group)
         _check_group("dp_group", dp_group)
         _check_disjoint(cluster_group, dp_group)
+        factory = _outer_optimizer_argument(outer_optimizer, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                                            nesterov=nesterov)  # fmt: skip
         sync, codec = outer_configs(
             kind,
             compression,
             inner_steps=inner_steps,
             sync_delay=sync_delay,
+            outer_optimizer=outer_optimizer if isinstance(outer_optimizer, str) else None,
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
             nesterov=nesterov,
@@ -121,6 +129,7 @@ class OuterSync:
             dp_group=dp_group,
             seed=seed,
             inner_optimizer=inner_optimizer,
+            outer_optimizer=factory,
         )
         self._start_check = _launch_start_check(self.diloco.outer_params, channel, dp_group)
         if group_size(dp_group) > 1:
@@ -141,13 +150,15 @@ class OuterSync:
         inner_optimizer: torch.optim.Optimizer | None = None,
         faults: FaultConfig | None = None,
         membership: ElasticMembership | None = None,
+        outer_optimizer: OuterOptimizerFactory | None = None,
     ) -> OuterSync:
         """Around a `channel` the caller owns (and closes), with the config dataclasses: the trainer's path
         (`build_sync`), and the one to `sync.fit_link` or `sync.outer_state_device`. Nothing is hooked or
         checked beyond the configs: the caller calls `reduce_gradients()` before each inner step itself, and
         the rounds also end at `total_steps`. `inner_optimizer` (optional here) gets its state reset when the
         guard heals this cluster; `faults` injects the faults of `[faults]`; `pp_group` (a pipeline's stages, each
-        with its own OuterSync) makes the stages agree on what the guard leaves out."""
+        with its own OuterSync) makes the stages agree on what the guard leaves out; `outer_optimizer` (a factory,
+        as for the constructor) replaces the one `sync.outer_optimizer` names."""
         if sync.kind not in OUTER_LOOP_KINDS:
             raise ValueError(f"OuterSync needs sync.kind = diloco or dilocox, not {sync.kind!r}")
         self = cls.__new__(cls)
@@ -164,6 +175,7 @@ class OuterSync:
             inner_optimizer=inner_optimizer,
             faults=faults,
             membership=membership,
+            outer_optimizer=outer_optimizer,
         )
         return self
 
@@ -182,6 +194,7 @@ class OuterSync:
         inner_optimizer: torch.optim.Optimizer | None = None,
         faults: FaultConfig | None = None,
         membership: ElasticMembership | None = None,
+        outer_optimizer: OuterOptimizerFactory | None = None,
     ) -> None:
         self.diloco = DiLoCoSync(
             params,
@@ -194,6 +207,7 @@ class OuterSync:
             total_steps=total_steps,
             faults=faults,
             membership=membership,
+            outer_optimizer=outer_optimizer,
         )
         """The implementation this facade drives (docs/design.md §3)."""
         self.inner_optimizer = inner_optimizer
@@ -234,22 +248,39 @@ class OuterSync:
         where it is non-finite (AdamW's moments after a diverged round). Finite state is kept: a fresh AdamW's first
         rounds move 3 to 4.5 x further than its warmed-up peers' (docs/design.md §4.5), which the peer check would
         leave out again, and heal again, round after round."""
-        if self.diloco.healed:
-            self.diloco.healed = False
+        if self.diloco.guard.healed:
+            self.diloco.guard.healed = False
             if self.inner_optimizer is not None and not _finite_state(self.inner_optimizer):
                 self.inner_optimizer.state.clear()
 
+    # ---------------------------------------------------------------------------------------------- elastic runs
     def rejoin(self) -> tuple[int, str] | None:
         """Elastic runs: join the run (`ElasticRounds.rejoin`); a cluster that heals from a peer gets (step, phase)
         and its inner optimizer starts afresh."""
-        if self.diloco.elastic is None:
-            raise ValueError("rejoin() is for elastic runs: build the sync with a membership (topology.elastic)")
-        joined = self.diloco.elastic.rejoin()
+        joined = self._elastic().rejoin()
         if joined is not None:
             self.num_steps = joined[0]
             if self.inner_optimizer is not None:
                 self.inner_optimizer.state.clear()
         return joined
+
+    def heal_state(self) -> dict[str, Any]:
+        """Elastic runs: what a live peer sends a cluster that joins (`ElasticRounds.heal_state`)."""
+        return self._elastic().heal_state()
+
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        """Elastic runs: take a live peer's `heal_state` (torchft calls it inside a quorum)."""
+        self._elastic().load_heal_state(state)
+
+    @property
+    def last_clusters(self) -> tuple[int, ...]:
+        """Elastic runs: the clusters of the last boundary settled (after the flush: those that ended the run)."""
+        return self._elastic().last_clusters
+
+    def _elastic(self) -> ElasticRounds:
+        if self.diloco.elastic is None:
+            raise ValueError("this is for elastic runs: build the sync with a membership (topology.elastic)")
+        return self.diloco.elastic
 
     def reduce_gradients(self) -> None:
         """Average this step's gradients over `dp_group` (a copy for a group of one): call it after backward and
@@ -357,16 +388,20 @@ class OuterSync:
         if not isinstance(state, dict) or "outer_params" not in state:
             keys = sorted(state)[:5] if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"load_state_dict takes what OuterSync.state_dict() returned, got {keys}")
-        self._check_settings(state.get("settings"))
+        missing = [key for key in (*STATE_KEYS, "num_steps", "channel", "settings") if key not in state]
+        if missing:
+            raise ValueError(
+                f"this outer-sync state lacks {', '.join(missing)}: load_state_dict takes what OuterSync.state_dict() "
+                "of this version returned"
+            )
+        self._check_settings(state["settings"])
         self._finish_start_check(compare=False)  # the saved state, not the constructor's model, is the start now
-        if "channel" in state:  # the counters first: the sync decides from them how to send a saved transfer again
-            self.channel.load_state_dict(state["channel"])
+        # the counters first: the sync decides from them how to send a saved transfer again
+        self.channel.load_state_dict(state["channel"])
         self.diloco.load_state_dict(state)
-        self.num_steps = int(state.get("num_steps", state["last_boundary"]))
+        self.num_steps = int(state["num_steps"])
 
-    def _check_settings(self, saved: dict[str, Any] | None) -> None:
-        if saved is None:  # saved by the trainer before OuterSync existed; its config was checked on resume
-            return
+    def _check_settings(self, saved: dict[str, Any]) -> None:
         mine = self._resume_settings()
         changed = [
             f"{name} = {saved.get(name)!r} (now {value!r})" for name, value in mine.items() if saved.get(name) != value
@@ -442,6 +477,29 @@ def outer_configs(
     sync.validate()
     codec.validate()
     return sync, codec
+
+
+def _outer_optimizer_argument(
+    outer_optimizer: Any, *, outer_lr: float | None, outer_momentum: float | None, nesterov: bool | None
+) -> OuterOptimizerFactory | None:
+    """The factory of a callable `outer_optimizer` (None for a name, which `outer_configs` takes, or for None). The
+    built-in optimizers' keyword arguments do not reach a factory, so passing both is refused."""
+    if outer_optimizer is None or isinstance(outer_optimizer, str):
+        return None
+    if isinstance(outer_optimizer, torch.optim.Optimizer) or not callable(outer_optimizer):
+        raise ValueError(
+            f"outer_optimizer must be 'sgd', 'adamw' or a callable that builds a torch.optim.Optimizer from the list "
+            f"it is given (the outer params, a flat fp32 tensor that OuterSync creates), e.g. lambda params: "
+            f"torch.optim.Adam(params, lr=0.01); got {type(outer_optimizer).__name__}"
+        )
+    given = [name for name, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum),
+                                      ("nesterov", nesterov)) if value is not None]  # fmt: skip
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} configure the built-in outer optimizers; with your own outer_optimizer set them in "
+            "its factory (e.g. lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9))"
+        )
+    return outer_optimizer
 
 
 def _parameters(model_or_params: Any) -> list[torch.Tensor]:

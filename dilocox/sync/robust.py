@@ -15,6 +15,9 @@ judges the same bytes with the same history, so every cluster excludes the same 
     excluded = peers.judge(gram, [0, 1])             # {}: fewer than 3 updates cannot be compared
     avg = aggregate([u for u, v in zip(updates, verdicts) if v is None], "trimmed_mean", trim_fraction=0.25)
     guard.accept([u for u, v in zip(updates, verdicts) if v is None])
+
+`RoundGuard` is the outer loop's side of it: what each round's reduction left out is said and counted, the summing
+reductions' mean is judged, this cluster's bad rounds are counted and its heals announced.
 """
 
 from __future__ import annotations
@@ -212,3 +215,90 @@ def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     middle = len(ordered) // 2
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+class RoundGuard:
+    """The outer loop's bookkeeping of `sync.guard` (docs/design.md §4.5), one per rank.
+
+    Every landing: the clusters the reduction left out are announced and counted; the summing reductions, which
+    cannot judge the clusters one by one, get their mean judged by an `UpdateGuard` (`judges_mean`); a round with no
+    usable mean is skipped (no outer step). Every round: this cluster's own non-finite update is counted, and
+    `max_bad_rounds` bad rounds in a row, of this cluster (`own`) or of every cluster (`all`), raise `GuardError`:
+    only a cluster's own non-finite updates stop the run, one the others leave out heals and goes on. A heal is
+    announced, counted and flagged in `healed` for whoever owns the inner optimizer.
+
+        guard = RoundGuard(max_ratio=10.0, max_bad_rounds=3, judges_mean=True, warnings=warnings)
+        skip = guard.judge_landing(avg, excluded={}, num_clusters=3, where="round 4")   # True: no outer step
+        guard.count_own(bad=False, round_index=4); guard.heal(cluster=0, round_index=4, why="...")
+    """
+
+    def __init__(self, *, max_ratio: float, max_bad_rounds: int, judges_mean: bool, warnings: list[str]) -> None:
+        self.mean_guard = UpdateGuard(max_ratio) if judges_mean else None
+        """The summing reductions' guard of the mean (the gather reduction judges every update itself)."""
+        self.max_bad_rounds = max_bad_rounds
+        self.warnings = warnings
+        """The outer loop's messages for the user (shared with it)."""
+        self.counts = {"excluded_updates": 0, "skipped_rounds": 0, "healed_rounds": 0}  # base.GUARD_COUNTS
+        """Totals over the run: updates left out, rounds without a usable mean, rounds this cluster healed."""
+        self.bad_in_row = {"own": 0, "all": 0}
+        self.healed = False
+        """Set by `heal`; the owner of the inner optimizer resets its state and clears it."""
+
+    def judge_landing(
+        self, avg: torch.Tensor, excluded: dict[int, str], *, num_clusters: int, where: str, judge_mean: bool = True
+    ) -> bool:
+        """Announce and count what the reduction left out of `avg` (`excluded`: cluster -> why); judge the mean of
+        a summing reduction against recent rounds' (not when `judge_mean` is False: the drained residual is no
+        round's pseudo-gradient). Returns whether the round has no usable mean (skip its outer step)."""
+        for cluster, why in sorted(excluded.items()):
+            self.warnings.append(f"guard: {where}: cluster {cluster}'s update left out ({why})")
+        self.counts["excluded_updates"] += len(excluded)
+        if self.mean_guard is not None and judge_mean:
+            verdict = self.mean_guard.judge([avg])[0]
+            if verdict is None:
+                self.mean_guard.accept([avg])
+            skip = verdict is not None
+            why = f"the mean has {verdict}"
+        else:
+            skip = len(excluded) >= num_clusters
+            why = "every cluster's update was left out"
+        if skip:
+            self.counts["skipped_rounds"] += 1
+            self.warnings.append(f"guard: {where}: no outer step ({why})")
+        self._count_bad("all", skip, "no usable mean of the clusters' updates")
+        return skip
+
+    def count_own(self, bad: bool, round_index: int) -> None:
+        """This cluster's own update of round `round_index` was non-finite (`bad`) or not."""
+        self._count_bad("own", bad, f"this cluster's own update was non-finite (round {round_index})")
+
+    def heal(self, *, cluster: int, round_index: int, why: str) -> None:
+        """Cluster `cluster` restarts the round after `round_index` from the agreed parameters."""
+        self.healed = True
+        self.counts["healed_rounds"] += 1
+        self.warnings.append(
+            f"guard: cluster {cluster} restarts round {round_index + 1} from the agreed parameters "
+            f"with a fresh inner optimizer state: {why}"
+        )
+
+    def _count_bad(self, which: str, bad: bool, what: str) -> None:
+        self.bad_in_row[which] = self.bad_in_row[which] + 1 if bad else 0
+        if self.bad_in_row[which] >= self.max_bad_rounds:
+            raise GuardError(
+                f"{what}, {self.bad_in_row[which]} rounds in a row (sync.guard_max_bad_rounds = "
+                f"{self.max_bad_rounds}): training cannot recover by itself"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The totals, the bad rounds in a row and the mean's norm history."""
+        return {
+            "counts": dict(self.counts),
+            "bad_in_row": dict(self.bad_in_row),
+            "mean": self.mean_guard.state_dict() if self.mean_guard is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counts.update(state["counts"])
+        self.bad_in_row.update(state["bad_in_row"])
+        if self.mean_guard is not None and state["mean"] is not None:
+            self.mean_guard.load_state_dict(state["mean"])

@@ -25,7 +25,7 @@ from dilocox import CompressionConfig, SyncConfig
 from dilocox.faults import FaultConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync, OuterSync
-from dilocox.sync.reducers import build_reducer
+from dilocox.sync.reducer_factory import build_reducer
 from dilocox.topology import Topology, build_process_groups
 from tests.multiproc import run_ranks
 from tests.unit.test_robust import reference_peer_exclusions

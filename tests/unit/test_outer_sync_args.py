@@ -109,6 +109,17 @@ def test_a_compression_config_is_used_as_given_and_never_changed():
             },
             ["sync.merge = 'own_payload'", "compression.error_feedback = false keeps none", "sync.merge = eager"],
         ),
+        ({"outer_optimizer": "adagrad"}, ["sync.outer_optimizer = 'adagrad' is not one of: sgd, adamw"]),
+        ({"outer_optimizer": "adamw"}, ["sync.drain_residual = true adds the drained residual", "= false"]),
+        ({"outer_optimizer": torch.optim.Adam}, ["the outer optimizer is Adam", "drain_residual=False"]),
+        (
+            {"outer_optimizer": torch.optim.Adam, "outer_lr": 0.5, "drain_residual": False},
+            ["outer_lr configure the built-in outer optimizers", "set them in its factory"],
+        ),
+        (
+            {"outer_optimizer": torch.optim.Adam([torch.zeros(1)])},
+            ["outer_optimizer must be 'sgd', 'adamw' or a callable", "got Adam"],
+        ),
         ({"bandwidth": "100"}, ["network.bandwidth = '100' is not a rate"]),
         ({"latency": "10ms"}, ["latency = '10ms' is only emulated together with a bandwidth"]),
     ],
@@ -118,6 +129,21 @@ def test_bad_arguments_name_the_argument_and_the_fix(options, words):
         build(**options)
     for word in words:
         assert word in str(error.value)
+    assert "\n" not in str(error.value)  # one line on the CLI
+
+
+def test_the_outer_optimizer_is_a_name_or_a_factory():
+    adam = build(outer_optimizer=lambda params: torch.optim.Adam(params, lr=0.01), drain_residual=False)
+    assert isinstance(adam.diloco.outer.optimizer, torch.optim.Adam) and adam.diloco.outer.lr == 0.01
+    adamw = build(outer_optimizer="adamw", outer_lr=0.02, drain_residual=False)
+    assert isinstance(adamw.diloco.outer.optimizer, torch.optim.AdamW) and adamw.sync_config.outer_optimizer == "adamw"
+    sgd = build(kind="diloco")
+    assert type(sgd.diloco.outer.optimizer) is torch.optim.SGD and sgd.diloco.outer.optimizer.defaults["nesterov"]
+    state = adam.state_dict()
+    state["settings"]["outer_lr"] = 0.02  # the same settings, but another optimizer's state
+    with pytest.raises(ValueError, match="saved with decoupled_weight_decay = False .now True.") as error:
+        adamw.load_state_dict(state)
+    assert "\n" not in str(error.value)
 
 
 def test_bad_model_or_optimizer():

@@ -1,23 +1,18 @@
-"""The warning that the slow link cannot keep up (`DiLoCoSync._slow_link_advice`), from given link and compute times:
+"""The warning that the slow link cannot keep up (`link_fit.slow_link_advice`), from given link and compute times:
 it suggests a bandwidth only where a faster emulated uplink would hide the sync, and that bandwidth would."""
 
 import pytest
-import torch
 
 from dilocox.net.channel import WanChannel
 from dilocox.net.link import parse_bandwidth
 from dilocox.sync import RoundStats
-from dilocox.sync.config import SyncConfig
-from dilocox.sync.diloco import DiLoCoSync
+from dilocox.sync.link_fit import slow_link_advice
 
 
 def advice(bandwidth: str, *, latency_s: float = 0.01, link_s: float, compute_s: float, nbytes: int) -> str:
     channel = WanChannel(None, bandwidth=parse_bandwidth(bandwidth), latency_s=latency_s)
-    sync = DiLoCoSync(
-        torch.nn.Linear(4, 4).parameters(), SyncConfig(inner_steps=10, sync_delay=1), channel=channel, dp_group=None
-    )
     stats = RoundStats(link_s=link_s, exposed_s=link_s - compute_s, bytes_sent=nbytes, compute_s=compute_s)
-    return sync._slow_link_advice(stats, round_steps=10)
+    return slow_link_advice(stats, round_steps=10, overlap_steps=0, channel=channel)
 
 
 def test_an_unlimited_link_gets_no_bandwidth_advice():

@@ -20,7 +20,7 @@ from dilocox.net.link import parse_duration
 from dilocox.tools.bench.planner import format_bandwidth, paper_regime_bandwidth, paper_regime_ratio
 from dilocox.tools.bench.results import collect
 from dilocox.tools.bench.runs import has_summary, train_run, train_seeds
-from dilocox.tools.bench.spec import BenchRun, BenchSpec, run_overrides
+from dilocox.tools.bench.spec import MIN_STEADY_STEPS, BenchRun, BenchSpec, run_overrides
 
 NO_COMM_RUN = "no-communication"
 """The reference the paper regime adds: every cluster trains alone (one sync at the very end), link off."""
@@ -34,11 +34,6 @@ LINK_OFF = ["--network.bandwidth=unlimited", "--network.latency=0"]
 def _is_per_step(kind: str) -> bool:
     """Strategies that talk over the slow link every step (their "round" is one step)."""
     return kind in ("allreduce", "cocktail")
-
-
-MIN_STEADY_STEPS = 48
-"""The fewest steps the steady window of an outer-loop run spans (whole rounds): one 12-step round of top-k timed
-99.1% and 92.5% of the no-communication throughput in two runs of one config on this shared 2-core machine."""
 
 
 def steady_rounds(inner_steps: int) -> int:

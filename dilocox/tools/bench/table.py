@@ -6,6 +6,8 @@ import math
 from collections import Counter
 from typing import Any
 
+from dilocox.tools.bench.spec import MIN_STEADY_STEPS
+
 
 def _fmt(value: Any, spec: str, none: str = "-") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
@@ -163,9 +165,6 @@ def format_paper_table(results: dict[str, Any]) -> str:
                 hidden=_hidden_cell(hidden),
             )
         )
-    # not at the top: paper_regime imports results, which imports this module
-    from dilocox.tools.bench.paper_regime import MIN_STEADY_STEPS
-
     r = results["regime"]
     s = results["runs"][0]["summary"] if results["runs"] else {}
     quick = " (quick)" if results.get("quick") else ""
