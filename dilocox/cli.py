@@ -19,7 +19,10 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from dilocox.config import Config
 
 USAGE = """usage: dilocox <command> [options]
 
@@ -123,6 +126,14 @@ def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
     return value, rest
 
 
+def _train_config(config_path: str | None, overrides: list[str]) -> Config:
+    """The config `dilocox train` runs: the preset of --preset or of the file, or the default preset when there is
+    neither a --preset nor a --config; then the file, then the flags (not yet validated)."""
+    from dilocox.config import DEFAULT_PRESET, load_config
+
+    return load_config(config_path, overrides, preset=None if config_path else DEFAULT_PRESET)
+
+
 def cmd_train(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(train_help())
@@ -134,10 +145,10 @@ def cmd_train(argv: list[str]) -> int:
     except ValueError:
         return _error("--config needs a file: --config FILE")
     if print_config:
-        from dilocox.config import DEFAULT_PRESET, load_config, to_toml
+        from dilocox.config import to_toml
 
         try:
-            cfg = load_config(config_path, rest, preset=None if config_path else DEFAULT_PRESET)
+            cfg = _train_config(config_path, rest)
             cfg.validate()
         except ValueError as exc:
             return _error(str(exc))
@@ -151,14 +162,13 @@ def cmd_train(argv: list[str]) -> int:
         from dilocox import forkserver
 
         forkserver.start_early(config_path, rest)  # its imports run while this process imports and checks the config
-    from dilocox.config import DEFAULT_PRESET, load_config
     from dilocox.launch.local import launch_local
     from dilocox.launch.preflight import preflight
     from dilocox.launch.rundir import prepare_run_dir
     from dilocox.launch.torchrun import launch_torchrun
 
     try:
-        cfg = load_config(config_path, rest, preset=None if config_path else DEFAULT_PRESET)
+        cfg = _train_config(config_path, rest)
         if torchrun:
             return launch_torchrun(cfg)
         data, resume = preflight(cfg)
