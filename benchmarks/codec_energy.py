@@ -77,7 +77,8 @@ def pseudo_gradients(
 ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], HeldOut]:
     """`rounds` consecutive pseudo-gradients (one tensor per parameter) of cluster 0 of 2 training alone, the
     parameters at the first round's start, and the held-out loss of the model."""
-    cfg = load_config(REPO / "configs" / "default.toml", overrides)
+    # the diloco preset: the inner training of the field defaults, whatever the shipped file's preset
+    cfg = load_config(REPO / "configs" / "default.toml", ["--preset=diloco", *overrides])
     cfg.validate()
     if warm_steps + rounds * inner_steps > cfg.train.steps:
         raise SystemExit(

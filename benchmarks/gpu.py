@@ -10,8 +10,8 @@ On the GPU it finds (cuda:0), for each flavor (`medium`, `qwen1.5-0.5b`):
    (`build_model`, `configure_compute`: bf16 autocast, sdpa; `build_inner_optimizer`: fused AdamW; gradient
    clipping), with `--compile` optional; random tokens of the run's vocabulary, no data loading, no sync;
 2. `dilocox train --run.device=cuda --train.dtype=bf16`: two clusters of one rank each, both on this one GPU,
-   for `sync.kind` dilocox and allreduce, with the slow link off (`network.bandwidth=unlimited`) and on (an
-   emulated 1 Gbps / 10 ms link).
+   for `sync.kind` dilocox (the dilocox-lowrank preset) and allreduce (the allreduce preset), with the slow link
+   off (`network.bandwidth=unlimited`) and on (an emulated 1 Gbps / 10 ms link).
 
 Reported per run: tokens/s per cluster (the steady state: the first logged window, which holds start-up, is left
 out, and for dilocox the last one too, which holds the final flush of the delayed sync), MFU (6 N x the tokens/s of
@@ -59,6 +59,8 @@ if str(ROOT) not in sys.path:  # `python benchmarks/gpu.py` from a checkout that
 
 FLAVORS = ("medium", "qwen1.5-0.5b")
 KINDS = ("dilocox", "allreduce")
+PRESET_OF = {"dilocox": "dilocox-lowrank", "allreduce": "allreduce"}
+"""The preset each kind's runs start from."""
 LINKS = {"off": ("unlimited", "0"), "on": ("1Gbps", "10ms")}
 """`network.bandwidth` and `network.latency` of each link setting."""
 
@@ -546,7 +548,7 @@ class Benchmark:
             f"--model.flavor={flavor}", "--train.dtype=bf16", f"--train.compile={str(self.args.compile).lower()}",
             f"--train.seq_len={s.seq_len}", f"--train.micro_batch_size={s.batch}", f"--train.steps={steps}",
             f"--train.warmup_steps={max(1, min(steps - 1, steps // 5))}",
-            "--topology.num_clusters=2", f"--sync.kind={kind}", f"--sync.inner_steps={s.inner_steps}",
+            "--topology.num_clusters=2", f"--preset={PRESET_OF[kind]}", f"--sync.inner_steps={s.inner_steps}",
             f"--network.bandwidth={bandwidth}", f"--network.latency={latency}",
             "--eval.interval=0", "--eval.max_batches=1", "--eval.final_max_batches=1",
             "--checkpoint.interval=0", "--checkpoint.keep=1",

@@ -2,7 +2,7 @@
 
     python benchmarks/matrix_ranks.py RUN_DIR [more run dirs] --out benchmarks/results/outer_delay/matrix_ranks
 
-Under `compression.aggregate = per_matrix` (or budget) `metrics.jsonl` logs, with every round, the rank of each
+Under `compression.rank_rule = per_matrix` (or budget) `metrics.jsonl` logs, with every round, the rank of each
 matrix (`round_matrix_ranks`, after smoothing, as sent) and their mean rounded up (`round_rank`); rank 0 logs, so
 these are cluster 0's ranks of pipeline stage 0. The matrix names come from the model state of the run's newest
 checkpoint when it has one. This writes, per run, a heatmap of the rank of every matrix over the rounds (`NAME.png`)
@@ -32,7 +32,7 @@ def read_decisions(run_dir: Path) -> tuple[list[str], list[int], torch.Tensor]:
     """(matrix names, the outer step of each logged round, ranks (rounds, matrices)) of cluster 0 in `run_dir`."""
     rows = [row for row in read_metrics(run_dir) if row.get("round_matrix_ranks")]
     if not rows:
-        raise SystemExit(f"{run_dir}: no per-matrix ranks (compression.kind = adaptive, aggregate = per_matrix)")
+        raise SystemExit(f"{run_dir}: no per-matrix ranks (compression.kind = adaptive, rank_rule = per_matrix)")
     outer_steps = [int(row["outer_step"]) for row in rows]
     ranks = torch.tensor([row["round_matrix_ranks"] for row in rows])  # (rounds, matrices)
     checkpoints = list_checkpoints(run_dir)

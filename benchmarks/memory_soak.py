@@ -3,8 +3,8 @@
     python benchmarks/memory_soak.py                                   # 2,400 rounds, about 18 minutes on 2 busy cores
     python benchmarks/memory_soak.py --steps 600 --warmup 200 --out /tmp/memsoak   # a quicker look
 
-One `dilocox train` run of configs/debug.toml with `sync.kind = dilocox` (the adaptive codec with error feedback,
-the one-step delay), H = 1 so that every step is an outer round, 3 clusters of one rank each, the link off
+One `dilocox train` run of configs/debug.toml with the dilocox-lowrank preset (the adaptive codec with error
+feedback, the one-step delay), H = 1 so that every step is an outer round, 3 clusters of one rank each, the link off
 (`network.bandwidth = unlimited`), one thread per rank and a checkpoint every 250 rounds (`checkpoint.keep = 2`).
 While it trains this samples, every `--interval` seconds, each rank's resident set size (VmRSS), its open file
 descriptors (/proc/PID/fd) and its threads, with the step the run has logged, and the size of every rank's file in
@@ -48,7 +48,7 @@ PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 def command(run_dir: Path, args: argparse.Namespace) -> list[str]:
     return [
         sys.executable, "-m", "dilocox", "train", "--config", "configs/debug.toml",
-        f"--run.out_dir={run_dir}", "--run.num_threads=1", "--sync.kind=dilocox",
+        f"--run.out_dir={run_dir}", "--run.num_threads=1", "--preset=dilocox-lowrank",
         f"--sync.inner_steps={args.inner_steps}", f"--topology.num_clusters={args.clusters}",
         f"--train.steps={args.steps}", "--network.bandwidth=unlimited", "--network.latency=0",
         "--eval.interval=0", "--eval.final_max_batches=4", f"--checkpoint.interval={args.checkpoint_interval}",

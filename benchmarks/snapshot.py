@@ -129,19 +129,19 @@ class Case:
 
 THREE = ("--topology.num_clusters=3",)
 DELAY = ("--sync.sync_delay=1",)
+DILOCOX = ("--preset=dilocox-lowrank",)
+"""The dilocox-lowrank preset: delay 1, the adaptive codec, plain averaging, own_payload, local + drained residual."""
+PLAIN = ("--sync.merge=eager", "--sync.local_residual=false", "--sync.drain_residual=false")
+"""The preset's options that need a codec's residual and a static run, turned off."""
 CASES: tuple[Case, ...] = (
     Case("allreduce", "per-step AllReduce baseline", ("--sync.kind=allreduce",)),
     Case("cocktail", "CocktailSGD: compressed gradients every step", ("--sync.kind=cocktail",)),
     Case("diloco", "blocking DiLoCo, fp32 dense all-reduce, outer Nesterov 0.7 / 0.9", ("--sync.kind=diloco",)),
-    Case(
-        "dilocox",
-        "the dilocox preset: delay 1, adaptive codec, own_payload, local + drained residual",
-        ("--sync.kind=dilocox",),
-    ),  # fmt: skip
+    Case("dilocox", "dilocox-lowrank: delay 1, adaptive codec, own_payload, local + drained residual", DILOCOX),
     Case(
         "dilocox_none",
-        "dilocox without a codec: merge falls back to eager, no residual options",
-        ("--sync.kind=dilocox", "--compression.kind=none"),
+        "the dilocox-lowrank preset without a codec: merge eager, no residual options",
+        (*DILOCOX, "--compression.kind=none", *PLAIN),
     ),  # fmt: skip
     Case("delay1_reset", "delayed DiLoCo, merge reset", (*DELAY, "--sync.merge=reset")),
     Case("delay1_keep_local", "delayed DiLoCo, merge keep_local", (*DELAY, "--sync.merge=keep_local")),
@@ -166,12 +166,12 @@ CASES: tuple[Case, ...] = (
         "scalable reduction of lowrank_int4, 3 clusters, blocking",
         (*THREE, "--compression.kind=lowrank_int4", "--compression.reduction=scalable"),
     ),  # fmt: skip
-    Case("dp2", "dilocox, 2 clusters x dp 2 (sharded outer sync)", ("--sync.kind=dilocox", "--topology.dp_degree=2")),
-    Case("pp2", "dilocox, 2 clusters x pp 2 (1f1b)", ("--sync.kind=dilocox", "--topology.pp_degree=2")),
+    Case("dp2", "dilocox, 2 clusters x dp 2 (sharded outer sync)", (*DILOCOX, "--topology.dp_degree=2")),
+    Case("pp2", "dilocox, 2 clusters x pp 2 (1f1b)", (*DILOCOX, "--topology.pp_degree=2")),
     Case(
         "overlap_steps",
         "dilocox, the delayed average applied 1 step into the next round",
-        ("--sync.kind=dilocox", "--sync.overlap_steps=1"),
+        (*DILOCOX, "--sync.overlap_steps=1"),
     ),  # fmt: skip
     Case(
         "residual_blocking",
@@ -192,7 +192,7 @@ CASES: tuple[Case, ...] = (
     Case(
         "resume",
         "dilocox: 6 steps, then on to 12 in the same directory (resume = auto)",
-        ("--sync.kind=dilocox",),
+        DILOCOX,
         resume_at=6,
     ),  # fmt: skip
     Case(
@@ -203,7 +203,7 @@ CASES: tuple[Case, ...] = (
     Case(
         "fault_scale",
         "dilocox, 3 clusters, cluster 1 sends x1000 in round 4, the guard leaves it out",
-        (*THREE, "--sync.kind=dilocox", "--faults.kind=scale", "--faults.cluster=1", "--faults.rounds=4"),
+        (*THREE, *DILOCOX, "--faults.kind=scale", "--faults.cluster=1", "--faults.rounds=4"),
     ),  # fmt: skip
     Case(
         "fault_diverge",
@@ -218,23 +218,17 @@ CASES: tuple[Case, ...] = (
     Case(
         "auth_int4",
         "dilocox, int4 gather, HMAC-tagged payloads",
-        ("--sync.kind=dilocox", "--compression.kind=int4", f"--network.auth_key_file={KEY_FILE}"),
+        (*DILOCOX, "--compression.kind=int4", f"--network.auth_key_file={KEY_FILE}"),
     ),  # fmt: skip
     Case(
         "elastic",
         "dilocox, 3 elastic clusters (torchft quorum every round), fault-free",
-        (*THREE, "--sync.kind=dilocox", "--topology.elastic=true"),
+        (*THREE, *DILOCOX, *PLAIN, "--topology.elastic=true"),
     ),  # fmt: skip
     Case(
         "elastic_static_twin",
         "the elastic case's settings in a static run (merge eager, no residual options)",
-        (
-            *THREE,
-            "--sync.kind=dilocox",
-            "--sync.merge=eager",
-            "--sync.local_residual=false",
-            "--sync.drain_residual=false",
-        ),
+        (*THREE, *DILOCOX, *PLAIN),
     ),  # fmt: skip
 )
 

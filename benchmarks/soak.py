@@ -4,7 +4,7 @@
     python benchmarks/soak.py --process-only --reuse-clean --out benchmarks/results/soak/process_only
     python benchmarks/soak.py --steps 400 --faults 10 --out /tmp/soak --skip-clean   # a quicker look
 
-One `dilocox train` run (configs/debug.toml, 3 clusters, `sync.kind = dilocox`, H = 10, a checkpoint every round,
+One `dilocox train` run (configs/debug.toml, 3 clusters, the dilocox-lowrank preset, H = 10, a checkpoint every round,
 `checkpoint.resume = auto`, link off, `network.stall_timeout = 5s`) is broken again and again on a seeded schedule.
 The run is cut into segments; each segment is the same command, re-launched in the same run directory, and carries
 
@@ -287,7 +287,7 @@ def flip_bit(run_dir: Path, rng: random.Random) -> str:
 def base_command(run_dir: Path, *, steps: int, clusters: int) -> list[str]:
     return [
         sys.executable, "-m", "dilocox", "train", "--config", "configs/debug.toml",
-        "--sync.kind=dilocox", f"--topology.num_clusters={clusters}", f"--train.steps={steps}",
+        "--preset=dilocox-lowrank", f"--topology.num_clusters={clusters}", f"--train.steps={steps}",
         "--train.warmup_steps=20", f"--sync.inner_steps={H}", f"--checkpoint.interval={H}",
         "--checkpoint.resume=auto", f"--run.out_dir={run_dir}",
         "--network.bandwidth=unlimited", "--network.latency=0",

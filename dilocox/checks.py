@@ -1,27 +1,45 @@
 """Checks that config dataclasses run in their `validate()`: each raises a ValueError naming the field and the fix.
 
 A component's config calls these once, in its own `validate()` (docs/design.md §7), with its section name, so
-every message reads like the option the user typed:
+every message reads like the option the user typed. A choice is a `Literal[...]` field: its allowed values are the
+type's, and `check_types` refuses any other value with the list.
 
+    check_types("compression", self)     # compression.kind = 'zip' is not one of: none, fp16, ...
     check_positive("compression", self, "rank", "group_size")      # compression.rank = 0 must be > 0
-    check_choice("compression.kind", self.kind, CODEC_KINDS)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any
+import typing
+from typing import Any, Literal
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """Every int option must fit: steps, tokens and byte counters are int64 in tensors, checkpoints and metrics."""
 
 
+@functools.cache
+def field_choices(cls: type) -> dict[str, tuple[str, ...]]:
+    """The allowed values of every choice field (annotated `Literal[...]`) of a config dataclass, by field name."""
+    hints = typing.get_type_hints(cls)
+    return {
+        f.name: typing.get_args(hints[f.name])
+        for f in dataclasses.fields(cls)
+        if typing.get_origin(hints[f.name]) is Literal
+    }
+
+
 def check_types(section: str, cfg: Any) -> None:
-    """Every field holds the type of its default (an int is accepted for a float); bools are not ints here."""
+    """Every field holds the type of its default (an int is accepted for a float; bools are not ints here), and a
+    choice field (`Literal[...]`) one of its values."""
     defaults = type(cfg)()
+    choices = field_choices(type(cfg))
     for f in dataclasses.fields(cfg):
         value, expected = getattr(cfg, f.name), type(getattr(defaults, f.name))
+        if f.name in choices and isinstance(value, str):
+            check_choice(f"{section}.{f.name}", value, choices[f.name])
         ok = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             ok = True

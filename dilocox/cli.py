@@ -1,7 +1,8 @@
 """The `dilocox` command: train, eval, export, plot, prepare-data, bench, plan, linkcheck, lighthouse, flavors, env.
 
-    dilocox train                                   # the embedded default: 2 clusters over an emulated 1 Gbps link
-    dilocox train --config configs/debug.toml --sync.kind=allreduce
+    dilocox train                                   # DiLoCoX (the dilocox preset): 2 clusters, an emulated 1 Gbps link
+    dilocox train --preset allreduce                # a baseline on the same setting
+    dilocox train --config configs/debug.toml --sync.kind=allreduce --print-config
     dilocox eval runs/dilocox --json
     dilocox export runs/dilocox --format hf --out hf/dilocox
 
@@ -16,7 +17,12 @@ import os
 import platform
 import sys
 import textwrap
+import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from dilocox.config import Config
 
 USAGE = """usage: dilocox <command> [options]
 
@@ -41,36 +47,54 @@ def _error(message: str) -> int:
     return 2
 
 
+def _show_value(value: object) -> str:
+    """A value as a TOML file writes it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return json.dumps(value) if isinstance(value, str) else str(value)
+
+
 def train_help() -> str:
-    from dilocox.config import options
+    from dilocox.config import DEFAULT_PRESET, PRESETS, allowed_values, options, preset_summary, read_preset
 
     lines = [
-        "usage: dilocox train [--config FILE] [--section.key=VALUE ...]",
+        "usage: dilocox train [--preset NAME] [--config FILE] [--section.key=VALUE ...] [--print-config]",
         "",
-        "Train a model. Options come from the defaults below, then the TOML file of --config, then these flags.",
-        "Run as it is, it starts num_clusters x dp_degree x pp_degree ranks on this machine; under torchrun",
-        "(RANK, WORLD_SIZE, MASTER_ADDR set) it runs as the one rank torchrun gave it.",
+        "Train a model. Settings come in layers, each overriding the one before: the field defaults listed below,",
+        "then a preset, then the TOML file of --config, then the --section.key flags. With neither --preset nor",
+        f"--config the {DEFAULT_PRESET} preset is used; a --config file names its preset with a top-level line",
+        'preset = "NAME" (without one it starts from the field defaults). Run as it is, it starts num_clusters x',
+        "dp_degree x pp_degree ranks on this machine; under torchrun (RANK, WORLD_SIZE, MASTER_ADDR set) it runs as",
+        "the one rank torchrun gave it.",
         "",
+        f"  --preset NAME   start from a shipped preset (below): {', '.join(PRESETS)}",
         "  --config FILE   a TOML file with sections like [train] and [sync] (see configs/)",
+        "  --print-config  print the resolved configuration (every option) as TOML and exit; nothing is written",
         "",
         "Environment:",
         "  DILOCOX_CACHE   where trained tokenizers and tokenized corpora are cached, so a second run on the same",
         "                  text skips tokenizing (default ~/.cache/dilocox; safe to delete; docs/design.md §12)",
+        "",
+        "Presets (dilocox/presets/NAME.toml; every other option keeps its field default):",
     ]
+    for name in PRESETS:
+        title = f"{name}{' (the default)' if name == DEFAULT_PRESET else ''}: {preset_summary(name)}"
+        lines += textwrap.wrap(title, width=110, initial_indent="  ", subsequent_indent="      ")
+        settings = [
+            f"{section}.{key}={_show_value(value)}"
+            for section, values in read_preset(name).items()
+            for key, value in values.items()
+        ]
+        lines += textwrap.wrap(" ".join(settings), width=110, initial_indent="      ", subsequent_indent="      ")
     section = None
     for name, typ, default, doc in options():
         head = name.split(".")[0]
         if head != section:
             section = head
             lines += ["", f"[{section}]"]
-        shown = (
-            json.dumps(default)
-            if isinstance(default, str)
-            else str(default).lower()
-            if isinstance(default, bool)
-            else default
-        )
-        lines.append(f"  --{name}={typ.__name__.upper()}  (default {shown})")
+        choices = allowed_values(name)
+        shown = "{" + ",".join(choices) + "}" if choices else typ.__name__.upper()
+        lines.append(f"  --{name}={shown}  (default {_show_value(default)})")
         lines += textwrap.wrap(doc, width=110, initial_indent="      ", subsequent_indent="      ")
     return "\n".join(lines)
 
@@ -102,14 +126,34 @@ def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
     return value, rest
 
 
+def _train_config(config_path: str | None, overrides: list[str]) -> Config:
+    """The config `dilocox train` runs: the preset of --preset or of the file, or the default preset when there is
+    neither a --preset nor a --config; then the file, then the flags (not yet validated)."""
+    from dilocox.config import DEFAULT_PRESET, load_config
+
+    return load_config(config_path, overrides, preset=None if config_path else DEFAULT_PRESET)
+
+
 def cmd_train(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(train_help())
         return 0
+    print_config = "--print-config" in argv
+    argv = [a for a in argv if a != "--print-config"]
     try:
         config_path, rest = _take_option(argv, "--config")
     except ValueError:
         return _error("--config needs a file: --config FILE")
+    if print_config:
+        from dilocox.config import to_toml
+
+        try:
+            cfg = _train_config(config_path, rest)
+            cfg.validate()
+        except ValueError as exc:
+            return _error(str(exc))
+        print(to_toml(cfg), end="")
+        return 0
 
     # torchft's Rust side (elastic runs) logs every quorum and commit at INFO; its warnings and errors still show
     os.environ.setdefault("RUST_LOG", "warn")
@@ -118,14 +162,13 @@ def cmd_train(argv: list[str]) -> int:
         from dilocox import forkserver
 
         forkserver.start_early(config_path, rest)  # its imports run while this process imports and checks the config
-    from dilocox.config import load_config
     from dilocox.launch.local import launch_local
     from dilocox.launch.preflight import preflight
     from dilocox.launch.rundir import prepare_run_dir
     from dilocox.launch.torchrun import launch_torchrun
 
     try:
-        cfg = load_config(config_path, rest)
+        cfg = _train_config(config_path, rest)
         if torchrun:
             return launch_torchrun(cfg)
         data, resume = preflight(cfg)
@@ -475,8 +518,29 @@ COMMANDS = {
 }
 
 
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """`warnings.showwarning` of the CLI: a config warning as one line, every other warning as Python prints it."""
+    from dilocox.config import ConfigWarning
+
+    if issubclass(category, ConfigWarning):
+        print(f"dilocox: warning: {message}", file=sys.stderr if file is None else file)
+    else:
+        _python_show_warning(message, category, filename, lineno, file, line)
+
+
+_python_show_warning = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    warnings.showwarning = _show_warning
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2

@@ -1,9 +1,12 @@
-"""The run configuration: a tree of dataclasses, loaded from TOML and overridden by dotted flags.
+"""The run configuration: a tree of dataclasses, loaded from a preset and a TOML file and overridden by dotted flags.
 
-Precedence is defaults < `--config FILE` < `--section.key=value` flags. Every field has a working default and a
-one-line docstring right under it; the docstrings are what `dilocox train --help` prints.
+Precedence is field defaults < preset < `--config FILE` < `--section.key=value` flags. Every field has a working
+default and a one-line docstring right under it; the docstrings and defaults are what `dilocox train --help` prints,
+and no setting changes another's default. A preset is a TOML file shipped in the package (`dilocox/presets/`): the
+settings of DiLoCoX or of a baseline, named (`--preset NAME`, or `preset = "NAME"` at the top of a config file).
+A choice is a `Literal[...]` field; its values are defined once, by the type.
 
-    cfg = load_config("configs/debug.toml", ["--sync.inner_steps=10"])
+    cfg = load_config("configs/debug.toml", ["--preset=dilocox-lowrank", "--sync.inner_steps=10"])
     cfg.validate(world_size=4)
     (run_dir / "config.toml").write_text(to_toml(cfg))
 """
@@ -15,40 +18,57 @@ import dataclasses
 import difflib
 import functools
 import hashlib
+import importlib.resources
 import inspect
 import json
 import tomllib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
-import torch
-
-from dilocox.checks import check_choice, check_non_negative, check_positive, check_types
+from dilocox.checks import check_choice, check_non_negative, check_positive, check_types, field_choices
 from dilocox.compress.config import CocktailConfig, CompressionConfig
-from dilocox.device import DEVICES
 from dilocox.faults import FaultConfig
-from dilocox.metrics import WANDB_MODES
 from dilocox.net.config import NetworkConfig
-from dilocox.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
-from dilocox.sync.config import (
-    KIND_DEFAULTS,
-    SyncConfig,
-    check_held_back_options,
-    check_robust_reduction,
-    fit_kind_defaults,
-)
+from dilocox.sync.config import OUTER_LOOP_KINDS, SyncConfig, check_held_back_options, check_robust_reduction
 
-OPTIMIZERS = ("adamw", "sgd")
+Device = Literal["auto", "cpu", "cuda"]
+"""`run.device`: where each rank computes (`dilocox.device.resolve_device`)."""
+DEVICES: tuple[str, ...] = get_args(Device)
+ShardMode = Literal["mixed", "contiguous"]
+"""`data.shard`: how the training windows are dealt to the data shards (`dilocox.data.dataset`)."""
+SHARD_MODES: tuple[str, ...] = get_args(ShardMode)
+PipelineSchedule = Literal["gpipe", "1f1b"]
+"""`train.pipeline_schedule`: the schedules `PipelineRunner` runs."""
+PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+Optimizer = Literal["adamw", "sgd"]
 """`train.optimizer`: the inner optimizer."""
-DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
+Dtype = Literal["fp32", "bf16"]
 """`train.dtype`: the autocast dtype of the forward pass (fp32: no autocast)."""
+DTYPES: tuple[str, ...] = get_args(Dtype)
+WandbMode = Literal["off", "offline", "online"]
+"""`metrics.wandb`: no W&B run, a local run written without network, or a run streamed to the W&B server."""
+WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
+PresetName = Literal["dilocox", "dilocox-lowrank", "paper", "diloco", "allreduce", "cocktail"]
+"""The presets shipped in `dilocox/presets/NAME.toml`, in the order `dilocox train --help` lists them."""
+PRESETS: tuple[str, ...] = get_args(PresetName)
+DEFAULT_PRESET = "dilocox"
+"""The preset `dilocox train` starts from when it is given neither `--preset` nor `--config`."""
+
+
+class ConfigWarning(UserWarning):
+    """A setting that loads but may not mean what it says (a renamed key, a kind without its preset); the CLI prints
+    it as one `dilocox: warning:` line."""
+
+
 MOVED_KEYS = {
     "compression.fit_link": "sync.fit_link",
     "compression.fit_link_max_steps": "sync.fit_link_max_steps",
     "compression.sample_ratio": "cocktail.sample_ratio",
     "compression.topk_ratio": "cocktail.topk_ratio",
+    "compression.aggregate": "compression.rank_rule",
 }
 """Keys of earlier versions and where they live now (read with a warning, so older run directories still load)."""
 
@@ -63,7 +83,7 @@ class RunConfig:
     """Replace an existing run directory instead of refusing to start (resuming never needs this)."""
     num_threads: int = 1
     """CPU threads per rank (torch.set_num_threads); keep ranks x threads <= cores."""
-    device: str = "cpu"
+    device: Device = "cpu"
     """Where each rank computes: cpu, cuda (cuda:{local_rank % GPUs}; not yet run on a GPU) or auto (cuda if any)."""
 
 
@@ -87,7 +107,7 @@ class DataConfig:
     """Share of the documents held out for validation (of the tokens, for a single document)."""
     text_field: str = "text"
     """Field that holds the text in .jsonl records and .parquet columns."""
-    shard: str = "mixed"
+    shard: ShardMode = "mixed"
     """Windows per data shard: mixed (a seed-keyed deal from the whole corpus) or contiguous (one stretch each)."""
     split_seed: int = -1
     """Seed of the held-out split (and so of the BPE trained on the rest); -1 = run.seed, >= 0 = one for all seeds."""
@@ -103,7 +123,7 @@ class TrainConfig:
     """Sequences per data-parallel rank (one pipeline) per step."""
     num_microbatches: int = 0
     """Pipeline microbatches per step (they split micro_batch_size); 0 = pp_degree."""
-    pipeline_schedule: str = "1f1b"
+    pipeline_schedule: PipelineSchedule = "1f1b"
     """Pipeline schedule when pp_degree > 1: 1f1b or gpipe."""
     lr: float = 2e-3
     """Peak learning rate of the inner optimizer."""
@@ -111,7 +131,7 @@ class TrainConfig:
     """Linear warm-up steps of the inner learning rate (when not set: 20, or train.steps // 10 if that is fewer)."""
     min_lr_ratio: float = 0.1
     """The cosine schedule decays the inner learning rate to lr x min_lr_ratio at the last step."""
-    optimizer: str = "adamw"
+    optimizer: Optimizer = "adamw"
     """Inner optimizer: adamw, or sgd (plain, for equivalence checks)."""
     weight_decay: float = 0.1
     """AdamW weight decay."""
@@ -121,7 +141,7 @@ class TrainConfig:
     """AdamW beta2."""
     grad_clip: float = 1.0
     """Clip the gradient norm to this value before every inner step; 0 disables clipping."""
-    dtype: str = "fp32"
+    dtype: Dtype = "fp32"
     """Compute dtype of the forward pass: fp32, or bf16 (autocast; weights, grads and optimizer states stay fp32)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass: less activation memory, ~1 more forward of compute."""
@@ -196,7 +216,7 @@ class MetricsConfig:
     """Show a progress bar when the launching terminal is interactive (plain log lines otherwise)."""
     tensorboard: bool = False
     """Also write every numeric metric as TensorBoard scalars to RUN_DIR/tensorboard (needs dilocox[tensorboard])."""
-    wandb: str = "off"
+    wandb: WandbMode = "off"
     """Also log every numeric metric to W&B, files in RUN_DIR/wandb: off, offline or online (needs `wandb login`)."""
 
 
@@ -249,7 +269,7 @@ class Config:
                 "dilocox"
             )
         for name in ("run", "model", "data", "train", "topology", "eval", "checkpoint", "metrics"):
-            check_types(name, getattr(self, name))
+            check_types(name, getattr(self, name))  # also every choice (a Literal field): run.device, data.shard, ...
         check_positive("run", self.run, "num_threads")
         check_non_negative("run", self.run, "seed")
         check_positive("train", self.train, "steps", "seq_len", "micro_batch_size")
@@ -263,13 +283,6 @@ class Config:
         from dilocox.models import list_flavors
 
         check_choice("model.flavor", self.model.flavor, tuple(list_flavors()))
-        check_choice("run.device", self.run.device, DEVICES)
-        check_choice("train.optimizer", self.train.optimizer, OPTIMIZERS)
-        check_choice("train.dtype", self.train.dtype, tuple(DTYPES))
-        check_choice("metrics.wandb", self.metrics.wandb, WANDB_MODES)
-        from dilocox.data.dataset import SHARD_MODES
-
-        check_choice("data.shard", self.data.shard, SHARD_MODES)
         if not self.sync.has_outer_loop and self.compression.kind != "none":
             raise ValueError(
                 f"compression.kind = {self.compression.kind!r} compresses pseudo-gradients: use sync.kind = diloco or "
@@ -306,7 +319,6 @@ class Config:
             raise ValueError(
                 f"data.split_seed = {self.data.split_seed} must be >= 0, or -1 to hold out the split of run.seed"
             )
-        check_choice("train.pipeline_schedule", self.train.pipeline_schedule, PIPELINE_SCHEDULES)
         if self.train.num_microbatches < 0:
             raise ValueError(f"train.num_microbatches = {self.train.num_microbatches} must be >= 0 (0 = pp_degree)")
         m, p = self.microbatches, self.topology.pp_degree
@@ -489,6 +501,13 @@ def options() -> list[tuple[str, type, Any, str]]:
     return out
 
 
+def allowed_values(name: str) -> tuple[str, ...] | None:
+    """The values the option `section.key` accepts, from its `Literal[...]` type; None when it is not a choice."""
+    section, _, key = name.partition(".")
+    cls = section_types().get(section)
+    return field_choices(cls).get(key) if cls is not None else None
+
+
 def _coerce(name: str, value: Any, typ: type, *, from_text: bool) -> Any:
     """Convert a TOML value (or a CLI string when from_text) to the field's type, or raise a ValueError."""
     if from_text and isinstance(value, str):
@@ -519,7 +538,7 @@ def _coerce(name: str, value: Any, typ: type, *, from_text: bool) -> Any:
 
 def _set(cfg: Config, name: str, value: Any, *, from_text: bool) -> None:
     if name in MOVED_KEYS:
-        warnings.warn(f"{name} is now {MOVED_KEYS[name]}; update the config or flag", UserWarning, stacklevel=2)
+        warnings.warn(f"{name} is now {MOVED_KEYS[name]}; update the config or flag", ConfigWarning, stacklevel=2)
         name = MOVED_KEYS[name]
     parts = name.split(".")
     known = {opt[0]: opt[1] for opt in options()}
@@ -584,27 +603,89 @@ def read_toml(path: Path, what: str, *, hint: str = "") -> dict[str, Any]:
         raise ValueError(f"{what} {path}: not valid TOML ({exc})") from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file at `path`, then `--section.key=value` overrides (not yet validated).
+def preset_text(name: str) -> str:
+    """The shipped TOML file of preset `name` (`dilocox/presets/NAME.toml`, package data), or a ValueError listing
+    the presets."""
+    if name not in PRESETS:
+        hint = difflib.get_close_matches(name, PRESETS, n=1)
+        fix = f"did you mean {hint[0]}? " if hint else ""
+        raise ValueError(f"--preset {name!r} is not a preset; {fix}presets: {', '.join(PRESETS)}")
+    return importlib.resources.files("dilocox").joinpath("presets", f"{name}.toml").read_text()
 
-    The strategy's own defaults (`KIND_DEFAULTS`) fill the keys that neither the file nor a flag set, and so does
-    `default_warmup_steps` for `train.warmup_steps`."""
+
+def read_preset(name: str) -> dict[str, dict[str, Any]]:
+    """The settings of preset `name`, by section (checked by `load_config` like a config file's)."""
+    return tomllib.loads(preset_text(name))
+
+
+def preset_summary(name: str) -> str:
+    """The first comment line of preset `name`'s file: what it is."""
+    for line in preset_text(name).splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+    return ""
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, *, preset: str | None = None
+) -> Config:
+    """Field defaults, then a preset, then the TOML file at `path`, then `--section.key=value` overrides (not yet
+    validated). The preset is the last `--preset NAME` among the overrides, else the file's top-level
+    `preset = "NAME"`, else `preset` (None: none). `train.warmup_steps`, when none of them sets it, is
+    `default_warmup_steps(train.steps)`."""
+    flags = parse_overrides(overrides or [])
+    data: dict[str, Any] = read_toml(Path(path), "--config") if path else {}
+    file_preset = data.pop("preset", None)
+    if file_preset is not None and not isinstance(file_preset, str):
+        raise ValueError(f"{path}: preset = {file_preset!r} must be the name of a preset ({', '.join(PRESETS)})")
+    chosen = [value for name, value in flags if name == "preset"]
+    name = chosen[-1] if chosen else file_preset if file_preset is not None else preset
     cfg = Config()
+    from_preset: dict[str, Any] = {}
+    if name is not None:
+        values = read_preset(name)
+        apply_toml(cfg, values, source=f"preset {name}")
+        from_preset = {f"{section}.{key}": value for section, keys in values.items() for key, value in keys.items()}
     explicit: set[str] = set()
     if path:
-        data = read_toml(Path(path), "--config")
         apply_toml(cfg, data, source=str(path))
-        explicit |= {f"{section}.{key}" for section, values in data.items() for key in values}
-    for name, value in parse_overrides(overrides or []):
-        _set(cfg, name, value, from_text=True)
-        explicit.add(name)
-    for name, value in KIND_DEFAULTS.get(cfg.sync.kind, {}).items():
-        if name not in explicit:
-            _set(cfg, name, value, from_text=False)
-    fit_kind_defaults(cfg.sync, cfg.compression, explicit, elastic=cfg.topology.elastic)
-    if "train.warmup_steps" not in explicit:
+        explicit |= {MOVED_KEYS.get(f"{s}.{k}", f"{s}.{k}") for s, values in data.items() for k in values}
+    for key, value in flags:
+        if key != "preset":
+            _set(cfg, key, value, from_text=True)
+            explicit.add(MOVED_KEYS.get(key, key))
+    if name is not None:
+        _check_preset_kind(cfg, name, {key for key in from_preset if key not in explicit})
+    if cfg.sync.kind == "dilocox" and name is None and "sync.sync_delay" not in explicit:
+        warnings.warn(
+            "sync.kind = 'dilocox' sets no other option: the one-step delay, the codec and the outer optimizer keep "
+            "the field defaults (blocking, fp32, outer SGD 0.7 / Nesterov 0.9) unless set; start from "
+            "--preset dilocox, dilocox-lowrank or paper for DiLoCoX's settings",
+            ConfigWarning,
+            stacklevel=2,
+        )
+    if "train.warmup_steps" not in explicit | from_preset.keys():
         cfg.train.warmup_steps = default_warmup_steps(cfg.train.steps)  # a short run still gets its cosine decay
     return cfg
+
+
+def _check_preset_kind(cfg: Config, name: str, inherited: set[str]) -> None:
+    """Refuse a kind without an outer loop (allreduce, cocktail) over a preset whose outer-loop settings it would
+    keep: the preset's `[sync]` and `[compression]` values that differ from the field defaults."""
+    kind = cfg.sync.kind
+    if kind in OUTER_LOOP_KINDS or read_preset(name).get("sync", {}).get("kind") not in OUTER_LOOP_KINDS:
+        return
+    values, defaults = to_dict(cfg), to_dict(Config())
+    kept = []
+    for key in sorted(inherited - {"sync.kind"}):
+        section, option = key.split(".")
+        if section in ("sync", "compression") and values[section][option] != defaults[section][option]:
+            kept.append(key)
+    if kept:
+        raise ValueError(
+            f"sync.kind = {kind!r} syncs every step, but preset {name!r} also sets {', '.join(kept)} for its outer "
+            f"loop; start from the {kind} preset instead: --preset {kind}"
+        )
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
@@ -617,7 +698,7 @@ def from_dict(data: dict[str, Any]) -> Config:
 
 def to_toml(cfg: Config) -> str:
     """Serialize the resolved config as TOML (every field, with its docstring as a comment)."""
-    lines = ["# Resolved dilocox configuration of this run; `dilocox train --config config.toml` repeats it.", ""]
+    lines = ["# Resolved dilocox configuration (every option); `dilocox train --config FILE` runs exactly this.", ""]
     for section, cls in section_types().items():
         docs = field_docs(cls)
         lines.append(f"[{section}]")

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-DEVICES = ("auto", "cpu", "cuda")
-"""`run.device`: auto (cuda when a GPU is visible), cpu or cuda."""
+from dilocox.config import DEVICES  # `run.device`: auto (cuda when a GPU is visible), cpu or cuda
 
 
 def resolve_device(setting: str, *, local_rank: int) -> torch.device:

@@ -28,23 +28,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
-from dilocox.checks import check_choice, check_types
+from dilocox.checks import check_types
 
 if TYPE_CHECKING:
     from dilocox.net.channel import WanChannel
     from dilocox.sync.reducers import PendingMean, Reducer
 
-FAULT_KINDS = ("none", "diverge", "nan", "scale", "random", "sign", "forge")
-"""Every `faults.kind`."""
+FaultKind = Literal["none", "diverge", "nan", "scale", "random", "sign", "forge"]
+"""Every `faults.kind` (the table above)."""
+FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
 
 @dataclass
 class FaultConfig:
-    kind: str = "none"
+    kind: FaultKind = "none"
     """none, diverge, nan, scale, random, sign or forge (see the table above)."""
     cluster: int = 0
     """The misbehaving cluster (0-based)."""
@@ -55,8 +56,7 @@ class FaultConfig:
 
     def validate(self, num_clusters: int | None = None) -> None:
         """Raise ValueError naming the first impossible setting of `[faults]` and how to fix it."""
-        check_types("faults", self)
-        check_choice("faults.kind", self.kind, FAULT_KINDS)
+        check_types("faults", self)  # also faults.kind, a choice
         self.round_range()
         if self.cluster < 0 or (num_clusters is not None and self.cluster >= num_clusters):
             limit = f" < topology.num_clusters = {num_clusters}" if num_clusters is not None else ""

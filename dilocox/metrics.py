@@ -32,8 +32,6 @@ TENSORBOARD_DIR = "tensorboard"
 """TensorBoard event files of a run, under its run directory (`tensorboard --logdir RUN_DIR/tensorboard`)."""
 WANDB_DIR = "wandb"
 """Where W&B writes a run's files, under its run directory (offline runs: `wandb sync RUN_DIR/wandb/offline-run-*`)."""
-WANDB_MODES = ("off", "offline", "online")
-"""`metrics.wandb`: no W&B run, a local run written without network, or a run streamed to the W&B server."""
 
 
 def _clean(value: Any) -> Any:
@@ -370,4 +368,9 @@ def format_summary(s: RunSummary) -> str:
             else []
         )
         + [f"  run dir     {s.run_dir}"]
+        + [
+            "  compare     the same setting with --preset diloco (blocking DiLoCo), allreduce or cocktail"
+            if s.sync_kind == "dilocox"
+            else "  compare     the same setting with --preset dilocox (DiLoCoX: the sync hidden, compressed)"
+        ]
     )

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from dilocox.agreement import run_settings, settings_fingerprint
 from dilocox.checkpoint import check_resume, list_checkpoints, load_rank_state, run_identity, save_checkpoint
-from dilocox.config import DTYPES, Config, to_dict
+from dilocox.config import Config, to_dict
 from dilocox.data import ShardedTokenStream, TokenData, is_prepared_dir, iter_eval_batches, prepare_tokens
 from dilocox.device import describe, intra_cluster_backend, resolve_device
 from dilocox.metrics import MetricsLogger, RunSummary, format_summary, truncate_metrics
@@ -38,6 +38,9 @@ from dilocox.parallel.pipeline import mean_token_cross_entropy
 from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync, heal_state_bound
 from dilocox.sync.robust import GuardError
 from dilocox.topology import Topology, build_process_groups
+
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+"""The autocast dtype of each `train.dtype` (fp32: no autocast)."""
 
 
 def prepare_data(cfg: Config) -> TokenData:
@@ -138,7 +141,7 @@ def configure_compute(model: Decoder, cfg: Config) -> None:
     """`train.dtype`, `train.activation_checkpointing` and `train.compile` on a built stage (none changes its
     weights or their names: `Module.compile` compiles in place, so checkpoints and the pipeline see the same
     parameters)."""
-    model.autocast_dtype = DTYPES[cfg.train.dtype]
+    model.autocast_dtype = AUTOCAST_DTYPES[cfg.train.dtype]
     model.activation_checkpointing = cfg.train.activation_checkpointing
     if cfg.train.compile:
         for block in model.layers.values():

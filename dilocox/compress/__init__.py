@@ -7,9 +7,9 @@ The byte layout of every codec is documented in `dilocox.compress.codecs`.
 from dilocox.compress.adaptive import AdaptiveCodec, AdaptiveRank, RankDecision
 from dilocox.compress.codecs import CastFormat, Codec, ElementwiseCodec, Int4Format, LowRankCodec, ValueFormat
 from dilocox.compress.config import (
-    AGGREGATES,
     CODEC_KINDS,
     FACTOR_DTYPES,
+    RANK_RULES,
     REDUCTIONS,
     SCALABLE_KINDS,
     SCHEDULES,
@@ -36,7 +36,7 @@ from dilocox.compress.payload import Payload, compression_ratio
 from dilocox.compress.topk import TopKCodec
 
 __all__ = [
-    "AGGREGATES",
+    "RANK_RULES",
     "CODEC_KINDS",
     "FACTOR_DTYPES",
     "REDUCTIONS",

@@ -66,7 +66,7 @@ class AdaptiveRank:
     def __init__(self, cfg: CompressionConfig, *, seed: int = 0) -> None:
         cfg.validate()
         self.cfg = cfg
-        """The options: rank_min, rank_max, energy, energy_floor, window, schedule, ramp_rounds, aggregate."""
+        """The options: rank_min, rank_max, energy, energy_floor, window, schedule, ramp_rounds, rank_rule."""
         self.generator = torch.Generator().manual_seed(seed)
         self.rounds = 0
         """Rounds decided so far (the schedule's clock)."""
@@ -133,11 +133,11 @@ class AdaptiveRank:
             raise ValueError(f"got {len(sigmas)} spectra but {len(total_energies)} total energies; pass one per matrix")
         target = self.target_energy()
         spectra = [sigma[: self.cfg.rank_max].double().cpu() for sigma in sigmas]
-        if self.cfg.aggregate == "budget":
+        if self.cfg.rank_rule == "budget":
             costs = [1] * len(spectra) if rank_costs is None else list(rank_costs)
             raw = self._budget_raw_ranks(spectra, total_energies, costs, target)
             return self._update_per_matrix(spectra, total_energies, target, raw)
-        if self.cfg.aggregate == "per_matrix":
+        if self.cfg.rank_rule == "per_matrix":
             return self._update_per_matrix(spectra, total_energies, target)
         raw_rank = self._raw_rank(spectra, total_energies, target)
         rank = self._smoothed(raw_rank, [decision.raw_rank for decision in self._window()])
@@ -205,7 +205,7 @@ class AdaptiveRank:
         matrices = [(sigma, total) for sigma, total in zip(sigmas, totals, strict=True) if total > 0]
         if not matrices:
             return 1  # nothing to keep: the smallest rank, which the clip raises to rank_min
-        if self.cfg.aggregate == "pooled":
+        if self.cfg.rank_rule == "pooled":
             kept = torch.zeros(self.cfg.rank_max, dtype=torch.float64)  # (rank_max,) energy kept at rank k + 1
             for sigma, _ in matrices:
                 kept += _padded_cumulative(sigma.square(), self.cfg.rank_max)
@@ -214,7 +214,7 @@ class AdaptiveRank:
             _first_reaching(_padded_cumulative(sigma.square(), self.cfg.rank_max) / total, target, self.cfg.rank_max)
             for sigma, total in matrices
         ]
-        if self.cfg.aggregate == "max":
+        if self.cfg.rank_rule == "max":
             return max(per_matrix)
         return math.ceil(sum(per_matrix) / len(per_matrix) - 1e-9)
 
@@ -258,7 +258,7 @@ class AdaptiveRank:
         return (
             f"AdaptiveRank(rank_min={self.cfg.rank_min}, rank_max={self.cfg.rank_max}, energy={self.cfg.energy}, "
             f"energy_floor={self.cfg.energy_floor}, window={self.cfg.window}, schedule={self.cfg.schedule!r}, "
-            f"ramp_rounds={self.cfg.ramp_rounds}, aggregate={self.cfg.aggregate!r})"
+            f"ramp_rounds={self.cfg.ramp_rounds}, rank_rule={self.cfg.rank_rule!r})"
         )
 
 

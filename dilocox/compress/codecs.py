@@ -150,8 +150,8 @@ class Codec(ABC):
         return None
 
     def current_matrix_ranks(self) -> tuple[int, ...] | None:
-        """The adaptive codec's rank of each matrix it measured in the last round (`compression.aggregate` per_matrix
-        or budget); None for every other codec and aggregate."""
+        """The adaptive codec's rank of each matrix it measured in the last round (`compression.rank_rule` per_matrix
+        or budget); None for every other codec and rank rule."""
         return None
 
     def observe(self, pseudo_grads: Sequence[torch.Tensor]) -> None:

@@ -11,24 +11,32 @@ adaptive rank (`adaptive.py`) and the reducers (`dilocox/sync/reducers.py`) read
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-from dilocox.checks import check_choice, check_fraction, check_positive, check_types
+from dilocox.checks import check_fraction, check_positive, check_types
 
-CODEC_KINDS = ("none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive", "topk_int4")
+CodecKind = Literal["none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive", "topk_int4"]
 """Every `compression.kind`; `none` sends fp32 (the uncompressed outer sync)."""
-FACTOR_DTYPES = ("fp32", "fp16", "bf16")
+CODEC_KINDS: tuple[str, ...] = get_args(CodecKind)
+FactorDtype = Literal["fp32", "fp16", "bf16"]
 """Encodings of the `lowrank` codec's factors (`lowrank_int4` and `adaptive` always use int4)."""
-SMALL_TENSOR_MODES = ("raw", "int4")
+FACTOR_DTYPES: tuple[str, ...] = get_args(FactorDtype)
+SmallTensorMode = Literal["raw", "int4"]
 """How the low-rank codecs send 0-D and 1-D tensors."""
-SCHEDULES = ("spectrum", "early_strong", "late_strong")
+SMALL_TENSOR_MODES: tuple[str, ...] = get_args(SmallTensorMode)
+RankSchedule = Literal["spectrum", "early_strong", "late_strong"]
 """How the adaptive rank's energy target moves over rounds (see `AdaptiveRank.target_energy`)."""
-AGGREGATES = ("per_matrix", "budget", "pooled", "mean", "max")
+SCHEDULES: tuple[str, ...] = get_args(RankSchedule)
+RankRule = Literal["per_matrix", "budget", "pooled", "mean", "max"]
 """How the adaptive rank turns the spectra of several matrices into ranks: each its own (from its own energy, or
 together from the pooled energy at the fewest values sent), or one for all."""
-SPECTRUM_SOURCES = ("pseudo_grad", "codec_input")
+RANK_RULES: tuple[str, ...] = get_args(RankRule)
+SpectrumSource = Literal["pseudo_grad", "codec_input"]
 """Whose spectrum the adaptive rank measures: the raw pseudo-gradient, or it plus the error-feedback residual."""
-REDUCTIONS = ("gather", "scalable")
+SPECTRUM_SOURCES: tuple[str, ...] = get_args(SpectrumSource)
+Reduction = Literal["gather", "scalable"]
 """Averaging of payloads over clusters: gather ((C-1) x payload per rank, any codec) or scalable (~2 x payload)."""
+REDUCTIONS: tuple[str, ...] = get_args(Reduction)
 SCALABLE_KINDS = ("fp16", "bf16", "int4", "lowrank", "lowrank_int4")
 """The codecs the scalable reduction can average (one rank that every cluster agrees on beforehand)."""
 MAX_RANK = (1 << 16) - 1
@@ -37,8 +45,8 @@ MAX_RANK = (1 << 16) - 1
 
 @dataclass
 class CompressionConfig:
-    kind: str = "none"
-    """Pseudo-gradient codec: none (fp32), fp16, bf16, int4, lowrank, lowrank_int4, adaptive (dilocox: adaptive)."""
+    kind: CodecKind = "none"
+    """Pseudo-gradient codec: none (fp32), fp16, bf16, int4, lowrank, lowrank_int4, adaptive, topk_int4."""
     rank: int = 8
     """Factors per matrix of lowrank and lowrank_int4."""
     group_size: int = 64
@@ -49,9 +57,9 @@ class CompressionConfig:
     """Add what the codec lost to the next round's pseudo-gradient."""
     feedback_decay: float = 1.0
     """Scale the error-feedback residual by this before adding it (1 keeps it whole: best with sync.local_residual)."""
-    factor_dtype: str = "fp32"
+    factor_dtype: FactorDtype = "fp32"
     """lowrank: encoding of the factors, fp32, fp16 or bf16 (lowrank_int4 and adaptive use int4)."""
-    small_tensors: str = "raw"
+    small_tensors: SmallTensorMode = "raw"
     """Low-rank kinds: how 0-D/1-D tensors (norms, biases) are sent, raw (fp32) or int4."""
     power_iterations: int = 2
     """Low-rank kinds: subspace iterations per round, warm-started (compute only; docs/design.md §4.1)."""
@@ -67,13 +75,13 @@ class CompressionConfig:
     """adaptive: the energy target at the strongest compression of early_strong / late_strong."""
     window: int = 4
     """adaptive: rounds over which the chosen rank is smoothed."""
-    schedule: str = "spectrum"
+    schedule: RankSchedule = "spectrum"
     """adaptive: spectrum (energy as set), early_strong or late_strong (energy target ramps up or down)."""
     ramp_rounds: int = 100
     """adaptive: rounds over which early_strong / late_strong ramp the energy target."""
-    aggregate: str = "per_matrix"
+    rank_rule: RankRule = "per_matrix"
     """adaptive: per_matrix (own energy each), budget (pooled energy, fewest values) or one rank: pooled, mean, max."""
-    spectrum_of: str = "pseudo_grad"
+    spectrum_of: SpectrumSource = "pseudo_grad"
     """adaptive: the rank keeps energy of the pseudo_grad's own spectrum, or of codec_input (plus the residual)."""
     # 0.075 with compression.feedback_decay = 0.9: 1/43 of fp32 per round; at H = 12 on the gap protocol 1/515 of
     # AllReduce's bytes and +4.32 +- 0.10% from its loss (benchmarks/results/eager_adaptive/, docs/design.md §4.1)
@@ -81,23 +89,16 @@ class CompressionConfig:
     """topk_int4: share of each chunk's values sent (its largest in magnitude, int4), with their positions."""
     chunk_size: int = 4096
     """topk_int4: values per chunk, each keeping its own top share (positions: about 2 + log2(1 / density) bits)."""
-    reduction: str = "gather"
+    reduction: Reduction = "gather"
     """Averaging of payloads: gather ((C-1) x payload per rank, any codec) or scalable (~2 x payload; not adaptive)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first impossible setting of `[compression]` and how to fix it."""
-        check_types("compression", self)
-        check_choice("compression.kind", self.kind, CODEC_KINDS)
+        check_types("compression", self)  # also every choice: kind, factor_dtype, ..., reduction
         check_positive("compression", self, "rank", "group_size", "power_iterations", "rank_min", "window")
         check_positive("compression", self, "ramp_rounds", "chunk_size")
         check_fraction("compression.feedback_decay", self.feedback_decay, low=0.0, high=1.0, fix="1 keeps it whole")
         check_fraction("compression.density", self.density, low=0.0, high=1.0, fix="e.g. 0.075 of every chunk's values")
-        check_choice("compression.factor_dtype", self.factor_dtype, FACTOR_DTYPES)
-        check_choice("compression.small_tensors", self.small_tensors, SMALL_TENSOR_MODES)
-        check_choice("compression.schedule", self.schedule, SCHEDULES)
-        check_choice("compression.aggregate", self.aggregate, AGGREGATES)
-        check_choice("compression.spectrum_of", self.spectrum_of, SPECTRUM_SOURCES)
-        check_choice("compression.reduction", self.reduction, REDUCTIONS)
         for name in ("rank", "rank_max"):
             if getattr(self, name) > MAX_RANK:
                 raise ValueError(

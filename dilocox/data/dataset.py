@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from dilocox.checks import check_choice
+from dilocox.config import SHARD_MODES  # `data.shard`: how the training windows are dealt (`ShardedTokenStream`)
 from dilocox.data.corpus import corpus_fingerprint, load_documents
 from dilocox.data.tokenfiles import (
     INDEX_FILE,
@@ -30,8 +31,6 @@ from dilocox.fileio import write_atomic
 # Bumped whenever the split or the layout of the cached arrays changes, so old caches are not reused.
 _TOKENS_FORMAT_VERSION = 1
 _MAX_UINT16_VOCAB = 1 << 16
-SHARD_MODES = ("mixed", "contiguous")
-"""`data.shard`: how the training windows are dealt to the data shards (see `ShardedTokenStream`)."""
 
 
 def cache_dir() -> Path:

@@ -25,13 +25,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dilocox.config import PIPELINE_SCHEDULES as SCHEDULES  # the schedules `PipelineRunner` accepts
 from dilocox.topology import group_size
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-SCHEDULES = ("gpipe", "1f1b")
-"""Pipeline schedules `PipelineRunner` accepts (`train.pipeline_schedule`)."""
 
 
 def mean_token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

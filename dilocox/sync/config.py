@@ -1,5 +1,8 @@
 """`[sync]`: which strategy keeps the clusters together, and the outer loop's settings, owned and validated here.
 
+Every field's default is the one `dilocox train --help` shows; no strategy changes another field's default. The
+settings of DiLoCoX and of the baselines are presets (`dilocox/presets/*.toml`, `dilocox train --preset NAME`).
+
 cfg = SyncConfig(kind="dilocox", inner_steps=50, sync_delay=1)
 cfg.validate()                                   # ValueError naming sync.<field> and the fix
 """
@@ -8,52 +11,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
-from dilocox.checks import check_choice, check_non_negative, check_positive, check_types
-from dilocox.sync.robust import AGGREGATES
+from dilocox.checks import check_non_negative, check_positive, check_types
 
-SYNC_KINDS = ("allreduce", "cocktail", "diloco", "dilocox")
-"""Every `sync.kind` (docs/design.md §6)."""
+SyncKind = Literal["allreduce", "cocktail", "diloco", "dilocox"]
+"""Every `sync.kind` (docs/design.md §6). `diloco` and `dilocox` run the same outer loop (`DiLoCoSync`) with the
+settings as written; `dilocox` names a run of DiLoCoX (the summary, plots and checkpoints carry the name)."""
+SYNC_KINDS: tuple[str, ...] = get_args(SyncKind)
 OUTER_LOOP_KINDS = ("diloco", "dilocox")
 """The kinds with H local steps and an outer sync of pseudo-gradients; the others sync every step."""
-OUTER_STATE_DEVICES = ("device", "cpu")
+OuterStateDevice = Literal["device", "cpu"]
 """Where the outer state lives (`sync.outer_state_device`)."""
-MERGE_RULES = ("reset", "keep_local", "eager", "lookahead", "own_payload")
+MergeRule = Literal["reset", "keep_local", "eager", "lookahead", "own_payload"]
 """Where a round starts under the one-step delay (see `DiLoCoSync` and docs/design.md §3)."""
-OUTER_OPTIMIZERS = ("sgd", "adamw")
+MERGE_RULES: tuple[str, ...] = get_args(MergeRule)
+OuterOptimizerName = Literal["sgd", "adamw"]
 """Every `sync.outer_optimizer` (`dilocox.sync.outer_optimizer`)."""
-OUTER_LR_SCHEDULES = ("constant", "cosine")
+OUTER_OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizerName)
+OuterLrSchedule = Literal["constant", "cosine"]
 """How the outer learning rate moves over the outer updates (`SyncConfig.outer_lr_at`)."""
+Aggregate = Literal["mean", "trimmed_mean", "median", "norm_clip"]
+"""How the accepted updates of a round are averaged (`sync.aggregate`, `dilocox/sync/robust.py`)."""
+AGGREGATES: tuple[str, ...] = get_args(Aggregate)
 FIT_HEADROOM = 1.1
 """`fit_link` sizes a round so that its compute is at least this multiple of the last sync's link time."""
-
-KIND_DEFAULTS: dict[str, dict[str, Any]] = {
-    "dilocox": {
-        "sync.sync_delay": 1,
-        "compression.kind": "adaptive",
-        "sync.outer_lr": 1.0,
-        "sync.outer_momentum": 0.0,
-        "sync.merge": "own_payload",
-        "sync.local_residual": True,
-        "sync.drain_residual": True,
-    }
-}
-"""Settings a strategy changes from the global defaults, unless the file or a flag sets them explicitly. dilocox
-averages plainly (outer lr 1, no momentum): Nesterov 0.9 on one-round-stale updates overshoots; on the default
-setting plain averaging gave 4.731 against 5.213 (benchmarks/results/outer/). It merges eagerly: over 3 seeds of
-the gap protocol (no compression) eager was +4.39 +- 0.38% from AllReduce against keep_local's +5.70 +- 0.65%,
-better on every seed by 1.31 +- 0.49 points (benchmarks/results/outer_delay/), and with the adaptive codec
-(pooled rank) +6.80 +- 0.24% against +8.03 +- 0.52% (benchmarks/results/eager_adaptive/). With the paper's outer SGD
-(0.7 / Nesterov 0.9) set --sync.merge=keep_local too: eager was +21.1% there, keep_local +12.6% (1 seed). Where its
-codec has error feedback and the run is not elastic it merges by `own_payload` instead (`fit_kind_defaults`): in the
-paper regime, over 3 seeds, +6.23% from AllReduce against eager's +7.44%, better on every seed by 1.21 +- 0.43
-points (benchmarks/results/paper_decomposition/). It keeps
-the local residual wherever its codec has error feedback and the run is not elastic (`fit_kind_defaults`): in the
-paper regime, over 3 seeds, +7.81% from AllReduce against +8.57% without, better on every seed by 0.76 +- 0.10
-points (benchmarks/results/paper_decomposition/). Under the same conditions it drains the residual at the end
-(`sync.drain_residual`): +7.44 +- 0.66% against +7.81%, better on every seed by 0.37 +- 0.03 points, for one int4
-payload of the model per cluster after the last step (same file)."""
 
 
 HELD_BACK_OPTIONS = ("local_residual", "drain_residual")
@@ -62,16 +44,16 @@ HELD_BACK_OPTIONS = ("local_residual", "drain_residual")
 
 @dataclass
 class SyncConfig:
-    kind: str = "diloco"
-    """Strategy: allreduce, cocktail (compressed every step), diloco (H local steps + outer sync), dilocox."""
+    kind: SyncKind = "diloco"
+    """Strategy: allreduce, cocktail (compressed every step), diloco (H local steps, outer sync), dilocox (as diloco)"""
     inner_steps: int = 50
-    """H: local inner steps between two outer syncs (diloco)."""
-    outer_optimizer: str = "sgd"
+    """H: local inner steps between two outer syncs (diloco, dilocox)."""
+    outer_optimizer: OuterOptimizerName = "sgd"
     """The outer optimizer of phi: sgd (outer_lr, outer_momentum, nesterov) or adamw (outer_lr, outer_beta1/2, ...)."""
     outer_lr: float = 0.7
-    """Learning rate of the outer optimizer (dilocox: 1.0 unless set); adamw takes it as its step length: set it."""
+    """Outer learning rate (sgd with momentum 0 and lr 1.0: plain averaging); adamw takes it as its step length."""
     outer_momentum: float = 0.9
-    """Momentum of the outer SGD (dilocox: 0, plain averaging, unless set)."""
+    """Momentum of the outer SGD."""
     nesterov: bool = True
     """Use Nesterov momentum in the outer SGD."""
     outer_beta1: float = 0.9
@@ -81,16 +63,16 @@ class SyncConfig:
     outer_weight_decay: float = 0.0
     """adamw: the outer AdamW's decoupled weight decay of phi, per outer update."""
     sync_delay: int = 0
-    """Rounds between launching an outer sync and applying it: 0 = blocking, 1 = overlapped (dilocox: 1 unless set)."""
+    """Rounds between launching an outer sync and applying it: 0 = blocking, 1 = overlapped (the one-step delay)."""
     overlap_steps: int = 0
     """With sync_delay 1: apply round t's average this many inner steps into round t+1 (0: at its end, a round late)."""
-    merge: str = "keep_local"
+    merge: MergeRule = "keep_local"
     """With sync_delay 1, where a round starts: keep_local (phi - own progress), reset, eager, lookahead, own_payload"""
     local_residual: bool = False
     """Keep 1/C of this cluster's error-feedback residual (what its codec has not sent yet) in its own parameters."""
     drain_residual: bool = False
     """At the end of training, send what every codec still holds back (its residual) once, dense int4, into phi."""
-    outer_lr_schedule: str = "constant"
+    outer_lr_schedule: OuterLrSchedule = "constant"
     """Outer learning rate over the outer updates: constant, or cosine down to outer_lr x outer_min_lr_ratio."""
     outer_warmup_rounds: int = 0
     """Outer updates over which the outer learning rate ramps up linearly to outer_lr (either schedule)."""
@@ -100,7 +82,7 @@ class SyncConfig:
     """With sync_delay 1: raise H each round so that one sync's measured link time fits in the next round's compute."""
     fit_link_max_steps: int = 0
     """fit_link: the largest H it may choose; 0 = 8 x sync.inner_steps."""
-    outer_state_device: str = "device"
+    outer_state_device: OuterStateDevice = "device"
     """Where outer params, momentum and residuals live: device (the rank's), or cpu to leave a GPU room for a stage."""
     guard: bool = True
     """Per-round numeric guard: non-finite or outsized updates are left out; a diverged cluster heals (§4.5)."""
@@ -112,7 +94,7 @@ class SyncConfig:
     """guard_peers: an update whose norm exceeds this multiple of the median norm of the round's updates is left out."""
     guard_max_bad_rounds: int = 3
     """guard: the run stops when this cluster's update, or every cluster's, is unusable this many rounds in a row."""
-    aggregate: str = "mean"
+    aggregate: Aggregate = "mean"
     """mean, trimmed_mean, median or norm_clip (the robust ones need a codec with compression.reduction = gather)."""
     trim_fraction: float = 0.25
     """aggregate = trimmed_mean: the share of the largest and of the smallest values dropped per coordinate."""
@@ -142,8 +124,7 @@ class SyncConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first impossible setting of `[sync]` and how to fix it."""
-        check_types("sync", self)
-        check_choice("sync.kind", self.kind, SYNC_KINDS)
+        check_types("sync", self)  # also every choice: kind, merge, aggregate, outer_optimizer, outer_lr_schedule, ...
         check_positive("sync", self, "inner_steps")
         check_non_negative("sync", self, "outer_momentum", "fit_link_max_steps")
         if self.outer_lr <= 0:
@@ -152,8 +133,6 @@ class SyncConfig:
             raise ValueError(f"sync.outer_momentum = {self.outer_momentum} must be < 1")
         if self.sync_delay not in (0, 1):
             raise ValueError(f"sync.sync_delay = {self.sync_delay} must be 0 (blocking) or 1 (one-step-delay overlap)")
-        check_choice("sync.merge", self.merge, MERGE_RULES)
-        check_choice("sync.aggregate", self.aggregate, AGGREGATES)
         check_positive("sync", self, "guard_max_bad_rounds")
         if not (math.isfinite(self.guard_max_ratio) and self.guard_max_ratio > 1.0):
             raise ValueError(
@@ -175,7 +154,6 @@ class SyncConfig:
                 f"sync.aggregate = {self.aggregate!r} averages the pseudo-gradients of an outer loop: use sync.kind = "
                 "diloco or dilocox"
             )
-        check_choice("sync.outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
         for name in ("outer_beta1", "outer_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"sync.{name} = {getattr(self, name)} must be in [0, 1): a moment's decay rate")
@@ -186,14 +164,12 @@ class SyncConfig:
                 f"sync.outer_optimizer = {self.outer_optimizer!r} takes steps of its own length; set "
                 "sync.drain_residual = false, or use sync.outer_optimizer = sgd"
             )
-        check_choice("sync.outer_lr_schedule", self.outer_lr_schedule, OUTER_LR_SCHEDULES)
         check_non_negative("sync", self, "outer_warmup_rounds")
         if not 0.0 <= self.outer_min_lr_ratio <= 1.0:
             raise ValueError(
                 f"sync.outer_min_lr_ratio = {self.outer_min_lr_ratio} must be in [0, 1]: the last outer update's "
                 "learning rate as a fraction of sync.outer_lr (1 = no decay)"
             )
-        check_choice("sync.outer_state_device", self.outer_state_device, OUTER_STATE_DEVICES)
         for option in HELD_BACK_OPTIONS:
             if getattr(self, option) and not self.has_outer_loop:
                 raise ValueError(
@@ -205,13 +181,13 @@ class SyncConfig:
         if self.fit_link and self.sync_delay != 1:
             raise ValueError(
                 "sync.fit_link = true sizes H so that a sync travels during the next round, which needs "
-                "sync.sync_delay = 1 (sync.kind = dilocox sets it); with a blocking sync raise sync.inner_steps instead"
+                "sync.sync_delay = 1; with a blocking sync raise sync.inner_steps instead"
             )
         check_non_negative("sync", self, "overlap_steps")
         if self.overlap_steps and self.sync_delay != 1:
             raise ValueError(
                 f"sync.overlap_steps = {self.overlap_steps} applies a delayed sync inside the next round, which needs "
-                "sync.sync_delay = 1 (sync.kind = dilocox sets it); use 0 with a blocking sync"
+                "sync.sync_delay = 1; use 0 with a blocking sync"
             )
         if self.overlap_steps >= self.inner_steps:
             raise ValueError(
@@ -244,19 +220,6 @@ def check_robust_reduction(sync: SyncConfig, compression: Any) -> None:
         )
 
 
-def fit_kind_defaults(sync: SyncConfig, compression: Any, explicit: set[str], *, elastic: bool = False) -> None:
-    """Undo a strategy default (`KIND_DEFAULTS`) that the rest of the settings cannot use, unless it was set
-    explicitly: dilocox's `sync.local_residual`, `sync.drain_residual` and `sync.merge = own_payload` need a codec
-    with error feedback and a static run, so `dilocox` with `compression.kind = none` or in an elastic run simply
-    goes without the first two and merges by `eager` (set explicitly, each is an error)."""
-    unusable = not holds_back(compression) or elastic
-    for option in HELD_BACK_OPTIONS:
-        if f"sync.{option}" not in explicit and getattr(sync, option) and unusable:
-            setattr(sync, option, False)
-    if "sync.merge" not in explicit and sync.merge == "own_payload" and unusable:
-        sync.merge = "eager"
-
-
 def holds_back(compression: Any) -> bool:
     """Whether the codec keeps an error-feedback residual, what `sync.local_residual` keeps a share of."""
     return compression.kind != "none" and compression.error_feedback
@@ -265,32 +228,30 @@ def holds_back(compression: Any) -> bool:
 def check_held_back_options(sync: SyncConfig, compression: Any, *, elastic: bool = False) -> None:
     """`sync.local_residual`, `sync.drain_residual` and the delayed merge rule `own_payload` work on what a codec's
     error feedback holds back, so they need such a codec; elastic runs heal a rejoining cluster from a peer's
-    parameters, which hold that peer's residual, not its own, and end their rounds elsewhere (`ElasticRounds`)."""
-    for option in HELD_BACK_OPTIONS:
-        if not getattr(sync, option):
-            continue
-        if not holds_back(compression):
-            raise ValueError(
-                f"sync.{option} = true works on what a codec's error feedback holds back, but compression.kind = "
-                f"{compression.kind!r} with compression.error_feedback = {str(compression.error_feedback).lower()} "
-                f"holds nothing back; use a codec with error feedback (e.g. compression.kind = topk_int4), or set "
-                f"sync.{option} = false"
-            )
-        if elastic:
-            raise ValueError(
-                f"sync.{option} = true is not supported in elastic runs (topology.elastic = true): set "
-                f"sync.{option} = false"
-            )
+    parameters, which hold that peer's residual, not its own, and end their rounds elsewhere (`ElasticRounds`).
+    One error names every such option that is set, with the values that turn them all off."""
+    used = [f"sync.{option} = true" for option in HELD_BACK_OPTIONS if getattr(sync, option)]
+    fix = [f"sync.{option} = false" for option in HELD_BACK_OPTIONS if getattr(sync, option)]
     if sync.merge == "own_payload" and sync.sync_delay == 1:
-        if not holds_back(compression):
-            raise ValueError(
-                "sync.merge = 'own_payload' starts each round from what this cluster's codec sent, read from its "
-                f"error-feedback residual, but compression.kind = {compression.kind!r} with "
-                f"compression.error_feedback = {str(compression.error_feedback).lower()} keeps none; use a codec with "
-                "error feedback (e.g. compression.kind = topk_int4), or sync.merge = eager"
-            )
-        if elastic:
-            raise ValueError(
-                "sync.merge = 'own_payload' is not supported in elastic runs (topology.elastic = true): use "
-                "sync.merge = eager"
-            )
+        used.append("sync.merge = 'own_payload'")
+        fix.append("sync.merge = eager")
+    if not used:
+        return
+    named, fixes = _and(used), _and(fix)
+    if not holds_back(compression):
+        raise ValueError(
+            f"{named} {'works' if len(used) == 1 else 'work'} on what a codec's error feedback holds back, but "
+            f"compression.kind = {compression.kind!r} with compression.error_feedback = "
+            f"{str(compression.error_feedback).lower()} holds nothing back; use a codec with error feedback (e.g. "
+            f"compression.kind = topk_int4), or set {fixes}"
+        )
+    if elastic:
+        raise ValueError(
+            f"{named} {'is' if len(used) == 1 else 'are'} not supported in elastic runs (topology.elastic = true): "
+            f"set {fixes}"
+        )
+
+
+def _and(items: list[str]) -> str:
+    """ "a", "a and b", "a, b and c"."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"

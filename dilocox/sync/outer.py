@@ -29,7 +29,7 @@ from dilocox.faults import FaultConfig
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.net.link import parse_bandwidth, parse_duration
 from dilocox.sync.base import RoundStats
-from dilocox.sync.config import KIND_DEFAULTS, OUTER_LOOP_KINDS, SyncConfig, fit_kind_defaults
+from dilocox.sync.config import HELD_BACK_OPTIONS, OUTER_LOOP_KINDS, SyncConfig, holds_back
 from dilocox.sync.diloco import STATE_KEYS, DiLoCoSync
 from dilocox.sync.elastic import ElasticRounds
 from dilocox.sync.membership import ElasticMembership
@@ -59,7 +59,7 @@ class OuterSync:
             ...; inner_optimizer.step(); sync.step()      # the RoundStats of the sync applied, or None
         # here every cluster holds the same parameters
 
-    `kind` picks the defaults of `sync_delay`, `compression`, `outer_lr` and `outer_momentum` (`KIND_DEFAULTS`):
+    `kind` picks the defaults of `sync_delay`, `compression`, `outer_lr` and `outer_momentum` (`DILOCOX_KEYWORDS`):
     `dilocox` is delayed, adaptive low-rank int4, plain averaging, merging by `own_payload`, with `local_residual`
     and `drain_residual` (each `flush()` then also sends what the codec still holds back, one dense int4 payload:
     flush at the end, not to peek); `diloco` is blocking, fp32, SGD lr 0.7 with Nesterov 0.9. `dp_group` (the
@@ -434,11 +434,24 @@ class OuterSync:
             _check_same_start(fingerprints, "cluster_group", "clusters")
 
 
+DILOCOX_KEYWORDS: dict[str, Any] = {
+    "sync.sync_delay": 1,
+    "compression.kind": "adaptive",
+    "sync.outer_lr": 1.0,
+    "sync.outer_momentum": 0.0,
+    "sync.merge": "own_payload",
+    "sync.local_residual": True,
+    "sync.drain_residual": True,
+}
+"""`OuterSync(kind="dilocox")`'s values of the keyword arguments left at None (the outer loop of the
+`dilocox-lowrank` preset); with a codec that holds nothing back it merges by `eager`, without the residual options."""
+
+
 def outer_configs(
     kind: str, compression: str | CompressionConfig | None = None, **sync_options: Any
 ) -> tuple[SyncConfig, CompressionConfig]:
-    """The validated configs of `OuterSync`'s keyword arguments: None keeps the kind's default (`KIND_DEFAULTS`,
-    then the dataclasses' defaults), as unset keys of a config file do."""
+    """The validated configs of `OuterSync`'s keyword arguments: None keeps the kind's value (`DILOCOX_KEYWORDS`
+    for `dilocox`), then the dataclasses' defaults."""
     if kind not in OUTER_LOOP_KINDS:
         per_step = " (allreduce and cocktail sync every step: in your own loop use DistributedDataParallel)"
         raise ValueError(
@@ -469,11 +482,17 @@ def outer_configs(
             setattr(sync, name, value)
             explicit.add(f"sync.{name}")
     sections = {"sync": sync, "compression": codec}
-    for key, value in KIND_DEFAULTS.get(kind, {}).items():
-        if key not in explicit:
-            section, name = key.split(".")
-            setattr(sections[section], name, value)
-    fit_kind_defaults(sync, codec, explicit)
+    if kind == "dilocox":
+        for key, value in DILOCOX_KEYWORDS.items():
+            if key not in explicit:
+                section, name = key.split(".")
+                setattr(sections[section], name, value)
+        if not holds_back(codec):
+            for option in HELD_BACK_OPTIONS:
+                if f"sync.{option}" not in explicit:
+                    setattr(sync, option, False)
+            if "sync.merge" not in explicit and sync.merge == "own_payload":
+                sync.merge = "eager"
     sync.validate()
     codec.validate()
     return sync, codec

@@ -29,8 +29,7 @@ from typing import Any
 
 import torch
 
-AGGREGATES = ("mean", "trimmed_mean", "median", "norm_clip")
-"""Every `sync.aggregate`: how the accepted updates of a round are averaged (coordinate-wise but norm_clip)."""
+from dilocox.sync.config import AGGREGATES  # every `sync.aggregate`: coordinate-wise statistics, but norm_clip
 
 HISTORY_ROUNDS = 8
 """The guard's reference is the median norm of the updates accepted in this many recent rounds."""

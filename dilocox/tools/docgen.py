@@ -1,14 +1,14 @@
 """Reference pages of the documentation site, generated from the code: every config option and every command.
 
 The configuration reference is read from the config dataclasses (`dilocox.config.options`: name, type, default and
-the docstring under each field, the text `dilocox train --help` prints), the strategies' own defaults
-(`KIND_DEFAULTS`) and the allowed values that each section's `validate()` enforces; the CLI reference is each
-command's own `--help`. Nothing is copied by hand, so the pages cannot drift from the code.
+the docstring under each field, the text `dilocox train --help` prints), the allowed values of every choice (its
+`Literal[...]` type) and the shipped presets (`dilocox/presets/*.toml`); the CLI reference is each command's own
+`--help`. Nothing is copied by hand, so the pages cannot drift from the code.
 
 It is also the MkDocs hook that puts them into the site (`mkdocs.yml`: `hooks: [dilocox/tools/docgen.py]`): a page
 holding a marker line gets the generated text in its place.
 
-    markdown = config_reference()                    # the [section] tables, as Markdown
+    markdown = config_reference()                    # the presets and the [section] tables, as Markdown
     markdown = cli_reference()                       # every `dilocox <command> --help`
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 from typing import Any
 
 CONFIG_MARKER = "<!-- generated: config-reference -->"
@@ -44,30 +43,12 @@ SECTION_SUMMARIES = {
 }
 """One line under each section's heading of the configuration reference."""
 
-_PROBE = "\x00not-an-option-value"
-"""A value no string option accepts: validating it makes a choice option name its allowed values."""
-
 
 def allowed_values(name: str) -> tuple[str, ...] | None:
-    """The values a string option accepts, as its section's `validate()` states them (None: free text).
+    """The values a choice option accepts, from its `Literal[...]` type (None: not a choice)."""
+    from dilocox.config import allowed_values as choices
 
-    The option is set to a value nothing accepts and the config validated; a choice option refuses it with
-    `check_choice`'s message, which lists the choices. Every other option keeps its default, so the first refusal
-    is this option's."""
-    from dilocox.config import Config
-
-    cfg = Config()
-    section, key = name.split(".")
-    if not isinstance(getattr(getattr(cfg, section), key), str):
-        return None
-    setattr(getattr(cfg, section), key, _PROBE)
-    try:
-        cfg.validate()
-    except ValueError as exc:
-        match = re.fullmatch(rf"{re.escape(name)} = {re.escape(repr(_PROBE))} is not one of: (.*)", str(exc))
-        if match:
-            return tuple(choice.strip() for choice in match.group(1).split(","))
-    return None
+    return choices(name)
 
 
 def _show(value: Any) -> str:
@@ -84,16 +65,38 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def config_reference() -> str:
-    """Markdown: one table per config section with every option's type, default, allowed values and docstring."""
-    from dilocox.config import options
-    from dilocox.sync.config import KIND_DEFAULTS
+def presets_reference() -> str:
+    """Markdown: every shipped preset, its first comment line and every setting it makes."""
+    from dilocox.config import DEFAULT_PRESET, PRESETS, preset_summary, read_preset
 
-    kind_defaults = {
-        name: [(kind, value) for kind, values in KIND_DEFAULTS.items() for key, value in values.items() if key == name]
-        for name, *_ in options()
-    }
-    lines: list[str] = []
+    lines = [
+        "## Presets",
+        "",
+        "A preset is a named set of options shipped with the package (`dilocox/presets/NAME.toml`). Settings come in",
+        "layers, each overriding the one before: the field defaults below, then the preset (`--preset NAME`, or",
+        '`preset = "NAME"` at the top of a `--config` file), then the `--config` file, then the `--section.key`',
+        f"flags. With neither `--preset` nor `--config`, `dilocox train` uses the `{DEFAULT_PRESET}` preset.",
+        "`dilocox train [--preset NAME] [--config FILE] --print-config` prints every option as it resolves.",
+        "",
+        "| preset | what it is | settings |",
+        "| --- | --- | --- |",
+    ]
+    for name in PRESETS:
+        settings = "<br>".join(
+            f"`{section}.{key} = {_show(value)}`" for section, values in read_preset(name).items()
+            for key, value in values.items()
+        )  # fmt: skip
+        default = " (the default)" if name == DEFAULT_PRESET else ""
+        lines.append(f"| `{name}`{default} | {_cell(preset_summary(name))} | {settings} |")
+    return "\n".join(lines) + "\n"
+
+
+def config_reference() -> str:
+    """Markdown: the presets, then one table per config section with every option's type, default, allowed values
+    and docstring."""
+    from dilocox.config import options
+
+    lines: list[str] = [presets_reference()]
     section = None
     for name, typ, default, doc in options():
         head = name.split(".")[0]
@@ -101,14 +104,11 @@ def config_reference() -> str:
             section = head
             lines += ["", f"## `[{section}]`", "", SECTION_SUMMARIES.get(section, ""), ""]
             lines += ["| option | type | default | allowed values | meaning |", "| --- | --- | --- | --- | --- |"]
-        shown = f"`{_show(default)}`"
-        for kind, value in kind_defaults[name]:
-            shown += f" (`sync.kind = {kind}`: `{_show(value)}`)"
         choices = allowed_values(name)
         allowed = ", ".join(f"`{c}`" for c in choices) if choices else ""
         anchor = name.replace(".", "-").replace("_", "-")
         meaning = _cell(doc) or "(undocumented)"
-        lines.append(f'| <a id="{anchor}"></a>`{name}` | {typ.__name__} | {shown} | {allowed} | {meaning} |')
+        lines.append(f'| <a id="{anchor}"></a>`{name}` | {typ.__name__} | `{_show(default)}` | {allowed} | {meaning} |')
     return "\n".join(lines).strip() + "\n"
 
 
@@ -142,14 +142,15 @@ def cli_reference() -> str:
         text = command_help(command)
         if command == "train":  # the options that follow are every config option: the configuration reference
             text = (
-                text.split("\n[run]\n", 1)[0].rstrip()
-                + "\n\n  --SECTION.KEY=VALUE  every option of the configuration reference\n"
+                text.split("\nPresets (", 1)[0].rstrip()
+                + "\n\n  --SECTION.KEY=VALUE  every option of the configuration reference, and the presets\n"
             )
         lines += ["", f"## `dilocox {command}`", "", "```text", f"$ dilocox {command} --help", text.rstrip(), "```"]
         if command == "train":
             lines += [
                 "",
-                "Every `--section.key` option, its default and allowed values: [Configuration](configuration.md).",
+                "Every `--section.key` option, its default and allowed values, and every preset: "
+                "[Configuration](configuration.md).",
             ]
     return "\n".join(lines) + "\n"
 

@@ -2,7 +2,8 @@
 
 A plain `torch.optim.Adam` steps phi, blocking and under the one-step delay with a codec whose merge rule predicts
 through it (`own_payload`): the clusters learn a shared regression task (the agreed model's loss falls far below
-its start: below half of it), they end bit for bit alike, and the optimizer that stepped phi is Adam, with its moments as the state.
+its start: below half of it), they end bit for bit alike, and the optimizer that stepped phi is Adam, with its
+moments as the state.
 """
 
 import pytest

@@ -9,7 +9,7 @@ from tests.e2e.helpers import DEBUG, dilocox, torchrun_nodes
 
 pytestmark = pytest.mark.e2e
 
-AUTHENTICATED = ["--sync.kind=dilocox", "--compression.kind=int4"]  # a key tags gathered payloads of a codec
+AUTHENTICATED = ["--preset=dilocox-lowrank", "--compression.kind=int4"]  # a key tags gathered payloads of a codec
 
 
 def _no_python_traceback_of_dilocox(stderr: str) -> bool:

@@ -84,7 +84,7 @@ def test_eval_scores_the_agreed_model_of_a_checkpoint_inside_training_as_the_log
     `dilocox eval` of the step-20 checkpoint on the log's batches gives the log's eval_loss, and --local its
     eval_loss_local; it runs on the run's run.num_threads."""
     run_dir = tmp_path / "dilocox"
-    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--sync.kind=dilocox",
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--preset=dilocox-lowrank",
                      "--train.steps=30", "--eval.local=true", "--checkpoint.keep=5")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     logged = {r["step"]: r for r in metrics(run_dir) if "eval_loss" in r}[20]
@@ -209,7 +209,7 @@ def test_every_outer_round_is_logged_when_h_is_not_a_multiple_of_the_log_interva
 def test_two_clusters_on_one_gpu_train_like_on_cpu_and_resume_on_cpu(tmp_path):
     """The one-GPU check: 2 clusters of 1 rank share cuda:0 (NCCL is not needed inside a 1-rank cluster, the slow
     link is gloo from host memory), reach the CPU run's loss, and the GPU run's checkpoint resumes on the CPU."""
-    common = ["--config", DEBUG, "--sync.kind=dilocox", "--train.steps=40", "--checkpoint.interval=20"]
+    common = ["--config", DEBUG, "--preset=dilocox-lowrank", "--train.steps=40", "--checkpoint.interval=20"]
     runs = {}
     for device in ("cpu", "cuda"):
         run_dir = tmp_path / device
@@ -248,7 +248,7 @@ def test_dilocox_compressed_trains_and_resumes_with_a_delayed_update_in_flight(t
     common = [
         "--config",
         DEBUG,
-        "--sync.kind=dilocox",
+        "--preset=dilocox-lowrank",
         "--compression.kind=lowrank_int4",
         f"--compression.reduction={reduction}",
         "--checkpoint.keep=5",
@@ -288,7 +288,7 @@ def test_adaptive_codec_state_stays_bounded_over_rounds_and_a_late_resume_is_exa
     common = [
         "--config",
         DEBUG,
-        "--sync.kind=dilocox",
+        "--preset=dilocox-lowrank",
         "--sync.inner_steps=1",
         "--compression.window=2",
         "--train.steps=12",
@@ -421,7 +421,7 @@ def test_a_cluster_that_diverges_heals_and_the_run_finishes(tmp_path):
     """faults.kind = diverge: cluster 1's parameters go NaN in round 2. It abstains, the others leave it out, it
     restarts round 3 from the agreed parameters, and the run ends normally with the exclusion counted."""
     run_dir = tmp_path / "heal"
-    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--sync.kind=dilocox",
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--preset=dilocox-lowrank",
                      "--topology.num_clusters=3", "--faults.kind=diverge", "--faults.cluster=1",
                      "--faults.rounds=2")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -438,7 +438,7 @@ def test_a_cluster_that_sends_sign_flipped_updates_is_left_out_of_every_round_it
     only the peer check sees it (it points away from both others): one guard line per round, each round's metrics
     name it, and the summary counts the exclusions."""
     run_dir = tmp_path / "sign"
-    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--sync.kind=dilocox",
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--preset=dilocox-lowrank",
                      "--topology.num_clusters=3", "--faults.kind=sign", "--faults.cluster=2",
                      "--checkpoint.interval=0")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

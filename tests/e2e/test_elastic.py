@@ -21,7 +21,8 @@ pytest.importorskip("torchft")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ELASTIC = [
-    "--topology.elastic=true", "--sync.kind=dilocox", "--network.heartbeat=0.5s", "--network.stall_timeout=5s",
+    "--topology.elastic=true", "--preset=dilocox-lowrank", "--sync.merge=eager", "--sync.local_residual=false",
+    "--sync.drain_residual=false", "--network.heartbeat=0.5s", "--network.stall_timeout=5s",
     "--network.timeout=60s", "--eval.interval=0", "--eval.final_max_batches=8", "--checkpoint.interval=0",
     "--metrics.log_interval=1",
 ]  # fmt: skip

@@ -36,9 +36,11 @@ def dilocox(*args) -> subprocess.CompletedProcess:
 
 
 def train_args(corpus: Path, run_dir: Path, *extra: str) -> list[str]:
-    """4 steps of the debug flavor, H = 2, a checkpoint every 2 steps, on 4 plays."""
+    """4 steps of the debug flavor, H = 2 of blocking DiLoCo (`extra` may name another preset), a checkpoint every 2
+    steps, on 4 plays."""
     return [
         "train",
+        "--preset=diloco",
         "--model.flavor=debug",
         f"--data.path={corpus}",
         "--data.vocab_size=300",
@@ -112,7 +114,7 @@ def runs(tmp_path_factory):
     for index, play in enumerate(load_documents()[:4]):
         (corpus / f"play{index}.txt").write_text(play)
     one, two = root / "pp1", root / "pp2"
-    for run_dir, extra in ((one, ["--sync.kind=dilocox"]), (two, ["--sync.kind=diloco", "--topology.pp_degree=2"])):
+    for run_dir, extra in ((one, ["--preset=dilocox-lowrank"]), (two, ["--topology.pp_degree=2"])):
         result = dilocox(*train_args(corpus, run_dir, *extra))
         assert result.returncode == 0, result.stderr[-3000:]
     return corpus, one, two

@@ -33,8 +33,9 @@ def runs(tmp_path_factory):
     }
     diloco, dilocox_run = root / "diloco", root / "dilocox"
     first = dilocox("train", *SHORT, f"--run.out_dir={diloco}", "--checkpoint.interval=7", "--metrics.tensorboard")
-    second = dilocox("train", *SHORT, f"--run.out_dir={dilocox_run}", "--sync.kind=dilocox", "--checkpoint.interval=0",
-                     "--network.bandwidth=unlimited", "--metrics.wandb=offline", env=env)  # fmt: skip
+    second = dilocox("train", *SHORT, f"--run.out_dir={dilocox_run}", "--preset=dilocox-lowrank",
+                     "--checkpoint.interval=0", "--network.bandwidth=unlimited", "--metrics.wandb=offline",
+                     env=env)  # fmt: skip
     for result in (first, second):
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return {"diloco": (diloco, first), "dilocox": (dilocox_run, second)}

@@ -30,7 +30,7 @@ def test_an_authenticated_run_counts_its_tags_and_never_stores_the_key(tmp_path)
     key_file.write_bytes(key + b"\n")
     run_dir = tmp_path / "run"
     result = dilocox(
-        "train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--sync.kind=dilocox", "--compression.kind=int4",
+        "train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--preset=dilocox-lowrank", "--compression.kind=int4",
         "--train.steps=20", f"--network.auth_key_file={key_file}", "--metrics.log_interval=10",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -88,7 +88,8 @@ def test_a_one_machine_run_listens_on_the_loopback_only(tmp_path):
 def test_an_advertise_host_this_machine_cannot_listen_on_is_one_line_before_anything_is_written(tmp_path):
     run_dir = tmp_path / "run"
     result = dilocox(
-        "train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--topology.elastic=true", "--sync.kind=dilocox",
+        "train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--topology.elastic=true", "--preset=dilocox-lowrank",
+        "--sync.merge=eager", "--sync.local_residual=false", "--sync.drain_residual=false",
         "--network.advertise_host=203.0.113.77",  # TEST-NET-3: documentation only, no machine's address
     )  # fmt: skip
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]

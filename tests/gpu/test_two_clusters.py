@@ -24,7 +24,7 @@ def test_two_clusters_on_one_gpu_in_bf16_match_the_cpu_and_resume_on_cpu(tmp_pat
     common = [
         "--config",
         DEBUG,
-        "--sync.kind=dilocox",
+        "--preset=dilocox-lowrank",
         "--compression.kind=lowrank_int4",
         "--compression.reduction=scalable",
         "--train.dtype=bf16",

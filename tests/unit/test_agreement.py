@@ -42,7 +42,8 @@ def test_what_may_differ_between_machines_is_not_compared(tmp_path):
 
 def test_a_static_run_also_compares_what_its_ranks_do_together_an_elastic_one_does_not():
     assert differing_settings([settings(), settings("--checkpoint.interval=30")]) == ["checkpoint.interval"]
-    elastic = ["--topology.elastic=true", "--sync.kind=dilocox"]
+    elastic = ["--topology.elastic=true", "--preset=dilocox-lowrank", "--sync.merge=eager"]
+    elastic += ["--sync.local_residual=false", "--sync.drain_residual=false"]
     assert differing_settings([settings(*elastic), settings(*elastic, "--checkpoint.interval=30")]) == []
 
 

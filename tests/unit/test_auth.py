@@ -94,7 +94,7 @@ def test_summed_reductions_refuse_an_auth_key(tmp_path, overrides, setting):
 
 @pytest.mark.parametrize(
     "overrides",
-    [["--sync.kind=dilocox"], ["--sync.kind=cocktail"], ["--sync.kind=diloco", "--compression.kind=fp16"]],
+    [["--preset=dilocox-lowrank"], ["--sync.kind=cocktail"], ["--sync.kind=diloco", "--compression.kind=fp16"]],
 )
 def test_gathered_payloads_accept_an_auth_key(tmp_path, overrides):
     key_file = tmp_path / "wan.key"

@@ -189,11 +189,11 @@ def test_resume_compares_the_fields_the_saved_state_depends_on(tmp_path):
     from dilocox.checkpoint import check_resume, run_identity
     from dilocox.config import load_config, to_dict
 
-    saved = load_config(None, ["--sync.kind=dilocox", "--compression.kind=lowrank_int4", "--train.steps=20"])
+    saved = load_config(None, ["--preset=dilocox-lowrank", "--compression.kind=lowrank_int4", "--train.steps=20"])
     path = checkpoint_with(tmp_path, {**run_identity(saved), "config": to_dict(saved)})
     check_resume(saved, path)
     harmless = ["--compression.energy=0.5", "--train.lr=1e-3", "--run.seed=3", "--train.micro_batch_size=4"]
-    check_resume(load_config(None, ["--sync.kind=dilocox", "--compression.kind=lowrank_int4", *harmless]), path)
+    check_resume(load_config(None, ["--preset=dilocox-lowrank", "--compression.kind=lowrank_int4", *harmless]), path)
     for flag, message in [
         ("--compression.group_size=32", "compression.group_size was 64 in the checkpoint, 32 now"),
         ("--sync.sync_delay=0", "sync.sync_delay was 1 in the checkpoint, 0 now; resume with --sync.sync_delay=1"),
@@ -204,14 +204,13 @@ def test_resume_compares_the_fields_the_saved_state_depends_on(tmp_path):
         ("--topology.pp_degree=2", "topology.pp_degree was 1 in the checkpoint, 2 now"),
         ("--data.split_seed=0", "data.split_seed was -1 in the checkpoint, 0 now; resume with --data.split_seed=-1"),
     ]:
-        cfg = load_config(None, ["--sync.kind=dilocox", "--compression.kind=lowrank_int4", flag])
+        cfg = load_config(None, ["--preset=dilocox-lowrank", "--compression.kind=lowrank_int4", flag])
         with pytest.raises(ValueError, match=f"^cannot resume {path}: {message}"):
             check_resume(cfg, path)
     # the top-k codec's own settings are compared when it is the codec, and only then
-    check_resume(
-        load_config(None, ["--sync.kind=dilocox", "--compression.kind=lowrank_int4", "--compression.density=0.5"]), path
-    )
-    topk = ["--sync.kind=dilocox", "--compression.kind=topk_int4"]
+    lowrank = ["--preset=dilocox-lowrank", "--compression.kind=lowrank_int4"]
+    check_resume(load_config(None, [*lowrank, "--compression.density=0.5"]), path)
+    topk = ["--preset=dilocox-lowrank", "--compression.kind=topk_int4"]
     path = checkpoint_with(tmp_path / "topk", {**run_identity(saved), "config": to_dict(load_config(None, topk))})
     with pytest.raises(ValueError, match=r"compression\.density was 0\.075 in the checkpoint, 0\.1 now"):
         check_resume(load_config(None, [*topk, "--compression.density=0.1"]), path)

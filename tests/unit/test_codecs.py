@@ -519,12 +519,12 @@ def test_adaptive_rank_clips_to_its_range():
     assert adaptive_rank(rank_min=2, rank_max=16).update([torch.zeros(10, 8)]) == 2  # no energy: the minimum
 
 
-def test_adaptive_rank_aggregates_matrices():
+def test_adaptive_rank_rules_give_several_matrices_one_rank():
     large = matrix_with_spectrum(spectrum_keeping(3, 64), 96, 64, seed=1) * math.sqrt(20)
     small = matrix_with_spectrum(spectrum_keeping(7, 64), 96, 64, seed=2)
     picks = {
-        aggregate: adaptive_rank(rank_min=1, rank_max=16, window=1, aggregate=aggregate).update([large, small])
-        for aggregate in ("pooled", "mean", "max")
+        rule: adaptive_rank(rank_min=1, rank_max=16, window=1, rank_rule=rule).update([large, small])
+        for rule in ("pooled", "mean", "max")
     }
     # Pooled energy is dominated by the large matrix; the mean of (3, 7) is 5; the max is 7.
     assert picks == {"pooled": 3, "mean": 5, "max": 7}
@@ -535,14 +535,14 @@ def test_adaptive_budget_ranks_keep_the_pooled_energy_for_the_fewest_values():
     (18) by energy per value takes A 8, B 4, B 4, then A 1, A 1 (ratio 1, before B's 2 / 2 = 1 by order): ranks
     (3, 2), 7 values. Each matrix at 90% of its own energy would take (2, 3): 8 values for the same 18."""
     spectra = [torch.tensor([8.0, 1.0, 1.0]).sqrt(), torch.tensor([4.0, 4.0, 2.0]).sqrt()]
-    budget = adaptive_rank(aggregate="budget", rank_min=1, rank_max=3, window=1)
+    budget = adaptive_rank(rank_rule="budget", rank_min=1, rank_max=3, window=1)
     budget.update_from_spectra(spectra, [10.0, 10.0], [1, 2])
     assert budget.history[-1].matrix_raw_ranks == (3, 2) and budget.history[-1].matrix_ranks == (3, 2)
-    per_matrix = adaptive_rank(aggregate="per_matrix", rank_min=1, rank_max=3, window=1)
+    per_matrix = adaptive_rank(rank_rule="per_matrix", rank_min=1, rank_max=3, window=1)
     per_matrix.update_from_spectra(spectra, [10.0, 10.0])
     assert per_matrix.history[-1].matrix_ranks == (2, 3)
     # a target the estimated spectra cannot reach sends every matrix at rank_max
-    short = adaptive_rank(aggregate="budget", rank_min=1, rank_max=3, window=1)
+    short = adaptive_rank(rank_rule="budget", rank_min=1, rank_max=3, window=1)
     short.update_from_spectra(spectra, [10.0, 20.0], [1, 2])  # B's 3 singular values hold half of its energy
     assert short.history[-1].matrix_raw_ranks == (3, 3)
 
@@ -607,7 +607,7 @@ def exact_rank(rank: int, num_rows: int, num_cols: int, *, seed: int, noise: flo
 
 def test_adaptive_rank_of_a_matrix_of_known_rank_is_that_rank_per_matrix_under_error_feedback():
     """Each matrix of known rank r (plus tiny noise) is sent at rank r, round after round, under error feedback:
-    per matrix, read from the pseudo-gradient (the defaults `aggregate = per_matrix`, `spectrum_of = pseudo_grad`)."""
+    per matrix, read from the pseudo-gradient (the defaults `rank_rule = per_matrix`, `spectrum_of = pseudo_grad`)."""
     shapes = [(96, 64), (80, 48), (64, 64)]
     true_ranks = [3, 6, 1]
     codec = build_codec("adaptive", rank_min=1, rank_max=24, energy=0.9, window=1, group_size=16)
@@ -762,7 +762,7 @@ def test_payloads_of_different_sizes_are_walked_in_a_concatenation():
         ("adaptive", {"window": 0}, "compression.window"),
         ("adaptive", {"schedule": "cosine"}, "compression.schedule"),
         ("adaptive", {"ramp_rounds": 0}, "compression.ramp_rounds"),
-        ("adaptive", {"aggregate": "median"}, "compression.aggregate"),
+        ("adaptive", {"rank_rule": "median"}, "compression.rank_rule"),
         ("int4", {"feedback_decay": 1.5}, "compression.feedback_decay"),
         ("topk_int4", {"density": 0.0}, "compression.density"),
         ("topk_int4", {"density": 1.5}, "compression.density"),

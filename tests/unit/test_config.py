@@ -7,6 +7,10 @@ from dilocox.config import Config, field_docs, from_dict, load_config, options, 
 from dilocox.sync import SyncConfig
 
 REPO = Path(__file__).resolve().parents[2]
+LOWRANK = ["--preset=dilocox-lowrank"]
+"""The dilocox-lowrank preset: the one-step delay, the adaptive codec with error feedback, the residual options."""
+LOWRANK_PLAIN = [*LOWRANK, "--sync.merge=eager", "--sync.local_residual=false", "--sync.drain_residual=false"]
+"""The same without the options that need a codec's residual: what an elastic run or a codec without one can use."""
 
 
 def write(tmp_path, text: str) -> Path:
@@ -68,23 +72,17 @@ def test_missing_and_invalid_files(tmp_path):
         (["--compression.rank_max=1"], "compression.rank_max = 1 is below"),
         (["--compression.schedule=sometimes"], "compression.schedule"),
         (["--compression.reduction=tree"], "compression.reduction"),
-        (
-            ["--sync.kind=dilocox", "--compression.reduction=scalable"],
-            "picks the rank from each cluster's own spectrum",
-        ),
+        ([*LOWRANK, "--compression.reduction=scalable"], "picks the rank from each cluster's own spectrum"),
         (["--sync.fit_link=true"], "needs sync.sync_delay = 1"),
         (
-            ["--sync.kind=dilocox", "--sync.fit_link=true", "--sync.fit_link_max_steps=10"],
+            [*LOWRANK, "--sync.fit_link=true", "--sync.fit_link_max_steps=10"],
             "sync.fit_link_max_steps = 10 is below sync.inner_steps = 50",
         ),
         (["--sync.overlap_steps=5"], "sync.overlap_steps = 5 applies a delayed sync inside the next round"),
-        (["--sync.kind=dilocox", "--sync.overlap_steps=50"], "sync.overlap_steps = 50 must be below sync.inner"),
-        (["--sync.kind=dilocox", "--sync.overlap_steps=-1"], "sync.overlap_steps = -1 must be >= 0"),
-        (["--sync.kind=dilocox", "--sync.overlap_steps=5", "--sync.fit_link=true"], "use one or the other"),
-        (
-            ["--sync.kind=dilocox", "--topology.elastic=true", "--sync.overlap_steps=5"],
-            "sync.overlap_steps = 5",
-        ),
+        ([*LOWRANK, "--sync.overlap_steps=50"], "sync.overlap_steps = 50 must be below sync.inner"),
+        ([*LOWRANK, "--sync.overlap_steps=-1"], "sync.overlap_steps = -1 must be >= 0"),
+        ([*LOWRANK, "--sync.overlap_steps=5", "--sync.fit_link=true"], "use one or the other"),
+        ([*LOWRANK_PLAIN, "--topology.elastic=true", "--sync.overlap_steps=5"], "sync.overlap_steps = 5"),
         (["--compression.kind=topk_int4", "--compression.density=0"], "compression.density = 0.0 must be in"),
         (["--cocktail.topk_ratio=0.5"], "cocktail.topk_ratio = 0.5 must be <= cocktail.sample_ratio = 0.1"),
         (["--compression.kind=lowrank", "--compression.factor_dtype=int8"], "compression.factor_dtype"),
@@ -108,32 +106,38 @@ def test_missing_and_invalid_files(tmp_path):
         (["--sync.kind=allreduce", "--sync.local_residual=true"], "residual between outer rounds, but sync.kind"),
         (["--sync.kind=cocktail", "--sync.drain_residual=true"], "sync.drain_residual = true works on a codec's"),
         (
-            ["--sync.kind=dilocox", "--sync.drain_residual=true", "--compression.error_feedback=false"],
+            [*LOWRANK_PLAIN, "--sync.drain_residual=true", "--compression.error_feedback=false"],
+            "sync.drain_residual = true works on what a codec's error feedback holds back, but compression.kind = "
+            "'adaptive' with compression.error_feedback = false holds nothing back; use a codec with error feedback "
+            "(e.g. compression.kind = topk_int4), or set sync.drain_residual = false",
+        ),
+        (
+            [*LOWRANK_PLAIN, "--sync.drain_residual=true", "--topology.elastic=true"],
+            "sync.drain_residual = true is not supported in elastic runs (topology.elastic = true): set "
             "sync.drain_residual = false",
         ),
+        ([*LOWRANK_PLAIN, "--sync.local_residual=true", "--compression.kind=none"], "holds nothing back"),
         (
-            ["--sync.kind=dilocox", "--sync.drain_residual=true", "--sync.local_residual=false"]
-            + ["--topology.elastic=true"],
-            "sync.drain_residual = true is not supported in elastic runs",
-        ),
-        (["--sync.kind=dilocox", "--sync.local_residual=true", "--compression.kind=none"], "holds nothing back"),
-        (
-            ["--sync.kind=dilocox", "--sync.merge=own_payload", "--compression.kind=none"],
-            "sync.merge = 'own_payload' starts each round from what this cluster's codec sent",
+            [*LOWRANK_PLAIN, "--sync.merge=own_payload", "--compression.kind=none"],
+            "sync.merge = 'own_payload' works on what a codec's error feedback holds back",
         ),
         (
-            ["--sync.kind=dilocox", "--sync.merge=own_payload", "--compression.kind=topk_int4"]
-            + ["--topology.elastic=true"],
-            "sync.merge = 'own_payload' is not supported in elastic runs",
+            [*LOWRANK_PLAIN, "--sync.merge=own_payload", "--compression.kind=topk_int4", "--topology.elastic=true"],
+            "sync.merge = 'own_payload' is not supported in elastic runs (topology.elastic = true): set "
+            "sync.merge = eager",
         ),
         (
-            [
-                "--sync.kind=dilocox",
-                "--sync.local_residual=true",
-                "--compression.kind=topk_int4",
-                "--topology.elastic=true",
-            ],
-            "not supported in elastic runs",
+            [*LOWRANK, "--compression.kind=none"],
+            "sync.local_residual = true, sync.drain_residual = true and sync.merge = 'own_payload' work on what a "
+            "codec's error feedback holds back, but compression.kind = 'none' with compression.error_feedback = "
+            "true holds nothing back; use a codec with error feedback (e.g. compression.kind = topk_int4), or set "
+            "sync.local_residual = false, sync.drain_residual = false and sync.merge = eager",
+        ),
+        (
+            [*LOWRANK, "--compression.kind=topk_int4", "--topology.elastic=true"],
+            "sync.local_residual = true, sync.drain_residual = true and sync.merge = 'own_payload' are not supported "
+            "in elastic runs (topology.elastic = true): set sync.local_residual = false, sync.drain_residual = false "
+            "and sync.merge = eager",
         ),
         (["--topology.pp_degree=4", "--train.num_microbatches=2"], "fewer than the 4 pipeline stages"),
         (["--train.num_microbatches=3"], "does not divide train.micro_batch_size = 8"),
@@ -152,14 +156,22 @@ def test_validate_errors_name_the_field(overrides, message):
 
 
 def test_moved_keys_are_read_where_they_live_now(tmp_path):
-    """Options that moved sections (compression.fit_link -> sync.fit_link, ...) still load, with a warning, so an
-    older run's config.toml or command line keeps working."""
+    """Options that moved or were renamed (compression.fit_link -> sync.fit_link, compression.aggregate ->
+    compression.rank_rule, ...) still load, with a warning, so an older run's config.toml or command line keeps
+    working."""
     with pytest.warns(UserWarning, match="compression.fit_link is now sync.fit_link"):
-        cfg = load_config(None, ["--sync.kind=dilocox", "--compression.fit_link=true"])
+        cfg = load_config(None, [*LOWRANK, "--compression.fit_link=true"])
     assert cfg.sync.fit_link is True
     with pytest.warns(UserWarning, match="cocktail.topk_ratio"):
         cfg = load_config(write(tmp_path, "[compression]\ntopk_ratio = 0.02\n"))
     assert cfg.cocktail.topk_ratio == 0.02
+    with pytest.warns(UserWarning, match="compression.aggregate is now compression.rank_rule"):
+        cfg = load_config(None, [*LOWRANK, "--compression.aggregate=pooled"])
+    assert cfg.compression.rank_rule == "pooled"
+    # a flag under the new name beats the old name in the file: both are the same option
+    with pytest.warns(UserWarning, match="compression.aggregate"):
+        path = write(tmp_path, "[compression]\nkind = 'adaptive'\naggregate = 'max'\n")
+        assert load_config(path, ["--compression.rank_rule=budget"]).compression.rank_rule == "budget"
 
 
 def test_each_section_validates_itself():
@@ -189,48 +201,6 @@ def test_allreduce_does_not_need_round_aligned_checkpoints():
     cfg = load_config(None, ["--sync.kind=allreduce", "--checkpoint.interval=75"])
     cfg.validate()
     assert cfg.notes() == []
-
-
-@pytest.mark.parametrize(
-    "overrides, want",
-    [
-        (["--sync.kind=dilocox"], True),  # adaptive, with error feedback
-        (["--sync.kind=dilocox", "--compression.kind=none"], False),
-        (["--sync.kind=dilocox", "--compression.error_feedback=false"], False),
-        (["--sync.kind=dilocox", "--topology.elastic=true"], False),
-        (["--sync.kind=dilocox", "--sync.local_residual=false"], False),
-        (["--sync.kind=diloco", "--compression.kind=topk_int4"], False),
-    ],
-)
-def test_dilocox_keeps_the_local_residual_unless_nothing_is_held_back_or_the_run_is_elastic(overrides, want):
-    cfg = load_config(None, overrides)
-    cfg.validate()
-    assert cfg.sync.local_residual is want
-    assert cfg.sync.drain_residual is (want or overrides == ["--sync.kind=dilocox", "--sync.local_residual=false"])
-
-
-@pytest.mark.parametrize(
-    "overrides, want",
-    [
-        (["--sync.kind=dilocox"], "own_payload"),  # adaptive, with error feedback
-        (["--sync.kind=dilocox", "--sync.local_residual=false"], "own_payload"),
-        (["--sync.kind=dilocox", "--compression.kind=none"], "eager"),
-        (["--sync.kind=dilocox", "--compression.error_feedback=false"], "eager"),
-        (["--sync.kind=dilocox", "--topology.elastic=true"], "eager"),
-        (["--sync.kind=dilocox", "--compression.kind=topk_int4", "--sync.merge=keep_local"], "keep_local"),
-        (["--sync.kind=diloco", "--compression.kind=topk_int4", "--sync.sync_delay=1"], "keep_local"),
-    ],
-)
-def test_dilocox_merges_by_its_own_payload_where_the_codec_holds_back(overrides, want):
-    cfg = load_config(None, overrides)
-    cfg.validate()
-    assert cfg.sync.merge == want
-
-
-def test_the_drain_is_turned_off_on_its_own():
-    cfg = load_config(None, ["--sync.kind=dilocox", "--sync.drain_residual=false"])
-    cfg.validate()
-    assert cfg.sync.local_residual and not cfg.sync.drain_residual
 
 
 def test_checkpoint_interval_off_the_round_grid_is_a_note_not_an_error():
@@ -281,48 +251,6 @@ def test_every_field_has_a_docstring():
     assert "H: local inner steps" in field_docs(type(Config().sync))["inner_steps"]
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
-def test_shipped_configs_parse_and_validate(path):
-    load_config(path).validate()
-
-
-def test_the_topk_recipe_trains_what_its_bench_row_measured():
-    """configs/dilocox-topk.toml claims the measured gap of a bench row: it must train exactly that row's setting."""
-    from dilocox.tools.bench.spec import load_bench
-
-    spec = load_bench(REPO / "benchmarks" / "configs" / "paper_decomposition.toml")
-    row = next(
-        r for r in spec.runs if r.name == "dilocox-topk-d05-h12-overlap7-local-residual-decay1-lr3e-3-drain-own-payload"
-    )
-    measured = to_dict(load_config(REPO / "configs" / "default.toml", row.overrides))
-    recipe = to_dict(load_config(REPO / "configs" / "dilocox-topk.toml"))
-    for section in ("model", "data", "train", "topology", "sync", "compression"):
-        assert recipe[section] == measured[section], section
-    assert recipe["compression"]["kind"] == "topk_int4" and recipe["sync"]["merge"] == "own_payload"
-
-
-def test_dilocox_kind_defaults_apply_unless_set(tmp_path):
-    assert load_config(None, ["--sync.kind=dilocox"]).sync.sync_delay == 1
-    assert load_config(None, ["--sync.kind=dilocox"]).compression.kind == "adaptive"
-    dilocox = load_config(None, ["--sync.kind=dilocox"]).sync
-    assert (dilocox.outer_lr, dilocox.outer_momentum) == (1.0, 0.0)  # plain averaging under the delay
-    assert dilocox.merge == "own_payload" and load_config(None, ["--sync.kind=diloco"]).sync.merge == "keep_local"
-    assert load_config(None, ["--sync.kind=dilocox", "--sync.merge=keep_local"]).sync.merge == "keep_local"
-    diloco = load_config(None, ["--sync.kind=diloco"]).sync
-    assert (diloco.outer_lr, diloco.outer_momentum) == (0.7, 0.9)
-    assert load_config(None, ["--sync.kind=dilocox", "--sync.outer_momentum=0.5"]).sync.outer_momentum == 0.5
-    assert load_config(None, ["--sync.kind=diloco"]).sync.sync_delay == 0
-    assert load_config(None, ["--sync.kind=diloco"]).compression.kind == "none"
-    assert load_config(None, ["--sync.kind=dilocox", "--compression.kind=none"]).compression.kind == "none"
-    # an explicit value wins, from a flag or from the file: the "without overlap" ablation
-    assert load_config(None, ["--sync.kind=dilocox", "--sync.sync_delay=0"]).sync.sync_delay == 0
-    path = write(tmp_path, "[sync]\nkind = 'dilocox'\nsync_delay = 0\n")
-    assert load_config(path).sync.sync_delay == 0
-    # the resolved config written to a run directory reloads to the same values
-    cfg = load_config(None, ["--sync.kind=dilocox"])
-    assert to_dict(from_dict(tomllib.loads(to_toml(cfg)))) == to_dict(cfg)
-
-
 def test_outer_lr_schedules():
     """Warm-up reaches outer_lr at update W - 1; cosine ends at outer_lr x rho on the last update; constant stays."""
     constant = SyncConfig(outer_lr=0.8, outer_warmup_rounds=4)
@@ -341,7 +269,7 @@ def test_every_option_has_a_one_line_docstring():
         assert doc and "\n" not in doc, name
 
 
-ELASTIC = ["--topology.elastic=true", "--sync.kind=dilocox", "--topology.num_clusters=4"]
+ELASTIC = ["--topology.elastic=true", *LOWRANK_PLAIN, "--topology.num_clusters=4"]
 ACROSS = ["--network.lighthouse=http://lh:29510", "--network.advertise_host=10.0.0.2"]
 
 

@@ -15,9 +15,10 @@ import pytest
 import yaml
 
 from dilocox.cli import COMMANDS
-from dilocox.compress.config import CODEC_KINDS, REDUCTIONS
-from dilocox.config import options
-from dilocox.sync.config import KIND_DEFAULTS, MERGE_RULES, SYNC_KINDS
+from dilocox.compress.config import CODEC_KINDS, RANK_RULES, REDUCTIONS
+from dilocox.config import PRESETS, options, read_preset
+from dilocox.faults import FAULT_KINDS
+from dilocox.sync.config import MERGE_RULES, SYNC_KINDS
 from dilocox.tools import docgen
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,11 +31,14 @@ def test_every_config_option_has_a_one_line_docstring():
     assert not multi_line, f"config options whose docstring is not one line: {multi_line}"
 
 
-def test_allowed_values_are_read_from_validation():
-    assert docgen.allowed_values("sync.kind") == SYNC_KINDS
+def test_allowed_values_are_read_from_the_choice_types():
+    assert docgen.allowed_values("sync.kind") == SYNC_KINDS == ("allreduce", "cocktail", "diloco", "dilocox")
     assert docgen.allowed_values("sync.merge") == MERGE_RULES
     assert docgen.allowed_values("compression.kind") == CODEC_KINDS
     assert docgen.allowed_values("compression.reduction") == REDUCTIONS
+    assert docgen.allowed_values("compression.rank_rule") == RANK_RULES
+    assert docgen.allowed_values("faults.kind") == FAULT_KINDS
+    assert docgen.allowed_values("train.dtype") == ("fp32", "bf16")
     assert docgen.allowed_values("run.out_dir") is None  # free text
     assert docgen.allowed_values("network.bandwidth") is None  # parsed, not a choice
     assert docgen.allowed_values("train.steps") is None  # not a string
@@ -50,8 +54,17 @@ def test_config_reference_has_a_row_for_every_option():
         assert f"`{docgen._show(default)}`" in row, row
         assert " ".join(doc.split()).replace("|", "\\|") in row, row
     assert all(f"`{kind}`" in rows["sync.kind"] for kind in SYNC_KINDS)
-    for name, value in KIND_DEFAULTS["dilocox"].items():  # the strategy's own defaults are shown beside the global one
-        assert f"(`sync.kind = dilocox`: `{docgen._show(value)}`)" in rows[name], rows[name]
+    assert "sync.kind =" not in "".join(rows.values())  # no default that depends on the kind
+
+
+def test_config_reference_lists_every_preset_with_every_setting():
+    page = docgen.config_reference()
+    rows = {line.split("`")[1]: line for line in page.splitlines() if line.startswith("| `")}
+    assert list(rows) == list(PRESETS)
+    for name in PRESETS:
+        for section, values in read_preset(name).items():
+            for key, value in values.items():
+                assert f"`{section}.{key} = {docgen._show(value)}`" in rows[name], (name, key)
 
 
 def test_cli_reference_has_every_command_with_its_help():
@@ -60,7 +73,7 @@ def test_cli_reference_has_every_command_with_its_help():
         assert f"## `dilocox {command}`" in page
         first_line = docgen.command_help(command).splitlines()[0]
         assert first_line.startswith("usage: dilocox") and first_line in page, command
-    assert "--sync.kind=STR" not in page  # train's options are the configuration reference, not repeated here
+    assert "--sync.kind=" not in page  # train's options are the configuration reference, not repeated here
 
 
 def _mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:

@@ -42,7 +42,7 @@ def test_public_names_are_exported_and_lazy():
 @pytest.mark.parametrize(
     "kind, options, want",
     [
-        ("dilocox", {}, (1, "adaptive", 1.0, 0.0)),  # KIND_DEFAULTS of dilocox
+        ("dilocox", {}, (1, "adaptive", 1.0, 0.0)),  # DILOCOX_KEYWORDS
         ("diloco", {}, (0, "none", 0.7, 0.9)),  # the global defaults
         ("dilocox", {"sync_delay": 0, "compression": "int4", "outer_momentum": 0.5}, (0, "int4", 1.0, 0.5)),
         ("diloco", {"compression": CompressionConfig(kind="lowrank_int4", rank=4)}, (0, "lowrank_int4", 0.7, 0.9)),
@@ -107,7 +107,11 @@ def test_a_compression_config_is_used_as_given_and_never_changed():
                 "merge": "own_payload",
                 "compression": CompressionConfig(kind="int4", error_feedback=False),
             },
-            ["sync.merge = 'own_payload'", "compression.error_feedback = false keeps none", "sync.merge = eager"],
+            [
+                "sync.merge = 'own_payload'",
+                "compression.error_feedback = false holds nothing back",
+                "sync.merge = eager",
+            ],
         ),
         ({"outer_optimizer": "adagrad"}, ["sync.outer_optimizer = 'adagrad' is not one of: sgd, adamw"]),
         ({"outer_optimizer": "adamw"}, ["sync.drain_residual = true adds the drained residual", "= false"]),
@@ -175,8 +179,8 @@ def test_a_state_of_other_settings_or_not_a_state_is_refused():
 
 def test_build_sync_gives_the_trainer_an_outer_sync():
     """`dilocox train` and a user's loop share one object for diloco and dilocox."""
-    for kind in ("diloco", "dilocox"):
-        cfg = load_config(None, [f"--sync.kind={kind}", "--sync.inner_steps=4"])
+    for kind, preset in (("diloco", "diloco"), ("dilocox", "dilocox-lowrank")):
+        cfg = load_config(None, [f"--preset={preset}", "--sync.inner_steps=4"])
         model, _ = model_and_optimizer()
         sync = build_sync(
             cfg, model.parameters(), channel=WanChannel(None, bandwidth=None, latency_s=0.0), dp_group=None

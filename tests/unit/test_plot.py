@@ -64,7 +64,7 @@ def records(*, delayed: bool):
 
 def test_a_blocking_run_gets_no_hidden_share_and_no_empty_panel(tmp_path):
     blocking = load_run(write_run(tmp_path / "diloco", ["--sync.kind=diloco"], records(delayed=False)))
-    delayed = load_run(write_run(tmp_path / "dilocox", ["--sync.kind=dilocox"], records(delayed=True)))
+    delayed = load_run(write_run(tmp_path / "dilocox", ["--preset=dilocox-lowrank"], records(delayed=True)))
     assert not blocking.overlaps and delayed.overlaps
 
     def drawn(runs):

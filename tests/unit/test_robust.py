@@ -204,10 +204,10 @@ def test_fault_config_rounds_and_corruptions():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["--sync.kind=dilocox", "--sync.aggregate=median", "--compression.kind=none"], "sum"),
+        (["--preset=dilocox-lowrank", "--sync.aggregate=median", "--compression.kind=none"], "sum"),
         (
             [
-                "--sync.kind=dilocox",
+                "--preset=dilocox-lowrank",
                 "--sync.aggregate=median",
                 "--compression.reduction=scalable",
                 "--compression.kind=int4",
@@ -215,14 +215,14 @@ def test_fault_config_rounds_and_corruptions():
             "sum",
         ),
         (["--sync.kind=allreduce", "--sync.aggregate=median"], "outer loop"),
-        (["--sync.kind=dilocox", "--sync.trim_fraction=0.5"], "sync.trim_fraction"),
-        (["--sync.kind=dilocox", "--sync.guard_max_ratio=1"], "sync.guard_max_ratio"),
-        (["--sync.kind=dilocox", "--sync.guard_peer_ratio=0.5"], "sync.guard_peer_ratio"),
-        (["--sync.kind=dilocox", "--sync.guard_peer_ratio=inf"], "sync.guard_peer_ratio"),
-        (["--sync.kind=dilocox", "--sync.guard_max_bad_rounds=0"], "guard_max_bad_rounds"),
-        (["--sync.kind=dilocox", "--faults.kind=scale", "--faults.cluster=2"], "faults.cluster"),
-        (["--sync.kind=dilocox", "--faults.kind=scale", "--faults.rounds=5-2"], "faults.rounds"),
-        (["--sync.kind=dilocox", "--faults.kind=scale", "--faults.rounds=x"], "faults.rounds"),
+        (["--preset=dilocox-lowrank", "--sync.trim_fraction=0.5"], "sync.trim_fraction"),
+        (["--preset=dilocox-lowrank", "--sync.guard_max_ratio=1"], "sync.guard_max_ratio"),
+        (["--preset=dilocox-lowrank", "--sync.guard_peer_ratio=0.5"], "sync.guard_peer_ratio"),
+        (["--preset=dilocox-lowrank", "--sync.guard_peer_ratio=inf"], "sync.guard_peer_ratio"),
+        (["--preset=dilocox-lowrank", "--sync.guard_max_bad_rounds=0"], "guard_max_bad_rounds"),
+        (["--preset=dilocox-lowrank", "--faults.kind=scale", "--faults.cluster=2"], "faults.cluster"),
+        (["--preset=dilocox-lowrank", "--faults.kind=scale", "--faults.rounds=5-2"], "faults.rounds"),
+        (["--preset=dilocox-lowrank", "--faults.kind=scale", "--faults.rounds=x"], "faults.rounds"),
         (["--sync.kind=allreduce", "--faults.kind=scale"], "outer rounds"),
     ],
 )

@@ -17,23 +17,23 @@ a bench file (more in benchmarks/configs/):
   [bench]
   name = "mine"                        # results go to runs/bench/mine/ (or --out)
   base = "../../configs/default.toml"  # the `dilocox train` config of every run, relative to this file
-  overrides = ["--eval.interval=50"]   # flags every run gets
+  overrides = ["--eval.interval=50"]   # flags every run gets (a run's own come after, and win)
   baseline = "allreduce"               # the run every gap is paired with, seed by seed
   tuned_baseline = ["allreduce", "allreduce-lr4e-3"]  # optional: a second gap column, to the best of these
   notes = "printed under the table"
 
   [[runs]]
   name = "allreduce"
-  overrides = ["--sync.kind=allreduce"]
+  overrides = ["--preset=allreduce"]   # a preset replaces the base file's own (`dilocox train --help`)
 
   [[runs]]
   name = "allreduce-lr4e-3"
-  overrides = ["--sync.kind=allreduce", "--train.lr=4e-3"]
+  overrides = ["--preset=allreduce", "--train.lr=4e-3"]
 
   [[runs]]
   name = "dilocox"
   label = "DiLoCoX, the default"       # the row's name in results.md (default: name)
-  overrides = ["--sync.kind=dilocox"]
+  overrides = ["--preset=dilocox"]
 
 [bench] may also set regime = "paper" (convergence link off, throughput on the paper-like link: docs/planner.md
 section 3) and timing_repeats = N (that regime's timed runs per row, the median reported).

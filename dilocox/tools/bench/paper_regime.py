@@ -136,7 +136,7 @@ def run_paper_regime(
         if cfg.sync.fit_link:
             raise ValueError(f"run {name}: sync.fit_link changes H with the link; the paper regime needs it off")
     steps = next(iter(configs.values())).train.steps
-    reference = BenchRun(NO_COMM_RUN, ["--sync.kind=diloco", f"--sync.inner_steps={steps}", "--checkpoint.interval=0"],
+    reference = BenchRun(NO_COMM_RUN, ["--preset=diloco", f"--sync.inner_steps={steps}", "--checkpoint.interval=0"],
                          "no communication (each cluster alone)")  # fmt: skip
     earlier = out_dir / "results.json"
     partial = len(selected) < len(spec.runs)

@@ -8,7 +8,7 @@ A bench file looks like this (benchmarks/configs/ has the real ones) and is read
     overrides = ["--train.steps=400"]
     [[runs]]
     name = "allreduce"
-    overrides = ["--sync.kind=allreduce"]
+    overrides = ["--preset=allreduce"]
 
     spec = load_bench(Path("benchmarks/configs/default.toml"))
 """

@@ -1,0 +1,240 @@
+"""Presets and the layers of a config: field defaults < preset < --config file < flags, every shipped preset and
+config file valid, `dilocox train --print-config` and `--help` showing what a run will use."""
+
+import dataclasses
+import subprocess
+import sys
+import tomllib
+import warnings
+from pathlib import Path
+
+import pytest
+
+from dilocox.cli import train_help
+from dilocox.config import (
+    DEFAULT_PRESET,
+    PRESETS,
+    Config,
+    ConfigWarning,
+    from_dict,
+    load_config,
+    options,
+    read_preset,
+    to_dict,
+    to_toml,
+)
+from dilocox.tools.bench.spec import load_bench, run_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH_FILES = sorted((REPO / "benchmarks" / "configs").glob("*.toml"))
+
+
+FLAGS_OF = {
+    name: [
+        f"--{section}.{key}={str(value).lower() if isinstance(value, bool) else value}"
+        for section, values in read_preset(name).items()
+        for key, value in values.items()
+        if f"{section}.{key}" != "sync.kind"
+    ]
+    for name in PRESETS
+}
+"""Each preset's settings but its kind, as flags."""
+
+
+def write(tmp_path: Path, text: str, name: str = "c.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`dilocox ARGS` in a subprocess, run in `cwd`."""
+    return subprocess.run(
+        [sys.executable, "-m", "dilocox", *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+
+
+def test_every_preset_is_shipped_in_the_package_and_validates():
+    shipped = {path.stem for path in (REPO / "dilocox" / "presets").glob("*.toml")}
+    assert shipped == set(PRESETS) and DEFAULT_PRESET in PRESETS
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "presets/*.toml" in pyproject["tool"]["setuptools"]["package-data"]["dilocox"]  # in a wheel too
+    for name in PRESETS:
+        cfg = load_config(None, [f"--preset={name}"])
+        cfg.validate()
+        for section, values in read_preset(name).items():  # the preset's values are what the run gets
+            for key, value in values.items():
+                assert getattr(getattr(cfg, section), key) == value, (name, section, key)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_configs_parse_and_validate(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)  # no renamed key, no kind without its preset
+        load_config(path).validate()
+
+
+@pytest.mark.parametrize("path", BENCH_FILES, ids=lambda p: p.name)
+def test_every_bench_row_parses_and_validates(path):
+    """Every row of every committed bench file, as it runs and under --quick, resolves to a valid config."""
+    spec = load_bench(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        for quick in (False, True):
+            for run in spec.runs:
+                try:
+                    load_config(spec.base, run_overrides(spec, run, quick)).validate()
+                except ValueError as exc:
+                    raise AssertionError(f"{path.name} run {run.name} (quick={quick}): {exc}") from None
+
+
+def test_a_preset_is_under_the_file_and_the_file_under_the_flags(tmp_path):
+    path = write(tmp_path, 'preset = "dilocox"\n[sync]\ninner_steps = 24\n[train]\nlr = 1e-3\n')
+    cfg = load_config(path, ["--train.lr=5e-4"])
+    assert cfg.sync.inner_steps == 24  # the file beats the preset (12)
+    assert cfg.train.lr == 5e-4  # a flag beats the file and the preset
+    assert cfg.compression.kind == "topk_int4" and cfg.sync.sync_delay == 1  # from the preset
+    assert cfg.compression.rank == 8  # neither sets it: the field default
+    # --preset replaces the file's preset; the file's own values stay above it; the last --preset wins
+    other = load_config(path, ["--preset=paper", "--preset", "diloco"])
+    assert (other.sync.kind, other.compression.kind, other.sync.inner_steps, other.train.lr) == (
+        "diloco",
+        "none",
+        24,
+        1e-3,
+    )
+    # without a preset named anywhere a file starts from the field defaults; `preset=` is load_config's fallback
+    plain = write(tmp_path, "[sync]\ninner_steps = 24\n", "plain.toml")
+    assert to_dict(load_config(plain)) == to_dict(load_config(None, ["--sync.inner_steps=24"]))
+    assert load_config(plain, preset="paper").sync.merge == "keep_local"
+    assert load_config(path, preset="paper").compression.kind == "topk_int4"  # the file names its own
+
+
+@pytest.mark.parametrize(
+    ("path_text", "overrides", "message"),
+    [
+        ("", ["--preset=dilocx"], "--preset 'dilocx' is not a preset; did you mean dilocox? presets: dilocox, "),
+        ("preset = 3\n", [], "preset = 3 must be the name of a preset"),
+        ('preset = "nope"\n', [], "--preset 'nope' is not a preset"),
+        ("[sync]\nkind = 'allreduce'\n", ["--preset=dilocox"], "start from the allreduce preset instead: --preset"),
+    ],
+)
+def test_a_bad_preset_is_one_error_naming_the_fix(tmp_path, path_text, overrides, message):
+    with pytest.raises(ValueError, match=message.replace("?", r"\?").replace("(", r"\(")):
+        load_config(write(tmp_path, path_text), overrides)
+
+
+def test_a_kind_without_an_outer_loop_over_an_outer_loop_preset_is_refused():
+    """The preset's delay, codec and residual options would stay behind a per-step kind: one error that names them
+    and the preset to use; over the diloco preset, whose outer-loop values are the field defaults, it is allowed."""
+    with pytest.raises(ValueError) as error:
+        load_config(None, ["--preset=dilocox-lowrank", "--sync.kind=cocktail"])
+    assert str(error.value) == (
+        "sync.kind = 'cocktail' syncs every step, but preset 'dilocox-lowrank' also sets compression.kind, "
+        "sync.drain_residual, sync.local_residual, sync.merge, sync.outer_lr, sync.outer_momentum, sync.sync_delay "
+        "for its outer loop; start from the cocktail preset instead: --preset cocktail"
+    )
+    over_diloco = load_config(None, ["--preset=diloco", "--sync.kind=allreduce"])
+    over_diloco.validate()
+    assert to_dict(over_diloco) == to_dict(load_config(None, ["--preset=allreduce"]))
+    # set explicitly, the same values are the user's: then the ordinary checks speak
+    with pytest.raises(ValueError, match="sync.kind = 'allreduce' has no outer rounds"):
+        load_config(None, ["--preset=dilocox", "--sync.kind=allreduce", *FLAGS_OF["dilocox"]]).validate()
+
+
+def test_the_dilocox_kind_alone_warns_that_it_sets_nothing_else(tmp_path):
+    with pytest.warns(ConfigWarning, match="sync.kind = 'dilocox' sets no other option"):
+        cfg = load_config(None, ["--sync.kind=dilocox"])
+    assert to_dict(cfg)["sync"] == {**to_dict(Config())["sync"], "kind": "dilocox"}  # no defaults of its own
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        load_config(None, ["--preset=paper"])  # from a preset
+        load_config(None, ["--sync.kind=dilocox", "--sync.sync_delay=0"])  # the delay chosen: the user's setting
+
+
+def test_an_older_run_directory_config_loads_and_means_what_it_meant(tmp_path):
+    """A run's config.toml holds every resolved option; one written before compression.rank_rule was named so, with
+    `kind = "dilocox"`, loads to the same settings (with a warning for the renamed key), and so does the config
+    recorded in a checkpoint's meta.json when it is resumed."""
+    from dilocox.checkpoint import check_resume, run_identity, write_meta
+
+    cfg = load_config(None, ["--preset=dilocox-lowrank", "--compression.rank_rule=pooled"])
+    old_text = to_toml(cfg).replace("rank_rule = ", "aggregate = ")
+    assert 'kind = "dilocox"' in old_text and 'aggregate = "pooled"' in old_text
+    with pytest.warns(ConfigWarning, match="compression.aggregate is now compression.rank_rule"):
+        loaded = from_dict(tomllib.loads(old_text))
+    assert to_dict(loaded) == to_dict(cfg)
+    with pytest.warns(ConfigWarning) as warned:
+        assert to_dict(load_config(write(tmp_path, old_text))) == to_dict(cfg)
+    # the renamed key only: every option is set, so not the warning of a dilocox kind that sets nothing else
+    assert [str(w.message) for w in warned] == [
+        "compression.aggregate is now compression.rank_rule; update the config or flag"
+    ]
+    old_config = to_dict(cfg)
+    old_config["compression"]["aggregate"] = old_config["compression"].pop("rank_rule")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000010"
+    checkpoint.mkdir(parents=True)
+    files = {f"rank_{rank:05d}.pt": {"bytes": 0, "sha256": ""} for rank in range(cfg.world_size)}
+    write_meta(checkpoint, {"step": 10, **run_identity(cfg), "config": old_config, "files": files})
+    check_resume(loaded, checkpoint)  # the resumed run's settings agree with the old checkpoint's
+
+
+def test_print_config_of_the_default_preset_is_the_preset_file_over_the_field_defaults(tmp_path):
+    """`dilocox train --print-config` (no preset, no config: the default preset) prints every option, exits 0 and
+    writes nothing; its values are the preset file's where it sets them and the field defaults elsewhere."""
+    result = cli("train", "--print-config", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert list(tmp_path.iterdir()) == []  # no run directory, nothing
+    printed = tomllib.loads(result.stdout)
+    preset = read_preset(DEFAULT_PRESET)
+    defaults = to_dict(Config())
+    for name, *_ in options():
+        section, key = name.split(".")
+        want = preset.get(section, {}).get(key, defaults[section][key])
+        assert printed[section][key] == want, name
+    assert to_dict(from_dict(printed)) == to_dict(load_config(None, [f"--preset={DEFAULT_PRESET}"]))
+    # a combination that cannot work is one line and exit 2, before anything is printed
+    bad = cli("train", "--print-config", "--sync.kind=allreduce", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1
+    assert (
+        bad.stderr.startswith("dilocox: error: sync.kind = 'allreduce' syncs every step")
+        and "--preset allreduce" in bad.stderr
+    )
+
+
+def test_help_shows_the_field_defaults_and_every_preset_in_full():
+    text = train_help()
+    assert "unless set" not in text and "(dilocox:" not in text  # no default that depends on another option
+    for name, typ, default, _ in options():
+        shown = ("true" if default else "false") if typ is bool else f'"{default}"' if typ is str else str(default)
+        lines = [line for line in text.splitlines() if line.startswith(f"  --{name}=")]
+        assert len(lines) == 1 and lines[0].endswith(f"(default {shown})"), (name, lines)
+    assert '  --sync.kind={allreduce,cocktail,diloco,dilocox}  (default "diloco")' in text  # a choice: its values
+    presets = text.split("Presets (", 1)[1].split("\n[run]\n", 1)[0]
+    for name in PRESETS:
+        assert f"\n  {name}" in presets, name
+        for section, values in read_preset(name).items():
+            for key in values:
+                assert f"{section}.{key}=" in " ".join(presets.split()), (name, key)
+
+
+def test_the_default_preset_trains_what_its_bench_row_measured():
+    """The dilocox preset claims the measured gap of a bench row (its header, docs/results.md): configs/default.toml
+    (the embedded default written out) trains exactly that row's setting."""
+    spec = load_bench(REPO / "benchmarks" / "configs" / "paper_decomposition.toml")
+    row = next(
+        r for r in spec.runs if r.name == "dilocox-topk-d05-h12-overlap7-local-residual-decay1-lr3e-3-drain-own-payload"
+    )
+    measured = to_dict(load_config(REPO / "configs" / "default.toml", row.overrides))
+    shipped = to_dict(load_config(REPO / "configs" / "default.toml"))
+    embedded = to_dict(load_config(None, [f"--preset={DEFAULT_PRESET}"]))
+    for section in ("model", "data", "train", "topology", "sync", "compression"):
+        assert shipped[section] == measured[section] == embedded[section], section
+    assert shipped["network"] == embedded["network"] and shipped["eval"] == embedded["eval"]
+
+
+def test_configs_paper_toml_is_the_paper_preset_on_the_default_setting():
+    paper = load_config(REPO / "configs" / "paper.toml")
+    default = load_config(REPO / "configs" / "default.toml", ["--preset=paper"])
+    assert to_dict(dataclasses.replace(paper, run=default.run)) == to_dict(default)
+    assert (paper.sync.outer_lr, paper.sync.outer_momentum, paper.sync.merge) == (0.7, 0.9, "keep_local")
