@@ -40,7 +40,7 @@ from dilocox.sync.config import (
     fit_kind_defaults,
 )
 
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "muon")
 """`train.optimizer`: the inner optimizer."""
 DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 """`train.dtype`: the autocast dtype of the forward pass (fp32: no autocast)."""
@@ -112,13 +112,17 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     """The cosine schedule decays the inner learning rate to lr x min_lr_ratio at the last step."""
     optimizer: str = "adamw"
-    """Inner optimizer: adamw, or sgd (plain, for equivalence checks)."""
+    """Inner optimizer: adamw; muon (MuLoCo: Muon on the blocks' matrices, AdamW on the rest); sgd (plain)."""
     weight_decay: float = 0.1
-    """AdamW weight decay."""
+    """Decoupled weight decay of AdamW (optimizer = muon: of Muon too, per step lr x weight_decay on each)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
     """AdamW beta2."""
+    muon_lr: float = 4e-3
+    """optimizer = muon: Muon's peak learning rate, on train.lr's schedule; its steps have AdamW's RMS at equal lr."""
+    muon_momentum: float = 0.95
+    """optimizer = muon: Muon's (Nesterov) momentum."""
     grad_clip: float = 1.0
     """Clip the gradient norm to this value before every inner step; 0 disables clipping."""
     dtype: str = "fp32"
@@ -300,6 +304,10 @@ class Config:
             raise ValueError(f"train.min_lr_ratio = {self.train.min_lr_ratio} must be in [0, 1]")
         if not 0.0 <= self.train.beta1 < 1.0 or not 0.0 <= self.train.beta2 < 1.0:
             raise ValueError(f"train.beta1/beta2 = {self.train.beta1}/{self.train.beta2} must be in [0, 1)")
+        if self.train.muon_lr <= 0:
+            raise ValueError(f"train.muon_lr = {self.train.muon_lr} must be > 0")
+        if not 0.0 <= self.train.muon_momentum < 1.0:
+            raise ValueError(f"train.muon_momentum = {self.train.muon_momentum} must be in [0, 1)")
         if not 0.0 < self.data.val_fraction <= 0.5:
             raise ValueError(f"data.val_fraction = {self.data.val_fraction} must be in (0, 0.5]")
         if self.data.split_seed < -1:
