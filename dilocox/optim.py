@@ -43,9 +43,9 @@ def split_muon_parameters(
 class MuonAdamW(torch.optim.Optimizer):
     """`torch.optim.Muon` over `muon_params` and `torch.optim.AdamW` over `adamw_params`, stepped as one optimizer.
 
-    optimizer = MuonAdamW(matrices, others, lr=2e-3, muon_lr=4e-3)   # the trainer's `train.optimizer = muon`
-    optimizer.muon.param_groups[0]["lr"] = ...                        # Muon's groups come first in param_groups
-    state = optimizer.state_dict(); optimizer.load_state_dict(state)  # one state dict for both
+        optimizer = MuonAdamW(matrices, others, lr=2e-3, muon_lr=2e-3)   # train.optimizer = muon
+        optimizer.muon.param_groups[0]["lr"] = ...                        # Muon's group comes first in param_groups
+        state = optimizer.state_dict(); optimizer.load_state_dict(state)  # one state dict for both
 
     A `torch.optim.Optimizer` in its own right, so that whatever drives an inner optimizer (`OuterSync`'s step
     hook, gradient clipping before `step`, `state.clear()` when the guard heals a cluster, checkpoints) sees one:
