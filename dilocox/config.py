@@ -119,6 +119,7 @@ class TrainConfig:
     """AdamW beta1."""
     beta2: float = 0.95
     """AdamW beta2."""
+    # the best of 2e-3 / 4e-3 / 8e-3 with AllReduce on the gap protocol, seed 0 (docs/results.md, MuLoCo)
     muon_lr: float = 4e-3
     """optimizer = muon: Muon's peak learning rate, on train.lr's schedule; its steps have AdamW's RMS at equal lr."""
     muon_momentum: float = 0.95

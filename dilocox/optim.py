@@ -43,7 +43,7 @@ def split_muon_parameters(
 class MuonAdamW(torch.optim.Optimizer):
     """`torch.optim.Muon` over `muon_params` and `torch.optim.AdamW` over `adamw_params`, stepped as one optimizer.
 
-        optimizer = MuonAdamW(matrices, others, lr=2e-3, muon_lr=2e-3)   # train.optimizer = muon
+        optimizer = MuonAdamW(matrices, others, lr=2e-3, muon_lr=4e-3)   # train.optimizer = muon
         optimizer.muon.param_groups[0]["lr"] = ...                        # Muon's group comes first in param_groups
         state = optimizer.state_dict(); optimizer.load_state_dict(state)  # one state dict for both
 
