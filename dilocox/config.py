@@ -42,7 +42,7 @@ SHARD_MODES: tuple[str, ...] = get_args(ShardMode)
 PipelineSchedule = Literal["gpipe", "1f1b"]
 """`train.pipeline_schedule`: the schedules `PipelineRunner` runs."""
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
-Optimizer = Literal["adamw", "sgd"]
+Optimizer = Literal["adamw", "sgd", "muon"]
 """`train.optimizer`: the inner optimizer."""
 OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 Dtype = Literal["fp32", "bf16"]
@@ -132,13 +132,18 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     """The cosine schedule decays the inner learning rate to lr x min_lr_ratio at the last step."""
     optimizer: Optimizer = "adamw"
-    """Inner optimizer: adamw, or sgd (plain, for equivalence checks)."""
+    """Inner optimizer: adamw; muon (MuLoCo: Muon on the blocks' matrices, AdamW on the rest); sgd (plain)."""
     weight_decay: float = 0.1
-    """AdamW weight decay."""
+    """Decoupled weight decay of AdamW (optimizer = muon: of Muon too, per step lr x weight_decay on each)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
     """AdamW beta2."""
+    # the best of 2e-3 / 4e-3 / 8e-3 with AllReduce on the gap protocol, seed 0 (docs/results.md, MuLoCo)
+    muon_lr: float = 4e-3
+    """optimizer = muon: Muon's peak learning rate, on train.lr's schedule; its steps have AdamW's RMS at equal lr."""
+    muon_momentum: float = 0.95
+    """optimizer = muon: Muon's (Nesterov) momentum."""
     grad_clip: float = 1.0
     """Clip the gradient norm to this value before every inner step; 0 disables clipping."""
     dtype: Dtype = "fp32"
@@ -313,6 +318,10 @@ class Config:
             raise ValueError(f"train.min_lr_ratio = {self.train.min_lr_ratio} must be in [0, 1]")
         if not 0.0 <= self.train.beta1 < 1.0 or not 0.0 <= self.train.beta2 < 1.0:
             raise ValueError(f"train.beta1/beta2 = {self.train.beta1}/{self.train.beta2} must be in [0, 1)")
+        if self.train.muon_lr <= 0:
+            raise ValueError(f"train.muon_lr = {self.train.muon_lr} must be > 0")
+        if not 0.0 <= self.train.muon_momentum < 1.0:
+            raise ValueError(f"train.muon_momentum = {self.train.muon_momentum} must be in [0, 1)")
         if not 0.0 < self.data.val_fraction <= 0.5:
             raise ValueError(f"data.val_fraction = {self.data.val_fraction} must be in (0, 0.5]")
         if self.data.split_seed < -1:

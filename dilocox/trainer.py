@@ -33,6 +33,7 @@ from dilocox.net.channel import WanChannel
 from dilocox.net.json_gather import all_gather_json
 from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.net.watchdog import JobStore, Watchdog
+from dilocox.optim import MuonAdamW, inner_state_bytes, split_muon_parameters
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
 from dilocox.parallel.pipeline import mean_token_cross_entropy
 from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync, heal_state_bound
@@ -148,21 +149,49 @@ def configure_compute(model: Decoder, cfg: Config) -> None:
             block.compile()
 
 
-def lr_at(cfg: Config, step: int) -> float:
-    """Inner learning rate of 0-based step `step`: linear warm-up, then cosine decay to lr x min_lr_ratio."""
+def lr_at(cfg: Config, step: int, *, peak: float | None = None) -> float:
+    """Inner learning rate of 0-based step `step`: linear warm-up to `peak` (train.lr unless given), then cosine
+    decay to peak x min_lr_ratio."""
     t = cfg.train
+    peak = t.lr if peak is None else peak
     if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
+        return peak * (step + 1) / t.warmup_steps
     span = max(1, t.steps - t.warmup_steps - 1)
     progress = min(1.0, (step - t.warmup_steps) / span)
-    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return peak * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_inner_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+def set_inner_lr(optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> None:
+    """Put step `step`'s learning rate in every group of the inner optimizer: `lr_at`, and for `MuonAdamW`'s Muon
+    group the same schedule from train.muon_lr."""
+    lr = lr_at(cfg, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    if isinstance(optimizer, MuonAdamW):
+        muon_lr = lr_at(cfg, step, peak=cfg.train.muon_lr)
+        for group in optimizer.muon.param_groups:
+            group["lr"] = muon_lr
+
+
+def build_inner_optimizer(cfg: Config, model: Decoder) -> torch.optim.Optimizer:
+    """`train.optimizer` over the stage's parameters: AdamW (norms and biases not decayed), plain SGD, or Muon on
+    the blocks' matrices with AdamW on the rest (`MuonAdamW`, split per stage by `split_muon_parameters`)."""
     t = cfg.train
     if t.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=t.lr)
     on_gpu = next(model.parameters()).device.type == "cuda"
+    if t.optimizer == "muon":
+        muon, adamw = split_muon_parameters(model)
+        return MuonAdamW(
+            [p for _, p in muon],
+            [p for _, p in adamw],
+            lr=t.lr,
+            muon_lr=t.muon_lr,
+            weight_decay=t.weight_decay,
+            betas=(t.beta1, t.beta2),
+            muon_momentum=t.muon_momentum,
+            fused=True if on_gpu else None,
+        )
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms and biases are not decayed
     return torch.optim.AdamW(
@@ -431,9 +460,7 @@ class Trainer:
         self.sync.reduce_gradients()
         if self.cfg.train.grad_clip > 0:
             clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip, pp_group=self.groups.pp_group)
-        lr = lr_at(self.cfg, self.step)
-        for group in self.inner_optimizer.param_groups:
-            group["lr"] = lr
+        set_inner_lr(self.inner_optimizer, self.cfg, self.step)
         self.inner_optimizer.step()
         self.inner_optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -694,9 +721,8 @@ class Trainer:
     def state_bytes(self) -> dict[str, int]:
         """Bytes of this rank's training state: its stage's parameters, gradients, inner and outer optimizer state
         (optimizer states counted at their full size even before the first step allocates them)."""
-        numel = sum(p.numel() for p in self.model.parameters())
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        inner = 2 * 4 * numel if self.cfg.train.optimizer == "adamw" else 0  # AdamW: two fp32 moments
+        inner = inner_state_bytes(self.inner_optimizer)
         outer = self.sync.state_bytes()
         outer_on_host = self.cfg.sync.outer_state_device == "cpu" and self.device.type != "cpu"
         return {

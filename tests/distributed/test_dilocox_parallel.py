@@ -1,4 +1,5 @@
-"""`dilocox` (sync_delay 1, int4 payloads) inside clusters of 2 data-parallel replicas, and of 2 pipeline stages.
+"""`dilocox` (sync_delay 1, int4 payloads) inside clusters of 2 data-parallel replicas, and of 2 pipeline stages,
+with AdamW and with Muon (`train.optimizer = muon`) as the inner optimizer.
 
 Each case runs the Trainer on 4 gloo ranks, straight for 3 rounds and again resumed from the checkpoint of round 2,
 whose sync is still in flight (launched, not applied). Checked: replicas and clusters agree on the outer params at
@@ -39,6 +40,15 @@ COMMON = [
     "--checkpoint.keep=5",
     "--metrics.progress=false",
 ]
+
+
+VARIANTS = {
+    "dp": ["--topology.dp_degree=2"],
+    "pp": ["--topology.pp_degree=2"],
+    # MuLoCo: Muon on each stage's block matrices, AdamW on the rest; the pipeline one under bf16 autocast
+    "dp-muon": ["--topology.dp_degree=2", "--train.optimizer=muon"],
+    "pp-muon-bf16": ["--topology.pp_degree=2", "--train.optimizer=muon", "--train.dtype=bf16"],
+}
 
 
 def int4_nbytes(numel: int) -> int:
@@ -85,7 +95,7 @@ def _one_run(cfg, rank, data, run_dir: Path, resume: Path | None = None) -> dict
 
 def _all_runs(rank, world_size, data, root):
     out = {}
-    for name, overrides in {"dp": ["--topology.dp_degree=2"], "pp": ["--topology.pp_degree=2"]}.items():
+    for name, overrides in VARIANTS.items():
         cfg = config(root / CORPUS, *overrides)
         straight = _one_run(cfg, rank, data, root / name / "straight")
         checkpoint = root / name / "straight" / "checkpoints" / f"step_{2 * H:08d}"
@@ -111,7 +121,7 @@ def runs(tmp_path_factory):
     (root / CORPUS).write_text("\n".join(lines) + "\n")
     data = prepare_data(config(root / CORPUS))
     ranks = run_ranks(_all_runs, 4, args=(data, root))
-    return {name: [rank[name] for rank in ranks] for name in ("dp", "pp", "unsplit")}
+    return {name: [rank[name] for rank in ranks] for name in (*VARIANTS, "unsplit")}
 
 
 def check_agreement_and_resume(results, *, stage_of, replica_of) -> None:
@@ -188,3 +198,16 @@ def test_dilocox_with_two_pipeline_stages_per_cluster(runs):
     difference = torch.cat([(staged[name] - value).reshape(-1) for name, value in whole.items()])
     moved = torch.cat([(value - initial[name]).reshape(-1) for name, value in whole.items()])
     assert difference.norm() < 1e-2 * moved.norm()  # measured: 1.3e-4
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("name", "adamw"), [("dp-muon", "dp"), ("pp-muon-bf16", "pp")])
+def test_muon_inner_optimizer_with_dp_replicas_and_pipeline_stages(runs, name, adamw):
+    """train.optimizer = muon (per-stage split, one state dict for Muon and AdamW): replicas and clusters agree
+    as with AdamW, the resumed run ends bit for bit where the straight one does, and the same bytes cross the slow
+    link; the parameters are not AdamW's, so Muon did step them."""
+    results = runs[name]
+    check_agreement_and_resume(results, stage_of=lambda c: c.pp, replica_of=lambda c: (c.cluster, c.pp))
+    for (straight, _), (with_adamw, _) in zip(results, runs[adamw], strict=True):
+        assert straight["bytes"] == with_adamw["bytes"]
+        assert not torch.equal(straight["outer"], with_adamw["outer"])
