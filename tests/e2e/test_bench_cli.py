@@ -49,6 +49,17 @@ def test_bench_quick_runs_every_run_per_seed_tabulates_and_pairs_the_gaps(tmp_pa
     assert (out / "loss_vs_tokens_seeds.png").stat().st_size > 10_000  # mean and min-max band per run
     assert dilocox("bench", "--seeds", "0", "--quick").returncode == 2
 
+    # --resume: a third seed trains, the two finished ones are read back, untouched
+    finished = {d: (out / "runs" / d / "summary.json").stat().st_mtime_ns for d in ("allreduce", "allreduce.seed1")}
+    result = dilocox("bench", REPO / "benchmarks" / "configs" / "default.toml", "--quick", "--only", "allreduce",
+                     "--seeds", "3", "--resume", "--out", out, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("holds a finished run of these settings") == 2
+    assert {d: (out / "runs" / d / "summary.json").stat().st_mtime_ns for d in finished} == finished
+    assert json.loads((out / "runs" / "allreduce.seed2" / "summary.json").read_text())["run_seed"] == 2
+    rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert rows["allreduce"]["num_seeds"] == 3 and rows["diloco"]["num_seeds"] == 2
+
 
 @pytest.mark.timeout(900)  # the bench's own limits: about 3.5 minutes on 2 idle cores, more when they are shared
 def test_bench_quick_paper_regime_produces_a_complete_table(tmp_path):

@@ -447,3 +447,30 @@ def test_a_partial_paper_rerun_without_the_run_directories_is_refused_before_it_
     assert err.count("\n") == 1
     assert "['no-communication', 'allreduce'] have none here" in err
     assert sorted(p.name for p in out.iterdir()) == ["results.json"]  # nothing ran, nothing was written
+
+
+def test_resume_keeps_only_a_finished_run_of_exactly_the_settings_it_would_train(tmp_path):
+    """`--resume` reads back a seed whose config.toml resolves to the settings this run would train (where it wrote
+    and how it printed aside), and trains again one that never finished, or ran other settings or another seed."""
+    from dilocox.config import to_toml
+    from dilocox.tools.bench.runs import same_finished_run, seed_overrides
+
+    spec = load_bench(REPO / "benchmarks" / "configs" / "default.toml")
+    run = next(r for r in spec.runs if r.name == "diloco")
+
+    def run_dir_of(overrides, name, *, finished=True):
+        cfg = load_config(spec.base, [*overrides, f"--run.out_dir={tmp_path / name}", "--metrics.progress=true"])
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.toml").write_text(to_toml(cfg))
+        if finished:
+            (tmp_path / name / "summary.json").write_text("{}")
+        return tmp_path / name
+
+    same = run_overrides(spec, run, False)
+    assert same_finished_run(spec, run, run_dir_of(same, "done"), quick=False, extra=[])
+    assert not same_finished_run(spec, run, run_dir_of(same, "stopped", finished=False), quick=False, extra=[])
+    assert not same_finished_run(spec, run, run_dir_of([*same, "--sync.outer_lr=0.5"], "other"), quick=False,
+                                 extra=[])  # fmt: skip
+    assert not same_finished_run(spec, run, run_dir_of(same, "seed0"), quick=False, extra=seed_overrides(0, 1))
+    assert not same_finished_run(spec, run, run_dir_of(same, "quick"), quick=True, extra=[])
+    assert not same_finished_run(spec, run, tmp_path / "missing", quick=False, extra=[])

@@ -1,5 +1,5 @@
 """`dilocox bench [CONFIG] [--out DIR] [--quick] [--only a,b] [--regime paper] [--seeds N] [--timing-repeats N]
-[--retime]`: arguments, exit codes."""
+[--retime] [--resume]`: arguments, exit codes."""
 
 from __future__ import annotations
 
@@ -78,6 +78,12 @@ def _parser() -> ToolParser:
         help="paper regime: re-run only the timed runs (of --only's runs and the reference) on the earlier link; "
         "the convergence runs on disk stay",
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep every seed whose run directory already holds a finished run of the same settings (its config.toml "
+        "and summary.json): a bench stopped halfway goes on where it stopped",
+    )
     return parser
 
 
@@ -96,6 +102,7 @@ def main(argv: list[str]) -> int:
             seeds=args.seeds,
             timing_repeats=args.timing_repeats,
             retime=args.retime,
+            resume=args.resume,
         )
     except SystemExit as exc:  # --help
         return int(exc.code or 0)

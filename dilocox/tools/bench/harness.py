@@ -45,6 +45,7 @@ def run_bench(
     seeds: int = 1,
     timing_repeats: int | None = None,
     retime: bool = False,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Run every run of the bench file (or those named in `only`), then write the table, JSON and plots.
 
@@ -52,7 +53,9 @@ def run_bench(
     run (each convergence run in the paper regime) with run.seed, run.seed + 1, ...; rows report the mean and the
     spread over seeds, and gaps paired seed by seed (`results.compare`). Paper regime only: `timing_repeats` (default
     the bench file's `timing_repeats`, 1 under `quick`) times each timed run that many times, and `retime` re-runs
-    only the timed runs, for the convergence runs on disk (`run_paper_regime`)."""
+    only the timed runs, for the convergence runs on disk (`run_paper_regime`). `resume` keeps each seed of a
+    run (a convergence run in the paper regime; timed runs always run again) whose run directory holds a finished run
+    of the same settings (`runs.same_finished_run`)."""
     if seeds < 1:
         raise ValueError(f"--seeds {seeds} must be >= 1")
     if timing_repeats is not None and timing_repeats < 1:
@@ -73,12 +76,12 @@ def run_bench(
     if spec.regime == "paper":  # makes out_dir itself, after checking what --retime needs from it
         repeats = timing_repeats if timing_repeats is not None else 1 if quick else spec.timing_repeats
         results = run_paper_regime(spec, selected, out_dir, quick=quick, seeds=seeds, base_seed=base_seed,
-                                   timing_repeats=repeats, retime=retime)  # fmt: skip
+                                   timing_repeats=repeats, retime=retime, resume=resume)  # fmt: skip
     else:
         out_dir.mkdir(parents=True, exist_ok=True)
         for index, run in enumerate(selected, 1):
             train_seeds(spec, run, out_dir / "runs", out_dir, quick=quick, seeds=seeds, base_seed=base_seed,
-                        tag=f"[{index}/{len(selected)}]")  # fmt: skip
+                        tag=f"[{index}/{len(selected)}]", resume=resume)  # fmt: skip
         on_disk = [r.name for r in spec.runs if has_summary(out_dir / "runs" / r.name)]
         results = collect(spec, out_dir, on_disk, kept_rows(spec, out_dir, quick=quick, exclude=on_disk))
         results["quick"] = quick

@@ -111,6 +111,7 @@ def run_paper_regime(
     base_seed: int = 0,
     timing_repeats: int = 1,
     retime: bool = False,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """DiLoCoX's comparison in the paper's regime (docs/planner.md, "The paper regime"), in three steps; returns the
     results (`run_bench` writes them):
@@ -164,7 +165,7 @@ def run_paper_regime(
     total = len(runs) + len(timed_runs) * timing_repeats
     for index, run in enumerate(runs, 1):  # every seed of the convergence runs; one timed run each (below)
         train_seeds(spec, run, out_dir / "runs", out_dir, quick=quick, seeds=seeds, base_seed=base_seed,
-                    extra=LINK_OFF, tag=f"[{index}/{total}] link off:")  # fmt: skip
+                    extra=LINK_OFF, tag=f"[{index}/{total}] link off:", resume=resume)  # fmt: skip
     ref_dir = out_dir / "runs" / NO_COMM_RUN
     ref = RunSummary.read(ref_dir)
     if reuse:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+from dilocox.config import load_config, to_dict
 from dilocox.fileio import write_atomic
 from dilocox.metrics import SUMMARY_FILE, RunSummary
 from dilocox.tools.bench.spec import BenchRun, BenchSpec, run_overrides
@@ -50,6 +52,28 @@ def finished_seeds(runs_dir: Path, name: str) -> list[int]:
 def has_summary(run_dir: Path) -> bool:
     """Whether the run in `run_dir` finished (a run writes its summary last)."""
     return (run_dir / SUMMARY_FILE).exists()
+
+
+WHERE_AND_HOW = (("run", "out_dir"), ("run", "overwrite"), ("metrics", "progress"))
+"""The settings of a bench run that say where it wrote and how it printed, not what it computed."""
+
+
+def same_finished_run(spec: BenchSpec, run: BenchRun, run_dir: Path, *, quick: bool, extra: Sequence[str]) -> bool:
+    """Whether `run_dir` holds a finished run (its summary.json) whose resolved config (its config.toml) is the one
+    this run would train now, but for `WHERE_AND_HOW`: what `--resume` keeps instead of training it again."""
+    if not has_summary(run_dir):
+        return False
+    with warnings.catch_warnings():  # a renamed key or a kind without its preset warns once, at training time
+        warnings.simplefilter("ignore")
+        try:
+            done = to_dict(load_config(run_dir / "config.toml"))
+        except (OSError, ValueError):  # no config.toml, or one this version cannot read: train it again
+            return False
+        wanted = to_dict(load_config(spec.base, [*run_overrides(spec, run, quick), *extra]))
+    for section, key in WHERE_AND_HOW:
+        done[section].pop(key, None)
+        wanted[section].pop(key, None)
+    return done == wanted
 
 
 def train_run(
@@ -92,16 +116,20 @@ def train_seeds(
     base_seed: int,
     extra: Sequence[str] = (),
     tag: str = "",
+    resume: bool = False,
 ) -> list[RunSummary]:
-    """`train_run` once per seed (`seed_run_dir`, `seed_overrides`); logs go to OUT/NAME.log, OUT/NAME.seedK.log."""
+    """`train_run` once per seed (`seed_run_dir`, `seed_overrides`); logs go to OUT/NAME.log, OUT/NAME.seedK.log.
+    `resume`: a seed whose run directory already holds a finished run of the same settings (`same_finished_run`)
+    is read back instead of trained again."""
     summaries = []
     for index in range(seeds):
         run_dir = seed_run_dir(runs_dir, run.name, index)
         log = out_dir / f"{run_dir.name}.log"
         seed_tag = f"{tag} seed {base_seed + index}:" if seeds > 1 else tag
-        summaries.append(
-            train_run(
-                spec, run, run_dir, log, quick=quick, extra=[*extra, *seed_overrides(base_seed, index)], tag=seed_tag
-            )  # fmt: skip
-        )
+        seed_extra = [*extra, *seed_overrides(base_seed, index)]
+        if resume and same_finished_run(spec, run, run_dir, quick=quick, extra=seed_extra):
+            print(f"{seed_tag} {run.name}: kept, {run_dir} holds a finished run of these settings", flush=True)
+            summaries.append(RunSummary.read(run_dir))
+            continue
+        summaries.append(train_run(spec, run, run_dir, log, quick=quick, extra=seed_extra, tag=seed_tag))
     return summaries
