@@ -25,8 +25,8 @@ from dilocox.tools.bench.spec import MIN_STEADY_STEPS, BenchRun, BenchSpec, run_
 NO_COMM_RUN = "no-communication"
 """The reference the paper regime adds: every cluster trains alone (one sync at the very end), link off."""
 WINDOW_FILE = "window_inner_steps.txt"
-"""In the no-communication run's timed directory: the H of the window it was timed on (without it, as before
-2026-11-24: 2H + 1 steps)."""
+"""In the no-communication run's timed directory: the H of the window it was timed on (without it, where no
+outer-loop run was timed: its steps are 2H + 1)."""
 LINK_OFF = ["--network.bandwidth=unlimited", "--network.latency=0"]
 """Overrides of the convergence runs: loss does not depend on the bandwidth, so they run without the link."""
 
@@ -287,7 +287,7 @@ def timed_figures(run_dirs: list[Path], *, reference: bool = False) -> dict[str,
     run's steady window, and of the share of link time hidden there; the per-run tokens/s as well.
 
     `reference`: the no-communication run, whose window is the first outer-loop run's (its `WINDOW_FILE`; without
-    it, as before 2026-11-24, (steps - 1) // 2)."""
+    it, where no outer-loop run was timed, H = (steps - 1) // 2)."""
     tokens_per_s, hidden, wall_s, steps = [], [], [], []
     for run_dir in run_dirs:
         summary = RunSummary.read(run_dir)

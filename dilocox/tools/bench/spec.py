@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dilocox.config import read_toml
+from dilocox.config import load_config, read_toml
 
 MIN_STEADY_STEPS = 48
 """The paper regime: the fewest steps the steady window of an outer-loop run spans (whole rounds): one 12-step
@@ -131,13 +131,8 @@ QUICK_OVERLAP_STEPS = 2
 
 def run_overrides(spec: BenchSpec, run: BenchRun, quick: bool) -> list[str]:
     """The `dilocox train` overrides of one run: the bench's, then `--quick`'s, then the run's own (under `--quick`
-    a nonzero `sync.overlap_steps` becomes `QUICK_OVERLAP_STEPS`)."""
-    own = list(run.overrides)
-    if quick:
-        own = [
-            f"--sync.overlap_steps={QUICK_OVERLAP_STEPS}"
-            if flag.startswith("--sync.overlap_steps=") and flag != "--sync.overlap_steps=0"
-            else flag
-            for flag in own
-        ]
-    return [*spec.overrides, *(QUICK_OVERRIDES if quick else []), *own]
+    a nonzero `sync.overlap_steps`, whether a flag or a preset sets it, becomes `QUICK_OVERLAP_STEPS`)."""
+    flags = [*spec.overrides, *(QUICK_OVERRIDES if quick else []), *run.overrides]
+    if quick and load_config(spec.base, flags).sync.overlap_steps > 0:
+        flags.append(f"--sync.overlap_steps={QUICK_OVERLAP_STEPS}")
+    return flags
