@@ -483,10 +483,11 @@ def test_a_cluster_that_sends_sign_flipped_updates_is_left_out_of_every_round_it
 
 def test_an_outer_adamw_trains_from_the_cli_and_the_drain_it_cannot_take_is_refused_in_one_line(tmp_path):
     """--sync.outer_optimizer=adamw: the debug run learns, its clusters end with the same outer params, and the
-    checkpoint holds AdamW's moments. dilocox's drained residual assumes an SGD step, so with adamw it is refused."""
+    checkpoint holds AdamW's moments. The dilocox preset's drained residual assumes an SGD step, so with adamw it is
+    refused."""
     run_dir = tmp_path / "adamw"
-    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--sync.kind=dilocox",
-                     "--sync.outer_optimizer=adamw", "--sync.outer_lr=0.01", "--sync.drain_residual=false")  # fmt: skip
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--preset=dilocox",
+                     "--sync.outer_optimizer=adamw", "--sync.outer_lr=0.03", "--sync.drain_residual=false")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
@@ -495,7 +496,7 @@ def test_an_outer_adamw_trains_from_the_cli_and_the_drain_it_cannot_take_is_refu
     assert len(states) == 2 and torch.equal(states[0]["outer_params"], states[1]["outer_params"])
     assert {"exp_avg", "exp_avg_sq"} <= set(states[0]["outer_optimizer"]["state"][0])
     refused = tmp_path / "refused"
-    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={refused}", "--sync.kind=dilocox",
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={refused}", "--preset=dilocox",
                      "--sync.outer_optimizer=adamw", timeout=60)  # fmt: skip
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
     assert result.stderr.startswith("dilocox: error: sync.drain_residual = true adds the drained residual")
