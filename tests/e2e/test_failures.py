@@ -22,7 +22,9 @@ from tests.e2e.helpers import (
 
 pytestmark = pytest.mark.e2e
 
-FAST_WATCHDOG = ["--network.heartbeat=0.5s", "--network.stall_timeout=5s"]
+FAST_WATCHDOG = ["--network.heartbeat=0.5s", "--network.stall_timeout=20s"]
+"""Quicker than the defaults, yet long enough that a machine loaded several times over is not taken for a stall
+(torchrun's store went 11 s without an answer while two test suites and a benchmark shared 2 cores)."""
 
 
 def _complete_checkpoints(run_dir: Path) -> dict[Path, bytes]:
@@ -70,7 +72,7 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout_and_every_rank_exits(t
         lines = [line for line in stderr.splitlines() if line.startswith("dilocox:")]
         assert len(lines) == 2, stderr[-3000:]
         assert lines[0].startswith("dilocox: error: rank 1 (cluster 1, dp 0, pp 0) has not sent a heartbeat for ")
-        assert lines[0].endswith("s (network.stall_timeout = 5s): it is stopped, hung or cut off; the run stops")
+        assert lines[0].endswith("s (network.stall_timeout = 20s): it is stopped, hung or cut off; the run stops")
         assert lines[1].startswith(
             "dilocox: a rank stopped sending heartbeats (named above): all 2 ranks stopped, exit 4"
         )
