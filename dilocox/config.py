@@ -412,20 +412,22 @@ class Config:
         refused = [  # (what, whether this config has it, the fix)
             (f"sync.kind = {self.sync.kind}", not self.sync.has_outer_loop, "use sync.kind = dilocox or diloco"),
             (
-                f"topology.dp_degree x pp_degree = {t.dp_degree} x {t.pp_degree}",
-                t.dp_degree * t.pp_degree > 1,
-                "use one rank per cluster (dp_degree = pp_degree = 1)",
+                "sync.fit_link = true",
+                self.sync.fit_link,
+                "each cluster would size H from its own link and end its rounds at other steps than its peers, while "
+                "every quorum meets at one round boundary; leave sync.fit_link off (H stays fixed)",
             ),
-            ("sync.fit_link = true", self.sync.fit_link, "leave sync.fit_link off (H stays fixed)"),
             (
                 f"sync.overlap_steps = {self.sync.overlap_steps}",
                 self.sync.overlap_steps > 0,
-                "use 0 (each average lands at the end of the next round)",
+                "an average landing inside a round would need a quorum there; use 0 (each average lands at the end of "
+                "the next round)",
             ),
             (
                 "compression.reduction = scalable",
                 self.compression.kind != "none" and self.compression.reduction == "scalable",
-                "use compression.reduction = gather",
+                "its shared warm starts are state every cluster keeps alike, which a cluster healed from a peer does "
+                "not receive; use compression.reduction = gather",
             ),
             (
                 f"faults.kind = {self.faults.kind}",

@@ -375,6 +375,7 @@ class Trainer:
             heal_max_bytes=heal_state_bound(cfg.sync, sum(p.numel() for p in self.model.parameters())),
             config_fingerprint=settings_fingerprint(settings),
             shared_settings=settings,
+            cluster_group=dist.group.WORLD,  # each cluster is its own world: its stages x replicas
         )
 
     # ---------------------------------------------------------------------------------------------- state
@@ -585,10 +586,12 @@ class Trainer:
         joined = self.sync.rejoin()
         if self.on_joined is not None:
             self.on_joined()
-        if joined is not None:
-            step, _ = joined
-            self.step = self._last_checkpoint_step = step
-            self.stream.skip_batches(step)  # this process's stream is fresh: at step 0
+        if joined is None:
+            return None
+        step, _ = joined
+        self.step = self._last_checkpoint_step = step
+        self.stream.skip_batches(step)  # this process's stream is fresh: at step 0
+        if self.coords.dp == 0 and self.coords.pp == 0:  # one line per cluster
             print(
                 f"dilocox: elastic: cluster {self.coords.cluster} rejoined at step {step} (outer step "
                 f"{self.sync.outer_step}), healed from a live peer",
@@ -598,20 +601,27 @@ class Trainer:
 
     def _write_membership_record(self, joined: tuple[int, str] | None) -> None:
         """elastic/cluster{c}.json: how this process of the cluster ended (its outer params' digest, whether it healed
-        from a peer or loaded a checkpoint), so a run's clusters can be compared bit for bit."""
+        from a peer or loaded a checkpoint), so a run's clusters can be compared bit for bit. Every rank of the
+        cluster calls it (the stages' digests meet); its first rank writes it."""
         import hashlib
         import json
 
         from dilocox.fileio import write_atomic
 
+        outer = self.sync.outer_params.detach().cpu().contiguous()
+        stage_sha256 = hashlib.sha256(outer.numpy().tobytes()).hexdigest()
+        if self.num_stages > 1:  # the cluster's world is gloo whatever the fast groups' backend: every stage's digest
+            by_stage = dict(all_gather_json([self.coords.pp, stage_sha256], group=dist.group.WORLD, max_bytes=1024))
+            stages = [by_stage[stage] for stage in range(self.num_stages)]
+            stage_sha256 = hashlib.sha256(" ".join(stages).encode()).hexdigest()
         if self.coords.dp != 0 or self.coords.pp != 0:  # one record per cluster
             return
-        outer = self.sync.outer_params.detach().cpu().contiguous()
         record = {
             "cluster": self.coords.cluster,
             "step": self.step,
             "outer_step": self.sync.outer_step,
-            "outer_params_sha256": hashlib.sha256(outer.numpy().tobytes()).hexdigest(),
+            # one stage: its outer params' bytes; several: the digest of the stages' digests, in stage order
+            "outer_params_sha256": stage_sha256,
             "healed_from_peer": joined is not None,
             "rejoined_at_step": None if joined is None else joined[0],
             "last_round_clusters": list(self.sync.last_clusters),

@@ -353,6 +353,7 @@ class DiLoCoSync:
         round_index: int | None = None,
         judge_link: bool = True,
         judge_mean: bool = True,
+        blocked_from: float | None = None,
     ) -> tuple[torch.Tensor, RoundStats]:
         """The averaged pseudo-gradient of a launched sync, judged by the guard, with the link time it took and the
         part that was hidden. Takes no outer step.
@@ -361,12 +362,14 @@ class DiLoCoSync:
         `round_index`: the round that launched it (1-based), for the guard's messages; `judge_link`: whether a
         link slower than the compute since the launch deserves the slow-link warning; `judge_mean`: whether the
         summing reductions' guard judges the mean against recent rounds' (not for the drain, whose residual is no
-        round's pseudo-gradient)."""
+        round's pseudo-gradient); `blocked_from`: when the wait began, on the channel's clock, if the caller already
+        waited for the transfer itself (an elastic cluster's ranks vote on it before the fast collectives)."""
         round_steps = self.inner_steps if round_steps is None else round_steps
         round_index = self.outer_step if round_index is None else round_index
         clock = self.channel.clock  # the link's clock: real time, or a test's virtual seconds
-        compute_s = clock.now() - pending.transfer.launch_time
-        blocked_from = clock.now()
+        if blocked_from is None:
+            blocked_from = clock.now()
+        compute_s = blocked_from - pending.transfer.launch_time
         avg = pending.wait()
         skipped = False
         if self.cfg.guard:

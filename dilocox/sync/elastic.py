@@ -17,6 +17,7 @@ What the members of a boundary's quorum do with the sync in flight is `delayed_u
 from __future__ import annotations
 
 import datetime
+import enum
 import gc
 import json
 import time
@@ -62,7 +63,13 @@ class ElasticRound(Protocol):
     pending: PendingMean | None
 
     def wait_sync(
-        self, pending: PendingMean, *, round_steps: int | None, round_index: int | None, judge_link: bool
+        self,
+        pending: PendingMean,
+        *,
+        round_steps: int | None,
+        round_index: int | None,
+        judge_link: bool,
+        blocked_from: float | None = None,
     ) -> tuple[torch.Tensor, RoundStats]: ...
 
     def guard_snapshot(self) -> dict[str, Any]: ...
@@ -187,6 +194,68 @@ def confirm(*, group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
         group.allreduce([torch.zeros(1)], options).wait()
 
 
+class Branch(enum.IntEnum):
+    """The way a rank goes at one step of a boundary, ordered by severity: the ranks of a cluster take the most
+    severe one any of them saw (`ClusterVote`)."""
+
+    GO_ON = 0
+    """Nothing happened that changes the way (a transfer arrived, a quorum formed)."""
+    NOTHING = 1
+    """No member holds a sync in flight (`delayed_update_verdict`)."""
+    APPLY = 2
+    """Every member got the whole average in an unchanged quorum."""
+    REDO = 3
+    """The members that hold a share send it again over the new quorum."""
+    MEET_AGAIN = 4
+    """A restarted cluster is missing from the quorum at the end of training: meet again with it."""
+    FAILED = 5
+    """A collective of the round failed, or a member diverged: report it and settle in a new quorum."""
+    REJOIN = 6
+    """This cluster is cut off or holds other outer params: it stops, and heals once restarted."""
+
+
+_VERDICT_BRANCH = {NOTHING: Branch.NOTHING, APPLY: Branch.APPLY, REDO: Branch.REDO}
+
+
+class ClusterVote:
+    """The ranks of one cluster take the same branch at every step of an elastic boundary.
+
+    Each rank settles its own stage's sync (its slice, with several data-parallel replicas) with the same rank of the
+    other clusters, over a slow-link group of its own, so what one rank sees (a transfer that failed, a quorum that
+    did not form, a member that diverged) may differ from what another rank of its cluster sees. torchft meets all
+    ranks of a cluster at every quorum and commit, and the stages and replicas meet in the fast collectives that
+    follow a transfer, so a rank that went its own way would hold its whole cluster until network.timeout. Each rank
+    says its branch and all take the most severe (one MAX all-reduce of one value over the cluster's own group, on
+    the fast link). A cluster of one rank needs no vote.
+
+        vote = ClusterVote(membership.cluster_group)
+        branch = vote.most_severe(Branch.FAILED if failed else Branch.GO_ON)
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, *, cluster: int = 0) -> None:
+        self.group = group
+        self.cluster = cluster
+        self.size = 1 if group is None else group.size()
+
+    def most_severe(self, branch: Branch) -> Branch:
+        """The most severe of the cluster's ranks' `branch`es. A rank of this cluster that does not answer (it died or
+        hangs) stops this one too: its launcher restarts the whole cluster, which heals from a live peer."""
+        if self.size == 1:
+            return branch
+        assert self.group is not None
+        value = torch.tensor([int(branch)], dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        try:
+            self.group.allreduce([value], options).wait()
+        except RuntimeError as error:
+            raise RejoinRequired(
+                f"a rank of cluster {self.cluster} did not answer its cluster's vote ({error}); this rank stops, so "
+                "that its launcher restarts the whole cluster and it heals from a live peer"
+            ) from None
+        return Branch(int(value))
+
+
 def _forget_traceback(error: BaseException | None) -> None:
     """Drop the frames an exception keeps alive (a failed collective's frames hold its process group)."""
     while error is not None:
@@ -226,6 +295,8 @@ class ElasticRounds:
         """The quorum of the boundary being settled (its group carries this round's sync)."""
         self.boundary_quorum: Quorum | None = None
         """The quorum this boundary met in so far: a blocking sync's launch meets first, a delayed sync's settling."""
+        self.vote = ClusterVote(membership.cluster_group, cluster=membership.cluster)
+        """The ranks of this cluster (pp x dp) take the same branch at every step of the settling."""
 
     # ---------------------------------------------------------------------------------------------- boundaries
     def open_boundary(self, step: int | None) -> bool:
@@ -318,6 +389,8 @@ class ElasticRounds:
         quorum: Quorum | None,
         judge_link: bool,
     ) -> tuple[torch.Tensor, RoundStats] | None:
+        """Every step that can go another way on another rank passes through `self.vote`, so that the ranks of this
+        cluster (each settling its own stage and slice) fail, meet again, redo or apply together."""
         s = self.sync
         try:
             arrived = self._wait(due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
@@ -331,15 +404,20 @@ class ElasticRounds:
         deadline = time.monotonic() + self.membership.timeout.total_seconds()
         attempts = 0
         while attempts < SETTLE_ATTEMPTS:
+            failure: BaseException | None = None
             if quorum is None:
                 try:
                     quorum = self._next_quorum()
                 except RejoinRequired:
                     raise
                 except RuntimeError as error:  # torchft could not build its group (a member died as it formed)
+                    failure = error
+                if self.vote.most_severe(Branch.FAILED if failure else Branch.GO_ON) is Branch.FAILED:
                     attempts += 1
-                    self._fail(error, round_index)
+                    self._fail(failure or self._failed_elsewhere("the round's quorum", round_index), round_index)
+                    arrived, quorum = None, None
                     continue
+            assert quorum is not None
             ok = arrived is not None and self.pending_quorum == quorum.quorum_id
             mine = MemberReport(
                 holding=due is not None or self.others_hold,
@@ -348,32 +426,38 @@ class ElasticRounds:
                 digest=outer_digest(s.outer_params),
                 config=self.membership.config_fingerprint,
             )
+            branch, diverged = Branch.FAILED, []
             try:
                 reports = exchange_reports(mine, group=quorum.group, timeout=control)
             except RuntimeError as error:
-                attempts += 1
-                self._fail(error, round_index)
-                arrived, quorum = None, None
-                continue
-            self._check_configs(quorum, reports, mine)
-            if any(report.restart_missing for report in reports):
+                failure = error
+            else:
+                self._check_configs(quorum, reports, mine)
+                diverged = diverged_members([report.digest for report in reports])
+                branch = self._branch(reports, diverged, quorum)
+            branch = self.vote.most_severe(branch)
+            if branch is Branch.MEET_AGAIN:
                 # A cluster died so close to the end that its restart was marked after this quorum formed, or the
                 # restart asked to join just after it: meet again with it (not a failure, nothing was sent).
                 quorum = None
                 continue
-            diverged = diverged_members([report.digest for report in reports])
-            if diverged:
-                self._split(quorum, diverged, round_index)
+            if branch is Branch.REJOIN:
+                raise RejoinRequired(
+                    f"cluster {self.membership.cluster}'s outer params differ from those of its peers at step "
+                    f"{self.boundary_step} (a cluster died while a settling was confirmed): it stops so that its "
+                    "launcher restarts it, and it heals from a live peer"
+                )
+            if branch is Branch.FAILED:
+                if failure is None and diverged:
+                    clusters = [quorum.clusters[rank] for rank in diverged]
+                    failure = RuntimeError(f"clusters {clusters} hold other outer params and leave the run")
                 attempts += 1
+                self._fail(failure or self._failed_elsewhere("the members' reports", round_index), round_index)
                 arrived, quorum = None, None
                 continue
-            verdict = delayed_update_verdict(
-                num_holding=sum(report.holding for report in reports),
-                num_not_ok=sum(not report.ok for report in reports),
-            )
-            if verdict == NOTHING:
+            if branch is Branch.NOTHING:
                 return None
-            if verdict == APPLY:
+            if branch is Branch.APPLY:
                 return arrived
             try:
                 return self._redo(due, quorum, round_steps=round_steps, round_index=round_index)
@@ -384,6 +468,27 @@ class ElasticRounds:
                 self._fail(error, round_index)
                 arrived, quorum = None, None
         raise RuntimeError(f"round {round_index} could not be settled in {SETTLE_ATTEMPTS} quorums")
+
+    def _branch(self, reports: list[MemberReport], diverged: list[int], quorum: Quorum) -> Branch:
+        """This rank's way on from the members' reports: meet again with a restart that is missing; stop (this
+        member's outer params are not the agreed ones) or settle without the members whose are not; otherwise the
+        verdict on the sync in flight (`delayed_update_verdict`). Every rank of a position's group reads the same
+        reports and so takes the same branch."""
+        if any(report.restart_missing for report in reports):
+            return Branch.MEET_AGAIN
+        if diverged:
+            return Branch.REJOIN if quorum.group.rank() in diverged else Branch.FAILED
+        verdict = delayed_update_verdict(
+            num_holding=sum(report.holding for report in reports),
+            num_not_ok=sum(not report.ok for report in reports),
+        )
+        return _VERDICT_BRANCH[verdict]
+
+    def _failed_elsewhere(self, what: str, round_index: int) -> RuntimeError:
+        """Why this rank leaves a quorum in which nothing failed on its own stage: another rank of its cluster saw
+        `what` fail."""
+        cluster = self.membership.cluster
+        return RuntimeError(f"{what} of round {round_index} failed on another rank of cluster {cluster}")
 
     def _redo(
         self, due: PendingMean | None, quorum: Quorum, *, round_steps: int | None, round_index: int
@@ -404,8 +509,14 @@ class ElasticRounds:
         # Confirm before applying: an all-reduce completes nowhere unless every member took part, so a redo that
         # failed on one member (it never gets here) fails the confirmation on every member alike, and they all try
         # again. A member that dies inside the confirmation itself can leave one member applying and another trying
-        # again: the next boundary's digests tell them apart (`_split`).
-        confirm(group=quorum.group, timeout=self.membership.control_timeout)
+        # again: the next boundary's digests tell them apart (`_branch`).
+        failure: RuntimeError | None = None
+        try:
+            confirm(group=quorum.group, timeout=self.membership.control_timeout)
+        except RuntimeError as error:
+            failure = error
+        if self.vote.most_severe(Branch.FAILED if failure else Branch.GO_ON) is Branch.FAILED:
+            raise failure or self._failed_elsewhere("the confirmation of the redo", round_index)
         return arrived
 
     def _fail(self, error: BaseException, round_index: int, *, quietly: bool = False) -> None:
@@ -419,19 +530,6 @@ class ElasticRounds:
         self.quorum = self.joined_quorum = self.boundary_quorum = None
         self.sync.channel.release()
         gc.collect()  # frames and works that held the group may sit in reference cycles
-
-    def _split(self, quorum: Quorum, diverged: list[int], round_index: int) -> None:
-        """Members whose outer params differ from the agreed ones (a member died inside a confirmation: one applied,
-        another settled again without it) stop, so that their launcher restarts them and they heal from a live
-        peer; the others settle in a new quorum without them."""
-        clusters = [quorum.clusters[rank] for rank in diverged]
-        if quorum.group.rank() in diverged:
-            raise RejoinRequired(
-                f"cluster {self.membership.cluster}'s outer params differ from those of its peers at step "
-                f"{self.boundary_step} (a cluster died while a settling was confirmed): it stops so that its launcher "
-                "restarts it, and it heals from a live peer"
-            )
-        self._fail(RuntimeError(f"clusters {clusters} hold other outer params and leave the run"), round_index)
 
     def _check_configs(self, quorum: Quorum, reports: list[MemberReport], mine: MemberReport) -> None:
         """Every member of a round runs the settings this cluster runs, or the run stops here (a user error: one
@@ -455,18 +553,34 @@ class ElasticRounds:
     def _wait(
         self, due: PendingMean | None, *, round_steps: int | None, round_index: int, judge_link: bool
     ) -> tuple[torch.Tensor, RoundStats] | None:
-        """`DiLoCoSync.wait_sync` of `due`, or None when there is none; a failed transfer raises RuntimeError, and
-        RejoinRequired where every other member rejected this cluster's payload (the channel's `PayloadsRejected`):
-        it cannot average what the others do, so it stops and heals from a live peer while they go on without it."""
+        """`DiLoCoSync.wait_sync` of `due`, or None when there is none. The slow-link transfer is waited for first and
+        the cluster's ranks vote on it before the fast collectives that follow it (the slices' all-gather over the
+        replicas, the guard's agreement over the stages): a failed transfer on any rank raises RuntimeError on every
+        rank of the cluster, and RejoinRequired where every other member rejected a payload of this cluster (the
+        channel's `PayloadsRejected`): it cannot average what the others do, so it stops and heals from a live peer
+        while they go on without it."""
         if due is None:
             return None
+        blocked_from = self.sync.channel.clock.now()
+        branch, failure = Branch.GO_ON, None
         try:
-            return self.sync.wait_sync(due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
+            due.transfer.wait()
         except PayloadsRejected as error:
+            branch, failure = Branch.REJOIN, error
+        except RuntimeError as error:
+            branch, failure = Branch.FAILED, error
+        branch = self.vote.most_severe(branch)
+        if branch is Branch.REJOIN:
             raise RejoinRequired(
-                f"cluster {self.membership.cluster} is cut off: {error}; it stops so that its launcher restarts it "
-                "and it heals from a live peer, while the others go on without it"
+                f"cluster {self.membership.cluster} is cut off: {failure or 'another rank of it was cut off'}; it "
+                "stops so that its launcher restarts it and it heals from a live peer, while the others go on "
+                "without it"
             ) from None
+        if branch is Branch.FAILED:
+            raise failure or self._failed_elsewhere("the transfer", round_index)
+        return self.sync.wait_sync(
+            due, round_steps=round_steps, round_index=round_index, judge_link=judge_link, blocked_from=blocked_from
+        )
 
     # ---------------------------------------------------------------------------------------------- state
     def heal_state(self) -> dict[str, Any]:

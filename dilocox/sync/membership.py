@@ -112,7 +112,11 @@ def _torchft_servers_on(host: str) -> Iterator[None]:
         address_family = family
 
         def __init__(self, server_address: tuple[str, int], handler: type) -> None:
-            super().__init__((address, server_address[1]), handler)
+            class QuietHandler(handler):  # a served heal is one line of the rank that healed, not one per request
+                def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+                    pass
+
+            super().__init__((address, server_address[1]), QuietHandler)
 
     manager.ManagerServer, http_transport._IPv6HTTPServer = bound_manager_server, BoundHTTPServer
     try:
@@ -235,6 +239,7 @@ class ElasticMembership:
         heal_max_bytes: int,
         config_fingerprint: int,
         shared_settings: dict[str, Any] | None = None,
+        cluster_group: dist.ProcessGroup | None = None,
     ) -> None:
         from torchft import Manager
 
@@ -247,6 +252,9 @@ class ElasticMembership:
         """Bound on the small all-reduces by which a round's members agree (`ElasticRounds._settle_in_quorum`): shorter
         than the Lighthouse's join timeout, so a member whose peer failed them gets its own error and asks for the
         next quorum before the Lighthouse would form it without this member."""
+        self.cluster_group = cluster_group
+        """This cluster's own ranks (its world: pipeline stages x data-parallel replicas, on the fast link), over which
+        they take the same branch at every step of a boundary (`ClusterVote`); None for a cluster of one rank."""
         self._healed = False
         self._load_state_dict = load_state_dict
         self.group = _reconfigurable_gloo(timeout, store_addr)

@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from dilocox import CompressionConfig, SyncConfig
 from dilocox.net.auth import PayloadAuth
-from dilocox.net.channel import WanChannel
+from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.sync import DiLoCoSync
-from dilocox.sync.elastic import RejoinRequired
+from dilocox.sync.elastic import Branch, ClusterVote, RejoinRequired
 from dilocox.sync.membership import ElasticError, Quorum
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
@@ -114,8 +114,11 @@ class Member:
         *,
         control_timeout: datetime.timedelta = LONG,
         group_timeout: datetime.timedelta = LONG,
+        cluster_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.cluster = cluster
+        self.cluster_group = cluster_group
+        self.failures = 0
         self.group_timeout = group_timeout
         self.lighthouse = lighthouse
         self.timeout = LONG
@@ -153,6 +156,7 @@ class Member:
         self.commit_failures = 0
 
     def fail(self, error: Exception) -> None:
+        self.failures += 1
         self.commit_failures += 1
         self._group, self._group_id = None, -1  # torchft's abort: its reference to the group goes
 
@@ -497,3 +501,73 @@ def test_a_restart_that_asks_just_after_the_last_quorum_formed_is_met_in_a_new_o
     assert torch.equal(outers[0], outers[1]) and torch.equal(outers[0], outers[2])
     assert restarted.member.heals == 1
     torch.testing.assert_close(outers[0], expected_outer([[0, 1, 2]] * 3 + [[0, 1]]), rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ clusters of several ranks
+def cluster_groups(num_clusters: int, ranks: int, timeout: datetime.timedelta = LONG) -> list[list[dist.ProcessGroup]]:
+    """Each cluster's own group of its `ranks` ranks (its world in an elastic run), built by threads at once."""
+    store, groups = dist.HashStore(), [[None] * ranks for _ in range(num_clusters)]
+
+    def build(cluster: int, rank: int) -> None:
+        groups[cluster][rank] = make_group(store, f"cluster{cluster}", rank, ranks, timeout)
+
+    assert run_threads(*[lambda c=c, r=r: build(c, r) for c in range(num_clusters) for r in range(ranks)]) == [None] * (
+        num_clusters * ranks
+    )
+    return groups
+
+
+def lose_launch(channel: WanChannel, number: int) -> None:
+    """The `number`-th all-reduce launched on `channel` (1-based) is lost on the link: its wait raises."""
+    launch, calls = channel.launch_all_reduce, []
+
+    def launch_or_lose(tensor: torch.Tensor, **kwargs) -> PendingTransfer:
+        calls.append(tensor)
+        if len(calls) != number:
+            return launch(tensor, **kwargs)
+        lost = PendingTransfer("all_reduce", launch_time=channel.clock.now())
+        lost._fail(ConnectionError("the stage's link dropped"))
+        return lost
+
+    channel.launch_all_reduce = launch_or_lose
+
+
+def test_the_ranks_of_a_cluster_take_the_same_branch_when_one_stage_lost_its_share():
+    # Clusters of two ranks (two pipeline stages): each stage settles its own share with the same stage of the other
+    # clusters, and torchft meets every rank of a cluster at each quorum and commit. Stage 1's share of round 2 is
+    # lost on every cluster while stage 0's arrives whole: stage 0 must not apply and commit while stage 1 asks for
+    # a new quorum (its cluster's quorum would wait for stage 0 until network.timeout); both stages fail, meet in
+    # the same new quorum and send their shares again.
+    groups = cluster_groups(2, 2)
+    lighthouses = [Lighthouse({0, 1}) for _ in range(2)]  # per stage: torchft's one decision, seen by each stage
+    stages = [[Cluster(c, lighthouses[s], compression="none", cluster_group=groups[c][s]) for s in range(2)]
+              for c in range(2)]  # fmt: skip
+    for cluster in stages:
+        lose_launch(cluster[1].sync.channel, 2)
+    join_all([stage for cluster in stages for stage in cluster])
+    assert run_threads(*[stage.train for cluster in stages for stage in cluster]) == [None] * 4
+    assert lighthouses[0].formed == lighthouses[1].formed  # every rank of a cluster asked for the same quorums
+    # the join, boundaries 1 and 2, then boundary 3 settled again in a new quorum, boundary 4 and the flush
+    assert [quorum_id for quorum_id, _ in lighthouses[0].formed] == [1, 1, 1, 2, 2, 2]
+    assert [[stage.member.failures for stage in cluster] for cluster in stages] == [[1, 1], [1, 1]]
+    outers = [stage.outer() for cluster in stages for stage in cluster]
+    assert all(torch.equal(outers[0], outer) for outer in outers[1:])
+    # round 2 sent again by both stages over the new quorum: every round averages both clusters
+    torch.testing.assert_close(outers[0], expected_outer([[0, 1]] * ROUNDS), rtol=0, atol=1e-5)
+
+
+def test_a_cluster_vote_takes_the_most_severe_branch_and_a_rank_that_does_not_answer_stops_the_others():
+    (groups,) = cluster_groups(1, 3)
+    branches = [Branch.GO_ON, Branch.REDO, Branch.APPLY]
+    votes: list[Branch | None] = [None] * 3
+
+    def vote(rank: int) -> None:
+        votes[rank] = ClusterVote(groups[rank], cluster=0).most_severe(branches[rank])
+
+    assert run_threads(*[lambda r=r: vote(r) for r in range(3)]) == [None] * 3
+    assert votes == [Branch.REDO] * 3
+    assert ClusterVote(None, cluster=0).most_severe(Branch.FAILED) is Branch.FAILED  # one rank: no collective
+
+    (silent,) = cluster_groups(1, 2, timeout=datetime.timedelta(seconds=0.5))
+    with pytest.raises(RejoinRequired, match="a rank of cluster 4 did not answer its cluster's vote"):
+        ClusterVote(silent[0], cluster=4).most_severe(Branch.GO_ON)  # rank 1 never votes

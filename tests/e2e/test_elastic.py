@@ -55,6 +55,13 @@ class Run:
                 started.setdefault(int(found.group(1)), []).append(int(found.group(2)))
         return started
 
+    def ranks_of(self, cluster: int) -> list[int]:
+        """The pids of every rank of `cluster`'s last start, in rank order."""
+        found = [re.match(rf"dilocox: elastic: cluster {cluster} started \(pid ([\d ]+),", line) for line in self.lines]
+        starts = [match.group(1).split() for match in found if match]
+        assert starts, f"cluster {cluster} has no pid line:\n{self.output}"
+        return [int(pid) for pid in starts[-1]]
+
     def pid_of(self, cluster: int) -> int:
         started = self.pids().get(cluster)
         assert started, f"cluster {cluster} has no pid line:\n{self.output}"
@@ -306,3 +313,44 @@ def test_when_the_lighthouse_dies_the_launcher_stops_its_clusters_with_one_line(
     assert len(errors) == 1 and errors[0].startswith(f"dilocox: error: the Lighthouse at {url} does not answer, so no "
                                                      "cluster can go on"), run.output  # fmt: skip
     assert "starting it again" not in run.output
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("shape", ["--topology.pp_degree=2", "--topology.dp_degree=2"], ids=["pp2", "dp2"])
+def test_clusters_of_several_ranks_without_faults_are_bit_identical_to_the_static_run(tmp_path, start_run, shape):
+    # each rank settles its stage's (and replica's) slice with the same rank of the other cluster, as in a static run
+    flags = ["--topology.num_clusters=2", shape, "--train.steps=20", "--sync.inner_steps=5"]
+    static_flags = [flag for flag in ELASTIC if not flag.startswith(("--topology.elastic", "--network."))]
+    static = start_run("static", *static_flags, *flags)
+    assert static.finish() == 0, "the static run failed"
+    elastic = start_run("elastic", *ELASTIC, *flags)
+    assert elastic.finish() == 0, "the elastic run failed"
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("static", "elastic")]
+    assert summaries[0]["final_eval_loss"] == summaries[1]["final_eval_loss"]
+    losses = [[r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r] for name in ("static", "elastic")]
+    assert len(losses[0]) == 20 and losses[0] == losses[1]
+    records = _records(tmp_path / "elastic")
+    assert sorted(records) == [0, 1] and records[0]["outer_params_sha256"] == records[1]["outer_params_sha256"]
+
+
+@pytest.mark.timeout(240)
+def test_killing_one_rank_of_a_cluster_restarts_the_whole_cluster_which_heals_every_stage(tmp_path, start_run):
+    steps = 40
+    flags = [*ELASTIC, "--topology.num_clusters=3", "--topology.pp_degree=2", f"--train.steps={steps}",
+             "--sync.inner_steps=10"]  # fmt: skip
+    run = start_run("killed", *flags)
+    run.wait_for_step(15)
+    first_start = run.ranks_of(2)
+    assert len(first_start) == 2
+    os.kill(first_start[1], signal.SIGKILL)  # the last stage of cluster 2; its first stage is alive
+    assert run.finish() == 0, "the run failed"
+    out = run.output
+    assert "dilocox: elastic: cluster 2 failed (exit code -9); starting it again" in out
+    restarted = run.ranks_of(2)
+    assert len(restarted) == 2 and not set(restarted) & set(first_start) and "start 2)" in out
+    assert len(re.findall(r"dilocox: elastic: cluster 2 rejoined at step \d+ .*healed from a live peer", out)) == 1
+    records = _records(tmp_path / "killed")
+    assert sorted(records) == [0, 1, 2] and all(r["step"] == steps for r in records.values())
+    # both stages' outer params (the digest of the stages' digests) are bit-identical on every cluster
+    assert len({r["outer_params_sha256"] for r in records.values()}) == 1, records
+    assert records[2]["healed_from_peer"] and not records[0]["healed_from_peer"]

@@ -83,6 +83,19 @@ def test_missing_and_invalid_files(tmp_path):
         ([*LOWRANK, "--sync.overlap_steps=-1"], "sync.overlap_steps = -1 must be >= 0"),
         ([*LOWRANK, "--sync.overlap_steps=5", "--sync.fit_link=true"], "use one or the other"),
         ([*LOWRANK_PLAIN, "--topology.elastic=true", "--sync.overlap_steps=5"], "sync.overlap_steps = 5"),
+        (
+            [*LOWRANK_PLAIN, "--topology.elastic=true", "--sync.fit_link=true"],
+            "does not support sync.fit_link = true yet; each cluster would size H from its own link",
+        ),
+        (
+            [
+                *LOWRANK_PLAIN,
+                "--topology.elastic=true",
+                "--compression.kind=lowrank_int4",
+                "--compression.reduction=scalable",
+            ],
+            "does not support compression.reduction = scalable yet; its shared warm starts",
+        ),
         (["--compression.kind=topk_int4", "--compression.density=0"], "compression.density = 0.0 must be in"),
         (["--cocktail.topk_ratio=0.5"], "cocktail.topk_ratio = 0.5 must be <= cocktail.sample_ratio = 0.1"),
         (["--compression.kind=lowrank", "--compression.factor_dtype=int8"], "compression.factor_dtype"),
@@ -271,6 +284,13 @@ def test_every_option_has_a_one_line_docstring():
 
 ELASTIC = ["--topology.elastic=true", *LOWRANK_PLAIN, "--topology.num_clusters=4"]
 ACROSS = ["--network.lighthouse=http://lh:29510", "--network.advertise_host=10.0.0.2"]
+
+
+@pytest.mark.parametrize("shape", [["--topology.pp_degree=2"], ["--topology.dp_degree=2", "--topology.pp_degree=2"]])
+def test_elastic_clusters_may_hold_a_pipeline_and_replicas(shape):
+    cfg = load_config(None, [*ELASTIC, *shape])
+    cfg.validate()
+    assert cfg.topology.elastic and cfg.topology.dp_degree * cfg.topology.pp_degree > 1
 
 
 @pytest.mark.parametrize(
