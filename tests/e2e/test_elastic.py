@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dilocox.metrics import read_metrics
+from dilocox.tools.linkcheck import namespaces
 from tests.e2e.helpers import DEBUG, LOOPBACK, REPO, descendant_pids, listening_sockets, non_loopback_interface
 
 pytest.importorskip("torchft")
@@ -31,10 +32,10 @@ ELASTIC = [
 class Run:
     """`dilocox train` in a subprocess, its output read as it comes (the launcher prints each cluster's pid)."""
 
-    def __init__(self, run_dir: Path, *flags: str, env: dict | None = None) -> None:
+    def __init__(self, run_dir: Path, *flags: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> None:
         self.run_dir = run_dir
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dilocox", "train", "--config", DEBUG, f"--run.out_dir={run_dir}", *flags],
+            [*prefix, sys.executable, "-m", "dilocox", "train", "--config", DEBUG, f"--run.out_dir={run_dir}", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
         )  # fmt: skip
         self.lines: list[str] = []
@@ -111,8 +112,8 @@ def start_run(request, tmp_path):
     printed in full when the test fails (with every live rank's stack when it hung)."""
     runs: dict[str, Run] = {}
 
-    def start(name: str, *flags: str, env: dict | None = None) -> Run:
-        runs[name] = Run(tmp_path / name, *flags, env=env)
+    def start(name: str, *flags: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> Run:
+        runs[name] = Run(tmp_path / name, *flags, env=env, prefix=prefix)
         return runs[name]
 
     yield start
@@ -354,3 +355,52 @@ def test_killing_one_rank_of_a_cluster_restarts_the_whole_cluster_which_heals_ev
     # both stages' outer params (the digest of the stages' digests) are bit-identical on every cluster
     assert len({r["outer_params_sha256"] for r in records.values()}) == 1, records
     assert records[2]["healed_from_peer"] and not records[0]["healed_from_peer"]
+
+
+@pytest.mark.timeout(300)
+def test_hosts_in_network_namespaces_heal_a_killed_host_across_a_shaped_link(tmp_path, start_run):
+    # Three "hosts": each a network namespace whose only way out is a veth capped at 100 Mbit/s by tc tbf (the
+    # linkcheck tool's network), each running its own launcher for its one cluster; the Lighthouse runs on host 0.
+    # Killing host 2's cluster: its launcher starts it again and it heals from a live peer across the shaped link.
+    reason = namespaces.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"real network namespaces and tc shaping are not available here: {reason}")
+    steps = 40
+    with namespaces.shaped_network(3) as net:
+        for command in namespaces.shape_commands(net, 12.5e6):  # 100 Mbit/s uplinks
+            namespaces.run_command(command)
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": namespaces.CLUSTER_IFNAME, "PYTHONPATH": str(REPO)}
+        host = [("ip", "netns", "exec", net.cluster_ns(cluster)) for cluster in range(3)]
+        lighthouse = subprocess.Popen(
+            [*host[0], sys.executable, "-m", "dilocox", "lighthouse", "--bind", f"{net.cluster_addr(0)}:0",
+             "--network.heartbeat=0.5s", "--network.stall_timeout=5s"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO, env=env,
+        )  # fmt: skip
+        try:
+            assert lighthouse.stdout is not None
+            found = re.search(r"--network\.lighthouse=(http://\S+);", lighthouse.stdout.readline())
+            assert found, "the Lighthouse printed no address"
+            flags = [*ELASTIC, "--topology.num_clusters=3", f"--train.steps={steps}", "--sync.inner_steps=10",
+                     "--network.bandwidth=unlimited", f"--network.lighthouse={found.group(1)}"]  # fmt: skip
+            runs = [
+                start_run(f"host{cluster}", *flags, f"--topology.local_clusters={cluster}",
+                          f"--network.advertise_host={net.cluster_addr(cluster)}", env=env, prefix=host[cluster])
+                for cluster in range(3)
+            ]  # fmt: skip
+            runs[0].wait_for_step(15)
+            os.kill(runs[2].pid_of(2), signal.SIGKILL)
+            assert [run.finish() for run in runs] == [0, 0, 0]
+            shaped_bytes = [namespaces.qdisc_counters(net, cluster)["qdisc_bytes"] for cluster in range(3)]
+        finally:
+            lighthouse.terminate()
+            lighthouse.wait(timeout=20)
+    out = runs[2].output
+    assert "dilocox: elastic: cluster 2 failed" in out and "start 2)" in out
+    assert re.search(r"dilocox: elastic: cluster 2 rejoined at step \d+ .*healed from a live peer", out)
+    records = {c: _records(tmp_path / f"host{c}")[c] for c in range(3)}
+    assert len({r["outer_params_sha256"] for r in records.values()}) == 1, records  # bit-identical on every host
+    assert records[2]["healed_from_peer"] and all(r["step"] == steps for r in records.values())
+    # every host's traffic went through its shaped uplink, and the heal (at least the outer params, 4 bytes x 164,416
+    # values) left one of the live hosts through it: that host sent about that much more than the other
+    assert all(sent > 0 for sent in shaped_bytes), shaped_bytes
+    assert abs(shaped_bytes[0] - shaped_bytes[1]) > 0.8 * 4 * 164_416, shaped_bytes
