@@ -291,13 +291,15 @@ class ElasticMembership:
         self._load_state_dict(state)
 
     def join(self) -> Quorum:
-        """The first quorum of this process. At the start of a run it waits until every cluster is there (so a run
-        without faults has every cluster in every round); a cluster that joins a run in progress heals from a peer.
-        It commits, so a later round's quorum finds this cluster at the step of its peers."""
+        """The first quorum of this process. At the start of a run, and of a run resumed from disk, it waits until
+        every cluster is there (so a run without faults has every cluster in every round); a cluster that joins a run
+        in progress heals from a peer. It commits, so a later round's quorum finds this cluster at the step of its
+        peers."""
         deadline = time.monotonic() + self.timeout.total_seconds()
+        start_step = self.manager.current_step()  # a resumed cluster's is its checkpoint's (`resume_progress`)
         while True:
             quorum = self.start_round(check=False)  # at the start, clusters still starting are not missing
-            if quorum.healed or self.manager.current_step() > 0 or quorum.size == self.num_clusters:
+            if quorum.healed or self.manager.current_step() > start_step or quorum.size == self.num_clusters:
                 break
             if self.restarted and quorum.clusters == (self.cluster,):
                 # the Lighthouse never forms a quorum of half or less of the clusters that heartbeat: alone, this
@@ -314,8 +316,30 @@ class ElasticMembership:
             time.sleep(0.1)
         self._check(quorum.clusters)
         if not quorum.healed:
+            if start_step > 0:  # resumed from disk: the clusters behind it heal from its state in this quorum
+                self.await_heals(quorum)
             self.commit()
         return quorum
+
+    def await_heals(self, quorum: Quorum) -> None:
+        """Return once every member of `quorum` has its state (one 1-element all-reduce over its group, bounded by
+        network.timeout): torchft stops serving a cluster's state when it commits, so a cluster that members heal
+        from in its first quorum commits only after they have read it."""
+        if quorum.size > 1:
+            options = dist.AllreduceOptions()
+            options.reduceOp, options.timeout = dist.ReduceOp.SUM, self.timeout
+            quorum.group.allreduce([torch.zeros(1)], options).wait()
+
+    def progress(self) -> dict[str, int]:
+        """torchft's step (boundaries committed) and batches committed: what a checkpoint records of the membership."""
+        return dict(self.manager.state_dict())
+
+    def resume_progress(self, progress: dict[str, int]) -> None:
+        """Before the first quorum of a cluster resumed from disk: present its checkpoint's step to torchft, so that a
+        cluster that starts afresh (step 0) or from an older checkpoint is behind it and heals from it, and not the
+        reverse."""
+        step, batches = int(progress["step"]), int(progress["batches_committed"])
+        self.manager.load_state_dict({"step": step, "batches_committed": batches})
 
     def restarts_in_progress(self) -> dict[int, bool]:
         """The clusters being started again that have not joined yet: {cluster: whether it asked to join}."""
