@@ -165,10 +165,12 @@ class ElasticLauncher:
         if self.cfg.checkpoint.resume == "":
             argv.append("--checkpoint.resume=auto")
         newest = list_checkpoints(Path(self.cfg.run.out_dir))
-        where = "on every machine of the run" if self.cfg.network.lighthouse else "once the Lighthouse runs"
+        command = f"`{shlex.join(argv)}`"
+        if self.cfg.network.lighthouse:
+            command += f" on every machine of the run, once the Lighthouse at {self.cfg.network.lighthouse} runs"
         if not newest:
-            return f"no checkpoint was written yet: `{shlex.join(argv)}` starts the run again"
-        return f"resume it with `{shlex.join(argv)}` {where} (from {newest[-1]}; checkpoint.resume = auto)"
+            return f"no checkpoint was written yet: {command} starts the run again"
+        return f"resume it with {command} (from {newest[-1]}; checkpoint.resume = auto)"
 
     def end(self) -> int:
         """Say which clusters the run finished without; 0 when at least one of this machine's clusters finished."""

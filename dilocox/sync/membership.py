@@ -299,15 +299,10 @@ class ElasticMembership:
         start_step = self.manager.current_step()  # a resumed cluster's is its checkpoint's (`resume_progress`)
         while True:
             quorum = self.start_round(check=False)  # at the start, clusters still starting are not missing
+            if self.restarted and not quorum.healed:
+                self._check_live_peer(quorum)
             if quorum.healed or self.manager.current_step() > start_step or quorum.size == self.num_clusters:
                 break
-            if self.restarted and quorum.clusters == (self.cluster,):
-                # the Lighthouse never forms a quorum of half or less of the clusters that heartbeat: alone, this
-                # restart is the only live cluster (the others finished, or died and were not started again)
-                raise NoLivePeer(
-                    f"cluster {self.cluster} was started again, but no other cluster is alive to heal from (the run "
-                    "ended, or every other cluster is gone)"
-                )
             if time.monotonic() > deadline:
                 raise ElasticError(
                     f"only clusters {list(quorum.clusters)} of {self.num_clusters} joined within network.timeout = "
@@ -320,6 +315,26 @@ class ElasticMembership:
                 self.await_heals(quorum)
             self.commit()
         return quorum
+
+    def _check_live_peer(self, quorum: Quorum) -> None:
+        """A restart that did not heal in its quorum: refuse to go on when no member holds the run's state, rather than
+        train the run again from step 0. Alone, this restart is the only live cluster (the Lighthouse never forms a
+        quorum of half or less of the clusters that heartbeat: the others finished, or died and were not started
+        again); in a round of every cluster, all of them restarts of this launcher, every cluster died (a round of
+        some of them may form while a live cluster trains a long round: they wait for it). Its launcher gives up on
+        it and, with no cluster left, prints the command that resumes the run from disk."""
+        others = [cluster for cluster in quorum.clusters if cluster != self.cluster]
+        restarts = self.restarts_in_progress()
+        if not others:
+            raise NoLivePeer(
+                f"cluster {self.cluster} was started again, but no other cluster is alive to heal from (the run "
+                "ended, or every other cluster is gone)"
+            )
+        if quorum.size == self.num_clusters and all(cluster in restarts for cluster in others):
+            raise NoLivePeer(
+                f"cluster {self.cluster} was started again, and so were clusters {others}, the others in its first "
+                "round: no live cluster holds the run's state to heal from (every cluster died)"
+            )
 
     def await_heals(self, quorum: Quorum) -> None:
         """Return once every member of `quorum` has its state (one 1-element all-reduce over its group, bounded by

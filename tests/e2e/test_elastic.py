@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -327,7 +328,7 @@ def test_when_the_lighthouse_dies_the_launcher_stops_its_clusters_with_one_line(
                                                      "cluster can go on"), run.output  # fmt: skip
     # the command that starts it again (it wrote no checkpoint: checkpoint.interval = 0 and the run is far from its end)
     assert "; no checkpoint was written yet: `dilocox train --config " in errors[0], errors[0]
-    assert errors[0].endswith("` starts the run again"), errors[0]
+    assert errors[0].endswith(f"` on every machine of the run, once the Lighthouse at {url} runs starts the run again")
     assert "starting it again" not in run.output
 
 
@@ -427,3 +428,32 @@ def test_an_elastic_run_killed_entirely_resumes_from_disk_and_ends_as_the_uninte
     loss, clean_loss = records[0]["last_eval_loss"], clean_records[0]["last_eval_loss"]
     print(f"final eval loss: uninterrupted {clean_loss:.4f}, resumed with cluster 1 healed {loss:.4f}")
     assert abs(loss - clean_loss) / clean_loss < 0.05
+
+
+@pytest.mark.timeout(300)
+def test_when_every_cluster_dies_the_launcher_gives_the_command_that_resumes_the_run_from_disk(tmp_path, start_run):
+    run = start_run("run", *ON_DISK)
+    checkpoints = [tmp_path / "run" / "checkpoints" / f"cluster{c}" / "step_00000010" for c in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not all((path / "meta.json").is_file() for path in checkpoints):
+        assert run.proc.poll() is None and time.monotonic() < deadline, run.output
+        time.sleep(0.02)
+    for cluster in (0, 1):
+        os.kill(run.pid_of(cluster), signal.SIGKILL)
+    # the restarts meet each other only: none holds the run's state, so they stop rather than train it from step 0
+    assert run.finish(timeout=120) == 1
+    assert "no live cluster holds the run's state to heal from (every cluster died)" in run.output
+    hint = [line for line in run.lines if line.startswith("dilocox: elastic: every cluster of this machine is lost")]
+    assert len(hint) == 1, run.output
+    command = re.search(r"resume it with `([^`]+)` \(from (\S+); checkpoint\.resume = auto\)", hint[0])
+    assert command and shlex.split(command.group(1))[:2] == ["dilocox", "train"], hint[0]
+    newest = Path(command.group(2))
+    assert newest in list_checkpoints(tmp_path / "run") and newest.name >= "step_00000010"
+
+    resumed = dilocox(*shlex.split(command.group(1))[1:])  # the command as printed
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"dilocox: resuming from {newest} (checkpoint.resume = auto" in resumed.stdout
+    records = _records(tmp_path / "run")
+    assert records[0]["resumed_from_checkpoint"] == str(newest) or records[0]["healed_from_peer"]
+    assert records[0]["outer_params_sha256"] == records[1]["outer_params_sha256"]
+    assert all(r["step"] == 30 for r in records.values())
