@@ -327,3 +327,23 @@ def test_an_elastic_resume_loads_each_clusters_own_checkpoint_of_the_step_and_sk
     # cluster 1's is corrupt and cluster 2 has none of step 20: both heal from cluster 0
     assert elastic_resume_paths(tmp_path, chosen, [0, 1, 2]) == {0: chosen}
     assert "cluster 1 heals from a peer, not from" in capsys.readouterr().err
+
+
+def test_a_static_runs_checkpoint_is_not_resumed_as_an_elastic_run_in_one_line(tmp_path):
+    """The rank files of a static run are numbered over the whole world and its sync state over the static group; an
+    elastic run's are per cluster: neither kind resumes the other."""
+    from dilocox.checkpoint import run_identity
+    from dilocox.config import load_config, to_dict
+    from dilocox.launch.preflight import resolve_resume
+
+    run_dir = tmp_path / "run"
+    flags = ["--topology.num_clusters=1", f"--run.out_dir={run_dir}", "--train.steps=400"]
+    saved = load_config(None, flags)
+    meta = {"world_size": saved.world_size, **run_identity(saved), "config": to_dict(saved)}
+    path = save_checkpoint(run_dir, 200, {"step": 200}, rank=0, meta=meta, keep=2)
+    with pytest.raises(ValueError) as refused:
+        resolve_resume(load_config(None, [*flags, "--topology.elastic=true"]))
+    assert str(refused.value) == (
+        f"cannot resume {path}: topology.elastic was false in the checkpoint, true now; resume with "
+        "--topology.elastic=false or start a new run directory"
+    )
