@@ -17,6 +17,11 @@ must match its digest and list the rank files, and each rank file read must have
 fails is a one-line error. Multi-machine runs need `run.out_dir` on storage that every node sees (as torchrun jobs
 usually have).
 
+An elastic run (docs/design.md §10.1) has one torch.distributed world per cluster, so each cluster writes a checkpoint
+of its own ranks (files named by the rank inside the cluster, `world_size` = its dp x pp ranks, `elastic_cluster` in
+meta.json) into `checkpoints/cluster{c}/`, pruned to `checkpoint.keep` there; `list_checkpoints` lists every cluster's,
+and at equal steps the lowest cluster's counts as the newest (`latest`, `dilocox eval`, `dilocox export`).
+
     save_checkpoint(run_dir, step, state, rank=rank, meta=meta, keep=2)
     path = find_checkpoint(run_dir, "latest")      # verified: meta.json and every rank file
     state = load_rank_state(path, rank)            # verifies meta.json and this rank's file, then loads it
@@ -94,6 +99,24 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
+def checkpoint_root(run_dir: Path, cluster: int | None = None) -> Path:
+    """Where a run's checkpoints are: `checkpoints/`, or in an elastic run cluster `cluster`'s `checkpoints/cluster{c}/`
+    (each cluster is its own world and writes its own ranks' state)."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    return root if cluster is None else root / f"cluster{cluster}"
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of checkpoint directory `path` (`step_00000100` -> 100)."""
+    return int(Path(path).name.split("_")[1])
+
+
+def _cluster_of(path: Path) -> int:
+    """The elastic cluster whose checkpoint `path` is, from its parent directory (-1 for a static run's)."""
+    parent = Path(path).parent.name
+    return int(parent.removeprefix("cluster")) if parent.startswith("cluster") else -1
+
+
 def _barrier(group: dist.ProcessGroup | None) -> None:
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.barrier(group=group)
@@ -108,9 +131,12 @@ def save_checkpoint(
     meta: dict[str, Any],
     keep: int,
     group: dist.ProcessGroup | None = None,
+    cluster: int | None = None,
 ) -> Path:
-    """Collectively save this rank's `state` as checkpoint `step`; rank 0 finalizes it and prunes old ones."""
-    root = Path(run_dir) / CHECKPOINT_DIR
+    """Collectively save this rank's `state` as checkpoint `step`; rank 0 finalizes it and prunes old ones.
+    `cluster`: an elastic run's cluster, whose ranks (`rank` counted inside it, `group` its world) write into
+    `checkpoint_root(run_dir, cluster)`."""
+    root = checkpoint_root(run_dir, cluster)
     final = _step_dir(root, step)
     partial = root / f".{final.name}.partial"
     if rank == 0:
@@ -138,20 +164,32 @@ def save_checkpoint(
         os.replace(partial, final)
         _fsync(root)
         # Only checkpoints that verify count towards `keep`, so pruning never deletes the last good one.
-        good = [c for c in list_checkpoints(run_dir) if c == final or _verifies(c, full=False)]
+        good = [c for c in _complete_in(root) if c == final or _verifies(c, full=False)]
         for old in good[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier(group)
     return final
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    root = Path(run_dir) / CHECKPOINT_DIR
+def _complete_in(root: Path) -> list[Path]:
+    """The complete checkpoints directly in `root`, oldest first."""
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / META).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+    return sorted(found, key=checkpoint_step)
+
+
+def list_checkpoints(run_dir: Path, *, cluster: int | None = None) -> list[Path]:
+    """Complete checkpoints of a run, oldest first: a static run's and every elastic cluster's (at equal steps the
+    lowest cluster's last, so it is the one `latest` takes); with `cluster`, that elastic cluster's only."""
+    if cluster is not None:
+        return _complete_in(checkpoint_root(run_dir, cluster))
+    root = checkpoint_root(run_dir)
+    roots = [root]
+    if root.is_dir():
+        roots += [p for p in root.iterdir() if p.is_dir() and p.name.removeprefix("cluster").isdigit()]
+    found = [path for r in roots for path in _complete_in(r)]
+    return sorted(found, key=lambda p: (checkpoint_step(p), -_cluster_of(p)))
 
 
 def find_checkpoint(run_dir: Path, resume: str) -> Path:
@@ -161,7 +199,7 @@ def find_checkpoint(run_dir: Path, resume: str) -> Path:
         found = list_checkpoints(run_dir)
         if not found:
             raise ValueError(
-                f"checkpoint.resume = latest: no complete checkpoint in {Path(run_dir) / CHECKPOINT_DIR}; "
+                f"checkpoint.resume = latest: no complete checkpoint in {checkpoint_root(run_dir)}; "
                 "check run.out_dir or start without --checkpoint.resume"
             )
         for path in reversed(found):
@@ -303,7 +341,7 @@ _IDENTITY_FIELDS = {
     "flavor": "model.flavor",
 }
 """`run_identity` keys as config fields (checkpoints written before meta.json held the config carry only these)."""
-_LEGACY_VALUES = {"data.shard": "contiguous", "data.split_seed": -1}
+_LEGACY_VALUES = {"data.shard": "contiguous", "data.split_seed": -1, "topology.elastic": False}
 """What a config written before a field existed meant by its absence."""
 
 
@@ -316,7 +354,8 @@ def resume_fields(cfg: Config, saved: dict[str, Any]) -> list[str]:
     training split in that deal. The inner optimizer: its state. The outer loop's settings (`sync.RESUME_SETTINGS`)
     and the codec's format: the saved outer optimizer, round and a sync in flight, whose payload is sent again as it
     was encoded."""
-    fields = ["topology.num_clusters", "topology.dp_degree", "topology.pp_degree", "model.flavor", "sync.kind"]
+    fields = ["topology.elastic", "topology.num_clusters", "topology.dp_degree", "topology.pp_degree"]
+    fields += ["model.flavor", "sync.kind"]
     saved_trains_bpe = not saved.get("data", {}).get("tokenizer") and not saved.get("model", {}).get("init_from")
     if saved_trains_bpe and not cfg.data.tokenizer and not cfg.model.init_from:
         fields.append("data.vocab_size")  # both train their BPE here: its size is the model's vocabulary
@@ -368,6 +407,28 @@ def check_resume(cfg: Config, path: Path) -> None:
             f"checkpoint {path} is at step {meta['step']}, past train.steps = {cfg.train.steps}; "
             "raise train.steps to continue training"
         )
+
+
+def elastic_resume_paths(run_dir: Path, chosen: Path, clusters: Iterable[int]) -> dict[int, Path]:
+    """An elastic run resumed from checkpoint `chosen` (step S): each of `clusters` that holds a checkpoint of step S
+    that verifies loads its own (its ranks' inner optimizer, data position, residuals and sync in flight), so a run
+    whose clusters all resume continues exactly; a cluster without one starts afresh and heals from a cluster that
+    loaded one at the first quorum (docs/design.md §10.1). A corrupt one is skipped with a warning."""
+    step, paths = checkpoint_step(chosen), {}
+    for cluster in clusters:
+        path = _step_dir(checkpoint_root(run_dir, cluster), step)
+        if not (path / META).is_file():
+            continue
+        try:
+            verify_checkpoint(path)
+        except CorruptCheckpoint as exc:
+            print(
+                f"dilocox: warning: cluster {cluster} heals from a peer, not from {path}: {exc.problem}",
+                file=sys.stderr,
+            )
+            continue
+        paths[cluster] = path
+    return paths
 
 
 def check_auto_resume(cfg: Config, path: Path) -> None:
@@ -437,11 +498,13 @@ def find_step(run_dir: Path, step: int | None) -> Path:
             f"{run_dir} has no complete checkpoint (nothing in {Path(run_dir) / CHECKPOINT_DIR}); train it first "
             "(checkpoints are saved every checkpoint.interval steps and at the end)"
         )
-    path = found[-1] if step is None else _step_dir(Path(run_dir) / CHECKPOINT_DIR, step)
-    if path not in found:
-        steps = ", ".join(str(int(p.name.split("_")[1])) for p in found)
+    at_step = [p for p in found if step is None or checkpoint_step(p) == step]
+    if not at_step:
+        steps = ", ".join(str(other) for other in sorted({checkpoint_step(p) for p in found}))
         raise ValueError(f"{run_dir} has no checkpoint of step {step}; its checkpoints are at steps {steps}")
-    others = ", ".join(str(int(p.name.split("_")[1])) for p in found if p != path)
+    path = at_step[-1]  # an elastic run's: the lowest cluster's of that step
+    other_steps = {checkpoint_step(p) for p in found} - {checkpoint_step(path)}
+    others = ", ".join(str(other) for other in sorted(other_steps))
     fix = f"pass --step with another of its steps ({others})" if others else "the run has no other checkpoint"
     verify_checkpoint(path, fix=fix)
     return path

@@ -37,6 +37,7 @@ from dilocox.optim import MuonAdamW, inner_state_bytes, split_muon_parameters
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
 from dilocox.parallel.pipeline import mean_token_cross_entropy
 from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync, heal_state_bound
+from dilocox.sync.elastic import RESUMED
 from dilocox.sync.robust import GuardError
 from dilocox.topology import Topology, build_process_groups
 
@@ -392,6 +393,8 @@ class Trainer:
                 "elapsed_s": self.elapsed_before + self._elapsed(),
                 "eval_s": self.eval_s,
                 "initial_eval_loss": self.initial_eval_loss,
+                # elastic: torchft's step, which a resumed cluster presents so that the others heal from it
+                **({"torchft": self.membership.progress()} if self.membership is not None else {}),
             },
         }
 
@@ -410,16 +413,31 @@ class Trainer:
     def checkpoint_meta(self) -> dict[str, Any]:
         if self._tokenizer_vocab is None:
             self._tokenizer_vocab = self.data.load_tokenizer().vocab_fingerprint()
-        return {
+        meta = {
             **run_identity(self.cfg),
             "config": to_dict(self.cfg),
             "model_args": dataclasses.asdict(self.model_shape),
             "tokenizer_vocab": self._tokenizer_vocab,  # a resume with another tokenizer is refused (checkpoint.py)
         }
+        if self.elastic:  # the cluster's own world wrote it: its dp x pp ranks (docs/design.md §10.1)
+            meta.update(world_size=self.ranks_per_cluster, elastic_cluster=self.coords.cluster)
+        return meta
+
+    @property
+    def ranks_per_cluster(self) -> int:
+        return self.cfg.topology.dp_degree * self.cfg.topology.pp_degree
+
+    @property
+    def checkpoint_rank(self) -> int:
+        """This rank's file in a checkpoint: its global rank, or in an elastic run its rank inside its cluster."""
+        return self.rank % self.ranks_per_cluster if self.elastic else self.rank
 
     def resume(self, path: Path) -> None:
         check_resume(self.cfg, path)
-        self.load_state_dict(load_rank_state(path, self.rank))
+        state = load_rank_state(path, self.checkpoint_rank)
+        self.load_state_dict(state)
+        if self.membership is not None:  # the others heal from this cluster's step, not the reverse
+            self.membership.resume_progress(state["trainer"]["torchft"])
         self.resumed_from = path
 
     def save(self) -> Path | None:
@@ -429,15 +447,14 @@ class Trainer:
         if bad:
             self._diverged(f"non-finite parameters ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
         self._last_checkpoint_step = self.step
-        if self.elastic and self.coords.cluster != 0:
-            return None  # elastic: cluster 0 writes the run's checkpoints (for eval and export), docs/design.md §10.1
         return save_checkpoint(
             self.run_dir,
             self.step,
             self.state_dict(),
-            rank=self.rank,
+            rank=self.checkpoint_rank,
             meta=self.checkpoint_meta(),
             keep=self.cfg.checkpoint.keep,
+            cluster=self.coords.cluster if self.elastic else None,  # elastic: each cluster its own, §10.1
         )
 
     def _diverged(self, what: str) -> None:
@@ -528,7 +545,9 @@ class Trainer:
         self._start = time.perf_counter()
         window_start, window_step = self._start, self.step
         try:
-            if joined is not None:  # end the boundary the peers are at, abstaining from what this cluster missed
+            # end the boundary the peers are at, abstaining from what this cluster missed (peers resumed from disk
+            # settled theirs before their checkpoint)
+            if joined is not None and joined[1] != RESUMED:
                 if joined[1] == "round":
                     self.round_stats = self.sync.after_inner_step(self.step)
                 if self.step >= cfg.train.steps:
@@ -588,13 +607,16 @@ class Trainer:
             self.on_joined()
         if joined is None:
             return None
-        step, _ = joined
+        step, phase = joined
+        self.stream.skip_batches(step - self.step)  # from step 0, or from an older checkpoint's step
+        if self.resumed_from is not None:  # that checkpoint's inner optimizer state belongs to rounds gone by
+            self.inner_optimizer.load_state_dict(build_inner_optimizer(self.cfg, self.model).state_dict())
         self.step = self._last_checkpoint_step = step
-        self.stream.skip_batches(step)  # this process's stream is fresh: at step 0
+        how = "its peers resumed from disk" if phase == RESUMED else "a live peer"
         if self.coords.dp == 0 and self.coords.pp == 0:  # one line per cluster
             print(
                 f"dilocox: elastic: cluster {self.coords.cluster} rejoined at step {step} (outer step "
-                f"{self.sync.outer_step}), healed from a live peer",
+                f"{self.sync.outer_step}), healed from {how}",
                 flush=True,
             )
         return joined

@@ -16,6 +16,7 @@ import json
 import logging
 import multiprocessing.connection
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -29,6 +30,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from dilocox import forkserver
+from dilocox.checkpoint import elastic_resume_paths, list_checkpoints
 from dilocox.config import Config, from_dict, to_dict
 from dilocox.launch.processes import (
     EXIT_INTERRUPTED,
@@ -57,14 +59,15 @@ def lighthouse_timeouts(cfg: Config) -> dict[str, float]:
     }
 
 
-def launch_elastic(cfg: Config) -> int:
+def launch_elastic(cfg: Config, resume: Path | None = None) -> int:
     """Start this machine's clusters (`topology.local_clusters`, all of them by default), each as its own group of
     processes, with a torchft Lighthouse in this process unless network.lighthouse names one (several machines meet
     at one). A cluster whose processes die is started again, up to topology.max_cluster_restarts times, and heals
     from a live peer; the others go on meanwhile. This launcher ends when each of its clusters has finished or is
-    lost; it exits 1 when none of them finished."""
+    lost; it exits 1 when none of them finished. `resume`: the checkpoint the run resumes from (`preflight`); each
+    cluster first starts from its own checkpoint of that step, or heals from those that have one."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    launcher = ElasticLauncher(cfg)
+    launcher = ElasticLauncher(cfg, resume)
     forkserver.start(forkserver.ELASTIC_PRELOAD)  # the time a restart takes is the time its peers train without it
     try:
         with signals_stop_the_run():
@@ -103,7 +106,7 @@ class ElasticLauncher:
         launcher.close()
     """
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, resume: Path | None = None) -> None:
         from dilocox.sync.membership import lighthouse_url, start_lighthouse
 
         self.cfg = cfg
@@ -111,6 +114,8 @@ class ElasticLauncher:
         self.advertise_host = cfg.network.listen_host
         self.timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
         self.clusters = {cluster: _Cluster(cluster) for cluster in self.topology.launched_clusters()}
+        self.resume_paths = {} if resume is None else elastic_resume_paths(Path(cfg.run.out_dir), resume, self.clusters)
+        """The checkpoint each cluster loads at its first start (a restart heals from a live peer instead)."""
         self.board = ClusterBoard(self.topology.num_clusters)
         self.running: dict[int, _Cluster] = {}
         self.finished: set[int] = set()
@@ -151,14 +156,32 @@ class ElasticLauncher:
         if self.lighthouse is not None:
             self.lighthouse.shutdown()
 
+    def resume_hint(self) -> str:
+        """How to go on from disk once the run has stopped: the same command on every machine (checkpoint.resume =
+        auto takes each cluster's newest checkpoint), and the checkpoint it resumes from."""
+        argv = ["dilocox", *sys.argv[1:]]
+        if self.cfg.run.overwrite:
+            argv.append("--run.overwrite=false")  # it would start the run afresh
+        if self.cfg.checkpoint.resume == "":
+            argv.append("--checkpoint.resume=auto")
+        newest = list_checkpoints(Path(self.cfg.run.out_dir))
+        command = f"`{shlex.join(argv)}`"
+        if self.cfg.network.lighthouse:
+            command += f" on every machine of the run, once the Lighthouse at {self.cfg.network.lighthouse} runs"
+        if not newest:
+            return f"no checkpoint was written yet: {command} starts the run again"
+        return f"resume it with {command} (from {newest[-1]}; checkpoint.resume = auto)"
+
     def end(self) -> int:
         """Say which clusters the run finished without; 0 when at least one of this machine's clusters finished."""
-        if self.lost:
+        if self.lost and not self.finished:
+            print(f"dilocox: elastic: every cluster of this machine is lost; {self.resume_hint()}", file=sys.stderr)
+        elif self.lost:
             print(f"dilocox: elastic: the run finished without clusters {sorted(self.lost)}", file=sys.stderr)
         if len(self.clusters) < self.topology.num_clusters and 0 not in self.clusters and self.finished:
             print(
-                f"dilocox: elastic: clusters {sorted(self.finished)} of this machine finished; the run's metrics, "
-                "summary and checkpoints are written by cluster 0's machine",
+                f"dilocox: elastic: clusters {sorted(self.finished)} of this machine finished; the run's metrics and "
+                "summary are written by cluster 0's machine, each cluster's checkpoints by its own",
                 flush=True,
             )
         return 0 if self.finished else 1
@@ -172,9 +195,10 @@ class ElasticLauncher:
         self.board.set(cluster, ClusterStatus.RESTARTING if state.restarts else ClusterStatus.STARTING)
         state.store = serve_store(self.advertise_host, self.timeout)
         args = (cluster, to_dict(self.cfg), state.store.port, self.board, self.address, self.advertise_host)
+        resume = "" if state.restarts else str(self.resume_paths.get(cluster, ""))
         state.processes = mp.start_processes(
             _elastic_rank_main,
-            args=(*args, state.restarts > 0, os.getpid(), dict(os.environ), os.getcwd()),
+            args=(*args, state.restarts > 0, resume, os.getpid(), dict(os.environ), os.getcwd()),
             nprocs=self.topology.dp_degree * self.topology.pp_degree,
             join=False,
             start_method="forkserver",
@@ -220,8 +244,7 @@ class ElasticLauncher:
             self.stop_all()
             print(
                 f"dilocox: error: the Lighthouse at {self.address} does not answer, so no cluster can go on (cluster "
-                f"{cluster} failed first); every cluster of this machine is stopped. An elastic run does not resume "
-                "from disk yet: start it again once the Lighthouse runs",
+                f"{cluster} failed first); every cluster of this machine is stopped; {self.resume_hint()}",
                 file=sys.stderr,
             )
             return 1
@@ -325,6 +348,7 @@ def _elastic_rank_main(
     lighthouse: str,
     advertise_host: str,
     restarted: bool,
+    resume: str,
     launcher: int,
     env: dict,
     cwd: str,
@@ -349,6 +373,8 @@ def _elastic_rank_main(
 
     try:
         trainer = Trainer(cfg, rank=rank, run_dir=Path(cfg.run.out_dir), cluster_store=(advertise_host, port))
+        if resume:  # this cluster's own checkpoint: it presents that step, and clusters without one heal from it
+            trainer.resume(Path(resume))
         if restarted:
             trainer.on_joining = lambda: board.set(cluster, ClusterStatus.REJOINING)
         trainer.on_joined = lambda: board.set(cluster, ClusterStatus.JOINED)

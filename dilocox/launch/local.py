@@ -50,7 +50,7 @@ _LOCAL_HOST = LOOPBACK
 def launch_local(cfg: Config, data: TokenData, resume: Path | None) -> int:
     """Spawn the world on this machine and wait; returns the process exit code."""
     if cfg.topology.elastic:
-        return launch_elastic(cfg)
+        return launch_elastic(cfg, resume)
     world_size = cfg.world_size
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # our own line says who was stopped
     # The job's store lives in this process, not in a rank: a stopped rank cannot take it down with it.

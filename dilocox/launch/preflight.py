@@ -116,15 +116,14 @@ def check_local_ranks(cfg: Config) -> None:
 
 def resolve_resume(cfg: Config) -> Path | None:
     """The checkpoint to resume, verified (`checkpoint.resume`): `auto` takes the newest one of run.out_dir when
-    there is one (so `torchrun --max-restarts` recovers) and starts fresh otherwise; "" never resumes."""
+    there is one (so `torchrun --max-restarts` recovers) and starts fresh otherwise; "" never resumes. In an elastic
+    run it is the newest of any cluster's (the lowest cluster's at equal steps): the launcher starts each cluster from
+    its own checkpoint of that step (`checkpoint.elastic_resume_paths`), and one without heals from those that have
+    one. A static run's checkpoint resumed as elastic, or the reverse, is refused by `check_resume`
+    (topology.elastic): their rank files and sync state are laid out for the other kind of run."""
     resume = cfg.checkpoint.resume
     if not resume or (resume == "auto" and (cfg.run.overwrite or not list_checkpoints(Path(cfg.run.out_dir)))):
         return None
-    if cfg.topology.elastic:
-        raise ValueError(
-            f"{cfg.run.out_dir} holds checkpoints, but an elastic run heals from live peers and does not resume from "
-            "disk yet; start it in a new --run.out_dir or with --run.overwrite=true"
-        )
     path = find_checkpoint(Path(cfg.run.out_dir), "latest" if resume == "auto" else resume)
     if resume == "auto":  # found, not asked for: it may belong to another run
         check_auto_resume(cfg, path)

@@ -533,12 +533,14 @@ class DiLoCoSync:
         self.guard.load_state_dict(state["guard"])
         # Every rank resumes from the same step and loads in the same order, so the re-sends pair up across
         # clusters. The link counters (restored first) hold the transfer exactly when it had arrived on this rank.
+        self.pending, flight = None, None
         if state["pending_sent"] is not None:
             counted = state["pending_seq"] < self.channel.num_transfers
-            sent = state["pending_sent"].to(self.outer_params.device)  # checkpoints load on the CPU
-            self.pending = self.reducer.relaunch(sent, account=not counted)
-        else:
-            self.pending = None
+            flight = state["pending_sent"].to(self.outer_params.device), not counted  # checkpoints load on the CPU
+        if self.elastic is not None:  # sent again over the first quorum's group, once this cluster is in it
+            self.elastic.resume(self.last_boundary, flight)
+        elif flight is not None:
+            self.pending = self.reducer.relaunch(flight[0], account=flight[1])
 
     def agreed_state(self) -> dict[str, Any]:
         """What every cluster holds alike at a boundary: phi, the outer optimizer's state and the round counters

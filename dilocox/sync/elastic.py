@@ -39,6 +39,10 @@ from dilocox.sync.reducers import PendingMean, Reducer
 
 APPLY, REDO, NOTHING = "apply", "redo", "nothing"
 
+RESUMED = "resumed"
+"""The phase of a cluster resumed from disk until its first boundary: the boundary of its checkpoint was settled
+before the checkpoint was written, so a cluster that heals from it joins after that boundary, not at it."""
+
 HEAL_STATE_SLACK = 16 << 20
 """Bytes a heal state may hold beyond phi and the outer optimizer's state: counters, the guard's history, pickling."""
 
@@ -297,6 +301,9 @@ class ElasticRounds:
         """The quorum this boundary met in so far: a blocking sync's launch meets first, a delayed sync's settling."""
         self.vote = ClusterVote(membership.cluster_group, cluster=membership.cluster)
         """The ranks of this cluster (pp x dp) take the same branch at every step of the settling."""
+        self.resumed_flight: tuple[torch.Tensor, bool] | None = None
+        """Resumed from disk: the sync in flight this cluster had sent (and whether to count its bytes again), sent
+        again over the first quorum's group once this cluster is in it (`rejoin`)."""
 
     # ---------------------------------------------------------------------------------------------- boundaries
     def open_boundary(self, step: int | None) -> bool:
@@ -352,11 +359,35 @@ class ElasticRounds:
         from a live peer and returns (the boundary step, "round" or "flush"); its caller sets its step there and
         ends that boundary with its peers (`end_round` or `flush`), abstaining from what it did not train."""
         quorum = self.membership.join()
-        if not quorum.healed:
-            self._bind(quorum)
-            return None
-        self.joined_quorum, self.newcomer = quorum, True
-        return self.boundary_step, self.phase
+        if quorum.healed and self.phase != RESUMED:  # a run in progress: it heals at the boundary its peers are at
+            self.joined_quorum, self.newcomer = quorum, True
+            return self.boundary_step, self.phase
+        self._bind(quorum)
+        s = self.sync
+        if quorum.healed:
+            # Its peers resumed from disk after their checkpoint's boundary: it trains the next round with them and
+            # abstains from the sync they send again now (it holds no share of it).
+            self.membership.await_heals(quorum)
+            self.membership.commit()
+            self.resumed_flight = None
+            if self.others_hold:
+                s.pending = s.reducer.abstain(s.outer_params)
+                s.pending.abstained = True
+                self.pending_quorum = quorum.quorum_id
+            self.others_hold = False
+            return self.boundary_step, self.phase
+        if self.resumed_flight is not None:  # every member that resumed sends its share again, in the same order
+            sent, account = self.resumed_flight
+            self.resumed_flight = None
+            s.pending = s.reducer.relaunch(sent, account=account)
+            self.pending_quorum = quorum.quorum_id
+        return None
+
+    def resume(self, step: int, flight: tuple[torch.Tensor, bool] | None) -> None:
+        """This cluster loaded a checkpoint of the boundary at `step` (`DiLoCoSync.load_state_dict`): its sync in flight
+        (what it sent, and whether to count the bytes again) goes out once it is in the first quorum, and a cluster
+        that heals from it joins after that boundary (`RESUMED`)."""
+        self.boundary_step, self.phase, self.resumed_flight = step, RESUMED, flight
 
     # ---------------------------------------------------------------------------------------------- quorum
     def _next_quorum(self) -> Quorum:
@@ -591,7 +622,7 @@ class ElasticRounds:
         return {
             **s.agreed_state(),
             "guard": self.guard_snapshot if self.guard_snapshot is not None else s.guard_snapshot(),
-            "others_hold": s.pending is not None or self.guard_snapshot is not None,
+            "others_hold": s.pending is not None or self.guard_snapshot is not None or self.resumed_flight is not None,
             "boundary_step": self.boundary_step,
             "phase": self.phase,
         }

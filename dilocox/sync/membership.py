@@ -299,21 +299,18 @@ class ElasticMembership:
         self._load_state_dict(state)
 
     def join(self) -> Quorum:
-        """The first quorum of this process. At the start of a run it waits until every cluster is there (so a run
-        without faults has every cluster in every round); a cluster that joins a run in progress heals from a peer.
-        It commits, so a later round's quorum finds this cluster at the step of its peers."""
+        """The first quorum of this process. At the start of a run, and of a run resumed from disk, it waits until
+        every cluster is there (so a run without faults has every cluster in every round); a cluster that joins a run
+        in progress heals from a peer. It commits, so a later round's quorum finds this cluster at the step of its
+        peers."""
         deadline = time.monotonic() + self.timeout.total_seconds()
+        start_step = self.manager.current_step()  # a resumed cluster's is its checkpoint's (`resume_progress`)
         while True:
             quorum = self.start_round(check=False)  # at the start, clusters still starting are not missing
-            if quorum.healed or self.manager.current_step() > 0 or quorum.size == self.num_clusters:
+            if self.restarted and not quorum.healed:
+                self._check_live_peer(quorum)
+            if quorum.healed or self.manager.current_step() > start_step or quorum.size == self.num_clusters:
                 break
-            if self.restarted and quorum.clusters == (self.cluster,):
-                # the Lighthouse never forms a quorum of half or less of the clusters that heartbeat: alone, this
-                # restart is the only live cluster (the others finished, or died and were not started again)
-                raise NoLivePeer(
-                    f"cluster {self.cluster} was started again, but no other cluster is alive to heal from (the run "
-                    "ended, or every other cluster is gone)"
-                )
             if time.monotonic() > deadline:
                 raise ElasticError(
                     f"only clusters {list(quorum.clusters)} of {self.num_clusters} joined within network.timeout = "
@@ -322,8 +319,50 @@ class ElasticMembership:
             time.sleep(0.1)
         self._check(quorum.clusters)
         if not quorum.healed:
+            if start_step > 0:  # resumed from disk: the clusters behind it heal from its state in this quorum
+                self.await_heals(quorum)
             self.commit()
         return quorum
+
+    def _check_live_peer(self, quorum: Quorum) -> None:
+        """A restart that did not heal in its quorum: refuse to go on when no member holds the run's state, rather than
+        train the run again from step 0. Alone, this restart is the only live cluster (the Lighthouse never forms a
+        quorum of half or less of the clusters that heartbeat: the others finished, or died and were not started
+        again); in a round of every cluster, all of them restarts of this launcher, every cluster died (a round of
+        some of them may form while a live cluster trains a long round: they wait for it). Its launcher gives up on
+        it and, with no cluster left, prints the command that resumes the run from disk."""
+        others = [cluster for cluster in quorum.clusters if cluster != self.cluster]
+        restarts = self.restarts_in_progress()
+        if not others:
+            raise NoLivePeer(
+                f"cluster {self.cluster} was started again, but no other cluster is alive to heal from (the run "
+                "ended, or every other cluster is gone)"
+            )
+        if quorum.size == self.num_clusters and all(cluster in restarts for cluster in others):
+            raise NoLivePeer(
+                f"cluster {self.cluster} was started again, and so were clusters {others}, the others in its first "
+                "round: no live cluster holds the run's state to heal from (every cluster died)"
+            )
+
+    def await_heals(self, quorum: Quorum) -> None:
+        """Return once every member of `quorum` has its state (one 1-element all-reduce over its group, bounded by
+        network.timeout): torchft stops serving a cluster's state when it commits, so a cluster that members heal
+        from in its first quorum commits only after they have read it."""
+        if quorum.size > 1:
+            options = dist.AllreduceOptions()
+            options.reduceOp, options.timeout = dist.ReduceOp.SUM, self.timeout
+            quorum.group.allreduce([torch.zeros(1)], options).wait()
+
+    def progress(self) -> dict[str, int]:
+        """torchft's step (boundaries committed) and batches committed: what a checkpoint records of the membership."""
+        return dict(self.manager.state_dict())
+
+    def resume_progress(self, progress: dict[str, int]) -> None:
+        """Before the first quorum of a cluster resumed from disk: present its checkpoint's step to torchft, so that a
+        cluster that starts afresh (step 0) or from an older checkpoint is behind it and heals from it, and not the
+        reverse."""
+        step, batches = int(progress["step"]), int(progress["batches_committed"])
+        self.manager.load_state_dict({"step": step, "batches_committed": batches})
 
     def restarts_in_progress(self) -> dict[int, bool]:
         """The clusters being started again that have not joined yet: {cluster: whether it asked to join}."""

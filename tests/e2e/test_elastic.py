@@ -5,6 +5,8 @@ import contextlib
 import json
 import os
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,9 +16,19 @@ from pathlib import Path
 
 import pytest
 
+from dilocox.checkpoint import list_checkpoints, verify_checkpoint
 from dilocox.metrics import read_metrics
 from dilocox.tools.linkcheck import namespaces
-from tests.e2e.helpers import DEBUG, LOOPBACK, REPO, descendant_pids, listening_sockets, non_loopback_interface
+from tests.e2e.helpers import (
+    DEBUG,
+    LOOPBACK,
+    REPO,
+    descendant_pids,
+    dilocox,
+    listening_sockets,
+    non_loopback_interface,
+    wait_until_gone,
+)
 
 pytest.importorskip("torchft")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -108,12 +120,16 @@ class Run:
 
 @pytest.fixture
 def start_run(request, tmp_path):
-    """Starts `dilocox train` runs in tmp_path/NAME; each run's whole output is kept in tmp_path/NAME.log, and
-    printed in full when the test fails (with every live rank's stack when it hung)."""
+    """Starts `dilocox train` runs in tmp_path/NAME (or a given directory); each run's whole output is kept in
+    tmp_path/NAME.log, and printed in full when the test fails (with every live rank's stack when it hung)."""
     runs: dict[str, Run] = {}
 
-    def start(name: str, *flags: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> Run:
-        runs[name] = Run(tmp_path / name, *flags, env=env, prefix=prefix)
+    def start(
+        name: str, *flags: str, env: dict | None = None, run_dir: Path | None = None, prefix: tuple[str, ...] = ()
+    ) -> Run:
+        """`run_dir`: another run's directory (a run resumed there), by default tmp_path/NAME; `prefix`: what the
+        command runs under (e.g. `ip netns exec NS`)."""
+        runs[name] = Run(run_dir or tmp_path / name, *flags, env=env, prefix=prefix)
         return runs[name]
 
     yield start
@@ -124,6 +140,11 @@ def start_run(request, tmp_path):
         (tmp_path / f"{name}.log").write_text(run.output + "\n")
         if failed:
             print(f"----- the whole output of run {name!r} (exit code {run.proc.returncode}) -----\n{run.output}")
+
+
+def _checkpoints(run_dir: Path) -> list[str]:
+    """The complete checkpoints of a run directory, as `cluster{c}/step_N`, oldest first (`list_checkpoints`)."""
+    return [str(path.relative_to(run_dir / "checkpoints")) for path in list_checkpoints(run_dir)]
 
 
 def _records(run_dir: Path) -> dict[int, dict]:
@@ -163,8 +184,8 @@ def test_a_killed_cluster_rejoins_heals_from_a_peer_and_ends_bit_identical(tmp_p
     digests = {r["outer_params_sha256"] for r in records.values()}
     assert len(digests) == 1, records  # the agreed parameters are bit-identical on every cluster
     assert records[2]["healed_from_peer"] and records[2]["resumed_from_checkpoint"] is None
-    # the only checkpoint is the final one, written after the heal: there was nothing on disk it could have read
-    assert [p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()] == [f"step_{steps:08d}"]
+    # each cluster's only checkpoint is the final one, written after the heal: there was nothing on disk it could read
+    assert sorted(_checkpoints(tmp_path / "killed")) == [f"cluster{c}/step_{steps:08d}" for c in range(3)]
     assert not records[0]["healed_from_peer"] and not records[1]["healed_from_peer"]
     assert all(r["step"] == steps for r in records.values())
 
@@ -264,9 +285,12 @@ def test_clusters_of_two_launchers_meet_at_one_lighthouse_and_a_killed_one_heals
     assert sorted(a.pids()) == [0, 1] and sorted(b.pids()) == [2]
     assert "dilocox: elastic: cluster 2 failed" in b.output and "start 2)" in b.output
     assert re.search(r"dilocox: elastic: cluster 2 rejoined at step \d+ .*healed from a live peer", b.output)
-    assert "clusters [2] of this machine finished; the run's metrics, summary and checkpoints are written by " \
-        "cluster 0's machine" in b.output  # fmt: skip
+    assert "clusters [2] of this machine finished; the run's metrics and summary are written by cluster 0's " \
+        "machine, each cluster's checkpoints by its own" in b.output  # fmt: skip
     assert not (tmp_path / "machine_b" / "summary.json").exists()
+    # each machine holds its own clusters' checkpoints, from which it can resume
+    assert sorted(_checkpoints(tmp_path / "machine_a")) == ["cluster0/step_00000040", "cluster1/step_00000040"]
+    assert _checkpoints(tmp_path / "machine_b") == ["cluster2/step_00000040"]
 
     records = {**_records(tmp_path / "machine_a"), **_records(tmp_path / "machine_b")}
     assert sorted(_records(tmp_path / "machine_a")) == [0, 1] and sorted(_records(tmp_path / "machine_b")) == [2]
@@ -313,6 +337,9 @@ def test_when_the_lighthouse_dies_the_launcher_stops_its_clusters_with_one_line(
     errors = [line for line in run.lines if line.startswith("dilocox: error:")]
     assert len(errors) == 1 and errors[0].startswith(f"dilocox: error: the Lighthouse at {url} does not answer, so no "
                                                      "cluster can go on"), run.output  # fmt: skip
+    # the command that starts it again (it wrote no checkpoint: checkpoint.interval = 0 and the run is far from its end)
+    assert "; no checkpoint was written yet: `dilocox train --config " in errors[0], errors[0]
+    assert errors[0].endswith(f"` on every machine of the run, once the Lighthouse at {url} runs starts the run again")
     assert "starting it again" not in run.output
 
 
@@ -404,3 +431,130 @@ def test_hosts_in_network_namespaces_heal_a_killed_host_across_a_shaped_link(tmp
     # values) left one of the live hosts through it: that host sent about that much more than the other
     assert all(sent > 0 for sent in shaped_bytes), shaped_bytes
     assert abs(shaped_bytes[0] - shaped_bytes[1]) > 0.8 * 4 * 164_416, shaped_bytes
+
+
+# checkpoints every round (H = 10) of a 30-step run of 2 clusters
+ON_DISK = [*[f for f in ELASTIC if not f.startswith("--checkpoint.interval")], "--checkpoint.interval=10",
+           "--topology.num_clusters=2", "--train.steps=30", "--sync.inner_steps=10"]  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+def test_every_elastic_cluster_writes_checkpoints_that_verify_are_pruned_and_that_eval_and_export_read(
+    tmp_path, start_run
+):
+    run = start_run("run", *ON_DISK, "--checkpoint.keep=2")
+    assert run.finish() == 0, "the run failed"
+    run_dir = tmp_path / "run"
+    # each cluster is its own world and writes its own ranks' state, pruned to checkpoint.keep like a static run's
+    assert _checkpoints(run_dir) == [
+        "cluster1/step_00000020", "cluster0/step_00000020", "cluster1/step_00000030", "cluster0/step_00000030"
+    ]  # fmt: skip
+    for path in list_checkpoints(run_dir):
+        meta = verify_checkpoint(path)  # every rank file listed, for a world of the cluster's dp x pp ranks
+        assert meta["world_size"] == 1 and sorted(meta["files"]) == ["rank_00000.pt"]
+        assert meta["elastic_cluster"] == int(path.parent.name.removeprefix("cluster"))
+
+    loss = json.loads((run_dir / "summary.json").read_text())["final_eval_loss"]
+    evaluated = dilocox("eval", run_dir, "--json", "--max-batches", "8")  # eval.final_max_batches = 8
+    assert evaluated.returncode == 0, evaluated.stderr
+    report = json.loads(evaluated.stdout)
+    assert report["checkpoint"] == str(run_dir / "checkpoints" / "cluster0" / "step_00000030")
+    assert report["loss"] == loss  # the agreed model (outer params) the run scored at its end
+    exported = dilocox("export", run_dir, "--out", tmp_path / "hf", "--json")
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads(exported.stdout)["weights"] == "outer parameters"
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+    # the run directory of an elastic run is not resumed as a static run (its rank files are per cluster)
+    static = [f for f in ON_DISK if f != "--topology.elastic=true"]
+    refused = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", *static, "--train.steps=40")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        f"dilocox: error: cannot resume {run_dir / 'checkpoints' / 'cluster0' / 'step_00000030'}: topology.elastic "
+        "was true in the checkpoint, false now; resume with --topology.elastic=true or start a new run directory"
+    ]
+
+
+def _kill_entirely(run: Run, *checkpoints: Path) -> None:
+    """SIGKILL the launcher and every process below it once each of `checkpoints` is complete."""
+    deadline = time.monotonic() + 120
+    while not all((path / "meta.json").is_file() for path in checkpoints):
+        assert run.proc.poll() is None and time.monotonic() < deadline, f"no checkpoints {checkpoints}:\n{run.output}"
+        time.sleep(0.02)
+    pids = [run.proc.pid, *descendant_pids(run.proc.pid)]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    run.finish()
+    assert not wait_until_gone(pids), "processes of the killed run are still alive"
+
+
+@pytest.mark.timeout(300)
+def test_an_elastic_run_killed_entirely_resumes_from_disk_and_ends_as_the_uninterrupted_run(tmp_path, start_run):
+    clean = start_run("clean", *ON_DISK, "--checkpoint.keep=5")
+    assert clean.finish() == 0, "the clean run failed"
+    clean_records = _records(tmp_path / "clean")
+
+    killed = start_run("killed", *ON_DISK, "--checkpoint.keep=5")
+    first = [tmp_path / "killed" / "checkpoints" / f"cluster{c}" / "step_00000010" for c in (0, 1)]
+    _kill_entirely(killed, *first)
+    shutil.copytree(tmp_path / "killed", tmp_path / "lost")  # the same run, where cluster 1's disk is lost below
+
+    # every cluster loads its own checkpoint of step 10 (inner optimizer, data position, residuals, the sync in
+    # flight) and presents that step to torchft: the run ends bit for bit as the uninterrupted one
+    resumed = start_run("resumed", *ON_DISK, "--checkpoint.keep=5", f"--checkpoint.resume={first[0]}",
+                        run_dir=tmp_path / "killed")  # fmt: skip
+    assert resumed.finish() == 0, "the resumed run failed"
+    records = _records(tmp_path / "killed")
+    assert [records[c]["resumed_from_checkpoint"] for c in (0, 1)] == [str(path) for path in first]
+    assert not any(r["healed_from_peer"] for r in records.values())
+    for cluster in (0, 1):
+        assert records[cluster]["outer_params_sha256"] == clean_records[cluster]["outer_params_sha256"]
+    assert records[0]["last_eval_loss"] == clean_records[0]["last_eval_loss"]
+
+    # cluster 1 has no checkpoint left: cluster 0 resumes from its own (checkpoint.resume = auto, the same command as
+    # the first start) and cluster 1 heals from it at the first quorum, then trains the next round with it
+    lost = tmp_path / "lost" / "checkpoints"
+    for path in [*lost.glob("cluster1/step_*"), *[p for p in lost.glob("cluster0/step_*") if p.name > "step_00000010"]]:
+        shutil.rmtree(path)
+    healed = start_run("healed", *ON_DISK, "--checkpoint.keep=5", run_dir=tmp_path / "lost")
+    assert healed.finish() == 0, "the run resumed without cluster 1's checkpoint failed"
+    assert f"dilocox: resuming from {lost / 'cluster0' / 'step_00000010'} (checkpoint.resume = auto" in healed.output
+    assert "cluster 1 rejoined at step 10 (outer step 1), healed from its peers resumed from disk" in healed.output
+    records = _records(tmp_path / "lost")
+    assert records[1]["healed_from_peer"] and records[1]["resumed_from_checkpoint"] is None
+    assert records[0]["resumed_from_checkpoint"] == str(lost / "cluster0" / "step_00000010")
+    assert records[0]["outer_params_sha256"] == records[1]["outer_params_sha256"]
+    assert all(r["step"] == 30 for r in records.values())
+    loss, clean_loss = records[0]["last_eval_loss"], clean_records[0]["last_eval_loss"]
+    print(f"final eval loss: uninterrupted {clean_loss:.4f}, resumed with cluster 1 healed {loss:.4f}")
+    assert abs(loss - clean_loss) / clean_loss < 0.05
+
+
+@pytest.mark.timeout(300)
+def test_when_every_cluster_dies_the_launcher_gives_the_command_that_resumes_the_run_from_disk(tmp_path, start_run):
+    run = start_run("run", *ON_DISK)
+    checkpoints = [tmp_path / "run" / "checkpoints" / f"cluster{c}" / "step_00000010" for c in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not all((path / "meta.json").is_file() for path in checkpoints):
+        assert run.proc.poll() is None and time.monotonic() < deadline, run.output
+        time.sleep(0.02)
+    for cluster in (0, 1):
+        os.kill(run.pid_of(cluster), signal.SIGKILL)
+    # the restarts meet each other only: none holds the run's state, so they stop rather than train it from step 0
+    assert run.finish(timeout=120) == 1
+    assert "no live cluster holds the run's state to heal from (every cluster died)" in run.output
+    hint = [line for line in run.lines if line.startswith("dilocox: elastic: every cluster of this machine is lost")]
+    assert len(hint) == 1, run.output
+    command = re.search(r"resume it with `([^`]+)` \(from (\S+); checkpoint\.resume = auto\)", hint[0])
+    assert command and shlex.split(command.group(1))[:2] == ["dilocox", "train"], hint[0]
+    newest = Path(command.group(2))
+    assert newest in list_checkpoints(tmp_path / "run") and newest.name >= "step_00000010"
+
+    resumed = dilocox(*shlex.split(command.group(1))[1:])  # the command as printed
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"dilocox: resuming from {newest} (checkpoint.resume = auto" in resumed.stdout
+    records = _records(tmp_path / "run")
+    assert records[0]["resumed_from_checkpoint"] == str(newest) or records[0]["healed_from_peer"]
+    assert records[0]["outer_params_sha256"] == records[1]["outer_params_sha256"]
+    assert all(r["step"] == 30 for r in records.values())

@@ -10,6 +10,7 @@ import torch
 
 from dilocox.checkpoint import (
     CorruptCheckpoint,
+    elastic_resume_paths,
     find_checkpoint,
     find_step,
     list_checkpoints,
@@ -292,3 +293,57 @@ def test_a_run_directory_that_holds_another_run_is_named_as_such_under_auto_resu
     replaced = [*one, f"--run.out_dir={run_dir}", f"--data.path={own}", "--run.overwrite=true"]
     assert resolve_resume(load_config(None, replaced)) is None
     assert resolve_resume(load_config(None, [*one, f"--run.out_dir={tmp_path / 'new'}", f"--data.path={own}"])) is None
+
+
+def save_cluster(run_dir, step, cluster, keep=2):
+    """A checkpoint as an elastic cluster of one rank writes it: its own directory, its rank counted inside it."""
+    state = {"model": {"w": torch.full((8,), float(step + cluster))}, "step": step}
+    meta = {"world_size": 1, "elastic_cluster": cluster}
+    return save_checkpoint(run_dir, step, state, rank=0, meta=meta, keep=keep, cluster=cluster)
+
+
+def test_elastic_clusters_checkpoint_apart_are_pruned_apart_and_the_lowest_cluster_is_newest_at_a_step(tmp_path):
+    for step in (10, 20, 30):
+        for cluster in (1, 0):
+            save_cluster(tmp_path, step, cluster)
+    save_cluster(tmp_path, 40, 1)  # cluster 0 died before step 40
+    names = [f"{p.parent.name}/{p.name}" for p in list_checkpoints(tmp_path)]
+    # checkpoint.keep = 2 of each cluster's own: cluster 1's step 40 pruned its step 20, not cluster 0's
+    assert names == ["cluster0/step_00000020", "cluster1/step_00000030", "cluster0/step_00000030",
+                     "cluster1/step_00000040"]  # fmt: skip
+    assert [p.name for p in list_checkpoints(tmp_path, cluster=0)] == ["step_00000020", "step_00000030"]
+    assert find_checkpoint(tmp_path, "latest") == tmp_path / "checkpoints" / "cluster1" / "step_00000040"
+    assert find_step(tmp_path, 30) == tmp_path / "checkpoints" / "cluster0" / "step_00000030"
+    assert all(verify_checkpoint(p)["world_size"] == 1 for p in list_checkpoints(tmp_path))
+
+
+def test_an_elastic_resume_loads_each_clusters_own_checkpoint_of_the_step_and_skips_a_corrupt_one(tmp_path, capsys):
+    for cluster in (0, 1, 2):
+        save_cluster(tmp_path, 10, cluster)
+    save_cluster(tmp_path, 20, 0)
+    save_cluster(tmp_path, 20, 1)
+    chosen = tmp_path / "checkpoints" / "cluster0" / "step_00000020"
+    flip_a_bit(tmp_path / "checkpoints" / "cluster1" / "step_00000020" / "rank_00000.pt")
+    # cluster 1's is corrupt and cluster 2 has none of step 20: both heal from cluster 0
+    assert elastic_resume_paths(tmp_path, chosen, [0, 1, 2]) == {0: chosen}
+    assert "cluster 1 heals from a peer, not from" in capsys.readouterr().err
+
+
+def test_a_static_runs_checkpoint_is_not_resumed_as_an_elastic_run_in_one_line(tmp_path):
+    """The rank files of a static run are numbered over the whole world and its sync state over the static group; an
+    elastic run's are per cluster: neither kind resumes the other."""
+    from dilocox.checkpoint import run_identity
+    from dilocox.config import load_config, to_dict
+    from dilocox.launch.preflight import resolve_resume
+
+    run_dir = tmp_path / "run"
+    flags = ["--topology.num_clusters=1", f"--run.out_dir={run_dir}", "--train.steps=400"]
+    saved = load_config(None, flags)
+    meta = {"world_size": saved.world_size, **run_identity(saved), "config": to_dict(saved)}
+    path = save_checkpoint(run_dir, 200, {"step": 200}, rank=0, meta=meta, keep=2)
+    with pytest.raises(ValueError) as refused:
+        resolve_resume(load_config(None, [*flags, "--topology.elastic=true"]))
+    assert str(refused.value) == (
+        f"cannot resume {path}: topology.elastic was false in the checkpoint, true now; resume with "
+        "--topology.elastic=false or start a new run directory"
+    )
