@@ -375,6 +375,8 @@ class Trainer:
             heal_max_bytes=heal_state_bound(cfg.sync, sum(p.numel() for p in self.model.parameters())),
             config_fingerprint=settings_fingerprint(settings),
             shared_settings=settings,
+            stall_timeout_s=cfg.network.stall_timeout_s,
+            heartbeat_s=cfg.network.heartbeat_s,
         )
 
     # ---------------------------------------------------------------------------------------------- state
@@ -547,6 +549,8 @@ class Trainer:
                         self.round_stats = flushed.with_exclusions_of(self.round_stats)
                 while self.sync.warnings and logger is not None:
                     logger.print(self.sync.warnings.pop(0))
+                if self.sync.elastic is not None:  # membership changes: printed where seen, recorded by cluster 0
+                    self._record_elastic_events(logger)
                 if logger is None:
                     self.sync.warnings.clear()  # rank 0 prints them; the others' copies go
                     self.losses.clear()  # rank 0 averages them per logged line; the others keep none
@@ -623,6 +627,12 @@ class Trainer:
         path = self.run_dir / "elastic" / f"cluster{self.coords.cluster}.json"
         write_atomic(path, json.dumps(record, indent=2).encode())
 
+    def _record_elastic_events(self, logger: MetricsLogger | None) -> None:
+        """The stalls, leaves and rejoins seen since the last step, as `elastic` records of metrics.jsonl."""
+        events, self.sync.elastic.events = self.sync.elastic.events, []
+        for event in events if logger is not None else []:
+            logger.log_event(event.record())
+
     def _record(self, eval_loss: float | None, tokens_per_s: float) -> dict[str, Any]:
         stats = self.channel.stats()
         record = {
@@ -645,6 +655,8 @@ class Trainer:
                 record["eval_loss_local"] = self.last_eval_local
         if self.round_stats is not None:  # link, exposed and hidden time of the sync waited for at this step
             record.update(self.round_stats.to_record())
+        if self.sync.elastic is not None:  # the clusters of the last round settled (`dilocox plot`: membership)
+            record["round_clusters"] = list(self.sync.elastic.last_clusters)
         return record
 
     def _summary(self, wall_s: float, logger: MetricsLogger | None) -> RunSummary | None:

@@ -29,7 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dilocox.net.lighthouse import PROBE_TIMEOUT_S, heartbeat_ages
 from dilocox.net.listen import LOOPBACK, bind_address, url_host
+from dilocox.sync.stall import StallWatch
 
 
 class ElasticError(ValueError):
@@ -235,6 +237,8 @@ class ElasticMembership:
         heal_max_bytes: int,
         config_fingerprint: int,
         shared_settings: dict[str, Any] | None = None,
+        stall_timeout_s: float = 0.0,
+        heartbeat_s: float = 5.0,
     ) -> None:
         from torchft import Manager
 
@@ -284,6 +288,13 @@ class ElasticMembership:
         self.restarted = False
         """This process is a restart of its cluster (set by the launcher): it joins a run in progress, so a first
         quorum of itself alone means no other cluster is alive (`join`)."""
+        self.stall_watch = StallWatch(
+            ages=lambda: heartbeat_ages(lighthouse, timeout_s=min(PROBE_TIMEOUT_S, heartbeat_s)),
+            stall_timeout_s=stall_timeout_s,
+            poll_s=heartbeat_s,
+        )
+        """The Lighthouse's heartbeats of the clusters: a member silent for network.stall_timeout while this cluster
+        waits on a transfer of its round is named and left out (`dilocox.sync.stall`; 0: not watched)."""
 
     def _heal(self, state: Any) -> None:
         self._healed = True

@@ -128,6 +128,7 @@ class Member:
         self.restarts: Callable[[], dict[int, bool]] = dict
         self.config_fingerprint = 0
         self.shared_settings: dict = {"train.lr": 0.002}
+        self.stall_watch = None
         self._group: dist.ProcessGroup | None = None
         self._group_id = -1
 
