@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dilocox.sync.stall import MemberStalled, StallWatch
-from tests.distributed.test_elastic_rounds import ROUNDS, Cluster, Lighthouse, expected_outer, join_all
+from tests.distributed.test_elastic_rounds import Cluster, Lighthouse, expected_outer, join_all
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
@@ -84,7 +84,7 @@ def test_a_member_frozen_in_the_rounds_transfer_is_named_and_the_others_settle_w
         assert (event.kind, event.cluster, event.step) == ("stalled", 2, 3)
         assert event.seconds > STALL_TIMEOUT_S and "no heartbeat for" in event.reason
     out = capsys.readouterr().out
-    stall_lines = [line for line in out.splitlines() if line.startswith("dilocox: elastic: cluster 2 stalled at step 3")]
+    stall_lines = [line for line in out.splitlines() if line.startswith("dilocox: elastic: cluster 2 stalled at step")]
     assert len(stall_lines) == 1, out  # printed once, by the lowest live member
 
     # SIGCONT: the frozen cluster's collective completes with the peers' abandoned ones; they count none of it
