@@ -489,7 +489,7 @@ class ElasticRounds:
         quorum = self.quorum
         if watch is None or quorum is None:
             return contextlib.nullcontext()
-        others = {cluster: f"cluster{cluster}" for cluster in quorum.clusters if cluster != self.membership.cluster}
+        others = [cluster for cluster in quorum.clusters if cluster != self.membership.cluster]
 
         def on_stall(stalled: MemberStalled) -> None:
             events = self.membership_log.stalled(

@@ -2,7 +2,7 @@
 (`dilocox: elastic: ...`) and one `elastic` record of metrics.jsonl (docs/design.md §10.1).
 
     log = MembershipLog(cluster=0, heartbeat_timeout_s=1.0)
-    events = log.quorum((0, 1), step=20, ages={"cluster2": 7.3})   # cluster 2 left: one ElasticEvent
+    events = log.quorum((0, 1), step=20, ages={2: 7.3})             # cluster 2 left: one ElasticEvent
     events = log.stalled({2: 6.1}, (0, 1, 2), step=20, reason=...)  # named while the others waited on it
 
 Each member of a round sees the same change; the lowest cluster among those that see it prints the line, so it is
@@ -59,10 +59,10 @@ class MembershipLog:
         self._left_at: dict[int, float] = {}
         self._stalled: set[int] = set()
 
-    def quorum(self, clusters: tuple[int, ...], *, step: int, ages: Mapping[str, float]) -> list[ElasticEvent]:
+    def quorum(self, clusters: tuple[int, ...], *, step: int, ages: Mapping[int, float]) -> list[ElasticEvent]:
         """The changes from the last quorum to `clusters` (none at this cluster's first quorum): a cluster missing
-        (left, unless it was named stalled already) and one back (rejoined). `ages`: the Lighthouse's heartbeat
-        ages by replica id, for the reason a cluster left."""
+        (left, unless it was named stalled already) and one back (rejoined). `ages`: seconds since each cluster's
+        last heartbeat at the Lighthouse (`stall.cluster_ages`), for the reason a cluster left."""
         previous, self.members = self.members, tuple(clusters)
         if not previous:
             return []
@@ -72,7 +72,7 @@ class MembershipLog:
             self._left_at[cluster] = now
             if cluster in self._stalled:
                 continue
-            age = ages.get(f"cluster{cluster}")
+            age = ages.get(cluster)
             if age is not None and age > self.heartbeat_timeout_s:
                 reason = f"no heartbeat for {age:.1f}s (stopped, frozen, dead or cut off); the others go on without it"
             else:

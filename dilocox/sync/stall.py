@@ -11,7 +11,7 @@ heartbeat ages every `network.heartbeat`; a member silent for longer than `netwo
 `on_stall` fails the wait (`WanChannel.abandon`).
 
     watch = StallWatch(ages=lambda: heartbeat_ages(url), stall_timeout_s=60, poll_s=5)
-    with watch.watching(members={0: "cluster0", 2: "cluster2"}, on_stall=fail_the_wait):
+    with watch.watching([0, 2], on_stall=fail_the_wait):
         pending.wait()      # fails at once when on_stall fails it
 """
 
@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import re
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 
 
 class MemberStalled(RuntimeError):
@@ -30,6 +31,22 @@ class MemberStalled(RuntimeError):
         self.silent = dict(silent)
         named = ", ".join(f"cluster {cluster} (no heartbeat for {age:.1f}s)" for cluster, age in sorted(silent.items()))
         super().__init__(f"{named} stalled in the round's transfer (network.stall_timeout = {stall_timeout_s:g}s)")
+
+
+def cluster_ages(ages: Mapping[str, float]) -> dict[int, float]:
+    """Seconds since each cluster last beat, from the Lighthouse's ages by replica id. torchft names a cluster's
+    replica `cluster{c}:{uuid}`, a new uuid for each process, and the Lighthouse keeps the ids of ended processes, so
+    a cluster's age is that of its most recent id (a restarted cluster beats under its new one)."""
+    by_cluster: dict[int, float] = {}
+    for replica, age in ages.items():
+        found = _REPLICA.fullmatch(replica)
+        if found:
+            cluster = int(found.group(1))
+            by_cluster[cluster] = min(age, by_cluster.get(cluster, age))
+    return by_cluster
+
+
+_REPLICA = re.compile(r"cluster(\d+)(?::.*)?")
 
 
 class StallWatch:
@@ -44,28 +61,24 @@ class StallWatch:
         self.stall_timeout_s = stall_timeout_s
         self.poll_s = poll_s
 
-    def heartbeat_ages(self) -> dict[str, float]:
-        """Seconds since each replica's last heartbeat, by replica id; empty when the Lighthouse does not answer."""
+    def heartbeat_ages(self) -> dict[int, float]:
+        """Seconds since each cluster's last heartbeat (`cluster_ages`); empty when the Lighthouse does not answer."""
         try:
-            return dict(self.ages())
+            return cluster_ages(self.ages())
         except (OSError, http.client.HTTPException):
             return {}
 
-    def silent(self, members: Mapping[int, str]) -> dict[int, float]:
-        """The members (cluster -> replica id) whose last heartbeat is older than network.stall_timeout, with its age
-        in seconds; a member the Lighthouse has never heard of is not judged."""
+    def silent(self, clusters: Collection[int]) -> dict[int, float]:
+        """The clusters whose last heartbeat is older than network.stall_timeout, with its age in seconds; a cluster
+        the Lighthouse has never heard of is not judged."""
         ages = self.heartbeat_ages()
-        return {
-            cluster: ages[replica]
-            for cluster, replica in members.items()
-            if replica in ages and ages[replica] > self.stall_timeout_s
-        }
+        return {cluster: ages[cluster] for cluster in clusters if ages.get(cluster, 0.0) > self.stall_timeout_s}
 
     @contextlib.contextmanager
-    def watching(self, members: Mapping[int, str], on_stall: Callable[[MemberStalled], None]) -> Iterator[None]:
-        """While the body runs, call `on_stall` once (from the watching thread) when members are silent for longer
-        than network.stall_timeout. No thread for no members or a watch turned off (stall_timeout 0)."""
-        if not members or self.stall_timeout_s <= 0:
+    def watching(self, clusters: Collection[int], on_stall: Callable[[MemberStalled], None]) -> Iterator[None]:
+        """While the body runs, call `on_stall` once (from the watching thread) when some of `clusters` are silent
+        for longer than network.stall_timeout. No thread for no clusters or a watch turned off (stall_timeout 0)."""
+        if not clusters or self.stall_timeout_s <= 0:
             yield
             return
         done = threading.Event()
@@ -73,7 +86,7 @@ class StallWatch:
 
         def watch() -> None:
             while not done.wait(self.poll_s):
-                silent = self.silent(members)
+                silent = self.silent(clusters)
                 with lock:
                     if silent and not done.is_set():
                         on_stall(MemberStalled(silent, self.stall_timeout_s))

@@ -15,6 +15,7 @@ from dilocox.net.lighthouse import check_lighthouse_url, heartbeat_ages, parse_h
 from dilocox.sync.elastic import APPLY, NOTHING, REDO, delayed_update_verdict, diverged_members, outer_digest
 from dilocox.sync.events import MembershipLog
 from dilocox.sync.membership import ElasticError, ElasticMembership, lighthouse_url, start_lighthouse
+from dilocox.sync.stall import cluster_ages
 
 
 def test_no_member_holding_a_sync_means_nothing_to_settle():
@@ -177,10 +178,16 @@ def test_heartbeat_ages_are_read_in_every_unit_the_status_page_uses():
                                                     "cluster4": 7e-9})  # fmt: skip
 
 
+def test_a_clusters_heartbeat_age_is_that_of_its_newest_process():
+    # torchft's replica ids are cluster{c}:{uuid}, one per process; the Lighthouse keeps those of ended processes
+    ages = {"cluster0:1f2e": 0.1, "cluster2:aaaa": 30.0, "cluster2:bbbb": 0.3, "cluster12:cccc": 9.0, "other": 1.0}
+    assert cluster_ages(ages) == {0: 0.1, 2: 0.3, 12: 9.0}
+
+
 def test_the_membership_log_names_each_leave_stall_and_rejoin_once():
     log = MembershipLog(cluster=0, heartbeat_timeout_s=1.0)
     assert log.quorum((0, 1, 2, 3), step=0, ages={}) == []  # the first quorum: nothing changed
-    [left] = log.quorum((0, 1, 3), step=10, ages={"cluster2": 4.5})
+    [left] = log.quorum((0, 1, 3), step=10, ages={2: 4.5})
     assert (left.kind, left.cluster, left.step, left.seconds) == ("left", 2, 10, 4.5)
     assert left.line().startswith("dilocox: elastic: cluster 2 left at step 10: no heartbeat for 4.5s")
     assert left.record() == {"step": 10, "event": "elastic", "kind": "left", "cluster": 2, "reason": left.reason,
@@ -188,10 +195,10 @@ def test_the_membership_log_names_each_leave_stall_and_rejoin_once():
     [stalled] = log.stalled({3: 6.0}, (0, 1, 3), step=20, stall_timeout_s=5)
     assert stalled.kind == "stalled" and "network.stall_timeout = 5s" in stalled.reason
     assert log.stalled({3: 6.5}, (0, 1, 3), step=20, stall_timeout_s=5) == []  # named once
-    assert log.quorum((0, 1), step=20, ages={"cluster3": 7.0}) == []  # its leave is the stall already named
+    assert log.quorum((0, 1), step=20, ages={3: 7.0}) == []  # its leave is the stall already named
     rejoined = log.quorum((0, 1, 2), step=30, ages={})
     assert [(e.kind, e.cluster) for e in rejoined] == [("rejoined", 2)] and rejoined[0].seconds >= 0
-    [late] = log.quorum((0, 2), step=40, ages={"cluster1": 0.2})  # it beats: it came late or failed a collective
+    [late] = log.quorum((0, 2), step=40, ages={1: 0.2})  # it beats: it came late or failed a collective
     assert late.kind == "left" and "did not join this round's quorum in time" in late.reason
     # the lowest of the clusters that see a change prints it
     assert log.printer((0, 1, 2), gone={2}) and not MembershipLog(cluster=1, heartbeat_timeout_s=1).printer(
