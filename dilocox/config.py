@@ -31,6 +31,7 @@ from dilocox.checks import check_choice, check_non_negative, check_positive, che
 from dilocox.compress.config import CocktailConfig, CompressionConfig
 from dilocox.faults import FaultConfig
 from dilocox.net.config import NetworkConfig
+from dilocox.net.lighthouse import check_lighthouse_url
 from dilocox.sync.config import OUTER_LOOP_KINDS, SyncConfig, check_held_back_options, check_robust_reduction
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -438,11 +439,8 @@ class Config:
         for what, bad, fix in refused:
             if bad:
                 raise ValueError(f"topology.elastic = true does not support {what} yet; {fix}")
-        if self.network.lighthouse and not self.network.lighthouse.startswith(("http://", "https://")):
-            raise ValueError(
-                f"network.lighthouse = {self.network.lighthouse!r} must be a torchft Lighthouse's URL, "
-                "e.g. http://host:29510 (`dilocox lighthouse` listens on port 29510)"
-            )
+        if self.network.lighthouse:
+            check_lighthouse_url(self.network.lighthouse)
         if len(t.launched_clusters()) < c:  # several machines: they meet at a Lighthouse they can all reach
             if not self.network.lighthouse:
                 raise ValueError(

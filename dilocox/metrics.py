@@ -221,6 +221,12 @@ class MetricsLogger:
         else:
             print(f"step {record['step']:>6}/{self.total_steps}  outer {record['outer_step']:>4}  {info}", flush=True)
 
+    def log_event(self, record: dict[str, Any]) -> None:
+        """An event record (`event` names its kind, e.g. an elastic run's membership change): metrics.jsonl only, not
+        the sinks' scalars nor the progress line."""
+        self.file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self.file.flush()
+
     def print(self, text: str) -> None:
         if self._progress is not None:
             self._progress.console.print(text)

@@ -377,6 +377,8 @@ class Trainer:
             config_fingerprint=settings_fingerprint(settings),
             shared_settings=settings,
             cluster_group=dist.group.WORLD,  # each cluster is its own world: its stages x replicas
+            stall_timeout_s=cfg.network.stall_timeout_s,
+            heartbeat_s=cfg.network.heartbeat_s,
         )
 
     # ---------------------------------------------------------------------------------------------- state
@@ -567,6 +569,8 @@ class Trainer:
                         self.round_stats = flushed.with_exclusions_of(self.round_stats)
                 while self.sync.warnings and logger is not None:
                     logger.print(self.sync.warnings.pop(0))
+                if self.membership is not None:  # membership changes: printed where seen, recorded by cluster 0
+                    self._record_elastic_events(logger)
                 if logger is None:
                     self.sync.warnings.clear()  # rank 0 prints them; the others' copies go
                     self.losses.clear()  # rank 0 averages them per logged line; the others keep none
@@ -655,6 +659,11 @@ class Trainer:
         path = self.run_dir / "elastic" / f"cluster{self.coords.cluster}.json"
         write_atomic(path, json.dumps(record, indent=2).encode())
 
+    def _record_elastic_events(self, logger: MetricsLogger | None) -> None:
+        """The stalls, leaves and rejoins seen since the last step, as `elastic` records of metrics.jsonl."""
+        for event in self.sync.elastic_events() if logger is not None else []:
+            logger.log_event(event.record())
+
     def _record(self, eval_loss: float | None, tokens_per_s: float) -> dict[str, Any]:
         stats = self.channel.stats()
         record = {
@@ -677,6 +686,8 @@ class Trainer:
                 record["eval_loss_local"] = self.last_eval_local
         if self.round_stats is not None:  # link, exposed and hidden time of the sync waited for at this step
             record.update(self.round_stats.to_record())
+        if self.membership is not None:  # the clusters of the last round settled (`dilocox plot`: membership)
+            record["round_clusters"] = list(self.sync.last_clusters)
         return record
 
     def _summary(self, wall_s: float, logger: MetricsLogger | None) -> RunSummary | None:

@@ -19,6 +19,7 @@ from dilocox.data import ShardedTokenStream, TokenData, is_prepared_dir, iter_ev
 from dilocox.data.tokenizer import smaller_vocab_warning
 from dilocox.device import resolve_device
 from dilocox.metrics import check_sinks
+from dilocox.net.lighthouse import probe_lighthouse
 from dilocox.net.listen import listening_socket
 from dilocox.parallel import check_split
 from dilocox.runlock import RunLock
@@ -46,6 +47,8 @@ def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Pa
         check_local_ranks(cfg)
         if cfg.network.advertise_host:  # not an address of this machine: one line here, not a launcher's traceback
             listening_socket(cfg.network.advertise_host).close()
+        if cfg.topology.elastic and cfg.network.lighthouse:  # one that does not answer: one line, not 600 s of waits
+            probe_lighthouse(cfg.network.lighthouse)
     check_sinks(tensorboard=cfg.metrics.tensorboard, wandb=cfg.metrics.wandb)  # a missing extra fails here
     resolve_device(cfg.run.device, local_rank=0)  # asking for a GPU where there is none fails here, not in a rank
     if world_size is None:  # under torchrun rank 0 checks it (the others would see rank 0's own lock)

@@ -303,6 +303,7 @@ class WanChannel:
         self._lock = threading.Lock()  # guards the counters and the lifecycle flags below
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._abandoned: set[threading.Thread] = set()  # communicator threads left to a collective (`abandon`)
         self._closed = False
         self._cancelled = False
         self._failure: BaseException | None = None
@@ -316,6 +317,7 @@ class WanChannel:
         self._payloads_rejected = 0
         self._forge_next = False  # faults.kind = forge: the next all-gathered payload carries a forged tag
         self._in_flight = 0  # launched and not yet completed or failed
+        self._running: _Job | None = None  # the job on the communicator thread
         self._submitted = 0  # accounted transfers launched so far (the next one's `seq`)
         self._launched = 0  # collectives launched so far, accounted or not (the next one's `_Job.exchange`)
 
@@ -466,6 +468,31 @@ class WanChannel:
             self.group = None
             self._failure = None
             self._released = True
+
+    def abandon(self, error: BaseException) -> None:
+        """Stop waiting for what was launched: every transfer in flight fails with `error` now, and the collective on
+        the wire is left to its communicator thread, which ends when the collective returns (a peer that resumes, or
+        the group's timeout) and then touches nothing of this channel. For a member of an elastic round that stalled
+        in the middle of a transfer (`dilocox.sync.stall`): its peers must not wait for it until `network.timeout`.
+        Later collectives run on a new communicator thread, over the group of the next `rebind`."""
+        with self._lock:
+            jobs, self._queue = self._queue, queue.SimpleQueue()
+            thread, self._thread = self._thread, None
+            running, self._running = self._running, None
+            if thread is not None:
+                self._abandoned.add(thread)
+            self._in_flight = 0
+            self._failure = None
+        if running is not None:
+            running.transfer._fail(error)
+        while True:
+            try:
+                job = jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.transfer._fail(error)
+        jobs.put(None)  # the abandoned thread stops once its collective returns
 
     # ----------------------------------------------------------------------------------------- collectives
 
@@ -629,7 +656,9 @@ class WanChannel:
                     f"cannot launch {kind}: an earlier transfer on this WanChannel failed ({self._failure!r})"
                 ) from self._failure
             if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="dilocox-wan-channel", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._serve, args=(self._queue,), name="dilocox-wan-channel", daemon=True
+                )
                 self._thread.start()
             if account:
                 transfer.seq = self._submitted
@@ -642,20 +671,30 @@ class WanChannel:
 
     def _job_ended(self) -> None:
         with self._lock:
-            self._in_flight -= 1
+            if not self._is_abandoned():
+                self._in_flight -= 1
+
+    def _is_abandoned(self) -> bool:
+        """Whether the calling communicator thread was left to its collective (`abandon`); call under the lock."""
+        return threading.current_thread() in self._abandoned
 
     def _add_exposed(self, seconds: float) -> None:
         with self._lock:
             self._exposed_s += seconds
 
-    def _serve(self) -> None:
-        """Communicator thread: run queued collectives in launch order until the stop sentinel."""
+    def _serve(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
+        """Communicator thread: run the collectives of `jobs` in launch order until the stop sentinel. A thread that
+        `abandon` left to its collective fails nothing and counts nothing once that collective returns."""
         job: _Job | None = None
         try:
-            while (job := self._queue.get()) is not None:
+            while (job := jobs.get()) is not None:
                 with self._lock:
-                    failure, cancelled = self._failure, self._cancelled
-                if cancelled:
+                    failure, cancelled, abandoned = self._failure, self._cancelled, self._is_abandoned()
+                    if not abandoned:
+                        self._running = job
+                if abandoned:  # taken just as `abandon` ran: it belongs to the waits that were failed
+                    job.transfer._fail(RuntimeError("the WanChannel stopped waiting for its transfers"))
+                elif cancelled:
                     job.transfer._fail(RuntimeError("the WanChannel was closed with cancel=True before this ran"))
                 elif failure is not None:
                     # The group's collective sequence is broken: running later ones could pair with the wrong peers.
@@ -665,9 +704,13 @@ class WanChannel:
                         self._execute(job)
                     except BaseException as exc:  # handed to wait(); the thread itself must never die silently
                         with self._lock:
-                            self._failure = exc
+                            if not self._is_abandoned():
+                                self._failure = exc
                         job.transfer._fail(exc)
                 self._job_ended()
+                with self._lock:
+                    if self._running is job:
+                        self._running = None
                 job = None
         finally:
             # Only reached early on an interpreter-level failure: never leave a waiter blocked forever.
@@ -677,12 +720,14 @@ class WanChannel:
                 self._job_ended()
             while True:
                 try:
-                    leftover = self._queue.get_nowait()
+                    leftover = jobs.get_nowait()
                 except queue.Empty:
                     break
                 if leftover is not None:
                     leftover.transfer._fail(RuntimeError("the WanChannel communicator thread stopped"))
                     self._job_ended()
+            with self._lock:
+                self._abandoned.discard(threading.current_thread())
 
     def _execute(self, job: _Job) -> None:
         transfer = job.transfer
@@ -691,6 +736,9 @@ class WanChannel:
             outcome = job.run(job.exchange)
             self._staging.finish(transfer._staged, outcome.result)
         real_end = self.clock.now()
+        with self._lock:
+            if self._is_abandoned():  # its waiter was failed (`abandon`): the link and the counters go on without it
+                return
         if not job.account:
             transfer.nbytes_sent, transfer.nbytes_recv = outcome.nbytes_sent, outcome.nbytes_recv
             transfer.start_time, transfer.done_time, transfer.link_s = real_start, real_end, real_end - real_start

@@ -31,7 +31,7 @@ class NetworkConfig:
     heartbeat: str = "5s"
     """Every rank bumps its counter in the job's store this often and reads the others' (a daemon thread)."""
     stall_timeout: str = "60s"
-    """A rank whose heartbeat counter has not moved for this long is named and the run stops (exit 4); 0: off."""
+    """A rank silent this long is named: the run stops (exit 4), or an elastic run goes on without it; 0: off."""
     auth_key_file: str = ""
     """File holding a shared secret (>= 16 bytes, the same on all clusters): HMAC-tag slow-link payloads; "" = off."""
     lighthouse: str = ""

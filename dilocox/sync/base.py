@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox.compress import compression_ratio
+from dilocox.sync.events import ElasticEvent
 from dilocox.topology import group_size
 
 
@@ -187,6 +188,9 @@ class ElasticSync(SyncStrategy, Protocol):
 
     def load_heal_state(self, state: dict[str, Any]) -> None:
         """Take a live peer's `heal_state`."""
+
+    def elastic_events(self) -> list[ElasticEvent]:
+        """The membership changes (stalls, leaves, rejoins) this cluster saw since the last call."""
 
 
 class FlatParams:

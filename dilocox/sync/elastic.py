@@ -16,6 +16,7 @@ What the members of a boundary's quorum do with the sync in flight is `delayed_u
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import enum
 import gc
@@ -33,9 +34,11 @@ from dilocox.agreement import describe_differences
 from dilocox.net.channel import PayloadsRejected, WanChannel
 from dilocox.sync.base import RoundStats
 from dilocox.sync.config import SyncConfig
+from dilocox.sync.events import ElasticEvent, MembershipLog
 from dilocox.sync.membership import ElasticError, ElasticMembership, Quorum, shared_settings
 from dilocox.sync.outer_optimizer import outer_optimizer_factory, outer_state_bytes
 from dilocox.sync.reducers import PendingMean, Reducer
+from dilocox.sync.stall import MemberStalled
 
 APPLY, REDO, NOTHING = "apply", "redo", "nothing"
 
@@ -304,6 +307,13 @@ class ElasticRounds:
         self.resumed_flight: tuple[torch.Tensor, bool] | None = None
         """Resumed from disk: the sync in flight this cluster had sent (and whether to count its bytes again), sent
         again over the first quorum's group once this cluster is in it (`rejoin`)."""
+        watch = membership.stall_watch
+        self.membership_log = MembershipLog(
+            cluster=membership.cluster, heartbeat_timeout_s=2 * watch.poll_s if watch is not None else 0.0
+        )
+        self.events: list[ElasticEvent] = []
+        """The membership changes this cluster saw (stalls, leaves, rejoins), each already printed by one cluster;
+        the trainer of cluster 0 writes them to metrics.jsonl."""
 
     # ---------------------------------------------------------------------------------------------- boundaries
     def open_boundary(self, step: int | None) -> bool:
@@ -409,6 +419,7 @@ class ElasticRounds:
     def _bind(self, quorum: Quorum) -> None:
         """The channel moves to the quorum's group: the merge rules' C is the clusters of this round."""
         self.sync.channel.rebind(quorum.group, identity=(quorum.quorum_id, *quorum.clusters), clusters=quorum.clusters)
+        self._note_members(quorum.clusters)
 
     # ---------------------------------------------------------------------------------------------- settling
     def _settle_in_quorum(
@@ -595,7 +606,8 @@ class ElasticRounds:
         blocked_from = self.sync.channel.clock.now()
         branch, failure = Branch.GO_ON, None
         try:
-            due.transfer.wait()
+            with self._watching_stalls():
+                due.transfer.wait()
         except PayloadsRejected as error:
             branch, failure = Branch.REJOIN, error
         except RuntimeError as error:
@@ -612,6 +624,43 @@ class ElasticRounds:
         return self.sync.wait_sync(
             due, round_steps=round_steps, round_index=round_index, judge_link=judge_link, blocked_from=blocked_from
         )
+
+    # ---------------------------------------------------------------------------------------------- stalls, events
+    def _watching_stalls(self):
+        """While this cluster waits on a transfer of the quorum it was launched in: a member silent at the Lighthouse
+        for network.stall_timeout is named (one line, one record) and the wait fails, so that the live members settle
+        the round without it (`dilocox.sync.stall`)."""
+        watch = self.membership.stall_watch
+        quorum = self.quorum
+        if watch is None or quorum is None:
+            return contextlib.nullcontext()
+        others = [cluster for cluster in quorum.clusters if cluster != self.membership.cluster]
+
+        def on_stall(stalled: MemberStalled) -> None:
+            events = self.membership_log.stalled(
+                stalled.silent, quorum.clusters, step=self.boundary_step, stall_timeout_s=watch.stall_timeout_s
+            )
+            self._tell(events, self.membership_log.printer(quorum.clusters, set(stalled.silent)))
+            self.sync.channel.abandon(stalled)
+
+        return watch.watching(others, on_stall)
+
+    def _note_members(self, clusters: tuple[int, ...]) -> None:
+        """The clusters of a new quorum against the last one: who left, who is back (one line and record each)."""
+        previous = self.membership_log.members
+        watch = self.membership.stall_watch
+        ages = {}
+        if watch is not None and set(previous) - set(clusters):
+            ages = watch.heartbeat_ages()
+        events = self.membership_log.quorum(clusters, step=self.boundary_step, ages=ages)
+        self._tell(events, self.membership_log.printer(tuple(c for c in previous if c in clusters), set()))
+
+    def _tell(self, events: list[ElasticEvent], printer: bool) -> None:
+        """Record `events`; print them when this cluster is the one that speaks (`printer`), from its first rank."""
+        if printer and self.membership.rank_in_cluster == 0:
+            for event in events:
+                print(event.line(), flush=True)
+        self.events.extend(events)
 
     # ---------------------------------------------------------------------------------------------- state
     def heal_state(self) -> dict[str, Any]:

@@ -29,7 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dilocox.net.lighthouse import PROBE_TIMEOUT_S, heartbeat_ages
 from dilocox.net.listen import LOOPBACK, bind_address, url_host
+from dilocox.sync.stall import StallWatch
 
 
 class ElasticError(ValueError):
@@ -240,6 +242,8 @@ class ElasticMembership:
         config_fingerprint: int,
         shared_settings: dict[str, Any] | None = None,
         cluster_group: dist.ProcessGroup | None = None,
+        stall_timeout_s: float = 0.0,
+        heartbeat_s: float = 5.0,
     ) -> None:
         from torchft import Manager
 
@@ -252,6 +256,8 @@ class ElasticMembership:
         """Bound on the small all-reduces by which a round's members agree (`ElasticRounds._settle_in_quorum`): shorter
         than the Lighthouse's join timeout, so a member whose peer failed them gets its own error and asks for the
         next quorum before the Lighthouse would form it without this member."""
+        self.rank_in_cluster = rank_in_cluster
+        """This rank's place in its cluster (its torchft group rank): the first rank speaks for the cluster."""
         self.cluster_group = cluster_group
         """This cluster's own ranks (its world: pipeline stages x data-parallel replicas, on the fast link), over which
         they take the same branch at every step of a boundary (`ClusterVote`); None for a cluster of one rank."""
@@ -292,6 +298,13 @@ class ElasticMembership:
         self.restarted = False
         """This process is a restart of its cluster (set by the launcher): it joins a run in progress, so a first
         quorum of itself alone means no other cluster is alive (`join`)."""
+        self.stall_watch = StallWatch(
+            ages=lambda: heartbeat_ages(lighthouse, timeout_s=min(PROBE_TIMEOUT_S, heartbeat_s)),
+            stall_timeout_s=stall_timeout_s,
+            poll_s=heartbeat_s,
+        )
+        """The Lighthouse's heartbeats of the clusters: a member silent for network.stall_timeout while this cluster
+        waits on a transfer of its round is named and left out (`dilocox.sync.stall`; 0: not watched)."""
 
     def _heal(self, state: Any) -> None:
         self._healed = True

@@ -32,6 +32,7 @@ from dilocox.sync.base import RoundStats
 from dilocox.sync.config import HELD_BACK_OPTIONS, OUTER_LOOP_KINDS, SyncConfig, holds_back
 from dilocox.sync.diloco import STATE_KEYS, DiLoCoSync
 from dilocox.sync.elastic import ElasticRounds
+from dilocox.sync.events import ElasticEvent
 from dilocox.sync.membership import ElasticMembership
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory
 from dilocox.topology import group_size
@@ -276,6 +277,12 @@ class OuterSync:
     def last_clusters(self) -> tuple[int, ...]:
         """Elastic runs: the clusters of the last boundary settled (after the flush: those that ended the run)."""
         return self._elastic().last_clusters
+
+    def elastic_events(self) -> list[ElasticEvent]:
+        """Elastic runs: the membership changes seen since the last call (`ElasticRounds.events`)."""
+        rounds = self._elastic()
+        events, rounds.events = rounds.events, []
+        return events
 
     def _elastic(self) -> ElasticRounds:
         if self.diloco.elastic is None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dilocox.metrics import METRICS_FILE, SUMMARY_FILE, RunSummary, read_metrics
+from dilocox.sync.events import EVENT
 from dilocox.tools.args import ToolParser, user_error
 
 
@@ -256,6 +257,63 @@ def plot_runs(runs: list[RunCurves], out_dir: Path, *, title: str = "") -> list[
     return paths
 
 
+MEMBERSHIP_FILE = "membership.png"
+_EVENT_MARKERS = {"stalled": ("x", "C3"), "left": ("v", "C1"), "rejoined": ("^", "C2")}
+"""How each elastic event (`dilocox.sync.events`) is drawn in the membership chart: marker and colour."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """An elastic run's membership over time, from its metrics.jsonl: the clusters of the round settled at each
+    logged step (`round_clusters`) and the `elastic` event records (stalled, left, rejoined)."""
+
+    rounds: list[tuple[int, list[int]]]
+    """(step, clusters of the last round settled), one per logged step that carries them."""
+    events: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, run: RunCurves) -> Membership:
+        rounds = [(r["step"], list(r["round_clusters"])) for r in run.records if r.get("round_clusters")]
+        events = [r for r in run.records if r.get("event") == EVENT]
+        return cls(rounds, events)
+
+    def clusters(self) -> list[int]:
+        return sorted({c for _, members in self.rounds for c in members} | {e["cluster"] for e in self.events})
+
+
+def plot_membership(runs: list[RunCurves], out_dir: Path, *, title: str = "") -> Path | None:
+    """`membership.png`: for each elastic run (a panel each), a dot per cluster and logged step where the cluster
+    was in the round, and each stall, leave and rejoin marked where it happened; None when no run is elastic."""
+    memberships = [(run, Membership.of(run)) for run in runs]
+    memberships = [(run, m) for run, m in memberships if m.rounds or m.events]
+    if not memberships:
+        return None
+    plt = _pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, len(memberships), figsize=(6 * len(memberships), _PLOT_HEIGHT), squeeze=False)
+    for ax, (run, membership) in zip(axes[0], memberships, strict=True):
+        xs = [step for step, members in membership.rounds for _ in members]
+        ys = [cluster for _, members in membership.rounds for cluster in members]
+        ax.scatter(xs, ys, s=6, color="C0", label="in the round")
+        for kind, (marker, color) in _EVENT_MARKERS.items():
+            events = [e for e in membership.events if e["kind"] == kind]
+            if events:
+                steps, clusters = [e["step"] for e in events], [e["cluster"] for e in events]
+                ax.scatter(steps, clusters, s=60, marker=marker, color=color, label=kind, zorder=3)
+        ax.set_yticks(membership.clusters())
+        ax.set_xlabel(_STEP)
+        ax.set_ylabel("cluster")
+        ax.set_title(run.label, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.suptitle(f"{title}: clusters in each round" if title else "clusters in each round")
+    fig.tight_layout()
+    path = out_dir / MEMBERSHIP_FILE
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_throughput(labels: list[str], tokens_per_s: list[float], path: Path, *, title: str = "") -> Path:
     """A bar chart of training tokens/s (all ranks), one bar per run."""
     plt = _pyplot()
@@ -302,8 +360,9 @@ def plot_seed_spread(rows: list[dict[str, Any]], path: Path, *, title: str = "")
 
 
 DESCRIPTION = """Plot runs side by side from their metrics.jsonl: loss vs tokens and vs wall time, slow-link bytes, the
-hidden share of link time (runs with a delayed sync), the codec rank and H over outer rounds, and (for finished runs)
-throughput. A run that did not log a metric has no line in that plot; a panel or chart with no line is not written."""
+hidden share of link time (runs with a delayed sync), the codec rank and H over outer rounds, the clusters in each
+round of an elastic run with its stalls, leaves and rejoins, and (for finished runs) throughput. A run that did not
+log a metric has no line in that plot; a panel or chart with no line is not written."""
 
 
 def main(argv: list[str]) -> int:
@@ -319,6 +378,9 @@ def main(argv: list[str]) -> int:
         labels = args.label or _default_labels(args.run_dirs)
         runs = [load_run(run_dir, label) for run_dir, label in zip(args.run_dirs, labels, strict=True)]
         paths = plot_runs(runs, args.out, title=args.title)
+        membership = plot_membership(runs, args.out, title=args.title)
+        if membership is not None:
+            paths.append(membership)
         finished = [run for run in runs if (run.run_dir / SUMMARY_FILE).exists()]
         if finished:
             tokens_per_s = [RunSummary.read(run.run_dir).tokens_per_s for run in finished]

@@ -118,6 +118,7 @@ class Member:
     ) -> None:
         self.cluster = cluster
         self.cluster_group = cluster_group
+        self.rank_in_cluster = 0
         self.failures = 0
         self.group_timeout = group_timeout
         self.lighthouse = lighthouse
@@ -131,6 +132,7 @@ class Member:
         self.restarts: Callable[[], dict[int, bool]] = dict
         self.config_fingerprint = 0
         self.shared_settings: dict = {"train.lr": 0.002}
+        self.stall_watch = None
         self._group: dist.ProcessGroup | None = None
         self._group_id = -1
 

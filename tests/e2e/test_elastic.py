@@ -8,6 +8,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -558,3 +559,61 @@ def test_when_every_cluster_dies_the_launcher_gives_the_command_that_resumes_the
     assert records[0]["resumed_from_checkpoint"] == str(newest) or records[0]["healed_from_peer"]
     assert records[0]["outer_params_sha256"] == records[1]["outer_params_sha256"]
     assert all(r["step"] == 30 for r in records.values())
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("http://[::1", "network.lighthouse = 'http://[::1' is not a URL (Invalid IPv6 URL)"),
+        ("unreachable", "no Lighthouse answers at network.lighthouse = http://127.0.0.1:"),
+    ],
+)
+def test_a_bad_or_unreachable_lighthouse_url_fails_with_one_line_and_nothing_written(tmp_path, url, said):
+    with socket.socket() as unused:  # bound, never listening: nothing answers there
+        unused.bind(("127.0.0.1", 0))
+        if url == "unreachable":
+            url = f"http://127.0.0.1:{unused.getsockname()[1]}"
+        result = dilocox("train", "--config", DEBUG, f"--run.out_dir={tmp_path / 'run'}", *ELASTIC,
+                         "--topology.num_clusters=3", f"--network.lighthouse={url}", timeout=120)  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == "" and result.stderr.count("\n") == 1, result.stderr  # one line, no traceback
+    assert result.stderr.startswith(f"dilocox: error: {said}")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_cluster_is_named_left_out_and_the_run_finishes_with_the_change_recorded_and_plotted(
+    tmp_path, start_run
+):
+    # SIGSTOP freezes every thread of cluster 2, its heartbeat to the Lighthouse too: the others name it within
+    # network.stall_timeout (5 s, far below network.timeout = 60 s), in the round's transfer if it froze there, or at
+    # the next round's quorum, and go on without it; SIGCONT: it finds itself behind, and heals or is stopped
+    flags = [*ELASTIC, "--topology.num_clusters=3", "--train.steps=40", "--sync.inner_steps=10"]
+    run = start_run("stopped", *flags)
+    run.wait_for_step(15)
+    victim = run.pid_of(2)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        deadline = time.time() + 120
+        while not [r for r in read_metrics(tmp_path / "stopped") if r.get("event") == "elastic"]:
+            assert time.time() < deadline and run.proc.poll() is None, "cluster 2's stop was never recorded"
+            time.sleep(0.1)
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    assert run.finish() == 0, "the run failed"
+    records = read_metrics(tmp_path / "stopped")
+    events = [r for r in records if r.get("event") == "elastic"]
+    first = events[0]
+    assert (first["cluster"], first["kind"]) in {(2, "stalled"), (2, "left")}, events
+    assert first["seconds"] > 2 * 0.5 and "no heartbeat for" in first["reason"]  # silent past the heartbeat timeout
+    line = f"dilocox: elastic: cluster 2 {first['kind']} at step {first['step']}: no heartbeat for"
+    assert sum(line in out_line for out_line in run.lines) == 1, run.output  # one line, by one cluster
+    # the others went on without it: a round settled without cluster 2 after its stop, and the run reached its end
+    steps = [(r["step"], r["round_clusters"]) for r in records if "round_clusters" in r]
+    assert any(step >= first["step"] and clusters == [0, 1] for step, clusters in steps), steps
+    assert steps[-1][0] == 40
+    ended = _records(tmp_path / "stopped")
+    assert len({r["outer_params_sha256"] for r in ended.values() if r["step"] == 40}) == 1, ended
+
+    assert dilocox("plot", str(tmp_path / "stopped"), "--out", str(tmp_path / "plots")).returncode == 0
+    assert (tmp_path / "plots" / "membership.png").is_file()

@@ -321,7 +321,7 @@ def test_local_clusters_name_the_clusters_this_machine_starts(local, clusters):
         (["--topology.local_clusters=0"], "topology.local_clusters is only used by elastic runs"),
         (["--network.advertise_host=10.0.0.2"], "network.advertise_host is only used by elastic runs"),
         (["--network.lighthouse=http://lh:29510"], "network.lighthouse is only used by elastic runs"),
-        ([*ELASTIC, "--network.lighthouse=lh:29510"], "must be a torchft Lighthouse's URL"),
+        ([*ELASTIC, "--network.lighthouse=lh:29510"], "must start with http://"),
     ],
 )
 def test_elastic_across_machines_errors_name_the_field_and_the_fix(overrides, message):

@@ -1,14 +1,21 @@
 """The membership rule of the sync in flight when a quorum changes (docs/design.md §10.1)."""
 
 import datetime
+import http.server
 import json
 import logging
+import re
+import socket
+import threading
 
 import pytest
 import torch
 
+from dilocox.net.lighthouse import check_lighthouse_url, heartbeat_ages, parse_heartbeats, probe_lighthouse
 from dilocox.sync.elastic import APPLY, NOTHING, REDO, delayed_update_verdict, diverged_members, outer_digest
-from dilocox.sync.membership import ElasticError, ElasticMembership
+from dilocox.sync.events import MembershipLog
+from dilocox.sync.membership import ElasticError, ElasticMembership, lighthouse_url, start_lighthouse
+from dilocox.sync.stall import cluster_ages
 
 
 def test_no_member_holding_a_sync_means_nothing_to_settle():
@@ -110,3 +117,90 @@ def test_torchft_flight_recorder_warning_is_dropped_and_its_other_warnings_and_e
         "[cluster0/0 - step 3] got exception in pg configure: gloo connection reset",
     ]
     assert len(logging.getLogger("torchft.manager").filters) == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("http://[::1", "is not a URL (Invalid IPv6 URL)"),
+        ("http://127.0.0.1:99999", "is not a URL (Port out of range"),
+        ("https://10.0.0.1:29510", "must start with http://"),
+        ("10.0.0.1:29510", "must start with http://"),
+        ("http://:29510", "names no host"),
+        ("http://10.0.0.1", "names no port"),
+        ("http://10.0.0.1:29510/status", "has a path"),
+    ],
+)
+def test_a_malformed_lighthouse_url_is_refused_with_what_is_wrong(url, said):
+    with pytest.raises(ValueError, match=re.escape(said)) as refused:
+        check_lighthouse_url(url)
+    assert str(refused.value).startswith(f"network.lighthouse = {url!r}")
+    assert "e.g. http://10.0.0.1:29510" in str(refused.value)
+    check_lighthouse_url("http://[::1]:29510")  # IPv6 in brackets, a name, an address: all fine
+    check_lighthouse_url("http://lighthouse.internal:29510/")
+
+
+def test_a_probe_names_a_url_where_nothing_listens_and_one_that_is_not_a_lighthouse():
+    with socket.socket() as unused:  # bound, never listening: a connection is refused
+        unused.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{unused.getsockname()[1]}"
+        with pytest.raises(ValueError, match=re.escape(f"no Lighthouse answers at network.lighthouse = {url}")):
+            probe_lighthouse(url)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(ValueError, match="is not a torchft Lighthouse"):
+            probe_lighthouse(url)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_real_lighthouse_answers_the_probe_and_reports_heartbeat_ages():
+    pytest.importorskip("torchft")
+    from torchft.coordination import LighthouseClient
+
+    lighthouse = start_lighthouse(heartbeat_timeout_s=1.0, join_timeout_s=2.0)
+    try:
+        url = lighthouse_url(lighthouse, "127.0.0.1")
+        probe_lighthouse(url)
+        LighthouseClient(url, datetime.timedelta(seconds=5)).heartbeat("cluster2")
+        ages = heartbeat_ages(url)
+        assert list(ages) == ["cluster2"] and 0 <= ages["cluster2"] < 60
+    finally:
+        lighthouse.shutdown()
+
+
+def test_heartbeat_ages_are_read_in_every_unit_the_status_page_uses():
+    page = "cluster0: seen 0.25s ago <li> cluster12: seen 3.5ms ago cluster3: seen 40µs ago cluster4: seen 7ns ago"
+    assert parse_heartbeats(page) == pytest.approx({"cluster0": 0.25, "cluster12": 3.5e-3, "cluster3": 4e-5,
+                                                    "cluster4": 7e-9})  # fmt: skip
+
+
+def test_a_clusters_heartbeat_age_is_that_of_its_newest_process():
+    # torchft's replica ids are cluster{c}:{uuid}, one per process; the Lighthouse keeps those of ended processes
+    ages = {"cluster0:1f2e": 0.1, "cluster2:aaaa": 30.0, "cluster2:bbbb": 0.3, "cluster12:cccc": 9.0, "other": 1.0}
+    assert cluster_ages(ages) == {0: 0.1, 2: 0.3, 12: 9.0}
+
+
+def test_the_membership_log_names_each_leave_stall_and_rejoin_once():
+    log = MembershipLog(cluster=0, heartbeat_timeout_s=1.0)
+    assert log.quorum((0, 1, 2, 3), step=0, ages={}) == []  # the first quorum: nothing changed
+    [left] = log.quorum((0, 1, 3), step=10, ages={2: 4.5})
+    assert (left.kind, left.cluster, left.step, left.seconds) == ("left", 2, 10, 4.5)
+    assert left.line().startswith("dilocox: elastic: cluster 2 left at step 10: no heartbeat for 4.5s")
+    assert left.record() == {"step": 10, "event": "elastic", "kind": "left", "cluster": 2, "reason": left.reason,
+                             "seconds": 4.5}  # fmt: skip
+    [stalled] = log.stalled({3: 6.0}, (0, 1, 3), step=20, stall_timeout_s=5)
+    assert stalled.kind == "stalled" and "network.stall_timeout = 5s" in stalled.reason
+    assert log.stalled({3: 6.5}, (0, 1, 3), step=20, stall_timeout_s=5) == []  # named once
+    assert log.quorum((0, 1), step=20, ages={3: 7.0}) == []  # its leave is the stall already named
+    rejoined = log.quorum((0, 1, 2), step=30, ages={})
+    assert [(e.kind, e.cluster) for e in rejoined] == [("rejoined", 2)] and rejoined[0].seconds >= 0
+    [late] = log.quorum((0, 2), step=40, ages={1: 0.2})  # it beats: it came late or failed a collective
+    assert late.kind == "left" and "did not join this round's quorum in time" in late.reason
+    # the lowest of the clusters that see a change prints it
+    assert log.printer((0, 1, 2), gone={2}) and not MembershipLog(cluster=1, heartbeat_timeout_s=1).printer(
+        (0, 1, 2), gone={2}
+    )

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dilocox.config import load_config, to_toml
-from dilocox.tools.plot import chart_lines, legend_below, load_run, run_style
+from dilocox.tools.plot import Membership, chart_lines, legend_below, load_run, plot_membership, run_style
 from dilocox.tools.plot import main as plot_main
 
 plt = pytest.importorskip("matplotlib.pyplot")
@@ -81,3 +81,33 @@ def test_a_blocking_run_gets_no_hidden_share_and_no_empty_panel(tmp_path):
     assert plot_main([str(tmp_path / "diloco"), "--out", str(tmp_path / "plots")]) == 0
     written = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert written == ["loss_vs_time.png", "loss_vs_tokens.png", "rounds.png", "slow_link_bytes.png"]
+
+
+def test_an_elastic_run_gets_a_membership_chart_of_its_rounds_and_events(tmp_path):
+    run_dir = write_run(tmp_path / "elastic", ["--preset=dilocox-lowrank"], records(delayed=True))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = []
+    for row in rows:
+        row["round_clusters"] = [0, 1] if 4 < row["step"] <= 6 else [0, 1, 2]
+        lines.append(row)
+        if row["step"] == 4:  # the records `dilocox.sync.events` writes, between the per-step ones
+            lines.append(
+                {"step": 4, "event": "elastic", "kind": "stalled", "cluster": 2, "reason": "r", "seconds": 6.1}
+            )
+        if row["step"] == 6:
+            lines.append({"step": 6, "event": "elastic", "kind": "rejoined", "cluster": 2, "reason": "r", "seconds": 9})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    membership = Membership.of(load_run(run_dir))
+    assert [(e["kind"], e["cluster"], e["step"]) for e in membership.events] == [
+        ("stalled", 2, 4),
+        ("rejoined", 2, 6),
+    ]
+    assert [members for step, members in membership.rounds if step in (4, 6, 8)] == [[0, 1, 2], [0, 1], [0, 1, 2]]
+    assert membership.clusters() == [0, 1, 2]
+
+    assert plot_main([str(run_dir), "--out", str(tmp_path / "plots")]) == 0
+    written = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert "membership.png" in written and "loss_vs_tokens.png" in written  # the event records break no chart
+    static = write_run(tmp_path / "static", ["--preset=dilocox-lowrank"], records(delayed=True))
+    assert plot_membership([load_run(static)], tmp_path / "static_plots") is None  # not elastic: no chart
