@@ -1,0 +1,386 @@
+"""Elastic failure soak: one long elastic run of the real CLI, broken again and again; not in the default suite.
+
+    python benchmarks/elastic_soak.py                    # 3 clusters x pp 2, 2,000 steps, >= 50 failures
+    python benchmarks/elastic_soak.py --steps 300 --failures 6 --out /tmp/esoak --skip-clean   # a quicker look
+
+One `dilocox train` launcher (configs/debug.toml, `topology.elastic = true`, the dilocox-lowrank preset with the
+flags elastic runs need, 3 clusters of 2 pipeline stages each, H = 10, a checkpoint every round, link off,
+`network.heartbeat = 0.5s`, `network.stall_timeout = 5s`) meets at a `dilocox lighthouse` that this script runs on a
+fixed port. While it trains, this script injects failures at seeded random times, one at a time (the next one once
+the last victim is back in training), the kinds in a seeded shuffled cycle so that each kind recurs:
+
+- `kill_rank`: SIGKILL one rank of a cluster (its launcher stops the cluster's other ranks and restarts all);
+- `kill_cluster`: SIGKILL every rank of a cluster;
+- `stop`: SIGSTOP every rank of a cluster for stall_timeout + 3 s, then SIGCONT (the others must go on without it;
+  it finds itself behind and restarts);
+- `kill_in_heal`: SIGKILL a cluster, then SIGKILL its restart within a second of its start, while it joins or heals;
+- `kill_in_checkpoint`: SIGKILL a rank of a cluster as soon as a checkpoint's partial directory appears in its
+  `checkpoints/cluster{c}/` (every cluster checkpoints its own ranks; when a save is too quick to be seen, 60 s
+  later);
+- `lighthouse` (once, half way): SIGKILL the Lighthouse. Every launcher then stops its clusters with one line and
+  the command that resumes the run; this script starts the Lighthouse again on the same address and runs that same
+  command, which resumes every cluster from its newest checkpoint.
+
+Measured per failure: the time from the failure to the victim's `rejoined` line (back in training), and the step it
+rejoined at; for the Lighthouse, the time to the resumed run's first logged step and the step it resumed from. At the
+end: every cluster's outer params (the digests of `elastic/cluster{c}.json`) must be identical, every checkpoint
+must verify, the run must finish, and its final eval loss is compared with the same run without failures
+(`--skip-clean` leaves that out). Writes results.json (every failure, every check) and results.md to `--out`
+(default benchmarks/results/elastic_soak/); exits 1 when a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KINDS = ("kill_rank", "kill_cluster", "stop", "kill_in_heal", "kill_in_checkpoint")
+STALL_TIMEOUT_S = 5.0
+
+
+def flags(args: argparse.Namespace, out_dir: Path, lighthouse: str) -> list[str]:
+    return [
+        "--config", str(ROOT / "configs" / "debug.toml"), f"--run.out_dir={out_dir}",
+        "--topology.elastic=true", "--preset=dilocox-lowrank", "--sync.merge=eager", "--sync.local_residual=false",
+        "--sync.drain_residual=false", f"--topology.num_clusters={args.clusters}",
+        f"--topology.pp_degree={args.pp}", f"--train.steps={args.steps}", "--sync.inner_steps=10",
+        "--topology.max_cluster_restarts=100000", "--checkpoint.interval=10", "--checkpoint.keep=2",
+        "--network.bandwidth=unlimited", "--network.latency=0", "--network.heartbeat=0.5s",
+        f"--network.stall_timeout={STALL_TIMEOUT_S:g}s", "--network.timeout=120s", "--eval.interval=0",
+        "--eval.final_max_batches=32", "--metrics.log_interval=10", "--metrics.progress=false",
+        f"--network.lighthouse={lighthouse}",
+    ]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Lighthouse:
+    """`dilocox lighthouse` on a fixed port: `kill`, then `start` again on the same address."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        command = [sys.executable, "-m", "dilocox", "lighthouse", "--bind", f"127.0.0.1:{self.port}",
+                   "--network.heartbeat=0.5s", f"--network.stall_timeout={STALL_TIMEOUT_S:g}s"]  # fmt: skip
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if "--network.lighthouse=" not in line:
+            raise RuntimeError(f"the Lighthouse did not start: {line!r}")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+
+
+class Launcher:
+    """The elastic launcher in a subprocess, its output timestamped as it comes."""
+
+    def __init__(self, command: list[str], log: Path) -> None:
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        self.lines: list[tuple[float, str]] = []
+        self.log = log.open("a")
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+            self.log.write(line)
+            self.log.flush()
+
+    def starts(self, cluster: int) -> list[tuple[float, list[int]]]:
+        """(time, rank pids) of every start of `cluster`."""
+        found = []
+        for at, line in list(self.lines):
+            match = re.match(rf"dilocox: elastic: cluster {cluster} started \(pid ([\d ]+),", line)
+            if match:
+                found.append((at, [int(pid) for pid in match.group(1).split()]))
+        return found
+
+    def rejoined_after(self, cluster: int, since: float) -> tuple[float, int] | None:
+        """(time, step) of `cluster`'s first `rejoined` line after `since`."""
+        for at, line in list(self.lines):
+            match = re.match(rf"dilocox: elastic: cluster {cluster} rejoined at step (\d+)", line)
+            if match and at > since:
+                return at, int(match.group(1))
+        return None
+
+    def step(self) -> int:
+        for _, line in reversed(list(self.lines)):
+            match = re.match(r"step\s+(\d+)/", line)
+            if match:
+                return int(match.group(1))
+        return 0
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def finish(self, timeout: float) -> int:
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        self.log.close()
+        return code
+
+
+def signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for(condition, timeout: float, launcher: Launcher) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and launcher.running():
+        if condition():
+            return True
+        time.sleep(0.02)
+    return bool(condition())
+
+
+def inject(kind: str, cluster: int, launcher: Launcher, run_dir: Path, rng: random.Random) -> dict:
+    """Inject one failure of `kind` into `cluster`; returns its record with the time it took effect (`at`)."""
+    pids = launcher.starts(cluster)[-1][1]
+    record: dict = {"kind": kind, "cluster": cluster, "step": launcher.step()}
+    if kind == "kill_rank":
+        signal_all([rng.choice(pids)], signal.SIGKILL)
+    elif kind == "kill_cluster":
+        signal_all(pids, signal.SIGKILL)
+    elif kind == "stop":
+        signal_all(pids, signal.SIGSTOP)
+        record["at"] = time.monotonic()
+        time.sleep(STALL_TIMEOUT_S + 3.0)
+        signal_all(pids, signal.SIGCONT)
+        return record
+    elif kind == "kill_in_heal":
+        count = len(launcher.starts(cluster))
+        signal_all(pids, signal.SIGKILL)
+        record["at"] = time.monotonic()
+        if wait_for(lambda: len(launcher.starts(cluster)) > count, 60, launcher):
+            time.sleep(rng.uniform(0.0, 1.0))
+            signal_all([rng.choice(launcher.starts(cluster)[-1][1])], signal.SIGKILL)
+        return record
+    elif kind == "kill_in_checkpoint":
+        root = run_dir / "checkpoints" / f"cluster{cluster}"
+        seen = wait_for(lambda: root.is_dir() and any(p.suffix == ".partial" for p in root.iterdir()), 60, launcher)
+        signal_all([rng.choice(pids)], signal.SIGKILL)
+        record["inside_save"] = seen
+    record["at"] = time.monotonic()
+    return record
+
+
+def lighthouse_failure(
+    launcher: Launcher, lighthouse: Lighthouse, command: list[str], log: Path
+) -> tuple[dict, Launcher]:
+    """Kill the Lighthouse; once the launcher has stopped its clusters, start it again and resume the run with the
+    same command. Returns the failure's record and the resumed run's launcher."""
+    record: dict = {"kind": "lighthouse", "cluster": None, "step": launcher.step()}
+    at = time.monotonic()
+    lighthouse.kill()
+    record["launcher_exit"] = launcher.finish(timeout=600)
+    record["resume_command_printed"] = any("dilocox train" in line for _, line in launcher.lines[-20:])
+    record["stopped_s"] = round(time.monotonic() - at, 3)
+    lighthouse.start()
+    resumed = Launcher(command, log)
+    if wait_for(lambda: any("resuming from" in line for _, line in resumed.lines), 300, resumed):
+        line = next(line for _, line in resumed.lines if "resuming from" in line)
+        match = re.search(r"step_(\d+)", line)
+        record["resumed_at_step"] = int(match.group(1)) if match else None
+    if wait_for(lambda: resumed.step() > (record.get("resumed_at_step") or 0), 300, resumed):
+        record["recovery_s"] = round(time.monotonic() - at, 3)
+    record["recovered"] = "recovery_s" in record
+    return record, resumed
+
+
+def recovered(launcher: Launcher, cluster: int, since: float) -> tuple[float, int] | None:
+    """(time, step) of `cluster`'s return to training after `since`, waiting up to 180 s; None if it did not."""
+    wait_for(lambda: launcher.rejoined_after(cluster, since) is not None, 180, launcher)
+    return launcher.rejoined_after(cluster, since)
+
+
+def soak(args: argparse.Namespace, run_dir: Path, lighthouse: Lighthouse) -> tuple[list[dict], int]:
+    command = [sys.executable, "-m", "dilocox", "train", *flags(args, run_dir, lighthouse.url)]
+    log = run_dir.parent / f"{run_dir.name}.log"
+    launcher = Launcher(command, log)
+    rng = random.Random(args.seed)
+    failures: list[dict] = []
+    cycle: list[str] = []
+    lighthouse_at = args.failures // 2
+    if not wait_for(lambda: launcher.step() >= 20, 300, launcher):
+        raise RuntimeError(f"the soak run did not reach step 20: see {log}")
+    while launcher.running() and len(failures) < args.failures and launcher.step() < args.steps - 60:
+        time.sleep(rng.uniform(args.min_gap, args.max_gap))
+        if len(failures) == lighthouse_at and not args.keep_lighthouse:
+            record, launcher = lighthouse_failure(launcher, lighthouse, command, log)
+            failures.append(record)
+            print(f"[{len(failures)}] {json.dumps(record)}", flush=True)
+            continue
+        if not cycle:
+            cycle = list(KINDS)
+            rng.shuffle(cycle)
+        kind = cycle.pop()
+        cluster = rng.randrange(args.clusters)
+        record = inject(kind, cluster, launcher, run_dir, rng)
+        since = record.pop("at")
+        back = recovered(launcher, cluster, since)
+        if back is not None:
+            record["recovery_s"] = round(back[0] - since, 3)
+            record["rejoined_at_step"] = back[1]
+        record["recovered"] = back is not None
+        failures.append(record)
+        print(f"[{len(failures)}] {json.dumps(record)}", flush=True)
+    return failures, launcher.finish(timeout=1800)
+
+
+def checks(args: argparse.Namespace, run_dir: Path, failures: list[dict], code: int) -> dict[str, bool]:
+    from dilocox.checkpoint import list_checkpoints, verify_checkpoint
+
+    records = {
+        int(p.stem.removeprefix("cluster")): json.loads(p.read_text()) for p in (run_dir / "elastic").glob("*.json")
+    }
+    verified = []
+    for path in list_checkpoints(run_dir):
+        try:
+            verify_checkpoint(path)
+            verified.append(True)
+        except ValueError:
+            verified.append(False)
+    return {
+        "the run finished (exit 0)": code == 0,
+        "every cluster wrote its record": sorted(records) == list(range(args.clusters)),
+        "every cluster ends with identical outer params": len({r["outer_params_sha256"] for r in records.values()})
+        == 1,
+        "every cluster ends at the last step": all(r["step"] == args.steps for r in records.values()),
+        "every failure was recovered from": all(f.get("recovered", True) for f in failures),
+        "every checkpoint verifies": bool(verified) and all(verified),
+    }
+
+
+def write_results(out: Path, args: argparse.Namespace, failures: list[dict], checked: dict, losses: dict) -> None:
+    recoveries = [f["recovery_s"] for f in failures if "recovery_s" in f]
+    by_kind = {}
+    for kind in [*KINDS, "lighthouse"]:
+        times = [f["recovery_s"] for f in failures if f["kind"] == kind and "recovery_s" in f]
+        by_kind[kind] = {
+            "count": sum(f["kind"] == kind for f in failures),
+            "median_s": statistics.median(times) if times else None,
+            "max_s": max(times) if times else None,
+        }
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "command": " ".join(["python benchmarks/elastic_soak.py", *sys.argv[1:]]),
+        "settings": vars(args) | {"out": str(args.out)},
+        "failures": failures,
+        "recovery_s": {
+            "median": statistics.median(recoveries) if recoveries else None,
+            "max": max(recoveries) if recoveries else None,
+        },
+        "by_kind": by_kind,
+        "final_eval_loss": losses,
+        "checks": checked,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [
+        f"# Elastic failure soak ({result['date']}, {result['machine']})",
+        "",
+        f"`{result['command']}`: {args.clusters} clusters x pp {args.pp}, {args.steps} steps, H = 10, debug model, "
+        f"{len(failures)} failures.",
+        "",
+        "| failure | count | recovery median (s) | max (s) |",
+        "|---|---:|---:|---:|",
+    ]
+    for kind, row in by_kind.items():
+        median = "-" if row["median_s"] is None else f"{row['median_s']:.1f}"
+        most = "-" if row["max_s"] is None else f"{row['max_s']:.1f}"
+        lines.append(f"| {kind} | {row['count']} | {median} | {most} |")
+    overall = result["recovery_s"]
+    if overall["median"] is not None:
+        lines.append(f"| all | {len(failures)} | {overall['median']:.1f} | {overall['max']:.1f} |")
+    lines += ["", "| final eval loss | value |", "|---|---:|"]
+    lines += [f"| {name} | {value:.4f} |" for name, value in losses.items() if value is not None]
+    lines += ["", "| check | passed |", "|---|---|"]
+    lines += [f"| {name} | {'yes' if ok else '**no**'} |" for name, ok in checked.items()]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def final_loss(run_dir: Path) -> float | None:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())["final_eval_loss"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--clusters", type=int, default=3)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--failures", type=int, default=55)
+    parser.add_argument("--min-gap", type=float, default=1.0, help="seconds between a recovery and the next failure")
+    parser.add_argument("--max-gap", type=float, default=4.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-clean", action="store_true", help="no fault-free run to compare the final loss with")
+    parser.add_argument("--keep-lighthouse", action="store_true", help="never kill the Lighthouse")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "elastic_soak")
+    args = parser.parse_args()
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"dilocox-elastic-soak-{os.getpid()}"
+    work.mkdir(parents=True)
+    lighthouse = Lighthouse(free_port())
+    try:
+        losses: dict[str, float | None] = {}
+        if not args.skip_clean:
+            command = [sys.executable, "-m", "dilocox", "train", *flags(args, work / "clean", lighthouse.url)]
+            clean = Launcher(command, work / "clean.log")
+            if clean.finish(timeout=3600) != 0:
+                raise RuntimeError(f"the fault-free run failed: see {work / 'clean.log'}")
+            losses["without failures"] = final_loss(work / "clean")
+        failures, code = soak(args, work / "soak", lighthouse)
+        losses["with failures"] = final_loss(work / "soak")
+        checked = checks(args, work / "soak", failures, code)
+        if losses.get("without failures") and losses.get("with failures"):
+            gap = losses["with failures"] / losses["without failures"] - 1
+            checked["final eval loss within 0.5% of the run without failures"] = abs(gap) <= 0.005
+    finally:
+        lighthouse.stop()
+    write_results(args.out, args, failures, checked, losses)
+    print((args.out / "results.md").read_text())
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(checked.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
