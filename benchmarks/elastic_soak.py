@@ -85,7 +85,8 @@ class Lighthouse:
     def start(self) -> None:
         command = [sys.executable, "-m", "dilocox", "lighthouse", "--bind", f"127.0.0.1:{self.port}",
                    "--network.heartbeat=0.5s", f"--network.stall_timeout={STALL_TIMEOUT_S:g}s"]  # fmt: skip
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        # its stderr carries torchft's own log lines (one per quorum)
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if "--network.lighthouse=" not in line:
@@ -187,11 +188,12 @@ def inject(kind: str, cluster: int, launcher: Launcher, run_dir: Path, rng: rand
     elif kind == "kill_in_heal":
         count = len(launcher.starts(cluster))
         signal_all(pids, signal.SIGKILL)
-        record["at"] = time.monotonic()
         if wait_for(lambda: len(launcher.starts(cluster)) > count, 60, launcher):
+            started = launcher.starts(cluster)[-1][0]
             time.sleep(rng.uniform(0.0, 1.0))
             signal_all([rng.choice(launcher.starts(cluster)[-1][1])], signal.SIGKILL)
-        return record
+            # whether the restart was still joining or healing when it was killed again
+            record["inside_heal"] = launcher.rejoined_after(cluster, started) is None
     elif kind == "kill_in_checkpoint":
         root = run_dir / "checkpoints" / f"cluster{cluster}"
         seen = wait_for(lambda: root.is_dir() and any(p.suffix == ".partial" for p in root.iterdir()), 60, launcher)
@@ -378,8 +380,11 @@ def main() -> int:
         lighthouse.stop()
     write_results(args.out, args, failures, checked, losses)
     print((args.out / "results.md").read_text())
-    shutil.rmtree(work, ignore_errors=True)
-    return 0 if all(checked.values()) else 1
+    if all(checked.values()):
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
+    print(f"a check failed: the runs' directories and logs are kept in {work}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

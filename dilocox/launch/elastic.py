@@ -20,6 +20,7 @@ import shlex
 import signal
 import socket
 import sys
+import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,9 @@ class ElasticLauncher:
         self.lost: set[int] = set()
         self.last_round: tuple[int, ...] | None = None
         """The clusters that ended the run, from the record of the first cluster that finished."""
+        self.stall_timeout_s = cfg.network.stall_timeout_s
+        self._lighthouse_checked = 0.0
+        self._lighthouse_silent_since: float | None = None
         self.lighthouse = None
         self.address = cfg.network.lighthouse
         if not self.address:
@@ -144,7 +148,36 @@ class ElasticLauncher:
                     return code
             if self.finished:
                 self._stop_stale()
+            elif self._lighthouse_gone():
+                return 1
         return None
+
+    def _lighthouse_gone(self) -> bool:
+        """A Lighthouse of another process (network.lighthouse) that has not answered for network.stall_timeout: every
+        cluster of this machine is stopped with the command that resumes the run. Its clusters would otherwise wait
+        network.timeout in their next quorum (torchft retries the Lighthouse that long) before failing."""
+        if self.lighthouse is not None or not self.stall_timeout_s:
+            return False
+        now = time.monotonic()
+        if now - self._lighthouse_checked < 1.0:
+            return False
+        self._lighthouse_checked = now
+        if _answers(self.address, timeout_s=1.0):
+            self._lighthouse_silent_since = None
+            return False
+        if self._lighthouse_silent_since is None:
+            self._lighthouse_silent_since = now
+        silent = now - self._lighthouse_silent_since
+        if silent < self.stall_timeout_s:
+            return False
+        self.stop_all()
+        print(
+            f"dilocox: error: the Lighthouse at {self.address} has not answered for {silent:.0f}s "
+            f"(network.stall_timeout = {self.stall_timeout_s:g}s), so no cluster can go on; every cluster of this "
+            f"machine is stopped; {self.resume_hint()}",
+            file=sys.stderr,
+        )
+        return True
 
     def stop_all(self) -> None:
         for state in self.running.values():

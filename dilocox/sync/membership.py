@@ -153,10 +153,18 @@ class Quorum:
         return len(self.clusters)
 
 
-def _reconfigurable_gloo(timeout: datetime.timedelta, host: str):
+def _reconfigurable_gloo(timeout: datetime.timedelta, host: str, *, connect_timeout: datetime.timedelta | None = None):
     """torchft's reconfigurable gloo group, remembering the members of its last configuration; its gloo sockets are
-    on `host` (torchft's group takes the interface of GLOO_SOCKET_IFNAME, or of this machine's hostname)."""
+    on `host` (torchft's group takes the interface of GLOO_SOCKET_IFNAME, or of this machine's hostname).
+
+    Its collectives are bounded by `timeout` (network.timeout: a legitimate slow-link transfer may take long), but
+    forming the group of a new quorum by `connect_timeout` (network.stall_timeout): every member builds it as soon as
+    the quorum forms, so a member that does not connect in that time died or froze between the quorum and its group
+    (a restart killed while it joins), and waiting network.timeout for it would hold every cluster of the round. The
+    members then fail that quorum and ask for the next one without it. torchft gives one timeout for both."""
     from torchft import ProcessGroupGloo
+
+    connect = connect_timeout or timeout
 
     class SlowLinkGroup(ProcessGroupGloo):
         members: tuple[int, ...] = ()
@@ -166,8 +174,9 @@ def _reconfigurable_gloo(timeout: datetime.timedelta, host: str):
             # torchft's ProcessGroupGloo._create_pg with the gloo device given: listening on `host`
             options = dist.ProcessGroupGloo._Options()
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_address(host)[1])]
-            options._timeout = self._timeout
+            options._timeout = connect  # the rendezvous of its members
             backend = dist.ProcessGroupGloo(store, rank, world_size, options)
+            backend._set_default_timeout(timeout)  # its collectives
             backend._set_sequence_number_for_group()
             if self._global_ranks:
                 backend.options.global_ranks_in_group = self._global_ranks
@@ -183,9 +192,13 @@ def _reconfigurable_gloo(timeout: datetime.timedelta, host: str):
 
         def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
                       group_world_size=None, global_ranks=None) -> None:  # fmt: skip
-            super().configure(
-                store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
-            )
+            self._timeout = connect  # torchft's store client of the rendezvous waits this long for a member's keys
+            try:
+                super().configure(
+                    store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+                )
+            finally:
+                self._timeout = timeout
             # torchft numbers a replica by the digits that end its id ("cluster7" -> 7) times the replica's size
             self.members = tuple(r // (group_world_size or 1) for r in (global_ranks or []))
             self.quorum_id = -1 if quorum_id is None else int(quorum_id)
@@ -263,7 +276,8 @@ class ElasticMembership:
         they take the same branch at every step of a boundary (`ClusterVote`); None for a cluster of one rank."""
         self._healed = False
         self._load_state_dict = load_state_dict
-        self.group = _reconfigurable_gloo(timeout, store_addr)
+        connect = datetime.timedelta(seconds=stall_timeout_s) if stall_timeout_s else None
+        self.group = _reconfigurable_gloo(timeout, store_addr, connect_timeout=connect)
         heal_transport = _heal_transport(timeout, store_addr, heal_max_bytes)
         with _torchft_servers_on(store_addr):  # the address other machines reach this one at (or the loopback)
             self.manager = Manager(

@@ -25,6 +25,7 @@ from dilocox.sync.membership import (  # noqa: E402
     ElasticMembership,
     NoLivePeer,
     _heal_transport,
+    _reconfigurable_gloo,
     lighthouse_url,
     start_lighthouse,
 )
@@ -196,3 +197,36 @@ def test_torchfts_servers_and_the_slow_link_group_listen_on_the_clusters_address
     finally:
         membership.close()
         lighthouse.shutdown()
+
+
+def test_a_quorum_group_forms_within_the_connect_timeout_and_its_collectives_wait_network_timeout():
+    # A member killed between a quorum and its group would hold the others in the group's rendezvous for
+    # network.timeout: it is bounded by network.stall_timeout instead, and the collectives keep network.timeout
+    # (a legitimate slow-link transfer may take long).
+    connect, long = datetime.timedelta(seconds=1), datetime.timedelta(seconds=120)
+    store = serve_store("127.0.0.1", TIMEOUT)
+    address = f"127.0.0.1:{store.port}"
+    alone = _reconfigurable_gloo(long, "127.0.0.1", connect_timeout=connect)
+    with pytest.raises(Exception):  # noqa: B017 (torch raises its own timeout classes): within the test's 60 s
+        alone.configure(f"{address}/q1", "cluster0", 0, 2, quorum_id=1, group_rank=0, group_world_size=1)
+
+    groups = [_reconfigurable_gloo(long, "127.0.0.1", connect_timeout=connect) for _ in range(2)]
+    errors: list[BaseException] = []
+    sums = [torch.ones(1), torch.ones(1)]
+
+    def member(rank: int) -> None:
+        try:
+            groups[rank].configure(f"{address}/q2", f"cluster{rank}", rank, 2, quorum_id=2, group_rank=0,
+                                   group_world_size=1)  # fmt: skip
+            if rank == 1:
+                threading.Event().wait(3 * connect.total_seconds())  # later than the rendezvous bound
+            groups[rank].parent.allreduce([sums[rank]], dist.AllreduceOptions()).wait()
+        except BaseException as error:  # the test asserts on it
+            errors.append(error)
+
+    threads = [threading.Thread(target=member, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=40)
+    assert errors == [] and [float(t) for t in sums] == [2.0, 2.0]
