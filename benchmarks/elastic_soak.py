@@ -290,7 +290,9 @@ def checks(args: argparse.Namespace, run_dir: Path, failures: list[dict], code: 
     }
 
 
-def write_results(out: Path, args: argparse.Namespace, failures: list[dict], checked: dict, losses: dict) -> None:
+def write_results(
+    out: Path, args: argparse.Namespace, failures: list[dict], checked: dict, losses: dict, events: dict[str, int]
+) -> None:
     recoveries = [f["recovery_s"] for f in failures if "recovery_s" in f]
     by_kind = {}
     for kind in [*KINDS, "lighthouse"]:
@@ -312,6 +314,7 @@ def write_results(out: Path, args: argparse.Namespace, failures: list[dict], che
         },
         "by_kind": by_kind,
         "final_eval_loss": losses,
+        "membership_records": events,
         "checks": checked,
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -334,9 +337,21 @@ def write_results(out: Path, args: argparse.Namespace, failures: list[dict], che
         lines.append(f"| all | {len(failures)} | {overall['median']:.1f} | {overall['max']:.1f} |")
     lines += ["", "| final eval loss | value |", "|---|---:|"]
     lines += [f"| {name} | {value:.4f} |" for name, value in losses.items() if value is not None]
+    lines += ["", f"`elastic` records in metrics.jsonl (written by cluster 0): {events or 'none'}"]
     lines += ["", "| check | passed |", "|---|---|"]
     lines += [f"| {name} | {'yes' if ok else '**no**'} |" for name, ok in checked.items()]
     (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def membership_records(run_dir: Path) -> dict[str, int]:
+    """The `elastic` records of metrics.jsonl (written by cluster 0), counted by kind."""
+    from dilocox.metrics import read_metrics
+
+    counts: dict[str, int] = {}
+    for record in read_metrics(run_dir):
+        if record.get("event") == "elastic":
+            counts[record["kind"]] = counts.get(record["kind"], 0) + 1
+    return counts
 
 
 def final_loss(run_dir: Path) -> float | None:
@@ -378,7 +393,7 @@ def main() -> int:
             checked["final eval loss within 0.5% of the run without failures"] = abs(gap) <= 0.005
     finally:
         lighthouse.stop()
-    write_results(args.out, args, failures, checked, losses)
+    write_results(args.out, args, failures, checked, losses, membership_records(work / "soak"))
     print((args.out / "results.md").read_text())
     if all(checked.values()):
         shutil.rmtree(work, ignore_errors=True)

@@ -126,6 +126,9 @@ class MemberReport:
     """`agreement.settings_fingerprint` of its run's settings and payload key: clusters started on several machines
     with different configs stop with one line at their first boundary instead of averaging what does not belong
     together."""
+    healed: bool = False
+    """It healed from a live peer at this boundary (a restart, or a cluster that joined late): its peers record the
+    rejoin, also when it was back so fast that no quorum ever went without it."""
 
 
 def outer_digest(outer_params: torch.Tensor) -> int:
@@ -151,14 +154,14 @@ def exchange_reports(
     report."""
     if group.size() == 1:
         return [report]
-    table = torch.zeros(group.size(), 5, dtype=torch.int64)  # (members, fields)
+    table = torch.zeros(group.size(), 6, dtype=torch.int64)  # (members, fields)
     table[group.rank()] = torch.tensor(
-        [report.holding, report.ok, report.restart_missing, report.digest, report.config]
+        [report.holding, report.ok, report.restart_missing, report.digest, report.config, report.healed]
     )
     options = dist.AllreduceOptions()
     options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
     group.allreduce([table], options).wait()
-    return [MemberReport(bool(h), bool(o), bool(r), int(d), int(c)) for h, o, r, d, c in table.tolist()]
+    return [MemberReport(bool(h), bool(o), bool(r), int(d), int(c), bool(e)) for h, o, r, d, c, e in table.tolist()]
 
 
 def exchange_settings(
@@ -290,6 +293,8 @@ class ElasticRounds:
         """A quorum already formed for the next settling (the one `rejoin` healed in)."""
         self.newcomer = False
         """This cluster healed at this boundary: it did not train the round that ends here, so it abstains from it."""
+        self.healed_here = False
+        """This cluster healed at the boundary being settled (reported to its peers: `MemberReport.healed`)."""
         self.others_hold = False
         """Healed: the peers hold shares of a sync in flight that this cluster has no share of."""
         self.boundary_step = 0
@@ -320,6 +325,7 @@ class ElasticRounds:
         """A boundary begins: the end of the round at `step`, or of training (None). Returns whether this cluster
         healed at it (it joined late or restarted): it did not train the round that ends here, so it abstains."""
         self.boundary_quorum = None
+        self.healed_here = self.newcomer
         if step is None:
             self.phase, self.newcomer = "flush", False
             return False
@@ -467,6 +473,7 @@ class ElasticRounds:
                 restart_missing=self.phase == "flush" and time.monotonic() < deadline and self._restart_missing(quorum),
                 digest=outer_digest(s.outer_params),
                 config=self.membership.config_fingerprint,
+                healed=self.healed_here,
             )
             branch, diverged = Branch.FAILED, []
             try:
@@ -475,6 +482,7 @@ class ElasticRounds:
                 failure = error
             else:
                 self._check_configs(quorum, reports, mine)
+                self._note_heals(quorum, reports)
                 diverged = diverged_members([report.digest for report in reports])
                 branch = self._branch(reports, diverged, quorum)
             branch = self.vote.most_severe(branch)
@@ -654,6 +662,14 @@ class ElasticRounds:
             ages = watch.heartbeat_ages()
         events = self.membership_log.quorum(clusters, step=self.boundary_step, ages=ages)
         self._tell(events, self.membership_log.printer(tuple(c for c in previous if c in clusters), set()))
+
+    def _note_heals(self, quorum: Quorum, reports: list[MemberReport]) -> None:
+        """The members that healed at this boundary, each a `rejoined` line and record unless the quorum's change
+        already said so (a restart back before any quorum went without it changes no quorum)."""
+        healed = [quorum.clusters[rank] for rank, report in enumerate(reports) if report.healed]
+        if healed:
+            events = self.membership_log.healed(healed, step=self.boundary_step)
+            self._tell(events, self.membership_log.printer(quorum.clusters, set(healed)))
 
     def _tell(self, events: list[ElasticEvent], printer: bool) -> None:
         """Record `events`; print them when this cluster is the one that speaks (`printer`), from its first rank."""

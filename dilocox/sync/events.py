@@ -58,6 +58,8 @@ class MembershipLog:
         """The clusters of the last quorum this cluster was in (empty before its first)."""
         self._left_at: dict[int, float] = {}
         self._stalled: set[int] = set()
+        self._rejoined: dict[int, int] = {}
+        """The step at which each cluster was last said to rejoin (a quorum's change and a heal say it once)."""
 
     def quorum(self, clusters: tuple[int, ...], *, step: int, ages: Mapping[int, float]) -> list[ElasticEvent]:
         """The changes from the last quorum to `clusters` (none at this cluster's first quorum): a cluster missing
@@ -84,6 +86,20 @@ class MembershipLog:
             out = None if left_at is None else now - left_at
             reason = "back in the round, healed from a live peer" + ("" if out is None else f" after {out:.1f}s out")
             events.append(ElasticEvent("rejoined", cluster, step, reason, out))
+            self._rejoined[cluster] = step
+        return events
+
+    def healed(self, clusters: list[int], *, step: int) -> list[ElasticEvent]:
+        """Members that healed from a live peer at the boundary of `step` (`MemberReport.healed`) and were not said to
+        rejoin there yet: restarted so fast that no quorum went without them."""
+        events = []
+        for cluster in sorted(clusters):
+            if cluster == self.cluster or self._rejoined.get(cluster) == step:
+                continue
+            self._rejoined[cluster] = step
+            self._stalled.discard(cluster)
+            reason = "restarted and healed from a live peer (back before any round went without it)"
+            events.append(ElasticEvent("rejoined", cluster, step, reason, None))
         return events
 
     def stalled(

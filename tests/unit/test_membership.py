@@ -184,6 +184,20 @@ def test_a_clusters_heartbeat_age_is_that_of_its_newest_process():
     assert cluster_ages(ages) == {0: 0.1, 2: 0.3, 12: 9.0}
 
 
+def test_a_restart_back_before_any_quorum_went_without_it_is_recorded_once_as_a_rejoin():
+    # killed and restarted within a round: every quorum held cluster 2, so only its heal at a boundary says it
+    log = MembershipLog(cluster=0, heartbeat_timeout_s=1.0)
+    assert log.quorum((0, 1, 2), step=0, ages={}) == []
+    assert log.quorum((0, 1, 2), step=10, ages={}) == []  # the same clusters: no change seen
+    [back] = log.healed([2], step=20)
+    assert (back.kind, back.cluster, back.step) == ("rejoined", 2, 20) and "restarted and healed" in back.reason
+    assert log.healed([2], step=20) == []  # the settling tried again in another quorum: said once
+    assert log.healed([0], step=30) == []  # this cluster's own heal is its own line
+    log.quorum((0, 1), step=40, ages={2: 3.0})
+    [rejoined] = log.quorum((0, 1, 2), step=50, ages={})
+    assert rejoined.kind == "rejoined" and log.healed([2], step=50) == []  # the quorum's change said it already
+
+
 def test_the_membership_log_names_each_leave_stall_and_rejoin_once():
     log = MembershipLog(cluster=0, heartbeat_timeout_s=1.0)
     assert log.quorum((0, 1, 2, 3), step=0, ages={}) == []  # the first quorum: nothing changed
