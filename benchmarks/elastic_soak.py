@@ -132,10 +132,14 @@ class Launcher:
         return found
 
     def rejoined_after(self, cluster: int, since: float) -> tuple[float, int] | None:
-        """(time, step) of `cluster`'s first `rejoined` line after `since`."""
+        """(time, step) of the `rejoined` line of `cluster`'s first start after `since`: the process that replaced
+        the failed one is back in training (a line the failed process printed as it died does not count)."""
+        started = [at for at, _ in self.starts(cluster) if at > since]
+        if not started:
+            return None
         for at, line in list(self.lines):
             match = re.match(rf"dilocox: elastic: cluster {cluster} rejoined at step (\d+)", line)
-            if match and at > since:
+            if match and at > started[0]:
                 return at, int(match.group(1))
         return None
 
@@ -196,7 +200,7 @@ def inject(kind: str, cluster: int, launcher: Launcher, run_dir: Path, rng: rand
             time.sleep(rng.uniform(0.0, 1.0))
             signal_all([rng.choice(launcher.starts(cluster)[-1][1])], signal.SIGKILL)
             # whether the restart was still joining or healing when it was killed again
-            record["inside_heal"] = launcher.rejoined_after(cluster, started) is None
+            record["inside_heal"] = launcher.rejoined_after(cluster, started - 1e-3) is None
     elif kind == "kill_in_checkpoint":
         root = run_dir / "checkpoints" / f"cluster{cluster}"
         seen = wait_for(lambda: root.is_dir() and any(p.suffix == ".partial" for p in root.iterdir()), 60, launcher)
