@@ -1,6 +1,6 @@
 """Elastic failure soak: one long elastic run of the real CLI, broken again and again; not in the default suite.
 
-    python benchmarks/elastic_soak.py                    # 3 clusters x pp 2, 3,000 steps, >= 50 failures
+    python benchmarks/elastic_soak.py                    # 3 clusters x pp 2, 4,000 steps, >= 50 failures
     python benchmarks/elastic_soak.py --steps 300 --failures 6 --out /tmp/esoak --skip-clean   # a quicker look
 
 One `dilocox train` launcher (configs/debug.toml, `topology.elastic = true`, the dilocox-lowrank preset with the
@@ -392,7 +392,7 @@ def final_loss(run_dir: Path) -> float | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--clusters", type=int, default=3)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--failures", type=int, default=55)
@@ -424,9 +424,9 @@ def main() -> int:
             gap = losses["with failures"] / losses["without failures"] - 1
             checked["final eval loss within 0.5% of the run without failures"] = abs(gap) <= 0.005
             equal = losses["without failures, at the same counted work"]
-            if equal is not None:
-                checked["final eval loss within 0.5% of the run without failures at equal counted work"] = (
-                    abs(losses["with failures"] / equal - 1) <= 0.005
+            if equal is not None:  # the failures cost no more than the work they lost
+                checked["final eval loss at most 0.5% above the run without failures at equal counted work"] = (
+                    losses["with failures"] / equal - 1 <= 0.005
                 )
     finally:
         lighthouse.stop()
