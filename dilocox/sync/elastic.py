@@ -375,12 +375,18 @@ class ElasticRounds:
         from a live peer and returns (the boundary step, "round" or "flush"); its caller sets its step there and
         ends that boundary with its peers (`end_round` or `flush`), abstaining from what it did not train."""
         quorum = self.membership.join()
-        if quorum.healed and self.phase != RESUMED:  # a run in progress: it heals at the boundary its peers are at
+        healed = quorum.healed
+        if healed and self.phase != RESUMED:  # a run in progress: it heals at the boundary its peers are at
             self.joined_quorum, self.newcomer = quorum, True
             return self.boundary_step, self.phase
+        if healed:
+            # Its peers resumed from disk wait in `join` until every cluster is in their first quorum: one that
+            # healed in a quorum of some of them (the others were slower to start than the Lighthouse's join
+            # timeout) meets again with them until it is whole, instead of going on without the peers it healed from.
+            quorum = self.membership.meet_every_cluster(quorum)
         self._bind(quorum)
         s = self.sync
-        if quorum.healed:
+        if healed:
             # Its peers resumed from disk after their checkpoint's boundary: it trains the next round with them and
             # abstains from the sync they send again now (it holds no share of it).
             self.membership.await_heals(quorum)

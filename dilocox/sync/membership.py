@@ -351,6 +351,20 @@ class ElasticMembership:
             self.commit()
         return quorum
 
+    def meet_every_cluster(self, quorum: Quorum) -> Quorum:
+        """Meet again until every cluster is in the quorum (as `join` does at the start of a run and of a resumed
+        one), up to network.timeout; `quorum` when it holds every cluster already."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while quorum.size < self.num_clusters:
+            if time.monotonic() > deadline:
+                raise ElasticError(
+                    f"only clusters {list(quorum.clusters)} of {self.num_clusters} joined within network.timeout = "
+                    f"{self.timeout.total_seconds():.0f}s; start every cluster, or raise network.timeout"
+                )
+            time.sleep(0.1)
+            quorum = self.start_round(check=False)
+        return quorum
+
     def _check_live_peer(self, quorum: Quorum) -> None:
         """A restart that did not heal in its quorum: refuse to go on when no member holds the run's state, rather than
         train the run again from step 0. Alone, this restart is the only live cluster (the Lighthouse never forms a

@@ -621,3 +621,31 @@ def test_a_stopped_cluster_is_named_left_out_and_the_run_finishes_with_the_chang
 
     assert dilocox("plot", str(tmp_path / "stopped"), "--out", str(tmp_path / "plots")).returncode == 0
     assert (tmp_path / "plots" / "membership.png").is_file()
+
+
+@pytest.mark.timeout(240)
+def test_a_resumed_run_waits_for_a_machine_that_starts_after_the_join_timeout(tmp_path, start_run, lighthouse):
+    # Cluster 1 holds the newest checkpoint, cluster 0 an older one, and cluster 2's machine starts 8 s later than
+    # the others, past the Lighthouse's join timeout (network.stall_timeout = 5 s): the first quorum forms without
+    # it, cluster 0 heals there from cluster 1, and both must wait for cluster 2 rather than cluster 0 going on while
+    # cluster 1 still waits (which broke cluster 0's first collective: "Connection closed by peer").
+    flags = [*ELASTIC, "--topology.num_clusters=3", "--sync.inner_steps=10", "--checkpoint.interval=10",
+             f"--network.lighthouse={lighthouse}", "--network.advertise_host=127.0.0.1"]  # fmt: skip
+    first = start_run("first", *flags, "--train.steps=30")
+    assert first.finish() == 0, "the first run failed"
+    shutil.rmtree(tmp_path / "first" / "checkpoints" / "cluster0" / "step_00000030")
+    shutil.copytree(tmp_path / "first", tmp_path / "machine_b")  # the same run directory on the late machine
+    a = start_run("machine_a", *flags, "--train.steps=50", "--topology.local_clusters=0-1", run_dir=tmp_path / "first")
+    deadline = time.time() + 60
+    while not any("cluster 1 started" in line for line in a.lines) and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(8)
+    b = start_run(
+        "machine_b", *flags, "--train.steps=50", "--topology.local_clusters=2", run_dir=tmp_path / "machine_b"
+    )
+    assert (a.finish(), b.finish()) == (0, 0), "a launcher failed"
+    assert "failed" not in a.output + b.output
+    assert "cluster 0 rejoined at step 30 (outer step 3), healed from its peers resumed from disk" in a.output
+    records = {**_records(tmp_path / "first"), **{2: _records(tmp_path / "machine_b")[2]}}
+    assert all(r["step"] == 50 for r in records.values())
+    assert len({r["outer_params_sha256"] for r in records.values()}) == 1, records
