@@ -79,5 +79,5 @@ def test_every_strategy_implements_the_protocol(strategy):
 
 def test_the_outer_loop_implements_the_elastic_protocol():
     extra = protocol_members(ElasticSync) - protocol_members(SyncStrategy)
-    assert extra == {"outer_params", "last_clusters", "rejoin", "heal_state", "load_heal_state"}
+    assert extra == {"outer_params", "last_clusters", "rejoin", "heal_state", "load_heal_state", "elastic_events"}
     assert all(hasattr(OuterSync, name) for name in extra)
