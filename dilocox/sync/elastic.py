@@ -35,7 +35,7 @@ from dilocox.net.channel import PayloadsRejected, WanChannel
 from dilocox.sync.base import RoundStats
 from dilocox.sync.config import SyncConfig
 from dilocox.sync.events import ElasticEvent, MembershipLog
-from dilocox.sync.membership import ElasticError, ElasticMembership, Quorum, shared_settings
+from dilocox.sync.membership import ElasticError, ElasticMembership, Quorum, confirm, shared_settings
 from dilocox.sync.outer_optimizer import outer_optimizer_factory, outer_state_bytes
 from dilocox.sync.reducers import PendingMean, Reducer
 from dilocox.sync.stall import MemberStalled
@@ -196,14 +196,6 @@ _MAX_SETTINGS_BYTES = 256 << 10
 """The most bytes a member may declare for its settings as JSON (about 5 KB)."""
 
 
-def confirm(*, group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
-    """Return only once every member of `group` got here (one 1-element all-reduce, bounded by `timeout`)."""
-    if group.size() > 1:
-        options = dist.AllreduceOptions()
-        options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
-        group.allreduce([torch.zeros(1)], options).wait()
-
-
 class Branch(enum.IntEnum):
     """The way a rank goes at one step of a boundary, ordered by severity: the ranks of a cluster take the most
     severe one any of them saw (`ClusterVote`)."""
@@ -239,7 +231,8 @@ class ClusterVote:
     the fast link). A cluster of one rank needs no vote.
 
         vote = ClusterVote(membership.cluster_group)
-        branch = vote.most_severe(Branch.FAILED if failed else Branch.GO_ON)
+        branch = vote.most_severe(Branch.REDO)   # REDO, or a more severe branch another rank took
+        failed = vote.any_failed(error)          # a step that failed on any rank (error: this rank's, or None)
     """
 
     def __init__(self, group: dist.ProcessGroup | None, *, cluster: int = 0) -> None:
@@ -264,6 +257,10 @@ class ClusterVote:
                 "that its launcher restarts the whole cluster and it heals from a live peer"
             ) from None
         return Branch(int(value))
+
+    def any_failed(self, failure: BaseException | None) -> bool:
+        """Whether a step failed on any rank of the cluster; `failure`: this rank's error, None where it passed."""
+        return self.most_severe(Branch.FAILED if failure else Branch.GO_ON) is Branch.FAILED
 
 
 def _forget_traceback(error: BaseException | None) -> None:
@@ -466,7 +463,7 @@ class ElasticRounds:
                     raise
                 except RuntimeError as error:  # torchft could not build its group (a member died as it formed)
                     failure = error
-                if self.vote.most_severe(Branch.FAILED if failure else Branch.GO_ON) is Branch.FAILED:
+                if self.vote.any_failed(failure):
                     attempts += 1
                     self._fail(failure or self._failed_elsewhere("the round's quorum", round_index), round_index)
                     arrived, quorum = None, None
@@ -571,7 +568,7 @@ class ElasticRounds:
             confirm(group=quorum.group, timeout=self.membership.control_timeout)
         except RuntimeError as error:
             failure = error
-        if self.vote.most_severe(Branch.FAILED if failure else Branch.GO_ON) is Branch.FAILED:
+        if self.vote.any_failed(failure):
             raise failure or self._failed_elsewhere("the confirmation of the redo", round_index)
         return arrived
 

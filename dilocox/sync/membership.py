@@ -339,10 +339,7 @@ class ElasticMembership:
             if quorum.healed or self.manager.current_step() > start_step or quorum.size == self.num_clusters:
                 break
             if time.monotonic() > deadline:
-                raise ElasticError(
-                    f"only clusters {list(quorum.clusters)} of {self.num_clusters} joined within network.timeout = "
-                    f"{self.timeout.total_seconds():.0f}s; start every cluster, or raise network.timeout"
-                )
+                raise self._too_few_joined(quorum)
             time.sleep(0.1)
         self._check(quorum.clusters)
         if not quorum.healed:
@@ -357,13 +354,17 @@ class ElasticMembership:
         deadline = time.monotonic() + self.timeout.total_seconds()
         while quorum.size < self.num_clusters:
             if time.monotonic() > deadline:
-                raise ElasticError(
-                    f"only clusters {list(quorum.clusters)} of {self.num_clusters} joined within network.timeout = "
-                    f"{self.timeout.total_seconds():.0f}s; start every cluster, or raise network.timeout"
-                )
+                raise self._too_few_joined(quorum)
             time.sleep(0.1)
             quorum = self.start_round(check=False)
         return quorum
+
+    def _too_few_joined(self, quorum: Quorum) -> ElasticError:
+        """Why a start (or resume) gave up waiting for every cluster: the ones that came, and what to do."""
+        return ElasticError(
+            f"only clusters {list(quorum.clusters)} of {self.num_clusters} joined within network.timeout = "
+            f"{self.timeout.total_seconds():.0f}s; start every cluster, or raise network.timeout"
+        )
 
     def _check_live_peer(self, quorum: Quorum) -> None:
         """A restart that did not heal in its quorum: refuse to go on when no member holds the run's state, rather than
@@ -389,10 +390,7 @@ class ElasticMembership:
         """Return once every member of `quorum` has its state (one 1-element all-reduce over its group, bounded by
         network.timeout): torchft stops serving a cluster's state when it commits, so a cluster that members heal
         from in its first quorum commits only after they have read it."""
-        if quorum.size > 1:
-            options = dist.AllreduceOptions()
-            options.reduceOp, options.timeout = dist.ReduceOp.SUM, self.timeout
-            quorum.group.allreduce([torch.zeros(1)], options).wait()
+        confirm(group=quorum.group, timeout=self.timeout)
 
     def progress(self) -> dict[str, int]:
         """torchft's step (boundaries committed) and batches committed: what a checkpoint records of the membership."""
@@ -477,6 +475,14 @@ class ElasticMembership:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def confirm(*, group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
+    """Return only once every member of `group` got here (one 1-element all-reduce, bounded by `timeout`)."""
+    if group.size() > 1:
+        options = dist.AllreduceOptions()
+        options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
+        group.allreduce([torch.zeros(1)], options).wait()
 
 
 def start_lighthouse(*, bind: str = f"{LOOPBACK}:0", heartbeat_timeout_s: float, join_timeout_s: float):
