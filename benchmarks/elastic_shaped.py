@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dilocox.net.lighthouse import run_lighthouse  # noqa: E402
 from dilocox.net.link import parse_bandwidth  # noqa: E402
 from dilocox.tools.linkcheck import namespaces  # noqa: E402
 
@@ -53,21 +53,15 @@ def shaped(rate_bytes: float, work: Path) -> dict:
             namespaces.run_command(command)
         env = {**os.environ, "GLOO_SOCKET_IFNAME": namespaces.CLUSTER_IFNAME, "PYTHONPATH": str(ROOT)}
         host = [["ip", "netns", "exec", net.cluster_ns(cluster)] for cluster in range(CLUSTERS)]
-        lighthouse = subprocess.Popen(
-            [*host[0], sys.executable, "-m", "dilocox", "lighthouse", "--bind", f"{net.cluster_addr(0)}:0",
-             "--network.heartbeat=0.5s", "--network.stall_timeout=10s"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env,
-        )  # fmt: skip
+        lighthouse, url = run_lighthouse(
+            f"{net.cluster_addr(0)}:0", heartbeat="0.5s", stall_timeout="10s", prefix=host[0], env=env, cwd=ROOT
+        )
         try:
-            assert lighthouse.stdout is not None
-            found = re.search(r"--network\.lighthouse=(http://\S+);", lighthouse.stdout.readline())
-            if not found:
-                raise RuntimeError("the Lighthouse printed no address")
             launchers = []
             for cluster in range(CLUSTERS):
                 command = [*host[cluster], sys.executable, "-m", "dilocox", "train", *FLAGS,
                            f"--run.out_dir={work / f'host{cluster}'}", "--network.bandwidth=unlimited",
-                           f"--network.lighthouse={found.group(1)}", f"--topology.local_clusters={cluster}",
+                           f"--network.lighthouse={url}", f"--topology.local_clusters={cluster}",
                            f"--network.advertise_host={net.cluster_addr(cluster)}"]  # fmt: skip
                 log = (work / f"host{cluster}.log").open("w")
                 launchers.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env))

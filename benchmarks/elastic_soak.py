@@ -85,14 +85,11 @@ class Lighthouse:
         self.start()
 
     def start(self) -> None:
-        command = [sys.executable, "-m", "dilocox", "lighthouse", "--bind", f"127.0.0.1:{self.port}",
-                   "--network.heartbeat=0.5s", f"--network.stall_timeout={STALL_TIMEOUT_S:g}s"]  # fmt: skip
-        # its stderr carries torchft's own log lines (one per quorum)
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if "--network.lighthouse=" not in line:
-            raise RuntimeError(f"the Lighthouse did not start: {line!r}")
+        from dilocox.net.lighthouse import run_lighthouse
+
+        self.proc, _ = run_lighthouse(
+            f"127.0.0.1:{self.port}", heartbeat="0.5s", stall_timeout=f"{STALL_TIMEOUT_S:g}s", cwd=ROOT
+        )
 
     def kill(self) -> None:
         assert self.proc is not None

@@ -4,6 +4,7 @@ anything starts, a probe that it answers, and the age of each cluster's last hea
     check_lighthouse_url("http://10.0.0.1:29510")   # ValueError naming network.lighthouse: scheme, host, port
     probe_lighthouse("http://10.0.0.1:29510")       # ValueError when nothing answers there, or not a Lighthouse
     ages = heartbeat_ages("http://10.0.0.1:29510")  # {"cluster0": 0.08, "cluster2": 7.3}: seconds since each beat
+    proc, url = run_lighthouse("127.0.0.1:0", heartbeat="1s", stall_timeout="10s")   # one in a subprocess
 
 torchft 0.2's Lighthouse serves its dashboard on its gRPC port: `GET /` names it ("Lighthouse Dashboard -
 torchft"), `GET /status` lists every replica that ever beat with the time since its last heartbeat ("cluster2: seen
@@ -15,7 +16,11 @@ from __future__ import annotations
 import http.client
 import re
 import socket
+import subprocess
+import sys
 import urllib.parse
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 PROBE_TIMEOUT_S = 3.0
 """How long a probe of the Lighthouse waits for its TCP connection and its answer."""
@@ -101,3 +106,35 @@ def heartbeat_ages(url: str, *, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str,
 def parse_heartbeats(status: str) -> dict[str, float]:
     """The heartbeat ages of a Lighthouse status page (`heartbeat_ages`)."""
     return {name: float(value) * _UNIT_S[unit] for name, value, unit in _HEARTBEAT.findall(status)}
+
+
+_PRINTED_URL = re.compile(r"--network\.lighthouse=(http://\S+);")
+
+
+def run_lighthouse(
+    bind: str,
+    *,
+    heartbeat: str,
+    stall_timeout: str,
+    prefix: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> tuple[subprocess.Popen[str], str]:
+    """`dilocox lighthouse --bind BIND` in a subprocess, with the `[network]` timeouts its clusters use, run under
+    `prefix` (e.g. `ip netns exec NS`), for scripts and tests that run a Lighthouse of their own: the process (its
+    stdout a pipe, which ends with "dilocox: lighthouse stopped"; its stderr, torchft's log lines, dropped) and the
+    URL its first line gives for network.lighthouse. RuntimeError, with the process stopped, when it prints none."""
+    command = [*prefix, sys.executable, "-m", "dilocox", "lighthouse", "--bind", bind,
+               f"--network.heartbeat={heartbeat}", f"--network.stall_timeout={stall_timeout}"]  # fmt: skip
+    environment = None if env is None else dict(env)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=cwd, env=environment
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    found = _PRINTED_URL.search(first)
+    if found is None:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"`{' '.join(command)}` printed no address: {first!r}")
+    return proc, found.group(1)

@@ -19,6 +19,7 @@ import pytest
 
 from dilocox.checkpoint import list_checkpoints, verify_checkpoint
 from dilocox.metrics import read_metrics
+from dilocox.net.lighthouse import run_lighthouse
 from dilocox.tools.linkcheck import namespaces
 from tests.e2e.helpers import (
     DEBUG,
@@ -237,17 +238,9 @@ def test_below_min_clusters_the_run_stops_with_one_line(start_run):
 @pytest.fixture
 def lighthouse_proc():
     """`dilocox lighthouse` in a subprocess, with the heartbeat and stall timeout of ELASTIC: (its URL, process)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dilocox", "lighthouse", "--bind", "127.0.0.1:0", "--network.heartbeat=0.5s",
-         "--network.stall_timeout=5s"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
-    )  # fmt: skip
+    proc, url = run_lighthouse("127.0.0.1:0", heartbeat="0.5s", stall_timeout="5s", cwd=REPO)
     try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()
-        found = re.search(r"--network\.lighthouse=(http://\S+);", first)
-        assert found, f"no address in the lighthouse's first line: {first!r}"
-        yield found.group(1), proc
+        yield url, proc
     finally:
         if proc.poll() is None:  # a test may have killed it
             proc.terminate()
@@ -403,17 +396,12 @@ def test_hosts_in_network_namespaces_heal_a_killed_host_across_a_shaped_link(tmp
             namespaces.run_command(command)
         env = {**os.environ, "GLOO_SOCKET_IFNAME": namespaces.CLUSTER_IFNAME, "PYTHONPATH": str(REPO)}
         host = [("ip", "netns", "exec", net.cluster_ns(cluster)) for cluster in range(3)]
-        lighthouse = subprocess.Popen(
-            [*host[0], sys.executable, "-m", "dilocox", "lighthouse", "--bind", f"{net.cluster_addr(0)}:0",
-             "--network.heartbeat=0.5s", "--network.stall_timeout=5s"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO, env=env,
-        )  # fmt: skip
+        lighthouse, url = run_lighthouse(
+            f"{net.cluster_addr(0)}:0", heartbeat="0.5s", stall_timeout="5s", prefix=host[0], env=env, cwd=REPO
+        )
         try:
-            assert lighthouse.stdout is not None
-            found = re.search(r"--network\.lighthouse=(http://\S+);", lighthouse.stdout.readline())
-            assert found, "the Lighthouse printed no address"
             flags = [*ELASTIC, "--topology.num_clusters=3", f"--train.steps={steps}", "--sync.inner_steps=10",
-                     "--network.bandwidth=unlimited", f"--network.lighthouse={found.group(1)}"]  # fmt: skip
+                     "--network.bandwidth=unlimited", f"--network.lighthouse={url}"]  # fmt: skip
             runs = [
                 start_run(f"host{cluster}", *flags, f"--topology.local_clusters={cluster}",
                           f"--network.advertise_host={net.cluster_addr(cluster)}", env=env, prefix=host[cluster])
