@@ -16,7 +16,7 @@ import functools
 import queue
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -217,6 +217,17 @@ class _Job:
     exchange: int = 0
     """Position among every collective launched on this channel (accounted or not), the same on every rank of the
     group: the sequence number authenticated payloads are tagged with."""
+
+
+def _drained(jobs: queue.Queue) -> Iterator[_Job]:
+    """The jobs still queued on a communicator's queue, each taken off it (the stop marker, None, is skipped)."""
+    while True:
+        try:
+            job = jobs.get_nowait()
+        except queue.Empty:
+            return
+        if job is not None:
+            yield job
 
 
 class WanChannel:
@@ -485,13 +496,8 @@ class WanChannel:
             self._failure = None
         if running is not None:
             running.transfer._fail(error)
-        while True:
-            try:
-                job = jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.transfer._fail(error)
+        for job in _drained(jobs):
+            job.transfer._fail(error)
         jobs.put(None)  # the abandoned thread stops once its collective returns
 
     # ----------------------------------------------------------------------------------------- collectives
@@ -718,14 +724,9 @@ class WanChannel:
                 if not job.transfer.done():
                     job.transfer._fail(RuntimeError("the WanChannel communicator thread stopped"))
                 self._job_ended()
-            while True:
-                try:
-                    leftover = jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if leftover is not None:
-                    leftover.transfer._fail(RuntimeError("the WanChannel communicator thread stopped"))
-                    self._job_ended()
+            for leftover in _drained(jobs):
+                leftover.transfer._fail(RuntimeError("the WanChannel communicator thread stopped"))
+                self._job_ended()
             with self._lock:
                 self._abandoned.discard(threading.current_thread())
 
