@@ -507,11 +507,14 @@ def test_a_restart_that_asks_just_after_the_last_quorum_formed_is_met_in_a_new_o
 
 # ------------------------------------------------------------------------------------------ clusters of several ranks
 def cluster_groups(num_clusters: int, ranks: int, timeout: datetime.timedelta = LONG) -> list[list[dist.ProcessGroup]]:
-    """Each cluster's own group of its `ranks` ranks (its world in an elastic run), built by threads at once."""
+    """Each cluster's own group of its `ranks` ranks (its world in an elastic run), built by threads at once; its
+    collectives time out after `timeout` (the group itself forms within LONG, however loaded the machine)."""
     store, groups = dist.HashStore(), [[None] * ranks for _ in range(num_clusters)]
 
     def build(cluster: int, rank: int) -> None:
-        groups[cluster][rank] = make_group(store, f"cluster{cluster}", rank, ranks, timeout)
+        group = make_group(store, f"cluster{cluster}", rank, ranks, LONG)
+        group._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
+        groups[cluster][rank] = group
 
     assert run_threads(*[lambda c=c, r=r: build(c, r) for c in range(num_clusters) for r in range(ranks)]) == [None] * (
         num_clusters * ranks

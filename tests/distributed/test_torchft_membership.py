@@ -203,7 +203,7 @@ def test_a_quorum_group_forms_within_the_connect_timeout_and_its_collectives_wai
     # A member killed between a quorum and its group would hold the others in the group's rendezvous for
     # network.timeout: it is bounded by network.stall_timeout instead, and the collectives keep network.timeout
     # (a legitimate slow-link transfer may take long).
-    connect, long = datetime.timedelta(seconds=1), datetime.timedelta(seconds=120)
+    connect, long = datetime.timedelta(seconds=3), datetime.timedelta(seconds=120)  # 3 s: two threads connect
     store = serve_store("127.0.0.1", TIMEOUT)
     address = f"127.0.0.1:{store.port}"
     alone = _reconfigurable_gloo(long, "127.0.0.1", connect_timeout=connect)
@@ -219,7 +219,7 @@ def test_a_quorum_group_forms_within_the_connect_timeout_and_its_collectives_wai
             groups[rank].configure(f"{address}/q2", f"cluster{rank}", rank, 2, quorum_id=2, group_rank=0,
                                    group_world_size=1)  # fmt: skip
             if rank == 1:
-                threading.Event().wait(3 * connect.total_seconds())  # later than the rendezvous bound
+                threading.Event().wait(2 * connect.total_seconds())  # later than the rendezvous bound
             groups[rank].parent.allreduce([sums[rank]], dist.AllreduceOptions()).wait()
         except BaseException as error:  # the test asserts on it
             errors.append(error)
