@@ -269,6 +269,16 @@ class Config:
         if self.sync.has_outer_loop:
             check_robust_reduction(self.sync, self.compression)
             check_held_back_options(self.sync, self.compression, elastic=self.topology.elastic)
+        if self.sync.fragments > 1:
+            for setting, used in (
+                ("topology.elastic = true", self.topology.elastic),
+                (f"faults.kind = {self.faults.kind!r}", self.faults.enabled),
+            ):
+                if used:
+                    raise ValueError(
+                        f"sync.fragments = {self.sync.fragments} does not work with {setting}: its rounds are whole-"
+                        "stage syncs; set sync.fragments = 1"
+                    )
         if self.faults.enabled and not self.sync.has_outer_loop:
             raise ValueError(
                 f"faults.kind = {self.faults.kind!r} injects faults into outer rounds: use sync.kind = diloco or "

@@ -304,6 +304,11 @@ class RunSummary:
     """sync.guard: rounds without a usable mean, whose outer step was skipped (stage 0)."""
     payloads_rejected: int = 0
     """Slow-link payloads all ranks dropped because their HMAC tag did not verify (network.auth_key_file)."""
+    peak_in_flight_bytes: int = 0
+    """The most payload bytes any one rank had launched on the slow link and not yet delivered at one time
+    (`WanChannel.peak_in_flight_bytes`; 0 in summaries written before it was recorded)."""
+    fragments: int = 1
+    """sync.fragments: the parts each stage's outer sync is streamed in."""
     wan_bytes_clusters: list[int] | None = None
     """The clusters whose ranks the byte counts cover: None for every cluster (a static run). An elastic run's
     clusters are separate worlds that never pool their counters, so its summary counts the ranks of the cluster
@@ -358,7 +363,9 @@ def format_summary(s: RunSummary) -> str:
             f"  slow link   {fmt_bytes(s.wan_bytes_total)} sent by {senders}; AllReduce would send "
             f"{fmt_bytes(s.allreduce_equiv_bytes)} ({versus}{scope})",
             f"  link time   busy {s.link_busy_s:.2f} s, trainer blocked {s.exposed_comm_s:.2f} s (rank 0)"
-            + (f", {100 * s.hidden_comm_fraction:.0f}% hidden" if s.hidden_comm_fraction is not None else ""),
+            + (f", {100 * s.hidden_comm_fraction:.0f}% hidden" if s.hidden_comm_fraction is not None else "")
+            + (f"; at most {fmt_bytes(s.peak_in_flight_bytes)} in flight per rank" if s.peak_in_flight_bytes else "")
+            + (f" ({s.fragments} fragments per stage)" if s.fragments > 1 else ""),
         ]
         + (
             [

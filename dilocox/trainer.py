@@ -587,6 +587,8 @@ class Trainer:
                     now = time.perf_counter()
                     tokens_per_s = (self.step - window_step) * self.tokens_per_step / (now - window_start)
                     logger.log(self._record(eval_loss, tokens_per_s))
+                    for landed in self.round_stats.also_landed if self.round_stats is not None else ():
+                        logger.log_event(self._round_record(landed))  # sync.fragments: one record per sync
                     self.losses.clear()
                     window_start, window_step = now, self.step
                 if boundary and (self._checkpoint_due(cfg.checkpoint.interval) or last):
@@ -690,6 +692,10 @@ class Trainer:
             record["round_clusters"] = list(self.sync.last_clusters)
         return record
 
+    def _round_record(self, stats: RoundStats) -> dict[str, Any]:
+        """The record of a fragment's sync landed at this step besides the one the step's record carries."""
+        return {"event": "round", "step": self.step, "outer_step": self.sync.outer_step, **stats.to_record()}
+
     def _summary(self, wall_s: float, logger: MetricsLogger | None) -> RunSummary | None:
         """Gather every rank's link counters (a small control message, not counted as slow-link payload)."""
         stats = self.channel.stats()
@@ -703,6 +709,7 @@ class Trainer:
             "bytes_sent": stats["bytes_sent"],
             "allreduce_equiv": per_step * self.step,
             "payloads_rejected": stats["payloads_rejected"],
+            "peak_in_flight_bytes": stats["peak_in_flight_bytes"],
         }
         gathered = all_gather_json(mine, group=dist.group.WORLD, max_bytes=_MAX_CONTROL_BYTES)
         if self.in_eval_pipeline and self.last_eval_loss is None:
@@ -726,6 +733,7 @@ class Trainer:
             wan_bytes_total=sum(g["bytes_sent"] for g in gathered),
             allreduce_equiv_bytes=sum(g["allreduce_equiv"] for g in gathered),
             payloads_rejected=sum(g["payloads_rejected"] for g in gathered),
+            peak_in_flight_bytes=max(g["peak_in_flight_bytes"] for g in gathered),
             # an elastic cluster is its own world: `gathered` holds this cluster's ranks only
             wan_bytes_clusters=[self.coords.cluster] if self.elastic else None,
             link_busy_s=stats["link_busy_s"],
@@ -740,6 +748,7 @@ class Trainer:
             merge=c.sync.merge,
             inner_steps=c.sync.inner_steps,
             final_inner_steps=self.sync.inner_steps,
+            fragments=c.sync.fragments,
             flavor=c.model.flavor,
             num_params=self.num_params,
             rank_state_bytes=self.memory,

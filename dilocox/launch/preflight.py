@@ -19,9 +19,10 @@ from dilocox.data import ShardedTokenStream, TokenData, is_prepared_dir, iter_ev
 from dilocox.data.tokenizer import smaller_vocab_warning
 from dilocox.device import resolve_device
 from dilocox.metrics import check_sinks
+from dilocox.models import ModelArgs
 from dilocox.net.lighthouse import probe_lighthouse
 from dilocox.net.listen import listening_socket
-from dilocox.parallel import check_split
+from dilocox.parallel import check_split, stage_tensor_counts
 from dilocox.runlock import RunLock
 from dilocox.topology import Topology
 from dilocox.trainer import eval_batch_tokens, model_shape, prepare_data
@@ -68,6 +69,7 @@ def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Pa
             f"({source}); use --train.seq_len={args.max_seq_len} or less, or a model with a longer context"
         )
     check_split(args, cfg.topology.pp_degree)  # more stages than layers, or a tied embedding cut in two
+    check_fragments(cfg, args)
     check_batches(cfg, data)  # every data shard holds a batch, the validation split one evaluation batch
     if resume is not None:  # another tokenizer or model shape than the checkpoint's: refused before any rank starts
         vocab = data.load_tokenizer().vocab_fingerprint()
@@ -132,6 +134,21 @@ def resolve_resume(cfg: Config) -> Path | None:
         check_auto_resume(cfg, path)
     check_resume(cfg, path)
     return path
+
+
+def check_fragments(cfg: Config, args: ModelArgs) -> None:
+    """`sync.fragments` splits each stage's parameter tensors: no more fragments than the smallest stage has."""
+    if cfg.sync.fragments == 1:
+        return
+    counts = stage_tensor_counts(args, cfg.topology.pp_degree)
+    fewest = min(counts)
+    if cfg.sync.fragments > fewest:
+        where = f"pipeline stage {counts.index(fewest)} of {len(counts)}" if len(counts) > 1 else "the model"
+        raise ValueError(
+            f"sync.fragments = {cfg.sync.fragments} is more than the {fewest} parameter tensors of {where} "
+            f"(model.flavor = {cfg.model.flavor}, topology.pp_degree = {cfg.topology.pp_degree}): each fragment syncs "
+            f"whole tensors; use sync.fragments <= {fewest}"
+        )
 
 
 def check_batches(cfg: Config, data: TokenData) -> None:

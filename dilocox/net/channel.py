@@ -12,6 +12,7 @@ cluster whose payload every other member dropped stops the run (`PayloadsRejecte
 
 from __future__ import annotations
 
+import collections
 import functools
 import queue
 import sys
@@ -51,7 +52,8 @@ _CANCEL_JOIN_S = 5.0  # how long close(cancel=True) waits for a collective alrea
 _STAT_KEYS = ("bytes_sent", "bytes_recv", "control_bytes", "link_busy_s", "exposed_s", "num_transfers")
 _FORGER = PayloadAuth(b"dilocox/faults/a-key-no-cluster-holds".ljust(MIN_KEY_BYTES))
 """faults.kind = forge: what a forger without the shared key tags its payloads with."""
-_ADDED_STAT_KEYS = ("payloads_rejected",)  # counters newer than some checkpoints: 0 when a saved state lacks them
+_ADDED_STAT_KEYS = ("payloads_rejected", "peak_in_flight_bytes")
+"""Counters newer than some checkpoints: 0 when a saved state lacks them."""
 
 
 class PayloadsRejected(ValueError):
@@ -326,6 +328,9 @@ class WanChannel:
         self._exposed_s = 0.0
         self._num_transfers = 0
         self._payloads_rejected = 0
+        self._peak_in_flight_bytes = 0
+        self._arrivals: collections.deque[tuple[float, int]] = collections.deque()
+        """(done time, bytes sent) of the accounted transfers that may still overlap a later launch."""
         self._forge_next = False  # faults.kind = forge: the next all-gathered payload carries a forged tag
         self._in_flight = 0  # launched and not yet completed or failed
         self._running: _Job | None = None  # the job on the communicator thread
@@ -405,13 +410,22 @@ class WanChannel:
             return self._payloads_rejected
 
     @property
+    def peak_in_flight_bytes(self) -> int:
+        """The most payload bytes this rank had launched on the link and not yet delivered at any one time (the sum
+        of `nbytes_sent` over the accounted transfers whose [launch, done] spans that time): the burst the link must
+        carry at once. Exact in emulation, where launch and arrival are the link model's times."""
+        with self._lock:
+            return self._peak_in_flight_bytes
+
+    @property
     def tag_bytes(self) -> int:
         """Bytes added to every all-gathered payload: an HMAC-SHA256 tag with `auth`, else 0."""
         return 0 if self._auth is None else TAG_BYTES
 
     def stats(self) -> dict[str, float | int]:
         """Cumulative counters: bytes_sent, bytes_recv, control_bytes, link_busy_s, exposed_s, num_transfers,
-        payloads_rejected (peers' payloads whose tag did not verify, counted even when not accounted)."""
+        payloads_rejected (peers' payloads whose tag did not verify, counted even when not accounted), and the
+        peak_in_flight_bytes so far."""
         with self._lock:
             return {
                 "bytes_sent": self._bytes_sent,
@@ -421,6 +435,7 @@ class WanChannel:
                 "exposed_s": self._exposed_s,
                 "num_transfers": self._num_transfers,
                 "payloads_rejected": self._payloads_rejected,
+                "peak_in_flight_bytes": self._peak_in_flight_bytes,
             }
 
     def state_dict(self) -> dict[str, float | int]:
@@ -443,6 +458,7 @@ class WanChannel:
             self._exposed_s = float(state["exposed_s"])
             self._num_transfers = int(state["num_transfers"])
             self._payloads_rejected = int(state.get("payloads_rejected", 0))
+            self._peak_in_flight_bytes = int(state.get("peak_in_flight_bytes", 0))
             self._submitted = self._num_transfers
             # Every rank of the group saved the same count at the same step, so the resumed ranks keep numbering
             # their exchanges alike (a state saved before it existed restarts at 0 on every rank alike).
@@ -763,7 +779,18 @@ class WanChannel:
             self._control_bytes += outcome.control_bytes
             self._link_busy_s += busy_s
             self._num_transfers += 1
+            self._count_in_flight(transfer.launch_time, done, outcome.nbytes_sent)
         transfer._complete(outcome.result)
+
+    def _count_in_flight(self, launch_time: float, done: float, nbytes: int) -> None:
+        """Raise the peak of bytes in flight by a transfer that just completed (call under the lock). Transfers are
+        launched and completed in order, so every transfer launched before this one has completed and none launched
+        after it is counted at its launch time; the bytes in flight peak at a launch: here, the sum over this one and
+        the earlier ones that had not arrived when it was launched."""
+        while self._arrivals and self._arrivals[0][0] <= launch_time:
+            self._arrivals.popleft()  # arrived before this launch, so before every later one
+        self._arrivals.append((done, nbytes))
+        self._peak_in_flight_bytes = max(self._peak_in_flight_bytes, sum(n for _, n in self._arrivals))
 
     def _run_all_reduce(self, tensor: torch.Tensor, op: str) -> _Outcome:
         # gloo reduces contiguous host buffers only; reduce a copy and write it back so the call stays in-place.

@@ -8,7 +8,14 @@ from dilocox.parallel.pipeline import (
     mean_token_cross_entropy,
     microbatch_size,
 )
-from dilocox.parallel.split import build_stage, check_split, format_split, split_layers, stage_parameter_counts
+from dilocox.parallel.split import (
+    build_stage,
+    check_split,
+    format_split,
+    split_layers,
+    stage_parameter_counts,
+    stage_tensor_counts,
+)
 
 __all__ = [
     "SCHEDULES",
@@ -22,4 +29,5 @@ __all__ = [
     "microbatch_size",
     "split_layers",
     "stage_parameter_counts",
+    "stage_tensor_counts",
 ]

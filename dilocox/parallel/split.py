@@ -215,6 +215,14 @@ def build_stage(
     of the final norm and head unless the last stage), then materialized on `device` and initialized from (seed,
     parameter name): parameter names stay those of the full model, so checkpoints and parity tests match by name.
     """
+    model = _stage_on_meta(args, stage, num_stages)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
+
+
+def _stage_on_meta(args: ModelArgs, stage: int, num_stages: int) -> Decoder:
+    """Stage `stage` of the decoder on the meta device: its modules and shapes, no storage."""
     check_split(args, num_stages)
     if not isinstance(stage, int) or not 0 <= stage < num_stages:
         raise ValueError(f"stage {stage!r} is outside the {num_stages} pipeline stages (0..{num_stages - 1})")
@@ -229,6 +237,12 @@ def build_stage(
     if stage != num_stages - 1:
         model.norm = None
         model.output = None
-    model.to_empty(device=device)
-    model.init_weights(seed)
     return model
+
+
+def stage_tensor_counts(args: ModelArgs, num_stages: int) -> list[int]:
+    """Trainable parameter tensors of each stage (what `sync.fragments` splits), counted on the meta device."""
+    return [
+        sum(p.requires_grad for p in _stage_on_meta(args, stage, num_stages).parameters())
+        for stage in range(num_stages)
+    ]

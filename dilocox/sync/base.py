@@ -65,6 +65,10 @@ class RoundStats:
     also_excluded: tuple[tuple[int | None, int, str], ...] = ()
     """With sync.guard: (round, cluster, why) of the updates left out of other syncs waited for at the same step (at
     the last step: the round that ended there, before the final flush, and the drained residual, round None)."""
+    fragment: int | None = None
+    """sync.fragments > 1: the fragment (0-based) whose sync this is (`dilocox.sync.streaming`)."""
+    also_landed: tuple[RoundStats, ...] = ()
+    """sync.fragments > 1: the other fragments' syncs waited for at the same step, each its own round record."""
 
     def with_exclusions_of(self, *others: RoundStats | None) -> RoundStats:
         """These stats, also carrying what the guard left out of `others`, syncs waited for at the same step."""
@@ -103,6 +107,8 @@ class RoundStats:
             record["round_skipped"] = int(self.skipped)
             if exclusions:  # every update left out, with its round and why (the plotting sinks skip non-numbers)
                 record["round_exclusions"] = [{"round": r, "cluster": c, "why": why} for r, c, why in exclusions]
+        if self.fragment is not None:
+            record["round_fragment"] = self.fragment
         if self.compute_s is not None:
             record["round_compute_s"] = self.compute_s
         if self.inner_steps is not None:

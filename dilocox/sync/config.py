@@ -78,6 +78,8 @@ class SyncConfig:
     """Outer updates over which the outer learning rate ramps up linearly to outer_lr (either schedule)."""
     outer_min_lr_ratio: float = 0.1
     """cosine: the outer learning rate of the last outer update, as a fraction of outer_lr."""
+    fragments: int = 1
+    """Streaming DiLoCo: sync the stage as this many parameter fragments at staggered steps (1: all at once)."""
     fit_link: bool = False
     """With sync_delay 1: raise H each round so that one sync's measured link time fits in the next round's compute."""
     fit_link_max_steps: int = 0
@@ -199,11 +201,37 @@ class SyncConfig:
                 "sync.fit_link = true sizes H so that a sync travels during a whole round, but sync.overlap_steps = "
                 f"{self.overlap_steps} applies it {self.overlap_steps} steps in; use one or the other"
             )
+        self._check_fragments()
         if self.fit_link and 0 < self.fit_link_max_steps < self.inner_steps:
             raise ValueError(
                 f"sync.fit_link_max_steps = {self.fit_link_max_steps} is below sync.inner_steps = {self.inner_steps}: "
                 f"fit_link only raises H; use 0 (8 x H) or a value >= {self.inner_steps}"
             )
+
+    def _check_fragments(self) -> None:
+        check_positive("sync", self, "fragments")
+        if self.fragments == 1:
+            return
+        if not self.has_outer_loop:
+            raise ValueError(
+                f"sync.fragments = {self.fragments} staggers the outer syncs of an outer loop, but sync.kind = "
+                f"{self.kind!r} syncs every step; use sync.kind = diloco or dilocox, or sync.fragments = 1"
+            )
+        if self.fragments > self.inner_steps:
+            raise ValueError(
+                f"sync.fragments = {self.fragments} is more than sync.inner_steps = {self.inner_steps}: fragment k "
+                f"syncs at offset k x H / fragments, so each needs a step of its own; use sync.fragments <= "
+                f"{self.inner_steps}"
+            )
+        for option, value, why in (
+            ("fit_link", self.fit_link, "changes H between rounds, which would break the fragments' stagger"),
+            ("overlap_steps", self.overlap_steps, "lands a sync inside the next round, not at a fragment boundary"),
+        ):
+            if value:
+                raise ValueError(
+                    f"sync.{option} = {str(value).lower()} does not work with sync.fragments = {self.fragments}: it "
+                    f"{why}; set sync.{option} = {'false' if isinstance(value, bool) else 0}, or sync.fragments = 1"
+                )
 
 
 def check_robust_reduction(sync: SyncConfig, compression: Any) -> None:

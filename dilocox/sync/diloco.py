@@ -43,7 +43,7 @@ from dilocox.sync.reducer_factory import build_reducer
 from dilocox.sync.reducers import GatherReducer, PendingMean, Reducer
 from dilocox.sync.robust import RoundGuard
 
-STATE_KEYS = (
+STATE_KEYS: tuple[str, ...] = (
     "outer_params",
     "outer_optimizer",
     "round_start",
@@ -101,6 +101,9 @@ class DiLoCoSync:
     `ElasticRounds` meets the live clusters, launches over their group and settles the sync that is due among them.
     """
 
+    state_keys = STATE_KEYS
+    """The keys of `state_dict`."""
+
     def __init__(
         self,
         params,
@@ -115,7 +118,10 @@ class DiLoCoSync:
         faults: FaultConfig | None = None,
         membership: ElasticMembership | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
+        first_round_end: int | None = None,
     ) -> None:
+        """`first_round_end`: the step at which the first round ends (default H; a streaming fragment's first round
+        is shorter, `dilocox.sync.streaming`); every later round has H steps."""
         cfg.validate()
         compression = compression or CompressionConfig()
         check_robust_reduction(cfg, compression)
@@ -132,12 +138,18 @@ class DiLoCoSync:
         self.seed = seed
         # where the run is: the round in progress ends at round_end (fit_link may change H between rounds)
         self.inner_steps = cfg.inner_steps
-        self.round_end = cfg.inner_steps
+        if first_round_end is not None and not 1 <= first_round_end <= cfg.inner_steps:
+            raise ValueError(f"first_round_end = {first_round_end} must be in 1 ... H = {cfg.inner_steps}")
+        self.round_end = cfg.inner_steps if first_round_end is None else first_round_end
         self.last_boundary = 0
         self.outer_step = 0  # rounds completed
         self.total_steps = total_steps
-        self.num_outer_updates = math.ceil(total_steps / cfg.inner_steps) if total_steps else None
+        self.num_outer_updates = None
         """Outer updates in the run (one per round), the horizon of a cosine outer learning rate."""
+        if total_steps and first_round_end is None:
+            self.num_outer_updates = math.ceil(total_steps / cfg.inner_steps)
+        elif total_steps:  # the first round, then one per H steps after it, the last one cut at total_steps
+            self.num_outer_updates = 1 + math.ceil(max(0, total_steps - first_round_end) / cfg.inner_steps)
         if cfg.outer_lr_schedule == "cosine" and self.num_outer_updates is None:
             raise ValueError(
                 "sync.outer_lr_schedule = 'cosine' decays over the run's outer updates, so it needs the run's length: "
@@ -211,6 +223,17 @@ class DiLoCoSync:
     def guard_counts(self) -> dict[str, int]:
         """sync.guard's totals: excluded_updates, skipped_rounds, healed_rounds."""
         return self.guard.counts
+
+    def take_healed(self) -> bool:
+        """Whether the guard reset this cluster's parameters to the agreed ones since the last call (the owner of
+        the inner optimizer then resets its non-finite state)."""
+        healed, self.guard.healed = self.guard.healed, False
+        return healed
+
+    def restart_round(self) -> None:
+        """Start the round in progress again from its start: this cluster's parameters went bad mid-round (a
+        streaming fragment whose neighbour's round ended non-finite; `dilocox.sync.streaming`)."""
+        self.flat.scatter_data(self.round_start)
 
     def after_inner_step(self, step: int) -> RoundStats | None:
         """At a round's end (every H steps, and at `total_steps`) `end_round`; with `sync.overlap_steps`, that many

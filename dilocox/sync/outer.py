@@ -30,11 +30,12 @@ from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.net.link import parse_bandwidth, parse_duration
 from dilocox.sync.base import RoundStats
 from dilocox.sync.config import HELD_BACK_OPTIONS, OUTER_LOOP_KINDS, SyncConfig, holds_back
-from dilocox.sync.diloco import STATE_KEYS, DiLoCoSync
+from dilocox.sync.diloco import DiLoCoSync
 from dilocox.sync.elastic import ElasticRounds
 from dilocox.sync.events import ElasticEvent
 from dilocox.sync.membership import ElasticMembership
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory
+from dilocox.sync.streaming import StreamingSync
 from dilocox.topology import group_size
 
 RESUME_SETTINGS = ("kind", "inner_steps", "sync_delay", "outer_lr", "outer_momentum", "nesterov")
@@ -197,20 +198,40 @@ class OuterSync:
         membership: ElasticMembership | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
     ) -> None:
-        self.diloco = DiLoCoSync(
-            params,
-            sync,
-            compression,
-            channel=channel,
-            dp_group=dp_group,
-            pp_group=pp_group,
-            seed=seed,
-            total_steps=total_steps,
-            faults=faults,
-            membership=membership,
-            outer_optimizer=outer_optimizer,
-        )
-        """The implementation this facade drives (docs/design.md §3)."""
+        self.diloco: DiLoCoSync | StreamingSync
+        """The implementation this facade drives (docs/design.md §3): the stage's rounds, or its fragments' rounds
+        (`sync.fragments > 1`, Streaming DiLoCo)."""
+        if sync.fragments > 1:
+            if faults is not None and faults.enabled or membership is not None:
+                raise ValueError(
+                    f"sync.fragments = {sync.fragments} works without faults and outside elastic runs: set "
+                    "sync.fragments = 1"
+                )
+            self.diloco = StreamingSync(
+                params,
+                sync,
+                compression,
+                channel=channel,
+                dp_group=dp_group,
+                pp_group=pp_group,
+                seed=seed,
+                total_steps=total_steps,
+                outer_optimizer=outer_optimizer,
+            )
+        else:
+            self.diloco = DiLoCoSync(
+                params,
+                sync,
+                compression,
+                channel=channel,
+                dp_group=dp_group,
+                pp_group=pp_group,
+                seed=seed,
+                total_steps=total_steps,
+                faults=faults,
+                membership=membership,
+                outer_optimizer=outer_optimizer,
+            )
         self.inner_optimizer = inner_optimizer
         """Its state is reset when the guard heals this cluster (None: the caller's own concern)."""
         self.sync_config = sync
@@ -249,8 +270,7 @@ class OuterSync:
         where it is non-finite (AdamW's moments after a diverged round). Finite state is kept: a fresh AdamW's first
         rounds move 3 to 4.5 x further than its warmed-up peers' (docs/design.md §4.5), which the peer check would
         leave out again, and heal again, round after round."""
-        if self.diloco.guard.healed:
-            self.diloco.guard.healed = False
+        if self.diloco.take_healed():
             if self.inner_optimizer is not None and not _finite_state(self.inner_optimizer):
                 self.inner_optimizer.state.clear()
 
@@ -392,10 +412,10 @@ class OuterSync:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()`. Every cluster must call it at the same point (a sync that was in flight is
         sent again over the slow link), on an object built with the same settings."""
-        if not isinstance(state, dict) or "outer_params" not in state:
+        if not isinstance(state, dict) or self.diloco.state_keys[0] not in state:
             keys = sorted(state)[:5] if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"load_state_dict takes what OuterSync.state_dict() returned, got {keys}")
-        missing = [key for key in (*STATE_KEYS, "num_steps", "channel", "settings") if key not in state]
+        missing = [key for key in (*self.diloco.state_keys, "num_steps", "channel", "settings") if key not in state]
         if missing:
             raise ValueError(
                 f"this outer-sync state lacks {', '.join(missing)}: load_state_dict takes what OuterSync.state_dict() "
@@ -413,6 +433,8 @@ class OuterSync:
         changed = [
             f"{name} = {saved.get(name)!r} (now {value!r})" for name, value in mine.items() if saved.get(name) != value
         ]
+        if saved.get("fragments", 1) != self.sync_config.fragments:  # saved without the key: one fragment
+            changed.append(f"fragments = {saved.get('fragments', 1)!r} (now {self.sync_config.fragments!r})")
         if changed:
             raise ValueError(
                 f"this outer-sync state was saved with {', '.join(changed)}: resume with the settings it was saved "
@@ -421,9 +443,12 @@ class OuterSync:
 
     def _resume_settings(self) -> dict[str, Any]:
         """The settings a saved state must be resumed with (`RESUME_SETTINGS` and the codec)."""
-        return {name: getattr(self.sync_config, name) for name in RESUME_SETTINGS} | {
-            "compression": self.compression.kind
-        }
+        fragments = {"fragments": self.sync_config.fragments} if self.sync_config.fragments > 1 else {}
+        return (
+            {name: getattr(self.sync_config, name) for name in RESUME_SETTINGS}
+            | {"compression": self.compression.kind}
+            | fragments
+        )
 
     # ---------------------------------------------------------------------------------------------- internals
     def _before_inner_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

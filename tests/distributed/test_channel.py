@@ -22,6 +22,7 @@ def _assert_zero_stats(channel: WanChannel) -> None:
         "exposed_s": 0.0,
         "num_transfers": 0,
         "payloads_rejected": 0,
+        "peak_in_flight_bytes": 0,
     }
 
 
@@ -286,3 +287,34 @@ def test_channel_emulated_timing():
         assert out["fifo_busy_s"] == exact(2 * out["wire_s"] + LATENCY_S)
         assert out["gather_s"] == exact(out["gather_model_s"])
         assert out["shared_s"] == exact(LATENCY_S + 2 * out["wire_s"])
+
+
+def _peak_worker(rank: int, world_size: int) -> list[int]:
+    """The peak of bytes in flight on a virtual clock: transfers queued together add up, one launched after the
+    last arrived does not."""
+    cluster_group = dist.new_group(list(range(world_size)))
+    clock = SimulatedClock()
+    peaks = []
+    with clock.follow(WanChannel(cluster_group, bandwidth=BANDWIDTH, latency_s=LATENCY_S, clock=clock)) as channel:
+        big, small = torch.ones(100_000), torch.ones(25_000)  # fp32: 400 kB and 100 kB
+        channel.all_reduce(big)
+        peaks.append(channel.peak_in_flight_bytes)
+        channel.all_reduce(small)  # alone on the wire: the peak stays that of the big one
+        peaks.append(channel.peak_in_flight_bytes)
+        first, second, third = (channel.launch_all_reduce(t) for t in (big.clone(), small.clone(), small.clone()))
+        third.wait()
+        peaks.append(channel.peak_in_flight_bytes)
+        assert channel.stats()["peak_in_flight_bytes"] == peaks[-1]
+        resumed = WanChannel(cluster_group, bandwidth=None, latency_s=0.0)
+        resumed.load_state_dict(channel.state_dict())
+        assert resumed.peak_in_flight_bytes == peaks[-1]
+        resumed.close()
+    return peaks
+
+
+@pytest.mark.dist
+def test_peak_in_flight_bytes_sums_the_transfers_launched_and_not_yet_arrived():
+    peaks = run_ranks(_peak_worker, 2)
+    big, small = ring_all_reduce_bytes(100_000, 4, 2, 0)[0], ring_all_reduce_bytes(25_000, 4, 2, 0)[0]
+    for rank_peaks in peaks:
+        assert rank_peaks == [big, big, big + 2 * small]

@@ -1,0 +1,131 @@
+"""Streaming DiLoCo (`sync.fragments`) on 2 real gloo clusters: what each fragment sends and when, against the split,
+the schedule k x H // N + multiples of H, and a hand reference of blocking averaging per fragment."""
+
+import pytest
+import torch
+
+from dilocox.config import load_config
+from dilocox.net.channel import WanChannel
+from dilocox.net.link import ring_all_reduce_bytes
+from dilocox.sync import build_sync
+from dilocox.topology import Topology, build_process_groups
+from tests.distributed.test_outer_reference import INNER_LR, flat, inner_step, load, make_model
+from tests.multiproc import run_ranks
+
+NUM_CLUSTERS, H, STEPS, FRAGMENTS = 2, 6, 14, 3
+SPLIT = [(0, 1), (1, 2), (2, 4)]
+"""make_model's tensors (12, 3, 6 and 2 values) in 3 fragments: the first matrix, its bias, the second layer."""
+
+
+def boundaries(fragment: int) -> list[int]:
+    """The formula: the steps s >= 1 with (s - k H // N) % H == 0, and the last step."""
+    offset = fragment * H // FRAGMENTS
+    return sorted({s for s in range(1, STEPS + 1) if (s - offset) % H == 0} | {STEPS})
+
+
+def _drive(rank: int, flags: list[str]) -> dict:
+    """Train make_model as this rank's cluster under `flags`; every fragment's launches (step, numel) are recorded
+    by a spy around its real reducer, and the parameters after every step."""
+    groups = build_process_groups(Topology(NUM_CLUSTERS), rank)
+    cfg = load_config(None, ["--sync.kind=diloco", f"--sync.inner_steps={H}", f"--train.steps={STEPS}",
+                             f"--sync.fragments={FRAGMENTS}", *flags])  # fmt: skip
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+    model = make_model()
+    sync = build_sync(cfg, model.parameters(), channel=channel, dp_group=groups.dp_group)
+    step_now = [0]
+    launches: list[list[tuple[int, int]]] = []
+    for fragment in sync.diloco.fragments:
+        record: list[tuple[int, int]] = []
+        launches.append(record)
+        real = fragment.reducer.launch
+
+        def spy(pseudo_grad, real=real, record=record):
+            record.append((step_now[0], pseudo_grad.numel()))
+            return real(pseudo_grad)
+
+        fragment.reducer.launch = spy
+    optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    params, ends = [], []
+    for step in range(1, STEPS + 1):
+        step_now[0] = step
+        inner_step(model, optimizer, rank, step, sync)
+        sync.after_inner_step(step)
+        if sync.is_round_boundary(step):
+            ends.append(step)
+        if step == STEPS:
+            sync.flush()
+        params.append(flat(model).clone())
+    stats = channel.stats()
+    channel.close()
+    return {"launches": launches, "params": params, "ends": ends, "bytes_sent": stats["bytes_sent"],
+            "bounds": sync.diloco.bounds, "numels": [p.numel() for p in model.parameters()]}  # fmt: skip
+
+
+def _run(rank, world_size):
+    return {
+        "delayed": _drive(rank, ["--sync.sync_delay=1"]),
+        "blocking": _drive(
+            rank, ["--sync.sync_delay=0", "--sync.outer_lr=1.0", "--sync.outer_momentum=0", "--sync.nesterov=false"]
+        ),  # fmt: skip
+    }
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(_run, NUM_CLUSTERS)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode", ["delayed", "blocking"])
+def test_each_fragment_sends_its_own_parameters_once_per_round_at_its_steps(runs, mode):
+    for rank, result in enumerate(r[mode] for r in runs):
+        assert result["bounds"] == SPLIT
+        numels = result["numels"]
+        fragment_numels = [sum(numels[first:end]) for first, end in SPLIT]
+        assert sum(fragment_numels) == sum(numels)  # the fragments hold every parameter once
+        for k, launches in enumerate(result["launches"]):
+            assert [step for step, _ in launches] == boundaries(k), (k, launches)
+            assert {numel for _, numel in launches} == {fragment_numels[k]}
+        assert result["ends"] == sorted(set().union(*(boundaries(k) for k in range(FRAGMENTS))))
+        # one dense ring all-reduce per launch over the same link: the bytes are the fragments' sum, exactly
+        want = sum(
+            ring_all_reduce_bytes(numel, 4, NUM_CLUSTERS, rank)[0]
+            for launches in result["launches"]
+            for _, numel in launches
+        )
+        assert result["bytes_sent"] == want
+
+
+def test_the_schedule_is_staggered():
+    assert [boundaries(k) for k in range(FRAGMENTS)] == [[6, 12, 14], [2, 8, 14], [4, 10, 14]]
+
+
+@pytest.mark.dist
+def test_blocking_fragments_become_the_cluster_mean_at_their_boundaries(runs):
+    """sync_delay 0, fp32, outer SGD lr 1 without momentum: at each of its boundaries a fragment's parameters become
+    the mean of the clusters' (the other fragments keep training on their own)."""
+    models = [make_model() for _ in range(NUM_CLUSTERS)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=INNER_LR) for m in models]
+    numels = [p.numel() for p in models[0].parameters()]
+    offsets = [sum(numels[:i]) for i in range(len(numels) + 1)]
+    want = []
+    for step in range(1, STEPS + 1):
+        for cluster, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+            inner_step(model, optimizer, cluster, step)
+        vectors = [flat(m).clone() for m in models]
+        for k, (first, end) in enumerate(SPLIT):
+            if step in boundaries(k):
+                part = slice(offsets[first], offsets[end])
+                mean = sum(v[part] for v in vectors) / NUM_CLUSTERS
+                for v in vectors:
+                    v[part] = mean
+        for model, vector in zip(models, vectors, strict=True):
+            load(model, vector)
+        want.append(vectors)
+    for cluster, result in enumerate(r["blocking"] for r in runs):
+        for step, got in enumerate(result["params"], start=1):
+            torch.testing.assert_close(got, want[step - 1][cluster], rtol=0, atol=1e-6, msg=f"step {step}")
+    # the clusters really trained apart between boundaries, and agree on a fragment right after its boundary
+    assert (want[0][0] - want[0][1]).abs().max() > 1e-3
+    first = slice(0, numels[0])
+    assert torch.equal(runs[0]["blocking"]["params"][5][first], runs[1]["blocking"]["params"][5][first])
