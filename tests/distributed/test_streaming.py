@@ -129,3 +129,35 @@ def test_blocking_fragments_become_the_cluster_mean_at_their_boundaries(runs):
     assert (want[0][0] - want[0][1]).abs().max() > 1e-3
     first = slice(0, numels[0])
     assert torch.equal(runs[0]["blocking"]["params"][5][first], runs[1]["blocking"]["params"][5][first])
+
+
+def _diverge(rank, world_size):
+    """Cluster 1's parameters all go non-finite after step 3 (H 4, fragments at 4, 8 and 2, 6, 8)."""
+    groups = build_process_groups(Topology(NUM_CLUSTERS), rank)
+    cfg = load_config(None, ["--sync.kind=diloco", "--sync.inner_steps=4", "--train.steps=8", "--sync.fragments=2"])
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+    model = make_model()
+    sync = build_sync(cfg, model.parameters(), channel=channel, dp_group=groups.dp_group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    finite_after = []
+    for step in range(1, 9):
+        inner_step(model, optimizer, rank, step, sync)
+        if rank == 1 and step == 3:
+            load(model, torch.full_like(flat(model), float("nan")))
+        sync.after_inner_step(step)
+        finite_after.append(bool(torch.isfinite(flat(model)).all()))
+    sync.flush()
+    channel.close()
+    return {"finite_after": finite_after, "guard": sync.guard_counts, "params": flat(model)}
+
+
+@pytest.mark.dist
+def test_a_cluster_that_diverges_heals_every_fragment_at_the_first_boundary():
+    """Fragment 0 ends its round at step 4 non-finite and heals to phi; fragment 1 went bad in the same steps and
+    starts its round in progress again from its start (step 2), so the cluster trains on finite parameters from step
+    4 and heals once, not once per fragment and round."""
+    healthy, diverged = run_ranks(_diverge, NUM_CLUSTERS)
+    assert diverged["finite_after"] == [True, True, False, True, True, True, True, True]
+    assert all(healthy["finite_after"])
+    assert diverged["guard"]["healed_rounds"] == 1 and healthy["guard"]["healed_rounds"] == 0
+    assert torch.equal(healthy["params"], diverged["params"])  # the flush leaves both at phi
