@@ -141,6 +141,7 @@ class DiLoCoSync:
         if first_round_end is not None and not 1 <= first_round_end <= cfg.inner_steps:
             raise ValueError(f"first_round_end = {first_round_end} must be in 1 ... H = {cfg.inner_steps}")
         self.round_end = cfg.inner_steps if first_round_end is None else first_round_end
+        self.short_first_round = first_round_end is not None and first_round_end < cfg.inner_steps
         self.last_boundary = 0
         self.outer_step = 0  # rounds completed
         self.total_steps = total_steps
@@ -320,6 +321,8 @@ class DiLoCoSync:
         if arrived is None:
             return None
         avg, stats = arrived
+        if round_index == 1 and self.short_first_round:
+            self._forget_norms()
         self.outer.set_lr(round_index - 1)
         if not stats.skipped:  # the guard found no usable mean: phi and the optimizer's state stay
             self.outer.step(avg)
@@ -327,6 +330,14 @@ class DiLoCoSync:
         # every gather by design: not a verdict against it
         left_out = due is not None and not due.abstained and self.channel.group_rank in (stats.excluded or {})
         return Landed(stats, left_out)
+
+    def _forget_norms(self) -> None:
+        """A short first round's pseudo-gradient covers a fraction of H steps (early in training, under the inner
+        warm-up): its norm is no reference for the full rounds', which the guard would leave out as outsized. The
+        guard's norm history starts afresh with the next round."""
+        for update_guard in (self._update_guard, self.guard.mean_guard):
+            if update_guard is not None:
+                update_guard.history.clear()
 
     def land_in_round(self, step: int) -> RoundStats:
         """`sync.overlap_steps`: land the last round's sync `overlap_steps` into this round.
