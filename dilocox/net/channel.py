@@ -13,6 +13,7 @@ cluster whose payload every other member dropped stops the run (`PayloadsRejecte
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import queue
 import sys
@@ -97,6 +98,8 @@ class PendingTransfer(Generic[ResultT]):
     _channel: WanChannel | None = field(default=None, repr=False)
     _staged: StagingTicket | None = field(default=None, repr=False)
     """How a CUDA payload is staged through the host (None for a host payload)."""
+    _in_peak: bool = field(default=True, repr=False)
+    """Whether it counts towards `WanChannel.peak_in_flight_bytes` (not a transfer launched `off_peak`)."""
 
     def done(self) -> bool:
         """True once `wait()` would return (or raise) without blocking."""
@@ -331,6 +334,7 @@ class WanChannel:
         self._peak_in_flight_bytes = 0
         self._arrivals: collections.deque[tuple[float, int]] = collections.deque()
         """(done time, bytes sent) of the accounted transfers that may still overlap a later launch."""
+        self._off_peak = False  # transfers launched now do not count towards the peak in flight (`off_peak`)
         self._forge_next = False  # faults.kind = forge: the next all-gathered payload carries a forged tag
         self._in_flight = 0  # launched and not yet completed or failed
         self._running: _Job | None = None  # the job on the communicator thread
@@ -413,9 +417,20 @@ class WanChannel:
     def peak_in_flight_bytes(self) -> int:
         """The most payload bytes this rank had launched on the link and not yet delivered at any one time (the sum
         of `nbytes_sent` over the accounted transfers whose [launch, done] spans that time): the burst the link must
-        carry at once. Exact in emulation, where launch and arrival are the link model's times."""
+        carry at once; transfers launched `off_peak` (the end-of-run drain) do not count. Exact in emulation, where
+        launch and arrival are the link model's times."""
         with self._lock:
             return self._peak_in_flight_bytes
+
+    @contextlib.contextmanager
+    def off_peak(self) -> Iterator[None]:
+        """Transfers launched inside do not count towards `peak_in_flight_bytes`: the end of training's one-off
+        transfers (the drain of the held-back residual), so the peak is that of the rounds' syncs."""
+        self._off_peak = True
+        try:
+            yield
+        finally:
+            self._off_peak = False
 
     @property
     def tag_bytes(self) -> int:
@@ -667,7 +682,9 @@ class WanChannel:
     def _submit(
         self, kind: str, run: Callable[[int], _Outcome], account: bool = True, *, device: torch.device | None = None
     ) -> PendingTransfer[Any]:
-        transfer: PendingTransfer[Any] = PendingTransfer(kind=kind, launch_time=self.clock.now(), _channel=self)
+        transfer: PendingTransfer[Any] = PendingTransfer(
+            kind=kind, launch_time=self.clock.now(), _channel=self, _in_peak=not self._off_peak
+        )
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"cannot launch {kind}: the WanChannel is closed")
@@ -779,7 +796,8 @@ class WanChannel:
             self._control_bytes += outcome.control_bytes
             self._link_busy_s += busy_s
             self._num_transfers += 1
-            self._count_in_flight(transfer.launch_time, done, outcome.nbytes_sent)
+            if transfer._in_peak:
+                self._count_in_flight(transfer.launch_time, done, outcome.nbytes_sent)
         transfer._complete(outcome.result)
 
     def _count_in_flight(self, launch_time: float, done: float, nbytes: int) -> None:

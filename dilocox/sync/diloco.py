@@ -492,7 +492,9 @@ class DiLoCoSync:
         drain = self._build_reducer(
             CompressionConfig(kind="int4", error_feedback=False, group_size=self.compression.group_size)
         )
-        avg, stats = self.wait_sync(drain.launch(held_back), judge_link=False, judge_mean=False)
+        with self.channel.off_peak():  # a one-off transfer at the end: the peak in flight is the rounds'
+            launched = drain.launch(held_back)
+        avg, stats = self.wait_sync(launched, judge_link=False, judge_mean=False)
         if not stats.skipped:
             self.outer_params.sub_(avg, alpha=self.outer.lr)
         self.reducer.heal()  # sent: nothing is held back any more

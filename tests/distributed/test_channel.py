@@ -291,7 +291,7 @@ def test_channel_emulated_timing():
 
 def _peak_worker(rank: int, world_size: int) -> list[int]:
     """The peak of bytes in flight on a virtual clock: transfers queued together add up, one launched after the
-    last arrived does not."""
+    last arrived does not, those launched `off_peak` do not count."""
     cluster_group = dist.new_group(list(range(world_size)))
     clock = SimulatedClock()
     peaks = []
@@ -303,6 +303,11 @@ def _peak_worker(rank: int, world_size: int) -> list[int]:
         peaks.append(channel.peak_in_flight_bytes)
         first, second, third = (channel.launch_all_reduce(t) for t in (big.clone(), small.clone(), small.clone()))
         third.wait()
+        peaks.append(channel.peak_in_flight_bytes)
+        with channel.off_peak():  # the end of training's drain: two big ones queued together do not count
+            drains = [channel.launch_all_reduce(big.clone()) for _ in range(2)]
+        drains[-1].wait()
+        channel.all_reduce(small)  # counted again after the block
         peaks.append(channel.peak_in_flight_bytes)
         assert channel.stats()["peak_in_flight_bytes"] == peaks[-1]
         resumed = WanChannel(cluster_group, bandwidth=None, latency_s=0.0)
@@ -317,4 +322,4 @@ def test_peak_in_flight_bytes_sums_the_transfers_launched_and_not_yet_arrived():
     peaks = run_ranks(_peak_worker, 2)
     big, small = ring_all_reduce_bytes(100_000, 4, 2, 0)[0], ring_all_reduce_bytes(25_000, 4, 2, 0)[0]
     for rank_peaks in peaks:
-        assert rank_peaks == [big, big, big + 2 * small]
+        assert rank_peaks == [big, big, big + 2 * small, big + 2 * small]

@@ -8,6 +8,8 @@ from dilocox.config import load_config
 from dilocox.net.channel import WanChannel
 from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.sync import build_sync
+from dilocox.sync.config import SyncConfig
+from dilocox.sync.diloco import DiLoCoSync
 from dilocox.topology import Topology, build_process_groups
 from tests.distributed.test_outer_reference import INNER_LR, flat, inner_step, load, make_model
 from tests.multiproc import run_ranks
@@ -161,3 +163,30 @@ def test_a_cluster_that_diverges_heals_every_fragment_at_the_first_boundary():
     assert all(healthy["finite_after"])
     assert diverged["guard"]["healed_rounds"] == 1 and healthy["guard"]["healed_rounds"] == 0
     assert torch.equal(healthy["params"], diverged["params"])  # the flush leaves both at phi
+
+
+def _short_first_round(rank, world_size):
+    """A fragment whose first round is 1 step of H = 3: its small pseudo-gradient, then a 1000 x larger full round."""
+    groups = build_process_groups(Topology(NUM_CLUSTERS), rank)
+    cfg = SyncConfig(kind="diloco", inner_steps=3, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+    param = torch.nn.Parameter(torch.zeros(8))
+    sync = DiLoCoSync([param], cfg, channel=channel, dp_group=groups.dp_group, total_steps=4, first_round_end=1)
+    skipped = []
+    for step, moved in ((1, 1e-3), (2, 0.0), (3, 0.0), (4, 1.0)):
+        with torch.no_grad():
+            param.sub_(moved)  # the inner steps: a short early round, then a full one
+        stats = sync.after_inner_step(step)
+        if stats is not None:
+            skipped.append(stats.skipped)
+    channel.close()
+    return skipped, param.detach().clone()
+
+
+@pytest.mark.dist
+def test_a_short_first_round_is_no_norm_reference_for_the_full_rounds():
+    """The guard judges the mean against recent rounds' norms: a short first round's norm (a fraction of H steps,
+    under warm-up) would make the first full round look 1000 x outsized and skip it."""
+    for skipped, param in run_ranks(_short_first_round, NUM_CLUSTERS):
+        assert skipped == [False, False]
+        assert torch.allclose(param, torch.full((8,), -1.001))
