@@ -33,6 +33,7 @@ from dilocox.sync.config import HELD_BACK_OPTIONS, OUTER_LOOP_KINDS, SyncConfig,
 from dilocox.sync.diloco import STATE_KEYS, DiLoCoSync
 from dilocox.sync.elastic import ElasticRounds
 from dilocox.sync.events import ElasticEvent
+from dilocox.sync.lanes import LaneLayout
 from dilocox.sync.membership import ElasticMembership
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory
 from dilocox.topology import group_size
@@ -152,6 +153,7 @@ class OuterSync:
         faults: FaultConfig | None = None,
         membership: ElasticMembership | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
+        lanes: LaneLayout | None = None,
     ) -> OuterSync:
         """Around a `channel` the caller owns (and closes), with the config dataclasses: the trainer's path
         (`build_sync`), and the one to `sync.fit_link` or `sync.outer_state_device`. Nothing is hooked or
@@ -159,7 +161,9 @@ class OuterSync:
         the rounds also end at `total_steps`. `inner_optimizer` (optional here) gets its state reset when the
         guard heals this cluster; `faults` injects the faults of `[faults]`; `pp_group` (a pipeline's stages, each
         with its own OuterSync) makes the stages agree on what the guard leaves out; `outer_optimizer` (a factory,
-        as for the constructor) replaces the one `sync.outer_optimizer` names."""
+        as for the constructor) replaces the one `sync.outer_optimizer` names. `lanes`: clusters of different
+        data-parallel degree (`channel` is then over the stage group, docs/design.md §2.1); each cluster's
+        pseudo-gradient is weighted by its tokens (`LaneLayout.cluster_weight`)."""
         if sync.kind not in OUTER_LOOP_KINDS:
             raise ValueError(f"OuterSync needs sync.kind = diloco or dilocox, not {sync.kind!r}")
         self = cls.__new__(cls)
@@ -177,6 +181,7 @@ class OuterSync:
             faults=faults,
             membership=membership,
             outer_optimizer=outer_optimizer,
+            lanes=lanes,
         )
         return self
 
@@ -196,6 +201,7 @@ class OuterSync:
         faults: FaultConfig | None = None,
         membership: ElasticMembership | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
+        lanes: LaneLayout | None = None,
     ) -> None:
         self.diloco = DiLoCoSync(
             params,
@@ -209,6 +215,8 @@ class OuterSync:
             faults=faults,
             membership=membership,
             outer_optimizer=outer_optimizer,
+            lanes=lanes,
+            cluster_weight=1.0 if lanes is None else lanes.cluster_weight,
         )
         """The implementation this facade drives (docs/design.md §3)."""
         self.inner_optimizer = inner_optimizer
