@@ -403,7 +403,9 @@ def check_resume(cfg: Config, path: Path) -> None:
     saved = meta.get("config")
     saved_degrees = meta_topology(meta).dp_degrees if "num_clusters" in meta else None
     degrees, _ = cfg.topology.shape()
-    if saved_degrees is not None and saved_degrees != degrees:  # the rank files, data shards and lanes differ
+    # clusters of one shape on both sides: the topology fields below name what differs
+    mixed = saved_degrees is not None and (len(set(saved_degrees)) > 1 or len(set(degrees)) > 1)
+    if mixed and saved_degrees != degrees:  # the rank files, data shards and lanes differ
         show = ", ".join(f'"dp{d}"' for d in saved_degrees)
         raise ValueError(
             f"cannot resume {path}: its clusters had data-parallel degrees {', '.join(map(str, saved_degrees))}, this "

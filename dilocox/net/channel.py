@@ -169,7 +169,7 @@ class Wire:
         self.phases = 0
 
     def all_to_all(
-        self, chunks: list[torch.Tensor], recv_sizes: list[int], *, header: bool = False
+        self, chunks: list[torch.Tensor], recv_sizes: list[int], *, header: bool = False, skip_empty: bool = True
     ) -> list[torch.Tensor]:
         """Send 1-D uint8 `chunks[j]` to rank j; return the chunk every rank i sent here, of `recv_sizes[i]` bytes.
 
@@ -177,6 +177,8 @@ class Wire:
         receives `sum(recv_sizes) - recv_sizes[rank]` bytes; its own chunk stays local. `header=True`: the lengths of
         the payloads the next step carries, counted in `control_bytes` (what this rank sends) and riding with that
         step, so without a latency of their own (as the length exchange of `WanChannel.launch_all_gather`).
+        `skip_empty`: a rank with nothing to send or receive skips the collective, right where the sizes follow the
+        shapes (then every rank has nothing); pass False where one rank may have nothing while others exchange.
         """
         world, rank = self.world_size, self.rank
         if len(chunks) != world or len(recv_sizes) != world:
@@ -187,7 +189,7 @@ class Wire:
             raise ValueError(f"rank {rank} keeps its own chunk of {chunks[rank].numel()} bytes, not {recv_sizes[rank]}")
         send_sizes = [chunk.numel() for chunk in chunks]
         self.phases += not header
-        if not any(send_sizes) and not any(recv_sizes):  # sizes follow the shapes: then every rank has nothing
+        if skip_empty and not any(send_sizes) and not any(recv_sizes):  # then every rank has nothing
             return list(chunks)
         received = self.staging.host_buffer(sum(recv_sizes), torch.uint8)
         sending = self.staging.to_host(torch.cat(chunks))
@@ -991,7 +993,7 @@ class _LocalWire(Wire):
         super().__init__(group=None, world_size=1, rank=0)  # type: ignore[arg-type]
 
     def all_to_all(
-        self, chunks: list[torch.Tensor], recv_sizes: list[int], *, header: bool = False
+        self, chunks: list[torch.Tensor], recv_sizes: list[int], *, header: bool = False, skip_empty: bool = True
     ) -> list[torch.Tensor]:
         return list(chunks)
 

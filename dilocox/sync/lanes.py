@@ -233,17 +233,20 @@ class LaneReducer:
         cost = CodecCost(
             payload_bytes=sum(p.nbytes for p in payloads.values()), dense_bytes=4 * self.slice_numel, codec_s=codec_s
         )
-        shared = [layout.shared_lanes(peer) for peer in range(world)]
+        # a lane without tensors (a stage of fewer tensors than lanes) is empty everywhere: nothing to exchange
+        shared = [[lane for lane in layout.shared_lanes(peer) if self.lane_tensors[lane]] for peer in range(world)]
         device = flat.device
 
         def program(wire: Wire) -> dict[int, dict[int, torch.Tensor]]:
             # 1. the lengths of the payloads each peer gets from this rank, so that it can split what arrives
             lengths = [_lengths([payloads[lane].nbytes for lane in lanes_], device) for lanes_ in shared]
-            header = wire.all_to_all(lengths, [_LENGTH_BYTES * len(lanes_) for lanes_ in shared], header=True)
+            # every rank joins both steps: one that owns only empty lanes, or abstains among abstainers, has nothing
+            recv_lengths = [_LENGTH_BYTES * len(lanes_) for lanes_ in shared]
+            header = wire.all_to_all(lengths, recv_lengths, header=True, skip_empty=False)
             # 2. each peer the payloads of the lanes it owns
             chunks = [_concat([payloads[lane].data for lane in lanes_], device) for lanes_ in shared]
             arrived_sizes = [part.clone().view(torch.int64).tolist() if part.numel() else [] for part in header]
-            arrived = wire.all_to_all(chunks, [sum(s) for s in arrived_sizes])
+            arrived = wire.all_to_all(chunks, [sum(s) for s in arrived_sizes], skip_empty=False)
             by_lane: dict[int, dict[int, torch.Tensor]] = {lane: {} for lane in lanes}  # lane -> cluster -> bytes
             for peer, (lanes_, part, part_sizes) in enumerate(zip(shared, arrived, arrived_sizes, strict=True)):
                 cluster, _ = layout.replica_of(peer)

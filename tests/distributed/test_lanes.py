@@ -154,3 +154,29 @@ def test_the_outer_average_weights_each_cluster_by_its_data_parallel_degree():
         assert torch.equal(start, phi)
         torch.testing.assert_close(outer_params, want, rtol=0, atol=1e-5)
         torch.testing.assert_close(params, want, rtol=0, atol=1e-5)  # the next round starts there
+
+
+def _empty_lane(rank, world_size):
+    topo = Topology.of_clusters((2, 1))  # 2 lanes of a stage of one tensor: lane 1 is empty
+    groups = build_process_groups(topo, rank)
+    coords = topo.coords(rank)
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+    layout = LaneLayout(topo, coords.cluster, coords.dp)
+    reducer = LaneReducer(CompressionConfig(kind="int4", group_size=4), [torch.Size((6,))], layout=layout,
+                          channel=channel, dp_group=groups.dp_group)  # fmt: skip
+    mean = reducer.launch(pseudo_grad(coords.cluster)[:6]).wait().clone()
+    held = reducer.held_back(torch.device("cpu"))
+    channel.close()
+    return mean, held, channel.bytes_sent, channel.control_bytes
+
+
+@pytest.mark.dist
+def test_an_empty_lane_moves_nothing_and_the_mean_is_whole():
+    results = run_ranks(_empty_lane, 3)
+    codec = build_codec(CompressionConfig(kind="int4", group_size=4), seed=0)
+    decoded = [codec.decode(codec.encode(pseudo_grad(c)[:6]), (6,)) for c in range(2)]
+    for rank, (mean, held, sent, control) in enumerate(results):
+        torch.testing.assert_close(mean, (decoded[0] + decoded[1]) / 2, rtol=0, atol=1e-6)
+        torch.testing.assert_close(held, pseudo_grad(0 if rank < 2 else 1)[:6] - decoded[0 if rank < 2 else 1])
+        # int4 of 6 values in groups of 4: 2 scales of 2 bytes + 3 bytes; replica 1 of cluster 0 owns the empty lane
+        assert (sent, control) == ((0, 0) if rank == 1 else (7, 8)), rank
