@@ -323,7 +323,8 @@ def run_identity(cfg: Config) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it (meta.json's top level; the whole config is
     recorded beside it and compared field by field, `resume_fields`)."""
     t = cfg.topology
-    return {
+    dp_degrees, _ = t.shape()
+    identity = {
         "world_size": cfg.world_size,
         "num_clusters": t.num_clusters,
         "dp_degree": t.dp_degree,
@@ -331,6 +332,16 @@ def run_identity(cfg: Config) -> dict[str, Any]:
         "sync_kind": cfg.sync.kind,
         "flavor": cfg.model.flavor,
     }
+    if len(set(dp_degrees)) > 1:  # clusters of different data-parallel degree: each one's (dp_degree is the largest)
+        identity["dp_degrees"] = list(dp_degrees)
+    return identity
+
+
+def meta_topology(meta: dict[str, Any]) -> Topology:
+    """The topology a checkpoint was written by (its rank files are numbered by it), from its meta.json."""
+    if "dp_degrees" in meta:
+        return Topology.of_clusters(meta["dp_degrees"], meta["pp_degree"])
+    return Topology(meta["num_clusters"], meta["dp_degree"], meta["pp_degree"])
 
 
 _IDENTITY_FIELDS = {
@@ -390,6 +401,17 @@ def check_resume(cfg: Config, path: Path) -> None:
     the saved state depends on (`resume_fields`), or that is past the last step. Reads meta.json only."""
     meta = read_meta(path)
     saved = meta.get("config")
+    saved_degrees = meta_topology(meta).dp_degrees if "num_clusters" in meta else None
+    degrees, _ = cfg.topology.shape()
+    # clusters of one shape on both sides: the topology fields below name what differs
+    mixed = saved_degrees is not None and (len(set(saved_degrees)) > 1 or len(set(degrees)) > 1)
+    if mixed and saved_degrees != degrees:  # the rank files, data shards and lanes differ
+        show = ", ".join(f'"dp{d}"' for d in saved_degrees)
+        raise ValueError(
+            f"cannot resume {path}: its clusters had data-parallel degrees {', '.join(map(str, saved_degrees))}, this "
+            f"run's {', '.join(map(str, degrees))}; resume with --topology.clusters=[{show}] (and its pp) or start a "
+            "new run directory"
+        )
     if isinstance(saved, dict):
         for name in resume_fields(cfg, saved):
             section, key = name.split(".")
@@ -529,7 +551,7 @@ def consolidated_model_state(path: Path, *, agreed: bool) -> tuple[dict[str, tor
     merge = keep_local). After the last step both are the same. Returns (state, True when outer params were used).
     """
     meta = read_meta(path)
-    topology = Topology(meta["num_clusters"], meta["dp_degree"], meta["pp_degree"])
+    topology = meta_topology(meta)
     names = [_rank_file(topology.rank_of(0, 0, stage)) for stage in range(topology.pp_degree)]
     verify_checkpoint(path, names)  # the files read below: their sizes and sha256
     state: dict[str, torch.Tensor] = {}

@@ -33,6 +33,7 @@ from dilocox.faults import FaultConfig
 from dilocox.net.config import NetworkConfig
 from dilocox.net.lighthouse import check_lighthouse_url
 from dilocox.sync.config import OUTER_LOOP_KINDS, SyncConfig, check_held_back_options, check_robust_reduction
+from dilocox.topology import Topology, parse_cluster_shapes
 
 Device = Literal["auto", "cpu", "cuda"]
 """`run.device`: where each rank computes (`dilocox.device.resolve_device`)."""
@@ -163,12 +164,25 @@ class TopologyConfig:
     """Data-parallel replicas inside each cluster (D), joined by a fast link."""
     pp_degree: int = 1
     """Pipeline stages inside each cluster (P); world size = C x D x P."""
+    clusters: list[str] = field(default_factory=list)
+    """Each cluster's shape, e.g. ["pp2xdp2", "pp2xdp1"] (dp may differ); sets num_clusters, dp_degree (max), pp."""
     elastic: bool = False
     """Clusters may fail and rejoin: each is its own world, torchft's quorum decides every round's members (§10.1)."""
     max_cluster_restarts: int = 3
     """elastic: times this launcher starts a cluster whose processes died again (it heals from a live peer)."""
     local_clusters: str = ""
     """elastic, several machines: the clusters this machine starts, e.g. "0,1" or "2-3"; "" = all (one machine)."""
+
+    def shape(self) -> tuple[tuple[int, ...], int]:
+        """(each cluster's data-parallel degree, the pipeline degree): from `clusters`, else C times dp_degree."""
+        if self.clusters:
+            return parse_cluster_shapes(self.clusters, pp_degree=self.pp_degree)
+        return (self.dp_degree,) * self.num_clusters, self.pp_degree
+
+    def build(self) -> Topology:
+        """The `Topology` of these settings (rank order, groups, data shards)."""
+        dp_degrees, pp_degree = self.shape()
+        return Topology.of_clusters(dp_degrees, pp_degree)
 
     def launched_clusters(self) -> tuple[int, ...]:
         """The clusters this launcher starts (`local_clusters`, parsed and checked), in order."""
@@ -254,8 +268,8 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        t = self.topology
-        return t.num_clusters * t.dp_degree * t.pp_degree
+        dp_degrees, pp_degree = self.topology.shape()
+        return sum(dp_degrees) * pp_degree
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ValueError naming the first impossible or contradictory setting and how to fix it.
@@ -361,14 +375,89 @@ class Config:
             raise ValueError(
                 "checkpoint.resume and run.overwrite contradict each other: resuming keeps the run directory"
             )
+        self._validate_clusters()
         self._validate_membership()
         if world_size is not None and world_size != self.world_size:
             t = self.topology
+            if t.clusters:
+                sizes = " + ".join(f"{dp} x {t.pp_degree}" for dp in t.shape()[0])
+                what = f"topology.clusters = {t.clusters} makes {sizes} (dp x pp per cluster) = {self.world_size}"
+            else:
+                what = (
+                    f"topology.num_clusters x dp_degree x pp_degree = {t.num_clusters} x {t.dp_degree} x "
+                    f"{t.pp_degree} = {self.world_size}"
+                )
             raise ValueError(
-                f"the launcher started {world_size} ranks but topology.num_clusters x dp_degree x pp_degree = "
-                f"{t.num_clusters} x {t.dp_degree} x {t.pp_degree} = {self.world_size}; start {self.world_size} ranks "
+                f"the launcher started {world_size} ranks but {what}; start {self.world_size} ranks "
                 "(torchrun --nnodes x --nproc-per-node) or change the topology"
             )
+
+    def _validate_clusters(self) -> None:
+        """`topology.clusters` against the global degrees, and what clusters of different dp degrees do not support
+        (docs/design.md §2.1)."""
+        t = self.topology
+        if not t.clusters:
+            return
+        if not all(isinstance(shape, str) for shape in t.clusters):
+            raise ValueError(f'topology.clusters = {t.clusters!r} must be a list of strings such as "pp1xdp2"')
+        dp_degrees, pp_degree = t.shape()
+        listed = f"topology.clusters = {t.clusters}"
+        if t.num_clusters != len(dp_degrees):
+            raise ValueError(
+                f"topology.num_clusters = {t.num_clusters} contradicts {listed}, which lists {len(dp_degrees)} "
+                "clusters; leave topology.num_clusters out (topology.clusters sets it)"
+            )
+        if t.pp_degree != pp_degree:
+            raise ValueError(
+                f"topology.pp_degree = {t.pp_degree} contradicts {listed} (pp {pp_degree}); leave topology.pp_degree "
+                "out (topology.clusters sets it)"
+            )
+        if t.dp_degree != max(dp_degrees):
+            raise ValueError(
+                f"topology.dp_degree = {t.dp_degree} contradicts {listed} (dp {', '.join(map(str, dp_degrees))}); "
+                f"leave topology.dp_degree out (with topology.clusters it is the largest cluster's, {max(dp_degrees)})"
+            )
+        if len(set(dp_degrees)) == 1:
+            return  # equal clusters: the uniform topology, whatever it is written as
+        refused = [  # (what, whether this config has it, the fix)
+            ("topology.elastic = true", t.elastic, "list clusters of one shape, or run a static run"),
+            (
+                f"sync.kind = {self.sync.kind}",
+                not self.sync.has_outer_loop,
+                "use sync.kind = diloco or dilocox (their outer sync averages lanes of any shape)",
+            ),
+            (
+                "compression.reduction = scalable",
+                self.sync.has_outer_loop
+                and self.compression.kind != "none"
+                and self.compression.reduction == "scalable",
+                "use compression.reduction = gather",
+            ),
+            (
+                f"sync.aggregate = {self.sync.aggregate}",
+                self.sync.aggregate != "mean",
+                "use sync.aggregate = mean (the clusters' updates are weighted by their tokens)",
+            ),
+            (
+                "network.auth_key_file",
+                bool(self.network.auth_key_file),
+                "leave network.auth_key_file empty (the lanes travel in one exchange, which carries no tags)",
+            ),
+            (
+                "sync.fit_link = true",
+                self.sync.fit_link,
+                "leave sync.fit_link off (each cluster has its own link share)",
+            ),
+            (f"faults.kind = {self.faults.kind}", self.faults.enabled, "inject faults into equal clusters"),
+            (
+                f"sync.fragments = {self.sync.fragments}",
+                self.sync.fragments > 1,
+                "set sync.fragments = 1 (a fragment's sync is not split into lanes)",
+            ),
+        ]
+        for what, bad, fix in refused:
+            if bad:
+                raise ValueError(f"{listed}: clusters of different data-parallel degrees do not support {what}; {fix}")
 
     def shared_settings(self) -> dict[str, Any]:
         """The settings every cluster of a run must share, wherever it runs, by dotted name:
@@ -528,7 +617,21 @@ def allowed_values(name: str) -> tuple[str, ...] | None:
 
 
 def _coerce(name: str, value: Any, typ: type, *, from_text: bool) -> Any:
-    """Convert a TOML value (or a CLI string when from_text) to the field's type, or raise a ValueError."""
+    """Convert a TOML value (or a CLI string when from_text) to the field's type, or raise a ValueError. A list of
+    strings is written on the command line comma-separated (`--topology.clusters=dp2,dp1`) or as a TOML array."""
+    if typ is list and from_text and isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                value = tomllib.loads(f"v = {text}")["v"]
+            except tomllib.TOMLDecodeError:
+                raise ValueError(f'{name} = {value!r} is not a list; write e.g. a,b or ["a", "b"]') from None
+        else:
+            value = [part.strip() for part in text.split(",") if part.strip()]
+    if typ is list:
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise ValueError(f"{name} = {value!r} must be a list of strings")
+        return list(value)
     if from_text and isinstance(value, str):
         text = value.strip()
         try:
@@ -666,13 +769,17 @@ def load_config(
         apply_toml(cfg, values, source=f"preset {name}")
         from_preset = {f"{section}.{key}": value for section, keys in values.items() for key, value in keys.items()}
     explicit: set[str] = set()
+    layers = [set(from_preset)]  # the keys each layer sets: preset, file, flags
     if path:
         apply_toml(cfg, data, source=str(path))
-        explicit |= {MOVED_KEYS.get(f"{s}.{k}", f"{s}.{k}") for s, values in data.items() for k in values}
+        layers.append({MOVED_KEYS.get(f"{s}.{k}", f"{s}.{k}") for s, values in data.items() for k in values})
+        explicit |= layers[-1]
+    layers.append(set())
     for key, value in flags:
         if key != "preset":
             _set(cfg, key, value, from_text=True)
             explicit.add(MOVED_KEYS.get(key, key))
+            layers[-1].add(MOVED_KEYS.get(key, key))
     if name is not None:
         _check_preset_kind(cfg, name, {key for key in from_preset if key not in explicit})
     if cfg.sync.kind == "dilocox" and name is None and "sync.sync_delay" not in explicit:
@@ -685,7 +792,26 @@ def load_config(
         )
     if "train.warmup_steps" not in explicit | from_preset.keys():
         cfg.train.warmup_steps = default_warmup_steps(cfg.train.steps)  # a short run still gets its cosine decay
+    _resolve_clusters(cfg.topology, layers)
     return cfg
+
+
+def _resolve_clusters(topology: TopologyConfig, layers: list[set[str]]) -> None:
+    """`topology.clusters` sets num_clusters, dp_degree (the largest) and pp_degree, over what earlier layers
+    (preset < file < flags) gave them; one given in the same layer or a later one and contradicting it is refused
+    by `Config.validate`, as is a shape it cannot parse."""
+    if not topology.clusters:
+        return
+    own = max((index for index, keys in enumerate(layers) if "topology.clusters" in keys), default=0)
+    explicit = set().union(*layers[own:])
+    try:
+        dp_degrees, pp_degree = topology.shape()
+    except ValueError:
+        return
+    derived = {"num_clusters": len(dp_degrees), "dp_degree": max(dp_degrees), "pp_degree": pp_degree}
+    for name, value in derived.items():
+        if f"topology.{name}" not in explicit:
+            setattr(topology, name, value)
 
 
 def _check_preset_kind(cfg: Config, name: str, inherited: set[str]) -> None:

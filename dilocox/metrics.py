@@ -313,6 +313,9 @@ class RunSummary:
     """The clusters whose ranks the byte counts cover: None for every cluster (a static run). An elastic run's
     clusters are separate worlds that never pool their counters, so its summary counts the ranks of the cluster
     that wrote it ([0])."""
+    dp_degrees: list[int] | None = None
+    """Each cluster's data-parallel degree where they differ (topology.clusters; `dp_degree` is then the largest);
+    None for clusters of one shape."""
 
     def write(self, run_dir: Path) -> None:
         data = {k: _clean(v) for k, v in dataclasses.asdict(self).items()}
@@ -353,10 +356,11 @@ def format_summary(s: RunSummary) -> str:
         senders = f"cluster {names}'s ranks" if len(s.wan_bytes_clusters) == 1 else f"the ranks of clusters {names}"
         scope = f"; an elastic run counts each cluster alone, not all {s.num_clusters}"
     first = s.initial_eval_loss
+    shape = f"dp {s.dp_degree}" if s.dp_degrees is None else f"dp {', '.join(map(str, s.dp_degrees))}"
     loss = f"{first:.3f} -> {s.final_eval_loss:.3f}" if first is not None else f"{s.final_eval_loss:.3f}"
     return "\n".join(
         [
-            f"done: {s.sync_kind} on {s.num_clusters} clusters x dp {s.dp_degree} x pp {s.pp_degree}, "
+            f"done: {s.sync_kind} on {s.num_clusters} clusters x {shape} x pp {s.pp_degree}, "
             f"{s.steps} steps, {s.outer_steps} outer steps, link {link}",
             f"  eval loss   {loss}   (perplexity {math.exp(min(s.final_eval_loss, 50)):,.1f})",
             f"  throughput  {s.tokens:,} tokens in {s.wall_s:.1f} s = {s.tokens_per_s:,.0f} tokens/s",

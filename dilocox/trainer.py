@@ -38,6 +38,7 @@ from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_st
 from dilocox.parallel.pipeline import mean_token_cross_entropy
 from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync, heal_state_bound
 from dilocox.sync.elastic import RESUMED
+from dilocox.sync.lanes import LaneLayout, lane_allreduce_bytes_per_step
 from dilocox.sync.robust import GuardError
 from dilocox.topology import Topology, build_process_groups
 
@@ -256,7 +257,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         torch.set_num_threads(cfg.run.num_threads)
         torch.manual_seed(cfg.run.seed + rank)
-        self.topology = Topology(cfg.topology.num_clusters, cfg.topology.dp_degree, cfg.topology.pp_degree)
+        self.topology = cfg.topology.build()
         self.coords = self.topology.coords(rank)
         # torchrun says which rank of this machine we are; the local launcher runs every rank on one machine
         self.device = resolve_device(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
@@ -264,10 +265,9 @@ class Trainer:
             torch.cuda.set_device(self.device)
         self.elastic = cfg.topology.elastic
         """Each cluster is its own world; the slow link is torchft's group of the round (docs/design.md §10.1)."""
-        ranks_per_cluster = cfg.topology.dp_degree * cfg.topology.pp_degree
         self.groups = build_process_groups(
             Topology(1, cfg.topology.dp_degree, cfg.topology.pp_degree) if self.elastic else self.topology,
-            rank % ranks_per_cluster if self.elastic else rank,
+            rank % self.ranks_per_cluster if self.elastic else rank,
             intra_backend=intra_cluster_backend(self.device),
             timeout=datetime.timedelta(seconds=cfg.network.timeout_s),
         )
@@ -309,10 +309,12 @@ class Trainer:
             None if self.elastic else self.groups.cluster_group,  # elastic: rebound to each round's group
             bandwidth=cfg.network.bandwidth_bytes_per_s,
             latency_s=cfg.network.latency_s,
-            num_sharing=cfg.topology.dp_degree * cfg.topology.pp_degree,
+            num_sharing=self.ranks_per_cluster,  # the ranks of this cluster that sync at once share its uplink
             auth=cfg.network.payload_auth(),
             stop_if_cut_off=not self.elastic,  # elastic: only a cut-off cluster stops, and heals from a live peer
         )
+        self.lanes = None if self.topology.uniform else LaneLayout(self.topology, self.coords.cluster, self.coords.dp)
+        """Clusters of different data-parallel degree: this rank's lanes of its stage (docs/design.md §2.1)."""
         self.sync = build_sync(
             cfg,
             self.model.parameters(),
@@ -321,6 +323,7 @@ class Trainer:
             pp_group=self.groups.pp_group,
             inner_optimizer=self.inner_optimizer,
             membership=self.membership,
+            lanes=self.lanes,
         )
         self.guarded = cfg.sync.has_outer_loop and cfg.sync.guard
         """A non-finite loss does not stop the run at once: the guard heals the cluster at the round's end."""
@@ -427,7 +430,8 @@ class Trainer:
 
     @property
     def ranks_per_cluster(self) -> int:
-        return self.cfg.topology.dp_degree * self.cfg.topology.pp_degree
+        """The ranks of this rank's cluster: its dp degree x pp."""
+        return len(self.topology.ranks_of_cluster(self.coords.cluster))
 
     @property
     def checkpoint_rank(self) -> int:
@@ -701,6 +705,10 @@ class Trainer:
         stats = self.channel.stats()
         if self.elastic:  # each cluster is its own world: the yardstick of this cluster's place among all of them
             per_step = ring_all_reduce_bytes(self.sync.numel, 4, self.topology.num_clusters, self.coords.cluster)[0]
+        elif self.lanes is not None:  # an fp32 all-reduce of this rank's lanes over the clusters
+            per_step = lane_allreduce_bytes_per_step(
+                self.lanes, [p.numel() for p in self.model.parameters() if p.requires_grad]
+            )
         else:
             per_step = allreduce_bytes_per_step(
                 self.sync.numel, dp_group=self.groups.dp_group, cluster_group=self.groups.cluster_group
@@ -755,6 +763,7 @@ class Trainer:
             num_clusters=c.topology.num_clusters,
             dp_degree=c.topology.dp_degree,
             pp_degree=c.topology.pp_degree,
+            dp_degrees=None if self.topology.uniform else list(self.topology.dp_degrees),
             bandwidth=c.network.bandwidth,
             latency=c.network.latency,
             checkpoint=str(checkpoints[-1]) if checkpoints else None,

@@ -24,7 +24,6 @@ from dilocox.net.lighthouse import probe_lighthouse
 from dilocox.net.listen import listening_socket
 from dilocox.parallel import check_split, stage_tensor_counts
 from dilocox.runlock import RunLock
-from dilocox.topology import Topology
 from dilocox.trainer import eval_batch_tokens, model_shape, prepare_data
 
 
@@ -104,6 +103,8 @@ def check_local_ranks(cfg: Config) -> None:
 
     t, world = cfg.topology, cfg.world_size
     ranks = f"topology.num_clusters x dp_degree x pp_degree = {t.num_clusters} x {t.dp_degree} x {t.pp_degree}"
+    if t.clusters:
+        ranks = f"topology.clusters = {t.clusters}: {' + '.join(f'{dp} x {t.pp_degree}' for dp in t.shape()[0])}"
     fix = "use fewer clusters, replicas or stages, or start the ranks on several machines with torchrun"
     soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
     if soft != resource.RLIM_INFINITY and world > soft:
@@ -155,7 +156,7 @@ def check_batches(cfg: Config, data: TokenData) -> None:
     """Raise the data's own ValueError, before any rank starts, when a data shard holds fewer windows of
     `train.seq_len + 1` tokens than one batch, or the validation split fewer than one evaluation batch: the streams
     the ranks will build are built here (constructing one reads no tokens)."""
-    topology = Topology(cfg.topology.num_clusters, cfg.topology.dp_degree, cfg.topology.pp_degree)
+    topology = cfg.topology.build()  # one data shard per replica of every cluster
     for shard_index in range(topology.num_shards):
         ShardedTokenStream(
             data.train,

@@ -170,13 +170,20 @@ class Wire:
         self.staging = staging if staging is not None else HostStaging()
         self.nbytes_sent = 0
         self.nbytes_recv = 0
+        self.control_bytes = 0
         self.phases = 0
 
-    def all_to_all(self, chunks: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:
+    def all_to_all(
+        self, chunks: list[torch.Tensor], recv_sizes: list[int], *, header: bool = False, skip_empty: bool = True
+    ) -> list[torch.Tensor]:
         """Send 1-D uint8 `chunks[j]` to rank j; return the chunk every rank i sent here, of `recv_sizes[i]` bytes.
 
         A direct exchange (each chunk crosses the link once): this rank sends `sum(chunks) - chunks[rank]` and
-        receives `sum(recv_sizes) - recv_sizes[rank]` bytes; its own chunk stays local.
+        receives `sum(recv_sizes) - recv_sizes[rank]` bytes; its own chunk stays local. `header=True`: the lengths of
+        the payloads the next step carries, counted in `control_bytes` (what this rank sends) and riding with that
+        step, so without a latency of their own (as the length exchange of `WanChannel.launch_all_gather`).
+        `skip_empty`: a rank with nothing to send or receive skips the collective, right where the sizes follow the
+        shapes (then every rank has nothing); pass False where one rank may have nothing while others exchange.
         """
         world, rank = self.world_size, self.rank
         if len(chunks) != world or len(recv_sizes) != world:
@@ -186,16 +193,19 @@ class Wire:
         if recv_sizes[rank] != chunks[rank].numel():
             raise ValueError(f"rank {rank} keeps its own chunk of {chunks[rank].numel()} bytes, not {recv_sizes[rank]}")
         send_sizes = [chunk.numel() for chunk in chunks]
-        self.phases += 1
-        if not any(send_sizes) and not any(recv_sizes):  # sizes follow the shapes: then every rank has nothing
+        self.phases += not header
+        if skip_empty and not any(send_sizes) and not any(recv_sizes):  # then every rank has nothing
             return list(chunks)
         received = self.staging.host_buffer(sum(recv_sizes), torch.uint8)
         sending = self.staging.to_host(torch.cat(chunks))
         dist.all_to_all_single(
             received, sending, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=self.group
         )
-        self.nbytes_sent += sum(send_sizes) - send_sizes[rank]
-        self.nbytes_recv += sum(recv_sizes) - recv_sizes[rank]
+        if header:
+            self.control_bytes += sum(send_sizes) - send_sizes[rank]
+        else:
+            self.nbytes_sent += sum(send_sizes) - send_sizes[rank]
+            self.nbytes_recv += sum(recv_sizes) - recv_sizes[rank]
         parts = list(torch.split(self.staging.to_device(received, chunks[rank].device), recv_sizes))
         parts[rank] = chunks[rank]
         return parts
@@ -936,7 +946,7 @@ class WanChannel:
         assert self.group is not None
         wire = Wire(self.group, self.world_size, self.group_rank, staging=self._staging)
         result = program(wire)
-        return _Outcome(result, wire.nbytes_sent, wire.nbytes_recv, phases=wire.phases)
+        return _Outcome(result, wire.nbytes_sent, wire.nbytes_recv, wire.control_bytes, phases=wire.phases)
 
 
 def rejection_verdict(rejected: Sequence[Sequence[bool]]) -> tuple[list[int], list[int]]:
@@ -1027,7 +1037,9 @@ class _LocalWire(Wire):
     def __init__(self) -> None:
         super().__init__(group=None, world_size=1, rank=0)  # type: ignore[arg-type]
 
-    def all_to_all(self, chunks: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:
+    def all_to_all(
+        self, chunks: list[torch.Tensor], recv_sizes: list[int], *, header: bool = False, skip_empty: bool = True
+    ) -> list[torch.Tensor]:
         return list(chunks)
 
     def all_gather(self, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

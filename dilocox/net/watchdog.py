@@ -65,12 +65,11 @@ class JobStore:
 def describe_ranks(ranks: list[int], topology: Topology) -> str:
     """`rank 3 (cluster 1, dp 0, pp 1)`; a cluster all of whose ranks are listed is named once."""
     parts: list[str] = []
-    per_cluster = topology.dp_degree * topology.pp_degree
     by_cluster: dict[int, list[int]] = {}
     for rank in sorted(ranks):
         by_cluster.setdefault(topology.coords(rank).cluster, []).append(rank)
     for cluster, members in by_cluster.items():
-        if len(members) == per_cluster > 1:
+        if len(members) == len(topology.ranks_of_cluster(cluster)) > 1:
             parts.append(f"every rank of cluster {cluster} (ranks {members[0]}-{members[-1]})")
             continue
         for rank in members:

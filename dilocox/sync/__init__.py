@@ -14,6 +14,7 @@ from dilocox.sync.cocktail import CocktailSync
 from dilocox.sync.config import SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
 from dilocox.sync.elastic import ElasticRounds, heal_state_bound
+from dilocox.sync.lanes import LaneLayout, LaneReducer
 from dilocox.sync.membership import ElasticError, ElasticMembership
 from dilocox.sync.outer import OuterSync
 from dilocox.sync.reducer_factory import build_reducer
@@ -34,6 +35,8 @@ __all__ = [
     "ElasticRounds",
     "ElasticMembership",
     "GatherReducer",
+    "LaneLayout",
+    "LaneReducer",
     "OuterSync",
     "PendingMean",
     "Reducer",
@@ -58,11 +61,18 @@ def build_sync(
     pp_group: dist.ProcessGroup | None = None,
     inner_optimizer: torch.optim.Optimizer | None = None,
     membership: ElasticMembership | None = None,
+    lanes: LaneLayout | None = None,
 ) -> SyncStrategy:
     """The strategy named by `sync.kind`, over this rank's parameters. The outer-loop kinds get the public
     `OuterSync` around `DiLoCoSync`, so `dilocox train` and a user's own loop (docs/api.md) run one object;
     `inner_optimizer` has its state reset when the guard heals this cluster; over `pp_group` (the cluster's pipeline)
-    the stages agree on what the guard leaves out."""
+    the stages agree on what the guard leaves out; `lanes`: clusters of different data-parallel degree (outer-loop
+    kinds only, docs/design.md §2.1)."""
+    if lanes is not None and not cfg.sync.has_outer_loop:
+        raise ValueError(
+            f"sync.kind = {cfg.sync.kind} with clusters of different data-parallel degrees is not built; use sync.kind "
+            "= diloco or dilocox"
+        )
     if cfg.sync.kind == "allreduce":
         return AllReduceSync(params, channel=channel, dp_group=dp_group)
     if cfg.sync.kind == "cocktail":
@@ -79,4 +89,5 @@ def build_sync(
         inner_optimizer=inner_optimizer,
         faults=cfg.faults,
         membership=membership,
+        lanes=lanes,
     )

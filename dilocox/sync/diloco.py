@@ -30,6 +30,7 @@ from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, RoundStats, dp_mean_
 from dilocox.sync.config import SyncConfig, check_held_back_options, check_robust_reduction
 from dilocox.sync.elastic import ElasticRounds
+from dilocox.sync.lanes import LaneLayout, LaneReducer, build_lane_reducer
 from dilocox.sync.link_fit import fit_inner_steps, fit_link_warning, slow_link_advice
 from dilocox.sync.membership import ElasticMembership
 from dilocox.sync.merge import InFlight, build_merge_rule
@@ -119,6 +120,8 @@ class DiLoCoSync:
         membership: ElasticMembership | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
         first_round_end: int | None = None,
+        lanes: LaneLayout | None = None,
+        cluster_weight: float = 1.0,
     ) -> None:
         """`first_round_end`: the step at which the first round ends (default H; a streaming fragment's first round
         is shorter, `dilocox.sync.streaming`); every later round has H steps."""
@@ -136,6 +139,14 @@ class DiLoCoSync:
         """The cluster's pipeline, over which the stages agree on what the guard leaves out (None: one stage)."""
         self.compression = compression
         self.seed = seed
+        self.lanes = lanes
+        """Clusters of different data-parallel degree (topology.clusters): this rank's lanes, averaged over the stage
+        group by a `LaneReducer` (docs/design.md §2.1); None for clusters of one shape."""
+        if not (isinstance(cluster_weight, int | float) and 0 < cluster_weight < math.inf):
+            raise ValueError(f"cluster_weight = {cluster_weight!r} must be a finite number > 0")
+        self.cluster_weight = float(cluster_weight)
+        """The factor of this cluster's pseudo-gradient before the reducer: C x dp_c / sum(dp) makes the reducer's
+        plain mean the token-weighted mean of clusters of different data-parallel degree; 1.0 otherwise."""
         # where the run is: the round in progress ends at round_end (fit_link may change H between rounds)
         self.inner_steps = cfg.inner_steps
         if first_round_end is not None and not 1 <= first_round_end <= cfg.inner_steps:
@@ -178,12 +189,13 @@ class DiLoCoSync:
         self.warnings: list[str] = []  # for the trainer to print once (the link cannot keep up, the guard's verdicts)
         self._warned = False
         reducer = self._build_reducer(compression, elastic=membership is not None)
-        self._update_guard = reducer.guard if isinstance(reducer, GatherReducer) else None
+        gathers = isinstance(reducer, GatherReducer | LaneReducer)  # judges every cluster's update on its own
+        self._update_guard = reducer.guard if isinstance(reducer, GatherReducer | LaneReducer) else None
         """The gather reduction's own guard (its norm history), None for the summing reductions."""
         self.guard = RoundGuard(
             max_ratio=cfg.guard_max_ratio,
             max_bad_rounds=cfg.guard_max_bad_rounds,
-            judges_mean=cfg.guard and not isinstance(reducer, GatherReducer),
+            judges_mean=cfg.guard and not gathers,
             warnings=self.warnings,
         )
         self.faults = faults if faults is not None and faults.enabled else None
@@ -196,9 +208,31 @@ class DiLoCoSync:
         """Elastic runs (topology.elastic, docs/design.md §10.1): each boundary's torchft quorum decides which clusters
         take part; it launches over their group and settles the sync that is due among them."""
 
+    @property
+    def num_clusters(self) -> int:
+        """C: the clusters the average is over (elastic: the live ones of the round)."""
+        return self.lanes.num_clusters if self.lanes is not None else self.channel.world_size
+
+    @property
+    def cluster(self) -> int:
+        """This cluster's index among them (its `RoundStats.excluded` key)."""
+        return self.lanes.cluster if self.lanes is not None else self.channel.group_rank
+
     def _build_reducer(self, compression: CompressionConfig, *, elastic: bool = False) -> Reducer:
         """A reducer of `compression` over this rank's tensors, on its channel, with the guard and the aggregate of
         `[sync]`: the rounds' (`self.reducer`) and the drain's."""
+        if self.lanes is not None:
+            return build_lane_reducer(
+                compression,
+                self.flat.shapes,
+                layout=self.lanes,
+                channel=self.channel,
+                dp_group=self.dp_group,
+                pp_group=self.pp_group,
+                seed=self.seed,
+                guard_max_ratio=self.cfg.guard_max_ratio if self.cfg.guard else None,
+                peer_max_ratio=self.cfg.guard_peer_ratio if self.cfg.guard_peers else None,
+            )
         return build_reducer(
             compression,
             self.flat.shapes,
@@ -240,7 +274,7 @@ class DiLoCoSync:
         """At a round's end (every H steps, and at `total_steps`) `end_round`; with `sync.overlap_steps`, that many
         steps into a round, the landing of the last round's sync (`land_in_round`)."""
         if self.faults is not None and step == self.last_boundary + 1:
-            if self.faults.diverges(cluster=self.channel.group_rank, round_index=self.outer_step + 1):
+            if self.faults.diverges(cluster=self.cluster, round_index=self.outer_step + 1):
                 self.flat.scatter_data(torch.full((self.numel,), float("nan")))  # faults: this round diverges
         if step in (self.round_end, self.total_steps):
             return self.end_round(step)
@@ -261,6 +295,8 @@ class DiLoCoSync:
         # elastic: a cluster that healed at this boundary did not train the round that ends here, so it abstains
         newcomer = self.elastic.open_boundary(step) if self.elastic is not None else False
         pseudo_grad = self.round_start - self.flat.gather_data().to(self.state_device)  # (numel,) round start - theta
+        if self.cluster_weight != 1.0:  # this cluster's share of the token-weighted mean (clusters of different dp)
+            pseudo_grad.mul_(self.cluster_weight)
         own_bad = self.cfg.guard and not newcomer and not bool(torch.isfinite(pseudo_grad).all())
         abstain = own_bad or newcomer
         if self.cfg.sync_delay == 0:
@@ -285,7 +321,7 @@ class DiLoCoSync:
             self.guard.count_own(own_bad, round_index)
             if heal:
                 why = "its own update is non-finite" if own_bad else "the others left its update out"
-                self.guard.heal(cluster=self.channel.group_rank, round_index=round_index, why=why)
+                self.guard.heal(cluster=self.cluster, round_index=round_index, why=why)
         if self.elastic is not None:
             self.elastic.commit()
         self.flat.scatter_data(theta)
@@ -328,7 +364,7 @@ class DiLoCoSync:
             self.outer.step(avg)
         # an update this cluster abstained from (its own was non-finite, or it is new to the quorum) is missing from
         # every gather by design: not a verdict against it
-        left_out = due is not None and not due.abstained and self.channel.group_rank in (stats.excluded or {})
+        left_out = due is not None and not due.abstained and self.cluster in (stats.excluded or {})
         return Landed(stats, left_out)
 
     def _forget_norms(self) -> None:
@@ -351,7 +387,7 @@ class DiLoCoSync:
             self.reducer.heal()
             if self.cfg.guard:
                 why = "the others left its update out"
-                self.guard.heal(cluster=self.channel.group_rank, round_index=self.outer_step, why=why)
+                self.guard.heal(cluster=self.cluster, round_index=self.outer_step, why=why)
             start = self.outer_params.clone()
             theta = start
         else:
@@ -410,7 +446,7 @@ class DiLoCoSync:
             skipped = self.guard.judge_landing(
                 avg,
                 pending.excluded,
-                num_clusters=self.channel.world_size,
+                num_clusters=self.num_clusters,
                 where=f"round {round_index}" if judge_mean else "drain",
                 judge_mean=judge_mean,
             )
@@ -448,7 +484,7 @@ class DiLoCoSync:
         flight = InFlight(
             self.outer_params,
             pseudo_grad,
-            num_clusters=self.channel.world_size,
+            num_clusters=self.num_clusters,
             predict=functools.partial(self.outer.predict, update=self.outer_step),
             held_before=held_before,
             read_held_after=functools.partial(self.reducer.held_back, self.state_device),
@@ -465,7 +501,7 @@ class DiLoCoSync:
         """Where a round (re)starts from the agreed `phi` once no average is in flight: phi itself, or under
         `sync.local_residual` phi minus this cluster's share (1/C) of what its codec holds back (a new tensor)."""
         held_back = self.reducer.held_back(self.state_device) if self.cfg.local_residual else None
-        return phi.clone() if held_back is None else phi - held_back / self.channel.world_size
+        return phi.clone() if held_back is None else phi - held_back / self.num_clusters
 
     def _reads_held_back(self) -> bool:
         """Whether a delayed round's start depends on what the codec held back before the round's encoding."""

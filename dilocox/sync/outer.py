@@ -33,6 +33,7 @@ from dilocox.sync.config import HELD_BACK_OPTIONS, OUTER_LOOP_KINDS, SyncConfig,
 from dilocox.sync.diloco import DiLoCoSync
 from dilocox.sync.elastic import ElasticRounds
 from dilocox.sync.events import ElasticEvent
+from dilocox.sync.lanes import LaneLayout
 from dilocox.sync.membership import ElasticMembership
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory
 from dilocox.sync.streaming import StreamingSync
@@ -153,6 +154,7 @@ class OuterSync:
         faults: FaultConfig | None = None,
         membership: ElasticMembership | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
+        lanes: LaneLayout | None = None,
     ) -> OuterSync:
         """Around a `channel` the caller owns (and closes), with the config dataclasses: the trainer's path
         (`build_sync`), and the one to `sync.fit_link` or `sync.outer_state_device`. Nothing is hooked or
@@ -160,7 +162,9 @@ class OuterSync:
         the rounds also end at `total_steps`. `inner_optimizer` (optional here) gets its state reset when the
         guard heals this cluster; `faults` injects the faults of `[faults]`; `pp_group` (a pipeline's stages, each
         with its own OuterSync) makes the stages agree on what the guard leaves out; `outer_optimizer` (a factory,
-        as for the constructor) replaces the one `sync.outer_optimizer` names."""
+        as for the constructor) replaces the one `sync.outer_optimizer` names. `lanes`: clusters of different
+        data-parallel degree (`channel` is then over the stage group, docs/design.md §2.1); each cluster's
+        pseudo-gradient is weighted by its tokens (`LaneLayout.cluster_weight`)."""
         if sync.kind not in OUTER_LOOP_KINDS:
             raise ValueError(f"OuterSync needs sync.kind = diloco or dilocox, not {sync.kind!r}")
         self = cls.__new__(cls)
@@ -178,6 +182,7 @@ class OuterSync:
             faults=faults,
             membership=membership,
             outer_optimizer=outer_optimizer,
+            lanes=lanes,
         )
         return self
 
@@ -197,15 +202,16 @@ class OuterSync:
         faults: FaultConfig | None = None,
         membership: ElasticMembership | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
+        lanes: LaneLayout | None = None,
     ) -> None:
         self.diloco: DiLoCoSync | StreamingSync
         """The implementation this facade drives (docs/design.md §3): the stage's rounds, or its fragments' rounds
         (`sync.fragments > 1`, Streaming DiLoCo)."""
         if sync.fragments > 1:
-            if faults is not None and faults.enabled or membership is not None:
+            if faults is not None and faults.enabled or membership is not None or lanes is not None:
                 raise ValueError(
-                    f"sync.fragments = {sync.fragments} works without faults and outside elastic runs: set "
-                    "sync.fragments = 1"
+                    f"sync.fragments = {sync.fragments} works without faults, outside elastic runs and with clusters "
+                    "of one shape: set sync.fragments = 1"
                 )
             self.diloco = StreamingSync(
                 params,
@@ -231,6 +237,8 @@ class OuterSync:
                 faults=faults,
                 membership=membership,
                 outer_optimizer=outer_optimizer,
+                lanes=lanes,
+                cluster_weight=1.0 if lanes is None else lanes.cluster_weight,
             )
         self.inner_optimizer = inner_optimizer
         """Its state is reset when the guard heals this cluster (None: the caller's own concern)."""

@@ -448,52 +448,9 @@ class GatherReducer(CodecReducer):
         return torch.cat([d.reshape(-1) for d in decoded]).to(device)
 
     def _judge(self, updates: list[torch.Tensor | None], device: torch.device) -> dict[int, str]:
-        """The clusters left out of this mean and why: missing updates always; with a guard also non-finite and
-        outsized ones, and with `peers` those that stand out among the rest. What is left out is the same on every
-        rank of the cluster (`_agree_in_cluster`): a cluster one rank's slice finds bad is left out of every slice
-        of every stage, and the peer check judges the whole updates."""
-        if self.guard is None:
-            return {index: "no usable update arrived" for index, u in enumerate(updates) if u is None}
-        verdicts = self.guard.judge(updates)
-        gram = None
-        if self.peers is not None and len(updates) >= PEER_MIN_UPDATES:  # this rank's part of the whole updates' Gram
-            gram = inner_products([u if v is None else None for u, v in zip(updates, verdicts, strict=True)])
-        flags, gram = self._agree_in_cluster([v is not None for v in verdicts], gram, device)
-        verdicts = [
-            v if v is not None or not flag else "left out by the guard of another rank of this cluster (its slice)"
-            for v, flag in zip(verdicts, flags, strict=True)
-        ]
-        excluded = {index: v for index, v in enumerate(verdicts) if v is not None}
-        if gram is not None and self.peers is not None:
-            excluded.update(self.peers.judge(gram, [i for i in range(len(updates)) if i not in excluded]))
-        return excluded
-
-    def _agree_in_cluster(
-        self, flags: list[bool], gram: torch.Tensor | None, device: torch.device
-    ) -> tuple[list[bool], torch.Tensor | None]:
-        """Combine every rank's `flags` (any rank's flag counts) and partial Gram matrix (summed: the whole updates'
-        inner products) over the cluster: the dp replicas, then the pipeline stages. Gathered and summed in rank
-        order, so every rank of the cluster gets the same bits, as does every cluster's rank that holds the same
-        bytes: the decision is one on every rank. The collectives run on `device` (the fast groups' backend may be
-        NCCL); a no-op on one rank."""
-        count = len(flags)
-        packed = torch.tensor(flags, dtype=torch.float64)
-        if gram is not None:
-            packed = torch.cat([packed, gram.flatten()])
-        for group in (self.dp_group, self.pp_group):
-            size = group_size(group)
-            if size == 1:
-                continue
-            parts = [torch.empty_like(packed, device=device) for _ in range(size)]
-            dist.all_gather(parts, packed.to(device), group=group)
-            parts = [part.cpu() for part in parts]
-            total = parts[0].clone()
-            for part in parts[1:]:
-                total[count:] += part[count:]
-                total[:count] = torch.maximum(total[:count], part[:count])
-            packed = total
-        combined = [bool(flag) for flag in packed[:count].tolist()]
-        return combined, None if gram is None else packed[count:].view(count, count)
+        return judge_updates(
+            updates, device, guard=self.guard, peers=self.peers, dp_group=self.dp_group, pp_group=self.pp_group
+        )
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -505,3 +462,66 @@ class GatherReducer(CodecReducer):
         super().load_state_dict(state)
         if self.guard is not None and "guard" in state:  # a state saved without the guard has no history
             self.guard.load_state_dict(state["guard"])
+
+
+def judge_updates(
+    updates: list[torch.Tensor | None],
+    device: torch.device,
+    *,
+    guard: UpdateGuard | None,
+    peers: PeerCheck | None,
+    dp_group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None,
+) -> dict[int, str]:
+    """The clusters left out of a gathered mean and why, from this rank's slice of every cluster's update (None:
+    nothing usable arrived): missing updates always; with a `guard` also non-finite and outsized ones, and with `peers`
+    those that stand out among the rest. What is left out is the same on every rank of the cluster
+    (`agree_in_cluster`): a cluster one rank's slice finds bad is left out of every slice of every stage, and the peer
+    check judges the whole updates."""
+    if guard is None:
+        return {index: "no usable update arrived" for index, u in enumerate(updates) if u is None}
+    verdicts = guard.judge(updates)
+    gram = None
+    if peers is not None and len(updates) >= PEER_MIN_UPDATES:  # this rank's part of the whole updates' Gram
+        gram = inner_products([u if v is None else None for u, v in zip(updates, verdicts, strict=True)])
+    flags, gram = agree_in_cluster([v is not None for v in verdicts], gram, device, groups=(dp_group, pp_group))
+    verdicts = [
+        v if v is not None or not flag else "left out by the guard of another rank of this cluster (its slice)"
+        for v, flag in zip(verdicts, flags, strict=True)
+    ]
+    excluded = {index: v for index, v in enumerate(verdicts) if v is not None}
+    if gram is not None and peers is not None:
+        excluded.update(peers.judge(gram, [i for i in range(len(updates)) if i not in excluded]))
+    return excluded
+
+
+def agree_in_cluster(
+    flags: list[bool],
+    gram: torch.Tensor | None,
+    device: torch.device,
+    *,
+    groups: Sequence[dist.ProcessGroup | None],
+) -> tuple[list[bool], torch.Tensor | None]:
+    """Combine every rank's `flags` (any rank's flag counts) and partial Gram matrix (summed: the whole updates'
+    inner products) over the cluster: its dp replicas, then its pipeline stages (`groups`). Gathered and summed in rank
+    order, so every rank of the cluster gets the same bits, as does every cluster's rank that holds the same bytes: the
+    decision is one on every rank. The collectives run on `device` (the fast groups' backend may be NCCL); a no-op on
+    one rank."""
+    count = len(flags)
+    packed = torch.tensor(flags, dtype=torch.float64)
+    if gram is not None:
+        packed = torch.cat([packed, gram.flatten()])
+    for group in groups:
+        size = group_size(group)
+        if size == 1:
+            continue
+        parts = [torch.empty_like(packed, device=device) for _ in range(size)]
+        dist.all_gather(parts, packed.to(device), group=group)
+        parts = [part.cpu() for part in parts]
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total[count:] += part[count:]
+            total[:count] = torch.maximum(total[:count], part[:count])
+        packed = total
+    combined = [bool(flag) for flag in packed[:count].tolist()]
+    return combined, None if gram is None else packed[count:].view(count, count)

@@ -1,0 +1,412 @@
+"""The outer average of clusters of different data-parallel degree: lanes exchanged over the stage group
+(docs/design.md §2.1).
+
+With clusters of dp degrees dp_c (`topology.clusters`), the replicas of a stage cannot pair up one per cluster as the
+cluster groups of equal clusters do. Instead a stage's parameters are cut into L = lcm(dp_c) parameter-aligned lanes
+(`param_aligned_bounds`), and replica j of a cluster of dp_c owns the L / dp_c consecutive lanes from j L / dp_c. Each
+lane is encoded on its own (one codec and one error feedback per lane, low-rank warm starts seeded by the lane), and
+one program on the channel of the stage group (every replica of the stage of every cluster) sends each peer exactly
+the payloads of the lanes that peer owns, never to a rank of its own cluster. Each rank decodes what arrived and
+averages each of its lanes over the clusters (the gather reduction: exact for any codec, a cluster that sent nothing
+is left out), then the replicas of the cluster all-gather their lanes' means over the fast dp_group.
+
+Bytes, exactly as the channel counts them: a rank sends each of its lanes' payloads to the C - 1 other clusters and
+receives the C - 1 other clusters' payloads of each of its lanes; the payloads' lengths go first, 8 bytes per lane
+and peer, counted as control bytes.
+
+    layout = LaneLayout(Topology.of_clusters((2, 1, 1)), cluster=0, dp=1)
+    reducer = LaneReducer(CompressionConfig(kind="int4"), shapes, layout=layout, channel=stage_channel, dp_group=dp)
+    avg_pseudo_grad = reducer.launch(pseudo_grad).wait()   # (numel,) the same on every replica of every cluster
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dilocox.compress import Codec, CompressionConfig, ErrorFeedback, Payload, build_codec
+from dilocox.net.channel import WanChannel, Wire
+from dilocox.net.link import ring_all_reduce_bytes
+from dilocox.sync.base import CodecCost
+from dilocox.sync.reducers import PendingMean, _offsets, gather_slices_, judge_updates, param_aligned_bounds
+from dilocox.sync.robust import PeerCheck, UpdateGuard, aggregate
+from dilocox.topology import Topology
+
+_LENGTH_BYTES = 8  # one int64 payload length per lane in the header step
+_LANE_SEED_STRIDE = 7919  # lane l's codec is seeded run.seed + 7919 l on every cluster
+
+
+@dataclass(frozen=True)
+class LaneLayout:
+    """Where this rank stands among clusters of different data-parallel degree: its cluster, replica and lanes, and
+    which rank of the stage group owns which lane in every cluster."""
+
+    topology: Topology
+    cluster: int
+    dp: int
+
+    @property
+    def num_clusters(self) -> int:
+        return self.topology.num_clusters
+
+    @property
+    def num_lanes(self) -> int:
+        return self.topology.num_lanes
+
+    @property
+    def lanes(self) -> range:
+        """The lanes this rank owns."""
+        return self.topology.lanes_of(self.cluster, self.dp)
+
+    @property
+    def cluster_weight(self) -> float:
+        """C x dp_c / sum(dp): the factor that makes the plain mean of the clusters' pseudo-gradients their token-
+        weighted mean, sum_c dp_c Delta_c / sum_c dp_c (a cluster of dp_c replicas trained dp_c shards per step)."""
+        degrees = self.topology.dp_degrees
+        return self.num_clusters * degrees[self.cluster] / sum(degrees)
+
+    def replica_of(self, group_rank: int) -> tuple[int, int]:
+        """(cluster, dp) of a rank of the stage group (ordered cluster-major, as the global ranks)."""
+        coords = self.topology.coords(group_rank * self.topology.pp_degree)
+        return coords.cluster, coords.dp
+
+    def shared_lanes(self, group_rank: int) -> list[int]:
+        """The lanes whose payloads this rank exchanges with rank `group_rank` of the stage group: those both own,
+        none with a rank of its own cluster."""
+        cluster, dp = self.replica_of(group_rank)
+        if cluster == self.cluster:
+            return []
+        theirs = self.topology.lanes_of(cluster, dp)
+        return [lane for lane in self.lanes if lane in theirs]
+
+
+def lane_allreduce_bytes_per_step(layout: LaneLayout, numels: Sequence[int]) -> int:
+    """Bytes this rank would send on the slow link for one fp32 all-reduce over the clusters of its lanes of a stage
+    of tensors of `numels` values (ring convention): the yardstick `allreduce_equiv_bytes` of clusters of different
+    data-parallel degree."""
+    bounds = param_aligned_bounds(numels, layout.num_lanes)
+    owned = sum(bounds[lane][1] - bounds[lane][0] for lane in layout.lanes)
+    return ring_all_reduce_bytes(owned, 4, layout.num_clusters, layout.cluster)[0]
+
+
+class LaneReducer:
+    """The gather reduction of a stage's pseudo-gradient among clusters of different data-parallel degree, lane by
+    lane over the stage group (module docstring). Implements the `Reducer` protocol of `dilocox.sync.reducers`, so
+    the one-step delay, checkpoints of a sync in flight, the guard and resume work as with the other reducers.
+
+    `channel` is this rank's channel over the stage group; `dp_group` the cluster's replicas of this stage, over which
+    the lanes' means are all-gathered; `pp_group` the cluster's pipeline, over which (with `dp_group`) the guard's
+    verdicts are agreed. A cluster that abstains sends empty payloads and is left out of the mean, as is one the guard
+    leaves out (`sync.guard`, docs/design.md §4.5)."""
+
+    name = "lanes"
+
+    def __init__(
+        self,
+        cfg: CompressionConfig,
+        shapes: Sequence[torch.Size],
+        *,
+        layout: LaneLayout,
+        channel: WanChannel,
+        dp_group: dist.ProcessGroup | None,
+        pp_group: dist.ProcessGroup | None = None,
+        seed: int = 0,
+        guard: UpdateGuard | None = None,
+        peers: PeerCheck | None = None,
+    ) -> None:
+        cfg.validate()
+        if peers is not None and guard is None:
+            raise ValueError("the peer check (sync.guard_peers) is part of the guard: it needs sync.guard = true")
+        if channel.world_size != layout.topology.num_shards:
+            raise ValueError(
+                f"the lane exchange runs over the stage group of all {layout.topology.num_shards} replicas of a "
+                f"stage, but the channel's group has {channel.world_size} ranks: pass the channel of "
+                "ProcessGroups.cluster_group"
+            )
+        self.layout = layout
+        self.shapes = [torch.Size(shape) for shape in shapes]
+        numels = [shape.numel() for shape in self.shapes]
+        self.numel = sum(numels)
+        offsets = _offsets(numels)
+        self.lane_bounds = param_aligned_bounds(numels, layout.num_lanes)
+        """(start, end) of every lane in the flat vector, on tensor borders."""
+        self.lane_tensors = [
+            [i for i in range(len(numels)) if a <= offsets[i] and offsets[i + 1] <= b and numels[i]]
+            for a, b in self.lane_bounds
+        ]
+        """The tensors of every lane (an empty lane has none: a stage of fewer tensors than lanes)."""
+        self.offsets = offsets
+        degrees = layout.topology.dp_degrees
+        width = layout.num_lanes // degrees[layout.cluster]
+        self.bounds = [
+            (self.lane_bounds[j * width][0], self.lane_bounds[(j + 1) * width - 1][1])
+            for j in range(degrees[layout.cluster])
+        ]
+        """Every replica of this cluster's (start, end): the union of its lanes, which `PendingMean.wait` gathers."""
+        self.channel = channel
+        self.dp_group = dp_group
+        self.pp_group = pp_group
+        self.guard = guard
+        self.peers = peers
+        self.empty_reason = "it sent none: its own was non-finite"
+        dense = cfg.kind == "none"  # the fp32 identity codec: nothing to hold back
+        self.codecs = {lane: build_codec(cfg, seed=seed + _LANE_SEED_STRIDE * lane) for lane in layout.lanes}
+        """One codec per lane this rank owns, seeded by the lane: the same seed on every cluster."""
+        self.feedbacks = {
+            lane: ErrorFeedback(enabled=cfg.error_feedback and not dense, decay=cfg.feedback_decay)
+            for lane in layout.lanes
+        }
+        self.holds_back = False
+        """Whether the residuals hold a round's loss (every replica of the cluster alike: set by each encoding, reset
+        by `heal`)."""
+
+    # ---------------------------------------------------------------------------------------------- lanes
+    def _lane_shapes(self, lane: int) -> list[torch.Size]:
+        return [self.shapes[i] for i in self.lane_tensors[lane]]
+
+    def _lane_views(self, flat: torch.Tensor, lane: int) -> list[torch.Tensor]:
+        return [flat[self.offsets[i] : self.offsets[i + 1]].view(self.shapes[i]) for i in self.lane_tensors[lane]]
+
+    @property
+    def slice_numel(self) -> int:
+        """Values of the lanes this rank owns."""
+        start, end = self.bounds[self.layout.dp]
+        return end - start
+
+    # ---------------------------------------------------------------------------------------------- protocol
+    def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        encode_from = time.perf_counter()
+        payloads: dict[int, Payload] = {}
+        decoded: dict[int, list[torch.Tensor]] = {}
+        for lane in self.layout.lanes:
+            if not self.lane_tensors[lane]:
+                payloads[lane], decoded[lane] = _empty(pseudo_grad.device), []
+                continue
+            payloads[lane], decoded[lane] = self.feedbacks[lane].compress(
+                self.codecs[lane], self._lane_views(pseudo_grad, lane)
+            )
+        self.holds_back = True
+        return self._start(pseudo_grad, payloads, decoded, codec_s=time.perf_counter() - encode_from)
+
+    def abstain(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        # Empty payloads: no real payload of a lane with tensors is empty, so the receivers leave this cluster out.
+        # The residuals are kept: they hold what earlier (finite) rounds lost.
+        payloads = {lane: _empty(pseudo_grad.device) for lane in self.layout.lanes}
+        return self._start(torch.zeros_like(pseudo_grad), payloads, None, codec_s=0.0)
+
+    def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
+        """Send again what `PendingMean.sent` saved: each lane's payload length (int64), then the payloads."""
+        lanes = list(self.layout.lanes)
+        header = _LENGTH_BYTES * len(lanes)
+        sizes = sent[:header].clone().view(torch.int64).tolist()
+        parts = torch.split(sent[header:], sizes)
+        payloads = {lane: Payload(part.clone()) for lane, part in zip(lanes, parts, strict=True)}
+        decoded = None
+        if any(sizes) or not any(self.lane_tensors[lane] for lane in lanes):
+            decoded = {lane: self._decode(payloads[lane], lane) for lane in lanes}
+        flat = torch.zeros(self.numel, device=sent.device)
+        return self._start(flat, payloads, decoded, codec_s=0.0, account=account)
+
+    def _decode(self, payload: Payload, lane: int) -> list[torch.Tensor]:
+        shapes = self._lane_shapes(lane)
+        return self.codecs[lane].decode_list(payload, shapes) if shapes else []
+
+    def _start(
+        self,
+        flat: torch.Tensor,
+        payloads: dict[int, Payload],
+        own_decoded: dict[int, list[torch.Tensor]] | None,
+        *,
+        codec_s: float,
+        account: bool = True,
+    ) -> PendingMean:
+        layout, world = self.layout, self.channel.world_size
+        lanes = list(layout.lanes)
+        sizes = torch.tensor([payloads[lane].nbytes for lane in lanes], dtype=torch.int64)
+        sent = torch.cat([sizes.view(torch.uint8).to(flat.device), *(payloads[lane].data for lane in lanes)])
+        cost = CodecCost(
+            payload_bytes=sum(p.nbytes for p in payloads.values()), dense_bytes=4 * self.slice_numel, codec_s=codec_s
+        )
+        # a lane without tensors (a stage of fewer tensors than lanes) is empty everywhere: nothing to exchange
+        shared = [[lane for lane in layout.shared_lanes(peer) if self.lane_tensors[lane]] for peer in range(world)]
+        device = flat.device
+
+        def program(wire: Wire) -> dict[int, dict[int, torch.Tensor]]:
+            # 1. the lengths of the payloads each peer gets from this rank, so that it can split what arrives
+            lengths = [_lengths([payloads[lane].nbytes for lane in lanes_], device) for lanes_ in shared]
+            # every rank joins both steps: one that owns only empty lanes, or abstains among abstainers, has nothing
+            recv_lengths = [_LENGTH_BYTES * len(lanes_) for lanes_ in shared]
+            header = wire.all_to_all(lengths, recv_lengths, header=True, skip_empty=False)
+            # 2. each peer the payloads of the lanes it owns
+            chunks = [_concat([payloads[lane].data for lane in lanes_], device) for lanes_ in shared]
+            arrived_sizes = [part.clone().view(torch.int64).tolist() if part.numel() else [] for part in header]
+            arrived = wire.all_to_all(chunks, [sum(s) for s in arrived_sizes], skip_empty=False)
+            by_lane: dict[int, dict[int, torch.Tensor]] = {lane: {} for lane in lanes}  # lane -> cluster -> bytes
+            for peer, (lanes_, part, part_sizes) in enumerate(zip(shared, arrived, arrived_sizes, strict=True)):
+                cluster, _ = layout.replica_of(peer)
+                for lane, data in zip(lanes_, torch.split(part, part_sizes), strict=True):
+                    by_lane[lane][cluster] = data
+            return by_lane
+
+        transfer = self.channel.launch_program(program, kind="lanes", account=account, device=device)
+        excluded: dict[int, str] = {}  # filled by finish(); shared with the PendingMean (see GatherReducer._start)
+
+        def finish() -> torch.Tensor:
+            by_lane = transfer.wait()
+            decode_from = time.perf_counter()
+            updates: list[torch.Tensor | None] = []  # every cluster's lanes of this rank, (slice,), None: unusable
+            malformed: dict[int, str] = {}
+            for cluster in range(layout.num_clusters):
+                parts: list[torch.Tensor] | None = []
+                for lane in lanes:
+                    if not self.lane_tensors[lane]:
+                        continue
+                    if cluster == layout.cluster:
+                        tensors = None if own_decoded is None else own_decoded[lane]
+                        if tensors is None:
+                            malformed[cluster] = self.empty_reason
+                    else:
+                        data = by_lane[lane][cluster]
+                        tensors = None
+                        if not data.numel():
+                            malformed[cluster] = self.empty_reason
+                        else:
+                            try:
+                                tensors = self._decode(Payload(data), lane)
+                            except ValueError as error:  # a corrupt payload must not stop the receivers
+                                malformed[cluster] = f"malformed payload: {error}"
+                    if tensors is None or parts is None:
+                        parts = None
+                        continue
+                    parts.extend(t.reshape(-1).to(device) for t in tensors)
+                if parts is None:
+                    updates.append(None)
+                else:
+                    updates.append(torch.cat(parts) if parts else torch.zeros(0, device=device))
+            excluded.clear()
+            excluded.update(
+                judge_updates(
+                    updates, device, guard=self.guard, peers=self.peers, dp_group=self.dp_group, pp_group=self.pp_group
+                )
+            )
+            excluded.update(malformed)
+            accepted = [u for index, u in enumerate(updates) if u is not None and index not in excluded]
+            if self.guard is not None:
+                self.guard.accept(accepted)
+            cost.codec_s += time.perf_counter() - decode_from
+            if not accepted:  # nothing usable: the outer step gets a zero update (DiLoCoSync counts the round)
+                return torch.zeros(self.slice_numel, dtype=torch.float32, device=device)
+            return aggregate(accepted, "mean")
+
+        return PendingMean(flat, self.bounds, finish, transfer, self.dp_group, sent=sent, cost=cost, excluded=excluded)
+
+    def heal(self) -> None:
+        for feedback in self.feedbacks.values():
+            feedback.reset()
+        self.holds_back = False
+
+    def current_rank(self) -> int | None:
+        return self._first_codec().current_rank()
+
+    def current_matrix_ranks(self) -> tuple[int, ...] | None:
+        return self._first_codec().current_matrix_ranks()
+
+    def _first_codec(self) -> Codec:
+        return self.codecs[self.layout.lanes[0]]
+
+    def held_back(self, device: torch.device) -> torch.Tensor | None:
+        """Every lane's residual of this cluster, all-gathered over the fast dp_group into one vector."""
+        feedbacks = list(self.feedbacks.values())
+        if not self.holds_back or not feedbacks[0].enabled:
+            return None
+        flat = torch.zeros(self.numel, device=device)
+        for lane, feedback in self.feedbacks.items():
+            if feedback.residuals is None:  # an empty lane
+                continue
+            for view, residual in zip(self._lane_views(flat, lane), feedback.residuals, strict=True):
+                view.copy_(residual)
+        start, end = self.bounds[self.layout.dp]
+        return gather_slices_(flat, flat[start:end].clone(), self.bounds, self.dp_group).mul_(feedbacks[0].decay)
+
+    def state_bytes(self) -> int:
+        total = 0
+        for lane in self.layout.lanes:
+            numel = self.lane_bounds[lane][1] - self.lane_bounds[lane][0]
+            total += self.feedbacks[lane].state_bytes(numel) + self.codecs[lane].state_bytes()
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "lanes": {
+                lane: {"codec": self.codecs[lane].state_dict(), "feedback": self.feedbacks[lane].state_dict()}
+                for lane in self.layout.lanes
+            },
+            "num_lanes": self.layout.num_lanes,
+            "holds_back": self.holds_back,
+        }
+        if self.guard is not None:
+            state["guard"] = self.guard.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("num_lanes") != self.layout.num_lanes or set(state.get("lanes", {})) != set(self.layout.lanes):
+            raise ValueError(
+                f"this reducer state holds lanes {sorted(state.get('lanes', {}))} of {state.get('num_lanes')}, but "
+                f"this rank owns lanes {list(self.layout.lanes)} of {self.layout.num_lanes}: resume with the "
+                "topology.clusters the checkpoint was written with"
+            )
+        for lane, lane_state in state["lanes"].items():
+            self.codecs[lane].load_state_dict(lane_state["codec"])
+            self.feedbacks[lane].load_state_dict(lane_state["feedback"])
+        self.holds_back = bool(state["holds_back"])
+        if self.guard is not None and "guard" in state:
+            self.guard.load_state_dict(state["guard"])
+
+
+def build_lane_reducer(
+    cfg: CompressionConfig,
+    shapes: Sequence[torch.Size],
+    *,
+    layout: LaneLayout,
+    channel: WanChannel,
+    dp_group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None = None,
+    seed: int = 0,
+    guard_max_ratio: float | None = None,
+    peer_max_ratio: float | None = None,
+) -> LaneReducer:
+    """The lane reducer of `compression` (any codec; `compression.reduction` gather) with the guard of `[sync]`."""
+    if cfg.kind != "none" and cfg.reduction == "scalable":
+        raise ValueError(
+            "compression.reduction = scalable needs clusters of one shape; clusters of different data-parallel "
+            "degrees average by lanes: use compression.reduction = gather"
+        )
+    return LaneReducer(
+        dataclasses.replace(cfg),
+        shapes,
+        layout=layout,
+        channel=channel,
+        dp_group=dp_group,
+        pp_group=pp_group,
+        seed=seed,
+        guard=UpdateGuard(guard_max_ratio) if guard_max_ratio is not None else None,
+        peers=PeerCheck(peer_max_ratio) if guard_max_ratio is not None and peer_max_ratio is not None else None,
+    )
+
+
+def _empty(device: torch.device) -> Payload:
+    return Payload(torch.empty(0, dtype=torch.uint8, device=device))
+
+
+def _lengths(sizes: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(sizes, dtype=torch.int64).view(torch.uint8).to(device)
+
+
+def _concat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)

@@ -1,0 +1,182 @@
+"""Clusters of different data-parallel degree on real gloo ranks (docs/design.md §2.1): the lane exchange's bytes
+against payload sizes worked out by hand, its mean against a reference computed here, and the token-weighted outer
+average of DiLoCo over clusters of dp 2, 1 and 1."""
+
+import pytest
+import torch
+
+from dilocox.compress import CompressionConfig, build_codec
+from dilocox.config import load_config
+from dilocox.net.channel import WanChannel
+from dilocox.sync import build_sync
+from dilocox.sync.lanes import LaneLayout, LaneReducer
+from dilocox.topology import Topology, build_process_groups
+from tests.multiproc import run_ranks
+
+DP_DEGREES = (2, 1, 1)  # ranks 0, 1: cluster 0; rank 2: cluster 1; rank 3: cluster 2
+SHAPES = [(8, 16), (16,), (12, 8), (8,)]  # 128 + 16 + 96 + 8 = 248 values
+# L = lcm(2, 1, 1) = 2 lanes, parameter-aligned: lane 0 = the (8, 16) matrix (128 values, the closest cut to 124),
+# lane 1 = the other three tensors (120 values). Cluster 0's replica 0 owns lane 0, replica 1 lane 1; the replicas
+# of clusters 1 and 2 own both.
+LANE_NUMELS = (128, 120)
+LANES_OF_RANK = ([0], [1], [0, 1], [0, 1])
+CLUSTER_OF_RANK = (0, 0, 1, 2)
+INT4 = CompressionConfig(kind="int4", group_size=16)
+# int4 bytes of a tensor: 2 bytes of fp16 scale per group of 16, then half a byte per value.
+# lane 0: (8, 16) -> 2 x 8 + 64 = 80; lane 1: (16,) -> 2 + 8 = 10, (12, 8) -> 2 x 6 + 48 = 60, (8,) -> 2 + 4 = 6: 76
+INT4_LANE_BYTES = (80, 76)
+FP32_LANE_BYTES = (4 * 128, 4 * 120)
+
+
+def pseudo_grad(cluster: int, round_index: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(10 * cluster + round_index)
+    return torch.randn(248, generator=generator)
+
+
+def lane_tensors(flat: torch.Tensor, lane: int) -> list[torch.Tensor]:
+    tensors = [t.view(shape) for t, shape in zip(flat.split([128, 16, 96, 8]), SHAPES, strict=True)]
+    return tensors[:1] if lane == 0 else tensors[1:]
+
+
+def _exchange(rank, world_size):
+    topo = Topology.of_clusters(DP_DEGREES)
+    groups = build_process_groups(topo, rank)
+    coords = topo.coords(rank)
+    layout = LaneLayout(topo, coords.cluster, coords.dp)
+    shapes = [torch.Size(s) for s in SHAPES]
+    out = {}
+    for name, cfg in (("none", CompressionConfig(kind="none")), ("int4", INT4)):
+        channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+        reducer = LaneReducer(cfg, shapes, layout=layout, channel=channel, dp_group=groups.dp_group)
+        pending = reducer.launch(pseudo_grad(coords.cluster))
+        sent = pending.sent.clone()
+        mean = pending.wait().clone()
+        counters = (channel.bytes_sent, channel.bytes_recv, channel.control_bytes)
+        # a resumed run sends the saved bytes again, uncounted, and gets the same mean
+        again = LaneReducer(cfg, shapes, layout=layout, channel=channel, dp_group=groups.dp_group)
+        resent = again.relaunch(sent, account=False).wait().clone()
+        # round 2: cluster 2 abstains (its own update went non-finite) and is left out
+        round2 = reducer.abstain(pseudo_grad(2, 1)) if coords.cluster == 2 else reducer.launch(pseudo_grad(0, 1))
+        mean2 = round2.wait().clone()
+        out[name] = (mean, counters, resent, mean2, dict(round2.excluded), channel.stats()["num_transfers"])
+        channel.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def exchange():
+    return run_ranks(_exchange, sum(DP_DEGREES))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("name", "lane_bytes"), [("none", FP32_LANE_BYTES), ("int4", INT4_LANE_BYTES)])
+def test_each_rank_sends_its_lanes_to_the_owners_in_the_other_clusters_exactly(exchange, name, lane_bytes):
+    for rank, result in enumerate(exchange):
+        _, (sent, recv, control), _, _, _, num_transfers = result[name]
+        lanes = LANES_OF_RANK[rank]
+        # each of its lanes goes to the one owner of that lane in each of the 2 other clusters, and comes from them
+        assert sent == recv == sum(2 * lane_bytes[lane] for lane in lanes), rank
+        assert control == 2 * 8 * len(lanes)  # one int64 length per lane and peer, sent first
+        assert num_transfers == 2  # the relaunch was not counted
+
+
+@pytest.mark.dist
+def test_the_fp32_lane_mean_is_the_mean_over_clusters_and_a_left_out_cluster_is_not_in_it(exchange):
+    want = sum(pseudo_grad(c) for c in range(3)) / 3
+    want2 = (pseudo_grad(0, 1) + pseudo_grad(0, 1)) / 2  # clusters 0 and 1 sent cluster 0's round-2 values
+    for result in exchange:
+        mean, _, resent, mean2, excluded, _ = result["none"]
+        torch.testing.assert_close(mean, want, rtol=0, atol=1e-6)
+        assert torch.equal(resent, mean)
+        torch.testing.assert_close(mean2, want2, rtol=0, atol=1e-6)
+        assert list(excluded) == [2] and "sent none" in excluded[2]
+
+
+@pytest.mark.dist
+def test_the_int4_lane_mean_is_the_mean_of_the_decoded_payloads(exchange):
+    # every cluster's codec of lane l starts from the seed of lane l (run.seed 0 + 7919 l): fresh codecs here
+    decoded = []
+    for cluster in range(3):
+        parts = []
+        for lane in (0, 1):
+            codec = build_codec(INT4, seed=7919 * lane)
+            tensors = lane_tensors(pseudo_grad(cluster), lane)
+            parts += [t.reshape(-1) for t in codec.decode_list(codec.encode_list(tensors), [t.shape for t in tensors])]
+        decoded.append(torch.cat(parts))
+    want = sum(decoded) / 3
+    assert (want - sum(pseudo_grad(c) for c in range(3)) / 3).abs().max() > 1e-3  # the premise: int4 is lossy
+    for result in exchange:
+        mean, _, resent, _, excluded, _ = result["int4"]
+        torch.testing.assert_close(mean, want, rtol=0, atol=1e-6)
+        assert torch.equal(resent, mean) and list(excluded) == [2]
+
+
+def _weighted(rank, world_size):
+    topo = Topology.of_clusters(DP_DEGREES)
+    groups = build_process_groups(topo, rank)
+    coords = topo.coords(rank)
+    cfg = load_config(
+        None,
+        [
+            "--sync.kind=diloco",
+            "--sync.inner_steps=1",
+            "--sync.sync_delay=0",
+            "--sync.outer_lr=1",
+            "--sync.outer_momentum=0",
+            "--compression.kind=none",
+            "--train.steps=1",
+        ],
+    )
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+    layout = LaneLayout(topo, coords.cluster, coords.dp)
+    sync = build_sync(cfg, params, channel=channel, dp_group=groups.dp_group, lanes=layout)
+    phi = sync.outer_params.clone()
+    with torch.no_grad():  # the cluster's round "trained" to theta_c = phi - its pseudo-gradient
+        for p, start, d in zip(params, phi.split([p.numel() for p in params]), pseudo_grad(coords.cluster).split(
+            [p.numel() for p in params]), strict=True):  # fmt: skip
+            p.copy_(start.view_as(p) - d.view_as(p))
+    sync.after_inner_step(1)
+    channel.close()
+    return phi, sync.outer_params.clone(), torch.cat([p.detach().reshape(-1) for p in params])
+
+
+@pytest.mark.dist
+def test_the_outer_average_weights_each_cluster_by_its_data_parallel_degree():
+    results = run_ranks(_weighted, sum(DP_DEGREES))
+    phi = results[0][0]
+    thetas = [phi - pseudo_grad(c) for c in range(3)]
+    want = (2 * thetas[0] + 1 * thetas[1] + 1 * thetas[2]) / 4  # sum_c dp_c theta_c / sum_c dp_c
+    plain = sum(thetas) / 3
+    assert (want - plain).abs().max() > 0.1  # the premise: the weights change the average
+    for start, outer_params, params in results:
+        assert torch.equal(start, phi)
+        torch.testing.assert_close(outer_params, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(params, want, rtol=0, atol=1e-5)  # the next round starts there
+
+
+def _empty_lane(rank, world_size):
+    topo = Topology.of_clusters((2, 1))  # 2 lanes of a stage of one tensor: lane 1 is empty
+    groups = build_process_groups(topo, rank)
+    coords = topo.coords(rank)
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+    layout = LaneLayout(topo, coords.cluster, coords.dp)
+    reducer = LaneReducer(CompressionConfig(kind="int4", group_size=4), [torch.Size((6,))], layout=layout,
+                          channel=channel, dp_group=groups.dp_group)  # fmt: skip
+    mean = reducer.launch(pseudo_grad(coords.cluster)[:6]).wait().clone()
+    held = reducer.held_back(torch.device("cpu"))
+    channel.close()
+    return mean, held, channel.bytes_sent, channel.control_bytes
+
+
+@pytest.mark.dist
+def test_an_empty_lane_moves_nothing_and_the_mean_is_whole():
+    results = run_ranks(_empty_lane, 3)
+    codec = build_codec(CompressionConfig(kind="int4", group_size=4), seed=0)
+    decoded = [codec.decode(codec.encode(pseudo_grad(c)[:6]), (6,)) for c in range(2)]
+    for rank, (mean, held, sent, control) in enumerate(results):
+        torch.testing.assert_close(mean, (decoded[0] + decoded[1]) / 2, rtol=0, atol=1e-6)
+        torch.testing.assert_close(held, pseudo_grad(0 if rank < 2 else 1)[:6] - decoded[0 if rank < 2 else 1])
+        # int4 of 6 values in groups of 4: 2 scales of 2 bytes + 3 bytes; replica 1 of cluster 0 owns the empty lane
+        assert (sent, control) == ((0, 0) if rank == 1 else (7, 8)), rank

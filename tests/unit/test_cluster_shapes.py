@@ -1,0 +1,85 @@
+"""Clusters of different data-parallel degree (`topology.clusters`, docs/design.md §2.1): ranks, coordinates, data
+shards, lanes and groups, checked against tables written out by hand; the uniform topology as it always was."""
+
+import pytest
+
+from dilocox.config import load_config
+from dilocox.topology import Coords, Topology, parse_cluster_shapes
+
+
+def test_uniform_topology_keeps_its_rank_order_shards_and_groups():
+    topo = Topology(num_clusters=2, dp_degree=2, pp_degree=2)
+    assert topo == Topology.of_clusters((2, 2), pp_degree=2) and topo.uniform
+    # rank = (cluster * dp_degree + dp) * pp_degree + pp
+    assert [topo.rank_of(c, d, p) for c in range(2) for d in range(2) for p in range(2)] == list(range(8))
+    assert topo.coords(5) == Coords(cluster=1, dp=0, pp=1)
+    assert [topo.shard_index(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert topo.num_shards == 4 and topo.world_size == 8
+    assert topo.all_groups() == {
+        "pp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "cluster": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    }
+
+
+def test_clusters_of_dp_2_1_1_number_ranks_cluster_major_with_stage_groups_and_lanes():
+    topo = Topology.of_clusters((2, 1, 1), pp_degree=1)
+    assert not topo.uniform and topo.world_size == 4 and topo.num_clusters == 3 and topo.dp_degree == 2
+    assert [topo.coords(r) for r in range(4)] == [Coords(0, 0, 0), Coords(0, 1, 0), Coords(1, 0, 0), Coords(2, 0, 0)]
+    assert [topo.rank_of(c, 0, 0) for c in range(3)] == [0, 2, 3]
+    assert [topo.shard_index(r) for r in range(4)] == [0, 1, 2, 3] and topo.num_shards == 4
+    assert topo.all_groups() == {"pp": [[0], [1], [2], [3]], "dp": [[0, 1], [2], [3]], "stage": [[0, 1, 2, 3]]}
+    assert topo.num_lanes == 2
+    assert [list(topo.lanes_of(c.cluster, c.dp)) for c in map(topo.coords, range(4))] == [[0], [1], [0, 1], [0, 1]]
+    assert [list(topo.ranks_of_cluster(c)) for c in range(3)] == [[0, 1], [2], [3]]
+    with pytest.raises(ValueError, match="outside a world of 4"):
+        topo.coords(4)
+
+
+def test_pipelined_clusters_of_dp_2_and_3_share_stage_groups_and_six_lanes():
+    topo = Topology.of_clusters((2, 3), pp_degree=2)  # ranks 0-3 cluster 0, 4-9 cluster 1
+    assert topo.world_size == 10 and topo.num_shards == 5
+    assert topo.coords(7) == Coords(cluster=1, dp=1, pp=1)
+    assert [topo.shard_index(r) for r in range(10)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    groups = topo.all_groups()
+    assert groups["pp"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    assert groups["dp"] == [[0, 2], [1, 3], [4, 6, 8], [5, 7, 9]]
+    assert groups["stage"] == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+    assert topo.num_lanes == 6
+    assert [list(topo.lanes_of(0, d)) for d in range(2)] == [[0, 1, 2], [3, 4, 5]]
+    assert [list(topo.lanes_of(1, d)) for d in range(3)] == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_cluster_shapes_parse_in_every_spelling_and_refuse_mixed_pipelines():
+    assert parse_cluster_shapes(["pp2xdp2", "dp1xpp2", "dp3"], pp_degree=2) == ((2, 1, 3), 2)
+    with pytest.raises(ValueError, match=r"topology.clusters\[1\] = 'pp2x1' is not a cluster shape"):
+        parse_cluster_shapes(["pp2xdp1", "pp2x1"], pp_degree=1)
+    with pytest.raises(ValueError, match="every cluster needs the same pipeline degree.*data-parallel degree only"):
+        parse_cluster_shapes(["pp2xdp2", "pp1xdp1"], pp_degree=1)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        parse_cluster_shapes(["dp0"], pp_degree=1)
+
+
+def test_clusters_set_the_global_degrees_over_the_files_and_refuse_a_contradiction():
+    cfg = load_config("configs/debug.toml", ["--preset=diloco", "--topology.clusters=pp1xdp2,pp1xdp1,pp1xdp1"])
+    cfg.validate(world_size=4)
+    t = cfg.topology
+    assert (t.num_clusters, t.dp_degree, t.pp_degree, cfg.world_size) == (3, 2, 1, 4)
+    assert t.build() == Topology.of_clusters((2, 1, 1))
+    # equal shapes are the uniform topology
+    equal = load_config("configs/debug.toml", ['--topology.clusters=["dp2xpp2", "pp2xdp2"]'])
+    assert equal.topology.build() == Topology(2, 2, 2)
+    cases = {
+        "--topology.num_clusters=3": "topology.num_clusters = 3 contradicts",
+        "--topology.dp_degree=1": "topology.dp_degree = 1 contradicts",
+        "--topology.elastic=true": "do not support topology.elastic = true",
+        "--compression.kind=int4 --compression.reduction=scalable": "do not support compression.reduction = scalable",
+        "--sync.aggregate=median --compression.kind=int4": "do not support sync.aggregate = median",
+    }
+    for flags, message in cases.items():
+        cfg = load_config("configs/debug.toml", ["--preset=diloco", "--topology.clusters=dp2,dp1", *flags.split()])
+        with pytest.raises(ValueError, match=message):
+            cfg.validate()
+    cfg = load_config("configs/debug.toml", ["--preset=diloco", "--topology.clusters=dp2,dp1"])
+    with pytest.raises(ValueError, match=r"started 4 ranks but topology.clusters = \['dp2', 'dp1'\] makes 2 x 1 \+ 1"):
+        cfg.validate(world_size=4)
