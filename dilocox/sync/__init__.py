@@ -58,11 +58,13 @@ def build_sync(
     pp_group: dist.ProcessGroup | None = None,
     inner_optimizer: torch.optim.Optimizer | None = None,
     membership: ElasticMembership | None = None,
+    tokens_per_step: int = 1,
 ) -> SyncStrategy:
     """The strategy named by `sync.kind`, over this rank's parameters. The outer-loop kinds get the public
     `OuterSync` around `DiLoCoSync`, so `dilocox train` and a user's own loop (docs/api.md) run one object;
     `inner_optimizer` has its state reset when the guard heals this cluster; over `pp_group` (the cluster's pipeline)
-    the stages agree on what the guard leaves out."""
+    the stages agree on what the guard leaves out; `tokens_per_step` (this cluster's, per inner step) weighs the
+    clusters' updates by their tokens under `sync.round = time`."""
     if cfg.sync.kind == "allreduce":
         return AllReduceSync(params, channel=channel, dp_group=dp_group)
     if cfg.sync.kind == "cocktail":
@@ -79,4 +81,5 @@ def build_sync(
         inner_optimizer=inner_optimizer,
         faults=cfg.faults,
         membership=membership,
+        tokens_per_step=tokens_per_step,
     )
