@@ -69,9 +69,26 @@ class RoundStats:
     also_excluded: tuple[tuple[int | None, int, str], ...] = ()
     """With sync.guard: (round, cluster, why) of the updates left out of other syncs waited for at the same step (at
     the last step: the round that ended there, before the final flush, and the drained residual, round None)."""
+    also_rounds: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
+    """Token-weighted syncs: (round, cluster steps, cluster tokens) of other syncs waited for at the same step (at the
+    last step of a delayed sync: the round before the last)."""
 
     def with_exclusions_of(self, *others: RoundStats | None) -> RoundStats:
-        """These stats, also carrying what the guard left out of `others`, syncs waited for at the same step."""
+        """These stats, also carrying what the guard left out of `others`, syncs waited for at the same step, and
+        the clusters' steps and tokens of the rounds they averaged."""
+        rounds = tuple(
+            item
+            for other in others
+            if other is not None
+            for item in (
+                *other.also_rounds,
+                *(
+                    ((other.round_index, other.cluster_steps, other.cluster_tokens),)
+                    if other.cluster_steps is not None and other.cluster_tokens is not None
+                    else ()
+                ),
+            )
+        )
         extra = tuple(
             item
             for other in others
@@ -81,7 +98,9 @@ class RoundStats:
                 *other.also_excluded,
             )
         )
-        return dataclasses.replace(self, also_excluded=self.also_excluded + extra)
+        return dataclasses.replace(
+            self, also_excluded=self.also_excluded + extra, also_rounds=self.also_rounds + rounds
+        )
 
     @property
     def hidden_s(self) -> float:
@@ -111,6 +130,12 @@ class RoundStats:
             record["round_index"] = self.round_index
             record["round_cluster_steps"] = list(self.cluster_steps)
             record["round_cluster_tokens"] = list(self.cluster_tokens)
+            # every round whose average landed at this step, oldest first (`dilocox plot`: steps per cluster)
+            landed = sorted([*self.also_rounds, (self.round_index, self.cluster_steps, self.cluster_tokens)])
+            record["rounds_landed"] = [
+                {"round": r, "cluster_steps": list(steps), "cluster_tokens": list(tokens)}
+                for r, steps, tokens in landed
+            ]
         if self.compute_s is not None:
             record["round_compute_s"] = self.compute_s
         if self.inner_steps is not None:
