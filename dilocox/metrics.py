@@ -304,6 +304,12 @@ class RunSummary:
     """sync.guard: rounds without a usable mean, whose outer step was skipped (stage 0)."""
     payloads_rejected: int = 0
     """Slow-link payloads all ranks dropped because their HMAC tag did not verify (network.auth_key_file)."""
+    cluster_tokens: list[int] | None = None
+    """Each cluster's training tokens (its own steps x its tokens per step; they differ with sync.round = time);
+    None in an elastic run's summary and in summaries written before it was recorded."""
+    cluster_train_s: list[float] | None = None
+    """Each cluster's training seconds, its first rank's: its inner steps only, without evaluations, checkpoints
+    and waits at round boundaries (a cluster's own speed is its tokens over these)."""
     wan_bytes_clusters: list[int] | None = None
     """The clusters whose ranks the byte counts cover: None for every cluster (a static run). An elastic run's
     clusters are separate worlds that never pool their counters, so its summary counts the ranks of the cluster

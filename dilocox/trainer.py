@@ -354,6 +354,8 @@ class Trainer:
         self.losses: list[float] = []
         self.lr_step: float = 0
         """The progress whose learning rate the last inner step used (its step; with time rounds the run's)."""
+        self.train_s = 0.0
+        """Seconds of this rank's inner steps across resumes (no evaluation, checkpoint or wait at a boundary)."""
         self.round_stats: RoundStats | None = None  # what the sync waited for at the last step cost, if anything
         self._tokenizer_vocab: str | None = None  # Tokenizer.vocab_fingerprint, read at the first checkpoint
         self.resumed_from: Path | None = None  # the checkpoint this process loaded, if any
@@ -404,6 +406,7 @@ class Trainer:
                 "step": self.step,
                 "elapsed_s": self.elapsed_before + self._elapsed(),
                 "eval_s": self.eval_s,
+                "train_s": self.train_s,
                 "initial_eval_loss": self.initial_eval_loss,
                 # elastic: torchft's step, which a resumed cluster presents so that the others heal from it
                 **({"torchft": self.membership.progress()} if self.membership is not None else {}),
@@ -421,6 +424,7 @@ class Trainer:
         self._last_checkpoint_step = self._checkpoint_position()
         self.elapsed_before = float(state["trainer"]["elapsed_s"])
         self.eval_s = float(state["trainer"]["eval_s"])
+        self.train_s = float(state["trainer"].get("train_s", 0.0))  # checkpoints written before it: from here on
         self.initial_eval_loss = state["trainer"]["initial_eval_loss"]
 
     def checkpoint_meta(self) -> dict[str, Any]:
@@ -498,8 +502,10 @@ class Trainer:
         self.inner_optimizer.zero_grad(set_to_none=True)
         if self.sleep_factor > 1.0:  # faults.slow_clusters: this cluster's step takes factor x its compute time
             time.sleep((self.sleep_factor - 1.0) * (time.perf_counter() - started))
+        step_s = time.perf_counter() - started
+        self.train_s += step_s
         if self.time_rounds:  # training time only: the boundary's wait below is not a step's
-            self.sync.add_step_time(time.perf_counter() - started)
+            self.sync.add_step_time(step_s)
         self.step += 1
         self.round_stats = self.sync.after_inner_step(self.step)
         return broadcast_from_last_stage(loss, self.groups.pp_group)
@@ -738,6 +744,7 @@ class Trainer:
             "payloads_rejected": stats["payloads_rejected"],
             # the first stage of each replica counts its batches (every stage of a pipeline reads the same)
             "tokens": self.step * self.cfg.train.micro_batch_size * self.cfg.train.seq_len * (self.coords.pp == 0),
+            "train_s": self.train_s,
         }
         gathered = all_gather_json(mine, group=dist.group.WORLD, max_bytes=_MAX_CONTROL_BYTES)
         if self.in_eval_pipeline and self.last_eval_loss is None:
@@ -746,6 +753,11 @@ class Trainer:
             self.eval_s = eval_s
         if self.rank != 0:
             return None
+        ranks = self.ranks_per_cluster  # gathered in rank order, cluster by cluster (docs/design.md §2)
+
+        def per_cluster(values: list, combine: Callable[[list], Any]) -> list:
+            return [combine(values[c * ranks : (c + 1) * ranks]) for c in range(len(values) // ranks)]
+
         final_eval_loss = self.last_eval_loss
         # every cluster's own steps (they differ with time rounds); an elastic cluster gathers only its own ranks
         tokens = self.step * self.tokens_per_step if self.elastic else sum(g["tokens"] for g in gathered)
@@ -791,6 +803,8 @@ class Trainer:
             split_seed=c.split_seed,
             guard_excluded_updates=guard["excluded_updates"],
             guard_skipped_rounds=guard["skipped_rounds"],
+            cluster_tokens=None if self.elastic else per_cluster([g["tokens"] for g in gathered], sum),
+            cluster_train_s=None if self.elastic else per_cluster([g["train_s"] for g in gathered], lambda v: v[0]),
         )
         summary.write(self.run_dir)
         if logger is not None:

@@ -46,6 +46,8 @@ def test_time_rounds_give_the_slow_cluster_fewer_steps_and_resume_exactly(tmp_pa
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["outer_steps"] == 3 and summary["steps"] == 24  # cluster 0's own steps
     assert summary["tokens"] == 3 * (8 + 8 + 4) * TOKENS_PER_STEP  # every cluster's own tokens
+    assert summary["cluster_tokens"] == [24 * TOKENS_PER_STEP, 24 * TOKENS_PER_STEP, 12 * TOKENS_PER_STEP]
+    assert len(summary["cluster_train_s"]) == 3
     assert rows[-1]["tokens"] == summary["tokens"]
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     # checkpoints by round: the same boundary on every cluster, named by its nominal step
