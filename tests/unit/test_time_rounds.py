@@ -4,7 +4,8 @@ import tomllib
 
 import pytest
 
-from dilocox.config import load_config, to_toml
+from dilocox.checkpoint import check_resume, write_meta
+from dilocox.config import load_config, to_dict, to_toml
 from dilocox.sync.config import SyncConfig
 from dilocox.sync.rounds import RoundClock, RoundReport, token_weighted_factor
 
@@ -101,3 +102,26 @@ def test_the_weighted_factor_counts_the_clusters_kept():
     assert token_weighted_factor(reports, excluded={1: "outsized"}, round_tokens=800) == (2 / 1.5, 1.5)
     assert token_weighted_factor([RoundReport(8, 0, 1.0)] * 2, excluded={}, round_tokens=800) == (0.0, 0.0)
     assert token_weighted_factor([None, reports[2]], excluded={}, round_tokens=800) == (2 / 1.5, 1.5)
+
+
+def test_a_checkpoint_resumes_only_into_the_round_mode_it_was_written_with(tmp_path):
+    steps = load_config(None, ["--topology.num_clusters=3"])
+    time_rounds = load_config(None, ["--topology.num_clusters=3", "--sync.round=time"])
+    for written, resumed, was, now in (
+        (steps, time_rounds, "'steps'", "'time'"),
+        (time_rounds, steps, "'time'", "'steps'"),
+    ):
+        path = tmp_path / f"from_{written.sync.round}"
+        path.mkdir()
+        write_meta(path, {"step": 8, "config": to_dict(written), "files": {"rank0.pt": {}}})
+        check_resume(written, path)  # the same settings resume
+        with pytest.raises(ValueError, match=f"sync.round was {was} in the checkpoint, {now} now"):
+            check_resume(resumed, path)
+    legacy = to_dict(steps)
+    del legacy["sync"]["round"]  # written before sync.round existed: step rounds
+    path = tmp_path / "legacy"
+    path.mkdir()
+    write_meta(path, {"step": 8, "config": legacy, "files": {"rank0.pt": {}}})
+    check_resume(steps, path)
+    with pytest.raises(ValueError, match="sync.round was 'steps'"):
+        check_resume(time_rounds, path)
