@@ -352,7 +352,13 @@ _IDENTITY_FIELDS = {
     "flavor": "model.flavor",
 }
 """`run_identity` keys as config fields (checkpoints written before meta.json held the config carry only these)."""
-_LEGACY_VALUES = {"data.shard": "contiguous", "data.split_seed": -1, "topology.elastic": False, "sync.fragments": 1}
+_LEGACY_VALUES = {
+    "data.shard": "contiguous",
+    "data.split_seed": -1,
+    "topology.elastic": False,
+    "sync.fragments": 1,
+    "sync.round": "steps",
+}
 """What a config written before a field existed meant by its absence."""
 
 
@@ -372,7 +378,17 @@ def resume_fields(cfg: Config, saved: dict[str, Any]) -> list[str]:
         fields.append("data.vocab_size")  # both train their BPE here: its size is the model's vocabulary
     fields += ["data.shard", "data.split_seed", "train.seq_len", "train.optimizer"]
     if cfg.sync.has_outer_loop:
-        outer = ("inner_steps", "sync_delay", "fragments", "outer_optimizer", "outer_lr", "outer_momentum", "nesterov")
+        # sync.round: a time-round state carries the round clock and the reports, and its ranks' steps differ
+        outer = (
+            "inner_steps",
+            "sync_delay",
+            "fragments",
+            "round",
+            "outer_optimizer",
+            "outer_lr",
+            "outer_momentum",
+            "nesterov",
+        )
         fields += [f"sync.{name}" for name in outer]
         if cfg.sync.outer_optimizer == "adamw":
             fields += [f"sync.{name}" for name in ("outer_beta1", "outer_beta2", "outer_weight_decay")]

@@ -454,6 +454,11 @@ class Config:
                 self.sync.fragments > 1,
                 "set sync.fragments = 1 (a fragment's sync is not split into lanes)",
             ),
+            (
+                "sync.round = time",
+                self.sync.round == "time",
+                "use sync.round = steps (each cluster's update is then weighted by its replicas' tokens)",
+            ),
         ]
         for what, bad, fix in refused:
             if bad:
@@ -533,6 +538,12 @@ class Config:
                 f"faults.kind = {self.faults.kind}",
                 self.faults.enabled,
                 "inject faults into a static run, or kill a cluster's process",
+            ),
+            (
+                "sync.round = time",
+                self.sync.round == "time",
+                "every quorum meets at one round boundary, which a cluster's own time budget does not know; use "
+                "sync.round = steps",
             ),
         ]
         for what, bad, fix in refused:
@@ -648,6 +659,8 @@ def _coerce(name: str, value: Any, typ: type, *, from_text: bool) -> Any:
                 return float(text)
         except ValueError:
             raise ValueError(f"{name} = {value!r} is not a valid {typ.__name__}") from None
+        if typ is dict:
+            return _parse_table(name, text)
         return value
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -656,6 +669,28 @@ def _coerce(name: str, value: Any, typ: type, *, from_text: bool) -> Any:
     if not isinstance(value, typ):
         raise ValueError(f"{name} = {value!r} must be a {typ.__name__}, got {type(value).__name__}")
     return value
+
+
+def _parse_table(name: str, text: str) -> dict[str, Any]:
+    """A table option given on the command line: a TOML inline table (`{2 = 2.0}`) or `key:value` pairs separated by
+    commas (`2:2.0,1:1.5`); the values are TOML values (numbers, booleans, quoted strings), "" is the empty table."""
+    if not text or text == "{}":
+        return {}
+    inline = text if text.startswith("{") else "{" + ", ".join(_pair(name, part) for part in text.split(",")) + "}"
+    try:
+        return tomllib.loads(f"table = {inline}")["table"]
+    except tomllib.TOMLDecodeError:
+        raise ValueError(
+            f"{name} = {text!r} is not a table: write key:value pairs, e.g. --{name}=2:2.0,1:1.5, or a TOML inline "
+            "table, e.g. '--" + name + "={2 = 2.0}'"
+        ) from None
+
+
+def _pair(name: str, part: str) -> str:
+    key, colon, value = part.partition(":")
+    if not colon or not key.strip() or not value.strip():
+        raise ValueError(f"{name}: {part!r} is not a key:value pair; write e.g. --{name}=2:2.0,1:1.5")
+    return f"{json.dumps(key.strip())} = {value.strip()}"
 
 
 def _set(cfg: Config, name: str, value: Any, *, from_text: bool) -> None:
@@ -863,4 +898,6 @@ def _toml_value(value: Any) -> str:
         return str(value)
     if isinstance(value, float):
         return repr(value)
+    if isinstance(value, dict):  # an inline table, keys quoted (a cluster number is a TOML key only as text)
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return json.dumps(value)  # a TOML basic string uses the same escapes

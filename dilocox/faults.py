@@ -18,6 +18,12 @@ update, so its next pseudo-gradients are normal again.
 The lying kinds are a wrapper around the cluster's reducer (`FaultyReducer`); `diverge` acts on the parameters,
 where the outer loop asks `diverges` at the first step of each round.
 
+Slow clusters (`faults.slow_clusters`, e.g. `{2 = 2.0}`) make heterogeneity measurable on one machine, independently
+of `faults.kind`: with `faults.slow_mode = "sleep"` every inner step of such a cluster takes factor x longer for real
+(its ranks sleep (factor - 1) x the step's measured compute time after it); with `"virtual"` nothing sleeps and the
+time-round clock (`sync.round = "time"`, `dilocox.sync.rounds`) counts each of its steps as exactly factor units, so
+schedules are deterministic.
+
     faults = FaultConfig(cluster=3, kind="scale", rounds="2-4")
     faults.active(cluster=3, round_index=3)          # True
     sent = faults.corrupt(pseudo_grad, round_index=3)
@@ -26,8 +32,9 @@ where the outer loop asks `diverges` at the first step of each round.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
@@ -41,6 +48,9 @@ if TYPE_CHECKING:
 FaultKind = Literal["none", "diverge", "nan", "scale", "random", "sign", "forge"]
 """Every `faults.kind` (the table above)."""
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
+SlowMode = Literal["sleep", "virtual"]
+"""How a slow cluster is slow (`faults.slow_mode`): it sleeps for real, or only the time-round clock counts it slow."""
+SLOW_MODES: tuple[str, ...] = get_args(SlowMode)
 
 
 @dataclass
@@ -53,6 +63,10 @@ class FaultConfig:
     """Outer rounds (1-based) in which it misbehaves: "3", "2-5", or "2-" for every round from the second."""
     scale: float = 1000.0
     """kind = scale: the factor."""
+    slow_clusters: dict = field(default_factory=dict)
+    """Clusters slower than the rest, cluster -> factor >= 1: {2 = 2.0} (flag: --faults.slow_clusters=2:2.0,1:1.5)."""
+    slow_mode: SlowMode = "sleep"
+    """slow_clusters: sleep (each step really takes factor x longer) or virtual (only sync.round = time counts it)."""
 
     def validate(self, num_clusters: int | None = None) -> None:
         """Raise ValueError naming the first impossible setting of `[faults]` and how to fix it."""
@@ -61,6 +75,33 @@ class FaultConfig:
         if self.cluster < 0 or (num_clusters is not None and self.cluster >= num_clusters):
             limit = f" < topology.num_clusters = {num_clusters}" if num_clusters is not None else ""
             raise ValueError(f"faults.cluster = {self.cluster} must be >= 0{limit}")
+        self.slow_factors(num_clusters)
+
+    def slow_factors(self, num_clusters: int | None = None) -> dict[int, float]:
+        """`slow_clusters` as {cluster: factor}, checked: clusters are ints in [0, num_clusters), factors >= 1."""
+        factors: dict[int, float] = {}
+        for key, value in self.slow_clusters.items():
+            try:
+                cluster = int(key)
+            except (TypeError, ValueError):
+                cluster = -1
+            limit = f" < topology.num_clusters = {num_clusters}" if num_clusters is not None else ""
+            if cluster < 0 or (num_clusters is not None and cluster >= num_clusters) or isinstance(key, bool):
+                raise ValueError(
+                    f"faults.slow_clusters names cluster {key!r}, which is not a cluster: use 0 <= cluster{limit}, "
+                    "e.g. {2 = 2.0}"
+                )
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 1:
+                raise ValueError(
+                    f"faults.slow_clusters = {{{key} = {value!r}}}: a factor must be a number >= 1 (2.0: every step "
+                    "of that cluster takes twice as long)"
+                )
+            factors[cluster] = float(value)
+        return factors
+
+    def slow_factor(self, cluster: int) -> float:
+        """How many times slower than an unslowed cluster `cluster` is (1.0: not slowed)."""
+        return self.slow_factors().get(cluster, 1.0)
 
     def round_range(self) -> tuple[int, int | None]:
         """(first, last) rounds of `rounds`, last None for open-ended."""

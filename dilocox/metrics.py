@@ -309,6 +309,12 @@ class RunSummary:
     (`WanChannel.peak_in_flight_bytes`; 0 in summaries written before it was recorded)."""
     fragments: int = 1
     """sync.fragments: the parts each stage's outer sync is streamed in."""
+    cluster_tokens: list[int] | None = None
+    """Each cluster's training tokens (its own steps x its tokens per step; they differ with sync.round = time);
+    None in an elastic run's summary and in summaries written before it was recorded."""
+    cluster_train_s: list[float] | None = None
+    """Each cluster's training seconds, its first rank's: its inner steps only, without evaluations, checkpoints
+    and waits at round boundaries (a cluster's own speed is its tokens over these)."""
     wan_bytes_clusters: list[int] | None = None
     """The clusters whose ranks the byte counts cover: None for every cluster (a static run). An elastic run's
     clusters are separate worlds that never pool their counters, so its summary counts the ranks of the cluster

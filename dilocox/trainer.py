@@ -151,9 +151,10 @@ def configure_compute(model: Decoder, cfg: Config) -> None:
             block.compile()
 
 
-def lr_at(cfg: Config, step: int, *, peak: float | None = None) -> float:
+def lr_at(cfg: Config, step: float, *, peak: float | None = None) -> float:
     """Inner learning rate of 0-based step `step`: linear warm-up to `peak` (train.lr unless given), then cosine
-    decay to peak x min_lr_ratio."""
+    decay to peak x min_lr_ratio. With time rounds `step` is the run's progress (`OuterSync.progress_step`), which
+    may fall between two steps."""
     t = cfg.train
     peak = t.lr if peak is None else peak
     if step < t.warmup_steps:
@@ -163,7 +164,7 @@ def lr_at(cfg: Config, step: int, *, peak: float | None = None) -> float:
     return peak * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def set_inner_lr(optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> None:
+def set_inner_lr(optimizer: torch.optim.Optimizer, cfg: Config, step: float) -> None:
     """Put step `step`'s learning rate in every group of the inner optimizer: `lr_at`, and for `MuonAdamW`'s Muon
     group the same schedule from train.muon_lr."""
     lr = lr_at(cfg, step)
@@ -315,6 +316,9 @@ class Trainer:
         )
         self.lanes = None if self.topology.uniform else LaneLayout(self.topology, self.coords.cluster, self.coords.dp)
         """Clusters of different data-parallel degree: this rank's lanes of its stage (docs/design.md §2.1)."""
+        cluster_dp = self.topology.dp_degrees[self.coords.cluster]
+        self.cluster_tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len * cluster_dp
+        """Tokens this cluster trains on per inner step (all its data-parallel replicas)."""
         self.sync = build_sync(
             cfg,
             self.model.parameters(),
@@ -324,7 +328,12 @@ class Trainer:
             inner_optimizer=self.inner_optimizer,
             membership=self.membership,
             lanes=self.lanes,
+            tokens_per_step=self.cluster_tokens_per_step,
         )
+        self.time_rounds = cfg.sync.has_outer_loop and cfg.sync.round == "time"
+        """Every cluster trains for the same time budget per round; the run is ceil(train.steps / H) rounds."""
+        self.sleep_factor = cfg.faults.slow_factor(self.coords.cluster) if cfg.faults.slow_mode == "sleep" else 1.0
+        """faults.slow_clusters, sleep mode: every inner step of this cluster takes this many times longer."""
         self.guarded = cfg.sync.has_outer_loop and cfg.sync.guard
         """A non-finite loss does not stop the run at once: the guard heals the cluster at the round's end."""
         self.stream = ShardedTokenStream(
@@ -338,7 +347,7 @@ class Trainer:
         )
         self.tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len * self.topology.num_shards
         self.step = 0
-        self._last_checkpoint_step = 0  # the step of the last checkpoint saved or resumed from
+        self._last_checkpoint_step = 0  # the checkpoint position (`_checkpoint_position`) of the last one
         self.elapsed_before = 0.0  # training seconds of the run before a resume
         self._start: float | None = None  # perf_counter() when this process started training
         self.initial_eval_loss: float | None = None
@@ -347,6 +356,10 @@ class Trainer:
         self.eval_tokens = 0  # tokens scored by the last evaluation
         self.eval_s = 0.0  # rank 0's time spent evaluating during training (excluded from tokens_per_s)
         self.losses: list[float] = []
+        self.lr_step: float = 0
+        """The progress whose learning rate the last inner step used (its step; with time rounds the run's)."""
+        self.train_s = 0.0
+        """Seconds of this rank's inner steps across resumes (no evaluation, checkpoint or wait at a boundary)."""
         self.round_stats: RoundStats | None = None  # what the sync waited for at the last step cost, if anything
         self._tokenizer_vocab: str | None = None  # Tokenizer.vocab_fingerprint, read at the first checkpoint
         self.resumed_from: Path | None = None  # the checkpoint this process loaded, if any
@@ -397,6 +410,7 @@ class Trainer:
                 "step": self.step,
                 "elapsed_s": self.elapsed_before + self._elapsed(),
                 "eval_s": self.eval_s,
+                "train_s": self.train_s,
                 "initial_eval_loss": self.initial_eval_loss,
                 # elastic: torchft's step, which a resumed cluster presents so that the others heal from it
                 **({"torchft": self.membership.progress()} if self.membership is not None else {}),
@@ -410,9 +424,11 @@ class Trainer:
         self.sync.load_state_dict(state["sync"])
         self.stream.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"])
-        self.step = self._last_checkpoint_step = int(state["trainer"]["step"])
+        self.step = int(state["trainer"]["step"])
+        self._last_checkpoint_step = self._checkpoint_position()
         self.elapsed_before = float(state["trainer"]["elapsed_s"])
         self.eval_s = float(state["trainer"]["eval_s"])
+        self.train_s = float(state["trainer"].get("train_s", 0.0))  # checkpoints written before it: from here on
         self.initial_eval_loss = state["trainer"]["initial_eval_loss"]
 
     def checkpoint_meta(self) -> dict[str, Any]:
@@ -452,10 +468,10 @@ class Trainer:
         bad = [name for name, p in self.model.named_parameters() if not torch.isfinite(p).all()]
         if bad:
             self._diverged(f"non-finite parameters ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
-        self._last_checkpoint_step = self.step
+        self._last_checkpoint_step = self._checkpoint_position()
         return save_checkpoint(
             self.run_dir,
-            self.step,
+            self._last_checkpoint_step,  # time rounds: the round's nominal step, the same on every cluster
             self.state_dict(),
             rank=self.checkpoint_rank,
             meta=self.checkpoint_meta(),
@@ -479,14 +495,22 @@ class Trainer:
     # ---------------------------------------------------------------------------------------------- steps
     def train_step(self) -> float:
         """One inner step; returns the training loss (the last stage's, on every stage of the pipeline)."""
+        started = time.perf_counter()
         inputs, targets = self.stream.next_batch()  # (batch, seq) each; every stage of a pipeline reads the same
         loss = self.runner.train_step(inputs, targets)  # forward + backward over all microbatches
         self.sync.reduce_gradients()
         if self.cfg.train.grad_clip > 0:
             clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip, pp_group=self.groups.pp_group)
-        set_inner_lr(self.inner_optimizer, self.cfg, self.step)
+        self.lr_step = self.sync.progress_step(self.step) if self.time_rounds else self.step
+        set_inner_lr(self.inner_optimizer, self.cfg, self.lr_step)
         self.inner_optimizer.step()
         self.inner_optimizer.zero_grad(set_to_none=True)
+        if self.sleep_factor > 1.0:  # faults.slow_clusters: this cluster's step takes factor x its compute time
+            time.sleep((self.sleep_factor - 1.0) * (time.perf_counter() - started))
+        step_s = time.perf_counter() - started
+        self.train_s += step_s
+        if self.time_rounds:  # training time only: the boundary's wait below is not a step's
+            self.sync.add_step_time(step_s)
         self.step += 1
         self.round_stats = self.sync.after_inner_step(self.step)
         return broadcast_from_last_stage(loss, self.groups.pp_group)
@@ -523,8 +547,20 @@ class Trainer:
 
     def _checkpoint_due(self, interval: int) -> bool:
         """At a round boundary: whether a multiple of `interval` was passed since the last checkpoint (the same as
-        `_due` when rounds end on multiples of it; with compression.fit_link they may not)."""
-        return interval > 0 and self.step // interval > self._last_checkpoint_step // interval
+        `_due` when rounds end on multiples of it; with compression.fit_link they may not). With time rounds the
+        position is the run's, by round, so that every cluster checkpoints at the same boundary."""
+        return interval > 0 and self._checkpoint_position() // interval > self._last_checkpoint_step // interval
+
+    def _checkpoint_position(self) -> int:
+        """Where the run is for checkpoints: this rank's step, or with time rounds the nominal step of the last
+        round boundary (rounds completed x H, at most train.steps), the same on every cluster."""
+        if not self.time_rounds:
+            return self.step
+        return min(self.sync.outer_step * self.cfg.sync.inner_steps, self.cfg.train.steps)
+
+    def _finished(self) -> bool:
+        """Whether training is over: train.steps steps, or with time rounds every round of the run."""
+        return self.sync.rounds_done if self.time_rounds else self.step >= self.cfg.train.steps
 
     # ---------------------------------------------------------------------------------------------- loop
     def train(self) -> RunSummary | None:
@@ -558,7 +594,7 @@ class Trainer:
                     self.round_stats = self.sync.after_inner_step(self.step)
                 if self.step >= cfg.train.steps:
                     self.round_stats = self.sync.flush() or self.round_stats
-            while self.step < cfg.train.steps:
+            while not self._finished():
                 try:
                     self.losses.append(self.train_step())
                 except GuardError as error:  # the launcher stops the other ranks
@@ -566,7 +602,7 @@ class Trainer:
                 if not math.isfinite(self.losses[-1]) and not self.guarded:  # the launcher stops the other ranks
                     self._diverged(f"the training loss is {self.losses[-1]}")
                 boundary = self.sync.is_round_boundary(self.step)
-                last = self.step == cfg.train.steps
+                last = self._finished()
                 if last:  # the record of the last step carries the updates left out of every sync it waited for
                     flushed = self.sync.flush()
                     if flushed is not None:
@@ -590,6 +626,9 @@ class Trainer:
                 if logger is not None and due:
                     now = time.perf_counter()
                     tokens_per_s = (self.step - window_step) * self.tokens_per_step / (now - window_start)
+                    if self.time_rounds:  # the clusters' steps differ: their landed tokens over the training time
+                        trained_s = self.elapsed_before + self._elapsed() - self.eval_s
+                        tokens_per_s = self.sync.landed_tokens / trained_s if trained_s > 0 else float("nan")
                     logger.log(self._record(eval_loss, tokens_per_s))
                     for landed in self.round_stats.also_landed if self.round_stats is not None else ():
                         logger.log_event(self._round_record(landed))  # sync.fragments: one record per sync
@@ -676,8 +715,9 @@ class Trainer:
             "step": self.step,
             "outer_step": self.sync.outer_step,
             "loss": sum(self.losses) / len(self.losses) if self.losses else float("nan"),
-            "lr": lr_at(self.cfg, self.step - 1),
-            "tokens": self.step * self.tokens_per_step,
+            "lr": lr_at(self.cfg, self.lr_step),
+            # time rounds: every cluster's tokens in the rounds whose sync landed (exact once the last one did)
+            "tokens": self.sync.landed_tokens if self.time_rounds else self.step * self.tokens_per_step,
             "tokens_per_s": tokens_per_s,
             "wan_bytes_sent": stats["bytes_sent"],
             "wan_bytes_recv": stats["bytes_recv"],
@@ -718,6 +758,9 @@ class Trainer:
             "allreduce_equiv": per_step * self.step,
             "payloads_rejected": stats["payloads_rejected"],
             "peak_in_flight_bytes": stats["peak_in_flight_bytes"],
+            # the first stage of each replica counts its batches (every stage of a pipeline reads the same)
+            "tokens": self.step * self.cfg.train.micro_batch_size * self.cfg.train.seq_len * (self.coords.pp == 0),
+            "train_s": self.train_s,
         }
         gathered = all_gather_json(mine, group=dist.group.WORLD, max_bytes=_MAX_CONTROL_BYTES)
         if self.in_eval_pipeline and self.last_eval_loss is None:
@@ -726,8 +769,14 @@ class Trainer:
             self.eval_s = eval_s
         if self.rank != 0:
             return None
+        ranks = self.ranks_per_cluster  # gathered in rank order, cluster by cluster (docs/design.md §2)
+
+        def per_cluster(values: list, combine: Callable[[list], Any]) -> list:
+            return [combine(values[c * ranks : (c + 1) * ranks]) for c in range(len(values) // ranks)]
+
         final_eval_loss = self.last_eval_loss
-        tokens = self.step * self.tokens_per_step
+        # every cluster's own steps (they differ with time rounds); an elastic cluster gathers only its own ranks
+        tokens = self.step * self.tokens_per_step if self.elastic else sum(g["tokens"] for g in gathered)
         c = self.cfg
         checkpoints = list_checkpoints(self.run_dir)
         guard = self.sync.guard_counts
@@ -773,6 +822,8 @@ class Trainer:
             split_seed=c.split_seed,
             guard_excluded_updates=guard["excluded_updates"],
             guard_skipped_rounds=guard["skipped_rounds"],
+            cluster_tokens=None if self.elastic else per_cluster([g["tokens"] for g in gathered], sum),
+            cluster_train_s=None if self.elastic else per_cluster([g["train_s"] for g in gathered], lambda v: v[0]),
         )
         summary.write(self.run_dir)
         if logger is not None:

@@ -62,12 +62,14 @@ def build_sync(
     inner_optimizer: torch.optim.Optimizer | None = None,
     membership: ElasticMembership | None = None,
     lanes: LaneLayout | None = None,
+    tokens_per_step: int = 1,
 ) -> SyncStrategy:
     """The strategy named by `sync.kind`, over this rank's parameters. The outer-loop kinds get the public
     `OuterSync` around `DiLoCoSync`, so `dilocox train` and a user's own loop (docs/api.md) run one object;
     `inner_optimizer` has its state reset when the guard heals this cluster; over `pp_group` (the cluster's pipeline)
     the stages agree on what the guard leaves out; `lanes`: clusters of different data-parallel degree (outer-loop
-    kinds only, docs/design.md §2.1)."""
+    kinds only, docs/design.md §2.1); `tokens_per_step` (this cluster's, per inner step) weighs the clusters'
+    updates by their tokens under `sync.round = time`."""
     if lanes is not None and not cfg.sync.has_outer_loop:
         raise ValueError(
             f"sync.kind = {cfg.sync.kind} with clusters of different data-parallel degrees is not built; use sync.kind "
@@ -90,4 +92,5 @@ def build_sync(
         faults=cfg.faults,
         membership=membership,
         lanes=lanes,
+        tokens_per_step=tokens_per_step,
     )

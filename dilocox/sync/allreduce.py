@@ -12,12 +12,12 @@ from typing import Any
 import torch.distributed as dist
 
 from dilocox.net.channel import WanChannel, ring_all_reduce_bytes
-from dilocox.sync.base import GUARD_COUNTS, FlatParams, RoundStats, dp_mean_, shard_bounds
+from dilocox.sync.base import GUARD_COUNTS, FlatParams, RoundStats, StepRounds, dp_mean_, shard_bounds
 from dilocox.sync.reducers import DenseReducer
 from dilocox.topology import group_size
 
 
-class AllReduceSync:
+class AllReduceSync(StepRounds):
     """Data parallelism across clusters (the DiLoCoX paper's AllReduce baseline): hierarchical gradient mean,
     first over the fast dp_group, then each replica's 1/dp shard over the slow cluster_group."""
 

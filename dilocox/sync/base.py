@@ -62,6 +62,10 @@ class RoundStats:
     """With sync.guard: no usable mean, so the outer step was skipped."""
     round_index: int | None = None
     """The outer round (1-based) whose average this is (outer loops; None for the residual drained at the end)."""
+    cluster_steps: tuple[int, ...] | None = None
+    """Token-weighted syncs: the inner steps of each cluster in the round of this average (0: its report was lost)."""
+    cluster_tokens: tuple[int, ...] | None = None
+    """Token-weighted syncs: the tokens of each cluster in that round (0 also for a cluster that abstained)."""
     also_excluded: tuple[tuple[int | None, int, str], ...] = ()
     """With sync.guard: (round, cluster, why) of the updates left out of other syncs waited for at the same step (at
     the last step: the round that ended there, before the final flush, and the drained residual, round None)."""
@@ -69,9 +73,26 @@ class RoundStats:
     """sync.fragments > 1: the fragment (0-based) whose sync this is (`dilocox.sync.streaming`)."""
     also_landed: tuple[RoundStats, ...] = ()
     """sync.fragments > 1: the other fragments' syncs waited for at the same step, each its own round record."""
+    also_rounds: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
+    """Token-weighted syncs: (round, cluster steps, cluster tokens) of other syncs waited for at the same step (at the
+    last step of a delayed sync: the round before the last)."""
 
     def with_exclusions_of(self, *others: RoundStats | None) -> RoundStats:
-        """These stats, also carrying what the guard left out of `others`, syncs waited for at the same step."""
+        """These stats, also carrying what the guard left out of `others`, syncs waited for at the same step, and
+        the clusters' steps and tokens of the rounds they averaged."""
+        rounds = tuple(
+            item
+            for other in others
+            if other is not None
+            for item in (
+                *other.also_rounds,
+                *(
+                    ((other.round_index, other.cluster_steps, other.cluster_tokens),)
+                    if other.cluster_steps is not None and other.cluster_tokens is not None
+                    else ()
+                ),
+            )
+        )
         extra = tuple(
             item
             for other in others
@@ -81,7 +102,9 @@ class RoundStats:
                 *other.also_excluded,
             )
         )
-        return dataclasses.replace(self, also_excluded=self.also_excluded + extra)
+        return dataclasses.replace(
+            self, also_excluded=self.also_excluded + extra, also_rounds=self.also_rounds + rounds
+        )
 
     @property
     def hidden_s(self) -> float:
@@ -109,6 +132,16 @@ class RoundStats:
                 record["round_exclusions"] = [{"round": r, "cluster": c, "why": why} for r, c, why in exclusions]
         if self.fragment is not None:
             record["round_fragment"] = self.fragment
+        if self.cluster_steps is not None and self.cluster_tokens is not None:
+            record["round_index"] = self.round_index
+            record["round_cluster_steps"] = list(self.cluster_steps)
+            record["round_cluster_tokens"] = list(self.cluster_tokens)
+            # every round whose average landed at this step, oldest first (`dilocox plot`: steps per cluster)
+            landed = sorted([*self.also_rounds, (self.round_index, self.cluster_steps, self.cluster_tokens)])
+            record["rounds_landed"] = [
+                {"round": r, "cluster_steps": list(steps), "cluster_tokens": list(tokens)}
+                for r, steps, tokens in landed
+            ]
         if self.compute_s is not None:
             record["round_compute_s"] = self.compute_s
         if self.inner_steps is not None:
@@ -172,6 +205,36 @@ class SyncStrategy(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    @property
+    def rounds_done(self) -> bool:
+        """`sync.round = time`: whether every round of the run has ended (the clusters' step counts differ, so the
+        run ends by rounds). False otherwise: the trainer counts train.steps."""
+
+    @property
+    def landed_tokens(self) -> int:
+        """Token-weighted syncs: the tokens every cluster trained on in the rounds whose sync landed (else 0)."""
+
+    def progress_step(self, step: int) -> float:
+        """The run's progress at this rank's 0-based step `step`, in steps of an unslowed cluster, which the inner
+        learning rate follows: `step` itself, or with time rounds the round index plus the fraction of the round."""
+
+    def add_step_time(self, seconds: float) -> None:
+        """Count one inner step's training time (time rounds measure each cluster's step time from it)."""
+
+
+class StepRounds:
+    """The round-clock members of `SyncStrategy` for strategies whose every step is a round (allreduce, cocktail):
+    every cluster does every step, so the run ends at train.steps and its progress is the step."""
+
+    rounds_done = False
+    landed_tokens = 0
+
+    def progress_step(self, step: int) -> float:
+        return float(step)
+
+    def add_step_time(self, seconds: float) -> None:
+        pass
 
 
 class ElasticSync(SyncStrategy, Protocol):

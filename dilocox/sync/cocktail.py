@@ -17,12 +17,12 @@ from dilocox.compress import CocktailConfig, ErrorFeedback
 from dilocox.compress.payload import Payload
 from dilocox.compress.sparse import SparseInt4Codec
 from dilocox.net.channel import WanChannel, ring_all_gather_bytes, ring_all_reduce_bytes
-from dilocox.sync.base import GUARD_COUNTS, FlatParams, RoundStats, dp_mean_, shard_bounds
+from dilocox.sync.base import GUARD_COUNTS, FlatParams, RoundStats, StepRounds, dp_mean_, shard_bounds
 from dilocox.sync.reducers import gather_slices_
 from dilocox.topology import group_size
 
 
-class CocktailSync:
+class CocktailSync(StepRounds):
     """CocktailSGD (Wang et al. 2023, "CocktailSGD: Fine-tuning Foundation Models over 500Mbps Networks", ICML),
     the compressed per-step baseline of DiLoCoX's comparison (arXiv 2506.21263, docs/design.md §6).
 

@@ -34,6 +34,9 @@ OuterLrSchedule = Literal["constant", "cosine"]
 Aggregate = Literal["mean", "trimmed_mean", "median", "norm_clip"]
 """How the accepted updates of a round are averaged (`sync.aggregate`, `dilocox/sync/robust.py`)."""
 AGGREGATES: tuple[str, ...] = get_args(Aggregate)
+RoundMode = Literal["steps", "time"]
+"""What makes a round (`sync.round`): H inner steps on every cluster, or one time budget (`dilocox.sync.rounds`)."""
+ROUND_MODES: tuple[str, ...] = get_args(RoundMode)
 FIT_HEADROOM = 1.1
 """`fit_link` sizes a round so that its compute is at least this multiple of the last sync's link time."""
 
@@ -102,6 +105,10 @@ class SyncConfig:
     """aggregate = trimmed_mean: the share of the largest and of the smallest values dropped per coordinate."""
     min_clusters: int = 0
     """Fewest clusters a round may have before the run stops; 0 = all of them (static), 1 (topology.elastic)."""
+    round: RoundMode = "steps"
+    """steps: every cluster does H inner steps per round; time: every cluster trains for the same time budget."""
+    round_seconds: float = 0.0
+    """round = time: the budget of a round in seconds; 0 = H x the fastest cluster's mean step time."""
 
     @property
     def has_outer_loop(self) -> bool:
@@ -202,6 +209,7 @@ class SyncConfig:
                 f"{self.overlap_steps} applies it {self.overlap_steps} steps in; use one or the other"
             )
         self._check_fragments()
+        self._validate_round()
         if self.fit_link and 0 < self.fit_link_max_steps < self.inner_steps:
             raise ValueError(
                 f"sync.fit_link_max_steps = {self.fit_link_max_steps} is below sync.inner_steps = {self.inner_steps}: "
@@ -232,6 +240,41 @@ class SyncConfig:
                     f"sync.{option} = {str(value).lower()} does not work with sync.fragments = {self.fragments}: it "
                     f"{why}; set sync.{option} = {'false' if isinstance(value, bool) else 0}, or sync.fragments = 1"
                 )
+
+    def _validate_round(self) -> None:
+        """`sync.round` and `sync.round_seconds` against the rest: time rounds need an outer loop whose rounds end
+        where each cluster's budget does and an average that can weigh the clusters by their tokens."""
+        check_non_negative("sync", self, "round_seconds")
+        if self.round == "steps":
+            if self.round_seconds:
+                raise ValueError(
+                    f"sync.round_seconds = {self.round_seconds} is the budget of a time round: add "
+                    "--sync.round=time, or leave sync.round_seconds at 0"
+                )
+            return
+        refused = [  # (what, whether this config has it, the fix)
+            (f"sync.kind = {self.kind}", not self.has_outer_loop, "use sync.kind = diloco or dilocox"),
+            ("sync.fit_link = true", self.fit_link, "fit_link sizes H itself; leave it off"),
+            (
+                f"sync.overlap_steps = {self.overlap_steps}",
+                self.overlap_steps > 0,
+                "a landing a fixed number of steps into a round has no meaning when clusters do different numbers "
+                "of steps; use 0",
+            ),
+            (
+                f"sync.aggregate = {self.aggregate}",
+                self.aggregate != "mean",
+                "the clusters' updates are weighted by their tokens, which only the mean can do; use mean",
+            ),
+            (
+                f"sync.fragments = {self.fragments}",
+                self.fragments > 1,
+                "fragments are staggered by steps within rounds of H steps; use sync.fragments = 1",
+            ),
+        ]
+        for what, bad, fix in refused:
+            if bad:
+                raise ValueError(f"sync.round = time does not work with {what}: {fix}")
 
 
 def check_robust_reduction(sync: SyncConfig, compression: Any) -> None:

@@ -43,6 +43,7 @@ from dilocox.sync.outer_optimizer import (
 from dilocox.sync.reducer_factory import build_reducer
 from dilocox.sync.reducers import GatherReducer, PendingMean, Reducer
 from dilocox.sync.robust import RoundGuard
+from dilocox.sync.rounds import RoundClock, RoundReport, token_weighted_factor
 
 STATE_KEYS: tuple[str, ...] = (
     "outer_params",
@@ -59,6 +60,15 @@ STATE_KEYS: tuple[str, ...] = (
     "guard",
 )
 """The keys of `DiLoCoSync.state_dict`, all of which `load_state_dict` needs."""
+WEIGHTED_STATE_KEYS = (
+    "round_clock",
+    "reports",
+    "weight_sum",
+    "landed_tokens",
+    "pending_report",
+    "pending_report_seq",
+)
+"""The keys a token-weighted sync (`DiLoCoSync.weighted`) adds to its state."""
 
 
 class Landed(NamedTuple):
@@ -100,6 +110,16 @@ class DiLoCoSync:
 
     With a `membership` (elastic runs, docs/design.md §10.1) the same round runs over each boundary's torchft quorum:
     `ElasticRounds` meets the live clusters, launches over their group and settles the sync that is due among them.
+
+    Token-weighted averaging (`weighted`: `sync.round = "time"`, or `weigh_tokens=True` for clusters whose tokens per
+    step differ): the average of a round is sum_c n_c delta_c / sum_c n_c, n_c the tokens cluster c trained on in it.
+    Just before its pseudo-gradient each cluster all-gathers a `RoundReport` (steps, tokens, step time) on the same
+    channel (FIFO, bytes counted), sends n_c / n_ref x delta_c through the reducer (n_ref = `round_tokens`, the
+    nominal tokens of a round, the same on every cluster), and the landed mean is scaled by kept x n_ref / sum n_c
+    (`token_weighted_factor`), which works for every reducer and codec. Error feedback then holds what the cluster
+    still owes the weighted sum, and `sync.local_residual` keeps the cluster's share of it by the weights (the last
+    landed sum of weights instead of C). Unweighted, nothing of this runs: no report, no scaling.
+    With `sync.round = "time"` a `RoundClock` decides each round's steps on this cluster (`dilocox.sync.rounds`).
     """
 
     state_keys = STATE_KEYS
@@ -122,9 +142,15 @@ class DiLoCoSync:
         first_round_end: int | None = None,
         lanes: LaneLayout | None = None,
         cluster_weight: float = 1.0,
+        tokens_per_step: int = 1,
+        round_tokens: int | None = None,
+        weigh_tokens: bool = False,
     ) -> None:
         """`first_round_end`: the step at which the first round ends (default H; a streaming fragment's first round
-        is shorter, `dilocox.sync.streaming`); every later round has H steps."""
+        is shorter, `dilocox.sync.streaming`); every later round has H steps. `lanes` and `cluster_weight`: clusters
+        of different data-parallel degree (docs/design.md §2.1). `tokens_per_step`: the tokens this cluster trains on
+        per inner step; `round_tokens`: n_ref, the nominal tokens of one round, the same on every cluster (default H
+        x tokens_per_step); `weigh_tokens`: weigh the clusters by their tokens also with `sync.round = "steps"`."""
         cfg.validate()
         compression = compression or CompressionConfig()
         check_robust_reduction(cfg, compression)
@@ -162,6 +188,36 @@ class DiLoCoSync:
             self.num_outer_updates = math.ceil(total_steps / cfg.inner_steps)
         elif total_steps:  # the first round, then one per H steps after it, the last one cut at total_steps
             self.num_outer_updates = 1 + math.ceil(max(0, total_steps - first_round_end) / cfg.inner_steps)
+        self.time_rounds = cfg.round == "time"
+        self.weighted = self.time_rounds or weigh_tokens
+        """Whether the average weighs the clusters by their tokens (the class docstring)."""
+        if self.weighted and membership is not None:
+            raise ValueError("token-weighted rounds (sync.round = time) are not supported in elastic runs")
+        if self.time_rounds and not total_steps:
+            raise ValueError("sync.round = time makes the run ceil(total_steps / H) rounds: pass total_steps")
+        self.tokens_per_step = tokens_per_step
+        self.round_tokens = round_tokens if round_tokens is not None else cfg.inner_steps * tokens_per_step
+        self.reports: list[RoundReport | None] | None = None
+        """Every cluster's report of the last round whose sync landed (weighted syncs)."""
+        self.weight_sum = float(self.num_clusters)
+        """sum_c n_c / n_ref of the last landed round (weighted syncs; C before any): the local residual's divisor."""
+        self.landed_tokens = 0
+        """Tokens every cluster trained on in the rounds whose sync landed (weighted syncs)."""
+        self._own_weight = 1.0  # n_c / n_ref of the round just launched
+        self.clock: RoundClock | None = None
+        """sync.round = time: the steps of each round on this cluster."""
+        if self.time_rounds:
+            slow = faults.slow_factor(self.cluster) if faults is not None else 1.0
+            virtual = faults is not None and faults.slow_mode == "virtual"
+            self.clock = RoundClock(
+                cfg,
+                total_steps=total_steps,
+                virtual_factor=slow if virtual else None,
+                dp_group=dp_group,
+                pp_group=pp_group,
+                device=self.flat.params[0].device if self.flat.params else None,
+            )
+            self.inner_steps = self.round_end = self.clock.first_steps()
         if cfg.outer_lr_schedule == "cosine" and self.num_outer_updates is None:
             raise ValueError(
                 "sync.outer_lr_schedule = 'cosine' decays over the run's outer updates, so it needs the run's length: "
@@ -252,7 +308,32 @@ class DiLoCoSync:
         self.flat.scatter_grads(dp_mean_(self.flat.gather_grads(), self.dp_group))
 
     def is_round_boundary(self, step: int) -> bool:
-        return step in (self.round_end, self.total_steps) or (step > 0 and step == self.last_boundary)
+        return step in self._round_ends() or (step > 0 and step == self.last_boundary)
+
+    def _round_ends(self) -> tuple[int | None, ...]:
+        """The steps at which the round in progress ends: its end, and with step rounds the run's last step (time
+        rounds end the run after its rounds, at whatever step each cluster is)."""
+        return (self.round_end,) if self.time_rounds else (self.round_end, self.total_steps)
+
+    @property
+    def done(self) -> bool:
+        """sync.round = time: whether every round of the run has ended."""
+        return self.clock is not None and self.outer_step >= self.clock.num_rounds
+
+    def progress_step(self, step: int) -> float:
+        """The run's progress at this cluster's 0-based step `step` (of the round in progress), in steps of an
+        unslowed cluster: `step` itself with step rounds; with time rounds the round index plus the fraction of the
+        round done (`RoundClock.progress_step`), which the inner learning rate schedule follows."""
+        if self.clock is None:
+            return float(step)
+        return self.clock.progress_step(
+            self.outer_step + 1, step - self.last_boundary, max(1, self.round_end - self.last_boundary)
+        )
+
+    def add_step_time(self, seconds: float) -> None:
+        """sync.round = time: count one inner step's training time (the round's step time is measured from it)."""
+        if self.clock is not None:
+            self.clock.add_step_time(seconds)
 
     @property
     def guard_counts(self) -> dict[str, int]:
@@ -276,7 +357,7 @@ class DiLoCoSync:
         if self.faults is not None and step == self.last_boundary + 1:
             if self.faults.diverges(cluster=self.cluster, round_index=self.outer_step + 1):
                 self.flat.scatter_data(torch.full((self.numel,), float("nan")))  # faults: this round diverges
-        if step in (self.round_end, self.total_steps):
+        if step in self._round_ends():
             return self.end_round(step)
         if self.pending is not None and step == self.last_boundary + self.cfg.overlap_steps:
             return self.land_in_round(step)
@@ -299,10 +380,12 @@ class DiLoCoSync:
             pseudo_grad.mul_(self.cluster_weight)
         own_bad = self.cfg.guard and not newcomer and not bool(torch.isfinite(pseudo_grad).all())
         abstain = own_bad or newcomer
+        step_s = self.clock.close_round() if self.clock is not None else 0.0  # measured: collective in the cluster
+        report = RoundReport(round_steps, 0 if abstain else round_steps * self.tokens_per_step, step_s)
         if self.cfg.sync_delay == 0:
             if own_bad:  # before the encoding: what the bad round left in the residuals is not sent
                 self.reducer.heal()
-            self.prepare_sync(pseudo_grad, abstain=abstain)
+            self.prepare_sync(pseudo_grad, abstain=abstain, report=report)
             landed = self.perform_sync(round_steps=round_steps, round_index=round_index)
             heal = abstain or (landed is not None and landed.left_out)
             theta = self.outer_params if heal else self._with_held_back(self.outer_params)
@@ -315,7 +398,7 @@ class DiLoCoSync:
                 self.reducer.heal()
             # what the last encodings held back is read before this one takes it in
             held_before = self.reducer.held_back(self.state_device) if self._reads_held_back() else None
-            self.prepare_sync(pseudo_grad, abstain=abstain)  # pseudo_grad stays intact until the sync lands
+            self.prepare_sync(pseudo_grad, abstain=abstain, report=report)  # pseudo_grad stays intact
             theta = self.outer_params if heal else self._delayed_start(pseudo_grad, held_before)
         if self.cfg.guard and not newcomer:
             self.guard.count_own(own_bad, round_index)
@@ -327,20 +410,37 @@ class DiLoCoSync:
         self.flat.scatter_data(theta)
         self.round_start = theta.clone()
         self.outer_step += 1
+        if self.clock is not None and not self.done:
+            self.inner_steps = self.clock.next_steps(
+                self.outer_step + 1, last_step_s=step_s, reports=self.reports, own_index=self.cluster
+            )
         self.last_boundary, self.round_end = step, step + self.inner_steps
         return None if landed is None else landed.stats
 
-    def prepare_sync(self, pseudo_grad: torch.Tensor, *, abstain: bool = False) -> None:
+    def prepare_sync(
+        self, pseudo_grad: torch.Tensor, *, abstain: bool = False, report: RoundReport | None = None
+    ) -> None:
         """Launch the sync of this round's `pseudo_grad` (numel,) into `pending`: the reducer encodes it and starts
         averaging it on the channel's thread. A cluster that `abstain`s (its own update is non-finite, or it did not
-        train the round) sends nothing usable, and the others leave it out. Elastic: over this boundary's quorum."""
+        train the round) sends nothing usable, and the others leave it out. Elastic: over this boundary's quorum.
+        Weighted syncs: the round's `report` goes first, then the pseudo-gradient times n_c / n_ref."""
         if self.elastic is not None:
             self.elastic.before_launch()
+        sent_report = None
+        if self.weighted:
+            if report is None:
+                raise ValueError("a token-weighted sync needs the round's report: pass report=RoundReport(...)")
+            sent_report = report.to_tensor()
+            report_transfer = self.channel.launch_all_gather(sent_report)  # FIFO: lands before the payload
+            self._own_weight = report.tokens / self.round_tokens
+            pseudo_grad = pseudo_grad * self._own_weight  # a new tensor: the caller's stays as it was
         if abstain:
             self.pending = self.reducer.abstain(pseudo_grad)
             self.pending.abstained = True
         else:
             self.pending = self.reducer.launch(pseudo_grad)
+        if sent_report is not None:
+            self.pending.report, self.pending.report_sent = report_transfer, sent_report
 
     def perform_sync(self, *, round_steps: int | None, round_index: int, judge_link: bool = True) -> Landed | None:
         """Land the sync in flight, launched by round `round_index` after `round_steps` steps of compute: wait for its
@@ -440,7 +540,19 @@ class DiLoCoSync:
         if blocked_from is None:
             blocked_from = clock.now()
         compute_s = blocked_from - pending.transfer.launch_time
+        reports = None
+        if pending.report is not None:
+            reports = [None if r is None else RoundReport.from_tensor(r) for r in pending.report.wait()]
         avg = pending.wait()
+        if reports is not None:  # the token-weighted mean of the pre-scaled pseudo-gradients
+            factor, weight_sum = token_weighted_factor(
+                reports, excluded=pending.excluded, round_tokens=self.round_tokens
+            )
+            avg.mul_(factor)
+            self.reports = reports
+            if weight_sum > 0:
+                self.weight_sum = weight_sum
+            self.landed_tokens += sum(r.tokens for r in reports if r is not None)
         skipped = False
         if self.cfg.guard:
             skipped = self.guard.judge_landing(
@@ -465,6 +577,8 @@ class DiLoCoSync:
             excluded=dict(pending.excluded) if self.cfg.guard else None,
             skipped=skipped,
             round_index=round_index,
+            cluster_steps=None if reports is None else tuple(r.steps if r else 0 for r in reports),
+            cluster_tokens=None if reports is None else tuple(r.tokens if r else 0 for r in reports),
         )
         slower = judge_link and stats.link_s > compute_s > 0
         if self.cfg.sync_delay == 1 and slower and not self._warned and not self.cfg.fit_link:
@@ -489,19 +603,22 @@ class DiLoCoSync:
             held_before=held_before,
             read_held_after=functools.partial(self.reducer.held_back, self.state_device),
             feedback_decay=self.compression.feedback_decay,
+            weight=self._own_weight if self.weighted else None,
+            weight_sum=self.weight_sum if self.weighted else None,
         )
         start = self.merge.start(flight)
         if self.cfg.local_residual:
             share = self.merge.held_share(flight)
             if share is not None:
-                start = start - share / flight.num_clusters
+                start = start - share / flight.share_divisor
         return start
 
     def _with_held_back(self, phi: torch.Tensor) -> torch.Tensor:
         """Where a round (re)starts from the agreed `phi` once no average is in flight: phi itself, or under
         `sync.local_residual` phi minus this cluster's share (1/C) of what its codec holds back (a new tensor)."""
         held_back = self.reducer.held_back(self.state_device) if self.cfg.local_residual else None
-        return phi.clone() if held_back is None else phi - held_back / self.num_clusters
+        divisor = self.weight_sum if self.weighted else self.num_clusters  # weighted: the cluster's weight
+        return phi.clone() if held_back is None else phi - held_back / divisor
 
     def _reads_held_back(self) -> bool:
         """Whether a delayed round's start depends on what the codec held back before the round's encoding."""
@@ -529,8 +646,10 @@ class DiLoCoSync:
             CompressionConfig(kind="int4", error_feedback=False, group_size=self.compression.group_size)
         )
         with self.channel.off_peak():  # a one-off transfer at the end: the peak in flight is the rounds'
-            launched = drain.launch(held_back)
-        avg, stats = self.wait_sync(launched, judge_link=False, judge_mean=False)
+            pending = drain.launch(held_back)
+        avg, stats = self.wait_sync(pending, judge_link=False, judge_mean=False)
+        if self.weighted:  # the residuals are in weighted units: their sum over the last landed sum of weights
+            avg.mul_((self.num_clusters - len(pending.excluded)) / self.weight_sum)
         if not stats.skipped:
             self.outer_params.sub_(avg, alpha=self.outer.lr)
         self.reducer.heal()  # sent: nothing is held back any more
@@ -579,6 +698,20 @@ class DiLoCoSync:
             "reduction": self.reducer.name,
             "reducer": self.reducer.state_dict(),
             "guard": self.guard.state_dict(),
+            **(self._weighted_state() if self.weighted else {}),
+        }
+
+    def _weighted_state(self) -> dict[str, Any]:
+        """What a token-weighted sync adds (`WEIGHTED_STATE_KEYS`): the round clock, the last landed reports and the
+        report of the sync in flight, which a resumed run sends again before its payload."""
+        pending_report = None if self.pending is None else self.pending.report_sent
+        return {
+            "round_clock": None if self.clock is None else self.clock.state_dict(),
+            "reports": None if self.reports is None else [None if r is None else r.to_tensor() for r in self.reports],
+            "weight_sum": self.weight_sum,
+            "landed_tokens": self.landed_tokens,
+            "pending_report": None if pending_report is None else pending_report.clone(),
+            "pending_report_seq": -1 if pending_report is None else self.pending.report.seq,  # type: ignore[union-attr]
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -587,6 +720,11 @@ class DiLoCoSync:
             raise ValueError(
                 f"this outer-sync state lacks {', '.join(missing)}: load_state_dict takes what state_dict() of this "
                 "version returned; start a new run (dilocox eval still reads its model)"
+            )
+        if self.weighted != all(key in state for key in WEIGHTED_STATE_KEYS):
+            saved = "unweighted (sync.round = steps)" if self.weighted else "token-weighted (sync.round = time)"
+            raise ValueError(
+                f"this outer-sync state is {saved}, this run is not: resume with the sync.round it was written with"
             )
         if state["reduction"] != self.reducer.name:
             raise ValueError(
@@ -603,6 +741,16 @@ class DiLoCoSync:
         self.last_boundary = int(state["last_boundary"])
         self.reducer.load_state_dict(state["reducer"])
         self.guard.load_state_dict(state["guard"])
+        report_flight = None
+        if self.weighted:
+            if self.clock is not None and state["round_clock"] is not None:
+                self.clock.load_state_dict(state["round_clock"])
+            saved = state["reports"]
+            self.reports = None if saved is None else [None if r is None else RoundReport.from_tensor(r) for r in saved]
+            self.weight_sum = float(state["weight_sum"])
+            self.landed_tokens = int(state["landed_tokens"])
+            if state["pending_report"] is not None:
+                report_flight = state["pending_report"], not state["pending_report_seq"] < self.channel.num_transfers
         # Every rank resumes from the same step and loads in the same order, so the re-sends pair up across
         # clusters. The link counters (restored first) hold the transfer exactly when it had arrived on this rank.
         self.pending, flight = None, None
@@ -612,7 +760,12 @@ class DiLoCoSync:
         if self.elastic is not None:  # sent again over the first quorum's group, once this cluster is in it
             self.elastic.resume(self.last_boundary, flight)
         elif flight is not None:
+            report = None
+            if report_flight is not None:  # sent again first, as it was first sent
+                report = self.channel.launch_all_gather(report_flight[0], account=report_flight[1])
             self.pending = self.reducer.relaunch(flight[0], account=flight[1])
+            if report is not None:
+                self.pending.report, self.pending.report_sent = report, report_flight[0]
 
     def agreed_state(self) -> dict[str, Any]:
         """What every cluster holds alike at a boundary: phi, the outer optimizer's state and the round counters

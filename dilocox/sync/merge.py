@@ -35,6 +35,8 @@ class InFlight:
         held_before: torch.Tensor | None = None,
         read_held_after: Callable[[], torch.Tensor | None] | None = None,
         feedback_decay: float = 1.0,
+        weight: float | None = None,
+        weight_sum: float | None = None,
     ) -> None:
         self.outer_params = outer_params
         """phi, with every landed average applied: (numel,) fp32."""
@@ -46,9 +48,27 @@ class InFlight:
         self.held_before = held_before
         self.feedback_decay = feedback_decay
         """`compression.feedback_decay` d: what the codec holds back is d times its residual."""
+        self.weight = weight
+        """Token-weighted syncs: this cluster's n_c / n_ref of round t, by which its payload was scaled (None:
+        unweighted, every cluster counts 1)."""
+        self.weight_sum = weight_sum
+        """Token-weighted syncs: the sum of the clusters' weights of the last landed round (the estimate of round
+        t's, by which the average divides)."""
         self._read_held_after = read_held_after
         self._held_after: torch.Tensor | None = None
         self._read = False
+
+    @property
+    def share_divisor(self) -> float:
+        """What this cluster's part of the sum is divided by in the average: C, or the sum of weights."""
+        return self.num_clusters if self.weight_sum is None else self.weight_sum
+
+    def own_share(self) -> torch.Tensor:
+        """This cluster's share of round t's average, were the others' zero: pseudo_grad / C, or weighted
+        n_c delta_c / sum_c n_c."""
+        if self.weight is None:
+            return self.pseudo_grad / self.num_clusters
+        return self.pseudo_grad * self.weight / self.share_divisor
 
     def held_after(self) -> torch.Tensor | None:
         if not self._read:
@@ -103,7 +123,7 @@ class Eager(MergeRule):
     name = "eager"
 
     def start(self, flight: InFlight) -> torch.Tensor:
-        return flight.predict(flight.pseudo_grad / flight.num_clusters)
+        return flight.predict(flight.own_share())
 
 
 class Lookahead(MergeRule):
@@ -135,8 +155,12 @@ class OwnPayload(MergeRule):
             return Eager().start(flight)
         held_after = flight.held_after()  # d r_new, d = compression.feedback_decay
         assert held_after is not None, "a codec that held something back before an encoding holds a residual after it"
-        sent = flight.pseudo_grad + flight.held_before - held_after / flight.feedback_decay  # input - new residual
-        return flight.predict(sent)
+        if flight.weight is None:
+            sent = flight.pseudo_grad + flight.held_before - held_after / flight.feedback_decay  # input - new residual
+            return flight.predict(sent)
+        # weighted: the codec's input was weight x pseudo_grad + held_before; what it sent, back in own units
+        scaled = flight.pseudo_grad * flight.weight + flight.held_before - held_after / flight.feedback_decay
+        return flight.predict(scaled / flight.weight)
 
     def held_share(self, flight: InFlight) -> torch.Tensor | None:
         return None if flight.held_before is None else flight.held_after()

@@ -155,6 +155,9 @@ class OuterSync:
         membership: ElasticMembership | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
         lanes: LaneLayout | None = None,
+        tokens_per_step: int = 1,
+        round_tokens: int | None = None,
+        weigh_tokens: bool = False,
     ) -> OuterSync:
         """Around a `channel` the caller owns (and closes), with the config dataclasses: the trainer's path
         (`build_sync`), and the one to `sync.fit_link` or `sync.outer_state_device`. Nothing is hooked or
@@ -164,7 +167,10 @@ class OuterSync:
         with its own OuterSync) makes the stages agree on what the guard leaves out; `outer_optimizer` (a factory,
         as for the constructor) replaces the one `sync.outer_optimizer` names. `lanes`: clusters of different
         data-parallel degree (`channel` is then over the stage group, docs/design.md §2.1); each cluster's
-        pseudo-gradient is weighted by its tokens (`LaneLayout.cluster_weight`)."""
+        pseudo-gradient is weighted by its tokens (`LaneLayout.cluster_weight`). `tokens_per_step`, `round_tokens`
+        and `weigh_tokens` set the token-weighted average of time rounds (`DiLoCoSync`): this cluster's tokens per
+        inner step, the nominal tokens of a round (the same on every cluster), and whether to weigh also with step
+        rounds."""
         if sync.kind not in OUTER_LOOP_KINDS:
             raise ValueError(f"OuterSync needs sync.kind = diloco or dilocox, not {sync.kind!r}")
         self = cls.__new__(cls)
@@ -183,6 +189,9 @@ class OuterSync:
             membership=membership,
             outer_optimizer=outer_optimizer,
             lanes=lanes,
+            tokens_per_step=tokens_per_step,
+            round_tokens=round_tokens,
+            weigh_tokens=weigh_tokens,
         )
         return self
 
@@ -203,6 +212,9 @@ class OuterSync:
         membership: ElasticMembership | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
         lanes: LaneLayout | None = None,
+        tokens_per_step: int = 1,
+        round_tokens: int | None = None,
+        weigh_tokens: bool = False,
     ) -> None:
         self.diloco: DiLoCoSync | StreamingSync
         """The implementation this facade drives (docs/design.md §3): the stage's rounds, or its fragments' rounds
@@ -212,6 +224,11 @@ class OuterSync:
                 raise ValueError(
                     f"sync.fragments = {sync.fragments} works without faults, outside elastic runs and with clusters "
                     "of one shape: set sync.fragments = 1"
+                )
+            if sync.round == "time" or weigh_tokens:
+                raise ValueError(
+                    f"sync.fragments = {sync.fragments} staggers rounds of H steps: use sync.round = steps (without "
+                    "token weights), or sync.fragments = 1"
                 )
             self.diloco = StreamingSync(
                 params,
@@ -239,6 +256,9 @@ class OuterSync:
                 outer_optimizer=outer_optimizer,
                 lanes=lanes,
                 cluster_weight=1.0 if lanes is None else lanes.cluster_weight,
+                tokens_per_step=tokens_per_step,
+                round_tokens=round_tokens,
+                weigh_tokens=weigh_tokens,
             )
         self.inner_optimizer = inner_optimizer
         """Its state is reset when the guard heals this cluster (None: the caller's own concern)."""
@@ -378,6 +398,30 @@ class OuterSync:
     def numel(self) -> int:
         """Values of the parameters kept in step."""
         return self.diloco.numel
+
+    @property
+    def time_rounds(self) -> bool:
+        """sync.round = time: every cluster trains for the same budget per round (`dilocox.sync.rounds`)."""
+        return self.diloco.time_rounds
+
+    @property
+    def rounds_done(self) -> bool:
+        """sync.round = time: whether every round of the run has ended (a step-round run ends at its last step)."""
+        return self.diloco.done
+
+    @property
+    def landed_tokens(self) -> int:
+        """Token-weighted syncs: the tokens every cluster trained on in the rounds whose sync landed."""
+        return self.diloco.landed_tokens
+
+    def progress_step(self, step: int) -> float:
+        """The run's progress at this cluster's 0-based step `step`, in steps of an unslowed cluster (time rounds:
+        round index plus the fraction of the round done); `step` itself with step rounds."""
+        return self.diloco.progress_step(step)
+
+    def add_step_time(self, seconds: float) -> None:
+        """sync.round = time: count one inner step's training time (no evaluation, checkpoint or boundary wait)."""
+        self.diloco.add_step_time(seconds)
 
     @property
     def guard_counts(self) -> dict[str, int]:

@@ -59,6 +59,10 @@ class PendingMean:
     """Clusters whose update the guard left out of this mean, with the reason (gather reduction; set by finish)."""
     abstained: bool = False
     """This cluster sent no update (`Reducer.abstain`)."""
+    report: PendingTransfer | None = None
+    """Token-weighted syncs: the all-gather of every cluster's `RoundReport`, launched just before the payload."""
+    report_sent: torch.Tensor | None = None
+    """What this rank put in that all-gather (a checkpoint saves it beside `sent`)."""
 
     def wait(self) -> torch.Tensor:
         """Block until the slow-link part is done, then all-gather the slices over the fast dp_group."""

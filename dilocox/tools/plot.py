@@ -314,6 +314,47 @@ def plot_membership(runs: list[RunCurves], out_dir: Path, *, title: str = "") ->
     return path
 
 
+CLUSTER_STEPS_FILE = "cluster_steps.png"
+
+
+def cluster_steps(run: RunCurves) -> dict[int, list[int]]:
+    """Each cluster's inner steps per outer round, from the rounds a run's records say landed (`rounds_landed`,
+    written by token-weighted syncs such as `sync.round = time`): {round: [steps of cluster 0, 1, ...]}."""
+    return {
+        entry["round"]: list(entry["cluster_steps"])
+        for record in run.records
+        for entry in record.get("rounds_landed", [])
+    }
+
+
+def plot_cluster_steps(runs: list[RunCurves], out_dir: Path, *, title: str = "") -> Path | None:
+    """`cluster_steps.png`: for each run whose records carry the clusters' steps per round (a panel each), one line
+    per cluster over the outer rounds; None when no run has them."""
+    tables = [(run, cluster_steps(run)) for run in runs]
+    tables = [(run, table) for run, table in tables if table]
+    if not tables:
+        return None
+    plt = _pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, len(tables), figsize=(6 * len(tables), _PLOT_HEIGHT), squeeze=False)
+    for ax, (run, table) in zip(axes[0], tables, strict=True):
+        rounds = sorted(table)
+        for cluster in range(max(len(steps) for steps in table.values())):
+            steps = [table[r][cluster] if cluster < len(table[r]) else None for r in rounds]
+            ax.plot(rounds, steps, marker="o", markersize=3, linewidth=1.2, label=f"cluster {cluster}")
+        ax.set_xlabel(_ROUND)
+        ax.set_ylabel("inner steps of the round")
+        ax.set_title(run.label, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.suptitle(f"{title}: steps per cluster per round" if title else "steps per cluster per round")
+    fig.tight_layout()
+    path = out_dir / CLUSTER_STEPS_FILE
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_throughput(labels: list[str], tokens_per_s: list[float], path: Path, *, title: str = "") -> Path:
     """A bar chart of training tokens/s (all ranks), one bar per run."""
     plt = _pyplot()
@@ -361,7 +402,8 @@ def plot_seed_spread(rows: list[dict[str, Any]], path: Path, *, title: str = "")
 
 DESCRIPTION = """Plot runs side by side from their metrics.jsonl: loss vs tokens and vs wall time, slow-link bytes, the
 hidden share of link time (runs with a delayed sync), the codec rank and H over outer rounds, the clusters in each
-round of an elastic run with its stalls, leaves and rejoins, and (for finished runs) throughput. A run that did not
+round of an elastic run with its stalls, leaves and rejoins, the steps of each cluster per round (time rounds), and
+(for finished runs) throughput. A run that did not
 log a metric has no line in that plot; a panel or chart with no line is not written."""
 
 
@@ -381,6 +423,9 @@ def main(argv: list[str]) -> int:
         membership = plot_membership(runs, args.out, title=args.title)
         if membership is not None:
             paths.append(membership)
+        steps = plot_cluster_steps(runs, args.out, title=args.title)
+        if steps is not None:
+            paths.append(steps)
         finished = [run for run in runs if (run.run_dir / SUMMARY_FILE).exists()]
         if finished:
             tokens_per_s = [RunSummary.read(run.run_dir).tokens_per_s for run in finished]

@@ -6,7 +6,16 @@ import json
 import pytest
 
 from dilocox.config import load_config, to_toml
-from dilocox.tools.plot import Membership, chart_lines, legend_below, load_run, plot_membership, run_style
+from dilocox.tools.plot import (
+    Membership,
+    chart_lines,
+    cluster_steps,
+    legend_below,
+    load_run,
+    plot_cluster_steps,
+    plot_membership,
+    run_style,
+)
 from dilocox.tools.plot import main as plot_main
 
 plt = pytest.importorskip("matplotlib.pyplot")
@@ -111,3 +120,18 @@ def test_an_elastic_run_gets_a_membership_chart_of_its_rounds_and_events(tmp_pat
     assert "membership.png" in written and "loss_vs_tokens.png" in written  # the event records break no chart
     static = write_run(tmp_path / "static", ["--preset=dilocox-lowrank"], records(delayed=True))
     assert plot_membership([load_run(static)], tmp_path / "static_plots") is None  # not elastic: no chart
+
+
+def test_a_time_round_run_gets_a_chart_of_each_clusters_steps_per_round(tmp_path):
+    rows = records(delayed=True)
+    for row in rows:  # rounds 1..4 land one per logged step; the last step also carries the round before
+        landed = [row["outer_step"] - 1, row["outer_step"]] if row["step"] == 8 else [row["outer_step"]]
+        row["rounds_landed"] = [
+            {"round": r, "cluster_steps": [2, 2, 1], "cluster_tokens": [200, 200, 100]} for r in landed
+        ]
+    run_dir = write_run(tmp_path / "time", ["--sync.round=time", "--sync.inner_steps=2"], rows)
+    assert cluster_steps(load_run(run_dir)) == {r: [2, 2, 1] for r in (1, 2, 3, 4)}
+    assert plot_main([str(run_dir), "--out", str(tmp_path / "plots")]) == 0
+    assert "cluster_steps.png" in {p.name for p in (tmp_path / "plots").iterdir()}
+    steps = write_run(tmp_path / "steps", [], records(delayed=True))
+    assert plot_cluster_steps([load_run(steps)], tmp_path / "steps_plots") is None  # no per-cluster steps: no chart

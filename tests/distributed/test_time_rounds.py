@@ -1,0 +1,105 @@
+"""Time rounds (`sync.round = time`) on 3 gloo ranks, one per cluster, cluster 2 virtually twice as slow: the step
+counts each cluster decides, and the token-weighted average against the test's own computation from the clusters'
+parameters.
+
+With plain averaging (outer SGD lr 1, momentum 0) and a blocking sync, phi after a round is the average the sync
+computed of the clusters' parameters at the round's end; weighted by tokens it must be sum_c n_c theta_c / sum_c n_c,
+n_c = the cluster's steps x its tokens per step (8, 8 and 4 steps with H = 8)."""
+
+import pytest
+import torch
+
+from dilocox.config import load_config
+from dilocox.net.channel import WanChannel
+from dilocox.net.link import ring_all_gather_bytes, ring_all_reduce_bytes
+from dilocox.sync import build_sync
+from dilocox.sync.rounds import REPORT_FIELDS
+from dilocox.topology import Topology, build_process_groups
+from tests.distributed.test_outer_reference import flat, inner_step, make_model
+from tests.multiproc import run_ranks
+
+NUM_CLUSTERS, H, STEPS, TOKENS_PER_STEP = 3, 8, 16, 100
+WANT_STEPS = [8, 8, 4]  # floor(H / factor) per round
+
+
+def _drive(rank, world_size, compression: list[str]):
+    groups = build_process_groups(Topology(NUM_CLUSTERS, 1, 1), rank)
+    cfg = load_config(
+        None,
+        [
+            f"--topology.num_clusters={NUM_CLUSTERS}",
+            f"--sync.inner_steps={H}",
+            f"--train.steps={STEPS}",
+            "--sync.round=time",
+            "--faults.slow_clusters=2:2.0",
+            "--faults.slow_mode=virtual",
+            "--sync.sync_delay=0",
+            "--sync.outer_lr=1",
+            "--sync.outer_momentum=0",
+            "--sync.guard_peers=false",  # random data: the clusters' updates of this toy model point apart
+            *compression,
+        ],
+    )
+    cfg.validate(world_size=world_size)
+    model = make_model()
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+    sync = build_sync(
+        cfg, model.parameters(), channel=channel, dp_group=groups.dp_group, tokens_per_step=TOKENS_PER_STEP
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rounds, step = [], 0
+    while not sync.rounds_done:
+        step += 1
+        inner_step(model, optimizer, rank, step, sync)
+        theta = flat(model).clone() if sync.is_round_boundary(step) else None  # the round's end, before its sync
+        stats = sync.after_inner_step(step)
+        if theta is not None:
+            rounds.append(
+                {
+                    "theta": theta,
+                    "phi": sync.outer_params.clone(),
+                    "cluster_steps": stats.cluster_steps,
+                    "cluster_tokens": stats.cluster_tokens,
+                    "record": stats.to_record(),
+                }
+            )
+    sync.flush()
+    sent = channel.stats()["bytes_sent"]
+    channel.close()
+    return {"rounds": rounds, "steps": step, "bytes_sent": sent, "numel": sync.numel}
+
+
+@pytest.mark.parametrize(
+    "compression, tolerance",
+    [
+        (["--compression.kind=none"], 1e-6),
+        (["--compression.kind=fp16", "--compression.reduction=gather", "--compression.error_feedback=false"], 5e-4),
+        (["--compression.kind=fp16", "--compression.reduction=scalable", "--compression.error_feedback=false"], 5e-4),
+    ],
+    ids=["dense", "gather", "scalable"],
+)
+def test_time_rounds_weigh_each_cluster_by_its_tokens(compression, tolerance):
+    results = run_ranks(_drive, world_size=NUM_CLUSTERS, args=(compression,))
+    for rank, result in enumerate(results):
+        # ceil(16 / 8) = 2 rounds for every cluster; the slow one does half the steps in each
+        assert result["steps"] == 2 * WANT_STEPS[rank]
+        assert len(result["rounds"]) == 2
+        for landed in result["rounds"]:
+            assert list(landed["cluster_steps"]) == WANT_STEPS
+            assert list(landed["cluster_tokens"]) == [s * TOKENS_PER_STEP for s in WANT_STEPS]
+            assert landed["record"]["round_cluster_steps"] == WANT_STEPS
+    weights = torch.tensor(WANT_STEPS, dtype=torch.float64)
+    for index in range(2):
+        thetas = torch.stack([results[c]["rounds"][index]["theta"].double() for c in range(NUM_CLUSTERS)])
+        weighted = (weights[:, None] * thetas).sum(0) / weights.sum()
+        unweighted = thetas.mean(0)
+        assert (weighted - unweighted).abs().max() > 10 * tolerance  # the check below can tell them apart
+        for result in results:  # every cluster holds the same phi: the token-weighted mean
+            phi = result["rounds"][index]["phi"].double()
+            torch.testing.assert_close(phi, weighted, rtol=0, atol=tolerance)
+    if compression == ["--compression.kind=none"]:
+        # exact bytes: per round one report all-gather (3 float64 per cluster) and the dense ring all-reduce
+        for rank, result in enumerate(results):
+            report = ring_all_gather_bytes([8 * REPORT_FIELDS] * NUM_CLUSTERS, rank)[0]
+            payload = ring_all_reduce_bytes(result["numel"], 4, NUM_CLUSTERS, rank)[0]
+            assert result["bytes_sent"] == 2 * (report + payload)
