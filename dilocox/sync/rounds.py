@@ -3,10 +3,12 @@
 With `sync.round = "steps"` every round is H inner steps on every cluster, so the fastest cluster waits for the
 slowest at every boundary. With `"time"` every cluster trains for the same budget per round and decides its own
 number of steps at the start of each round (`RoundClock.next_steps`): steps_c = max(1, floor(budget / its step
-time)). The budget is `sync.round_seconds`, or H x the fastest cluster's mean step time, which arrives with the
-syncs (`RoundReport`, exchanged just before each pseudo-gradient); the first rounds, before any report landed, are
-H steps. With `faults.slow_mode = "virtual"` a step of cluster c counts exactly its slow factor f_c units of time
-and the budget is H units, so steps_c = floor(H / f_c) from the first round on, whatever the machine's load.
+time + carry)), where the carry is what the earlier rounds' floors left over, so that a cluster's steps average its
+budget (2.67 steps a round: 2, 3, 3, 2, 3, 3, ...) instead of losing up to a step of every round to waiting. The
+budget is `sync.round_seconds`, or H x the fastest cluster's mean step time, which arrives with the syncs
+(`RoundReport`, exchanged just before each pseudo-gradient); the first rounds, before any report landed, are H
+steps. With `faults.slow_mode = "virtual"` a step of cluster c counts exactly its slow factor f_c units of time
+and the budget is H units, so steps_c follows H / f_c from the first round on, whatever the machine's load.
 
 The run is ceil(train.steps / H) rounds for every cluster; its last round has the budget of the steps left
 (train.steps - (R - 1) H) instead of H. A cluster's inner learning rate follows the run's progress
@@ -86,13 +88,16 @@ class RoundClock:
         """Training seconds of the round in progress on this rank (measured modes)."""
         self.compute_steps = 0
         """Steps timed in it."""
+        self.carry = 0.0
+        """The fraction of a step the earlier rounds' budgets held beyond their whole steps, in [-1, 1)."""
 
     def nominal_steps(self, round_index: int) -> int:
         """The steps of an unslowed cluster in round `round_index` (1-based): H, the last round what is left."""
         return min(self.inner_steps, self.total_steps - (round_index - 1) * self.inner_steps)
 
     def first_steps(self) -> int:
-        """The steps of round 1: H (measured modes: nothing is measured yet), virtual mode floor(H / factor)."""
+        """The steps of round 1: H (measured modes: nothing is measured yet), virtual mode floor(H / factor)
+        (with the carry of later rounds: `_steps`)."""
         if self.virtual_factor is not None:
             return self._steps(self.nominal_steps(1) / self.virtual_factor)
         return self.nominal_steps(1)
@@ -143,16 +148,20 @@ class RoundClock:
         done = (round_index - 1) * self.inner_steps
         return float(done + steps_done * self.nominal_steps(round_index) / round_steps)
 
-    @staticmethod
-    def _steps(budget_in_steps: float) -> int:
-        return max(1, math.floor(budget_in_steps + _FLOOR_SLACK))
+    def _steps(self, budget_in_steps: float) -> int:
+        """The whole steps of a budget of `budget_in_steps`, at least one, with the carry of the earlier rounds."""
+        wanted = budget_in_steps + self.carry
+        steps = max(1, math.floor(wanted + _FLOOR_SLACK))
+        self.carry = min(max(wanted - steps, -1.0), 1.0 - _FLOOR_SLACK)
+        return steps
 
     def state_dict(self) -> dict[str, Any]:
-        return {"compute_s": self.compute_s, "compute_steps": self.compute_steps}
+        return {"compute_s": self.compute_s, "compute_steps": self.compute_steps, "carry": self.carry}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.compute_s = float(state["compute_s"])
         self.compute_steps = int(state["compute_steps"])
+        self.carry = float(state.get("carry", 0.0))  # a state saved before the carry existed: none
 
 
 def token_weighted_factor(

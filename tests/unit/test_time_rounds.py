@@ -61,8 +61,19 @@ def test_virtual_rounds_count_each_step_as_its_factor():
     assert [slow.nominal_steps(r) for r in (1, 2, 3)] == [8, 8, 4]
     assert slow.first_steps() == 4 and odd.first_steps() == 2  # floor(8 / 3)
     assert slow.next_steps(3, last_step_s=0.0, reports=None, own_index=0) == 2
-    assert odd.next_steps(3, last_step_s=0.0, reports=None, own_index=0) == 1
+    assert odd.next_steps(3, last_step_s=0.0, reports=None, own_index=0) == 2  # 4 / 3 and the 2 / 3 left over
     assert slow.close_round() == 2.0  # what its reports say its step takes, in units
+
+
+def test_the_fractions_of_steps_carry_over_so_the_steps_average_the_budget():
+    odd = RoundClock(SyncConfig(inner_steps=8, round="time"), total_steps=80, virtual_factor=3.0)
+    steps = [odd.first_steps()] + [odd.next_steps(r, last_step_s=0.0, reports=None, own_index=0) for r in range(2, 10)]
+    assert steps == [2, 3, 3, 2, 3, 3, 2, 3, 3]  # 8 / 3 a round: 24 steps in 9 rounds
+    resumed = RoundClock(SyncConfig(inner_steps=8, round="time"), total_steps=80, virtual_factor=3.0)
+    resumed.load_state_dict(odd.state_dict())
+    assert resumed.next_steps(10, last_step_s=0.0, reports=None, own_index=0) == odd.next_steps(
+        10, last_step_s=0.0, reports=None, own_index=0
+    )
 
 
 def test_measured_rounds_take_the_fastest_reported_step_time_as_the_budget():
@@ -73,18 +84,20 @@ def test_measured_rounds_take_the_fastest_reported_step_time_as_the_budget():
     assert c.close_round() == pytest.approx(0.31)
     assert c.compute_steps == 0  # the next round is timed afresh
     reports = [RoundReport(8, 800, 0.1), RoundReport(8, 800, 0.3), RoundReport(8, 800, 0.2)]
-    assert [c.next_steps(2, last_step_s=9.9, reports=reports, own_index=i) for i in range(3)] == [8, 2, 4]
+    assert [clock().next_steps(2, last_step_s=9.9, reports=reports, own_index=i) for i in range(3)] == [8, 2, 4]
     # the fastest cluster does exactly the nominal steps whatever its step time's digits
-    assert c.next_steps(2, last_step_s=0, reports=[RoundReport(8, 8, 0.1 + 0.2), None], own_index=0) == 8
-    assert c.next_steps(2, last_step_s=0.3, reports=None, own_index=1) == 8  # no report landed yet
-    assert c.next_steps(3, last_step_s=0.3, reports=reports, own_index=1) == 1  # at least one step
+    assert clock().next_steps(2, last_step_s=0, reports=[RoundReport(8, 8, 0.1 + 0.2), None], own_index=0) == 8
+    assert clock().next_steps(2, last_step_s=0.3, reports=None, own_index=1) == 8  # no report landed yet
+    assert clock().next_steps(3, last_step_s=0.3, reports=reports, own_index=1) == 1  # at least one step
 
 
 def test_a_fixed_budget_divides_by_the_latest_step_time():
-    c = clock(round_seconds=1.2)
-    assert c.next_steps(2, last_step_s=0.1, reports=None, own_index=0) == 12  # more than H when the budget allows
-    assert c.next_steps(2, last_step_s=0.4, reports=None, own_index=0) == 3
-    assert c.next_steps(3, last_step_s=0.1, reports=None, own_index=0) == 6  # the last round: budget of 4 of 8 steps
+    def steps(round_index: int, step_s: float) -> int:
+        return clock(round_seconds=1.2).next_steps(round_index, last_step_s=step_s, reports=None, own_index=0)
+
+    assert steps(2, 0.1) == 12  # more than H when the budget allows
+    assert steps(2, 0.4) == 3
+    assert steps(3, 0.1) == 6  # the last round: budget of 4 of 8 steps
 
 
 def test_progress_follows_the_round_so_a_slow_cluster_finishes_the_schedule():
