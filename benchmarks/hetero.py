@@ -1,6 +1,8 @@
 """Clusters of different speeds: step rounds against time rounds (`sync.round`), with one cluster at half speed.
 
     python benchmarks/hetero.py                          # writes benchmarks/results/hetero/results.{json,md}
+    python benchmarks/hetero.py --only speed             # the throughput rows only (nothing else on the machine)
+    python benchmarks/hetero.py --only loss --loss-config configs/debug.toml   # the loss rows only, on another model
     python benchmarks/hetero.py --steps 60 --seeds 1 --out /tmp/hetero      # a quicker look
 
 Setting: `configs/default.toml` (the `tiny` model, the dilocox preset: top-k int4, the one-step delay, H = 12 unless
@@ -49,11 +51,11 @@ LABELS = {
 }
 
 
-def train(run_dir: Path, steps: int, inner_steps: int, seed: int, flags: list[str]) -> dict:
-    """One `dilocox train` run; its summary.json."""
+def train(run_dir: Path, steps: int, inner_steps: int, seed: int, flags: list[str], config: Path = CONFIG) -> dict:
+    """One `dilocox train` run of `config`; its summary.json."""
     shutil.rmtree(run_dir, ignore_errors=True)
     command = [
-        sys.executable, "-m", "dilocox", "train", "--config", str(CONFIG), f"--run.out_dir={run_dir}",
+        sys.executable, "-m", "dilocox", "train", "--config", str(config), f"--run.out_dir={run_dir}",
         "--topology.num_clusters=3", f"--train.steps={steps}", f"--sync.inner_steps={inner_steps}",
         f"--run.seed={seed}", "--data.split_seed=0", "--eval.interval=0", "--eval.final_max_batches=32",
         "--checkpoint.interval=0", "--metrics.progress=false", "--sync.overlap_steps=0", *flags,
@@ -80,33 +82,42 @@ def speeds(summary: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=120, help="train.steps of the homogeneous runs")
+    parser.add_argument("--steps", type=int, default=240, help="train.steps of the homogeneous runs")
     parser.add_argument("--inner-steps", type=int, default=12, help="H")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the loss rows")
+    parser.add_argument("--loss-config", type=Path, default=CONFIG, help="the config of the loss rows")
+    parser.add_argument("--only", choices=("speed", "loss"), help="run one part, keep the other's earlier results")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hetero")
     args = parser.parse_args()
     work = args.out / "runs"
-    results: dict = {
+    earlier = args.out / "results.json"
+    results: dict = json.loads(earlier.read_text()) if args.only and earlier.exists() else {"speed": {}, "loss": []}
+    part = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
         "command": "python benchmarks/hetero.py " + " ".join(sys.argv[1:]),
         "steps": args.steps,
         "inner_steps": args.inner_steps,
-        "speed": {},
-        "loss": [],
     }
-    for name, flags in SPEED_ROWS.items():
-        results["speed"][name] = speeds(train(work / name, args.steps, args.inner_steps, 0, flags))
-        print(name, json.dumps(results["speed"][name]), flush=True)
+    if args.only != "loss":
+        results["speed_run"] = part
+        results["speed"] = {}
+        for name, flags in SPEED_ROWS.items():
+            results["speed"][name] = speeds(train(work / name, args.steps, args.inner_steps, 0, flags))
+            print(name, json.dumps(results["speed"][name]), flush=True)
+    if args.only != "speed":
+        results["loss_run"] = {**part, "config": str(args.loss_config.resolve().relative_to(ROOT))}
+        results["loss"] = []
     equal_tokens = round(args.steps * 3 / 2.5)  # the slow cluster trains half as many tokens per round
-    for seed in range(args.seeds):
-        base = train(work / f"loss-homogeneous-{seed}", args.steps, args.inner_steps, seed, [])
+    for seed in range(args.seeds if args.only != "speed" else 0):
+        base = train(work / f"loss-homogeneous-{seed}", args.steps, args.inner_steps, seed, [], args.loss_config)
         timed = train(
             work / f"loss-time-virtual-{seed}",
             equal_tokens,
             args.inner_steps,
             seed,
             [SLOW, "--faults.slow_mode=virtual", "--sync.round=time"],
+            args.loss_config,
         )
         row = {
             "seed": seed,
@@ -124,12 +135,22 @@ def main() -> None:
 
 
 def table(results: dict) -> str:
-    lines = [
-        f"# Clusters of different speeds ({results['date']}, {results['machine']})",
-        "",
-        f"`{results['command']}`: 3 clusters of the `tiny` model, H = {results['inner_steps']}, "
-        f"{results['steps']} steps (homogeneous), cluster 2 slowed 2x.",
-        "",
+    speed, loss = results.get("speed_run"), results.get("loss_run")
+    lines = ["# Clusters of different speeds", ""]
+    if speed:
+        lines += [
+            f"Throughput ({speed['date']}, {speed['machine']}): `{speed['command']}`: 3 clusters of "
+            f"configs/default.toml, H = {speed['inner_steps']}, {speed['steps']} steps (homogeneous), cluster 2 "
+            "slowed 2x (sleep), one seed.",
+            "",
+        ]
+    if loss:
+        lines += [
+            f"Loss ({loss['date']}): `{loss['command']}`: 3 clusters of {loss['config']}, H = {loss['inner_steps']}, "
+            f"{loss['steps']} steps (homogeneous), cluster 2 virtually 2x slower, equal tokens.",
+            "",
+        ]
+    lines += [
         "| run | total tokens/s | sum of own speeds | ratio | cluster tokens |",
         "| --- | ---: | ---: | ---: | --- |",
     ]
