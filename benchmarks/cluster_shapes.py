@@ -5,12 +5,14 @@ that only the loss and the exact byte counters are compared), each over the same
 
 - `mixed`: clusters of dp 2, 1, 1 (4 replicas), STEPS steps;
 - `equal-3x1`: 3 clusters of dp 1 with 4/3 the steps (the same tokens: 3 x 4/3 = 4 replicas' worth);
-- `equal-4x1`: 4 clusters of dp 1, STEPS steps (the same replicas, each its own cluster).
+- `equal-4x1`: 4 clusters of dp 1, STEPS steps (the same replicas, each its own cluster);
+- `equal-2x2`: 2 clusters of dp 2, STEPS steps (the same replicas and steps, in equal clusters).
 
 Every run scores the agreed model on the whole held-out split at the end. The gaps are paired seed by seed against
 `equal-3x1`. Bytes: rank 0's slow-link bytes (its own counter, exact) and the sum over all ranks (summary.json).
 
-    python benchmarks/cluster_shapes.py --seeds 3        # about 10 minutes on 2 idle cores
+    python benchmarks/cluster_shapes.py --seeds 3        # about 13 minutes on 2 idle cores
+    python benchmarks/cluster_shapes.py --seeds 3 --only equal-2x2     # one setting again, the others kept
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ SETTINGS = {
         ["--topology.num_clusters=3", f"--train.steps={STEPS * 4 // 3}"],
     ),
     "equal-4x1": ("4 clusters of dp 1", ["--topology.num_clusters=4", f"--train.steps={STEPS}"]),
+    "equal-2x2": (
+        "2 clusters of dp 2",
+        ["--topology.num_clusters=2", "--topology.dp_degree=2", f"--train.steps={STEPS}"],
+    ),
 }
 BASELINE = "equal-3x1"
 
@@ -84,12 +90,15 @@ def run(name: str, seed: int, root: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--only", nargs="+", choices=list(SETTINGS), help="run these, keep the others' results")
     args = parser.parse_args()
     seeds = list(range(args.seeds))
-    results: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    earlier = json.loads((OUT / "results.json").read_text())["runs"] if args.only else {}
+    running = args.only or list(SETTINGS)
+    results: dict[str, list[dict]] = {name: [] if name in running else earlier[name] for name in SETTINGS}
     with tempfile.TemporaryDirectory(prefix="cluster-shapes-") as tmp:
         for seed in seeds:  # seed by seed, so an interrupted bench still has paired runs
-            for name in SETTINGS:
+            for name in running:
                 results[name].append(run(name, seed, Path(tmp)))
                 print(name, seed, results[name][-1], flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -112,7 +121,7 @@ def main() -> None:
         )
     lines += [
         "",
-        f"`python benchmarks/cluster_shapes.py --seeds {args.seeds}`, {datetime.date.today()}: debug model "
+        f"`python benchmarks/cluster_shapes.py {' '.join(sys.argv[1:])}`, {datetime.date.today()}: debug model "
         f"(configs/debug.toml), `--preset=dilocox` with H = 10, link off, {len(seeds)} seeds (run.seed 0..), eval "
         "loss of the agreed model on the whole held-out split: mean ± sample standard deviation; gaps paired seed by "
         "seed. Bytes are the channel's exact counters of seed 0's run (they depend on the adaptive ranks chosen).",
