@@ -769,10 +769,11 @@ class Trainer:
             self.eval_s = eval_s
         if self.rank != 0:
             return None
-        ranks = self.ranks_per_cluster  # gathered in rank order, cluster by cluster (docs/design.md §2)
 
         def per_cluster(values: list, combine: Callable[[list], Any]) -> list:
-            return [combine(values[c * ranks : (c + 1) * ranks]) for c in range(len(values) // ranks)]
+            """`combine` of each cluster's ranks' values (gathered in rank order, cluster by cluster)."""
+            clusters = range(self.topology.num_clusters)
+            return [combine([values[r] for r in self.topology.ranks_of_cluster(c)]) for c in clusters]
 
         final_eval_loss = self.last_eval_loss
         # every cluster's own steps (they differ with time rounds); an elastic cluster gathers only its own ranks

@@ -28,6 +28,7 @@ def test_clusters_of_dp_2_1_1_learn_and_count_every_replicas_tokens(mixed_run):
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
     assert (summary["num_clusters"], summary["dp_degree"], summary["dp_degrees"]) == (3, 2, [2, 1, 1])
     assert summary["tokens"] == 20 * 8 * 64 * 4  # steps x micro_batch_size x seq_len x the 4 replicas' shards
+    assert summary["cluster_tokens"] == [20 * 8 * 64 * 2, 20 * 8 * 64, 20 * 8 * 64]  # cluster 0: its 2 replicas'
     assert 0 < summary["wan_bytes_total"] < summary["allreduce_equiv_bytes"] / 10
     meta = json.loads((mixed_run / "checkpoints" / "step_00000020" / "meta.json").read_text())
     assert (meta["world_size"], meta["dp_degrees"]) == (4, [2, 1, 1])
@@ -64,6 +65,7 @@ def test_pipelined_clusters_of_dp_2_and_1_learn(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
     assert (summary["pp_degree"], summary["dp_degrees"], summary["tokens"]) == (2, [2, 1], 20 * 8 * 64 * 3)
+    assert summary["cluster_tokens"] == [20 * 8 * 64 * 2, 20 * 8 * 64]  # the first stage of each replica counts
     assert "on 2 clusters x dp 2, 1 x pp 2" in result.stdout
 
 
