@@ -171,8 +171,9 @@ class DiLoCoSync:
         if not (isinstance(cluster_weight, int | float) and 0 < cluster_weight < math.inf):
             raise ValueError(f"cluster_weight = {cluster_weight!r} must be a finite number > 0")
         self.cluster_weight = float(cluster_weight)
-        """The factor of this cluster's pseudo-gradient before the reducer: C x dp_c / sum(dp) makes the reducer's
-        plain mean the token-weighted mean of clusters of different data-parallel degree; 1.0 otherwise."""
+        """The factor of this cluster's payload (`prepare_sync`): C x dp_c / sum(dp) makes the reducer's plain mean
+        the token-weighted mean of clusters of different data-parallel degree (their weights sum to C); 1.0
+        otherwise."""
         # where the run is: the round in progress ends at round_end (fit_link may change H between rounds)
         self.inner_steps = cfg.inner_steps
         if first_round_end is not None and not 1 <= first_round_end <= cfg.inner_steps:
@@ -263,6 +264,12 @@ class DiLoCoSync:
         self.elastic = ElasticRounds(self, membership) if membership is not None else None
         """Elastic runs (topology.elastic, docs/design.md §10.1): each boundary's torchft quorum decides which clusters
         take part; it launches over their group and settles the sync that is due among them."""
+
+    @property
+    def scales_payload(self) -> bool:
+        """Whether this cluster's payload is its pseudo-gradient times a weight (token-weighted syncs, or clusters of
+        different dp): the merge rules then take its share in the average as weight x pseudo_grad / sum of weights."""
+        return self.weighted or self.cluster_weight != 1.0
 
     @property
     def num_clusters(self) -> int:
@@ -376,8 +383,6 @@ class DiLoCoSync:
         # elastic: a cluster that healed at this boundary did not train the round that ends here, so it abstains
         newcomer = self.elastic.open_boundary(step) if self.elastic is not None else False
         pseudo_grad = self.round_start - self.flat.gather_data().to(self.state_device)  # (numel,) round start - theta
-        if self.cluster_weight != 1.0:  # this cluster's share of the token-weighted mean (clusters of different dp)
-            pseudo_grad.mul_(self.cluster_weight)
         own_bad = self.cfg.guard and not newcomer and not bool(torch.isfinite(pseudo_grad).all())
         abstain = own_bad or newcomer
         step_s = self.clock.close_round() if self.clock is not None else 0.0  # measured: collective in the cluster
@@ -434,6 +439,9 @@ class DiLoCoSync:
             report_transfer = self.channel.launch_all_gather(sent_report)  # FIFO: lands before the payload
             self._own_weight = report.tokens / self.round_tokens
             pseudo_grad = pseudo_grad * self._own_weight  # a new tensor: the caller's stays as it was
+        elif self.cluster_weight != 1.0:  # clusters of different dp: the plain mean becomes the weighted one
+            self._own_weight = self.cluster_weight
+            pseudo_grad = pseudo_grad * self.cluster_weight
         if abstain:
             self.pending = self.reducer.abstain(pseudo_grad)
             self.pending.abstained = True
@@ -603,8 +611,8 @@ class DiLoCoSync:
             held_before=held_before,
             read_held_after=functools.partial(self.reducer.held_back, self.state_device),
             feedback_decay=self.compression.feedback_decay,
-            weight=self._own_weight if self.weighted else None,
-            weight_sum=self.weight_sum if self.weighted else None,
+            weight=self._own_weight if self.scales_payload else None,
+            weight_sum=self.weight_sum if self.scales_payload else None,
         )
         start = self.merge.start(flight)
         if self.cfg.local_residual:

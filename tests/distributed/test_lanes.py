@@ -111,7 +111,7 @@ def test_the_int4_lane_mean_is_the_mean_of_the_decoded_payloads(exchange):
         assert torch.equal(resent, mean) and list(excluded) == [2]
 
 
-def _weighted(rank, world_size):
+def _weighted(rank, world_size, flags=("--sync.sync_delay=0",)):
     topo = Topology.of_clusters(DP_DEGREES)
     groups = build_process_groups(topo, rank)
     coords = topo.coords(rank)
@@ -120,11 +120,11 @@ def _weighted(rank, world_size):
         [
             "--sync.kind=diloco",
             "--sync.inner_steps=1",
-            "--sync.sync_delay=0",
             "--sync.outer_lr=1",
             "--sync.outer_momentum=0",
             "--compression.kind=none",
-            "--train.steps=1",
+            "--train.steps=2",
+            *flags,
         ],
     )
     generator = torch.Generator().manual_seed(0)
@@ -154,6 +154,21 @@ def test_the_outer_average_weights_each_cluster_by_its_data_parallel_degree():
         assert torch.equal(start, phi)
         torch.testing.assert_close(outer_params, want, rtol=0, atol=1e-5)
         torch.testing.assert_close(params, want, rtol=0, atol=1e-5)  # the next round starts there
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("merge", ["keep_local", "eager"])
+def test_under_the_delay_a_cluster_starts_from_its_own_progress_in_its_own_units(merge):
+    """The payload is the pseudo-gradient times C dp_c / sum dp, but the merge rules count the cluster's own
+    progress: keep_local starts where the cluster's round ended, eager at phi less its share dp_c / sum dp of it."""
+    flags = ("--sync.sync_delay=1", f"--sync.merge={merge}", "--sync.local_residual=false")
+    results = run_ranks(_weighted, sum(DP_DEGREES), args=(flags,))
+    phi = results[0][0]
+    for rank, (_start, outer_params, params) in enumerate(results):
+        cluster = CLUSTER_OF_RANK[rank]
+        share = 1.0 if merge == "keep_local" else DP_DEGREES[cluster] / sum(DP_DEGREES)
+        assert torch.equal(outer_params, phi)  # nothing landed yet: the average is one round late
+        torch.testing.assert_close(params, phi - share * pseudo_grad(cluster), rtol=0, atol=1e-5)
 
 
 def _empty_lane(rank, world_size):
