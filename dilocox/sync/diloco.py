@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -390,7 +390,8 @@ class DiLoCoSync:
         if self.cfg.sync_delay == 0:
             if own_bad:  # before the encoding: what the bad round left in the residuals is not sent
                 self.reducer.heal()
-            self.prepare_sync(pseudo_grad, abstain=abstain, report=report)
+            with self._launch_scope(step):
+                self.prepare_sync(pseudo_grad, abstain=abstain, report=report)
             landed = self.perform_sync(round_steps=round_steps, round_index=round_index)
             heal = abstain or (landed is not None and landed.left_out)
             theta = self.outer_params if heal else self._with_held_back(self.outer_params)
@@ -403,7 +404,8 @@ class DiLoCoSync:
                 self.reducer.heal()
             # what the last encodings held back is read before this one takes it in
             held_before = self.reducer.held_back(self.state_device) if self._reads_held_back() else None
-            self.prepare_sync(pseudo_grad, abstain=abstain, report=report)  # pseudo_grad stays intact
+            with self._launch_scope(step):
+                self.prepare_sync(pseudo_grad, abstain=abstain, report=report)  # pseudo_grad stays intact
             theta = self.outer_params if heal else self._delayed_start(pseudo_grad, held_before)
         if self.cfg.guard and not newcomer:
             self.guard.count_own(own_bad, round_index)
@@ -421,6 +423,17 @@ class DiLoCoSync:
             )
         self.last_boundary, self.round_end = step, step + self.inner_steps
         return None if landed is None else landed.stats
+
+    def _launch_scope(self, step: int) -> AbstractContextManager[None]:
+        """Where the round ending at `step` launches its sync: the last round's is part of the end of training
+        (every streaming fragment's last round ends at train.steps, so those syncs go together, as the flush and the
+        drain do, with no compute left to hide behind), which the link's peak in flight leaves out
+        (`WanChannel.off_peak`); the peak is that of the rounds during training."""
+        if self.clock is not None:  # time rounds: the run ends after its rounds, at whatever step
+            last = self.outer_step + 1 >= self.clock.num_rounds
+        else:
+            last = step == self.total_steps
+        return self.channel.off_peak() if last else nullcontext()
 
     def prepare_sync(
         self, pseudo_grad: torch.Tensor, *, abstain: bool = False, report: RoundReport | None = None

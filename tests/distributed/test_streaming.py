@@ -11,6 +11,7 @@ from dilocox.sync import build_sync
 from dilocox.sync.config import SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
 from dilocox.topology import Topology, build_process_groups
+from tests.clock import SimulatedClock
 from tests.distributed.test_outer_reference import INNER_LR, flat, inner_step, load, make_model
 from tests.multiproc import run_ranks
 
@@ -96,6 +97,37 @@ def test_each_fragment_sends_its_own_parameters_once_per_round_at_its_steps(runs
             for _, numel in launches
         )
         assert result["bytes_sent"] == want
+
+
+def _peak(rank, world_size):
+    """The delayed fragments of `_drive` on an emulated link and a virtual clock (a second of compute per step):
+    the most bytes in flight at once during training, and the largest single launch."""
+    groups = build_process_groups(Topology(NUM_CLUSTERS), rank)
+    cfg = load_config(None, ["--sync.kind=diloco", f"--sync.inner_steps={H}", f"--train.steps={STEPS}",
+                             f"--sync.fragments={FRAGMENTS}", "--sync.sync_delay=1"])  # fmt: skip
+    clock = SimulatedClock()
+    channel = clock.follow(WanChannel(groups.cluster_group, bandwidth=1e6, latency_s=0.0, clock=clock))
+    model = make_model()
+    sync = build_sync(cfg, model.parameters(), channel=channel, dp_group=groups.dp_group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    for step in range(1, STEPS + 1):
+        inner_step(model, optimizer, rank, step, sync)
+        clock.sleep(1.0)
+        sync.after_inner_step(step)
+        if step == STEPS:
+            sync.flush()
+    peak = channel.peak_in_flight_bytes
+    channel.close()
+    return peak
+
+
+@pytest.mark.dist
+def test_the_peak_in_flight_is_one_fragment_not_the_stage():
+    """Each fragment's sync (48, 12 and 32 bytes of fp32 ring all-reduce) arrives long before the next fragment
+    launches, so at most one is in flight; the last round of every fragment ends at train.steps together with the
+    others, as the end of training, which the peak leaves out."""
+    largest = max(ring_all_reduce_bytes(numel, 4, NUM_CLUSTERS, 0)[0] for numel in (12, 3, 8))
+    assert run_ranks(_peak, NUM_CLUSTERS) == [largest] * NUM_CLUSTERS
 
 
 def test_the_schedule_is_staggered():
