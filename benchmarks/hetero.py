@@ -2,7 +2,7 @@
 
     python benchmarks/hetero.py                          # writes benchmarks/results/hetero/results.{json,md}
     python benchmarks/hetero.py --only speed             # the throughput rows only (nothing else on the machine)
-    python benchmarks/hetero.py --only loss --loss-config configs/debug.toml   # the loss rows only, on another model
+    python benchmarks/hetero.py --only loss --loss-config configs/debug.toml --loss-preset dilocox   # another model
     python benchmarks/hetero.py --steps 60 --seeds 1 --out /tmp/hetero      # a quicker look
 
 Setting: `configs/default.toml` (the `tiny` model, the dilocox preset: top-k int4, the one-step delay, H = 12 unless
@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=12, help="H")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the loss rows")
     parser.add_argument("--loss-config", type=Path, default=CONFIG, help="the config of the loss rows")
+    parser.add_argument("--loss-preset", default="", help="a preset for the loss rows (e.g. dilocox)")
     parser.add_argument("--only", choices=("speed", "loss"), help="run one part, keep the other's earlier results")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hetero")
     args = parser.parse_args()
@@ -106,17 +107,19 @@ def main() -> None:
             results["speed"][name] = speeds(train(work / name, args.steps, args.inner_steps, 0, flags))
             print(name, json.dumps(results["speed"][name]), flush=True)
     if args.only != "speed":
-        results["loss_run"] = {**part, "config": str(args.loss_config.resolve().relative_to(ROOT))}
+        config = str(args.loss_config.resolve().relative_to(ROOT))
+        results["loss_run"] = {**part, "config": config + (f" --preset={args.loss_preset}" if args.loss_preset else "")}
         results["loss"] = []
     equal_tokens = round(args.steps * 3 / 2.5)  # the slow cluster trains half as many tokens per round
+    preset = [f"--preset={args.loss_preset}"] if args.loss_preset else []
     for seed in range(args.seeds if args.only != "speed" else 0):
-        base = train(work / f"loss-homogeneous-{seed}", args.steps, args.inner_steps, seed, [], args.loss_config)
+        base = train(work / f"loss-homogeneous-{seed}", args.steps, args.inner_steps, seed, preset, args.loss_config)
         timed = train(
             work / f"loss-time-virtual-{seed}",
             equal_tokens,
             args.inner_steps,
             seed,
-            [SLOW, "--faults.slow_mode=virtual", "--sync.round=time"],
+            [*preset, SLOW, "--faults.slow_mode=virtual", "--sync.round=time"],
             args.loss_config,
         )
         row = {
