@@ -78,6 +78,19 @@ class StreamingSync:
     state_keys = STATE_KEYS
     elastic = None
     """Elastic runs sync whole stages (`Config.validate` refuses fragments there)."""
+    time_rounds = False
+    """Fragments stagger by steps within rounds of H steps (`sync.round = time` is refused with them)."""
+    done = False
+    """The run ends at train.steps (time rounds end by rounds)."""
+    landed_tokens = 0
+    """Token-weighted syncs only (not with fragments)."""
+
+    def progress_step(self, step: int) -> float:
+        """The run's progress is the step: every cluster does every step."""
+        return float(step)
+
+    def add_step_time(self, seconds: float) -> None:
+        """Step rounds measure no step time."""
 
     def __init__(
         self,
