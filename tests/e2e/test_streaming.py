@@ -39,7 +39,10 @@ def test_fragments_sync_at_their_steps_and_resume_bit_exact(tmp_path):
     assert [r["step"] for r in again] == [s for s in by_step if s > 15]
     for row in again:
         assert row["loss"] == by_step[row["step"]]["loss"]
-        assert row["wan_bytes_sent"] == by_step[row["step"]]["wan_bytes_sent"]
+        # the bytes of the syncs that landed at the step; the counter also holds the other fragment's sync in flight
+        # once it arrived, which depends on the machine's speed, so it is compared at the end, with nothing in flight
+        assert row.get("round_bytes_sent") == by_step[row["step"]].get("round_bytes_sent")
+    assert again[-1]["wan_bytes_sent"] == by_step[40]["wan_bytes_sent"]
     assert again[-1]["eval_loss"] == by_step[40]["eval_loss"]
 
 
