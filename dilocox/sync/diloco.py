@@ -284,27 +284,20 @@ class DiLoCoSync:
     def _build_reducer(self, compression: CompressionConfig, *, elastic: bool = False) -> Reducer:
         """A reducer of `compression` over this rank's tensors, on its channel, with the guard and the aggregate of
         `[sync]`: the rounds' (`self.reducer`) and the drain's."""
-        if self.lanes is not None:
-            return build_lane_reducer(
-                compression,
-                self.flat.shapes,
-                layout=self.lanes,
-                channel=self.channel,
-                dp_group=self.dp_group,
-                pp_group=self.pp_group,
-                seed=self.seed,
-                guard_max_ratio=self.cfg.guard_max_ratio if self.cfg.guard else None,
-                peer_max_ratio=self.cfg.guard_peer_ratio if self.cfg.guard_peers else None,
-            )
-        return build_reducer(
-            compression,
-            self.flat.shapes,
+        common: dict[str, Any] = dict(
             channel=self.channel,
             dp_group=self.dp_group,
             pp_group=self.pp_group,
             seed=self.seed,
             guard_max_ratio=self.cfg.guard_max_ratio if self.cfg.guard else None,
             peer_max_ratio=self.cfg.guard_peer_ratio if self.cfg.guard_peers else None,
+        )
+        if self.lanes is not None:
+            return build_lane_reducer(compression, self.flat.shapes, layout=self.lanes, **common)
+        return build_reducer(
+            compression,
+            self.flat.shapes,
+            **common,
             aggregate=self.cfg.aggregate,
             trim_fraction=self.cfg.trim_fraction,
             elastic=elastic,
