@@ -224,8 +224,8 @@ class SyncStrategy(Protocol):
 
 
 class StepRounds:
-    """The round-clock members of `SyncStrategy` for strategies whose every step is a round (allreduce, cocktail):
-    every cluster does every step, so the run ends at train.steps and its progress is the step."""
+    """The round-clock members of `SyncStrategy` for strategies whose every cluster does every step (allreduce,
+    cocktail, streaming fragments): the run ends at train.steps and its progress is the step."""
 
     rounds_done = False
     landed_tokens = 0

@@ -225,10 +225,10 @@ class OuterSync:
                     f"sync.fragments = {sync.fragments} works without faults, outside elastic runs and with clusters "
                     "of one shape: set sync.fragments = 1"
                 )
-            if sync.round == "time" or weigh_tokens:
+            if weigh_tokens:  # sync.round = time is refused by SyncConfig.validate
                 raise ValueError(
-                    f"sync.fragments = {sync.fragments} staggers rounds of H steps: use sync.round = steps (without "
-                    "token weights), or sync.fragments = 1"
+                    f"sync.fragments = {sync.fragments} staggers rounds of H steps, whose average weighs every "
+                    "cluster alike: leave weigh_tokens off, or set sync.fragments = 1"
                 )
             self.diloco = StreamingSync(
                 params,

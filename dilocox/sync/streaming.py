@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from dilocox.compress import CompressionConfig
 from dilocox.net.channel import WanChannel
-from dilocox.sync.base import FlatParams, RoundStats, dp_mean_
+from dilocox.sync.base import FlatParams, RoundStats, StepRounds, dp_mean_
 from dilocox.sync.config import SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory
@@ -63,7 +63,7 @@ def fragment_offset(fragment: int, inner_steps: int, num_fragments: int) -> int:
     return (fragment * inner_steps) // num_fragments or inner_steps
 
 
-class StreamingSync:
+class StreamingSync(StepRounds):
     """The outer loop of one stage as `sync.fragments` staggered `DiLoCoSync` rounds (module docstring), behind the
     protocol `OuterSync` drives: `after_inner_step`, `flush`, `state_dict`, ...
 
@@ -81,16 +81,7 @@ class StreamingSync:
     time_rounds = False
     """Fragments stagger by steps within rounds of H steps (`sync.round = time` is refused with them)."""
     done = False
-    """The run ends at train.steps (time rounds end by rounds)."""
-    landed_tokens = 0
-    """Token-weighted syncs only (not with fragments)."""
-
-    def progress_step(self, step: int) -> float:
-        """The run's progress is the step: every cluster does every step."""
-        return float(step)
-
-    def add_step_time(self, seconds: float) -> None:
-        """Step rounds measure no step time."""
+    """The run ends at train.steps (time rounds end by rounds); the rest of the round clock is `StepRounds`'."""
 
     def __init__(
         self,
