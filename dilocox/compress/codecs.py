@@ -51,7 +51,7 @@ class ValueFormat(ABC):
     """How runs of fp32 values are written to bytes, many runs at once; the building block of every codec.
 
     fmt = Int4Format(group_size=64)
-    data = fmt.encode_runs([a, b])                   # (fmt.nbytes(a.numel()) + fmt.nbytes(b.numel()),) uint8
+    data = fmt.encode_runs([a, b])                   # (fmt.section_nbytes([a.numel(), b.numel()]),) uint8
     a2, b2 = fmt.decode_runs(ByteReader(data), [a.numel(), b.numel()])   # flat fp32
     """
 
@@ -59,7 +59,12 @@ class ValueFormat(ABC):
 
     @abstractmethod
     def nbytes(self, numel: int) -> int:
-        """Exact bytes of one run of `numel` values (a section's size is the sum over its runs)."""
+        """Exact bytes of one run of `numel` values."""
+
+    def section_nbytes(self, lengths: Sequence[int]) -> int:
+        """Exact bytes of runs of `lengths` encoded together (one `encode_runs` call): the sum over the runs, unless
+        a format packs its runs tighter together than alone (`LowBitFormat` pads its bit stream once)."""
+        return sum(self.nbytes(length) for length in lengths)
 
     @abstractmethod
     def encode_runs(self, runs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -118,7 +123,7 @@ class Int4Format(ValueFormat):
         return encode_int4_runs(runs, self.group_size, generator=self.generator)
 
     def decode_runs(self, reader: ByteReader, lengths: Sequence[int]) -> list[torch.Tensor]:
-        data = reader.take(sum(self.nbytes(length) for length in lengths))
+        data = reader.take(self.section_nbytes(lengths))
         return decode_int4_runs(data, lengths, self.group_size)
 
 

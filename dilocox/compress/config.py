@@ -15,9 +15,13 @@ from typing import Literal, get_args
 
 from dilocox.checks import check_fraction, check_positive, check_types
 
-CodecKind = Literal["none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive", "topk_int4"]
-"""Every `compression.kind`; `none` sends fp32 (the uncompressed outer sync)."""
+CodecKind = Literal[
+    "none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive", "topk_int4", "topk_int2", "topk_sign"
+]
+"""Every `compression.kind` (built by `factory.CODECS`); `none` sends fp32 (the uncompressed outer sync)."""
 CODEC_KINDS: tuple[str, ...] = get_args(CodecKind)
+TOPK_KINDS = tuple(kind for kind in CODEC_KINDS if kind.startswith("topk_"))
+"""The chunked top-k kinds (`compression.density` and `chunk_size`), which differ in how a kept value is written."""
 FactorDtype = Literal["fp32", "fp16", "bf16"]
 """Encodings of the `lowrank` codec's factors (`lowrank_int4` and `adaptive` always use int4)."""
 FACTOR_DTYPES: tuple[str, ...] = get_args(FactorDtype)
@@ -46,13 +50,13 @@ MAX_RANK = (1 << 16) - 1
 @dataclass
 class CompressionConfig:
     kind: CodecKind = "none"
-    """Pseudo-gradient codec: none (fp32), fp16, bf16, int4, lowrank, lowrank_int4, adaptive, topk_int4."""
+    """Pseudo-gradient codec: none (fp32), fp16, bf16, int4, lowrank, lowrank_int4, adaptive, topk_int4/int2/sign."""
     rank: int = 8
     """Factors per matrix of lowrank and lowrank_int4."""
     group_size: int = 64
-    """Values per fp16 scale in int4 encodings."""
+    """Values per fp16 scale in int4 encodings and of the kept values of topk_int2 and topk_sign."""
     stochastic_rounding: bool = False
-    """Round int4 values stochastically (unbiased) instead of to nearest."""
+    """Round int4 values stochastically (unbiased) instead of to nearest (topk_int2 and topk_sign: no effect)."""
     error_feedback: bool = True
     """Add what the codec lost to the next round's pseudo-gradient."""
     feedback_decay: float = 1.0
@@ -86,9 +90,9 @@ class CompressionConfig:
     # 0.075 with compression.feedback_decay = 0.9: 1/43 of fp32 per round; at H = 12 on the gap protocol 1/515 of
     # AllReduce's bytes and +4.32 +- 0.10% from its loss (benchmarks/results/eager_adaptive/, docs/design.md §4.1)
     density: float = 0.075
-    """topk_int4: share of each chunk's values sent (its largest in magnitude, int4), with their positions."""
+    """topk kinds: share of each chunk's values sent (its largest in magnitude), with their positions."""
     chunk_size: int = 4096
-    """topk_int4: values per chunk, each keeping its own top share (positions: about 2 + log2(1 / density) bits)."""
+    """topk kinds: values per chunk, each keeping its own top share (positions: about 2 + log2(1 / density) bits)."""
     reduction: Reduction = "gather"
     """Averaging of payloads: gather ((C-1) x payload per rank, any codec) or scalable (~2 x payload; not adaptive)."""
 

@@ -1,23 +1,94 @@
-"""The codec factory: a validated `CompressionConfig` -> the codec it names.
+"""The codec registry: `compression.kind` -> how to build its codec from a validated `CompressionConfig`.
 
 codec = build_codec(CompressionConfig(kind="lowrank_int4", rank=8), seed=0)
 codec = build_codec("lowrank_int4", rank=8)          # the same: keywords are CompressionConfig's fields
 payload = codec.encode_list(pseudo_grads)
+
+A new codec is a module and one line of `CODECS` (and its name in `config.CodecKind`, which lists the kinds for the
+config's checks and `--help`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from dilocox.compress.adaptive import AdaptiveCodec, AdaptiveRank
-from dilocox.compress.codecs import CastFormat, Codec, ElementwiseCodec, Int4Format, LowRankCodec
+from dilocox.compress.codecs import CastFormat, Codec, ElementwiseCodec, Int4Format, LowRankCodec, ValueFormat
 from dilocox.compress.config import CompressionConfig
+from dilocox.compress.lowbit import LowBitFormat
 from dilocox.compress.topk import TopKCodec
 
 _DTYPES = {"none": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _int4(cfg: CompressionConfig, generator: torch.Generator) -> Int4Format:
+    return Int4Format(cfg.group_size, generator if cfg.stochastic_rounding else None)
+
+
+def _small(cfg: CompressionConfig, generator: torch.Generator) -> ValueFormat:
+    """How the low-rank codecs send 0-D and 1-D tensors (`compression.small_tensors`)."""
+    return _int4(cfg, generator) if cfg.small_tensors == "int4" else CastFormat(torch.float32)
+
+
+def _cast(cfg: CompressionConfig, generator: torch.Generator, seed: int) -> Codec:
+    return ElementwiseCodec(cfg.kind, CastFormat(_DTYPES[cfg.kind]), generator=generator)
+
+
+def _lowrank(cfg: CompressionConfig, generator: torch.Generator, seed: int) -> Codec:
+    factor = _int4(cfg, generator) if cfg.kind == "lowrank_int4" else CastFormat(_DTYPES[cfg.factor_dtype])
+    return LowRankCodec(
+        cfg.kind,
+        rank=cfg.rank,
+        factor_format=factor,
+        small_format=_small(cfg, generator),
+        power_iterations=cfg.power_iterations,
+        generator=generator,
+    )
+
+
+def _adaptive(cfg: CompressionConfig, generator: torch.Generator, seed: int) -> Codec:
+    return AdaptiveCodec(
+        AdaptiveRank(cfg, seed=seed),
+        factor_format=_int4(cfg, generator),
+        small_format=_small(cfg, generator),
+        power_iterations=cfg.power_iterations,
+        generator=generator,
+    )
+
+
+def _topk(value_format: Callable[[CompressionConfig, torch.Generator], ValueFormat]) -> Callable[..., Codec]:
+    """The builder of a top-k kind whose kept values are written in `value_format`."""
+
+    def build(cfg: CompressionConfig, generator: torch.Generator, seed: int) -> Codec:
+        return TopKCodec(
+            cfg.kind,
+            density=cfg.density,
+            chunk_size=cfg.chunk_size,
+            value_format=value_format(cfg, generator),
+            generator=generator,
+        )
+
+    return build
+
+
+CODECS: dict[str, Callable[[CompressionConfig, torch.Generator, int], Codec]] = {
+    "none": _cast,
+    "fp16": _cast,
+    "bf16": _cast,
+    "int4": lambda cfg, generator, seed: ElementwiseCodec("int4", _int4(cfg, generator), generator=generator),
+    "lowrank": _lowrank,
+    "lowrank_int4": _lowrank,
+    "adaptive": _adaptive,
+    "topk_int4": _topk(_int4),
+    "topk_int2": _topk(lambda cfg, generator: LowBitFormat(2, cfg.group_size)),
+    "topk_sign": _topk(lambda cfg, generator: LowBitFormat(1, cfg.group_size)),
+}
+"""Every `compression.kind` -> its builder, called with the validated config, the codec's generator and the run's
+seed (the adaptive rank's own draws)."""
 
 
 def build_codec(cfg: CompressionConfig | str, *, seed: int = 0, **options: Any) -> Codec:
@@ -42,29 +113,4 @@ def build_codec(cfg: CompressionConfig | str, *, seed: int = 0, **options: Any) 
         raise ValueError(f"run.seed = {seed!r} must be an integer >= 0")
     # One CPU generator per codec, shared by its int4 rounding and its random warm starts: reproducible from the
     # seed, saved in state_dict, and never the global RNG that training's reproducibility depends on.
-    generator = torch.Generator().manual_seed(seed)
-    int4 = Int4Format(cfg.group_size, generator if cfg.stochastic_rounding else None)
-    small = int4 if cfg.small_tensors == "int4" else CastFormat(torch.float32)
-    if cfg.kind in ("none", "fp16", "bf16"):
-        return ElementwiseCodec(cfg.kind, CastFormat(_DTYPES[cfg.kind]), generator=generator)
-    if cfg.kind == "int4":
-        return ElementwiseCodec(cfg.kind, int4, generator=generator)
-    if cfg.kind == "topk_int4":
-        return TopKCodec(density=cfg.density, chunk_size=cfg.chunk_size, value_format=int4, generator=generator)
-    if cfg.kind == "adaptive":
-        return AdaptiveCodec(
-            AdaptiveRank(cfg, seed=seed),
-            factor_format=int4,
-            small_format=small,
-            power_iterations=cfg.power_iterations,
-            generator=generator,
-        )
-    factor = int4 if cfg.kind == "lowrank_int4" else CastFormat(_DTYPES[cfg.factor_dtype])
-    return LowRankCodec(
-        cfg.kind,
-        rank=cfg.rank,
-        factor_format=factor,
-        small_format=small,
-        power_iterations=cfg.power_iterations,
-        generator=generator,
-    )
+    return CODECS[cfg.kind](cfg, torch.Generator().manual_seed(seed), seed)

@@ -1,61 +1,75 @@
-"""Chunked top-k with int4 values: the largest `density` of each chunk of a pseudo-gradient, with their positions.
+"""Chunked top-k: the largest `density` of each chunk of a pseudo-gradient, with their positions, in 4, 2 or 1 bits.
 
-An alternative to the low-rank codecs for the outer sync (`compression.kind = "topk_int4"`), after SparseLoCo
-(Sarfi et al. 2025, "Communication-Efficient LLM Pre-training with SparseLoCo"), which sends the top-k of every
-chunk of the error-feedback-corrected pseudo-gradient with a few bits per value. Unlike low rank it needs no
-matrix structure: embeddings and other tensors with flat spectra keep their largest entries.
+An alternative to the low-rank codecs for the outer sync, after SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706),
+which sends the top-k of every chunk of the error-feedback-corrected pseudo-gradient with a few bits per value. Unlike
+low rank it needs no matrix structure: embeddings and other tensors with flat spectra keep their largest entries.
+The kinds differ only in how the kept values are written (`compression.kind`):
+
+| kind | a kept value | format |
+| --- | --- | --- |
+| topk_int4 | group absmax int4: 4 bits, an fp16 scale per group | `dilocox.compress.int4` |
+| topk_int2 | the nearest of -3s, -s, s, 3s: 2 bits, an fp16 least-squares scale per group | `dilocox.compress.lowbit` |
+| topk_sign | its sign times its group's mean magnitude: 1 bit, an fp16 scale per group | `dilocox.compress.lowbit` |
 
 One tensor of `n` values (any shape, flattened row-major), with `c = chunk_size`, `d = density` and
 `kept(L) = min(L, max(1, round(d * L)))` (Python `round`, half to even):
 - the values are cut into `floor(n / c)` chunks of `c` and, if `n % c`, one last chunk of `n % c`;
 - each chunk of length L keeps its `kept(L)` values of largest magnitude (ties broken by `torch.topk`), in order
   of position;
-- `K` = the sum of `kept(L)` over the tensor's chunks.
+- `K` = the sum of `kept(L)` over the tensor's chunks. The tensor's kept values are one run of the value format, in
+  order of position, so its groups of `g = group_size` values span chunks: a chunk of 64 that keeps one value costs
+  no scale of its own.
 
 Byte layout of a list (no header; the receiver knows the shapes and the options):
-1. positions: for every tensor in order, the Elias-Fano codes (`dilocox.compress.elias_fano`) of its chunks' kept
-   positions, chunk by chunk, as one bit stream padded to a whole byte: `ceil(sum over chunks of
-   ef(L, kept(L)) / 8)` bytes per tensor, with `ef(L, k) = k l + k + ((L - 1) >> l) + 1` and
-   `l = floor(log2(L / k))`;
-2. values: one int4 run per chunk, in order of position (`dilocox.compress.int4`, groups never span two chunks),
-   the fp16 scales of every run of the list, then the packed codes of every run.
+1. positions: for every tensor in order, the position codes (`dilocox.compress.elias_fano`: Elias-Fano, or plain
+   positions where those are shorter) of its chunks, chunk by chunk, as one bit stream padded to a whole byte:
+   `ceil(sum over chunks of nbits(L, kept(L)) / 8)` bytes per tensor;
+2. values: every tensor's run, in order, as one section of the value format: for int4 `2 ceil(K / g) + ceil(K / 2)`
+   bytes per tensor; for 1 or 2 bits (b) the fp16 scales of every group, then the codes of all the runs as one bit
+   stream padded once, `2 sum ceil(K / g) + ceil(b sum K / 8)`.
 
-`expected_nbytes(shape) = positions + sum over chunks of int4(kept(L))`, with `int4(k) = 2 ceil(k / g) +
-ceil(k / 2)`. Fixed by the shape: the receiver knows every code's and run's length before reading a byte. At the
-default density 0.075 and `c = 4096` a kept value takes 5.7 bits of position and 4.25 of value (0.093 bytes per
-value of the tensor: 1/43 of fp32); 12-bit positions, as in SparseLoCo, would take 1.6x the bytes.
+The size is fixed by the shapes: the receiver knows every code's and run's length before reading a byte
+(`expected_nbytes_list`; one tensor alone: `expected_nbytes`). On the `tiny` model (1,312,896 parameters, c = 4096,
+g = 64) one round takes 0.53 bits a parameter for topk_int4 at density 0.05 (7.5 bits of position and 4.25 of value
+per kept value), 0.11 for topk_int2 at 0.01 and 0.10 for topk_sign at 0.01 (8.6 of position; `bits_per_value`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from dilocox.compress import elias_fano
-from dilocox.compress.codecs import Codec, Int4Format, Shape
+from dilocox.compress.codecs import Codec, Shape, ValueFormat
 from dilocox.compress.payload import ByteReader, numel_of
 
 
 class TopKCodec(Codec):
-    """The `density` largest values of every chunk of `chunk_size`, as Elias-Fano positions and int4 values.
+    """The `density` largest values of every chunk of `chunk_size`, as position codes and `value_format` values.
 
     Error feedback (`ErrorFeedback`) keeps what a round did not send, so a value left out now is sent once it has
     grown among the largest of its chunk.
 
-        codec = build_codec(CompressionConfig(kind="topk_int4", density=0.075, chunk_size=4096))
+        codec = build_codec(CompressionConfig(kind="topk_sign", density=0.01, chunk_size=4096))
         payload = codec.encode_list(pseudo_grads)        # payload.nbytes == codec.expected_nbytes_list(shapes)
         decoded = codec.decode_list(payload, shapes)     # zeros except at the kept positions
     """
 
-    name = "topk_int4"
-
     def __init__(
-        self, *, density: float, chunk_size: int, value_format: Int4Format, generator: torch.Generator | None = None
+        self,
+        name: str,
+        *,
+        density: float,
+        chunk_size: int,
+        value_format: ValueFormat,
+        generator: torch.Generator | None = None,
     ) -> None:
         super().__init__(generator=generator)
         # Validated by CompressionConfig.validate(); these guard the payload format itself.
         assert 0.0 < density <= 1.0 and chunk_size >= 1, (density, chunk_size)
+        self.name = name
         self.density = float(density)
         self.chunk_size = int(chunk_size)
         self.value_format = value_format
@@ -71,39 +85,51 @@ class TopKCodec(Codec):
         full, last = divmod(numel, self.chunk_size)
         return ([(full, self.chunk_size)] if full else []) + ([(1, last)] if last else [])
 
-    def chunk_lengths(self, numel: int) -> list[int]:
-        """The lengths of the chunks of a tensor of `numel` values, in order."""
-        return [length for rows, length in self.chunk_groups(numel) for _ in range(rows)]
+    def num_kept(self, numel: int) -> int:
+        """K: the values a tensor of `numel` values keeps, over all its chunks."""
+        return sum(rows * self.kept(length) for rows, length in self.chunk_groups(numel))
 
     def _group_bits(self, groups: list[tuple[int, int]]) -> list[int]:
-        """Bits of the Elias-Fano codes of each (rows, L) group of `chunk_groups`."""
+        """Bits of the position codes of each (rows, L) group of `chunk_groups`."""
         return [rows * elias_fano.nbits(length, self.kept(length)) for rows, length in groups]
 
     def position_nbytes(self, numel: int) -> int:
-        """Bytes of the positions of a tensor of `numel` values: its chunks' Elias-Fano codes, padded to a byte."""
+        """Bytes of the positions of a tensor of `numel` values: its chunks' codes, padded to a byte."""
         return -(-sum(self._group_bits(self.chunk_groups(numel))) // 8)
 
     def expected_nbytes(self, shape: Shape) -> int:
-        numel = numel_of(shape)
-        counts = [self.kept(length) for length in self.chunk_lengths(numel)]
-        return self.position_nbytes(numel) + sum(self.value_format.nbytes(count) for count in counts)
+        return self.expected_nbytes_list([shape])
+
+    def expected_nbytes_list(self, shapes: Sequence[Shape]) -> int:
+        numels = [numel_of(shape) for shape in shapes]
+        values = self.value_format.section_nbytes([self.num_kept(numel) for numel in numels])
+        return sum(self.position_nbytes(numel) for numel in numels) + values
+
+    def max_nbytes_list(self, shapes: Sequence[Shape]) -> int:
+        return self.expected_nbytes_list(shapes)
+
+    def bits_per_value(self, shapes: Sequence[Shape]) -> float:
+        """Bits on the wire per value of tensors of `shapes` (a model's parameters: one round's bits a parameter)."""
+        return 8 * self.expected_nbytes_list(shapes) / max(1, sum(numel_of(shape) for shape in shapes))
 
     # encoding -----------------------------------------------------------------------------------------------------
 
     def _encode_values(self, values: list[torch.Tensor], first_slot: int) -> list[torch.Tensor]:
         positions: list[torch.Tensor] = []
-        runs: list[torch.Tensor] = []
+        runs: list[torch.Tensor] = []  # one per tensor: its kept values, chunk by chunk, in order of position
         for value in values:
             bits: list[torch.Tensor] = []
+            kept: list[torch.Tensor] = [value.new_zeros(0)]
             groups = self.chunk_groups(value.numel())
             for chunks, (rows, length) in zip(value.reshape(-1).split([r * n for r, n in groups]), groups, strict=True):
                 chunks = chunks.view(rows, length)
                 index = torch.topk(chunks.abs(), self.kept(length), dim=1, sorted=False).indices.sort(dim=1).values
                 bits.append(elias_fano.encode(index, universe=length))
-                runs.extend(chunks.gather(1, index).unbind(0))  # one (k,) run per chunk, in order of position
+                kept.append(chunks.gather(1, index).reshape(-1))
             if bits:
                 positions.append(elias_fano.pack_bits(torch.cat(bits)))
-        if not runs:
+            runs.append(torch.cat(kept))
+        if not positions:  # every tensor is empty
             return []
         return [*positions, self.value_format.encode_runs(runs)]
 
@@ -111,42 +137,33 @@ class TopKCodec(Codec):
 
     def _decode_values(self, reader: ByteReader, shapes: list[torch.Size]) -> list[torch.Tensor]:
         numels = [numel_of(shape) for shape in shapes]
-        per_tensor = [self.chunk_lengths(numel) for numel in numels]  # each tensor's chunk lengths
-        lengths = [length for chunk_lengths in per_tensor for length in chunk_lengths]  # every chunk, in order
-        counts = [self.kept(length) for length in lengths]
-        kept_per_tensor = [sum(self.kept(length) for length in chunk_lengths) for chunk_lengths in per_tensor]
-        # (K_all,) int64, inside their chunks (decode checks each against its chunk's length)
-        positions = torch.cat(
-            [self._read_positions(reader, numel) for numel in numels if numel] or [torch.zeros(0, dtype=torch.int64)]
-        )
-        values = self.value_format.decode_runs(reader, counts) if counts else []
         device = reader.data.device
-        if not counts:
+        if not any(numels):
             return [torch.zeros(shape, dtype=torch.float32, device=device) for shape in shapes]
-        per_value = torch.tensor(counts)
-        starts = [start for numel in numels for start in range(0, numel, self.chunk_size)]  # inside the tensor
-        flat_index = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64), per_value) + positions
-        flat_values = torch.cat(values)  # (K_all,) fp32
+        positions = [self._read_positions(reader, numel) for numel in numels]  # (K,) int64 each, inside the tensor
+        values = self.value_format.decode_runs(reader, [index.numel() for index in positions])
         tensors: list[torch.Tensor] = []
-        for shape, numel, index, kept in zip(
-            shapes, numels, flat_index.split(kept_per_tensor), flat_values.split(kept_per_tensor), strict=True
-        ):
+        for shape, numel, index, kept in zip(shapes, numels, positions, values, strict=True):
             dense = torch.zeros(numel, dtype=torch.float32, device=device)
             dense[index.to(device)] = kept.to(device)
             tensors.append(dense.view(shape))
         return tensors
 
     def _read_positions(self, reader: ByteReader, numel: int) -> torch.Tensor:
-        """One tensor's positions, chunk by chunk: its next `position_nbytes(numel)` bytes -> (K,) int64."""
+        """One tensor's positions in it, chunk by chunk: its next `position_nbytes(numel)` bytes -> (K,) int64."""
         groups = self.chunk_groups(numel)
+        if not groups:
+            return torch.zeros(0, dtype=torch.int64)
         sizes = self._group_bits(groups)
         bits = elias_fano.unpack_bits(reader.take(-(-sum(sizes) // 8)), sum(sizes))
-        return torch.cat(
-            [
-                elias_fano.decode(part, rows, universe=length, count=self.kept(length)).reshape(-1)
-                for part, (rows, length) in zip(bits.split(sizes), groups, strict=True)
-            ]
-        )
+        first = 0
+        parts = []
+        for part, (rows, length) in zip(bits.split(sizes), groups, strict=True):
+            inside = elias_fano.decode(part, rows, universe=length, count=self.kept(length))  # (rows, kept)
+            starts = first + length * torch.arange(rows, device=inside.device)  # (rows,) each chunk's first value
+            parts.append((inside + starts[:, None]).reshape(-1))
+            first += rows * length
+        return torch.cat(parts)
 
     # state --------------------------------------------------------------------------------------------------------
 
@@ -160,9 +177,12 @@ class TopKCodec(Codec):
         saved = (state.get("density"), state.get("chunk_size"))
         if saved != (self.density, self.chunk_size):
             raise ValueError(
-                f"codec state of topk_int4 with density, chunk_size = {saved} cannot be loaded into one with "
+                f"codec state of {self.name} with density, chunk_size = {saved} cannot be loaded into one with "
                 f"{(self.density, self.chunk_size)}; resume with the compression settings it was written with"
             )
 
     def __repr__(self) -> str:
-        return f"TopKCodec(density={self.density}, chunk_size={self.chunk_size}, values=int4)"
+        return (
+            f"TopKCodec(name={self.name!r}, density={self.density}, chunk_size={self.chunk_size}, "
+            f"values={self.value_format.name})"
+        )

@@ -28,6 +28,8 @@ from dilocox.compress import (
     unpack_int4,
 )
 from dilocox.compress import int4 as int4_module
+from dilocox.compress.lowbit import LowBitFormat
+from dilocox.compress.payload import ByteReader
 
 MIXED_SHAPES = [(64, 48), (48,), (3, 5, 7), (1,), (), (2, 2), (0, 4), (4, 5), (33,), (0,), (31, 17), (1, 100)]
 NBYTES_SHAPES = [*MIXED_SHAPES, (7,), (64,), (65,), (4, 4), (100, 1), (128, 256), (2, 3, 4, 5)]
@@ -70,23 +72,44 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 # ------------------------------------------------------------------------------------------------------- byte sizes
 
 
-def hand_nbytes(
-    kind: str, shape, *, rank=8, group_size=64, small_tensors="raw", factor_dtype="fp32", density=0.075, chunk_size=4096
-) -> int:
+def hand_nbytes(kind: str, shape, **options) -> int:
     """The byte formulas of the modules' docstrings, written out independently of the codecs."""
+    return hand_nbytes_list(kind, [shape], **options)
+
+
+def hand_nbytes_list(
+    kind, shapes, *, rank=8, group_size=64, small_tensors="raw", factor_dtype="fp32", density=0.075, chunk_size=4096
+) -> int:
+    """The byte formulas of the modules' docstrings for one list of tensors, written out independently of the codecs."""
 
     def int4_size(count: int) -> int:
         return 2 * math.ceil(count / group_size) + math.ceil(count / 2)
 
+    if kind.startswith("topk_"):
+        positions, kept_per_tensor = 0, []
+        for shape in shapes:
+            numel = math.prod(shape)
+            chunks = [chunk_size] * (numel // chunk_size) + ([numel % chunk_size] if numel % chunk_size else [])
+            kept = [min(length, max(1, round(density * length))) for length in chunks]
+            bits = 0
+            for length, count in zip(chunks, kept, strict=True):
+                # Elias-Fano: l = floor(log2(L / k)) low bits per position, then a bitmap of k + ((L - 1) >> l) + 1
+                # bits; or plain positions of ceil(log2 L) bits each, whichever is shorter
+                low = math.floor(math.log2(length / count)) if 2 * count <= length else 0
+                plain = count * math.ceil(math.log2(length)) if length > 1 else 0
+                bits += min(count * low + count + ((length - 1) >> low) + 1, plain)
+            positions += math.ceil(bits / 8)
+            kept_per_tensor.append(sum(kept))
+        if kind == "topk_int4":
+            return positions + sum(int4_size(count) for count in kept_per_tensor)
+        value_bits = {"topk_int2": 2, "topk_sign": 1}[kind]
+        scales = sum(2 * math.ceil(count / group_size) for count in kept_per_tensor)
+        return positions + scales + math.ceil(value_bits * sum(kept_per_tensor) / 8)
+    if len(shapes) != 1:
+        options = dict(rank=rank, group_size=group_size, small_tensors=small_tensors, factor_dtype=factor_dtype)
+        return sum(hand_nbytes(kind, shape, **options) for shape in shapes)
+    (shape,) = shapes
     numel = math.prod(shape)
-    if kind == "topk_int4":
-        chunks = [chunk_size] * (numel // chunk_size) + ([numel % chunk_size] if numel % chunk_size else [])
-        kept = [min(length, max(1, round(density * length))) for length in chunks]
-        # Elias-Fano: l = floor(log2(L / k)) low bits per position, then a bitmap of k + ((L - 1) >> l) + 1 bits
-        pairs = list(zip(chunks, kept, strict=True))
-        low = [math.floor(math.log2(length / count)) if 2 * count <= length else 0 for length, count in pairs]
-        bits = sum(k * w + k + ((length - 1) >> w) + 1 for (length, k), w in zip(pairs, low, strict=True))
-        return math.ceil(bits / 8) + sum(int4_size(count) for count in kept)
     if kind == "none":
         return 4 * numel
     if kind in ("fp16", "bf16"):
@@ -126,6 +149,12 @@ def hand_nbytes(
         ("topk_int4", {"density": 1.0, "chunk_size": 100}),
         ("topk_int4", {"density": 0.3, "chunk_size": 4097}),
         ("topk_int4", {"density": 0.3, "chunk_size": 65536}),
+        ("topk_int4", {"density": 1 / 64, "chunk_size": 64}),
+        ("topk_int2", {"density": 0.01}),
+        ("topk_int2", {"density": 0.1, "chunk_size": 16, "group_size": 4}),
+        ("topk_sign", {"density": 0.01}),
+        ("topk_sign", {"density": 1 / 64, "chunk_size": 64, "group_size": 128}),
+        ("topk_sign", {"density": 1.0, "chunk_size": 7, "group_size": 5}),
     ],
 )
 def test_nbytes_match_hand_formula_and_payloads(kind, options):
@@ -138,7 +167,8 @@ def test_nbytes_match_hand_formula_and_payloads(kind, options):
     tensors = random_list(NBYTES_SHAPES, seed=1)
     payload = codec.encode_list(tensors)
     assert payload.nbytes == payload.data.numel() == codec.expected_nbytes_list(NBYTES_SHAPES)
-    assert payload.nbytes == sum(hand_nbytes(kind, shape, **options) for shape in NBYTES_SHAPES)
+    assert payload.nbytes == hand_nbytes_list(kind, NBYTES_SHAPES, **options)
+    assert codec.max_nbytes_list(NBYTES_SHAPES) == payload.nbytes
 
 
 def test_lowrank_sends_dense_when_factors_are_not_smaller():
@@ -194,7 +224,7 @@ def test_encode_list_round_trip_over_mixed_shapes(kind):
     for original, approx in zip(tensors, decoded, strict=True):
         if original.numel() == 0:
             continue
-        if (original.dim() <= 1 and kind != "topk_int4") or kind in ("none", "fp16", "bf16"):
+        if (original.dim() <= 1 and not kind.startswith("topk_")) or kind in ("none", "fp16", "bf16"):
             tolerance = {"int4": 0.2, "lowrank_int4": 0.2, "adaptive": 0.2}.get(kind, 0.01)
             assert relative_error(approx, original) <= tolerance
     if kind in ("none", "fp16", "bf16", "int4"):
@@ -315,16 +345,20 @@ def test_int4_stochastic_rounding_is_unbiased_and_reproducible():
 
 
 def test_topk_keeps_the_largest_of_every_chunk_and_nothing_else():
-    codec = build_codec("topk_int4", density=0.25, chunk_size=8)
+    codec = build_codec("topk_int4", density=0.25, chunk_size=8, group_size=3)
     values = randn(3, 7, seed=5)  # 21 values: chunks of 8, 8 and 5 keep 2, 2 and 1
     decoded = codec.decode(codec.encode(values), values.shape).reshape(-1)
     flat = values.reshape(-1)
+    kept_positions = []
     for start, length, kept in ((0, 8, 2), (8, 8, 2), (16, 5, 1)):
         chunk, got = flat[start : start + length], decoded[start : start + length]
         largest = chunk.abs().topk(kept).indices
         assert set(torch.nonzero(got).reshape(-1).tolist()) == set(largest.tolist()), start
-        half_scale = float(chunk.abs().max()) / 7 / 2 * 1.001  # the fp16 scale is rounded up
-        assert float((got[largest] - chunk[largest]).abs().max()) <= half_scale, start
+        kept_positions += sorted((start + largest).tolist())
+    # The 5 kept values, in order of position, are one run: groups of 3 span the chunks.
+    for group in (kept_positions[:3], kept_positions[3:]):
+        half_scale = float(flat[group].abs().max()) / 7 / 2 * 1.001  # the fp16 scale is rounded up
+        assert float((decoded[group] - flat[group]).abs().max()) <= half_scale, group
 
 
 @pytest.mark.parametrize("chunk_size", [4000, 5000, 100_000])  # a last chunk of 2000 / 0 / all 10,000 values
@@ -359,15 +393,35 @@ def test_elias_fano_round_trips_and_takes_its_bits(universe, count):
 
 
 def test_elias_fano_rejects_codes_no_sorted_positions_give():
-    positions = torch.tensor([[1, 5, 6]])
-    bits = elias_fano.encode(positions, universe=16)  # l = 2: 6 low bits, then 3 + 4 high bits
+    positions = torch.tensor([[1, 5, 6, 12]])
+    bits = elias_fano.encode(positions, universe=16)  # l = 2: 8 low bits, then 4 + 4 high bits (plain: 16 too)
+    assert not elias_fano.is_plain(16, 4) and bits.numel() == 16
     extra = bits.clone()
-    extra[6] = 1 - extra[6]  # one set bit too many or too few in the high part
-    with pytest.raises(ValueError, match="does not hold 3 positions"):
-        elias_fano.decode(extra, 1, universe=16, count=3)
-    swapped = elias_fano.encode(torch.tensor([[1, 6, 5]]), universe=16)  # not ascending: 6 then 5 in one bucket
+    extra[8] = 1 - extra[8]  # one set bit too many or too few in the high part
+    with pytest.raises(ValueError, match="does not hold 4 positions"):
+        elias_fano.decode(extra, 1, universe=16, count=4)
+    swapped = elias_fano.encode(torch.tensor([[1, 6, 5, 12]]), universe=16)  # not ascending: 6 then 5 in one bucket
     with pytest.raises(ValueError, match="out of order"):
-        elias_fano.decode(swapped, 1, universe=16, count=3)
+        elias_fano.decode(swapped, 1, universe=16, count=4)
+    plain = elias_fano.encode(torch.tensor([[6, 5]]), universe=8)  # two 3-bit positions: 6 < Elias-Fano's 8
+    assert elias_fano.is_plain(8, 2) and plain.tolist() == [0, 1, 1, 1, 0, 1]
+    with pytest.raises(ValueError, match="out of order"):
+        elias_fano.decode(plain, 1, universe=8, count=2)
+
+
+@pytest.mark.parametrize(
+    "universe, count, bits",
+    [(64, 1, 6), (4096, 1, 12), (128, 2, 14), (256, 4, 32), (4096, 64, 512), (1, 1, 0), (2, 1, 1), (16, 3, 12)],
+)
+def test_position_codes_take_the_shorter_of_elias_fano_and_plain(universe, count, bits):
+    """A few positions go plain (one of 64 in 6 bits, Elias-Fano's 8); ties and larger counts go Elias-Fano."""
+    assert elias_fano.nbits(universe, count) == bits
+    ef = elias_fano.ef_nbits(universe, count)
+    assert bits == min(ef, count * math.ceil(math.log2(universe)))
+    positions = torch.randperm(universe, generator=torch.Generator().manual_seed(count))[:count].sort().values
+    code = elias_fano.encode(positions.view(1, -1), universe=universe)
+    assert code.numel() == bits
+    assert torch.equal(elias_fano.decode(code, 1, universe=universe, count=count), positions.view(1, -1))
 
 
 def test_topk_at_density_one_is_int4_of_every_value_in_order():
@@ -393,15 +447,107 @@ def test_topk_error_feedback_sends_a_constant_pseudo_gradient_in_full_over_round
 
 
 def test_topk_rejects_a_corrupt_position_code_and_state_of_other_settings():
-    codec = build_codec("topk_int4", density=0.25, chunk_size=8)
-    # chunks of 8 and 4 keep 2 and 1: codes of 2 x 2 + 2 + 2 bits (byte 0) and 2 + 1 + 1 bits (byte 1, bits 0-3)
-    payload = codec.encode(randn(12))
+    codec = build_codec("topk_int4", density=0.25, chunk_size=32)
+    # chunks of 32 and 8 keep 8 and 2: Elias-Fano of 8 x 2 low bits (bytes 0-1) and an 8 + 7 + 1-bit bitmap (bytes
+    # 2-3), then two plain 3-bit positions (byte 4, bits 0-5)
+    payload = codec.encode(randn(40))
+    assert codec.position_nbytes(40) == 5
     corrupted = payload.data.clone()
-    corrupted[1] = 0b1100  # the last chunk's bitmap (bits 2-3) sets two bits where it keeps one position
-    with pytest.raises(ValueError, match="does not hold 1 positions per chunk of 4"):
-        codec.decode_list(Payload(corrupted), [(12,)])
+    corrupted[2:4] = 0xFF  # the bitmap sets 16 bits where the chunk keeps 8 positions
+    with pytest.raises(ValueError, match="does not hold 8 positions per chunk of 32"):
+        codec.decode_list(Payload(corrupted), [(40,)])
+    corrupted = payload.data.clone()
+    corrupted[4] = 0b000_111  # the last chunk's positions 7 then 0
+    with pytest.raises(ValueError, match="out of order"):
+        codec.decode_list(Payload(corrupted), [(40,)])
     with pytest.raises(ValueError, match="density, chunk_size"):
-        build_codec("topk_int4", density=0.5, chunk_size=8).load_state_dict(codec.state_dict())
+        build_codec("topk_int4", density=0.5, chunk_size=32).load_state_dict(codec.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------------- 1 and 2 bits
+
+
+def lowbit_reference(runs, bits: int, group_size: int) -> tuple[list[float], list[int]]:
+    """Slow, obvious 1- and 2-bit quantization of runs, value by value: every group's scale and every value's code.
+
+    1 bit: scale = mean |x|, code 1 for x >= 0. 2 bits: levels (-3, -1, 1, 3) x scale, scale from mean |x| / 2, then
+    twice: nearest level (|x| > 2 scale -> 3), least-squares scale sum |x| level / sum level^2."""
+    scales, codes = [], []
+    for run in runs:
+        values = run.tolist()
+        for start in range(0, len(values), group_size):
+            group = values[start : start + group_size]
+            scale = sum(abs(x) for x in group) / len(group)
+            level = [1.0] * len(group)
+            if bits == 2:
+                scale /= 2
+                for _ in range(2):
+                    level = [3.0 if abs(x) > 2 * scale else 1.0 for x in group]
+                    scale = sum(abs(x) * q for x, q in zip(group, level, strict=True)) / sum(q * q for q in level)
+            scales.append(scale)
+            for x, q in zip(group, level, strict=True):
+                if bits == 1:
+                    codes.append(0 if x < 0 else 1)
+                else:
+                    codes.append((1 if q == 1 else 0) if x < 0 else (2 if q == 1 else 3))
+    return scales, codes
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("lengths, group_size", [([1], 64), ([5, 0, 70, 3], 64), ([13, 13], 4), ([100], 7)])
+def test_lowbit_bytes_are_the_reference_bit_for_bit(bits, lengths, group_size):
+    """Scales as fp16, then the codes of every run as one bit stream (lowest bit first), padded once at the end."""
+    runs = random_list([(length,) for length in lengths], seed=sum(lengths) + bits)
+    fmt = LowBitFormat(bits, group_size)
+    data = fmt.encode_runs(runs)
+    scales, codes = lowbit_reference(runs, bits, group_size)
+    stream = [(code >> j) & 1 for code in codes for j in range(bits)]
+    stream += [0] * (-len(stream) % 8)
+    code_bytes = [sum(bit << j for j, bit in enumerate(stream[i : i + 8])) for i in range(0, len(stream), 8)]
+    want_scales = torch.tensor(scales, dtype=torch.float32).to(torch.float16)
+    assert data.numel() == fmt.section_nbytes(lengths) == 2 * len(scales) + math.ceil(bits * sum(lengths) / 8)
+    assert torch.equal(data[: 2 * len(scales)], want_scales.view(torch.uint8))
+    assert data[2 * len(scales) :].tolist() == code_bytes
+    decoded = fmt.decode_runs(ByteReader(data), lengths)
+    levels = {1: [-1, 1], 2: [-3, -1, 1, 3]}[bits]
+    group_of = [first + i // group_size for length, first in zip(lengths, _firsts(lengths, group_size), strict=True)
+                for i in range(length)]  # fmt: skip
+    want = [levels[c] * float(want_scales[g]) for c, g in zip(codes, group_of, strict=True)]
+    assert torch.cat(decoded).tolist() == want
+
+
+def _firsts(lengths, group_size):
+    """The index of each run's first group."""
+    firsts, first = [], 0
+    for length in lengths:
+        firsts.append(first)
+        first += -(-length // group_size)
+    return firsts
+
+
+def test_lowbit_scales_are_least_squares_and_errors_bounded():
+    """1 bit: the mean |x| is the best scale of the signs; 2 bits: the fitted scale is the best for the codes sent,
+    and Gaussian values keep about the textbook error (1 bit: sqrt(1 - 2 / pi) = 0.60; 2 bits: about 0.35)."""
+    values = randn(64 * 200, seed=11)
+    for bits, bound in ((1, 0.61), (2, 0.36)):
+        fmt = LowBitFormat(bits, 64)
+        (decoded,) = fmt.decode_runs(ByteReader(fmt.encode_runs([values])), [values.numel()])
+        assert relative_error(decoded, values) < bound, bits
+        groups, approx = values.view(-1, 64), decoded.view(-1, 64)
+        for factor in (0.97, 1.03):  # any other scale of the same codes does worse, group by group
+            assert ((approx * factor - groups).square().sum(1) >= (approx - groups).square().sum(1) * 0.999).all()
+    zeros = LowBitFormat(1, 4).encode_runs([torch.zeros(6)])  # a zero group decodes to zeros
+    assert LowBitFormat(1, 4).decode_runs(ByteReader(zeros), [6])[0].tolist() == [0.0] * 6
+
+
+def test_topk_sign_at_density_one_is_the_sign_format_of_every_value():
+    codec = build_codec("topk_sign", density=1.0, chunk_size=16, group_size=8)
+    values = randn(40, seed=6)
+    fmt = LowBitFormat(1, 8)
+    want = fmt.decode_runs(ByteReader(fmt.encode_runs([values])), [40])[0]
+    assert torch.equal(codec.decode(codec.encode(values), (40,)), want)
+    sent = codec.decode(codec.encode(values), (40,))
+    assert torch.equal(sent.sign(), values.sign())
 
 
 def test_lowrank_recovers_an_exactly_low_rank_matrix():

@@ -69,6 +69,8 @@ CODECS = [
     ("lowrank_int4", {"rank": 2, "group_size": 16}),
     ("adaptive", {"rank_min": 1, "rank_max": 4, "energy": 0.5}),
     ("topk_int4", {"density": 0.25, "chunk_size": 8, "group_size": 4}),
+    ("topk_int2", {"density": 0.25, "chunk_size": 8, "group_size": 4}),
+    ("topk_sign", {"density": 0.1, "chunk_size": 64, "group_size": 16}),
 ]
 
 
