@@ -13,6 +13,7 @@ construction. `dilocox bench` draws its plots with the same code.
 
 from __future__ import annotations
 
+import json
 import math
 import textwrap
 import tomllib
@@ -400,21 +401,113 @@ def plot_seed_spread(rows: list[dict[str, Any]], path: Path, *, title: str = "")
     return path
 
 
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One bench row on the bytes-against-quality plane: its slow-link bytes per token and its gap to the baseline."""
+
+    name: str
+    label: str
+    bytes_per_token: float
+    gap_pct: float
+    gap_sd_pct: float | None
+    bench: str
+
+
+def frontier_points(results: dict[str, Any]) -> list[FrontierPoint]:
+    """The rows of a bench's results (`dilocox bench`'s results.json) that send bytes and have a gap to its baseline."""
+    return [
+        FrontierPoint(
+            row["name"],
+            row["label"],
+            row["wan_bytes_per_token"],
+            row["gap_to_baseline_pct"],
+            row.get("gap_sd_pct"),
+            results["bench"],
+        )
+        for row in results["runs"]
+        if row.get("gap_to_baseline_pct") is not None and row.get("wan_bytes_per_token")
+    ]
+
+
+def frontier(points: list[FrontierPoint]) -> list[FrontierPoint]:
+    """The points no other point beats on both axes (as few bytes or fewer and a lower mean gap), by bytes: the
+    fewest bytes that reach each gap."""
+    best, kept = math.inf, []
+    for point in sorted(points, key=lambda p: (p.bytes_per_token, p.gap_pct)):
+        if point.gap_pct < best:
+            kept.append(point)
+            best = point.gap_pct
+    return kept
+
+
+FRONTIER_FILE = "frontier.png"
+
+
+def plot_frontier(benches: list[dict[str, Any]], path: Path, *, title: str = "") -> Path:
+    """Gap to the baseline against slow-link bytes per token (log scale) for every row of `benches` (results.json
+    dicts; one colour each), with the spread of the paired gaps as error bars, each point named, and the frontier
+    of all of them as a line. Gaps are to each bench's own baseline."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    points, entries = [], []
+    for index, results in enumerate(benches):
+        mine = frontier_points(results)
+        points += mine
+        style = {"color": f"C{index % 10}"}
+        ax.errorbar(
+            [p.bytes_per_token for p in mine],
+            [p.gap_pct for p in mine],
+            yerr=[p.gap_sd_pct or 0.0 for p in mine],
+            fmt="o",
+            markersize=4,
+            capsize=2,
+            linewidth=0.8,
+            **style,
+        )
+        for p in mine:
+            ax.annotate(p.name, (p.bytes_per_token, p.gap_pct), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        entries.append((f"{results['bench']} (gap to {results['baseline']})", {**style, "linestyle": "none"}))
+    line = frontier(points)
+    ax.plot([p.bytes_per_token for p in line], [p.gap_pct for p in line], color="black", linewidth=1.0, zorder=0)
+    entries.append(("frontier: the fewest bytes for each gap", {"color": "black", "linestyle": "-"}))
+    ax.set_xscale("log")
+    ax.set_xlabel("slow-link bytes per token (all ranks)")
+    ax.set_ylabel("gap to the baseline's eval loss (%), mean and sd over paired seeds")
+    ax.set_title(f"{title}: bytes against quality" if title else "bytes against quality")
+    ax.grid(alpha=0.3, which="both")
+    legend_below(fig, entries)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 DESCRIPTION = """Plot runs side by side from their metrics.jsonl: loss vs tokens and vs wall time, slow-link bytes, the
 hidden share of link time (runs with a delayed sync), the codec rank and H over outer rounds, the clusters in each
 round of an elastic run with its stalls, leaves and rejoins, the steps of each cluster per round (time rounds), and
 (for finished runs) throughput. A run that did not
-log a metric has no line in that plot; a panel or chart with no line is not written."""
+log a metric has no line in that plot; a panel or chart with no line is not written. Given a bench's results.json
+(`dilocox bench`) instead of run directories, it draws the bytes-against-quality frontier of its rows (frontier.png;
+several results.json: one frontier over all of them)."""
 
 
 def main(argv: list[str]) -> int:
     parser = ToolParser(prog="dilocox plot", description=DESCRIPTION)
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=Path, help="run directories (metrics.jsonl)")
+    parser.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", type=Path, help="run directories, or benches' results.json files"
+    )
     parser.add_argument("--out", required=True, type=Path, help="directory for the PNG files (created if needed)")
     parser.add_argument("--label", action="append", help="a run's label in the legends, once per RUN_DIR, in order")
     parser.add_argument("--title", default="", help="prefix of every chart's title")
     try:
         args = parser.parse_args(argv)
+        benches = [path for path in args.run_dirs if path.suffix == ".json"]
+        if benches:
+            if len(benches) != len(args.run_dirs) or args.label is not None:
+                raise ValueError("give either run directories or benches' results.json files (without --label)")
+            results = [_read_results(path) for path in benches]
+            args.out.mkdir(parents=True, exist_ok=True)
+            print(plot_frontier(results, args.out / FRONTIER_FILE, title=args.title))
+            return 0
         if args.label is not None and len(args.label) != len(args.run_dirs):
             raise ValueError(f"--label was given {len(args.label)} times for {len(args.run_dirs)} run directories")
         labels = args.label or _default_labels(args.run_dirs)
@@ -444,3 +537,14 @@ def _default_labels(run_dirs: list[Path]) -> list[str]:
     """Each directory's name, or its whole path where two runs share a name."""
     names = [path.name for path in run_dirs]
     return [str(path) if names.count(path.name) > 1 else path.name for path in run_dirs]
+
+
+def _read_results(path: Path) -> dict[str, Any]:
+    """A bench's results.json, refused in one line when it is not one."""
+    try:
+        results = json.loads(path.read_text())
+        if not all(key in results for key in ("bench", "baseline", "runs")):
+            raise KeyError("bench, baseline or runs")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not a bench's results.json ({err}); make one with dilocox bench") from None
+    return results

@@ -474,3 +474,23 @@ def test_resume_keeps_only_a_finished_run_of_exactly_the_settings_it_would_train
     assert not same_finished_run(spec, run, run_dir_of(same, "seed0"), quick=False, extra=seed_overrides(0, 1))
     assert not same_finished_run(spec, run, run_dir_of(same, "quick"), quick=True, extra=[])
     assert not same_finished_run(spec, run, tmp_path / "missing", quick=False, extra=[])
+
+
+def test_collect_marks_the_frontier_and_draws_it(tmp_path):
+    """The rows with the fewest slow-link bytes for each gap, named in results.json and the table; frontier.png."""
+    runs = tmp_path / "runs"
+    sent = {"allreduce": (4.0, 8000), "int4": (4.1, 80), "sign": (4.3, 40), "fp32": (4.2, 100)}
+    for name, (loss, wan) in sent.items():
+        (runs / name).mkdir(parents=True)
+        summary(loss, 100.0, wan, 8000).write(runs / name)
+        (runs / name / METRICS_FILE).write_text(
+            json.dumps({"step": 10, "tokens": 1000, "elapsed_s": 1.0, "eval_loss": loss}) + "\n"
+        )
+    path = tmp_path / "b.toml"
+    path.write_text("[bench]\nbase = 'x.toml'\n" + "".join(f"[[runs]]\nname = '{name}'\n" for name in sent))
+    results = collect(load_bench(path), tmp_path, list(sent))
+    assert results["frontier"] == ["sign", "int4", "allreduce"]  # fp32: more bytes and a larger gap than int4
+    assert "Frontier (the fewest slow-link bytes per token for each gap to allreduce" in format_table(results)
+    assert "): sign; int4; allreduce." in format_table(results)
+    write_results(results, tmp_path)
+    assert (tmp_path / "frontier.png").stat().st_size > 0

@@ -10,6 +10,8 @@ from dilocox.tools.plot import (
     Membership,
     chart_lines,
     cluster_steps,
+    frontier,
+    frontier_points,
     legend_below,
     load_run,
     plot_cluster_steps,
@@ -135,3 +137,68 @@ def test_a_time_round_run_gets_a_chart_of_each_clusters_steps_per_round(tmp_path
     assert "cluster_steps.png" in {p.name for p in (tmp_path / "plots").iterdir()}
     steps = write_run(tmp_path / "steps", [], records(delayed=True))
     assert plot_cluster_steps([load_run(steps)], tmp_path / "steps_plots") is None  # no per-cluster steps: no chart
+
+
+def bench_results(name, rows):
+    """A bench's results.json as `dilocox bench` writes it, reduced to what the frontier reads: (run, bytes per
+    token, mean gap, gap sd) per row."""
+    return {
+        "bench": name,
+        "baseline": "allreduce",
+        "runs": [
+            {"name": run, "label": f"{run} (long label)", "wan_bytes_per_token": bpt, "gap_to_baseline_pct": gap,
+             "gap_sd_pct": sd}
+            for run, bpt, gap, sd in rows
+        ],
+    }  # fmt: skip
+
+
+def test_the_frontier_keeps_the_fewest_bytes_for_each_gap():
+    results = bench_results(
+        "h12",
+        [
+            ("allreduce", 2560.0, 0.0, None),
+            ("fp32", 213.0, 2.5, 0.1),
+            ("int4-d05", 4.2, 1.8, 0.4),  # fewer bytes and a lower gap than fp32: fp32 is off the frontier
+            ("int2-d01", 0.9, 2.1, 0.3),
+            ("sign-d01", 0.8, 2.6, 0.5),
+            ("sign-d005", 0.45, 4.0, 0.2),
+            ("int4-d02", 1.7, 2.1, 0.3),  # the same gap as int2-d01 for more bytes: off
+            ("no-comm", 0.0, 18.0, 1.0),  # sends nothing: not on a log axis, not a point
+            ("alone", 1.0, None, None),  # no gap (no paired baseline): not a point
+        ],
+    )
+    points = frontier_points(results)
+    assert [p.name for p in points] == [
+        "allreduce",
+        "fp32",
+        "int4-d05",
+        "int2-d01",
+        "sign-d01",
+        "sign-d005",
+        "int4-d02",
+    ]
+    assert [p.name for p in frontier(points)] == ["sign-d005", "sign-d01", "int2-d01", "int4-d05", "allreduce"]
+    other = bench_results("h30", [("sign-d02", 0.5, 2.4, 0.2)])  # pooled: it beats sign-d01 (fewer bytes, lower gap)
+    pooled = frontier(points + frontier_points(other))
+    assert [p.name for p in pooled] == ["sign-d005", "sign-d02", "int2-d01", "int4-d05", "allreduce"]
+    assert [p.bench for p in pooled][1] == "h30"
+
+
+def test_dilocox_plot_draws_the_frontier_of_benches_results(tmp_path, capsys):
+    paths = []
+    for name, rows in (("h12", [("a", 1.0, 2.0, 0.1), ("b", 2.0, 1.0, None)]), ("h30", [("c", 0.5, 3.0, 0.5)])):
+        paths.append(tmp_path / name / "results.json")
+        paths[-1].parent.mkdir()
+        paths[-1].write_text(json.dumps(bench_results(name, rows)))
+    assert plot_main([*map(str, paths), "--out", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "frontier.png").stat().st_size > 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "plots" / "frontier.png")
+    (tmp_path / "bad.json").write_text('{"runs": []}')
+    assert plot_main([str(tmp_path / "bad.json"), "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "bad.json is not a bench's results.json" in err
+    assert not (tmp_path / "bad").exists()
+    run_dir = write_run(tmp_path / "run", [], records(delayed=True))
+    assert plot_main([str(paths[0]), str(run_dir), "--out", str(tmp_path / "mixed")]) == 2
+    assert "either run directories or benches' results.json" in capsys.readouterr().err

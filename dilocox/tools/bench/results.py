@@ -3,7 +3,7 @@
 Rows come from each run directory's summary.json and metrics.jsonl; `write_results` writes them out:
 
     results = collect(spec, out_dir, ["allreduce", "dilocox"])
-    write_results(results, out_dir)          # results.json, results.md and the plots
+    write_results(results, out_dir)          # results.json, results.md and the plots (frontier.png: bytes vs gap)
 
 Run directories (`OUT/runs/`) are not committed, results.json is: a bench re-run with `--only` on a fresh checkout
 keeps the rows of the other runs from the results.json already in OUT (`kept_rows`), so adding one run to a
@@ -27,7 +27,17 @@ from dilocox.metrics import METRICS_FILE, RunSummary, read_metrics
 from dilocox.tools.bench.runs import PROCESS_FILE, finished_seeds, seed_run_dir
 from dilocox.tools.bench.spec import BenchSpec
 from dilocox.tools.bench.table import format_table
-from dilocox.tools.plot import RunCurves, load_run, plot_runs, plot_seed_spread, plot_throughput
+from dilocox.tools.plot import (
+    FRONTIER_FILE,
+    RunCurves,
+    frontier,
+    frontier_points,
+    load_run,
+    plot_frontier,
+    plot_runs,
+    plot_seed_spread,
+    plot_throughput,
+)
 
 
 def _curve(run_dir: Path) -> list[dict[str, float]]:
@@ -144,7 +154,7 @@ def collect(
         for row in rows:
             gaps = paired_gaps(seed_results[row["name"]], seed_results[tuned], row["tokens_per_s"])
             row.update({f"tuned_{key}": gaps[key] for key in ("gap_to_baseline_pct", "gap_sd_pct", "gap_resolved")})
-    return {
+    results = {
         "bench": spec.name,
         "source": str(spec.source),
         "base_config": spec.base,
@@ -156,6 +166,8 @@ def collect(
         "date": datetime.date.today().isoformat(),
         "runs": rows,
     }
+    results["frontier"] = [point.name for point in frontier(frontier_points(results))]
+    return results
 
 
 def best_baseline(candidates: list[dict[str, Any]]) -> str | None:
@@ -249,6 +261,8 @@ def write_results(results: dict[str, Any], out_dir: Path) -> None:
                     title=results["bench"])  # fmt: skip
     if any(row.get("num_seeds", 1) > 1 for row in rows):
         plot_seed_spread(rows, out_dir / "loss_vs_tokens_seeds.png", title=results["bench"])
+    if len(frontier_points(results)) > 1:
+        plot_frontier([results], out_dir / FRONTIER_FILE, title=results["bench"])
 
 
 def _curves(run_dir: Path, row: dict[str, Any]) -> RunCurves:

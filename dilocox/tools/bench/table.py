@@ -105,6 +105,7 @@ def format_table(results: dict[str, Any]) -> str:
         "common overrides.",
     ]
     footer += _seeds_note(results)
+    footer += _frontier_note(results)
     if tuned:
         labels = {row["name"]: row["label"] for row in results["runs"]}
         candidates = "; ".join(labels[name] for name in results["tuned_baseline_candidates"])
@@ -115,6 +116,17 @@ def format_table(results: dict[str, Any]) -> str:
     if results.get("notes"):
         footer.append(results["notes"])
     return "\n".join(lines + footer) + "\n"
+
+
+def _frontier_note(results: dict[str, Any]) -> list[str]:
+    """The rows on the bytes-against-gap frontier (`results["frontier"]`), fewest bytes first."""
+    if len(results.get("frontier") or ()) < 2:
+        return []
+    labels = {row["name"]: row["label"] for row in results["runs"]}
+    return [
+        f"Frontier (the fewest slow-link bytes per token for each gap to {results['baseline']}, fewest first; "
+        f"frontier.png): {'; '.join(labels[name] for name in results['frontier'])}."
+    ]
 
 
 def _of_no_comm_cell(row: dict[str, Any]) -> str:
