@@ -2,6 +2,8 @@
 
     python benchmarks/codec_energy.py                                   # paper regime, inner lr 3e-3, 8 rounds
     python benchmarks/codec_energy.py --warm-steps 100 --rounds 4 --out benchmarks/results/codec_energy.md
+    python benchmarks/codec_energy.py --rounds 16 --save /tmp/pg.pt      # keep the pseudo-gradients ...
+    python benchmarks/codec_energy.py --load /tmp/pg.pt                  # ... and measure again without training
 
 `benchmarks/codec_speed.py` measures codecs on synthetic tensors; this one on the pseudo-gradients of real training.
 It trains the model of `configs/default.toml` (with `--set` overrides; by default the paper regime's held-out split
@@ -19,8 +21,17 @@ does, and the table shows per codec:
   the drop of the same start moved by the pseudo-gradient (the first, or their sum: the model at the end). Energy
   measures how much of the change a payload carries; this measures how much of the training it carries.
 
-One process, one thread by default: about 7 minutes, half of it the warm-up (about 0.25 s a step on one core), the
-rest the held-out evaluations (15, each of the whole split).
+Two more tables explain the codecs by the pseudo-gradients' structure:
+
+- spectra: for each kind of matrix (embedding, head, attention q/k/v/o, MLP w1/w2/w3; the mean over layers), the
+  share of the first round's pseudo-gradient energy in its top 1, 8 and 32 singular values and in its largest 5% and
+  1% of entries (what low rank and top-k can keep), its stable rank |A|^2 / sigma_1^2, and the same shares of a
+  Gaussian matrix of its shape (a spectrum with no structure); and the same for what error feedback holds after the
+  last round under low-rank rank 8 and under top-k 5% (what each codec leaves behind);
+- error feedback over rounds: |residual| / |pseudo-grad| after each round, per codec.
+
+One process, one thread by default: about 7 minutes for 8 rounds, half of it the warm-up (about 0.25 s a step on one
+core), the rest the held-out evaluations (2 per codec, each of the whole split).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from __future__ import annotations
 import argparse
 import datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,11 +54,36 @@ REPO = Path(__file__).resolve().parents[1]
 CODECS = {
     "top-k int4, density 0.05": {"kind": "topk_int4", "density": 0.05},
     "top-k int4, density 0.25": {"kind": "topk_int4", "density": 0.25},
+    "top-k int4, density 0.02": {"kind": "topk_int4", "density": 0.02},
+    "top-k int2, density 0.02": {"kind": "topk_int2", "density": 0.02},
+    "top-k int2, density 0.01": {"kind": "topk_int2", "density": 0.01},
+    "top-k sign, density 0.02": {"kind": "topk_sign", "density": 0.02},
+    "top-k sign, density 0.01": {"kind": "topk_sign", "density": 0.01},
+    "top-k sign, 1 of every 64": {"kind": "topk_sign", "density": 1 / 64, "chunk_size": 64},
+    "top-k sign, 1 of every 128": {"kind": "topk_sign", "density": 1 / 128, "chunk_size": 128},
+    "DCT-64 top-k sign, density 0.01": {"kind": "dct_sign", "density": 0.01},
+    "DCT-64 top-k sign, 1 of every 64": {"kind": "dct_sign", "density": 1 / 64, "chunk_size": 64},
+    "low-rank int4, rank 2": {"kind": "lowrank_int4", "rank": 2},
     "low-rank int4, rank 8": {"kind": "lowrank_int4", "rank": 8},
+    "low-rank int4, rank 32": {"kind": "lowrank_int4", "rank": 32},
     "low-rank fp32, rank 8": {"kind": "lowrank", "rank": 8},
     "adaptive low-rank int4, rank_max 8": {"kind": "adaptive", "rank_max": 8},
     "adaptive low-rank int4 (the default: rank_max 32, energy 0.95)": {"kind": "adaptive"},
 }
+RESIDUAL_CODECS = ("top-k int4, density 0.05", "low-rank int4, rank 8")
+"""The codecs whose residual after the last round the spectra table takes apart."""
+MATRIX_KINDS = {
+    "embedding": "tok_embeddings",
+    "head": "output",
+    "attention q": "attention.wq.weight",
+    "attention k": "attention.wk.weight",
+    "attention v": "attention.wv.weight",
+    "attention o": "attention.wo.weight",
+    "MLP w1": "feed_forward.w1",
+    "MLP w2": "feed_forward.w2",
+    "MLP w3": "feed_forward.w3",
+}
+"""Kinds of matrix by a part of their parameter names (`dilocox.models`)."""
 
 
 class HeldOut:
@@ -72,22 +109,33 @@ class HeldOut:
         return loss
 
 
+def setup(overrides: list[str]) -> tuple[Any, Any, torch.nn.Module]:
+    """The config, the data and the freshly initialised model of a run of configs/default.toml with `overrides`."""
+    # the diloco preset: the inner training of the field defaults, whatever the shipped file's preset
+    cfg = load_config(REPO / "configs" / "default.toml", ["--preset=diloco", *overrides])
+    cfg.validate()
+    torch.manual_seed(cfg.run.seed)
+    data = prepare_data(cfg)
+    return cfg, data, build_model(cfg, data.vocab_size)
+
+
+def held_out_of(overrides: list[str]) -> HeldOut:
+    """The held-out loss of the model of `setup` (its parameters are always set before scoring)."""
+    cfg, data, model = setup(overrides)
+    return HeldOut(model, data.val, seq_len=cfg.train.seq_len, batch_size=cfg.train.micro_batch_size)
+
+
 def pseudo_gradients(
     overrides: list[str], warm_steps: int, rounds: int, inner_steps: int
 ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], HeldOut]:
     """`rounds` consecutive pseudo-gradients (one tensor per parameter) of cluster 0 of 2 training alone, the
     parameters at the first round's start, and the held-out loss of the model."""
-    # the diloco preset: the inner training of the field defaults, whatever the shipped file's preset
-    cfg = load_config(REPO / "configs" / "default.toml", ["--preset=diloco", *overrides])
-    cfg.validate()
+    cfg, data, model = setup(overrides)
     if warm_steps + rounds * inner_steps > cfg.train.steps:
         raise SystemExit(
             f"--warm-steps {warm_steps} + --rounds {rounds} x --inner-steps {inner_steps} runs past train.steps = "
             f"{cfg.train.steps}: lower one, or raise train.steps with --set=--train.steps=N"
         )
-    torch.manual_seed(cfg.run.seed)
-    data = prepare_data(cfg)
-    model = build_model(cfg, data.vocab_size)
     optimizer = build_inner_optimizer(cfg, model)
     stream = token_stream_for_rank(
         data, seq_len=cfg.train.seq_len, batch_size=cfg.train.micro_batch_size, shard_index=0, num_shards=2,
@@ -146,14 +194,15 @@ def measure(
     start: list[torch.Tensor],
     held_out: HeldOut,
     whole: dict[str, float],
-) -> dict[str, float]:
+) -> dict[str, Any]:
     codec = build_codec(CompressionConfig(**options), seed=0)
     feedback = ErrorFeedback()
-    payload_bytes, first_kept, first_decoded = [], None, None
+    payload_bytes, first_kept, first_decoded, residuals = [], None, None, []
     sent = [torch.zeros_like(t) for t in sequence[0]]
     for pseudo_grad in sequence:
         payload, decoded = feedback.compress(codec, pseudo_grad)
         payload_bytes.append(payload.nbytes)
+        residuals.append(norm(feedback.residuals) / norm(pseudo_grad))
         if first_kept is None:
             first_kept = (
                 1 - norm([d - p for d, p in zip(decoded, pseudo_grad, strict=True)]) ** 2 / norm(pseudo_grad) ** 2
@@ -168,11 +217,56 @@ def measure(
     return {
         "bytes": sum(payload_bytes) / len(payload_bytes),
         "first_kept": first_kept,
-        "residual": norm(feedback.residuals) / norm(sequence[-1]),
+        "residual": residuals[-1],
+        "residuals": residuals,
+        "held_back": [r.clone() for r in feedback.residuals],
         "cosine": dot / (norm(total) * norm(sent)),
         "loss_first": bought(first_decoded, whole["first"]),
         "loss_all": bought(sent, whole["all"]),
     }
+
+
+def shares(matrix: torch.Tensor) -> dict[str, float]:
+    """Where a matrix's energy is: in its top 1, 8 and 32 singular values, in its largest 5% and 1% of entries; and
+    its stable rank |A|^2 / sigma_1^2."""
+    singular = torch.linalg.svdvals(matrix.double())
+    energy = singular.square()
+    entries = matrix.double().reshape(-1).square().sort(descending=True).values
+    total = float(energy.sum())
+    return {
+        "top1": float(energy[:1].sum()) / total,
+        "top8": float(energy[:8].sum()) / total,
+        "top32": float(energy[:32].sum()) / total,
+        "entries5": float(entries[: max(1, round(0.05 * entries.numel()))].sum()) / total,
+        "entries1": float(entries[: max(1, round(0.01 * entries.numel()))].sum()) / total,
+        "stable_rank": total / float(energy[0]),
+    }
+
+
+def spectra_table(names: list[str], tensors: list[torch.Tensor]) -> list[str]:
+    """The `shares` of each kind of matrix (`MATRIX_KINDS`), averaged over its matrices, beside a Gaussian's."""
+    generator = torch.Generator().manual_seed(0)
+    lines = []
+    for kind, part in MATRIX_KINDS.items():
+        matrices = [t for n, t in zip(names, tensors, strict=True) if part in n and t.dim() == 2]
+        if not matrices:
+            continue
+        measured = [shares(m) for m in matrices]
+        mean = {key: sum(m[key] for m in measured) / len(measured) for key in measured[0]}
+        gauss = shares(torch.randn(matrices[0].shape, generator=generator))
+        lines.append(
+            f"| {kind} | {tuple(matrices[0].shape)} x {len(matrices)} | {mean['top1']:.2f} | {mean['top8']:.2f} "
+            f"| {mean['top32']:.2f} | {mean['entries5']:.2f} | {mean['entries1']:.2f} | {mean['stable_rank']:.1f} "
+            f"| {gauss['top8']:.2f} / {gauss['top32']:.2f} / {gauss['entries5']:.2f} |"
+        )
+    return lines
+
+
+SPECTRA_HEAD = [
+    "| matrix | shape x count | top 1 | top 8 | top 32 | largest 5% of entries | largest 1% | stable rank "
+    "| Gaussian: top 8 / top 32 / largest 5% |",
+    "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+]
 
 
 def main() -> None:
@@ -186,10 +280,23 @@ def main() -> None:
         help="a training override (repeat; default: --data.val_fraction=0.1 --train.lr=3e-3)",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, help="also write the table to this .md file")
+    parser.add_argument("--save", type=Path, help="also save the pseudo-gradients and the start (torch.save)")
+    parser.add_argument("--load", type=Path, help="measure the pseudo-gradients --save wrote instead of training")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     overrides = args.set if args.set is not None else ["--data.val_fraction=0.1", "--train.lr=3e-3"]
-    sequence, start, held_out = pseudo_gradients(overrides, args.warm_steps, args.rounds, args.inner_steps)
+    if args.load:
+        saved = torch.load(args.load)
+        overrides, args.warm_steps, args.inner_steps = saved["overrides"], saved["warm_steps"], saved["inner_steps"]
+        sequence, start = saved["sequence"], saved["start"]
+        args.rounds = len(sequence)
+        held_out = held_out_of(overrides)
+    else:
+        sequence, start, held_out = pseudo_gradients(overrides, args.warm_steps, args.rounds, args.inner_steps)
+    if args.save:
+        torch.save({"overrides": overrides, "warm_steps": args.warm_steps, "inner_steps": args.inner_steps,
+                    "sequence": sequence, "start": start}, args.save)  # fmt: skip
+    names = [name for name, _ in held_out.model.named_parameters()]
     lines = [
         f"Pseudo-gradients of {args.rounds} rounds of H = {args.inner_steps} after {args.warm_steps} AdamW steps, "
         f"cluster 0 of 2 training alone (configs/default.toml {' '.join(overrides)}); "
@@ -201,12 +308,28 @@ def main() -> None:
     ]
     total = [sum(parts) for parts in zip(*sequence, strict=True)]  # the pseudo-gradients' sum, every codec's reference
     whole = whole_drops(sequence, total, start, held_out)
+    measured = {}
     for label, options in CODECS.items():
-        m = measure(options, sequence, total, start, held_out, whole)
+        m = measured[label] = measure(options, sequence, total, start, held_out, whole)
         lines.append(
             f"| {label} | {m['bytes']:,.0f} | {m['first_kept']:.3f} | {m['residual']:.2f} | {m['cosine']:.3f} "
             f"| {m['loss_first']:.3f} | {m['loss_all']:.3f} |"
         )
+        print(lines[-1], flush=True)
+    lines += [
+        "",
+        "Where the energy of the first round's pseudo-gradient is (means over the matrices of each kind):",
+        "",
+    ]
+    lines += SPECTRA_HEAD + spectra_table(names, sequence[0])
+    for label in RESIDUAL_CODECS:
+        lines += ["", f"The same for what error feedback holds after round {args.rounds} under {label}:", ""]
+        lines += SPECTRA_HEAD + spectra_table(names, measured[label]["held_back"])
+    shown = sorted({1, 2, 4, 8, args.rounds} & set(range(1, args.rounds + 1)))
+    lines += ["", "|residual| / |pseudo-grad| after each round (error feedback):", ""]
+    lines += ["| codec | " + " | ".join(f"round {r}" for r in shown) + " |", "| --- |" + " ---: |" * len(shown)]
+    for label, m in measured.items():
+        lines.append(f"| {label} | " + " | ".join(f"{m['residuals'][r - 1]:.2f}" for r in shown) + " |")
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:

@@ -1,8 +1,13 @@
 """Time encode + local decode (with error feedback) of every codec on a model-shaped pseudo-gradient.
 
-    python benchmarks/codec_speed.py                         # tiny and small, 1 thread
+    python benchmarks/codec_speed.py                         # tiny and small, 1 thread, every kind at its defaults
     python benchmarks/codec_speed.py --flavors small --threads 2 --rounds 10
+    python benchmarks/codec_speed.py --codecs topk_int4 topk_sign:density=0.01,chunk_size=64 --flavors tiny
     python benchmarks/codec_speed.py --out benchmarks/codec_speed.md
+
+A codec is a `compression.kind`, optionally with `CompressionConfig` fields after a colon (`kind:field=value,...`).
+The table gives each codec's payload in bytes and in bits per parameter (one round's cost on the slow link), and
+its time per round in ms and in ns per parameter.
 
 The pseudo-gradient has one random tensor per parameter of `dilocox.models` at vocab 2048 (shapes from a model
 built on the meta device). `--input gaussian` (i.i.d. values, a flat spectrum) is the worst case for the low-rank
@@ -48,6 +53,18 @@ def make_pseudo_grad(shape: torch.Size, kind: str, generator: torch.Generator) -
     return signal.view(shape) * 3 + noise * 0.3  # ... then 10 to 1 in amplitude
 
 
+def parse_codec(spec: str) -> tuple[str, dict]:
+    """`kind` or `kind:field=value,...` -> the kind and its `CompressionConfig` fields (numbers parsed)."""
+    kind, _, rest = spec.partition(":")
+    if kind not in CODEC_KINDS:
+        raise SystemExit(f"--codecs {spec}: {kind!r} is not one of {', '.join(CODEC_KINDS)}")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        options[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+    return kind, options
+
+
 def time_codec(
     kind: str, shapes: list[torch.Size], *, rounds: int, warmup: int, options: dict, input_kind: str
 ) -> dict:
@@ -69,12 +86,14 @@ def time_codec(
         if index == 0:
             error = sum(float((a - b).square().sum()) for a, b in zip(decoded, pseudo_grads, strict=True))
             rel_error = (error / sum(float(g.square().sum()) for g in pseudo_grads)) ** 0.5
+    median = statistics.median(times)
     return {
-        "codec": kind,
         "bytes": payload_bytes,
+        "bits": 8 * payload_bytes / numel,
         "ratio": compression_ratio(payload_bytes, numel),
         "rel_err": rel_error,
-        "ms": 1e3 * statistics.median(times),
+        "ms": 1e3 * median,
+        "ns": 1e9 * median / numel,
         "rank": getattr(getattr(codec, "policy", None), "rank", options["rank"] if "lowrank" in kind else ""),
     }
 
@@ -82,7 +101,9 @@ def time_codec(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flavors", nargs="+", default=["tiny", "small"])
-    parser.add_argument("--codecs", nargs="+", default=list(CODEC_KINDS), choices=CODEC_KINDS)
+    parser.add_argument(
+        "--codecs", nargs="+", default=list(CODEC_KINDS), help="kinds, each optionally kind:field=value,... "
+    )
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per codec (median reported)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a training rank uses 1)")
@@ -99,19 +120,21 @@ def main() -> None:
         f"warm-up; rank {args.rank} (adaptive: 2..32, energy 0.9), int4 groups of {args.group_size}; "
         f"{args.input} input",
         "",
-        "| flavor | params | codec | bytes | ratio vs fp32 | rel_err | rank | ms |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| flavor | params | codec | bytes | bits per parameter | ratio vs fp32 | rel_err | rank | ms "
+        "| ns per parameter |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    codecs = [parse_codec(spec) for spec in args.codecs]
     for flavor in args.flavors:
         shapes = pseudo_grad_shapes(flavor)
         numel = sum(shape.numel() for shape in shapes)
-        for kind in args.codecs:
+        for (kind, own), spec in zip(codecs, args.codecs, strict=True):
             row = time_codec(
-                kind, shapes, rounds=args.rounds, warmup=args.warmup, options=options, input_kind=args.input
+                kind, shapes, rounds=args.rounds, warmup=args.warmup, options={**options, **own}, input_kind=args.input
             )
             lines.append(
-                f"| {flavor} | {numel / 1e6:.2f}M | {row['codec']} | {row['bytes']:,} | {row['ratio']:.1f} | "
-                f"{row['rel_err']:.3f} | {row['rank']} | {row['ms']:.1f} |"
+                f"| {flavor} | {numel / 1e6:.2f}M | {spec} | {row['bytes']:,} | {row['bits']:.3f} | {row['ratio']:.1f} "
+                f"| {row['rel_err']:.3f} | {row['rank']} | {row['ms']:.1f} | {row['ns']:.1f} |"
             )
             print(lines[-1], flush=True)
     table = "\n".join(lines)

@@ -16,12 +16,22 @@ from typing import Literal, get_args
 from dilocox.checks import check_fraction, check_positive, check_types
 
 CodecKind = Literal[
-    "none", "fp16", "bf16", "int4", "lowrank", "lowrank_int4", "adaptive", "topk_int4", "topk_int2", "topk_sign"
+    "none",
+    "fp16",
+    "bf16",
+    "int4",
+    "lowrank",
+    "lowrank_int4",
+    "adaptive",
+    "topk_int4",
+    "topk_int2",
+    "topk_sign",
+    "dct_sign",
 ]
 """Every `compression.kind` (built by `factory.CODECS`); `none` sends fp32 (the uncompressed outer sync)."""
 CODEC_KINDS: tuple[str, ...] = get_args(CodecKind)
-TOPK_KINDS = tuple(kind for kind in CODEC_KINDS if kind.startswith("topk_"))
-"""The chunked top-k kinds (`compression.density` and `chunk_size`), which differ in how a kept value is written."""
+TOPK_KINDS = ("topk_int4", "topk_int2", "topk_sign", "dct_sign")
+"""The kinds that keep the largest share of every chunk (`compression.density` and `chunk_size`)."""
 FactorDtype = Literal["fp32", "fp16", "bf16"]
 """Encodings of the `lowrank` codec's factors (`lowrank_int4` and `adaptive` always use int4)."""
 FACTOR_DTYPES: tuple[str, ...] = get_args(FactorDtype)
@@ -50,13 +60,13 @@ MAX_RANK = (1 << 16) - 1
 @dataclass
 class CompressionConfig:
     kind: CodecKind = "none"
-    """Pseudo-gradient codec: none (fp32), fp16, bf16, int4, lowrank, lowrank_int4, adaptive, topk_int4/int2/sign."""
+    """Codec: none (fp32), fp16, bf16, int4, lowrank, lowrank_int4, adaptive, topk_int4/int2/sign, dct_sign."""
     rank: int = 8
     """Factors per matrix of lowrank and lowrank_int4."""
     group_size: int = 64
-    """Values per fp16 scale in int4 encodings and of the kept values of topk_int2 and topk_sign."""
+    """Values per fp16 scale in int4 encodings and of the kept values of topk_int2, topk_sign and dct_sign."""
     stochastic_rounding: bool = False
-    """Round int4 values stochastically (unbiased) instead of to nearest (topk_int2 and topk_sign: no effect)."""
+    """Round int4 values stochastically (unbiased) instead of to nearest (no effect on 1- and 2-bit values)."""
     error_feedback: bool = True
     """Add what the codec lost to the next round's pseudo-gradient."""
     feedback_decay: float = 1.0

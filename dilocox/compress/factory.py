@@ -21,6 +21,7 @@ from dilocox.compress.codecs import CastFormat, Codec, ElementwiseCodec, Int4For
 from dilocox.compress.config import CompressionConfig
 from dilocox.compress.lowbit import LowBitFormat
 from dilocox.compress.topk import TopKCodec
+from dilocox.compress.transform import TransformCodec
 
 _DTYPES = {"none": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -86,6 +87,7 @@ CODECS: dict[str, Callable[[CompressionConfig, torch.Generator, int], Codec]] = 
     "topk_int4": _topk(_int4),
     "topk_int2": _topk(lambda cfg, generator: LowBitFormat(2, cfg.group_size)),
     "topk_sign": _topk(lambda cfg, generator: LowBitFormat(1, cfg.group_size)),
+    "dct_sign": lambda *args: TransformCodec("dct_sign", inner=CODECS["topk_sign"](*args)),
 }
 """Every `compression.kind` -> its builder, called with the validated config, the codec's generator and the run's
 seed (the adaptive rank's own draws)."""

@@ -28,6 +28,7 @@ from dilocox.compress import (
     unpack_int4,
 )
 from dilocox.compress import int4 as int4_module
+from dilocox.compress.config import TOPK_KINDS
 from dilocox.compress.lowbit import LowBitFormat
 from dilocox.compress.payload import ByteReader
 
@@ -85,6 +86,8 @@ def hand_nbytes_list(
     def int4_size(count: int) -> int:
         return 2 * math.ceil(count / group_size) + math.ceil(count / 2)
 
+    if kind == "dct_sign":  # the payload of topk_sign on the DCT coefficients
+        kind = "topk_sign"
     if kind.startswith("topk_"):
         positions, kept_per_tensor = 0, []
         for shape in shapes:
@@ -155,6 +158,8 @@ def hand_nbytes_list(
         ("topk_sign", {"density": 0.01}),
         ("topk_sign", {"density": 1 / 64, "chunk_size": 64, "group_size": 128}),
         ("topk_sign", {"density": 1.0, "chunk_size": 7, "group_size": 5}),
+        ("dct_sign", {"density": 0.01}),
+        ("dct_sign", {"density": 1 / 64, "chunk_size": 64}),
     ],
 )
 def test_nbytes_match_hand_formula_and_payloads(kind, options):
@@ -224,7 +229,7 @@ def test_encode_list_round_trip_over_mixed_shapes(kind):
     for original, approx in zip(tensors, decoded, strict=True):
         if original.numel() == 0:
             continue
-        if (original.dim() <= 1 and not kind.startswith("topk_")) or kind in ("none", "fp16", "bf16"):
+        if (original.dim() <= 1 and kind not in TOPK_KINDS) or kind in ("none", "fp16", "bf16"):
             tolerance = {"int4": 0.2, "lowrank_int4": 0.2, "adaptive": 0.2}.get(kind, 0.01)
             assert relative_error(approx, original) <= tolerance
     if kind in ("none", "fp16", "bf16", "int4"):
@@ -548,6 +553,50 @@ def test_topk_sign_at_density_one_is_the_sign_format_of_every_value():
     assert torch.equal(codec.decode(codec.encode(values), (40,)), want)
     sent = codec.decode(codec.encode(values), (40,))
     assert torch.equal(sent.sign(), values.sign())
+
+
+def slow_dct(values: list[float]) -> list[float]:
+    """The orthonormal DCT-II of one block, term by term."""
+    size = len(values)
+    return [
+        math.sqrt((1 if k else 0.5) * 2 / size)
+        * sum(x * math.cos(math.pi / size * (i + 0.5) * k) for i, x in enumerate(values))
+        for k in range(size)
+    ]
+
+
+def slow_idct(coefficients: list[float]) -> list[float]:
+    """Its inverse (the DCT-III), term by term."""
+    size = len(coefficients)
+    return [
+        sum(
+            math.sqrt((1 if k else 0.5) * 2 / size) * c * math.cos(math.pi / size * (i + 0.5) * k)
+            for k, c in enumerate(coefficients)
+        )
+        for i in range(size)
+    ]
+
+
+def test_dct_sign_is_topk_sign_of_the_dct_of_every_block_of_64():
+    """Blocks of 64 go through the DCT (the last 10 values of 138 as they are), topk_sign encodes the coefficients,
+    and the receiver applies the inverse DCT: parity with a term-by-term reference."""
+    values = randn(138, seed=9)
+    codec = build_codec("dct_sign", density=2 / 64, chunk_size=64, group_size=8)
+    inner = build_codec("topk_sign", density=2 / 64, chunk_size=64, group_size=8)
+    blocks = [values[i : i + 64].tolist() for i in (0, 64)]
+    coefficients = torch.tensor([c for block in blocks for c in slow_dct(block)] + values[128:].tolist())
+    sent = inner.decode(inner.encode(coefficients), (138,)).double()
+    want = [x for i in (0, 64) for x in slow_idct(sent[i : i + 64].tolist())] + sent[128:].tolist()
+    payload = codec.encode(values)
+    assert payload.nbytes == inner.expected_nbytes((138,))
+    got = codec.decode(payload, (138,))
+    assert got.tolist() == pytest.approx(want, abs=1e-5)
+    assert torch.equal(inner.decode(payload, (138,)) != 0, sent != 0)  # the wire holds the coefficients' top-k
+    state = codec.state_dict()
+    assert state["kind"] == "dct_sign"
+    build_codec("dct_sign", density=2 / 64, chunk_size=64, group_size=8).load_state_dict(state)
+    with pytest.raises(ValueError, match="density, chunk_size"):
+        build_codec("dct_sign", density=0.5, chunk_size=64).load_state_dict(state)
 
 
 def test_lowrank_recovers_an_exactly_low_rank_matrix():
