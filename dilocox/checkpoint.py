@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dilocox.compress.config import TOPK_KINDS
+from dilocox.compress.config import SPARSE_KINDS
 from dilocox.config import Config
 from dilocox.fileio import write_atomic
 from dilocox.models import ModelArgs, model_args
@@ -396,7 +396,7 @@ def resume_fields(cfg: Config, saved: dict[str, Any]) -> list[str]:
         fields.append("compression.kind")
         if cfg.compression.kind != "none":
             formats = ("reduction", "rank", "group_size", "factor_dtype", "small_tensors", "rank_max")
-            if cfg.compression.kind in TOPK_KINDS:
+            if cfg.compression.kind in SPARSE_KINDS:
                 formats += ("density", "chunk_size")
             fields += [f"compression.{name}" for name in formats]
     return fields

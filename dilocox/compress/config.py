@@ -27,11 +27,13 @@ CodecKind = Literal[
     "topk_int2",
     "topk_sign",
     "dct_sign",
+    "randk_sign",
+    "randk_int2",
 ]
 """Every `compression.kind` (built by `factory.CODECS`); `none` sends fp32 (the uncompressed outer sync)."""
 CODEC_KINDS: tuple[str, ...] = get_args(CodecKind)
-TOPK_KINDS = ("topk_int4", "topk_int2", "topk_sign", "dct_sign")
-"""The kinds that keep the largest share of every chunk (`compression.density` and `chunk_size`)."""
+SPARSE_KINDS = ("topk_int4", "topk_int2", "topk_sign", "dct_sign", "randk_sign", "randk_int2")
+"""The kinds that send a share of the values (`compression.density`; the top-k ones per chunk of `chunk_size`)."""
 FactorDtype = Literal["fp32", "fp16", "bf16"]
 """Encodings of the `lowrank` codec's factors (`lowrank_int4` and `adaptive` always use int4)."""
 FACTOR_DTYPES: tuple[str, ...] = get_args(FactorDtype)
@@ -60,11 +62,11 @@ MAX_RANK = (1 << 16) - 1
 @dataclass
 class CompressionConfig:
     kind: CodecKind = "none"
-    """Codec: none (fp32), fp16, bf16, int4, lowrank, lowrank_int4, adaptive, topk_int4/int2/sign, dct_sign."""
+    """Pseudo-gradient codec; none sends fp32 (the bytes of every kind: docs/design.md §4.1)."""
     rank: int = 8
     """Factors per matrix of lowrank and lowrank_int4."""
     group_size: int = 64
-    """Values per fp16 scale in int4 encodings and of the kept values of topk_int2, topk_sign and dct_sign."""
+    """Values per fp16 scale in int4 encodings and of the 1- and 2-bit values (topk_int2/_sign, dct_sign, randk)."""
     stochastic_rounding: bool = False
     """Round int4 values stochastically (unbiased) instead of to nearest (no effect on 1- and 2-bit values)."""
     error_feedback: bool = True
@@ -100,7 +102,7 @@ class CompressionConfig:
     # 0.075 with compression.feedback_decay = 0.9: 1/43 of fp32 per round; at H = 12 on the gap protocol 1/515 of
     # AllReduce's bytes and +4.32 +- 0.10% from its loss (benchmarks/results/eager_adaptive/, docs/design.md §4.1)
     density: float = 0.075
-    """topk kinds: share of each chunk's values sent (its largest in magnitude), with their positions."""
+    """Sparse kinds: share of the values sent (topk, dct: each chunk's largest, with positions; randk: drawn alike)."""
     chunk_size: int = 4096
     """topk kinds: values per chunk, each keeping its own top share (positions: about 2 + log2(1 / density) bits)."""
     reduction: Reduction = "gather"

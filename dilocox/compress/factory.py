@@ -20,6 +20,7 @@ from dilocox.compress.adaptive import AdaptiveCodec, AdaptiveRank
 from dilocox.compress.codecs import CastFormat, Codec, ElementwiseCodec, Int4Format, LowRankCodec, ValueFormat
 from dilocox.compress.config import CompressionConfig
 from dilocox.compress.lowbit import LowBitFormat
+from dilocox.compress.randk import RandomKCodec
 from dilocox.compress.topk import TopKCodec
 from dilocox.compress.transform import TransformCodec
 
@@ -76,6 +77,21 @@ def _topk(value_format: Callable[[CompressionConfig, torch.Generator], ValueForm
     return build
 
 
+def _randk(bits: int) -> Callable[..., Codec]:
+    """The builder of a random-k kind whose values are written in `bits` bits."""
+
+    def build(cfg: CompressionConfig, generator: torch.Generator, seed: int) -> Codec:
+        return RandomKCodec(
+            cfg.kind,
+            density=cfg.density,
+            seed=seed,
+            value_format=LowBitFormat(bits, cfg.group_size),
+            generator=generator,
+        )
+
+    return build
+
+
 CODECS: dict[str, Callable[[CompressionConfig, torch.Generator, int], Codec]] = {
     "none": _cast,
     "fp16": _cast,
@@ -88,6 +104,8 @@ CODECS: dict[str, Callable[[CompressionConfig, torch.Generator, int], Codec]] = 
     "topk_int2": _topk(lambda cfg, generator: LowBitFormat(2, cfg.group_size)),
     "topk_sign": _topk(lambda cfg, generator: LowBitFormat(1, cfg.group_size)),
     "dct_sign": lambda *args: TransformCodec("dct_sign", inner=CODECS["topk_sign"](*args)),
+    "randk_sign": _randk(1),
+    "randk_int2": _randk(2),
 }
 """Every `compression.kind` -> its builder, called with the validated config, the codec's generator and the run's
 seed (the adaptive rank's own draws)."""

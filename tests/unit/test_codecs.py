@@ -28,7 +28,7 @@ from dilocox.compress import (
     unpack_int4,
 )
 from dilocox.compress import int4 as int4_module
-from dilocox.compress.config import TOPK_KINDS
+from dilocox.compress.config import SPARSE_KINDS
 from dilocox.compress.lowbit import LowBitFormat
 from dilocox.compress.payload import ByteReader
 
@@ -86,6 +86,11 @@ def hand_nbytes_list(
     def int4_size(count: int) -> int:
         return 2 * math.ceil(count / group_size) + math.ceil(count / 2)
 
+    if kind.startswith("randk_"):  # a 4-byte draw counter, then every tensor's m values as one low-bit section
+        kept = [min(math.prod(s), max(1, round(density * math.prod(s)))) if math.prod(s) else 0 for s in shapes]
+        value_bits = {"randk_int2": 2, "randk_sign": 1}[kind]
+        scales = sum(2 * math.ceil(count / group_size) for count in kept)
+        return 4 + scales + math.ceil(value_bits * sum(kept) / 8)
     if kind == "dct_sign":  # the payload of topk_sign on the DCT coefficients
         kind = "topk_sign"
     if kind.startswith("topk_"):
@@ -160,6 +165,8 @@ def hand_nbytes_list(
         ("topk_sign", {"density": 1.0, "chunk_size": 7, "group_size": 5}),
         ("dct_sign", {"density": 0.01}),
         ("dct_sign", {"density": 1 / 64, "chunk_size": 64}),
+        ("randk_sign", {"density": 0.08}),
+        ("randk_int2", {"density": 0.3, "group_size": 5}),
     ],
 )
 def test_nbytes_match_hand_formula_and_payloads(kind, options):
@@ -229,7 +236,7 @@ def test_encode_list_round_trip_over_mixed_shapes(kind):
     for original, approx in zip(tensors, decoded, strict=True):
         if original.numel() == 0:
             continue
-        if (original.dim() <= 1 and kind not in TOPK_KINDS) or kind in ("none", "fp16", "bf16"):
+        if (original.dim() <= 1 and kind not in SPARSE_KINDS) or kind in ("none", "fp16", "bf16"):
             tolerance = {"int4": 0.2, "lowrank_int4": 0.2, "adaptive": 0.2}.get(kind, 0.01)
             assert relative_error(approx, original) <= tolerance
     if kind in ("none", "fp16", "bf16", "int4"):
@@ -597,6 +604,34 @@ def test_dct_sign_is_topk_sign_of_the_dct_of_every_block_of_64():
     build_codec("dct_sign", density=2 / 64, chunk_size=64, group_size=8).load_state_dict(state)
     with pytest.raises(ValueError, match="density, chunk_size"):
         build_codec("dct_sign", density=0.5, chunk_size=64).load_state_dict(state)
+
+
+def test_randk_draws_the_same_stratified_positions_on_every_cluster_and_new_ones_each_round():
+    shapes = [(10, 30), (7,), (0, 3)]
+    first, second = build_codec("randk_sign", density=0.1, seed=3), build_codec("randk_sign", density=0.1, seed=3)
+    sent = []
+    for draws in range(3):
+        tensors = random_list(shapes, seed=draws)
+        payload, other = first.encode_list(tensors), second.encode_list(random_list(shapes, seed=10 + draws))
+        assert payload.data[:4].tolist() == [draws, 0, 0, 0] and first.draws == draws + 1
+        decoded = build_codec("randk_sign", density=0.1, seed=3).decode_list(payload, shapes)  # stateless decoding
+        kept = [torch.nonzero(d.reshape(-1)).reshape(-1) for d in decoded]
+        assert [k.tolist() for k in kept] == [p.tolist() for p in first.positions([300, 7, 0], draws)]
+        others = [torch.nonzero(d.reshape(-1)).reshape(-1) for d in second.decode_list(other, shapes)]
+        assert [k.tolist() for k in kept] == [k.tolist() for k in others]  # the same positions on both clusters
+        assert kept[0].numel() == 30 and kept[1].numel() == 1
+        assert (kept[0] // 10).tolist() == list(range(30))  # one position in each stratum of 10
+        signs = decoded[0].reshape(-1)[kept[0]].sign()
+        assert torch.equal(signs, tensors[0].reshape(-1)[kept[0]].sign())
+        sent.append(kept[0].tolist())
+    assert sent[0] != sent[1] != sent[2]
+    assert build_codec("randk_sign", density=0.1, seed=4).positions([300], 0)[0].tolist() != sent[0]
+    state = first.state_dict()
+    resumed = build_codec("randk_sign", density=0.1, seed=3)
+    resumed.load_state_dict(state)
+    assert resumed.draws == 3
+    with pytest.raises(ValueError, match="density"):
+        build_codec("randk_sign", density=0.2, seed=3).load_state_dict(state)
 
 
 def test_lowrank_recovers_an_exactly_low_rank_matrix():

@@ -72,6 +72,8 @@ CODECS = [
     ("topk_int2", {"density": 0.25, "chunk_size": 8, "group_size": 4}),
     ("topk_sign", {"density": 0.1, "chunk_size": 64, "group_size": 16}),
     ("dct_sign", {"density": 0.1, "chunk_size": 64, "group_size": 16}),
+    ("randk_sign", {"density": 0.2, "group_size": 16}),
+    ("randk_int2", {"density": 0.2, "group_size": 16, "seed": 5}),
 ]
 
 
