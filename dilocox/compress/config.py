@@ -29,10 +29,11 @@ CodecKind = Literal[
     "dct_sign",
     "randk_sign",
     "randk_int2",
+    "lowrank_topk",
 ]
 """Every `compression.kind` (built by `factory.CODECS`); `none` sends fp32 (the uncompressed outer sync)."""
 CODEC_KINDS: tuple[str, ...] = get_args(CodecKind)
-SPARSE_KINDS = ("topk_int4", "topk_int2", "topk_sign", "dct_sign", "randk_sign", "randk_int2")
+SPARSE_KINDS = ("topk_int4", "topk_int2", "topk_sign", "dct_sign", "randk_sign", "randk_int2", "lowrank_topk")
 """The kinds that send a share of the values (`compression.density`; the top-k ones per chunk of `chunk_size`)."""
 FactorDtype = Literal["fp32", "fp16", "bf16"]
 """Encodings of the `lowrank` codec's factors (`lowrank_int4` and `adaptive` always use int4)."""
@@ -64,7 +65,7 @@ class CompressionConfig:
     kind: CodecKind = "none"
     """Pseudo-gradient codec; none sends fp32 (the bytes of every kind: docs/design.md §4.1)."""
     rank: int = 8
-    """Factors per matrix of lowrank and lowrank_int4."""
+    """Factors per matrix of lowrank, lowrank_int4 and lowrank_topk."""
     group_size: int = 64
     """Values per fp16 scale in int4 encodings and of the 1- and 2-bit values (topk_int2/_sign, dct_sign, randk)."""
     stochastic_rounding: bool = False

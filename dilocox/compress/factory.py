@@ -19,6 +19,7 @@ import torch
 from dilocox.compress.adaptive import AdaptiveCodec, AdaptiveRank
 from dilocox.compress.codecs import CastFormat, Codec, ElementwiseCodec, Int4Format, LowRankCodec, ValueFormat
 from dilocox.compress.config import CompressionConfig
+from dilocox.compress.hybrid import HybridCodec
 from dilocox.compress.lowbit import LowBitFormat
 from dilocox.compress.randk import RandomKCodec
 from dilocox.compress.topk import TopKCodec
@@ -106,6 +107,11 @@ CODECS: dict[str, Callable[[CompressionConfig, torch.Generator, int], Codec]] = 
     "dct_sign": lambda *args: TransformCodec("dct_sign", inner=CODECS["topk_sign"](*args)),
     "randk_sign": _randk(1),
     "randk_int2": _randk(2),
+    "lowrank_topk": lambda cfg, *args: HybridCodec(
+        "lowrank_topk",
+        first=_lowrank(dataclasses.replace(cfg, kind="lowrank_int4"), *args),
+        second=CODECS["topk_sign"](dataclasses.replace(cfg, kind="topk_sign"), *args),
+    ),
 }
 """Every `compression.kind` -> its builder, called with the validated config, the codec's generator and the run's
 seed (the adaptive rank's own draws)."""

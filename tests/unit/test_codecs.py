@@ -86,6 +86,11 @@ def hand_nbytes_list(
     def int4_size(count: int) -> int:
         return 2 * math.ceil(count / group_size) + math.ceil(count / 2)
 
+    if kind == "lowrank_topk":  # lowrank_int4's payload, then topk_sign's
+        options = dict(rank=rank, group_size=group_size, small_tensors=small_tensors, density=density)
+        return hand_nbytes_list("lowrank_int4", shapes, **options) + hand_nbytes_list(
+            "topk_sign", shapes, group_size=group_size, density=density, chunk_size=chunk_size
+        )
     if kind.startswith("randk_"):  # a 4-byte draw counter, then every tensor's m values as one low-bit section
         kept = [min(math.prod(s), max(1, round(density * math.prod(s)))) if math.prod(s) else 0 for s in shapes]
         value_bits = {"randk_int2": 2, "randk_sign": 1}[kind]
@@ -167,6 +172,7 @@ def hand_nbytes_list(
         ("dct_sign", {"density": 1 / 64, "chunk_size": 64}),
         ("randk_sign", {"density": 0.08}),
         ("randk_int2", {"density": 0.3, "group_size": 5}),
+        ("lowrank_topk", {"rank": 2, "density": 0.05, "chunk_size": 64}),
     ],
 )
 def test_nbytes_match_hand_formula_and_payloads(kind, options):
@@ -632,6 +638,26 @@ def test_randk_draws_the_same_stratified_positions_on_every_cluster_and_new_ones
     assert resumed.draws == 3
     with pytest.raises(ValueError, match="density"):
         build_codec("randk_sign", density=0.2, seed=3).load_state_dict(state)
+
+
+def test_lowrank_topk_sends_low_rank_then_the_top_k_signs_of_what_it_missed():
+    tensors = random_list([(64, 48), (48,), (3, 5, 7)], seed=12)
+    shapes = [t.shape for t in tensors]
+    hybrid = build_codec("lowrank_topk", rank=2, density=0.05, chunk_size=64)
+    first = build_codec("lowrank_int4", rank=2)
+    second = build_codec("topk_sign", density=0.05, chunk_size=64)
+    head = first.encode_list(tensors)
+    low = first.decode_list(head, shapes)
+    tail = second.encode_list([t - d for t, d in zip(tensors, low, strict=True)])
+    payload = hybrid.encode_list(tensors)
+    assert torch.equal(payload.data, torch.cat([head.data, tail.data]))  # the same warm starts and draws
+    decoded = build_codec("lowrank_topk", rank=2, density=0.05, chunk_size=64).decode_list(payload, shapes)
+    for got, a, b in zip(decoded, low, second.decode_list(tail, shapes), strict=True):
+        assert torch.equal(got, a + b)
+    assert relative_error(decoded[0], tensors[0]) < relative_error(low[0], tensors[0])
+    resumed = build_codec("lowrank_topk", rank=2, density=0.05, chunk_size=64)
+    resumed.load_state_dict(hybrid.state_dict())
+    assert torch.equal(resumed.encode_list(tensors).data, hybrid.encode_list(tensors).data)  # warm starts restored
 
 
 def test_lowrank_recovers_an_exactly_low_rank_matrix():

@@ -74,6 +74,7 @@ CODECS = [
     ("dct_sign", {"density": 0.1, "chunk_size": 64, "group_size": 16}),
     ("randk_sign", {"density": 0.2, "group_size": 16}),
     ("randk_int2", {"density": 0.2, "group_size": 16, "seed": 5}),
+    ("lowrank_topk", {"rank": 1, "density": 0.1, "chunk_size": 16, "group_size": 8}),
 ]
 
 
