@@ -21,7 +21,7 @@ from dilocox.tools.bench.paper_regime import (
     timed_run_dir,
     window_steps,
 )
-from dilocox.tools.bench.results import collect, compare, kept_rows, write_results
+from dilocox.tools.bench.results import collect, compare, kept_rows, train_loss_tail, write_results
 from dilocox.tools.bench.spec import load_bench, run_overrides
 from dilocox.tools.bench.table import format_table
 
@@ -66,9 +66,9 @@ def test_table_has_a_row_per_run_with_the_columns():
         }
     )
     lines = table.splitlines()
-    assert lines[0].startswith("| run | eval loss | gap to allreduce | tokens/s |")
-    assert lines[2] == "| allreduce | 4.0000 | 0.00% | 100 | 1.00x | 8.0 | 1/1 | - | 10.0 |"
-    assert lines[3] == "| dilocox | 4.1000 | +2.50% | 250 | 2.50x | 0.1 | 1/100 | 95% | 10.0 |"
+    assert lines[0].startswith("| run | eval loss | gap to allreduce | clusters' training loss, gap | tokens/s |")
+    assert lines[2] == "| allreduce | 4.0000 | 0.00% | - | 100 | 1.00x | 8.0 | 1/1 | - | 10.0 |"
+    assert lines[3] == "| dilocox | 4.1000 | +2.50% | - | 250 | 2.50x | 0.1 | 1/100 | 95% | 10.0 |"
     assert "tiny (5 params), 2 clusters" in table
 
 
@@ -379,7 +379,7 @@ def test_a_tuned_baseline_is_the_best_mean_of_its_most_seeded_runs_and_gets_its_
     assert "Tuned baseline (allreduce-lr4e-3): the lowest mean eval loss" in table
     # without a tuned baseline the table keeps its columns
     plain = format_table({**results, "tuned_baseline": None, "date": "d"})
-    assert "tuned" not in plain.splitlines()[0] and plain.splitlines()[1].count("---") == 9
+    assert "tuned" not in plain.splitlines()[0] and plain.splitlines()[1].count("---") == 10
 
 
 def test_tuned_baseline_errors(tmp_path):
@@ -494,3 +494,28 @@ def test_collect_marks_the_frontier_and_draws_it(tmp_path):
     assert "): sign; int4; allreduce." in format_table(results)
     write_results(results, tmp_path)
     assert (tmp_path / "frontier.png").stat().st_size > 0
+
+
+def test_the_clusters_training_loss_over_the_last_tenth_and_its_paired_gap(tmp_path):
+    """Rank 0's logged training losses after 90% of the steps, each weighted by the steps it covers; its gap to the
+    baseline's, seed by seed, beside the agreed model's eval-loss gap."""
+    runs = tmp_path / "runs"
+    for name, scale in (("allreduce", 1.0), ("dilocox", 1.1)):
+        for seed in (0, 1):
+            run_dir = runs / (name if seed == 0 else f"{name}.seed{seed}")
+            run_dir.mkdir(parents=True)
+            seeded(4.0 * scale, seed).write(run_dir)
+            records = [{"step": s, "tokens": s, "elapsed_s": s, "loss": 9.0} for s in (40, 80)]
+            records += [{"step": 88, "tokens": 88, "elapsed_s": 88, "loss": 5.0 * scale}]  # covers steps 81-88
+            records += [{"step": 94, "tokens": 94, "elapsed_s": 94, "loss": (2.0 + seed) * scale}]  # 89-94: in
+            records += [{"step": 100, "tokens": 100, "elapsed_s": 100, "loss": (4.0 + seed) * scale}]  # 95-100
+            records += [{"step": 100, "event": "elastic", "loss": 99.0}]  # not a training record
+            (run_dir / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert train_loss_tail(runs / "allreduce") == pytest.approx((2.0 * 6 + 4.0 * 6) / 12)
+    path = tmp_path / "b.toml"
+    path.write_text("[bench]\nbase = 'x.toml'\n[[runs]]\nname = 'allreduce'\n[[runs]]\nname = 'dilocox'\n")
+    results = collect(load_bench(path), tmp_path, ["allreduce", "dilocox"])
+    assert [s["train_loss_tail"] for s in results["runs"][1]["seeds"]] == pytest.approx([3.3, 4.4])
+    assert results["runs"][1]["train_gap_pct"] == pytest.approx(10.0)
+    assert results["runs"][0]["train_gap_pct"] == 0
+    assert "| +10.00 ± 0.00% | +10.00% |" in format_table(results)  # eval-loss gap, then the clusters'

@@ -49,6 +49,27 @@ def _curve(run_dir: Path) -> list[dict[str, float]]:
     ]
 
 
+TAIL = 0.1
+"""The share of a run's last steps whose training loss `train_loss_tail` averages."""
+
+
+def train_loss_tail(run_dir: Path) -> float | None:
+    """The training loss of rank 0's cluster over the run's last `TAIL` of steps (each logged mean weighted by the
+    steps it covers): how well the clusters themselves train, where the eval loss scores the model they agree on."""
+    records = [m for m in read_metrics(run_dir) if m.get("loss") is not None and "event" not in m]
+    if not records:
+        return None
+    first = records[-1]["step"] * (1 - TAIL)
+    covered, total, previous = 0, 0.0, 0
+    for record in records:
+        steps = record["step"] - previous
+        previous = record["step"]
+        if record["step"] > first:
+            covered += steps
+            total += record["loss"] * steps
+    return total / covered if covered else None
+
+
 @dataclass(frozen=True)
 class SeedResult:
     """What a gap needs of one seed of a run (`RunSummary` has the same fields): for rows kept from results.json."""
@@ -129,6 +150,7 @@ def collect(
                         "run_seed": s.run_seed,
                         "split_seed": s.split_seed,
                         "final_eval_loss": s.final_eval_loss,
+                        "train_loss_tail": train_loss_tail(d),
                         "curve": _curve(d),
                     }
                     for s, d in zip(summaries[name], dirs, strict=True)
@@ -149,6 +171,9 @@ def collect(
         rows.append(row)
     order = [run.name for run in spec.runs]
     rows.sort(key=lambda row: order.index(row["name"]))
+    base_row = next((row for row in rows if row["name"] == spec.baseline), None)
+    for row in rows:
+        row["train_gap_pct"] = train_gap(row, base_row)
     tuned = best_baseline([row for row in rows if row["name"] in spec.tuned_baseline])
     if tuned is not None:
         for row in rows:
@@ -168,6 +193,20 @@ def collect(
     }
     results["frontier"] = [point.name for point in frontier(frontier_points(results))]
     return results
+
+
+def train_gap(row: dict[str, Any], base: dict[str, Any] | None) -> float | None:
+    """The mean over paired seeds of the gap of the clusters' training loss (`train_loss_tail`) to the baseline's, in
+    percent; None without a pair."""
+    if base is None:
+        return None
+    by_seed = {seed["run_seed"]: seed.get("train_loss_tail") for seed in base["seeds"]}
+    gaps = [
+        100.0 * (seed["train_loss_tail"] - by_seed[seed["run_seed"]]) / by_seed[seed["run_seed"]]
+        for seed in row["seeds"]
+        if seed.get("train_loss_tail") is not None and by_seed.get(seed["run_seed"])
+    ]
+    return _mean(gaps) if gaps else None
 
 
 def best_baseline(candidates: list[dict[str, Any]]) -> str | None:

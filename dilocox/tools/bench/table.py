@@ -27,6 +27,11 @@ def _gap_cell(gap: float | None, row: dict[str, Any] | None = None) -> str:
     return f"{cell} ± {sd:.2f}%{noise}"
 
 
+def _pct_cell(value: float | None) -> str:
+    """`+2.50%`, `-0.40%`, or `-` for no value."""
+    return "-" if value is None else ("+" if value > 0 else "") + f"{value:.2f}%"
+
+
 def _loss_cell(row: dict[str, Any]) -> str:
     """The mean eval loss, with its standard deviation over seeds when there are several."""
     sd = row.get("final_eval_loss_sd")
@@ -59,12 +64,12 @@ def format_table(results: dict[str, Any]) -> str:
         return format_paper_table(results)
     tuned = results.get("tuned_baseline")
     head = (
-        "| run | eval loss | gap to {b} |{t} tokens/s | speedup vs {b} | slow-link bytes/token | "
-        "bytes vs AllReduce | hidden comm | wall s |".format(
+        "| run | eval loss | gap to {b} |{t} clusters' training loss, gap | tokens/s | speedup vs {b} | "
+        "slow-link bytes/token | bytes vs AllReduce | hidden comm | wall s |".format(
             b=results["baseline"], t=" gap to the tuned baseline |" * bool(tuned)
         )
     )
-    lines = [head, "| --- | ---: | ---: |" + " ---: |" * bool(tuned) + " ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [head, "| --- | ---: | ---: |" + " ---: |" * bool(tuned) + " ---: |" * 7]
     for row in results["runs"]:
         gap = row["gap_to_baseline_pct"]
         row = {**row, "baseline_name": results["baseline"]}
@@ -78,11 +83,13 @@ def format_table(results: dict[str, Any]) -> str:
             }
             tuned_cell = f" {_gap_cell(row['tuned_gap_to_baseline_pct'], tuned_row)} |"
         lines.append(
-            "| {label} | {loss} | {gap} |{tuned} {tps} | {speed} | {bpt} | {ratio} | {hidden} | {wall} |".format(
+            "| {label} | {loss} | {gap} |{tuned} {train} | {tps} | {speed} | {bpt} | {ratio} | {hidden} | {wall} "
+            "|".format(
                 label=row["label"],
                 loss=_loss_cell(row),
                 gap=_gap_cell(gap, row),
                 tuned=tuned_cell,
+                train=_pct_cell(row.get("train_gap_pct")),
                 tps=_fmt(row["tokens_per_s"], ",.0f"),
                 speed=_fmt(row["speedup_vs_baseline"], ".2f") + ("x" if row["speedup_vs_baseline"] else ""),
                 bpt=_fmt(row["wan_bytes_per_token"], ",.1f"),
@@ -105,6 +112,10 @@ def format_table(results: dict[str, Any]) -> str:
         "common overrides.",
     ]
     footer += _seeds_note(results)
+    footer.append(
+        "Clusters' training loss: rank 0's cluster's own training loss over the last 10% of steps, its gap to the "
+        f"{results['baseline']}'s paired seed by seed (the eval loss scores the model the clusters agree on)."
+    )
     footer += _frontier_note(results)
     if tuned:
         labels = {row["name"]: row["label"] for row in results["runs"]}
