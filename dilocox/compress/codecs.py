@@ -255,7 +255,8 @@ class Codec(ABC):
 
 
 class ElementwiseCodec(Codec):
-    """Every value encoded on its own: `none` (raw fp32, bit-exact), `fp16`, `bf16`, `int4` (group absmax).
+    """Every value encoded on its own: `none` (raw fp32, bit-exact), `fp16`, `bf16`, `int4` (group absmax), `int2` and
+    `sign` (`dilocox.compress.lowbit`; a list packs its codes in one bit stream, `expected_nbytes_list`).
 
     The fixed-size codecs around DiLoCoX's scheme (Qi et al. 2025, arXiv 2506.21263): `none` is its "without
     compression" ablation, `int4` its quantizer applied to the whole pseudo-gradient.
@@ -279,6 +280,12 @@ class ElementwiseCodec(Codec):
 
     def expected_nbytes(self, shape: Shape) -> int:
         return self.value_format.nbytes(numel_of(shape))
+
+    def expected_nbytes_list(self, shapes: Sequence[Shape]) -> int:
+        return self.value_format.section_nbytes([numel_of(shape) for shape in shapes])
+
+    def max_nbytes_list(self, shapes: Sequence[Shape]) -> int:
+        return self.expected_nbytes_list(shapes)
 
     def __repr__(self) -> str:
         return f"ElementwiseCodec(name={self.name!r}, values={self.value_format.name})"

@@ -20,6 +20,8 @@ CodecKind = Literal[
     "fp16",
     "bf16",
     "int4",
+    "int2",
+    "sign",
     "lowrank",
     "lowrank_int4",
     "adaptive",
@@ -35,6 +37,11 @@ CodecKind = Literal[
 CODEC_KINDS: tuple[str, ...] = get_args(CodecKind)
 SPARSE_KINDS = ("topk_int4", "topk_int2", "topk_sign", "dct_sign", "randk_sign", "randk_int2", "lowrank_topk")
 """The kinds that send a share of the values (`compression.density`; the top-k ones per chunk of `chunk_size`)."""
+DRAIN_KINDS = {"topk_int2": "int2", "randk_int2": "int2", "topk_sign": "sign", "dct_sign": "sign", "randk_sign": "sign"}
+"""The dense codec that drains the residual at the end (`sync.drain_residual`) for a codec whose values are 1 or 2
+bits: their own width; int4 for every other codec."""
+
+
 FactorDtype = Literal["fp32", "fp16", "bf16"]
 """Encodings of the `lowrank` codec's factors (`lowrank_int4` and `adaptive` always use int4)."""
 FACTOR_DTYPES: tuple[str, ...] = get_args(FactorDtype)
@@ -145,6 +152,11 @@ class CompressionConfig:
                     else f"it supports {', '.join(SCALABLE_KINDS)}; use compression.reduction = 'gather'"
                 )
             )
+
+
+def drain_config(cfg: CompressionConfig) -> CompressionConfig:
+    """The codec of the drained residual: every value, dense, at the width of `cfg`'s values, without error feedback."""
+    return CompressionConfig(kind=DRAIN_KINDS.get(cfg.kind, "int4"), error_feedback=False, group_size=cfg.group_size)
 
 
 @dataclass

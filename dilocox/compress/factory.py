@@ -98,6 +98,8 @@ CODECS: dict[str, Callable[[CompressionConfig, torch.Generator, int], Codec]] = 
     "fp16": _cast,
     "bf16": _cast,
     "int4": lambda cfg, generator, seed: ElementwiseCodec("int4", _int4(cfg, generator), generator=generator),
+    "int2": lambda cfg, generator, seed: ElementwiseCodec("int2", LowBitFormat(2, cfg.group_size), generator=generator),
+    "sign": lambda cfg, generator, seed: ElementwiseCodec("sign", LowBitFormat(1, cfg.group_size), generator=generator),
     "lowrank": _lowrank,
     "lowrank_int4": _lowrank,
     "adaptive": _adaptive,

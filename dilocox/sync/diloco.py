@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox.compress import CompressionConfig
+from dilocox.compress.config import drain_config
 from dilocox.faults import FaultConfig, FaultyReducer
 from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, RoundStats, dp_mean_
@@ -98,8 +99,9 @@ class DiLoCoSync:
     `sync.local_residual` (a codec with error feedback): wherever a round starts, or restarts when an average lands,
     it starts lower by this cluster's share (1/C) of what its codec holds back, so the cluster keeps that progress
     instead of losing it at every landing. `sync.drain_residual`: at the end of training `flush()` sends what every
-    codec still holds back once more, densely in int4, and phi takes its mean times the outer learning rate (an SGD
-    outer optimizer's plain step), so the model the run ends with holds all of every cluster's progress.
+    codec still holds back once more, densely (int4, or 2 or 1 bits: `drain_config`), and phi takes its mean times
+    the outer learning rate (an SGD outer optimizer's plain step), so the model the run ends with holds all of every
+    cluster's progress.
 
     With `sync.guard` (docs/design.md §4.5, `RoundGuard`) a cluster whose own pseudo-gradient is non-finite
     abstains from the round and heals: the next round starts from phi, its error-feedback residuals are dropped and
@@ -648,17 +650,16 @@ class DiLoCoSync:
             self.warnings.append(fit_link_warning(stats, round_steps=round_steps, needed=needed, cfg=self.cfg))
 
     def _drain(self) -> RoundStats | None:
-        """`sync.drain_residual`: send every cluster's held-back residual (`Reducer.held_back`) dense in int4 and
-        subtract its mean times the outer learning rate from phi, without a momentum step (the residual is progress
-        already made, not a direction to keep going); the codec then holds nothing back. One payload of about
-        4.25 bits per value per cluster, waited for at the end: nothing is left to compute behind it. Returns what it
-        waited for (round None), or None before any round ended."""
+        """`sync.drain_residual`: send every cluster's held-back residual (`Reducer.held_back`) dense, in int4 or in
+        the 2 or 1 bits of a codec whose values are that narrow (`drain_config`), and subtract its mean times the outer
+        learning rate from phi, without a momentum step (the residual is progress already made, not a direction to
+        keep going); the codec then holds nothing back. One payload of 4.25 (2.25, 1.25) bits per value per cluster,
+        waited for at the end: nothing is left to compute behind it. Returns what it waited for (round None), or None
+        before any round ended."""
         held_back = self.reducer.held_back(self.state_device)
         if held_back is None:  # no round has ended yet
             return None
-        drain = self._build_reducer(
-            CompressionConfig(kind="int4", error_feedback=False, group_size=self.compression.group_size)
-        )
+        drain = self._build_reducer(drain_config(self.compression))
         with self.channel.off_peak():  # a one-off transfer at the end: the peak in flight is the rounds'
             pending = drain.launch(held_back)
         avg, stats = self.wait_sync(pending, judge_link=False, judge_mean=False)
@@ -668,7 +669,8 @@ class DiLoCoSync:
             self.outer_params.sub_(avg, alpha=self.outer.lr)
         self.reducer.heal()  # sent: nothing is held back any more
         self.warnings.append(
-            f"drain: sent the held-back residual (int4, {stats.bytes_sent:,} bytes from this rank, "
+            f"drain: sent the held-back residual ({drain_config(self.compression).kind}, {stats.bytes_sent:,} bytes "
+            "from this rank, "
             f"{stats.link_s:.2f} s of link, {stats.exposed_s:.2f} s waited)"
             + (": no usable mean, phi kept as it was" if stats.skipped else "")
         )

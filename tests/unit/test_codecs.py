@@ -28,7 +28,7 @@ from dilocox.compress import (
     unpack_int4,
 )
 from dilocox.compress import int4 as int4_module
-from dilocox.compress.config import SPARSE_KINDS
+from dilocox.compress.config import SPARSE_KINDS, drain_config
 from dilocox.compress.lowbit import LowBitFormat
 from dilocox.compress.payload import ByteReader
 
@@ -86,6 +86,10 @@ def hand_nbytes_list(
     def int4_size(count: int) -> int:
         return 2 * math.ceil(count / group_size) + math.ceil(count / 2)
 
+    if kind in ("int2", "sign"):  # every group's fp16 scale, then every value's bits as one stream
+        value_bits = {"int2": 2, "sign": 1}[kind]
+        numels = [math.prod(shape) for shape in shapes]
+        return sum(2 * math.ceil(n / group_size) for n in numels) + math.ceil(value_bits * sum(numels) / 8)
     if kind == "lowrank_topk":  # lowrank_int4's payload, then topk_sign's
         options = dict(rank=rank, group_size=group_size, small_tensors=small_tensors, density=density)
         return hand_nbytes_list("lowrank_int4", shapes, **options) + hand_nbytes_list(
@@ -170,6 +174,8 @@ def hand_nbytes_list(
         ("topk_sign", {"density": 1.0, "chunk_size": 7, "group_size": 5}),
         ("dct_sign", {"density": 0.01}),
         ("dct_sign", {"density": 1 / 64, "chunk_size": 64}),
+        ("int2", {}),
+        ("sign", {"group_size": 7}),
         ("randk_sign", {"density": 0.08}),
         ("randk_int2", {"density": 0.3, "group_size": 5}),
         ("lowrank_topk", {"rank": 2, "density": 0.05, "chunk_size": 64}),
@@ -243,9 +249,9 @@ def test_encode_list_round_trip_over_mixed_shapes(kind):
         if original.numel() == 0:
             continue
         if (original.dim() <= 1 and kind not in SPARSE_KINDS) or kind in ("none", "fp16", "bf16"):
-            tolerance = {"int4": 0.2, "lowrank_int4": 0.2, "adaptive": 0.2}.get(kind, 0.01)
+            tolerance = {"int4": 0.2, "lowrank_int4": 0.2, "adaptive": 0.2, "int2": 0.45, "sign": 0.7}.get(kind, 0.01)
             assert relative_error(approx, original) <= tolerance
-    if kind in ("none", "fp16", "bf16", "int4"):
+    if kind in ("none", "fp16", "bf16", "int4", "int2", "sign"):
         # Elementwise: the list payload decodes exactly like each tensor encoded alone.
         for original, approx in zip(tensors, decoded, strict=True):
             assert torch.equal(approx, sender.decode(sender.encode(original), original.shape))
@@ -1047,3 +1053,14 @@ def test_state_bytes_count_the_warm_starts():
     codec.encode_list(random_list([(30, 20), (20,), (16, 40)]))
     assert codec.state_bytes() == 4 * (20 * 4 + 40 * 4)  # Q of (30, 20) is (20, 4), of (16, 40) is (40, 4)
     assert build_codec("int4").state_bytes() == 0
+
+
+def test_the_drained_residual_goes_dense_at_the_width_of_the_codecs_values():
+    """sync.drain_residual sends every value once at the end: in 1 or 2 bits for the codecs whose values are that
+    narrow, in int4 for the others; always without error feedback, with the codec's group size."""
+    widths = {"int2": 2.25, "sign": 1.25, "int4": 4.25}  # bits a value at groups of 64
+    for kind in CODEC_KINDS:
+        drain = drain_config(CompressionConfig(kind=kind, group_size=64))
+        want = "sign" if kind.endswith("_sign") else "int2" if kind.endswith("_int2") else "int4"
+        assert drain.kind == want and not drain.error_feedback and drain.group_size == 64, kind
+        assert build_codec(drain).expected_nbytes((64 * 1000,)) * 8 == widths[want] * 64 * 1000
