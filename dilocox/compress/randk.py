@@ -35,7 +35,7 @@ import torch
 
 from dilocox.compress.codecs import Codec, Shape, ValueFormat
 from dilocox.compress.payload import ByteReader, Payload, numel_of
-from dilocox.compress.sparse import sample_seed
+from dilocox.compress.sparse import sample_seed, stratified_sample
 
 MAX_DRAWS = (1 << 32) - 1
 """The largest draw counter the uint32 header holds."""
@@ -81,14 +81,7 @@ class RandomKCodec(Codec):
     def positions(self, numels: Sequence[int], draws: int) -> list[torch.Tensor]:
         """The positions of the `draws`-th encoding, one (m,) int64 ascending tensor per tensor of `numels` values."""
         generator = torch.Generator().manual_seed(sample_seed(self.seed, draws))
-        drawn = []
-        for numel in numels:
-            m = self.num_kept(numel)
-            starts = torch.arange(m + 1, dtype=torch.int64) * numel // m if m else torch.zeros(1, dtype=torch.int64)
-            sizes = starts[1:] - starts[:-1]  # (m,) stratum sizes, >= 1
-            offsets = (torch.rand(m, generator=generator, dtype=torch.float64) * sizes).floor_().to(torch.int64)
-            drawn.append(starts[:-1] + torch.minimum(offsets, sizes - 1))
-        return drawn
+        return [stratified_sample(numel, self.num_kept(numel), generator) for numel in numels]
 
     # encoding -----------------------------------------------------------------------------------------------------
 

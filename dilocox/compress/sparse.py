@@ -50,6 +50,18 @@ def sample_seed(seed: int, step: int) -> int:
     return (seed * _SEED_MULTIPLIER + step) & 0xFFFFFFFF
 
 
+def stratified_sample(numel: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """`count` of `numel` positions, one drawn uniformly in each of `count` strata of consecutive positions (sizes
+    differ by at most one): (count,) int64, ascending; one float64 uniform per stratum from `generator`."""
+    if count == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    starts = torch.arange(count + 1, dtype=torch.int64) * numel // count  # (count + 1,) stratum bounds, sizes >= 1
+    sizes = starts[1:] - starts[:-1]  # (count,)
+    # float64 draws: u * size stays below size for any int32 size; the clamp guards the last ulp anyway.
+    offsets = (torch.rand(count, generator=generator, dtype=torch.float64) * sizes).floor_().to(torch.int64)
+    return starts[:-1] + torch.minimum(offsets, sizes - 1)
+
+
 class SparseInt4Codec:
     """Random sampling, top-k and int4 of one flat gradient shard: the compressor of CocktailSGD.
 
@@ -103,12 +115,7 @@ class SparseInt4Codec:
                 f"a sample of {m} coordinates does not fit the int32 positions of cocktail.sample_ratio = "
                 f"{self.sample_ratio}; lower it or shard the gradient over more replicas (topology.dp_degree)"
             )
-        generator = torch.Generator().manual_seed(sample_seed(self.seed, step))
-        starts = torch.arange(m + 1, dtype=torch.int64) * numel // m  # (m + 1,) stratum bounds, sizes >= 1
-        sizes = starts[1:] - starts[:-1]  # (m,)
-        # float64 draws: u * size stays below size for any int32 size; the clamp guards the last ulp anyway.
-        offsets = (torch.rand(m, generator=generator, dtype=torch.float64) * sizes).floor_().to(torch.int64)
-        return starts[:-1] + torch.minimum(offsets, sizes - 1)
+        return stratified_sample(numel, m, torch.Generator().manual_seed(sample_seed(self.seed, step)))
 
     # encoding -----------------------------------------------------------------------------------------------------
 
