@@ -466,7 +466,9 @@ def plot_frontier(benches: list[dict[str, Any]], path: Path, *, title: str = "")
         )
         for p in mine:
             ax.annotate(p.name, (p.bytes_per_token, p.gap_pct), fontsize=6, xytext=(3, 3), textcoords="offset points")
-        entries.append((f"{results['bench']} (gap to {results['baseline']})", {**style, "linestyle": "none"}))
+        entries.append(
+            (f"{results['bench']} (gap to {results['baseline']})", {**style, "linestyle": "none", "marker": "o"})
+        )
     line = frontier(points)
     ax.plot([p.bytes_per_token for p in line], [p.gap_pct for p in line], color="black", linewidth=1.0, zorder=0)
     entries.append(("frontier: the fewest bytes for each gap", {"color": "black", "linestyle": "-"}))
