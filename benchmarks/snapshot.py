@@ -317,6 +317,10 @@ def observe(run_dir: Path) -> dict[str, Any]:
             fields[f"rank{rank}.channel"] = {k: v for k, v in sorted(channel.items()) if not is_timing(k)}
             fields[f"rank{rank}.model"] = state_digest(state.get("model"))
             sync = state.get("sync") or {}
+            fragments = sync.get("fragments") if isinstance(sync, dict) else None
+            if isinstance(fragments, list) and len(fragments) == 1:  # one fragment: the flat state it always was
+                sync = {**fragments[0], **{k: v for k, v in sync.items() if k != "fragments"}}
+                state["sync"] = sync
             if isinstance(sync, dict) and sync.get("outer_params") is not None:
                 fields[f"rank{rank}.outer_params"] = state_digest(sync["outer_params"])
             fields[f"rank{rank}.state"] = state_digest(state)

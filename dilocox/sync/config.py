@@ -68,7 +68,9 @@ class SyncConfig:
     sync_delay: int = 0
     """Rounds between launching an outer sync and applying it: 0 = blocking, 1 = overlapped (the one-step delay)."""
     overlap_steps: int = 0
-    """With sync_delay 1: apply round t's average this many inner steps into round t+1 (0: at its end, a round late)."""
+    """Steps a sync overlaps: delay 0, launched this many before its boundary (tau); delay 1, applied this many in."""
+    alpha: float = 0.0
+    """sync_delay 0: where a landed average leaves the live parameters, lerp(phi, live, alpha) (0 = phi, 1 = live)."""
     merge: MergeRule = "keep_local"
     """With sync_delay 1, where a round starts: keep_local (phi - own progress), reset, eager, lookahead, own_payload"""
     local_residual: bool = False
@@ -193,15 +195,27 @@ class SyncConfig:
                 "sync.sync_delay = 1; with a blocking sync raise sync.inner_steps instead"
             )
         check_non_negative("sync", self, "overlap_steps")
-        if self.overlap_steps and self.sync_delay != 1:
+        check_positive("sync", self, "fragments")
+        if self.overlap_steps and not self.has_outer_loop:
             raise ValueError(
-                f"sync.overlap_steps = {self.overlap_steps} applies a delayed sync inside the next round, which needs "
-                "sync.sync_delay = 1; use 0 with a blocking sync"
+                f"sync.overlap_steps = {self.overlap_steps} overlaps an outer sync with inner steps, but sync.kind = "
+                f"{self.kind!r} syncs every step; use sync.kind = diloco or dilocox, or 0"
             )
-        if self.overlap_steps >= self.inner_steps:
+        shortest = max(1, self.inner_steps // self.fragments) if self.sync_delay == 0 else self.inner_steps
+        if self.overlap_steps >= shortest:
+            what = "a fragment's shortest round, H // sync.fragments =" if self.fragments > 1 else "sync.inner_steps ="
+            fix = "blocking" if self.sync_delay == 0 else "each average applied at the end of the next round"
             raise ValueError(
-                f"sync.overlap_steps = {self.overlap_steps} must be below sync.inner_steps = {self.inner_steps}; "
-                "use 0 to apply each average at the end of the next round"
+                f"sync.overlap_steps = {self.overlap_steps} must be below {what} {shortest}: a sync launched that many "
+                f"steps before its boundary or applied that many into the next round; use 0 ({fix})"
+            )
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"sync.alpha = {self.alpha} must be in [0, 1]: lerp(phi, live, alpha) once a sync lands")
+        if self.alpha and self.sync_delay != 0:
+            raise ValueError(
+                f"sync.alpha = {self.alpha} mixes a landed average into the round that launched it, but with "
+                "sync.sync_delay = 1 the round restarted when it launched, where sync.merge says: set sync.alpha = 0, "
+                "or sync.sync_delay = 0"
             )
         if self.overlap_steps and self.fit_link:
             raise ValueError(
@@ -233,7 +247,6 @@ class SyncConfig:
             )
         for option, value, why in (
             ("fit_link", self.fit_link, "changes H between rounds, which would break the fragments' stagger"),
-            ("overlap_steps", self.overlap_steps, "lands a sync inside the next round, not at a fragment boundary"),
         ):
             if value:
                 raise ValueError(

@@ -3,13 +3,13 @@
 With `topology.elastic = true` (docs/design.md §10.1) the clusters of a round are the members of that round's
 torchft quorum (`ElasticMembership`), and the one-step-delay sync launched over one quorum is resolved at the next
 boundary, whose quorum may differ: a cluster died, or a restarted one joined and healed from a live peer.
-`ElasticRounds` owns everything elastic about the outer loop; the round itself (`DiLoCoSync.end_round`: launch,
-landing, guard, merge rule) is the static run's, which calls it at four points of every boundary, through the
-public methods of `ElasticRound`:
+`ElasticRounds` owns everything elastic about the outer loop; the rounds themselves (`FragmentState`: launch,
+landing, guard, merge rule) are the static run's. Around every step with a boundary (`DiLoCoSync.after_inner_step`)
+it opens the boundary and commits it, and each fragment's launch and landing pass through it:
 
     rounds = ElasticRounds(sync, membership)     # DiLoCoSync builds it when given a membership
     joined = rounds.rejoin()                     # the first quorum; a late cluster heals here
-    newcomer = rounds.open_boundary(step)        # then, in the round: before_launch(), settle(due, ...), commit()
+    newcomer = rounds.open_boundary(step)        # then per fragment: before_launch(f), settle(f, due, ...); commit()
 
 What the members of a boundary's quorum do with the sync in flight is `delayed_update_verdict`.
 """
@@ -40,6 +40,7 @@ from dilocox.sync.outer_optimizer import outer_optimizer_factory, outer_state_by
 from dilocox.sync.reducers import PendingMean, Reducer
 from dilocox.sync.stall import MemberStalled
 
+
 APPLY, REDO, NOTHING = "apply", "redo", "nothing"
 
 RESUMED = "resumed"
@@ -60,14 +61,13 @@ def heal_state_bound(cfg: SyncConfig, numel: int) -> int:
     return 4 * numel + outer_state_bytes(outer_optimizer_factory(cfg), numel) + HEAL_STATE_SLACK
 
 
-class ElasticRound(Protocol):
-    """What `ElasticRounds` uses of the round it settles (`DiLoCoSync`): its public state and methods."""
+class FragmentState(Protocol):
+    """What `ElasticRounds` uses of a fragment whose syncs it settles (`dilocox.sync.fragment.FragmentState`)."""
 
     outer_params: torch.Tensor
-    reducer: Reducer
-    channel: WanChannel
-    warnings: list[str]
     pending: PendingMean | None
+    pending_quorum: int
+    reducer: Reducer
 
     def wait_sync(
         self,
@@ -79,6 +79,8 @@ class ElasticRound(Protocol):
         blocked_from: float | None = None,
     ) -> tuple[torch.Tensor, RoundStats]: ...
 
+    def relaunch(self, flight: tuple[torch.Tensor, bool]) -> None: ...
+
     def guard_snapshot(self) -> dict[str, Any]: ...
 
     def restore_guard(self, snapshot: dict[str, Any]) -> None: ...
@@ -86,6 +88,18 @@ class ElasticRound(Protocol):
     def agreed_state(self) -> dict[str, Any]: ...
 
     def load_agreed_state(self, state: dict[str, Any]) -> None: ...
+
+
+class ElasticStage(Protocol):
+    """What `ElasticRounds` uses of the stage whose boundaries it settles (`DiLoCoSync`): its fragments, phi of the
+    whole stage (whose digest every member compares), the link and the messages for the user."""
+
+    fragments: list[FragmentState]
+    channel: WanChannel
+    warnings: list[str]
+
+    @property
+    def outer_params(self) -> torch.Tensor: ...
 
 
 class RejoinRequired(RuntimeError):
@@ -281,34 +295,33 @@ class ElasticRounds:
     it.
     """
 
-    def __init__(self, sync: ElasticRound, membership: ElasticMembership) -> None:
+    def __init__(self, sync: ElasticStage, membership: ElasticMembership) -> None:
         self.sync = sync
         self.membership = membership
-        self.pending_quorum = -1
-        """The quorum over which the sync in flight was launched."""
         self.joined_quorum: Quorum | None = None
         """A quorum already formed for the next settling (the one `rejoin` healed in)."""
         self.newcomer = False
         """This cluster healed at this boundary: it did not train the round that ends here, so it abstains from it."""
         self.healed_here = False
         """This cluster healed at the boundary being settled (reported to its peers: `MemberReport.healed`)."""
-        self.others_hold = False
-        """Healed: the peers hold shares of a sync in flight that this cluster has no share of."""
+        self.others_hold: set[int] = set()
+        """Healed: the fragments (by position) whose sync in flight the peers hold shares of, this cluster none."""
         self.boundary_step = 0
         """The inner step of the boundary being settled (sent to a cluster that heals there)."""
         self.phase = "round"
         """What the boundary being settled is: an outer round's end (round) or the end of training (flush)."""
-        self.guard_snapshot: dict[str, Any] | None = None
-        """The guard's state before the sync in flight was judged: a redo judges it again from there."""
+        self.guard_snapshot: tuple[int, dict[str, Any]] | None = None
+        """(fragment position, its guard's state) before the sync being settled was judged: a redo judges it again
+        from there."""
         self.quorum: Quorum | None = None
         """The quorum of the boundary being settled (its group carries this round's sync)."""
         self.boundary_quorum: Quorum | None = None
         """The quorum this boundary met in so far: a blocking sync's launch meets first, a delayed sync's settling."""
         self.vote = ClusterVote(membership.cluster_group, cluster=membership.cluster)
         """The ranks of this cluster (pp x dp) take the same branch at every step of the settling."""
-        self.resumed_flight: tuple[torch.Tensor, bool] | None = None
-        """Resumed from disk: the sync in flight this cluster had sent (and whether to count its bytes again), sent
-        again over the first quorum's group once this cluster is in it (`rejoin`)."""
+        self.resumed_flights: dict[int, tuple[torch.Tensor, bool]] = {}
+        """Resumed from disk: the syncs in flight this cluster had sent, by fragment position in launch order (and
+        whether to count their bytes again), sent again over the first quorum's group once it is in it (`rejoin`)."""
         watch = membership.stall_watch
         self.membership_log = MembershipLog(
             cluster=membership.cluster, heartbeat_timeout_s=2 * watch.poll_s if watch is not None else 0.0
@@ -330,23 +343,31 @@ class ElasticRounds:
         newcomer, self.newcomer = self.newcomer, False
         return newcomer
 
-    def before_launch(self) -> None:
-        """This boundary's sync is launched over this boundary's quorum (the one its settling met in, or a new one,
-        to which the channel moves)."""
+    def before_launch(self, fragment: FragmentState) -> None:
+        """`fragment`'s sync is launched over this boundary's quorum (the one its settling met in, or a new one, to
+        which the channel moves)."""
         if self.boundary_quorum is None:
             self.boundary_quorum = self._next_quorum()
-        self.pending_quorum = self.boundary_quorum.quorum_id
+        fragment.pending_quorum = self.boundary_quorum.quorum_id
 
     def settle(
-        self, due: PendingMean | None, *, round_steps: int | None, round_index: int, judge_link: bool
+        self,
+        fragment: FragmentState,
+        due: PendingMean | None,
+        *,
+        round_steps: int | None,
+        round_index: int,
+        judge_link: bool,
     ) -> tuple[torch.Tensor, RoundStats] | None:
-        """The average of the sync in flight (`due`, this cluster's share, None if it has none) that every cluster
-        of this boundary's quorum agrees on, and what it cost; None when no cluster holds one
-        (`delayed_update_verdict`). `judge_link` as `DiLoCoSync.wait_sync`'s, for a wait that is not a redo."""
+        """The average of `fragment`'s sync in flight (`due`, this cluster's share, None if it has none) that every
+        cluster of this boundary's quorum agrees on, and what it cost; None when no cluster holds one
+        (`delayed_update_verdict`). `judge_link` as `FragmentState.wait_sync`'s, for a wait that is not a redo."""
+        position = self.sync.fragments.index(fragment)
         if due is not None:
-            self.guard_snapshot = self.sync.guard_snapshot()
+            self.guard_snapshot = position, fragment.guard_snapshot()
         try:
             return self._settle_in_quorum(
+                fragment,
                 due,
                 round_steps=round_steps,
                 round_index=round_index,
@@ -355,7 +376,7 @@ class ElasticRounds:
             )
         finally:
             self.guard_snapshot = None
-            self.others_hold = False
+            self.others_hold.discard(position)
             self.boundary_quorum = self.quorum
 
     def commit(self) -> None:
@@ -388,25 +409,26 @@ class ElasticRounds:
             # abstains from the sync they send again now (it holds no share of it).
             self.membership.await_heals(quorum)
             self.membership.commit()
-            self.resumed_flight = None
-            if self.others_hold:
-                s.pending = s.reducer.abstain(s.outer_params)
-                s.pending.abstained = True
-                self.pending_quorum = quorum.quorum_id
-            self.others_hold = False
+            self.resumed_flights = {}
+            for position in sorted(self.others_hold):
+                fragment = s.fragments[position]
+                fragment.pending = fragment.reducer.abstain(fragment.outer_params)
+                fragment.pending.abstained = True
+                fragment.pending_quorum = quorum.quorum_id
+            self.others_hold = set()
             return self.boundary_step, self.phase
-        if self.resumed_flight is not None:  # every member that resumed sends its share again, in the same order
-            sent, account = self.resumed_flight
-            self.resumed_flight = None
-            s.pending = s.reducer.relaunch(sent, account=account)
-            self.pending_quorum = quorum.quorum_id
+        # every member that resumed sends its shares again, in the same order
+        flights, self.resumed_flights = self.resumed_flights, {}
+        for position, flight in flights.items():
+            s.fragments[position].relaunch(flight)
+            s.fragments[position].pending_quorum = quorum.quorum_id
         return None
 
-    def resume(self, step: int, flight: tuple[torch.Tensor, bool] | None) -> None:
-        """This cluster loaded a checkpoint of the boundary at `step` (`DiLoCoSync.load_state_dict`): its sync in flight
-        (what it sent, and whether to count the bytes again) goes out once it is in the first quorum, and a cluster
-        that heals from it joins after that boundary (`RESUMED`)."""
-        self.boundary_step, self.phase, self.resumed_flight = step, RESUMED, flight
+    def resume(self, step: int, flights: dict[int, tuple[torch.Tensor, bool]]) -> None:
+        """This cluster loaded a checkpoint of the boundary at `step` (`DiLoCoSync.load_state_dict`): its syncs in
+        flight (by fragment position, in launch order: what it sent, and whether to count the bytes again) go out
+        once it is in the first quorum, and a cluster that heals from it joins after that boundary (`RESUMED`)."""
+        self.boundary_step, self.phase, self.resumed_flights = step, RESUMED, dict(flights)
 
     # ---------------------------------------------------------------------------------------------- quorum
     def _next_quorum(self) -> Quorum:
@@ -433,6 +455,7 @@ class ElasticRounds:
     # ---------------------------------------------------------------------------------------------- settling
     def _settle_in_quorum(
         self,
+        fragment: FragmentState,
         due: PendingMean | None,
         *,
         round_steps: int | None,
@@ -443,8 +466,9 @@ class ElasticRounds:
         """Every step that can go another way on another rank passes through `self.vote`, so that the ranks of this
         cluster (each settling its own stage and slice) fail, meet again, redo or apply together."""
         s = self.sync
+        position = s.fragments.index(fragment)
         try:
-            arrived = self._wait(due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
+            arrived = self._wait(fragment, due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
         except RejoinRequired:
             raise
         except RuntimeError as error:  # a peer died during it: that group is broken here, the settling needs a new one
@@ -469,9 +493,9 @@ class ElasticRounds:
                     arrived, quorum = None, None
                     continue
             assert quorum is not None
-            ok = arrived is not None and self.pending_quorum == quorum.quorum_id
+            ok = arrived is not None and fragment.pending_quorum == quorum.quorum_id
             mine = MemberReport(
-                holding=due is not None or self.others_hold,
+                holding=due is not None or position in self.others_hold,
                 ok=ok,
                 restart_missing=self.phase == "flush" and time.monotonic() < deadline and self._restart_missing(quorum),
                 digest=outer_digest(s.outer_params),
@@ -513,7 +537,7 @@ class ElasticRounds:
             if branch is Branch.APPLY:
                 return arrived
             try:
-                return self._redo(due, quorum, round_steps=round_steps, round_index=round_index)
+                return self._redo(fragment, due, quorum, round_steps=round_steps, round_index=round_index)
             except RejoinRequired:
                 raise
             except RuntimeError as error:
@@ -544,21 +568,26 @@ class ElasticRounds:
         return RuntimeError(f"{what} of round {round_index} failed on another rank of cluster {cluster}")
 
     def _redo(
-        self, due: PendingMean | None, quorum: Quorum, *, round_steps: int | None, round_index: int
+        self,
+        fragment: FragmentState,
+        due: PendingMean | None,
+        quorum: Quorum,
+        *,
+        round_steps: int | None,
+        round_index: int,
     ) -> tuple[torch.Tensor, RoundStats] | None:
-        """Send this member's share of the sync in flight again over `quorum` (or abstain: it has none of its own),
-        and return the average once every member has it."""
-        s = self.sync
+        """Send this member's share of `fragment`'s sync in flight again over `quorum` (or abstain: it has none of its
+        own), and return the average once every member has it."""
         if self.guard_snapshot is not None:
-            s.restore_guard(self.guard_snapshot)
-        self.pending_quorum = quorum.quorum_id
+            fragment.restore_guard(self.guard_snapshot[1])
+        fragment.pending_quorum = quorum.quorum_id
         if due is not None and not due.abstained:
-            due = s.reducer.relaunch(due.sent, account=True)
+            due = fragment.reducer.relaunch(due.sent, account=True)
         else:  # nothing of its own to send again: new to the quorum, or it abstained from that round
-            due = s.reducer.abstain(s.outer_params)
+            due = fragment.reducer.abstain(fragment.outer_params)
             due.abstained = True
         # sent again just now: waited for at once, with no compute to hide behind
-        arrived = self._wait(due, round_steps=round_steps, round_index=round_index, judge_link=False)
+        arrived = self._wait(fragment, due, round_steps=round_steps, round_index=round_index, judge_link=False)
         # Confirm before applying: an all-reduce completes nowhere unless every member took part, so a redo that
         # failed on one member (it never gets here) fails the confirmation on every member alike, and they all try
         # again. A member that dies inside the confirmation itself can leave one member applying and another trying
@@ -604,10 +633,16 @@ class ElasticRounds:
         return any(cluster not in quorum.clusters for cluster in self.membership.restarts_in_progress())
 
     def _wait(
-        self, due: PendingMean | None, *, round_steps: int | None, round_index: int, judge_link: bool
+        self,
+        fragment: FragmentState,
+        due: PendingMean | None,
+        *,
+        round_steps: int | None,
+        round_index: int,
+        judge_link: bool,
     ) -> tuple[torch.Tensor, RoundStats] | None:
-        """`DiLoCoSync.wait_sync` of `due`, or None when there is none. The slow-link transfer is waited for first and
-        the cluster's ranks vote on it before the fast collectives that follow it (the slices' all-gather over the
+        """`FragmentState.wait_sync` of `due`, or None when there is none. The slow-link transfer is waited for first
+        and the cluster's ranks vote on it before the fast collectives that follow it (the slices' all-gather over the
         replicas, the guard's agreement over the stages): a failed transfer on any rank raises RuntimeError on every
         rank of the cluster, and RejoinRequired where every other member rejected a payload of this cluster (the
         channel's `PayloadsRejected`): it cannot average what the others do, so it stops and heals from a live peer
@@ -632,7 +667,7 @@ class ElasticRounds:
             ) from None
         if branch is Branch.FAILED:
             raise failure or self._failed_elsewhere("the transfer", round_index)
-        return self.sync.wait_sync(
+        return fragment.wait_sync(
             due, round_steps=round_steps, round_index=round_index, judge_link=judge_link, blocked_from=blocked_from
         )
 
@@ -683,22 +718,34 @@ class ElasticRounds:
 
     # ---------------------------------------------------------------------------------------------- state
     def heal_state(self) -> dict[str, Any]:
-        """What a live peer sends a cluster that joins at this boundary (torchft's checkpoint transport): the agreed
-        outer state and the round counters (`DiLoCoSync.agreed_state`); not the error-feedback residuals or codec warm
-        starts, which are each cluster's own (the joiner starts them afresh), nor the sync in flight (it abstains)."""
+        """What a live peer sends a cluster that joins at this boundary (torchft's checkpoint transport): every
+        fragment's agreed outer state and round counters (`FragmentState.agreed_state`) and guard; not the
+        error-feedback residuals or codec warm starts, which are each cluster's own (the joiner starts them afresh),
+        nor the syncs in flight (it abstains from them)."""
         s = self.sync
+        snapshot = self.guard_snapshot
+        guards = [
+            snapshot[1] if snapshot is not None and snapshot[0] == k else fragment.guard_snapshot()
+            for k, fragment in enumerate(s.fragments)
+        ]
+        holding = [
+            k
+            for k, fragment in enumerate(s.fragments)
+            if fragment.pending is not None or (snapshot is not None and snapshot[0] == k) or k in self.resumed_flights
+        ]
         return {
-            **s.agreed_state(),
-            "guard": self.guard_snapshot if self.guard_snapshot is not None else s.guard_snapshot(),
-            "others_hold": s.pending is not None or self.guard_snapshot is not None or self.resumed_flight is not None,
+            "fragments": [fragment.agreed_state() for fragment in s.fragments],
+            "guards": guards,
+            "others_hold": holding,
             "boundary_step": self.boundary_step,
             "phase": self.phase,
         }
 
     def load_heal_state(self, state: dict[str, Any]) -> None:
-        """Take a live peer's `heal_state` (called by torchft inside a quorum); the next settling abstains."""
-        self.sync.load_agreed_state(state)
-        self.sync.restore_guard(state["guard"])
-        self.others_hold = bool(state["others_hold"])
+        """Take a live peer's `heal_state` (called by torchft inside a quorum); the next settlings abstain."""
+        for fragment, agreed, guard in zip(self.sync.fragments, state["fragments"], state["guards"], strict=True):
+            fragment.load_agreed_state(agreed)
+            fragment.restore_guard(guard)
+        self.others_hold = {int(k) for k in state["others_hold"]}
         self.guard_snapshot = None
         self.boundary_step, self.phase = int(state["boundary_step"]), state["phase"]

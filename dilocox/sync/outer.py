@@ -36,7 +36,6 @@ from dilocox.sync.events import ElasticEvent
 from dilocox.sync.lanes import LaneLayout
 from dilocox.sync.membership import ElasticMembership
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory
-from dilocox.sync.streaming import StreamingSync
 from dilocox.topology import group_size
 
 RESUME_SETTINGS = ("kind", "inner_steps", "sync_delay", "outer_lr", "outer_momentum", "nesterov")
@@ -69,6 +68,11 @@ class OuterSync:
     data-parallel replicas of this model inside the cluster) gets the gradient mean before every inner step, from a
     pre-step hook on `inner_optimizer` unless `reduce_gradients()` was called since the last one, and shares the
     cluster's uplink: each replica sends 1/D of the pseudo-gradient.
+
+    Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512): `fragments = N` syncs the model in N contiguous
+    parts, fragment k at (k + 1) H // N and every H steps after; with `sync_delay = 0`, `overlap = tau` launches each
+    sync tau steps before its boundary and `alpha` leaves the live parameters at lerp(phi, live, alpha) once it lands
+    (`sync.overlap_steps`, `sync.alpha`). `guard` turns the numeric guard off or on (docs/design.md §4.5).
     """
 
     def __init__(
@@ -88,6 +92,10 @@ class OuterSync:
         merge: str | None = None,
         local_residual: bool | None = None,
         drain_residual: bool | None = None,
+        fragments: int | None = None,
+        overlap: int | None = None,
+        alpha: float | None = None,
+        guard: bool | None = None,
         dp_group: dist.ProcessGroup | None = None,
         bandwidth: str | None = None,
         latency: str = "0",
@@ -112,6 +120,10 @@ class OuterSync:
             merge=merge,
             local_residual=local_residual,
             drain_residual=drain_residual,
+            fragments=fragments,
+            overlap_steps=overlap,
+            alpha=alpha,
+            guard=guard,
         )
         bytes_per_s = None if bandwidth is None else parse_bandwidth(bandwidth)
         latency_s = parse_duration(latency)
@@ -216,50 +228,24 @@ class OuterSync:
         round_tokens: int | None = None,
         weigh_tokens: bool = False,
     ) -> None:
-        self.diloco: DiLoCoSync | StreamingSync
-        """The implementation this facade drives (docs/design.md §3): the stage's rounds, or its fragments' rounds
-        (`sync.fragments > 1`, Streaming DiLoCo)."""
-        if sync.fragments > 1:
-            if faults is not None and faults.enabled or membership is not None or lanes is not None:
-                raise ValueError(
-                    f"sync.fragments = {sync.fragments} works without faults, outside elastic runs and with clusters "
-                    "of one shape: set sync.fragments = 1"
-                )
-            if weigh_tokens:  # sync.round = time is refused by SyncConfig.validate
-                raise ValueError(
-                    f"sync.fragments = {sync.fragments} staggers rounds of H steps, whose average weighs every "
-                    "cluster alike: leave weigh_tokens off, or set sync.fragments = 1"
-                )
-            self.diloco = StreamingSync(
-                params,
-                sync,
-                compression,
-                channel=channel,
-                dp_group=dp_group,
-                pp_group=pp_group,
-                seed=seed,
-                total_steps=total_steps,
-                outer_optimizer=outer_optimizer,
-            )
-        else:
-            self.diloco = DiLoCoSync(
-                params,
-                sync,
-                compression,
-                channel=channel,
-                dp_group=dp_group,
-                pp_group=pp_group,
-                seed=seed,
-                total_steps=total_steps,
-                faults=faults,
-                membership=membership,
-                outer_optimizer=outer_optimizer,
-                lanes=lanes,
-                cluster_weight=1.0 if lanes is None else lanes.cluster_weight,
-                tokens_per_step=tokens_per_step,
-                round_tokens=round_tokens,
-                weigh_tokens=weigh_tokens,
-            )
+        self.diloco = DiLoCoSync(
+            params,
+            sync,
+            compression,
+            channel=channel,
+            dp_group=dp_group,
+            pp_group=pp_group,
+            seed=seed,
+            total_steps=total_steps,
+            faults=faults,
+            membership=membership,
+            outer_optimizer=outer_optimizer,
+            lanes=lanes,
+            tokens_per_step=tokens_per_step,
+            round_tokens=round_tokens,
+            weigh_tokens=weigh_tokens,
+        )
+        """The implementation this facade drives (docs/design.md §3): the stage's fragments' rounds."""
         self.inner_optimizer = inner_optimizer
         """Its state is reset when the guard heals this cluster (None: the caller's own concern)."""
         self.sync_config = sync
@@ -464,10 +450,10 @@ class OuterSync:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()`. Every cluster must call it at the same point (a sync that was in flight is
         sent again over the slow link), on an object built with the same settings."""
-        if not isinstance(state, dict) or self.diloco.state_keys[0] not in state:
+        if not isinstance(state, dict) or not {"fragments", "outer_params"} & state.keys():
             keys = sorted(state)[:5] if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"load_state_dict takes what OuterSync.state_dict() returned, got {keys}")
-        missing = [key for key in (*self.diloco.state_keys, "num_steps", "channel", "settings") if key not in state]
+        missing = [key for key in ("num_steps", "channel", "settings") if key not in state]
         if missing:
             raise ValueError(
                 f"this outer-sync state lacks {', '.join(missing)}: load_state_dict takes what OuterSync.state_dict() "

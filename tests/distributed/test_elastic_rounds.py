@@ -368,7 +368,7 @@ def test_a_cluster_gone_between_rounds_is_left_out_and_the_survivors_average_wha
 
     def victim() -> None:
         clusters[2].train(1, 2, flush=False)
-        clusters[2].sync.pending.transfer.wait()  # its share of round 2 reached the others, then it dies
+        clusters[2].sync.fragments[0].pending.transfer.wait()  # its share of round 2 reached the others, then it dies
         lighthouse.set_expected({0, 1})
 
     assert run_threads(clusters[0].train, clusters[1].train, victim) == [None] * 3
@@ -388,14 +388,14 @@ def test_a_restarted_cluster_heals_from_a_peer_abstains_and_ends_bit_identical(k
     join_all(clusters)
     restarted = Cluster(2, lighthouse, compression=compression, key=key)
     waits: list[bool] = []  # judge_link of every wait of the restarted cluster's outer loop
-    wait_sync = restarted.sync.wait_sync
-    restarted.sync.wait_sync = lambda *a, judge_link=True, **k: (
+    wait_sync = restarted.sync.fragments[0].wait_sync
+    restarted.sync.fragments[0].wait_sync = lambda *a, judge_link=True, **k: (
         waits.append(judge_link) or wait_sync(*a, judge_link=judge_link, **k)
     )
 
     def victim_then_restart() -> None:
         clusters[2].train(1, 1, flush=False)
-        clusters[2].sync.pending.transfer.wait()
+        clusters[2].sync.fragments[0].pending.transfer.wait()
         survivors_met = threading.Event()  # cluster 2 died after round 1; its launcher starts it again
         lighthouse.on_formed = lambda members: members == (0, 1) and survivors_met.set()
         lighthouse.set_expected({0, 1})
@@ -487,7 +487,7 @@ def test_a_restart_that_asks_just_after_the_last_quorum_formed_is_met_in_a_new_o
 
     def victim_then_late_restart() -> None:
         clusters[2].train(1, ROUNDS, flush=False)
-        clusters[2].sync.pending.transfer.wait()
+        clusters[2].sync.fragments[0].pending.transfer.wait()
         survivors_met = threading.Event()
         lighthouse.on_formed = lambda members: members == (0, 1) and survivors_met.set()
         lighthouse.set_expected({0, 1})

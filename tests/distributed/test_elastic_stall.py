@@ -51,10 +51,10 @@ def test_a_member_frozen_in_the_rounds_transfer_is_named_and_the_others_settle_w
 
     def victim() -> None:
         clusters[2].train(1, 1, flush=False)
-        clusters[2].sync.pending.transfer.wait()
+        clusters[2].sync.fragments[0].pending.transfer.wait()
         freeze.set()
         clusters[2].train(2, 2, flush=False)  # boundary 2: in the quorum with the others, round 2's sync launched
-        resumed.append(clusters[2].sync.pending.transfer.wait())  # released by `resume`
+        resumed.append(clusters[2].sync.fragments[0].pending.transfer.wait())  # released by `resume`
 
     errors: list[BaseException | None] = [None] * 3
 

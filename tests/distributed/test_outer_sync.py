@@ -186,7 +186,7 @@ def _resume(rank, world_size, root):
     resumed, in_flight = {}, {}
     for step, path in saved.items():
         state = torch.load(path, weights_only=True)
-        in_flight[step] = state["sync"]["pending_seq"] >= state["sync"]["channel"]["num_transfers"]
+        in_flight[step] = state["sync"]["fragments"][0]["pending_seq"] >= state["sync"]["channel"]["num_transfers"]
         model = make_model(seed=99)  # the saved state, not the constructor's model, must decide where it resumes
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
         if step == 2 * H:  # build OuterSync, then load the model: either order works

@@ -305,7 +305,7 @@ def test_adaptive_codec_state_stays_bounded_over_rounds_and_a_late_resume_is_exa
     policies = {}
     for step in (4, 8):
         state = torch.load(straight / "checkpoints" / f"step_{step:08d}" / "rank_00000.pt", weights_only=False)
-        policies[step] = state["sync"]["reducer"]["codec"]["policy"]
+        policies[step] = state["sync"]["fragments"][0]["reducer"]["codec"]["policy"]
         assert policies[step]["history"][:, 0].tolist() == [step - 2, step - 1]  # 0-based rounds: the last two
     num_matrices = policies[4]["matrix_ranks"].shape[-1]
     assert num_matrices > 0 and policies[8]["matrix_ranks"].shape == policies[4]["matrix_ranks"].shape

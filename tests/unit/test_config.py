@@ -78,7 +78,7 @@ def test_missing_and_invalid_files(tmp_path):
             [*LOWRANK, "--sync.fit_link=true", "--sync.fit_link_max_steps=10"],
             "sync.fit_link_max_steps = 10 is below sync.inner_steps = 50",
         ),
-        (["--sync.overlap_steps=5"], "sync.overlap_steps = 5 applies a delayed sync inside the next round"),
+        ([*LOWRANK, "--sync.alpha=0.5"], "sync.alpha = 0.5 mixes a landed average into the round that launched it"),
         ([*LOWRANK, "--sync.overlap_steps=50"], "sync.overlap_steps = 50 must be below sync.inner"),
         ([*LOWRANK, "--sync.overlap_steps=-1"], "sync.overlap_steps = -1 must be >= 0"),
         ([*LOWRANK, "--sync.overlap_steps=5", "--sync.fit_link=true"], "use one or the other"),

@@ -32,7 +32,7 @@ def _rounds(params_device: str, outer_state_device: str, kind: str = "int4") -> 
 def test_outer_state_on_cpu_is_the_same_arithmetic():
     on_device, _ = _rounds("cpu", "device")
     on_host, sync = _rounds("cpu", "cpu")
-    assert sync.outer_params.device.type == "cpu" and sync.state_device.type == "cpu"
+    assert sync.outer_params.device.type == "cpu" and sync.stage.state_device.type == "cpu"
     assert all(torch.equal(a, b) for a, b in zip(on_device, on_host, strict=True))
     assert not torch.equal(on_device[0], on_device[-1])  # the rounds moved the outer params
 
@@ -45,7 +45,7 @@ def test_unknown_outer_state_device_names_the_choices():
 @pytest.mark.gpu
 def test_outer_state_stays_on_the_host_while_training_on_a_gpu():
     on_host, sync = _rounds("cuda", "cpu")
-    assert sync.outer_params.device.type == "cpu" and sync.round_start.device.type == "cpu"
+    assert sync.outer_params.device.type == "cpu" and sync.fragments[0].round_start.device.type == "cpu"
     assert sync.flat.params[0].device.type == "cuda"
     on_device, _ = _rounds("cuda", "device")
     for a, b in zip(on_host, on_device, strict=True):

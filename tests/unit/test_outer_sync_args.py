@@ -138,11 +138,14 @@ def test_bad_arguments_name_the_argument_and_the_fix(options, words):
 
 def test_the_outer_optimizer_is_a_name_or_a_factory():
     adam = build(outer_optimizer=lambda params: torch.optim.Adam(params, lr=0.01), drain_residual=False)
-    assert isinstance(adam.diloco.outer.optimizer, torch.optim.Adam) and adam.diloco.outer.lr == 0.01
+    outer = adam.diloco.fragments[0].outer
+    assert isinstance(outer.optimizer, torch.optim.Adam) and outer.lr == 0.01
     adamw = build(outer_optimizer="adamw", outer_lr=0.02, drain_residual=False)
-    assert isinstance(adamw.diloco.outer.optimizer, torch.optim.AdamW) and adamw.sync_config.outer_optimizer == "adamw"
+    outer = adamw.diloco.fragments[0].outer
+    assert isinstance(outer.optimizer, torch.optim.AdamW) and adamw.sync_config.outer_optimizer == "adamw"
     sgd = build(kind="diloco")
-    assert type(sgd.diloco.outer.optimizer) is torch.optim.SGD and sgd.diloco.outer.optimizer.defaults["nesterov"]
+    outer = sgd.diloco.fragments[0].outer
+    assert type(outer.optimizer) is torch.optim.SGD and outer.optimizer.defaults["nesterov"]
     state = adam.state_dict()
     state["settings"]["outer_lr"] = 0.02  # the same settings, but another optimizer's state
     with pytest.raises(ValueError, match="saved with decoupled_weight_decay = False .now True.") as error:
