@@ -282,17 +282,7 @@ class Config:
         self.faults.validate(self.topology.num_clusters if self.topology.num_clusters >= 1 else None)
         if self.sync.has_outer_loop:
             check_robust_reduction(self.sync, self.compression)
-            check_held_back_options(self.sync, self.compression, elastic=self.topology.elastic)
-        if self.sync.fragments > 1:
-            for setting, used in (
-                ("topology.elastic = true", self.topology.elastic),
-                (f"faults.kind = {self.faults.kind!r}", self.faults.enabled),
-            ):
-                if used:
-                    raise ValueError(
-                        f"sync.fragments = {self.sync.fragments} does not work with {setting}: its rounds are whole-"
-                        "stage syncs; set sync.fragments = 1"
-                    )
+            check_held_back_options(self.sync, self.compression)
         if self.faults.enabled and not self.sync.has_outer_loop:
             raise ValueError(
                 f"faults.kind = {self.faults.kind!r} injects faults into outer rounds: use sync.kind = diloco or "
@@ -448,17 +438,6 @@ class Config:
                 self.sync.fit_link,
                 "leave sync.fit_link off (each cluster has its own link share)",
             ),
-            (f"faults.kind = {self.faults.kind}", self.faults.enabled, "inject faults into equal clusters"),
-            (
-                f"sync.fragments = {self.sync.fragments}",
-                self.sync.fragments > 1,
-                "set sync.fragments = 1 (a fragment's sync is not split into lanes)",
-            ),
-            (
-                "sync.round = time",
-                self.sync.round == "time",
-                "use sync.round = steps (each cluster's update is then weighted by its replicas' tokens)",
-            ),
         ]
         for what, bad, fix in refused:
             if bad:
@@ -523,21 +502,10 @@ class Config:
                 "every quorum meets at one round boundary; leave sync.fit_link off (H stays fixed)",
             ),
             (
-                f"sync.overlap_steps = {self.sync.overlap_steps}",
-                self.sync.overlap_steps > 0,
-                "an average landing inside a round would need a quorum there; use 0 (each average lands at the end of "
-                "the next round)",
-            ),
-            (
                 "compression.reduction = scalable",
                 self.compression.kind != "none" and self.compression.reduction == "scalable",
                 "its shared warm starts are state every cluster keeps alike, which a cluster healed from a peer does "
                 "not receive; use compression.reduction = gather",
-            ),
-            (
-                f"faults.kind = {self.faults.kind}",
-                self.faults.enabled,
-                "inject faults into a static run, or kill a cluster's process",
             ),
             (
                 "sync.round = time",

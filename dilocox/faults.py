@@ -27,7 +27,7 @@ schedules are deterministic.
     faults = FaultConfig(cluster=3, kind="scale", rounds="2-4")
     faults.active(cluster=3, round_index=3)          # True
     sent = faults.corrupt(pseudo_grad, round_index=3)
-    reducer = FaultyReducer(reducer, faults, channel=channel, round_index=lambda: sync.outer_step + 1)
+    reducer = FaultyReducer(reducer, faults, channel=channel, cluster=1, round_index=lambda: sync.outer_step + 1)
 """
 
 from __future__ import annotations
@@ -158,23 +158,31 @@ class FaultyReducer:
     scale, random, sign) or goes out under a forged tag (forge); everything else is the wrapped reducer's. A payload
     sent again (a resumed run's sync in flight) is sent as it was, lie included.
 
-        reducer = FaultyReducer(build_reducer(...), FaultConfig(kind="sign", cluster=1), channel=channel,
+        reducer = FaultyReducer(build_reducer(...), FaultConfig(kind="sign", cluster=1), channel=channel, cluster=1,
                                 round_index=lambda: sync.outer_step + 1)
     """
 
     def __init__(
-        self, reducer: Reducer, faults: FaultConfig, *, channel: WanChannel, round_index: Callable[[], int]
+        self,
+        reducer: Reducer,
+        faults: FaultConfig,
+        *,
+        channel: WanChannel,
+        cluster: int,
+        round_index: Callable[[], int],
     ) -> None:
         self.reducer = reducer
         self.faults = faults
         self.channel = channel
+        self.cluster = cluster
+        """This cluster's index in the run (not its rank in a quorum or stage group)."""
         self.round_index = round_index
         """The round (1-based) a launch belongs to."""
         self.name = reducer.name
 
     def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
         round_index = self.round_index()
-        if self.faults.active(cluster=self.channel.group_rank, round_index=round_index):
+        if self.faults.active(cluster=self.cluster, round_index=round_index):
             if self.faults.kind == "forge":  # the values are honest, their tag is not
                 self.channel.forge_next_payload()
             else:

@@ -309,11 +309,10 @@ def holds_back(compression: Any) -> bool:
     return compression.kind != "none" and compression.error_feedback
 
 
-def check_held_back_options(sync: SyncConfig, compression: Any, *, elastic: bool = False) -> None:
+def check_held_back_options(sync: SyncConfig, compression: Any) -> None:
     """`sync.local_residual`, `sync.drain_residual` and the delayed merge rule `own_payload` work on what a codec's
-    error feedback holds back, so they need such a codec; elastic runs heal a rejoining cluster from a peer's
-    parameters, which hold that peer's residual, not its own, and end their rounds elsewhere (`ElasticRounds`).
-    One error names every such option that is set, with the values that turn them all off."""
+    error feedback holds back, so they need such a codec. One error names every such option that is set, with the
+    values that turn them all off."""
     used = [f"sync.{option} = true" for option in HELD_BACK_OPTIONS if getattr(sync, option)]
     fix = [f"sync.{option} = false" for option in HELD_BACK_OPTIONS if getattr(sync, option)]
     if sync.merge == "own_payload" and sync.sync_delay == 1:
@@ -328,11 +327,6 @@ def check_held_back_options(sync: SyncConfig, compression: Any, *, elastic: bool
             f"compression.kind = {compression.kind!r} with compression.error_feedback = "
             f"{str(compression.error_feedback).lower()} holds nothing back; use a codec with error feedback (e.g. "
             f"compression.kind = topk_int4), or set {fixes}"
-        )
-    if elastic:
-        raise ValueError(
-            f"{named} {'is' if len(used) == 1 else 'are'} not supported in elastic runs (topology.elastic = true): "
-            f"set {fixes}"
         )
 
 

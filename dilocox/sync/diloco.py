@@ -95,7 +95,7 @@ class DiLoCoSync:
         cfg.validate()
         compression = compression or CompressionConfig()
         check_robust_reduction(cfg, compression)
-        check_held_back_options(cfg, compression, elastic=membership is not None)
+        check_held_back_options(cfg, compression)
         if lanes is not None and not (0 < lanes.cluster_weight < math.inf):
             raise ValueError(f"cluster_weight = {lanes.cluster_weight!r} must be a finite number > 0")
         self.cfg = cfg
@@ -111,6 +111,9 @@ class DiLoCoSync:
         if weighted and membership is not None:
             raise ValueError("token-weighted rounds (sync.round = time) are not supported in elastic runs")
         params_device = self.flat.params[0].device if self.flat.params else torch.device("cpu")
+        if round_tokens is None:  # n_ref: a round of H steps of one replica's tokens, the same on every cluster
+            replicas = 1 if lanes is None else lanes.topology.dp_degrees[lanes.cluster]
+            round_tokens = cfg.inner_steps * tokens_per_step // replicas
         self.stage = StageParts(
             cfg=cfg,
             compression=compression,
@@ -122,16 +125,23 @@ class DiLoCoSync:
             lanes=lanes,
             cluster_weight=1.0 if lanes is None else lanes.cluster_weight,
             weighted=weighted,
-            round_tokens=round_tokens if round_tokens is not None else cfg.inner_steps * tokens_per_step,
+            round_tokens=round_tokens,
             faults=faults if faults is not None and faults.enabled else None,
             elastic_run=membership is not None,
+            cluster_id=(
+                lanes.cluster
+                if lanes is not None
+                else membership.cluster
+                if membership is not None
+                else channel.group_rank
+            ),
         )
         self.tokens_per_step = tokens_per_step
         self.clock: RoundClock | None = None
         """sync.round = time: the steps of each round on this cluster."""
         first_steps = cfg.inner_steps
         if self.time_rounds:
-            slow = faults.slow_factor(self.stage.cluster) if faults is not None else 1.0
+            slow = faults.slow_factor(self.stage.cluster_id) if faults is not None else 1.0
             virtual = faults is not None and faults.slow_mode == "virtual"
             self.clock = RoundClock(
                 cfg,
@@ -312,7 +322,7 @@ class DiLoCoSync:
         faults = self.stage.faults
         for fragment in self.fragments:
             if faults is not None and step == fragment.last_boundary + 1:
-                if faults.diverges(cluster=self.stage.cluster, round_index=fragment.outer_step + 1):
+                if faults.diverges(cluster=self.stage.cluster_id, round_index=fragment.outer_step + 1):
                     fragment.flat.scatter_data(torch.full((fragment.numel,), float("nan")))  # this round diverges
         events = [(fragment, self._event(fragment, step)) for fragment in self.fragments]
         events = [(fragment, what) for fragment, what in events if what is not None]

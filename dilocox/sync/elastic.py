@@ -40,7 +40,6 @@ from dilocox.sync.outer_optimizer import outer_optimizer_factory, outer_state_by
 from dilocox.sync.reducers import PendingMean, Reducer
 from dilocox.sync.stall import MemberStalled
 
-
 APPLY, REDO, NOTHING = "apply", "redo", "nothing"
 
 RESUMED = "resumed"
@@ -76,6 +75,7 @@ class FragmentState(Protocol):
         round_steps: int | None,
         round_index: int | None,
         judge_link: bool,
+        judge_mean: bool = True,
         blocked_from: float | None = None,
     ) -> tuple[torch.Tensor, RoundStats]: ...
 
@@ -310,6 +310,8 @@ class ElasticRounds:
         """The inner step of the boundary being settled (sent to a cluster that heals there)."""
         self.phase = "round"
         """What the boundary being settled is: an outer round's end (round) or the end of training (flush)."""
+        self.settling: Reducer | None = None
+        """The reducer of the sync being settled when it is not its fragment's rounds' (the drain's)."""
         self.guard_snapshot: tuple[int, dict[str, Any]] | None = None
         """(fragment position, its guard's state) before the sync being settled was judged: a redo judges it again
         from there."""
@@ -358,11 +360,15 @@ class ElasticRounds:
         round_steps: int | None,
         round_index: int,
         judge_link: bool,
+        reducer: Reducer | None = None,
     ) -> tuple[torch.Tensor, RoundStats] | None:
         """The average of `fragment`'s sync in flight (`due`, this cluster's share, None if it has none) that every
         cluster of this boundary's quorum agrees on, and what it cost; None when no cluster holds one
-        (`delayed_update_verdict`). `judge_link` as `FragmentState.wait_sync`'s, for a wait that is not a redo."""
+        (`delayed_update_verdict`). `judge_link` as `FragmentState.wait_sync`'s, for a wait that is not a redo.
+        `reducer`: the one that launched `due`, if not the fragment's rounds' (the drain of the held-back residual,
+        which the guard does not judge against the rounds' norms)."""
         position = self.sync.fragments.index(fragment)
+        self.settling = reducer
         if due is not None:
             self.guard_snapshot = position, fragment.guard_snapshot()
         try:
@@ -375,6 +381,7 @@ class ElasticRounds:
                 judge_link=judge_link,
             )
         finally:
+            self.settling = None
             self.guard_snapshot = None
             self.others_hold.discard(position)
             self.boundary_quorum = self.quorum
@@ -581,10 +588,11 @@ class ElasticRounds:
         if self.guard_snapshot is not None:
             fragment.restore_guard(self.guard_snapshot[1])
         fragment.pending_quorum = quorum.quorum_id
+        reducer = self.settling if self.settling is not None else fragment.reducer
         if due is not None and not due.abstained:
-            due = fragment.reducer.relaunch(due.sent, account=True)
+            due = reducer.relaunch(due.sent, account=True)
         else:  # nothing of its own to send again: new to the quorum, or it abstained from that round
-            due = fragment.reducer.abstain(fragment.outer_params)
+            due = reducer.abstain(fragment.outer_params)
             due.abstained = True
         # sent again just now: waited for at once, with no compute to hide behind
         arrived = self._wait(fragment, due, round_steps=round_steps, round_index=round_index, judge_link=False)
@@ -668,7 +676,12 @@ class ElasticRounds:
         if branch is Branch.FAILED:
             raise failure or self._failed_elsewhere("the transfer", round_index)
         return fragment.wait_sync(
-            due, round_steps=round_steps, round_index=round_index, judge_link=judge_link, blocked_from=blocked_from
+            due,
+            round_steps=round_steps,
+            round_index=round_index,
+            judge_link=judge_link,
+            judge_mean=self.settling is None,
+            blocked_from=blocked_from,
         )
 
     # ---------------------------------------------------------------------------------------------- stalls, events

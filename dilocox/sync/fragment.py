@@ -124,6 +124,8 @@ class StageParts:
     faults: FaultConfig | None = None
     elastic_run: bool = False
     """Whether the run is elastic (its reducers average over each round's quorum)."""
+    cluster_id: int = 0
+    """This cluster's index in the run (faults name clusters by it; `cluster` is its index among a round's)."""
     warnings: list[str] = dataclasses.field(default_factory=list)
     """Messages for the user (the link cannot keep up, the guard's verdicts), printed once by the trainer."""
     elastic: ElasticRounds | None = None
@@ -238,7 +240,11 @@ class FragmentState:
         faults = stage.faults
         if faults is not None and faults.lies:
             self.reducer = FaultyReducer(
-                reducer, faults, channel=stage.channel, round_index=lambda: self.outer_step + 1
+                reducer,
+                faults,
+                channel=stage.channel,
+                cluster=stage.cluster_id,
+                round_index=lambda: self.outer_step + 1,
             )
         self.pending: PendingMean | None = None
         """The sync in flight (launched by `prepare_sync`, landed by `perform_sync`)."""
@@ -324,7 +330,7 @@ class FragmentState:
         self.prepare_sync(pseudo_grad, abstain=own_bad or newcomer, report=report, step=step)
         self._launch_flags = (newcomer, own_bad)
 
-    def land(self, step: int) -> RoundStats:
+    def land(self, step: int) -> RoundStats | None:
         """Land the sync in flight inside a round: a streamed round's at its boundary, or with `sync_delay = 1` and
         `overlap_steps = k` the last round's, k steps into this one.
 
@@ -336,7 +342,8 @@ class FragmentState:
         if self.cfg.sync_delay == 0:
             return self._land_streamed(step)
         landed = self.perform_sync(round_steps=step - self.last_boundary, round_index=self.outer_step)
-        assert landed is not None, "a sync was in flight"
+        if landed is None:  # elastic: no member of the quorum holds a share of it
+            return None
         if landed.left_out:
             self.reducer.heal()
             if self.cfg.guard:
@@ -350,18 +357,17 @@ class FragmentState:
         self.round_start = start
         return dataclasses.replace(landed.stats, inner_steps=self.inner_steps)
 
-    def _land_streamed(self, step: int) -> RoundStats:
+    def _land_streamed(self, step: int) -> RoundStats | None:
         newcomer, own_bad = self._launch_flags
         round_index = self.outer_step + 1
         landed = self.perform_sync(round_steps=step - self._launched_at, round_index=round_index)
-        assert landed is not None, "a sync was in flight"
-        heal = newcomer or own_bad or landed.left_out
+        heal = newcomer or own_bad or (landed is not None and landed.left_out)
         if heal:  # what the round left in the residuals is not sent again
             self.reducer.heal()
         self._mix(heal)
         self._count_heal(newcomer, own_bad, heal, round_index)
         self._boundary_passed(step)
-        return landed.stats
+        return None if landed is None else landed.stats
 
     def _mix(self, heal: bool) -> None:
         """Once an average landed in the round that launched it: the next round starts at phi (less this cluster's
@@ -507,6 +513,8 @@ class FragmentState:
         reports = None
         if pending.report is not None:
             reports = [None if r is None else RoundReport.from_tensor(r) for r in pending.report.wait()]
+            if stage.lanes is not None:  # gathered from every replica of every cluster: one per cluster
+                reports = stage.lanes.per_cluster(reports)
         avg = pending.wait()
         if reports is not None:  # the token-weighted mean of the pre-scaled pseudo-gradients
             factor, weight_sum = token_weighted_factor(
@@ -606,15 +614,28 @@ class FragmentState:
         waited for (round None), or None before any round ended."""
         stage = self.stage
         held_back = self.reducer.held_back(stage.state_device)
-        if held_back is None:  # no round has ended yet
+        elastic = stage.elastic
+        if held_back is None and (elastic is None or self.outer_step == 0):  # no round has ended yet
             return None
+        if held_back is None:  # elastic: healed at a boundary, nothing of its own held back; every member sends
+            held_back = torch.zeros(self.numel, device=stage.state_device)
         drain = stage.build_reducer(
             CompressionConfig(kind="int4", error_feedback=False, group_size=stage.compression.group_size),
             self.flat.shapes,
         )
+        if elastic is not None:
+            elastic.before_launch(self)
         with stage.channel.off_peak():  # a one-off transfer at the end: the peak in flight is the rounds'
             pending = drain.launch(held_back)
-        avg, stats = self.wait_sync(pending, judge_link=False, judge_mean=False)
+        if elastic is not None:  # settled among the live clusters like a round's sync, sent again if they changed
+            arrived = elastic.settle(
+                self, pending, round_steps=None, round_index=self.outer_step, judge_link=False, reducer=drain
+            )
+            if arrived is None:
+                return None
+            avg, stats = arrived
+        else:
+            avg, stats = self.wait_sync(pending, judge_link=False, judge_mean=False)
         if stage.weighted:  # the residuals are in weighted units: their sum over the last landed sum of weights
             avg.mul_((self.num_clusters - len(pending.excluded)) / self.weight_sum)
         if not stats.skipped:

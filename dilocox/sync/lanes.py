@@ -76,6 +76,16 @@ class LaneLayout:
         coords = self.topology.coords(group_rank * self.topology.pp_degree)
         return coords.cluster, coords.dp
 
+    def per_cluster(self, values: Sequence[Any]) -> list[Any]:
+        """One of `values` per cluster, from values given per rank of the stage group (every replica of every
+        cluster, which agree): its first replica's."""
+        chosen: list[Any] = [None] * self.num_clusters
+        for group_rank, value in enumerate(values):
+            cluster, dp = self.replica_of(group_rank)
+            if dp == 0:
+                chosen[cluster] = value
+        return chosen
+
     def shared_lanes(self, group_rank: int) -> list[int]:
         """The lanes whose payloads this rank exchanges with rank `group_rank` of the stage group: those both own,
         none with a rank of its own cluster."""

@@ -171,6 +171,60 @@ def test_under_the_delay_a_cluster_starts_from_its_own_progress_in_its_own_units
         torch.testing.assert_close(params, phi - share * pseudo_grad(cluster), rtol=0, atol=1e-5)
 
 
+def _composed(rank, world_size, flags):
+    """Clusters of dp 2, 1 and 1 with `flags` (time rounds or fragments), blocking fp32 plain averaging: each cluster
+    moves its parameters by its own pseudo-gradient over its round's steps (time rounds: cluster 2 is virtually twice
+    as slow, so it does 1 step to the others' 2); returns phi before and after, and the parameters."""
+    topo = Topology.of_clusters(DP_DEGREES)
+    groups = build_process_groups(topo, rank)
+    coords = topo.coords(rank)
+    cfg = load_config(None, ["--sync.kind=diloco", "--sync.inner_steps=2", "--sync.outer_lr=1",
+                             "--sync.outer_momentum=0", "--sync.guard_peers=false", "--compression.kind=none",
+                             "--train.steps=2", "--topology.clusters=dp2,dp1,dp1", *flags])  # fmt: skip
+    cfg.validate(world_size=world_size)
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+    layout = LaneLayout(topo, coords.cluster, coords.dp)
+    tokens_per_step = 100 * DP_DEGREES[coords.cluster]  # every replica trains 100 tokens a step
+    sync = build_sync(cfg, params, channel=channel, dp_group=groups.dp_group, lanes=layout,
+                      tokens_per_step=tokens_per_step)  # fmt: skip
+    phi = sync.outer_params.clone()
+    steps = 1 if cfg.sync.round == "time" and coords.cluster == 2 else 2
+    numels = [p.numel() for p in params]
+    for step in range(1, steps + 1):
+        with torch.no_grad():  # theta_c = phi - its pseudo-gradient at the round's end
+            for p, d in zip(params, (pseudo_grad(coords.cluster) / steps).split(numels), strict=True):
+                p.sub_(d.view_as(p))
+        sync.after_inner_step(step)
+    sync.flush()
+    channel.close()
+    return phi, sync.outer_params.clone(), torch.cat([p.detach().reshape(-1) for p in params])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "flags, weights",
+    [
+        # tokens of the round: dp_c x steps_c x 100 = 400, 200 and 100
+        (("--sync.round=time", "--faults.slow_clusters=2:2.0", "--faults.slow_mode=virtual"), (4, 2, 1)),
+        # each fragment (one at step 1, the other at step 2) averages its slice by dp: 2, 1 and 1
+        (("--sync.fragments=2",), (2, 1, 1)),
+    ],
+    ids=["time_rounds", "fragments"],
+)
+def test_clusters_of_different_dp_compose_with_time_rounds_and_fragments(flags, weights):
+    results = run_ranks(_composed, sum(DP_DEGREES), args=(flags,))
+    phi = results[0][0]
+    thetas = [phi - pseudo_grad(c) for c in range(3)]
+    want = sum(w * theta for w, theta in zip(weights, thetas, strict=True)) / sum(weights)
+    assert (want - sum(thetas) / 3).abs().max() > 0.1  # the premise: the weights change the average
+    for start, outer_params, params in results:
+        assert torch.equal(start, phi)
+        torch.testing.assert_close(outer_params, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(params, want, rtol=0, atol=1e-5)
+
+
 def _empty_lane(rank, world_size):
     topo = Topology.of_clusters((2, 1))  # 2 lanes of a stage of one tensor: lane 1 is empty
     groups = build_process_groups(topo, rank)
