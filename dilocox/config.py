@@ -507,12 +507,6 @@ class Config:
                 "its shared warm starts are state every cluster keeps alike, which a cluster healed from a peer does "
                 "not receive; use compression.reduction = gather",
             ),
-            (
-                "sync.round = time",
-                self.sync.round == "time",
-                "every quorum meets at one round boundary, which a cluster's own time budget does not know; use "
-                "sync.round = steps",
-            ),
         ]
         for what, bad, fix in refused:
             if bad:

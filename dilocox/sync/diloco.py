@@ -108,8 +108,6 @@ class DiLoCoSync:
         if self.time_rounds and not total_steps:
             raise ValueError("sync.round = time makes the run ceil(total_steps / H) rounds: pass total_steps")
         weighted = self.time_rounds or weigh_tokens
-        if weighted and membership is not None:
-            raise ValueError("token-weighted rounds (sync.round = time) are not supported in elastic runs")
         params_device = self.flat.params[0].device if self.flat.params else torch.device("cpu")
         if round_tokens is None:  # n_ref: a round of H steps of one replica's tokens, the same on every cluster
             replicas = 1 if lanes is None else lanes.topology.dp_degrees[lanes.cluster]

@@ -81,6 +81,8 @@ class FragmentState(Protocol):
 
     def relaunch(self, flight: tuple[torch.Tensor, bool]) -> None: ...
 
+    def send_again(self, due: PendingMean | None, reducer: Reducer) -> PendingMean: ...
+
     def guard_snapshot(self) -> dict[str, Any]: ...
 
     def restore_guard(self, snapshot: dict[str, Any]) -> None: ...
@@ -588,12 +590,7 @@ class ElasticRounds:
         if self.guard_snapshot is not None:
             fragment.restore_guard(self.guard_snapshot[1])
         fragment.pending_quorum = quorum.quorum_id
-        reducer = self.settling if self.settling is not None else fragment.reducer
-        if due is not None and not due.abstained:
-            due = reducer.relaunch(due.sent, account=True)
-        else:  # nothing of its own to send again: new to the quorum, or it abstained from that round
-            due = reducer.abstain(fragment.outer_params)
-            due.abstained = True
+        due = fragment.send_again(due, self.settling if self.settling is not None else fragment.reducer)
         # sent again just now: waited for at once, with no compute to hide behind
         arrived = self._wait(fragment, due, round_steps=round_steps, round_index=round_index, judge_link=False)
         # Confirm before applying: an all-reduce completes nowhere unless every member took part, so a redo that

@@ -252,8 +252,8 @@ class FragmentState:
         """Elastic runs: the quorum over which the sync in flight was launched."""
         self.reports: list[RoundReport | None] | None = None
         """Every cluster's report of the last round whose sync landed (weighted syncs)."""
-        self.weight_sum = float(stage.num_clusters)
-        """sum_c n_c / n_ref of the last landed round (weighted syncs; C before any): the local residual's divisor."""
+        self.weight_sum: float | None = None
+        """sum_c n_c / n_ref of the last landed round (weighted syncs; None before any, `divisor`: C)."""
         self.landed_tokens = 0
         """Tokens every cluster trained on in the rounds whose sync landed (weighted syncs)."""
         self._own_weight = 1.0  # n_c / n_ref of the round just launched
@@ -276,6 +276,12 @@ class FragmentState:
     @property
     def channel(self) -> WanChannel:
         return self.stage.channel
+
+    @property
+    def divisor(self) -> float:
+        """What this cluster's part of a weighted sum is divided by: the last landed sum of weights, or before any
+        landed C, the clusters of the round (elastic: of this round's quorum, not of the cluster's own world)."""
+        return self.weight_sum if self.weight_sum is not None else float(self.num_clusters)
 
     # ---------------------------------------------------------------------------------------------- the verbs
     def pseudo_grad(self) -> torch.Tensor:
@@ -435,6 +441,8 @@ class FragmentState:
         if stage.weighted:
             if report is None:
                 raise ValueError("a token-weighted sync needs the round's report: pass report=RoundReport(...)")
+            if abstain:  # it sends no update: its tokens weigh nothing
+                report = dataclasses.replace(report, tokens=0)
             sent_report = report.to_tensor()
             report_transfer = stage.channel.launch_all_gather(sent_report)  # FIFO: lands before the payload
             self._own_weight = report.tokens / stage.round_tokens
@@ -577,7 +585,7 @@ class FragmentState:
             read_held_after=functools.partial(self.reducer.held_back, stage.state_device),
             feedback_decay=stage.compression.feedback_decay,
             weight=self._own_weight if stage.scales_payload else None,
-            weight_sum=self.weight_sum if stage.scales_payload else None,
+            weight_sum=self.divisor if stage.scales_payload else None,
         )
         start = self.merge.start(flight)
         if self.cfg.local_residual:
@@ -590,7 +598,7 @@ class FragmentState:
         """Where a round (re)starts from the agreed `phi` once no average is in flight: phi itself, or under
         `sync.local_residual` phi minus this cluster's share (1/C) of what its codec holds back (a new tensor)."""
         held_back = self.reducer.held_back(self.stage.state_device) if self.cfg.local_residual else None
-        divisor = self.weight_sum if self.stage.weighted else self.num_clusters  # weighted: the cluster's weight
+        divisor = self.divisor if self.stage.weighted else self.num_clusters  # weighted: the cluster's weight
         return phi.clone() if held_back is None else phi - held_back / divisor
 
     def _reads_held_back(self) -> bool:
@@ -637,7 +645,7 @@ class FragmentState:
         else:
             avg, stats = self.wait_sync(pending, judge_link=False, judge_mean=False)
         if stage.weighted:  # the residuals are in weighted units: their sum over the last landed sum of weights
-            avg.mul_((self.num_clusters - len(pending.excluded)) / self.weight_sum)
+            avg.mul_((self.num_clusters - len(pending.excluded)) / self.divisor)
         if not stats.skipped:
             self.outer_params.sub_(avg, alpha=self.outer.lr)
         self.reducer.heal()  # sent: nothing is held back any more
@@ -722,7 +730,7 @@ class FragmentState:
         if self.stage.weighted:
             saved = state["reports"]
             self.reports = None if saved is None else [None if r is None else RoundReport.from_tensor(r) for r in saved]
-            self.weight_sum = float(state["weight_sum"])
+            self.weight_sum = None if state["weight_sum"] is None else float(state["weight_sum"])
             self.landed_tokens = int(state["landed_tokens"])
             if state["pending_report"] is not None:
                 counted = state["pending_report_seq"] < self.channel.num_transfers
@@ -734,6 +742,25 @@ class FragmentState:
             return None
         counted = state["pending_seq"] < self.channel.num_transfers
         return state["pending_sent"].to(self.outer_params.device), not counted  # checkpoints load on the CPU
+
+    def send_again(self, due: PendingMean | None, reducer: Reducer) -> PendingMean:
+        """An elastic redo: what this cluster sent of a sync (`due`, its report first for weighted syncs) sent again
+        over a new quorum with `reducer` (the rounds', or the drain's), or an abstention when it has none of its own
+        (new to the quorum, or it abstained from that round)."""
+        sent_report = None
+        if self.stage.weighted and reducer is self.reducer:
+            sent_report = due.report_sent if due is not None else None
+            if sent_report is None:
+                sent_report = RoundReport(0, 0, 0.0).to_tensor()
+            report = self.channel.launch_all_gather(sent_report, account=True)
+        if due is not None and not due.abstained:
+            pending = reducer.relaunch(due.sent, account=True)
+        else:
+            pending = reducer.abstain(self.outer_params)
+            pending.abstained = True
+        if sent_report is not None:
+            pending.report, pending.report_sent = report, sent_report
+        return pending
 
     def relaunch(self, flight: tuple[torch.Tensor, bool]) -> None:
         """Send again the sync a checkpoint saved in flight (`load_state_dict`'s return), its report first."""
@@ -747,9 +774,10 @@ class FragmentState:
         self._report_flight = None
 
     def agreed_state(self) -> dict[str, Any]:
-        """What every cluster holds alike at a boundary: phi, the outer optimizer's state and the round counters
-        (what a cluster that joins an elastic run heals from)."""
-        return {
+        """What every cluster holds alike at a boundary: phi, the outer optimizer's state and the round counters,
+        and for weighted syncs the clusters' last landed reports and the tokens landed (what a cluster that joins an
+        elastic run heals from)."""
+        state = {
             "outer_params": self.outer_params.detach().clone(),
             "outer_optimizer": self.outer.state_dict(),
             "outer_step": self.outer_step,
@@ -757,6 +785,10 @@ class FragmentState:
             "round_end": self.round_end,
             "last_boundary": self.last_boundary,
         }
+        if self.stage.weighted:
+            reports = None if self.reports is None else [None if r is None else r.to_tensor() for r in self.reports]
+            state.update(reports=reports, weight_sum=self.weight_sum, landed_tokens=self.landed_tokens)
+        return state
 
     def load_agreed_state(self, state: dict[str, Any]) -> None:
         """Take a peer's `agreed_state`: this cluster's parameters and round start become phi, its error-feedback
@@ -768,6 +800,11 @@ class FragmentState:
         self.inner_steps = int(state["inner_steps"])
         self.round_end = int(state["round_end"])
         self.last_boundary = int(state["last_boundary"])
+        if self.stage.weighted:
+            saved = state["reports"]
+            self.reports = None if saved is None else [None if r is None else RoundReport.from_tensor(r) for r in saved]
+            self.weight_sum = None if state["weight_sum"] is None else float(state["weight_sum"])
+            self.landed_tokens = int(state["landed_tokens"])
         self.reducer.heal()
         self.pending = None
         self.flat.scatter_data(self.outer_params)
