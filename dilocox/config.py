@@ -281,7 +281,7 @@ class Config:
             section.validate()
         self.faults.validate(self.topology.num_clusters if self.topology.num_clusters >= 1 else None)
         if self.sync.has_outer_loop:
-            check_robust_reduction(self.sync, self.compression)
+            check_robust_reduction(self.sync, self.compression, lanes=len(set(self.topology.shape()[0])) > 1)
             check_held_back_options(self.sync, self.compression)
         if self.faults.enabled and not self.sync.has_outer_loop:
             raise ValueError(
@@ -422,11 +422,6 @@ class Config:
                 and self.compression.kind != "none"
                 and self.compression.reduction == "scalable",
                 "use compression.reduction = gather",
-            ),
-            (
-                f"sync.aggregate = {self.sync.aggregate}",
-                self.sync.aggregate != "mean",
-                "use sync.aggregate = mean (the clusters' updates are weighted by their tokens)",
             ),
             (
                 "network.auth_key_file",

@@ -290,10 +290,11 @@ class SyncConfig:
                 raise ValueError(f"sync.round = time does not work with {what}: {fix}")
 
 
-def check_robust_reduction(sync: SyncConfig, compression: Any) -> None:
+def check_robust_reduction(sync: SyncConfig, compression: Any, *, lanes: bool = False) -> None:
     """A robust `sync.aggregate` needs every cluster's update at every receiver, which only the gather reduction of
-    a codec delivers (the dense all-reduce and the scalable reduction sum in transit)."""
-    if sync.aggregate == "mean":
+    a codec delivers (the dense all-reduce and the scalable reduction sum in transit); clusters of different
+    data-parallel degree (`lanes`) always exchange every cluster's payload."""
+    if sync.aggregate == "mean" or lanes:
         return
     if compression.kind == "none" or compression.reduction != "gather":
         raise ValueError(

@@ -94,7 +94,7 @@ class DiLoCoSync:
         `sync.round = "steps"`."""
         cfg.validate()
         compression = compression or CompressionConfig()
-        check_robust_reduction(cfg, compression)
+        check_robust_reduction(cfg, compression, lanes=lanes is not None)
         check_held_back_options(cfg, compression)
         if lanes is not None and not (0 < lanes.cluster_weight < math.inf):
             raise ValueError(f"cluster_weight = {lanes.cluster_weight!r} must be a finite number > 0")
@@ -121,7 +121,8 @@ class DiLoCoSync:
             seed=seed,
             state_device=params_device if cfg.outer_state_device == "device" else torch.device("cpu"),
             lanes=lanes,
-            cluster_weight=1.0 if lanes is None else lanes.cluster_weight,
+            # a robust aggregate gives every cluster one vote: its payload is not weighted by its replicas
+            cluster_weight=1.0 if lanes is None or cfg.aggregate != "mean" else lanes.cluster_weight,
             weighted=weighted,
             round_tokens=round_tokens,
             faults=faults if faults is not None and faults.enabled else None,

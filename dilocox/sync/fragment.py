@@ -160,16 +160,10 @@ class StageParts:
             guard_max_ratio=self.cfg.guard_max_ratio if self.cfg.guard else None,
             peer_max_ratio=self.cfg.guard_peer_ratio if self.cfg.guard_peers else None,
         )
+        common.update(aggregate=self.cfg.aggregate, trim_fraction=self.cfg.trim_fraction)
         if self.lanes is not None:
             return build_lane_reducer(compression, shapes, layout=self.lanes, **common)
-        return build_reducer(
-            compression,
-            shapes,
-            **common,
-            aggregate=self.cfg.aggregate,
-            trim_fraction=self.cfg.trim_fraction,
-            elastic=self.elastic_run,
-        )
+        return build_reducer(compression, shapes, **common, elastic=self.elastic_run)
 
 
 class Landed(NamedTuple):

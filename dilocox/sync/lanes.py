@@ -129,6 +129,8 @@ class LaneReducer:
         seed: int = 0,
         guard: UpdateGuard | None = None,
         peers: PeerCheck | None = None,
+        aggregate: str = "mean",
+        trim_fraction: float = 0.25,
     ) -> None:
         cfg.validate()
         if peers is not None and guard is None:
@@ -164,6 +166,10 @@ class LaneReducer:
         self.pp_group = pp_group
         self.guard = guard
         self.peers = peers
+        self.how = aggregate
+        """How each lane's accepted updates are averaged (`sync.aggregate`; a robust one gives every cluster one vote,
+        its payload not weighted by its replicas)."""
+        self.trim_fraction = trim_fraction
         self.empty_reason = "it sent none: its own was non-finite"
         dense = cfg.kind == "none"  # the fp32 identity codec: nothing to hold back
         self.codecs = {lane: build_codec(cfg, seed=seed + _LANE_SEED_STRIDE * lane) for lane in layout.lanes}
@@ -312,7 +318,7 @@ class LaneReducer:
             cost.codec_s += time.perf_counter() - decode_from
             if not accepted:  # nothing usable: the outer step gets a zero update (DiLoCoSync counts the round)
                 return torch.zeros(self.slice_numel, dtype=torch.float32, device=device)
-            return aggregate(accepted, "mean")
+            return aggregate(accepted, self.how, trim_fraction=self.trim_fraction)
 
         return PendingMean(flat, self.bounds, finish, transfer, self.dp_group, sent=sent, cost=cost, excluded=excluded)
 
@@ -390,8 +396,11 @@ def build_lane_reducer(
     seed: int = 0,
     guard_max_ratio: float | None = None,
     peer_max_ratio: float | None = None,
+    aggregate: str = "mean",
+    trim_fraction: float = 0.25,
 ) -> LaneReducer:
-    """The lane reducer of `compression` (any codec; `compression.reduction` gather) with the guard of `[sync]`."""
+    """The lane reducer of `compression` (any codec; `compression.reduction` gather) with the guard and the aggregate
+    of `[sync]`."""
     if cfg.kind != "none" and cfg.reduction == "scalable":
         raise ValueError(
             "compression.reduction = scalable needs clusters of one shape; clusters of different data-parallel "
@@ -407,6 +416,8 @@ def build_lane_reducer(
         seed=seed,
         guard=UpdateGuard(guard_max_ratio) if guard_max_ratio is not None else None,
         peers=PeerCheck(peer_max_ratio) if guard_max_ratio is not None and peer_max_ratio is not None else None,
+        aggregate=aggregate,
+        trim_fraction=trim_fraction,
     )
 
 

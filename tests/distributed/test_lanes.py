@@ -210,15 +210,33 @@ def _composed(rank, world_size, flags):
         (("--sync.round=time", "--faults.slow_clusters=2:2.0", "--faults.slow_mode=virtual"), (4, 2, 1)),
         # each fragment (one at step 1, the other at step 2) averages its slice by dp: 2, 1 and 1
         (("--sync.fragments=2",), (2, 1, 1)),
+        # a robust aggregate gives every cluster one vote: the median of the three, value by value
+        (("--sync.aggregate=median", "--sync.guard=false"), None),
+        # cluster 2 lies (3 x its update), unguarded: it goes into the weighted mean as it was sent
+        (
+            (
+                "--faults.kind=scale",
+                "--faults.scale=3",
+                "--faults.cluster=2",
+                "--faults.rounds=1",
+                "--sync.guard=false",
+            ),
+            (2, 1, 1),
+        ),
     ],
-    ids=["time_rounds", "fragments"],
+    ids=["time_rounds", "fragments", "median", "lying_cluster"],
 )
-def test_clusters_of_different_dp_compose_with_time_rounds_and_fragments(flags, weights):
+def test_clusters_of_different_dp_compose_with_time_rounds_fragments_robust_aggregates_and_faults(flags, weights):
     results = run_ranks(_composed, sum(DP_DEGREES), args=(flags,))
     phi = results[0][0]
-    thetas = [phi - pseudo_grad(c) for c in range(3)]
-    want = sum(w * theta for w, theta in zip(weights, thetas, strict=True)) / sum(weights)
+    lie = 3.0 if "--faults.kind=scale" in flags else 1.0
+    thetas = [phi - (lie if c == 2 else 1.0) * pseudo_grad(c) for c in range(3)]
+    if weights is None:
+        want = torch.stack(thetas).median(dim=0).values
+    else:
+        want = sum(w * theta for w, theta in zip(weights, thetas, strict=True)) / sum(weights)
     assert (want - sum(thetas) / 3).abs().max() > 0.1  # the premise: the weights change the average
+    assert (want - sum(phi - pseudo_grad(c) for c in range(3)) / 3).abs().max() > 0.1
     for start, outer_params, params in results:
         assert torch.equal(start, phi)
         torch.testing.assert_close(outer_params, want, rtol=0, atol=1e-5)
