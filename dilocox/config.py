@@ -424,11 +424,6 @@ class Config:
                 "use compression.reduction = gather",
             ),
             (
-                "network.auth_key_file",
-                bool(self.network.auth_key_file),
-                "leave network.auth_key_file empty (the lanes travel in one exchange, which carries no tags)",
-            ),
-            (
                 "sync.fit_link = true",
                 self.sync.fit_link,
                 "leave sync.fit_link off (each cluster has its own link share)",

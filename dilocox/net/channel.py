@@ -162,12 +162,22 @@ class Wire:
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, world_size: int, rank: int, *, staging: HostStaging | None = None
+        self,
+        group: dist.ProcessGroup,
+        world_size: int,
+        rank: int,
+        *,
+        staging: HostStaging | None = None,
+        sealer: _Sealer | None = None,
     ) -> None:
         self.group = group
         self.world_size = world_size
         self.rank = rank
         self.staging = staging if staging is not None else HostStaging()
+        self.sealer = sealer
+        """An authenticated channel's tags: every chunk of a payload step carries one (`all_to_all`)."""
+        self.left_out: set[int] = set()
+        """The senders (group ranks) whose chunks a sealed step left out on every member, this rank included."""
         self.nbytes_sent = 0
         self.nbytes_recv = 0
         self.control_bytes = 0
@@ -192,6 +202,8 @@ class Wire:
             raise ValueError("all_to_all takes 1-D uint8 chunks (encoded payloads)")
         if recv_sizes[rank] != chunks[rank].numel():
             raise ValueError(f"rank {rank} keeps its own chunk of {chunks[rank].numel()} bytes, not {recv_sizes[rank]}")
+        if self.sealer is not None and not header:
+            return self._sealed_all_to_all(chunks, recv_sizes, skip_empty=skip_empty)
         send_sizes = [chunk.numel() for chunk in chunks]
         self.phases += not header
         if skip_empty and not any(send_sizes) and not any(recv_sizes):  # then every rank has nothing
@@ -210,6 +222,36 @@ class Wire:
         parts[rank] = chunks[rank]
         return parts
 
+    def _sealed_all_to_all(
+        self, chunks: list[torch.Tensor], recv_sizes: list[int], *, skip_empty: bool
+    ) -> list[torch.Tensor]:
+        """`all_to_all` on an authenticated channel: every non-empty chunk travels with its tag (counted as payload
+        bytes); a chunk whose tag does not verify on its receiver, or whose sender any member rejected, arrives
+        empty on every member (`_Sealer.verdict`), so each leaves the same senders out."""
+        sealer, world, rank = self.sealer, self.world_size, self.rank
+        assert sealer is not None
+        sealed = [chunk if peer == rank or not chunk.numel() else sealer.seal(chunk, peer)
+                  for peer, chunk in enumerate(chunks)]  # fmt: skip
+        sizes = [n + (TAG_BYTES if n and peer != rank else 0) for peer, n in enumerate(recv_sizes)]
+        self.sealer = None  # the plain step with the sealed chunks; the next payload step is sealed again
+        try:
+            parts = self.all_to_all(sealed, sizes, skip_empty=skip_empty)
+        finally:
+            self.sealer = sealer
+        rejected_here = torch.full((world,), NOTHING_ARRIVED, dtype=torch.uint8)  # (senders,) 1: rejected, 0: kept
+        opened = []
+        for peer, part in enumerate(parts):
+            if peer == rank or not part.numel():
+                opened.append(part)
+                continue
+            data = sealer.open(part, peer)
+            rejected_here[peer] = data is None
+            opened.append(part[:0] if data is None else data)
+        left_out = sealer.verdict(self.group, rejected_here)
+        self.left_out.update(left_out)
+        self.control_bytes += ring_all_gather_bytes([world] * world, rank)[0]
+        return [part[:0] if peer in left_out else part for peer, part in enumerate(opened)]
+
     def all_gather(self, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         """Ring all-gather of 1-D uint8 payloads, rank i's of `sizes[i]` bytes; returns them in rank order."""
         world, rank = self.world_size, self.rank
@@ -221,6 +263,41 @@ class Wire:
         self.nbytes_sent += sent
         self.nbytes_recv += recv
         return gathered
+
+
+NOTHING_ARRIVED = 2
+"""A member's verdict on a sender whose payload it did not get (a lane exchange sends each rank only its lanes)."""
+
+
+class _Sealer:
+    """The tags of one authenticated program (`WanChannel.launch_program(..., sealed=True)`): a chunk from sender s
+    to receiver r is tagged under the program's exchange number, s, and the group with r appended (after a -1, which
+    no rank is), so it verifies only where it was sent, in this exchange."""
+
+    def __init__(self, channel: WanChannel, exchange: int, *, forge: bool = False) -> None:
+        self.channel = channel
+        self.exchange = exchange
+        self.forge = forge
+        """faults.kind = forge: this rank's chunks go out under a key no cluster holds."""
+
+    def _group(self, receiver: int) -> tuple[int, ...]:
+        return (*self.channel._tag_group, -1, receiver)
+
+    def seal(self, chunk: torch.Tensor, receiver: int) -> torch.Tensor:
+        """`chunk` (uint8, on the host) followed by its tag for `receiver`."""
+        auth = _FORGER if self.forge else self.channel._auth
+        assert auth is not None
+        data = self.channel._staging.to_host(chunk)
+        tag = auth.tag(data.numpy(), seq=self.exchange, sender=self.channel.group_rank, group=self._group(receiver))
+        return torch.cat([data, torch.frombuffer(bytearray(tag), dtype=torch.uint8).to(chunk.device)])
+
+    def open(self, part: torch.Tensor, sender: int) -> torch.Tensor | None:
+        """The bytes of a sealed chunk from `sender` if its tag verifies here, else None."""
+        return self.channel._open_chunk(part, sender, self.exchange, group=self._group(self.channel.group_rank))
+
+    def verdict(self, group: dist.ProcessGroup, rejected_here: torch.Tensor) -> list[int]:
+        """The senders every member leaves out, from every member's rejections (`WanChannel._judge`)."""
+        return self.channel._judge(rejected_here, self.exchange, group=group)
 
 
 @dataclass
@@ -612,6 +689,7 @@ class WanChannel:
         kind: str = "program",
         account: bool = True,
         device: torch.device | None = None,
+        sealed: bool = False,
     ) -> PendingTransfer[ResultT]:
         """Start a multi-step collective: `program(wire)` runs on the communicator thread and returns the result.
 
@@ -621,12 +699,17 @@ class WanChannel:
         link is charged the program's `max(sent, recv)` bytes and one latency per step. `wait()` raises what the
         program raised. `device`: where the tensors the program reads and returns live; on a CUDA device the
         program runs on the channel's side stream, after the compute stream's work queued before this launch.
+        `sealed`: the program only moves each sender's own payloads, never sums (the lanes' exchange), so on an
+        authenticated channel every chunk of its payload steps carries a tag (`Wire.all_to_all`).
         """
-        self._refuse_unauthenticated(kind)
+        if not sealed:
+            self._refuse_unauthenticated(kind)
         if self.world_size == 1:
             assert self.group is None or dist.get_world_size(self.group) == 1
             return self._completed(kind, program(_LocalWire()))
-        return self._submit(kind, lambda _: self._run_program(program), account, device=device)
+        forge, self._forge_next = (self._forge_next, False) if sealed else (False, self._forge_next)
+        run = functools.partial(self._run_program, program, sealed=sealed, forge=forge)
+        return self._submit(kind, run, account, device=device)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "avg") -> torch.Tensor:
         """Blocking `launch_all_reduce(...).wait()`."""
@@ -883,7 +966,7 @@ class WanChannel:
         leaves out the same payloads."""
         assert self._auth is not None
         opened: list[torch.Tensor | None] = []
-        rejected_here = torch.zeros(self.world_size, dtype=torch.uint8)  # (senders,) 1: this rank rejected it
+        rejected_here = torch.zeros(self.world_size, dtype=torch.uint8)  # (senders,) 1: this rank rejected it, 0: kept
         for sender, wire in enumerate(sealed):
             assert wire is not None
             if sender == self.group_rank:
@@ -903,11 +986,32 @@ class WanChannel:
             )
             opened.append(self._staging.to_device(wire[:nbytes].view(tensor.dtype), tensor.device) if ok else None)
             rejected_here[sender] = not ok
+        left_out = self._judge(rejected_here, exchange, group=self.group)
+        return [None if sender in left_out else payload for sender, payload in enumerate(opened)]
+
+    def _open_chunk(
+        self, part: torch.Tensor, sender: int, exchange: int, *, group: tuple[int, ...]
+    ) -> torch.Tensor | None:
+        """The bytes of a sealed lane chunk from `sender` (`_Sealer`) if its tag verifies here, else None."""
+        assert self._auth is not None
+        nbytes = part.numel() - TAG_BYTES
+        host = self._staging.to_host(part)
+        ok = nbytes >= 0 and self._auth.verify(
+            host[:nbytes].numpy(), host[nbytes:].numpy(), seq=exchange, sender=sender, group=group
+        )
+        return part[:nbytes] if ok else None
+
+    def _judge(self, rejected_here: torch.Tensor, exchange: int, *, group: dist.ProcessGroup) -> list[int]:
+        """The senders every member of `group` leaves out of an authenticated exchange, from every member's
+        rejections (`rejected_here[s]`: this rank rejected sender s's payload; one all-gathered byte per sender): the
+        payloads this rank rejected are counted and named in one warning line, and a sender that every other member
+        rejected stops the run (`PayloadsRejected`, `rejection_verdict`)."""
         rows = [torch.empty(self.world_size, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(rows, rejected_here, group=self.group)
-        rejected = [[bool(v) for v in row.tolist()] for row in rows]  # (receivers, senders)
+        dist.all_gather(rows, rejected_here, group=group)
+        rejected = [[v == 1 for v in row.tolist()] for row in rows]  # (receivers, senders)
+        received = [[v != NOTHING_ARRIVED for v in row.tolist()] for row in rows]
         cluster_of = self._clusters or range(self.world_size)
-        mine = [sender for sender, flag in enumerate(rejected_here.tolist()) if flag]
+        mine = [sender for sender, flag in enumerate(rejected_here.tolist()) if flag == 1]
         if mine:
             with self._lock:
                 self._payloads_rejected += len(mine)
@@ -922,7 +1026,7 @@ class WanChannel:
                 file=sys.stderr,
                 flush=True,
             )
-        left_out, cut_off = rejection_verdict(rejected)
+        left_out, cut_off = rejection_verdict(rejected, received)
         if self.stop_if_cut_off:
             stop = bool(cut_off) or len(left_out) == self.world_size
         else:
@@ -940,23 +1044,36 @@ class WanChannel:
                     "payloads on the way if they have it"
                 )
             raise PayloadsRejected(what)
-        return [None if sender in left_out else payload for sender, payload in enumerate(opened)]
+        return left_out
 
-    def _run_program(self, program: Callable[[Wire], Any]) -> _Outcome:
+    def _run_program(
+        self, program: Callable[[Wire], Any], exchange: int, *, sealed: bool = False, forge: bool = False
+    ) -> _Outcome:
         assert self.group is not None
-        wire = Wire(self.group, self.world_size, self.group_rank, staging=self._staging)
+        sealer = _Sealer(self, exchange, forge=forge) if sealed and self._auth is not None else None
+        wire = Wire(self.group, self.world_size, self.group_rank, staging=self._staging, sealer=sealer)
         result = program(wire)
         return _Outcome(result, wire.nbytes_sent, wire.nbytes_recv, wire.control_bytes, phases=wire.phases)
 
 
-def rejection_verdict(rejected: Sequence[Sequence[bool]]) -> tuple[list[int], list[int]]:
-    """What the members of a group do with the payloads of one authenticated all-gather, from every member's verdicts
-    (`rejected[r][s]`: member r rejected sender s's payload). Returns (left_out, cut_off): cut_off, the senders that
-    every other member rejected; left_out, the cut-off senders and those that any other member rejected, which every
-    member leaves out alike, so that they all average the same payloads. A cut-off member's own verdicts do not
-    count: it is the odd one out (another key), and the others can go on without it."""
+def rejection_verdict(
+    rejected: Sequence[Sequence[bool]], received: Sequence[Sequence[bool]] | None = None
+) -> tuple[list[int], list[int]]:
+    """What the members of a group do with the payloads of one authenticated exchange, from every member's verdicts
+    (`rejected[r][s]`: member r rejected sender s's payload; `received[r][s]`: r got a payload from s at all, by
+    default every member from every other, as in an all-gather). Returns (left_out, cut_off): cut_off, the senders
+    that every other member that got their payload rejected; left_out, the cut-off senders and those that any other
+    member rejected, which every member leaves out alike, so that they all average the same payloads. A cut-off
+    member's own verdicts do not count: it is the odd one out (another key), and the others can go on without it."""
     members = range(len(rejected))
-    cut_off = [s for s in members if len(rejected) > 1 and all(rejected[r][s] for r in members if r != s)]
+    if received is None:
+        received = [[True] * len(rejected) for _ in members]
+    cut_off = [
+        s
+        for s in members
+        if any(received[r][s] for r in members if r != s)
+        and all(rejected[r][s] for r in members if r != s and received[r][s])
+    ]
     judges = [r for r in members if r not in cut_off]
     left_out = [s for s in members if s in cut_off or any(rejected[r][s] for r in judges if r != s)]
     return left_out, cut_off

@@ -266,11 +266,16 @@ class LaneReducer:
             by_lane: dict[int, dict[int, torch.Tensor]] = {lane: {} for lane in lanes}  # lane -> cluster -> bytes
             for peer, (lanes_, part, part_sizes) in enumerate(zip(shared, arrived, arrived_sizes, strict=True)):
                 cluster, _ = layout.replica_of(peer)
+                if not part.numel() and sum(part_sizes):  # left out: its tag did not verify on some member
+                    rejected.add(cluster)
+                    part_sizes = [0] * len(part_sizes)
                 for lane, data in zip(lanes_, torch.split(part, part_sizes), strict=True):
                     by_lane[lane][cluster] = data
+            rejected.update(layout.replica_of(peer)[0] for peer in wire.left_out)  # this rank's own cluster too
             return by_lane
 
-        transfer = self.channel.launch_program(program, kind="lanes", account=account, device=device)
+        rejected: set[int] = set()  # clusters whose payloads an authenticated channel left out
+        transfer = self.channel.launch_program(program, kind="lanes", account=account, device=device, sealed=True)
         excluded: dict[int, str] = {}  # filled by finish(); shared with the PendingMean (see GatherReducer._start)
 
         def finish() -> torch.Tensor:
@@ -283,7 +288,10 @@ class LaneReducer:
                 for lane in lanes:
                     if not self.lane_tensors[lane]:
                         continue
-                    if cluster == layout.cluster:
+                    if cluster in rejected:
+                        tensors = None
+                        malformed[cluster] = "its payload's HMAC-SHA256 tag does not verify (network.auth_key_file)"
+                    elif cluster == layout.cluster:
                         tensors = None if own_decoded is None else own_decoded[lane]
                         if tensors is None:
                             malformed[cluster] = self.empty_reason

@@ -7,6 +7,7 @@ import torch
 
 from dilocox.compress import CompressionConfig, build_codec
 from dilocox.config import load_config
+from dilocox.net.auth import TAG_BYTES, PayloadAuth
 from dilocox.net.channel import WanChannel
 from dilocox.sync import build_sync
 from dilocox.sync.lanes import LaneLayout, LaneReducer
@@ -267,3 +268,73 @@ def test_an_empty_lane_moves_nothing_and_the_mean_is_whole():
         torch.testing.assert_close(held, pseudo_grad(0 if rank < 2 else 1)[:6] - decoded[0 if rank < 2 else 1])
         # int4 of 6 values in groups of 4: 2 scales of 2 bytes + 3 bytes; replica 1 of cluster 0 owns the empty lane
         assert (sent, control) == ((0, 0) if rank == 1 else (7, 8)), rank
+
+
+KEY = b"the shared key of every cluster!"
+
+
+class FlippingOnArrivalChannel(WanChannel):
+    """Flips one bit of every lane chunk from cluster 1 (group rank 2) as it arrives here, before its tag is checked:
+    corruption on the way to this receiver only, the other receivers get it whole."""
+
+    def _open_chunk(self, part, sender, exchange, *, group):
+        if sender == 2:
+            part = part.clone()
+            part[3] ^= 0x04
+        return super()._open_chunk(part, sender, exchange, group=group)
+
+
+def _authenticated(rank, world_size):
+    """The int4 lane exchange over an authenticated channel: a round with every payload tagged, then one in which
+    cluster 1's payloads arrive corrupted at cluster 2 only (rank 3): every member leaves cluster 1 out of it."""
+    topo = Topology.of_clusters(DP_DEGREES)
+    groups = build_process_groups(topo, rank)
+    coords = topo.coords(rank)
+    layout = LaneLayout(topo, coords.cluster, coords.dp)
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0, auth=PayloadAuth(KEY))
+    reducer = LaneReducer(INT4, [torch.Size(s) for s in SHAPES], layout=layout, channel=channel,
+                          dp_group=groups.dp_group)  # fmt: skip
+    mean = reducer.launch(pseudo_grad(coords.cluster)).wait().clone()
+    counters = (channel.bytes_sent, channel.control_bytes)
+    channel.close()
+    cls = FlippingOnArrivalChannel if rank == 3 else WanChannel
+    channel = cls(groups.cluster_group, bandwidth=None, latency_s=0.0, auth=PayloadAuth(KEY))
+    reducer = LaneReducer(INT4, [torch.Size(s) for s in SHAPES], layout=layout, channel=channel,
+                          dp_group=groups.dp_group)  # fmt: skip
+    pending = reducer.launch(pseudo_grad(coords.cluster, 1))
+    mean2 = pending.wait().clone()
+    rejected = channel.stats()["payloads_rejected"]
+    channel.close()
+    return mean, counters, mean2, dict(pending.excluded), rejected
+
+
+def _decoded_mean(clusters, round_index):
+    """The mean of fresh codecs' decoded int4 lane payloads of `clusters` (lane l's codec seeded 7919 l)."""
+    means = []
+    for cluster in clusters:
+        parts = []
+        for lane in (0, 1):
+            codec = build_codec(INT4, seed=7919 * lane)
+            tensors = lane_tensors(pseudo_grad(cluster, round_index), lane)
+            decoded = codec.decode_list(codec.encode_list(tensors), [t.shape for t in tensors])
+            parts += [t.reshape(-1) for t in decoded]
+        means.append(torch.cat(parts))
+    return sum(means) / len(means)
+
+
+@pytest.mark.dist
+def test_authenticated_lanes_carry_a_tag_per_payload_and_a_corrupted_cluster_is_left_out_everywhere():
+    results = run_ranks(_authenticated, sum(DP_DEGREES))
+    for rank, (mean, (sent, control), mean2, excluded, rejected) in enumerate(results):
+        lanes = LANES_OF_RANK[rank]
+        torch.testing.assert_close(mean, _decoded_mean(range(3), 0), rtol=0, atol=1e-6)
+        # each lane payload to each of the 2 other clusters, one 32-byte tag per peer it sends to (ranks 0 and 1 send
+        # their lane to ranks 2 and 3; ranks 2 and 3 send to the 3 ranks of the other clusters); the lengths (8 bytes
+        # per lane and peer), and one verdict byte per member of the stage group to every other (3 x 4 bytes)
+        peers = (2, 2, 3, 3)[rank]
+        assert sent == sum(2 * INT4_LANE_BYTES[lane] for lane in lanes) + peers * TAG_BYTES, rank
+        assert control == 2 * 8 * len(lanes) + 3 * 4, rank
+        # round 2: only rank 3 rejected cluster 1's chunks, and every member (cluster 1's own too) leaves it out
+        assert list(excluded) == [1] and "tag does not verify" in excluded[1], rank
+        assert rejected == (1 if rank == 3 else 0), rank
+        torch.testing.assert_close(mean2, _decoded_mean([0, 2], 1), rtol=0, atol=1e-6)
