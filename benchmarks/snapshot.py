@@ -230,6 +230,15 @@ CASES: tuple[Case, ...] = (
         "the elastic case's settings in a static run (merge eager, no residual options)",
         (*THREE, *DILOCOX, *PLAIN),
     ),  # fmt: skip
+    Case(
+        "preset_dilocox",
+        "the dilocox preset (top-k int4, delay 1, overlap 7) at its own H = 12, 36 steps",
+        ("--preset=dilocox", "--sync.inner_steps=12", "--train.steps=36"),
+    ),  # fmt: skip
+    Case("preset_paper", "the paper preset (adaptive, outer SGD 0.7 / 0.9, keep_local)", ("--preset=paper",)),
+    Case("preset_diloco", "the diloco preset (blocking fp32, outer SGD 0.7 / 0.9)", ("--preset=diloco",)),
+    Case("preset_allreduce", "the allreduce preset", ("--preset=allreduce",)),
+    Case("preset_cocktail", "the cocktail preset", ("--preset=cocktail",)),
 )
 
 

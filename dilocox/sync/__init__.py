@@ -70,11 +70,6 @@ def build_sync(
     the stages agree on what the guard leaves out; `lanes`: clusters of different data-parallel degree (outer-loop
     kinds only, docs/design.md §2.1); `tokens_per_step` (this cluster's, per inner step) weighs the clusters'
     updates by their tokens under `sync.round = time`."""
-    if lanes is not None and not cfg.sync.has_outer_loop:
-        raise ValueError(
-            f"sync.kind = {cfg.sync.kind} with clusters of different data-parallel degrees is not built; use sync.kind "
-            "= diloco or dilocox"
-        )
     if cfg.sync.kind == "allreduce":
         return AllReduceSync(params, channel=channel, dp_group=dp_group)
     if cfg.sync.kind == "cocktail":

@@ -28,7 +28,7 @@ from dilocox.compress import CompressionConfig
 from dilocox.faults import FaultConfig, FaultyReducer
 from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, RoundStats, dp_mean_
-from dilocox.sync.config import SyncConfig, check_held_back_options, check_robust_reduction
+from dilocox.sync.config import SyncConfig
 from dilocox.sync.elastic import ElasticRounds
 from dilocox.sync.lanes import LaneLayout, LaneReducer, build_lane_reducer
 from dilocox.sync.link_fit import fit_inner_steps, fit_link_warning, slow_link_advice
@@ -151,10 +151,9 @@ class DiLoCoSync:
         of different data-parallel degree (docs/design.md §2.1). `tokens_per_step`: the tokens this cluster trains on
         per inner step; `round_tokens`: n_ref, the nominal tokens of one round, the same on every cluster (default H
         x tokens_per_step); `weigh_tokens`: weigh the clusters by their tokens also with `sync.round = "steps"`."""
-        cfg.validate()
         compression = compression or CompressionConfig()
-        check_robust_reduction(cfg, compression)
-        check_held_back_options(cfg, compression, elastic=membership is not None)
+        cfg = cfg.resolved(compression, elastic=membership is not None)  # its auto options, by their rules
+        cfg.validate()
         self.cfg = cfg
         self.name = cfg.kind  # diloco or dilocox: the same code, other defaults
         self.flat = FlatParams(params)
@@ -643,7 +642,7 @@ class DiLoCoSync:
         self.inner_steps, needed = fit_inner_steps(
             stats, round_steps=round_steps, cfg=self.cfg, current=self.inner_steps
         )
-        if needed > self.cfg.max_inner_steps and not self._warned:
+        if needed > self.cfg.fit_link_max_steps and not self._warned:
             self._warned = True
             self.warnings.append(fit_link_warning(stats, round_steps=round_steps, needed=needed, cfg=self.cfg))
 
