@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dilocox.compress.config import CODEC_KINDS, SCALABLE_KINDS
 from dilocox.sync.config import holds_back
 
-if TYPE_CHECKING:
-    from dilocox.config import Config
+Config = Any
+"""A resolved `dilocox.config.Config` (not imported: config.py applies this table, and imports this module)."""
 
 
 def _value(cfg: Config, option: str) -> Any:

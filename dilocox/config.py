@@ -44,7 +44,7 @@ from dilocox.compress.config import CocktailConfig, CompressionConfig
 from dilocox.faults import FaultConfig
 from dilocox.net.config import NetworkConfig
 from dilocox.net.lighthouse import check_lighthouse_url
-from dilocox.sync.config import CHECKPOINT_STEPS, OUTER_OPTIMIZER_SETTINGS, SyncConfig
+from dilocox.sync.config import CHECKPOINT_STEPS, OUTER_OPTIMIZER_SETTINGS, SYNC_KINDS, SyncConfig
 from dilocox.topology import Topology, parse_cluster_shapes
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -669,8 +669,6 @@ def choose_preset(said: list[tuple[str, str]], default: str = DEFAULT_PRESET) ->
     that differs from the chosen preset's kind chooses that kind's own preset (allreduce, cocktail, diloco,
     dilocox), so `--sync.kind=diloco` runs what `--preset diloco` runs, and `--preset paper --sync.kind=dilocox`
     stays on paper (its kind)."""
-    from dilocox.sync.config import SYNC_KINDS
-
     chosen = default
     for what, value in said:
         if what == "preset":
@@ -685,10 +683,19 @@ def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, *, preset: str = DEFAULT_PRESET
 ) -> Config:
     """The config of `dilocox train [--config path] overrides`, resolved (`Config.resolve`), not yet validated:
-    field defaults, then the preset (`choose_preset`: `--preset`, the file's `preset = "NAME"`, a kind that differs,
-    else `preset`), then the TOML file at `path`, then the `--section.key=value` overrides. A preset's values of the
-    outer optimizer's settings (`OUTER_OPTIMIZER_SETTINGS`) apply only while `sync.outer_optimizer` is the preset's:
-    another outer optimizer starts from the field defaults (its own auto learning rate)."""
+    `layered_config`, then every auto option set by its rule."""
+    return layered_config(path, overrides, preset=preset)[0].resolve()
+
+
+def layered_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, *, preset: str = DEFAULT_PRESET
+) -> tuple[Config, str, list[set[str]]]:
+    """(the config before its auto options resolve, the preset it started from, the options each layer set: the
+    preset, the file, the flags). Field defaults, then the preset (`choose_preset`: `--preset`, the file's
+    `preset = "NAME"`, a kind that differs, else `preset`), then the TOML file at `path`, then the
+    `--section.key=value` overrides. A preset's values of the outer optimizer's settings (`OUTER_OPTIMIZER_SETTINGS`)
+    apply only while `sync.outer_optimizer` is the preset's: another outer optimizer starts from the field defaults
+    (its own auto learning rate)."""
     flags = parse_overrides(overrides or [])
     data: dict[str, Any] = read_toml(Path(path), "--config") if path else {}
     file_preset = data.pop("preset", None)
@@ -716,10 +723,11 @@ def load_config(
         if key != "preset":
             _set(cfg, key, value, from_text=True)
             layers[-1].add(MOVED_KEYS.get(key, key))
-    cfg.sync.kind = preset_kind(name)  # a weaker layer's kind gave way to the preset a stronger one chose
+    if cfg.sync.kind in SYNC_KINDS:  # a weaker layer's kind gave way to the preset a stronger one chose
+        cfg.sync.kind = preset_kind(name)
     keep_preset_optimizer(cfg, values, layers[0] - set().union(*layers[1:]))
     _resolve_clusters(cfg.topology, layers)
-    return cfg.resolve()
+    return cfg, name, layers
 
 
 def keep_preset_optimizer(cfg: Config, preset: dict[str, dict[str, Any]], inherited: set[str]) -> None:
