@@ -200,15 +200,6 @@ RESUME_ONE = Feature(
 )
 OVERWRITE = _flag("run.overwrite", bool, "true")
 
-OUTER = ("--preset dilocox",)
-"""The fix that gives a per-step run an outer loop: the kind's preset (a kind is its preset's identity)."""
-STATIC_FIX = ("topology.elastic = false",)
-
-
-def _off(option: str, value: str) -> tuple[str, ...]:
-    return (f"{option} = {value}",)
-
-
 # fmt: off
 ROWS: tuple[Row, ...] = (
     # per-step strategies have no outer rounds
@@ -274,14 +265,15 @@ ROWS: tuple[Row, ...] = (
     # what a codec's residual options need
     Row(LOCAL_RESIDUAL, NO_RESIDUAL, "it keeps a share of what the codec's error feedback holds back, and this codec "
         "holds nothing back",
-        "sync.local_residual = false; compression.kind = topk_int4",
+        "sync.local_residual = false; compression.kind = topk_int4 with compression.error_feedback = true",
         "--compression.kind=none --sync.local_residual=true"),
     Row(DRAIN, NO_RESIDUAL, "it sends what the codec's error feedback holds back, and this codec holds nothing back",
-        "sync.drain_residual = false; compression.kind = topk_int4",
+        "sync.drain_residual = false; compression.kind = topk_int4 with compression.error_feedback = true",
         "--compression.kind=none --sync.drain_residual=true"),
     Row(OWN_PAYLOAD, NO_RESIDUAL, "it starts a round from what the codec sent and held back, and this codec holds "
         "nothing back",
-        "sync.merge = eager; compression.kind = topk_int4", "--compression.kind=none --sync.merge=own_payload"),
+        "sync.merge = eager; compression.kind = topk_int4 with compression.error_feedback = true",
+        "--compression.kind=none --sync.merge=own_payload"),
     Row(DRAIN, NOT_SGD, "the drained residual is added to phi at the outer SGD's learning rate, and this optimizer's "
         "steps have a length of their own",
         "sync.drain_residual = false; sync.outer_optimizer = sgd",

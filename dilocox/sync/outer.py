@@ -115,8 +115,8 @@ class OuterSync:
             nesterov=nesterov,
             merge=merge,
             local_residual=local_residual,
-            drain_residual=drain_residual,
-        )
+            drain_residual=False if drain_residual is None and factory is not None else drain_residual,
+        )  # the drain adds at an SGD's learning rate: auto drains only under the built-in sgd
         bytes_per_s = None if bandwidth is None else parse_bandwidth(bandwidth)
         latency_s = parse_duration(latency)
         if bytes_per_s is None and latency_s:
