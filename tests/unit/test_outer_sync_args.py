@@ -2,6 +2,8 @@
 its fix, and the one object the trainer also gets from `build_sync`. No process group: `cluster_group=None` is one
 cluster (nothing crosses a link); the mistakes that need groups are in tests/distributed/test_outer_sync.py."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -53,6 +55,23 @@ def test_kinds_fill_the_settings_left_out(kind, options, want):
     got = (sync.sync_config.sync_delay, sync.compression.kind, sync.sync_config.outer_lr)
     assert (*got, sync.sync_config.outer_momentum) == want
     assert sync.name == kind and sync.inner_steps == 2
+
+
+@pytest.mark.parametrize("kind", ["dilocox", "diloco"])
+def test_a_kind_is_the_setting_of_its_preset_as_dilocox_train_runs_it(kind):
+    """`OuterSync(kind="dilocox")` and `dilocox train` are one setting: the preset's, resolved by the same rules
+    (min_clusters aside: the trainer's membership reads it, an OuterSync has none)."""
+    sync = build(kind=kind)
+    cfg = load_config(None, [f"--preset={kind}", "--sync.inner_steps=2"])
+    mine, cli = dataclasses.asdict(sync.sync_config), dataclasses.asdict(cfg.sync)
+    assert {**mine, "min_clusters": None} == {**cli, "min_clusters": None}
+    assert sync.compression == cfg.compression
+    if kind == "dilocox":  # what the preset file wrote out before they were auto: here at H = 2
+        assert (sync.sync_config.overlap_steps, sync.sync_config.merge, sync.compression.kind) == (
+            1,
+            "own_payload",
+            "topk_int4",
+        )
 
 
 def test_dilocox_keeps_the_local_residual_where_its_codec_has_one():
