@@ -87,6 +87,8 @@ MOVED_KEYS = {
     "compression.aggregate": "compression.rank_rule",
 }
 """Keys of earlier versions and where they live now (read with a warning, so older run directories still load)."""
+ZERO_WAS_AUTO = ("sync.fit_link_max_steps", "sync.min_clusters", "train.num_microbatches")
+"""Options whose 0 meant what auto means now (read as auto with a warning, so older run directories still load)."""
 
 
 @dataclass
@@ -573,6 +575,9 @@ def _set(cfg: Config, name: str, value: Any, *, from_text: bool) -> None:
         hint = difflib.get_close_matches(name, known, n=1)
         fix = f"; did you mean {hint[0]}?" if hint else "; `dilocox train --help` lists the options"
         raise ValueError(f"unknown config key {name!r}{fix}")
+    if name in ZERO_WAS_AUTO and str(value).strip() == "0":
+        warnings.warn(f"{name} = 0 is now {name} = auto; update the config or flag", ConfigWarning, stacklevel=2)
+        value = AUTO
     if isinstance(value, str) and value.strip() == AUTO and name in auto_options():
         value = AUTO
     else:

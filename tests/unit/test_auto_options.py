@@ -122,3 +122,15 @@ def test_a_sync_config_resolves_from_its_codec_alone():
         400,
     )
     assert SyncConfig().overlap_steps == "auto" and delayed.merge == "auto"  # resolved() never changes its source
+
+
+def test_an_older_config_that_wrote_0_for_auto_loads_with_a_warning(tmp_path):
+    """config.toml of earlier versions holds 0 where these options meant what auto means now."""
+    from dilocox.config import ConfigWarning
+
+    path = tmp_path / "old.toml"
+    path.write_text("[sync]\nfit_link_max_steps = 0\nmin_clusters = 0\n[train]\nnum_microbatches = 0\n")
+    with pytest.warns(ConfigWarning, match="sync.min_clusters = 0 is now sync.min_clusters = auto"):
+        cfg = load_config(path, ["--sync.fit_link=true"])
+    cfg.validate()
+    assert (cfg.sync.fit_link_max_steps, cfg.sync.min_clusters, cfg.train.num_microbatches) == (96, 2, 1)
