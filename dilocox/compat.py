@@ -104,15 +104,12 @@ def _flag(option: str, on: Callable[[Any], bool], when: str) -> Feature:
     return Feature(option, when, lambda cfg: bool(on(_value(cfg, option))))
 
 
-PER_STEP = Feature(
-    "sync.kind",
-    "allreduce, cocktail",
-    lambda cfg: not cfg.sync.has_outer_loop,
-)
+# fmt: off
+PER_STEP = Feature("sync.kind", "allreduce, cocktail", lambda cfg: not cfg.sync.has_outer_loop)
 """A strategy that syncs every step: no outer rounds, no pseudo-gradients."""
 ALLREDUCE = Feature("sync.kind", "allreduce", lambda cfg: cfg.sync.kind == "allreduce")
 DELAY = _flag("sync.sync_delay", lambda v: v == 1, "1")
-BLOCKING = Feature("sync.sync_delay", "0", lambda cfg: cfg.sync.sync_delay == 0)
+BLOCKING = _flag("sync.sync_delay", lambda v: v == 0, "0")
 OVERLAP = _flag("sync.overlap_steps", lambda v: v > 0, "> 0")
 FIT_LINK = _flag("sync.fit_link", bool, "true")
 FRAGMENTS = _flag("sync.fragments", lambda v: v > 1, "> 1")
@@ -122,85 +119,46 @@ ROUND_SECONDS = _flag("sync.round_seconds", lambda v: v > 0, "> 0")
 ROBUST = _flag("sync.aggregate", lambda v: v != "mean", "trimmed_mean, median, norm_clip")
 LOCAL_RESIDUAL = _flag("sync.local_residual", bool, "true")
 DRAIN = _flag("sync.drain_residual", bool, "true")
-OWN_PAYLOAD = Feature(
-    "sync.merge", "own_payload (sync_delay 1)", lambda cfg: cfg.sync.merge == "own_payload" and cfg.sync.sync_delay == 1
-)
+OWN_PAYLOAD = Feature("sync.merge", "own_payload (sync_delay 1)",
+                      lambda cfg: cfg.sync.merge == "own_payload" and cfg.sync.sync_delay == 1)
 NOT_SGD = _flag("sync.outer_optimizer", lambda v: v != "sgd", "adamw")
-CODEC = Feature("compression.kind", "a codec", lambda cfg: cfg.compression.kind != "none")
-NO_RESIDUAL = Feature(
-    "compression.kind",
-    "none, or compression.error_feedback = false",
-    lambda cfg: cfg.sync.has_outer_loop and not holds_back(cfg.compression),
-    said=lambda cfg: (
-        f"compression.kind = {cfg.compression.kind!r}"
-        if cfg.compression.kind == "none"
-        else f"compression.error_feedback = false ({cfg.compression.kind})"
-    ),
-)
+CODEC = _flag("compression.kind", lambda v: v != "none", "a codec")
+NO_RESIDUAL = Feature("compression.kind", "none, or compression.error_feedback = false",
+                      lambda cfg: cfg.sync.has_outer_loop and not holds_back(cfg.compression),
+                      lambda cfg: f"compression.kind = {cfg.compression.kind!r}" if cfg.compression.kind == "none"
+                      else f"compression.error_feedback = false ({cfg.compression.kind})")
 """A codec that keeps no error-feedback residual: nothing is held back."""
-SUMMED = Feature(
-    "compression.kind",
-    "none, or compression.reduction = scalable",
-    sums_in_transit,
-    said=lambda cfg: (
-        "compression.kind = 'none'" if cfg.compression.kind == "none" else "compression.reduction = 'scalable'"
-    ),
-)
-SCALABLE = Feature(
-    "compression.reduction",
-    "scalable (with a codec)",
-    lambda cfg: cfg.compression.kind != "none" and cfg.compression.reduction == "scalable",
-)
-UNSCALABLE_CODEC = Feature(
-    "compression.kind",
-    ", ".join(kind for kind in CODEC_KINDS if kind not in ("none", *SCALABLE_KINDS)),
-    lambda cfg: cfg.compression.kind not in ("none", *SCALABLE_KINDS),
-)
+SUMMED = Feature("compression.kind", "none, or compression.reduction = scalable", sums_in_transit,
+                 lambda cfg: "compression.kind = 'none'" if cfg.compression.kind == "none"
+                 else "compression.reduction = 'scalable'")
+SCALABLE = Feature("compression.reduction", "scalable (with a codec)",
+                   lambda cfg: cfg.compression.kind != "none" and cfg.compression.reduction == "scalable")
+UNSCALABLE_CODEC = Feature("compression.kind", ", ".join(k for k in CODEC_KINDS if k not in ("none", *SCALABLE_KINDS)),
+                           lambda cfg: cfg.compression.kind not in ("none", *SCALABLE_KINDS))
 """Codecs whose payloads the scalable reduction cannot sum (`SCALABLE_KINDS` can): each cluster chooses its own rank
 or positions."""
 FAULTS = _flag("faults.kind", lambda v: v != "none", "any but none")
 FORGE = _flag("faults.kind", lambda v: v == "forge", "forge")
-AUTH = Feature(
-    "network.auth_key_file",
-    "a key file",
-    lambda cfg: bool(cfg.network.auth_key_file),
-    said=lambda cfg: "network.auth_key_file",
-)
-NO_AUTH = Feature(
-    "network.auth_key_file",
-    '""',
-    lambda cfg: not cfg.network.auth_key_file,
-    said=lambda cfg: "network.auth_key_file = ''",
-)
+AUTH = Feature("network.auth_key_file", "a key file", lambda cfg: bool(cfg.network.auth_key_file),
+               lambda cfg: "network.auth_key_file")
+NO_AUTH = _flag("network.auth_key_file", lambda v: not v, '""')
 ELASTIC = _flag("topology.elastic", bool, "true")
-STATIC = Feature("topology.elastic", "false", lambda cfg: not cfg.topology.elastic)
-MIXED_DP = Feature(
-    "topology.clusters",
-    "of different dp",
-    mixed_dp,
-    said=lambda cfg: f"topology.clusters = {cfg.topology.clusters} (clusters of different data-parallel degrees)",
-)
-SOME_CLUSTERS = Feature(
-    "sync.min_clusters",
-    "< topology.num_clusters",
-    lambda cfg: isinstance(cfg.sync.min_clusters, int) and 0 < cfg.sync.min_clusters < cfg.topology.num_clusters,
-)
+STATIC = _flag("topology.elastic", lambda v: not v, "false")
+MIXED_DP = Feature("topology.clusters", "of different dp", mixed_dp,
+                   lambda cfg: f"topology.clusters = {cfg.topology.clusters} (clusters of different data-parallel "
+                   "degrees)")
+SOME_CLUSTERS = Feature("sync.min_clusters", "< topology.num_clusters", lambda cfg: cfg.sync.min_clusters != "auto"
+                        and cfg.sync.min_clusters < cfg.topology.num_clusters)  # OuterSync's stays auto
 LIGHTHOUSE = _flag("network.lighthouse", bool, "a URL")
-NO_LIGHTHOUSE = Feature("network.lighthouse", '""', lambda cfg: not cfg.network.lighthouse)
+NO_LIGHTHOUSE = _flag("network.lighthouse", lambda v: not v, '""')
 ADVERTISE = _flag("network.advertise_host", bool, "an address")
-NO_ADVERTISE = Feature("network.advertise_host", '""', lambda cfg: not cfg.network.advertise_host)
+NO_ADVERTISE = _flag("network.advertise_host", lambda v: not v, '""')
 LOCAL_CLUSTERS = _flag("topology.local_clusters", lambda v: bool(v.strip()), "a list")
-SOME_HERE = Feature(
-    "topology.local_clusters",
-    "some of the clusters",
-    lambda cfg: cfg.topology.elastic and len(cfg.topology.launched_clusters()) < cfg.topology.num_clusters,
-)
-RESUME_ONE = Feature(
-    "checkpoint.resume", "latest, or a checkpoint", lambda cfg: cfg.checkpoint.resume not in ("", "auto")
-)
+SOME_HERE = Feature("topology.local_clusters", "some of the clusters", lambda cfg: cfg.topology.elastic
+                    and len(cfg.topology.launched_clusters()) < cfg.topology.num_clusters)
+RESUME_ONE = _flag("checkpoint.resume", lambda v: v not in ("", "auto"), "latest, or a checkpoint")
 OVERWRITE = _flag("run.overwrite", bool, "true")
 
-# fmt: off
 ROWS: tuple[Row, ...] = (
     # per-step strategies have no outer rounds
     Row(DELAY, PER_STEP, "the one-step delay applies a round's average a round later; a per-step kind has no rounds",
