@@ -151,7 +151,7 @@ class SyncConfig:
         momentum: with plain averaging they took the dilocox presets from +7.44% to +6.23% (docs/results.md); with
         the paper's SGD 0.7 / Nesterov 0.9 keep_local measured best and the residual stays with the codec."""
         momentum = self.outer_optimizer == "sgd" and self.outer_momentum > 0
-        return holds_back(compression) and not elastic and not momentum
+        return self.has_outer_loop and holds_back(compression) and not elastic and not momentum
 
     def resolved(self, compression: Any, *, elastic: bool = False) -> SyncConfig:
         """A copy with every auto option set by its rule, from the codec `compression` (a `CompressionConfig`) and
@@ -161,7 +161,7 @@ class SyncConfig:
         delayed = self.has_outer_loop and cfg.sync_delay == 1
         keeps = cfg.keeps_residual(compression, elastic=elastic)
         if cfg.outer_lr == AUTO:
-            cfg.outer_lr = OUTER_LR[cfg.outer_optimizer] if cfg.outer_optimizer in OUTER_LR else OUTER_LR["sgd"]
+            cfg.outer_lr = OUTER_LR.get(cfg.outer_optimizer, OUTER_LR["sgd"])  # an unknown name: validate() says so
         if cfg.local_residual == AUTO:
             cfg.local_residual = keeps
         if cfg.drain_residual == AUTO:
@@ -239,6 +239,8 @@ class SyncConfig:
                 f"syncs at offset k x H / fragments, so each needs a step of its own; use sync.fragments <= "
                 f"{self.inner_steps}"
             )
+        if self.fit_link_max_steps != AUTO:
+            check_positive("sync", self, "fit_link_max_steps")
         if self.fit_link_max_steps != AUTO and self.fit_link and self.fit_link_max_steps < self.inner_steps:
             raise ValueError(
                 f"sync.fit_link_max_steps = {self.fit_link_max_steps} is below sync.inner_steps = {self.inner_steps}: "
