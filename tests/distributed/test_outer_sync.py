@@ -59,7 +59,10 @@ VARIANTS = {
     ),
     "diloco-blocking": (
         {"kind": "diloco"},
-        (SyncConfig(kind="diloco", inner_steps=H, outer_lr=0.7, merge="keep_local"), CompressionConfig()),
+        (
+            SyncConfig(kind="diloco", inner_steps=H, outer_lr=0.7, merge="keep_local", drain_residual=False),
+            CompressionConfig(),
+        ),
     ),
 }
 
