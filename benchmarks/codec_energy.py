@@ -4,7 +4,7 @@
     python benchmarks/codec_energy.py --warm-steps 100 --rounds 4 --out benchmarks/results/codec_energy.md
 
 `benchmarks/codec_speed.py` measures codecs on synthetic tensors; this one on the pseudo-gradients of real training.
-It trains the model of `configs/default.toml` (with `--set` overrides; by default the paper regime's held-out split
+It trains the model of `dilocox train`'s setting (with `--set` overrides; by default the paper regime's held-out split
 and the best top-k row's inner lr, 3e-3) alone on cluster 0's data shard of 2 for `--warm-steps` AdamW steps on the
 run's learning-rate schedule, then `--rounds` rounds of `--inner-steps` steps, keeping each round's pseudo-gradient
 (the parameters' change). Every codec then compresses that sequence with `ErrorFeedback`, as a cluster's sender
@@ -77,8 +77,8 @@ def pseudo_gradients(
 ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], HeldOut]:
     """`rounds` consecutive pseudo-gradients (one tensor per parameter) of cluster 0 of 2 training alone, the
     parameters at the first round's start, and the held-out loss of the model."""
-    # the diloco preset: the inner training of the field defaults, whatever the shipped file's preset
-    cfg = load_config(REPO / "configs" / "default.toml", ["--preset=diloco", *overrides])
+    # the diloco preset: the inner training of the field defaults, on the default setting's model and data
+    cfg = load_config(None, ["--preset=diloco", *overrides])
     cfg.validate()
     if warm_steps + rounds * inner_steps > cfg.train.steps:
         raise SystemExit(
@@ -192,7 +192,7 @@ def main() -> None:
     sequence, start, held_out = pseudo_gradients(overrides, args.warm_steps, args.rounds, args.inner_steps)
     lines = [
         f"Pseudo-gradients of {args.rounds} rounds of H = {args.inner_steps} after {args.warm_steps} AdamW steps, "
-        f"cluster 0 of 2 training alone (configs/default.toml {' '.join(overrides)}); "
+        f"cluster 0 of 2 training alone (dilocox train --preset diloco {' '.join(overrides)}); "
         f"`python benchmarks/codec_energy.py`, {datetime.date.today()}.",
         "",
         "| codec | bytes per round | energy kept, round 1 | residual / pseudo-grad at the end | cosine of sums "

@@ -3,6 +3,7 @@
     dilocox train                                   # DiLoCoX (the dilocox preset): 2 clusters, an emulated 1 Gbps link
     dilocox train --preset allreduce                # a baseline on the same setting
     dilocox train --config configs/debug.toml --sync.kind=allreduce --print-config
+    dilocox train --preset diloco --help            # every option with the value this run would use
     dilocox eval runs/dilocox --json
     dilocox export runs/dilocox --format hf --out hf/dilocox
 
@@ -54,16 +55,34 @@ def _show_value(value: object) -> str:
     return json.dumps(value) if isinstance(value, str) else str(value)
 
 
-def train_help() -> str:
-    from dilocox.config import DEFAULT_PRESET, PRESETS, allowed_values, options, preset_summary, read_preset
+def train_help(argv: list[str] | None = None) -> str:
+    """`dilocox train --help`: every option with the value `dilocox train ARGV` runs with (ARGV without --help: the
+    default preset's values, resolved), where it comes from (the preset, auto and its rule), and the presets."""
+    from dilocox.config import (
+        AUTO,
+        PRESETS,
+        allowed_values,
+        auto_options,
+        layered_config,
+        options,
+        preset_summary,
+        read_preset,
+        to_dict,
+    )
 
+    config_path, rest = _take_option([a for a in (argv or []) if a not in ("-h", "--help")], "--config")
+    unresolved, preset, layers = layered_config(config_path, rest)
+    before, values = to_dict(unresolved), to_dict(unresolved.resolve())
     lines = [
         "usage: dilocox train [--preset NAME] [--config FILE] [--section.key=VALUE ...] [--print-config]",
         "",
-        "Train a model. Settings come in layers, each overriding the one before: the field defaults listed below,",
-        "then a preset, then the TOML file of --config, then the --section.key flags. With neither --preset nor",
-        f"--config the {DEFAULT_PRESET} preset is used; a --config file names its preset with a top-level line",
-        'preset = "NAME" (without one it starts from the field defaults). Run as it is, it starts num_clusters x',
+        "Train a model. Settings come in layers, each overriding the one before: the field defaults, then a preset,",
+        "then the TOML file of --config, then the --section.key flags. Every run starts from a preset: --preset NAME,",
+        "or a --config file's top-level preset = \"NAME\", else dilocox. A kind is its preset's identity: a",
+        "sync.kind that differs from the preset's runs that kind's own preset (sync.kind diloco runs what --preset",
+        "diloco runs). An option that follows from others is auto until the layers are read, then set by the rule",
+        "its line states; a value you set is kept. Pairs of options that do not work together are refused in one",
+        "line before anything runs (docs/reference/configuration.md). Run as it is, it starts num_clusters x",
         "dp_degree x pp_degree ranks on this machine; under torchrun (RANK, WORLD_SIZE, MASTER_ADDR set) it runs as",
         "the one rank torchrun gave it.",
         "",
@@ -75,26 +94,37 @@ def train_help() -> str:
         "  DILOCOX_CACHE   where trained tokenizers and tokenized corpora are cached, so a second run on the same",
         "                  text skips tokenizing (default ~/.cache/dilocox; safe to delete; docs/design.md §12)",
         "",
-        "Presets (dilocox/presets/NAME.toml; every other option keeps its field default):",
+        "Presets (dilocox/presets/NAME.toml; every other option keeps its field default or auto rule):",
     ]
     for name in PRESETS:
-        title = f"{name}{' (the default)' if name == DEFAULT_PRESET else ''}: {preset_summary(name)}"
+        title = f"{name}{' (this run)' if name == preset else ''}: {preset_summary(name)}"
         lines += textwrap.wrap(title, width=110, initial_indent="  ", subsequent_indent="      ")
         settings = [
             f"{section}.{key}={_show_value(value)}"
-            for section, values in read_preset(name).items()
-            for key, value in values.items()
+            for section, values_ in read_preset(name).items()
+            for key, value in values_.items()
         ]
         lines += textwrap.wrap(" ".join(settings), width=110, initial_indent="      ", subsequent_indent="      ")
+    lines += ["", f"Each option below shows the value this run uses (the {preset} preset, resolved):"]
     section = None
-    for name, typ, default, doc in options():
-        head = name.split(".")[0]
+    user, autos = set().union(*layers[1:]), auto_options()
+    for name, typ, _, doc in options():
+        head, key = name.split(".")
         if head != section:
             section = head
             lines += ["", f"[{section}]"]
         choices = allowed_values(name)
         shown = "{" + ",".join(choices) + "}" if choices else typ.__name__.upper()
-        lines.append(f"  --{name}={shown}  (default {_show_value(default)})")
+        if name in autos and not choices:
+            shown += "|auto"
+        value = _show_value(values[head][key])
+        if before[head][key] == AUTO:
+            origin = f"auto: {value}"
+        elif name in layers[0] and name not in user:
+            origin = f"{value}, preset {preset}"
+        else:
+            origin = value
+        lines.append(f"  --{name}={shown}  ({origin})")
         lines += textwrap.wrap(doc, width=110, initial_indent="      ", subsequent_indent="      ")
     return "\n".join(lines)
 
@@ -127,16 +157,18 @@ def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
 
 
 def _train_config(config_path: str | None, overrides: list[str]) -> Config:
-    """The config `dilocox train` runs: the preset of --preset or of the file, or the default preset when there is
-    neither a --preset nor a --config; then the file, then the flags (not yet validated)."""
-    from dilocox.config import DEFAULT_PRESET, load_config
+    """The config `dilocox train` runs (`load_config`: a preset, the file, the flags; resolved, not yet validated)."""
+    from dilocox.config import load_config
 
-    return load_config(config_path, overrides, preset=None if config_path else DEFAULT_PRESET)
+    return load_config(config_path, overrides)
 
 
 def cmd_train(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        print(train_help())
+        try:
+            print(train_help(argv))
+        except ValueError as exc:
+            return _error(str(exc))
         return 0
     print_config = "--print-config" in argv
     argv = [a for a in argv if a != "--print-config"]

@@ -37,11 +37,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-import torch
-
 from dilocox.checks import check_types
 
 if TYPE_CHECKING:
+    import torch
+
     from dilocox.net.channel import WanChannel
     from dilocox.sync.reducers import PendingMean, Reducer
 
@@ -131,6 +131,8 @@ class FaultConfig:
 
     def corrupt(self, pseudo_grad: torch.Tensor, *, round_index: int) -> torch.Tensor:
         """What a lying cluster sends instead of `pseudo_grad` (a new tensor; `pseudo_grad` is not changed)."""
+        import torch  # here: the config half of this module is read without torch (`dilocox train --help`)
+
         if self.kind == "nan":
             return torch.full_like(pseudo_grad, float("nan"))
         if self.kind == "scale":

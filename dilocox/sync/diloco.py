@@ -36,7 +36,7 @@ from dilocox.compress import CompressionConfig
 from dilocox.faults import FaultConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, RoundStats, dp_mean_
-from dilocox.sync.config import SyncConfig, check_held_back_options, check_robust_reduction
+from dilocox.sync.config import SyncConfig
 from dilocox.sync.elastic import ElasticRounds
 from dilocox.sync.fragment import (
     FragmentState,
@@ -90,12 +90,11 @@ class DiLoCoSync:
     ) -> None:
         """`lanes`: clusters of different data-parallel degree (docs/design.md §2.1). `tokens_per_step`: the tokens
         this cluster trains on per inner step; `round_tokens`: n_ref, the nominal tokens of one round, the same on
-        every cluster (default H x tokens_per_step); `weigh_tokens`: weigh the clusters by their tokens also with
-        `sync.round = "steps"`."""
-        cfg.validate()
+        every cluster (default H x one replica's tokens per step); `weigh_tokens`: weigh the clusters by their tokens
+        also with `sync.round = "steps"`."""
         compression = compression or CompressionConfig()
-        check_robust_reduction(cfg, compression, lanes=lanes is not None)
-        check_held_back_options(cfg, compression)
+        cfg = cfg.resolved(compression)  # its auto options, by their rules
+        cfg.validate()
         if lanes is not None and not (0 < lanes.cluster_weight < math.inf):
             raise ValueError(f"cluster_weight = {lanes.cluster_weight!r} must be a finite number > 0")
         self.cfg = cfg

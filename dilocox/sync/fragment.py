@@ -604,7 +604,7 @@ class FragmentState:
         self.inner_steps, needed = fit_inner_steps(
             stats, round_steps=round_steps, cfg=self.cfg, current=self.inner_steps
         )
-        if needed > self.cfg.max_inner_steps and not self.stage.warned:
+        if needed > self.cfg.fit_link_max_steps and not self.stage.warned:
             self.stage.warned = True
             self.warnings.append(fit_link_warning(stats, round_steps=round_steps, needed=needed, cfg=self.cfg))
 

@@ -9,7 +9,9 @@ It is a facade over `DiLoCoSync` (the round, the delay, the reducers: docs/desig
 (§5). `build_sync` returns the same class to the CLI's trainer (`OuterSync.from_configs`), so a user's loop and
 `dilocox train` run one implementation; what this module adds is only what a user's loop lacks: a step counter,
 keyword arguments with the strategies' defaults, the dp mean hooked to the inner optimizer, checks of the
-arguments and of the clusters' starting point, and a context manager that flushes.
+arguments and of the clusters' starting point, and a context manager that flushes. Its keyword arguments start from
+the `[sync]` and `[compression]` of the preset of `kind` (`dilocox`: what `dilocox train` runs), and its configs
+resolve and meet the compatibility table (`dilocox.compat`) as `dilocox train`'s do.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dilocox.faults import FaultConfig
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.net.link import parse_bandwidth, parse_duration
 from dilocox.sync.base import RoundStats
-from dilocox.sync.config import HELD_BACK_OPTIONS, OUTER_LOOP_KINDS, SyncConfig, holds_back
+from dilocox.sync.config import OUTER_LOOP_KINDS, SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
 from dilocox.sync.elastic import ElasticRounds
 from dilocox.sync.events import ElasticEvent
@@ -61,18 +63,20 @@ class OuterSync:
             ...; inner_optimizer.step(); sync.step()      # the RoundStats of the sync applied, or None
         # here every cluster holds the same parameters
 
-    `kind` picks the defaults of `sync_delay`, `compression`, `outer_lr` and `outer_momentum` (`DILOCOX_KEYWORDS`):
-    `dilocox` is delayed, adaptive low-rank int4, plain averaging, merging by `own_payload`, with `local_residual`
-    and `drain_residual` (each `flush()` then also sends what the codec still holds back, one dense int4 payload:
-    flush at the end, not to peek); `diloco` is blocking, fp32, SGD lr 0.7 with Nesterov 0.9. `dp_group` (the
+    `kind` is a preset (`dilocox/presets/KIND.toml`): the keyword arguments left at None take its `[sync]` and
+    `[compression]` values, then the fields' (auto) rules. `dilocox` is what `dilocox train` runs: H = 12, delayed,
+    top-k int4 at density 0.05, plain averaging, and by the auto rules the average landing 7 steps into the next
+    round, the `own_payload` merge, `local_residual` and `drain_residual` (each `flush()` then also sends what the
+    codec still holds back, one dense int4 payload: flush at the end, not to peek); `diloco` is blocking, fp32, SGD
+    lr 0.7 with Nesterov 0.9, H = 50. `dp_group` (the
     data-parallel replicas of this model inside the cluster) gets the gradient mean before every inner step, from a
     pre-step hook on `inner_optimizer` unless `reduce_gradients()` was called since the last one, and shares the
     cluster's uplink: each replica sends 1/D of the pseudo-gradient.
 
     Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512): `fragments = N` syncs the model in N contiguous
-    parts, fragment k at (k + 1) H // N and every H steps after; with `sync_delay = 0`, `overlap = tau` launches each
-    sync tau steps before its boundary and `alpha` leaves the live parameters at lerp(phi, live, alpha) once it lands
-    (`sync.overlap_steps`, `sync.alpha`). `guard` turns the numeric guard off or on (docs/design.md §4.5).
+    parts, fragment k at (k + 1) H // N and every H steps after; with `sync_delay = 0`, `overlap_steps = tau` launches
+    each sync tau steps before its boundary and `alpha` leaves the live parameters at lerp(phi, live, alpha) once it
+    lands (`sync.overlap_steps`, `sync.alpha`). `guard` turns the numeric guard off or on (docs/design.md §4.5).
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class OuterSync:
         kind: str = "dilocox",
         compression: str | CompressionConfig | None = None,
         sync_delay: int | None = None,
+        overlap_steps: int | None = None,
         outer_optimizer: str | OuterOptimizerFactory | None = None,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
@@ -93,7 +98,6 @@ class OuterSync:
         local_residual: bool | None = None,
         drain_residual: bool | None = None,
         fragments: int | None = None,
-        overlap: int | None = None,
         alpha: float | None = None,
         guard: bool | None = None,
         dp_group: dist.ProcessGroup | None = None,
@@ -113,18 +117,18 @@ class OuterSync:
             compression,
             inner_steps=inner_steps,
             sync_delay=sync_delay,
+            overlap_steps=overlap_steps,
             outer_optimizer=outer_optimizer if isinstance(outer_optimizer, str) else None,
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
             nesterov=nesterov,
             merge=merge,
             local_residual=local_residual,
-            drain_residual=drain_residual,
+            drain_residual=False if drain_residual is None and factory is not None else drain_residual,
             fragments=fragments,
-            overlap_steps=overlap,
             alpha=alpha,
             guard=guard,
-        )
+        )  # the drain adds at an SGD's learning rate: auto drains only under the built-in sgd
         bytes_per_s = None if bandwidth is None else parse_bandwidth(bandwidth)
         latency_s = parse_duration(latency)
         if bytes_per_s is None and latency_s:
@@ -185,11 +189,14 @@ class OuterSync:
         rounds."""
         if sync.kind not in OUTER_LOOP_KINDS:
             raise ValueError(f"OuterSync needs sync.kind = diloco or dilocox, not {sync.kind!r}")
+        compression = compression or CompressionConfig()
+        sync = sync.resolved(compression)
+        check_outer(sync, compression, faults=faults, elastic=membership is not None, lanes=lanes)
         self = cls.__new__(cls)
         self._setup(
             list(params),
             sync,
-            compression or CompressionConfig(),
+            compression,
             channel=channel,
             owns_channel=False,
             dp_group=dp_group,
@@ -504,68 +511,71 @@ class OuterSync:
             _check_same_start(fingerprints, "cluster_group", "clusters")
 
 
-DILOCOX_KEYWORDS: dict[str, Any] = {
-    "sync.sync_delay": 1,
-    "compression.kind": "adaptive",
-    "sync.outer_lr": 1.0,
-    "sync.outer_momentum": 0.0,
-    "sync.merge": "own_payload",
-    "sync.local_residual": True,
-    "sync.drain_residual": True,
-}
-"""`OuterSync(kind="dilocox")`'s values of the keyword arguments left at None (the outer loop of the
-`dilocox-lowrank` preset); with a codec that holds nothing back it merges by `eager`, without the residual options."""
-
-
 def outer_configs(
     kind: str, compression: str | CompressionConfig | None = None, **sync_options: Any
 ) -> tuple[SyncConfig, CompressionConfig]:
-    """The validated configs of `OuterSync`'s keyword arguments: None keeps the kind's value (`DILOCOX_KEYWORDS`
-    for `dilocox`), then the dataclasses' defaults."""
+    """The resolved, checked configs of `OuterSync`'s keyword arguments: the `[sync]` and `[compression]` of the
+    preset of `kind`, then the arguments that are not None (a codec name replaces the preset's codec kind; a
+    `CompressionConfig` replaces its whole section), then the auto rules (`SyncConfig.resolved`), then the
+    compatibility table."""
+    from dilocox.config import Config, apply_toml, keep_preset_optimizer, read_preset
+
     if kind not in OUTER_LOOP_KINDS:
         per_step = " (allreduce and cocktail sync every step: in your own loop use DistributedDataParallel)"
         raise ValueError(
-            f"kind = {kind!r} is not an outer-loop strategy; use 'dilocox' (one-step delay, adaptive compression) "
-            f"or 'diloco' (blocking, fp32)" + (per_step if kind in ("allreduce", "cocktail") else "")
+            f"kind = {kind!r} is not an outer-loop strategy; use 'dilocox' (the dilocox preset: one-step delay, "
+            f"top-k int4) or 'diloco' (blocking, fp32)" + (per_step if kind in ("allreduce", "cocktail") else "")
         )
     inner_steps = sync_options.get("inner_steps")
     if inner_steps is not None and (
         isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1
     ):
         raise ValueError(f"inner_steps = {inner_steps!r} must be an int >= 1: H, the inner steps between outer syncs")
+    values = read_preset(kind)
+    cfg = apply_toml(Config(), {section: values[section] for section in ("sync", "compression") if section in values})
+    preset_keys = {f"sync.{name}" for name in values.get("sync", {})}
     if isinstance(compression, str):
         if compression not in CODEC_KINDS:
             raise ValueError(f"compression = {compression!r} is not a codec; use one of: {', '.join(CODEC_KINDS)}")
-        codec = CompressionConfig(kind=compression)
+        cfg.compression.kind = compression
     elif isinstance(compression, CompressionConfig):
-        codec = dataclasses.replace(compression)  # the caller's object is never changed
-    elif compression is None:
-        codec = CompressionConfig()
-    else:
+        cfg.compression = dataclasses.replace(compression)  # the caller's object is never changed
+    elif compression is not None:
         raise ValueError(
             f"compression = {compression!r} must be a codec name ({', '.join(CODEC_KINDS)}) or a CompressionConfig"
         )
-    sync = SyncConfig(kind=kind)
-    explicit = {"compression.kind"} if compression is not None else set()
-    for name, value in sync_options.items():
-        if value is not None:
-            setattr(sync, name, value)
-            explicit.add(f"sync.{name}")
-    sections = {"sync": sync, "compression": codec}
-    if kind == "dilocox":
-        for key, value in DILOCOX_KEYWORDS.items():
-            if key not in explicit:
-                section, name = key.split(".")
-                setattr(sections[section], name, value)
-        if not holds_back(codec):
-            for option in HELD_BACK_OPTIONS:
-                if f"sync.{option}" not in explicit:
-                    setattr(sync, option, False)
-            if "sync.merge" not in explicit and sync.merge == "own_payload":
-                sync.merge = "eager"
+    given = {name: value for name, value in sync_options.items() if value is not None}
+    for name, value in given.items():
+        setattr(cfg.sync, name, value)
+    keep_preset_optimizer(cfg, values, preset_keys - {f"sync.{name}" for name in given})
+    cfg.sync.validate()  # the arguments' own values first, named as given
+    cfg.compression.validate()
+    cfg.sync = cfg.sync.resolved(cfg.compression)
+    check_outer(cfg.sync, cfg.compression)
+    return cfg.sync, cfg.compression
+
+
+def check_outer(
+    sync: SyncConfig,
+    compression: CompressionConfig,
+    *,
+    faults: FaultConfig | None = None,
+    elastic: bool = False,
+    lanes: LaneLayout | None = None,
+) -> None:
+    """`sync` and `compression` (resolved) with what the caller runs them in, checked as `Config.validate` checks a
+    run: each section's values, then the compatibility table (`dilocox.compat`)."""
+    from dilocox import compat
+    from dilocox.config import Config, TopologyConfig
+
     sync.validate()
-    codec.validate()
-    return sync, codec
+    compression.validate()
+    topology = TopologyConfig(elastic=elastic)
+    if lanes is not None:
+        t = lanes.topology
+        topology.num_clusters, topology.dp_degree, topology.pp_degree = t.num_clusters, max(t.dp_degrees), t.pp_degree
+        topology.clusters = [f"pp{t.pp_degree}xdp{dp}" for dp in t.dp_degrees]
+    compat.check(Config(sync=sync, compression=compression, faults=faults or FaultConfig(), topology=topology))
 
 
 def _outer_optimizer_argument(

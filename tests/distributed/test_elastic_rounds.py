@@ -186,6 +186,8 @@ class Cluster:
             outer_lr=1.0,
             outer_momentum=0.0,
             merge="eager",
+            local_residual=False,  # what an elastic run resolves them to
+            drain_residual=False,
             guard_peers=False,
         )
         auth = None if key is None else PayloadAuth(key)
@@ -279,6 +281,8 @@ def static_outer(compression: str) -> torch.Tensor:
             outer_lr=1.0,
             outer_momentum=0.0,
             merge="eager",
+            local_residual=False,  # what an elastic run resolves them to
+            drain_residual=False,
             guard_peers=False,
         )
         channel = WanChannel(None, bandwidth=None, latency_s=0.0)

@@ -24,6 +24,8 @@ BLOCKING_PLAIN_OUTER = [
     "--sync.inner_steps=1",
     "--sync.outer_lr=1",
     "--sync.outer_momentum=0",
+    "--sync.local_residual=false",  # the codec's residual stays with it (auto would keep a share here)
+    "--sync.drain_residual=false",
     "--sync.guard_peers=false",
 ]
 ADAPTIVE = {"rank_min": 1, "rank_max": 8, "energy": 0.9, "window": 1}

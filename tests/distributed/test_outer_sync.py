@@ -32,11 +32,12 @@ VARIANTS = {
                 sync_delay=1,
                 outer_lr=1.0,
                 outer_momentum=0.0,
+                overlap_steps=2,  # 7/12 of H = 3, rounded
                 merge="own_payload",
                 local_residual=True,
                 drain_residual=True,
             ),
-            CompressionConfig(kind="adaptive"),
+            CompressionConfig(kind="topk_int4", density=0.05, feedback_decay=1.0),
         ),
     ),
     "dilocox-int4-reset-nesterov": (
@@ -46,16 +47,23 @@ VARIANTS = {
                 kind="dilocox",
                 inner_steps=H,
                 sync_delay=1,
+                overlap_steps=0,
                 merge="reset",
                 outer_lr=0.7,
                 outer_momentum=0.9,
-                local_residual=True,
-                drain_residual=True,
+                local_residual=False,  # SGD momentum: the residual stays with the codec
+                drain_residual=False,
             ),
-            CompressionConfig(kind="int4"),
+            CompressionConfig(kind="int4", density=0.05),
         ),
     ),
-    "diloco-blocking": ({"kind": "diloco"}, (SyncConfig(kind="diloco", inner_steps=H), CompressionConfig())),
+    "diloco-blocking": (
+        {"kind": "diloco"},
+        (
+            SyncConfig(kind="diloco", inner_steps=H, outer_lr=0.7, merge="keep_local", drain_residual=False),
+            CompressionConfig(),
+        ),
+    ),
 }
 
 

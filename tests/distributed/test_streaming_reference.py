@@ -35,7 +35,7 @@ def _trajectories(rank: int, world_size: int) -> list[dict]:
             sync_delay=0,
             outer_optimizer=lambda params: torch.optim.SGD(params, lr=OUTER_LR),
             fragments=2,
-            overlap=case["overlap"],
+            overlap_steps=case["overlap"],
             alpha=case["alpha"],
         )
         params, outer = [[w.item() for w in weights]], {0: [f.outer_params.item() for f in sync.diloco.fragments]}

@@ -27,6 +27,7 @@ def _drive(rank, world_size, compression: list[str]):
     cfg = load_config(
         None,
         [
+            "--preset=diloco",
             f"--topology.num_clusters={NUM_CLUSTERS}",
             f"--sync.inner_steps={H}",
             f"--train.steps={STEPS}",

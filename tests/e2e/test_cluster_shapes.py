@@ -12,7 +12,7 @@ pytestmark = pytest.mark.e2e
 
 SHORT = ["--train.steps=20", "--eval.interval=10", "--checkpoint.interval=10", "--checkpoint.keep=5"]
 MIXED = ["--config", DEBUG, "--topology.clusters=dp2,dp1,dp1", "--preset=dilocox", *SHORT]
-"""3 clusters of dp 2, 1, 1 (4 ranks) with DiLoCoX's defaults: delayed, adaptive low-rank int4, the drain."""
+"""3 clusters of dp 2, 1, 1 (4 ranks) with the dilocox preset: delayed, top-k int4, the drain."""
 
 
 @pytest.fixture(scope="module")

@@ -93,7 +93,7 @@ def test_time_rounds_give_the_slow_cluster_fewer_steps_and_resume_exactly(tmp_pa
         (["--faults.slow_clusters=1:0.5"], "a factor must be a number >= 1"),
         (
             ["--sync.round=time", "--topology.elastic=true"],
-            "topology.elastic = true does not support sync.round = time",
+            "sync.round = 'time' does not work with topology.elastic = true",
         ),
     ],
     ids=["unknown-cluster", "factor-below-one", "time-rounds-elastic"],
