@@ -84,8 +84,10 @@ class Row:
 def sums_in_transit(cfg: Config) -> bool:
     """The outer sync's reduction adds the clusters' values on the wire (the dense fp32 all-reduce of
     `compression.kind = none`, or `compression.reduction = scalable`), so no receiver sees one cluster's update: it
-    cannot check a sender's tag or aggregate robustly. The gather reduction of a codec delivers every update."""
-    return cfg.sync.has_outer_loop and (cfg.compression.kind == "none" or cfg.compression.reduction == "scalable")
+    cannot check a sender's tag or aggregate robustly. The gather reduction of a codec delivers every update, and so
+    does the lane exchange of clusters of different data-parallel degrees, whatever the codec."""
+    summed = cfg.compression.kind == "none" or cfg.compression.reduction == "scalable"
+    return cfg.sync.has_outer_loop and summed and not mixed_dp(cfg)
 
 
 def mixed_dp(cfg: Config) -> bool:
