@@ -338,8 +338,8 @@ class DiLoCoSync:
             self.elastic.commit()
         if self.cfg.guard and any(ended) and len(self.fragments) > 1:
             self._restart_non_finite(ended)
-        if len(self.fragments) > 1 and step == self.total_steps:
-            self._last_step = landed
+        if len(self.fragments) > 1 and (self.done if self.clock is not None else step == self.total_steps):
+            self._last_step = landed  # every fragment's last round ended here: the flush returns them all
             return None
         return _combined(landed)
 

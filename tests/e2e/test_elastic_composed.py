@@ -62,3 +62,21 @@ def test_a_killed_cluster_heals_every_fragment_under_the_preset(tmp_path, start_
     assert sorted(records) == [0, 1, 2] and all(r["step"] == STEPS for r in records.values())
     assert len({r["outer_params_sha256"] for r in records.values()}) == 1, records  # every fragment, bit for bit
     assert records[2]["healed_from_peer"] and not records[0]["healed_from_peer"]
+
+
+@pytest.mark.timeout(300)
+def test_a_lying_cluster_in_an_elastic_run_is_left_out_and_heals(tmp_path, start_run):
+    """3 elastic clusters under the preset, cluster 2 sends 1000 x its update in round 2: every cluster leaves it out
+    of that sync, cluster 2 heals from the agreed parameters, and all end on the same outer params."""
+    run = start_run("liar", *COMPOSED, *ELASTIC, "--topology.num_clusters=3", "--faults.kind=scale",
+                    "--faults.cluster=2", "--faults.rounds=2")  # fmt: skip
+    assert run.finish() == 0, "the run failed"
+    exclusions = [
+        entry
+        for record in read_metrics(tmp_path / "liar")
+        for entry in record.get("round_exclusions", [])
+        if entry["round"] is not None
+    ]
+    assert [(e["round"], e["cluster"]) for e in exclusions] == [(2, 2)], exclusions
+    records = records_of(tmp_path / "liar")
+    assert sorted(records) == [0, 1, 2] and len({r["outer_params_sha256"] for r in records.values()}) == 1, records

@@ -54,3 +54,27 @@ def test_an_impossible_split_is_one_line_before_anything_is_written(tmp_path):
     assert result.stderr.startswith("dilocox: error: ") and result.stderr.count("\n") == 1, result.stderr[-3000:]
     assert message in result.stderr
     assert not run_dir.exists()
+
+
+def test_a_lying_cluster_is_left_out_of_every_fragments_rounds_and_the_clusters_agree(tmp_path):
+    """3 clusters, 2 fragments, cluster 2 sends NaN in rounds 2 and 3 of each fragment: the guard leaves it out of
+    exactly those 4 syncs (each fragment's own rounds 2 and 3), and every cluster ends on the same outer params."""
+    import torch
+
+    from dilocox.checkpoint import load_rank_state, saved_outer_params
+
+    run_dir = tmp_path / "run"
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--preset=dilocox",
+                     "--topology.num_clusters=3", "--sync.inner_steps=6", "--sync.fragments=2", "--train.steps=24",
+                     "--faults.kind=nan", "--faults.cluster=2", "--faults.rounds=2-3")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    left_out = sorted(
+        (entry["round"], r.get("round_fragment"))
+        for r in metrics(run_dir)
+        for entry in r.get("round_exclusions", [])
+        if entry["cluster"] == 2 and entry["round"] is not None
+    )
+    assert left_out == [(2, 0), (2, 1), (3, 0), (3, 1)], left_out
+    checkpoint = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    phis = [saved_outer_params(load_rank_state(checkpoint, rank)["sync"]) for rank in range(3)]
+    assert torch.isfinite(phis[0]).all() and all(torch.equal(phi, phis[0]) for phi in phis)
