@@ -17,7 +17,7 @@ from dilocox.compress import CocktailConfig, ErrorFeedback
 from dilocox.compress.payload import Payload
 from dilocox.compress.sparse import SparseInt4Codec
 from dilocox.net.channel import WanChannel, ring_all_gather_bytes, ring_all_reduce_bytes
-from dilocox.sync.base import GUARD_COUNTS, FlatParams, RoundStats, StepRounds, dp_mean_, shard_bounds
+from dilocox.sync.base import FlatParams, RoundStats, StepRounds, dp_mean_, shard_bounds
 from dilocox.sync.reducers import gather_slices_
 from dilocox.topology import group_size
 
@@ -41,13 +41,6 @@ class CocktailSync(StepRounds):
 
     name = "cocktail"
 
-    outer_step = 0  # no outer optimizer: every step is a plain data-parallel step, as for allreduce
-    inner_steps = 1  # every step is a round: the replicas agree after each
-
-    @property
-    def guard_counts(self) -> dict[str, int]:
-        """No guard: every total is 0."""
-        return dict.fromkeys(GUARD_COUNTS, 0)
 
     def __init__(
         self,
@@ -112,12 +105,10 @@ class CocktailSync(StepRounds):
             self._checked_cost = True
             self._check_cost(transfer.nbytes_sent)
 
-    def after_inner_step(self, step: int) -> RoundStats | None:
+    def after_inner_step(self, step: int, *, step_s: float = 0.0) -> RoundStats | None:
+        self.step = step
         stats, self.last_step_stats = self.last_step_stats, None
         return stats
-
-    def is_round_boundary(self, step: int) -> bool:
-        return True
 
     def flush(self) -> RoundStats | None:
         return None  # every exchange completes within its step

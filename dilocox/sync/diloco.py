@@ -35,7 +35,7 @@ import torch.distributed as dist
 from dilocox.compress import CompressionConfig
 from dilocox.faults import FaultConfig
 from dilocox.net.channel import WanChannel
-from dilocox.sync.base import FlatParams, RoundStats, dp_mean_
+from dilocox.sync.base import FlatParams, RoundStats, SyncStatus, dp_mean_
 from dilocox.sync.config import SyncConfig
 from dilocox.sync.elastic import ElasticRounds
 from dilocox.sync.fragment import (
@@ -197,6 +197,8 @@ class DiLoCoSync:
         """Elastic runs (topology.elastic, docs/design.md §10.1): each boundary's torchft quorum decides which clusters
         take part; it launches over their group and settles the syncs that are due among them."""
         self.stage.elastic = self.elastic
+        self.step = 0
+        """The last inner step this sync was told of (`after_inner_step`, a resumed or healed run's step)."""
         self._last_step: list[RoundStats] = []
         """Several fragments: the syncs landed by the rounds that ended at `total_steps`, returned by `flush`."""
 
@@ -304,6 +306,24 @@ class DiLoCoSync:
         counts = [fragment.guard.counts for fragment in self.fragments]
         return {key: sum(c[key] for c in counts) for key in counts[0]}
 
+    def status(self) -> SyncStatus:
+        """Where the outer loop stands after the last step it was told of (`SyncStatus`)."""
+        elastic = self.elastic
+        return SyncStatus(
+            outer_step=self.outer_step,
+            inner_steps=self.inner_steps,
+            boundary=self.is_round_boundary(self.step),
+            done=self.done,
+            progress=self.progress_step(self.step),
+            landed_tokens=self.landed_tokens,
+            guard_counts=self.guard_counts,
+            numel=self.numel,
+            state_bytes=self.state_bytes(),
+            messages=self.warnings,
+            events=[] if elastic is None else elastic.events,
+            last_clusters=() if elastic is None else elastic.last_clusters,
+        )
+
     def take_healed(self) -> bool:
         """Whether the guard reset this cluster's parameters to the agreed ones since the last call (the owner of
         the inner optimizer then resets its non-finite state)."""
@@ -317,6 +337,7 @@ class DiLoCoSync:
         """Run what the schedule says at `step` (the module's table) for every fragment, in fragment order; around
         it, an elastic run's quorum and commit. Returns what the syncs that landed cost (the first one's stats, the
         others in `also_landed`), or None."""
+        self.step = step
         faults = self.stage.faults
         for fragment in self.fragments:
             if faults is not None and step == fragment.last_boundary + 1:

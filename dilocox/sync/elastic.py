@@ -300,6 +300,7 @@ class ElasticRounds:
     def __init__(self, sync: ElasticStage, membership: ElasticMembership) -> None:
         self.sync = sync
         self.membership = membership
+        membership.serve_heals(self.heal_state, self.load_heal_state)  # what torchft sends and takes in a heal
         self.joined_quorum: Quorum | None = None
         """A quorum already formed for the next settling (the one `rejoin` healed in)."""
         self.newcomer = False

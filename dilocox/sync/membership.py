@@ -233,7 +233,8 @@ class ElasticMembership:
     """One torchft `Manager` for this rank's position (dp, pp) in its cluster: replica id = the cluster.
 
     `state_dict` / `load_state_dict` are what a live peer sends a joining cluster (outer params, outer optimizer,
-    round counter: `ElasticRounds.heal_state`); they are called by torchft during `start_round`."""
+    round counter: `ElasticRounds.heal_state`); they are called by torchft during `start_round`. Left out, the
+    `ElasticRounds` built over this membership serves them (`serve_heals`)."""
 
     def __init__(
         self,
@@ -249,9 +250,9 @@ class ElasticMembership:
         timeout: datetime.timedelta,
         quorum_timeout: datetime.timedelta,
         control_timeout: datetime.timedelta,
-        state_dict: Callable[[], Any],
-        load_state_dict: Callable[[Any], None],
         heal_max_bytes: int,
+        state_dict: Callable[[], Any] | None = None,
+        load_state_dict: Callable[[Any], None] | None = None,
         config_fingerprint: int,
         shared_settings: dict[str, Any] | None = None,
         cluster_group: dist.ProcessGroup | None = None,
@@ -275,6 +276,7 @@ class ElasticMembership:
         """This cluster's own ranks (its world: pipeline stages x data-parallel replicas, on the fast link), over which
         they take the same branch at every step of a boundary (`ClusterVote`); None for a cluster of one rank."""
         self._healed = False
+        self._state_dict = state_dict
         self._load_state_dict = load_state_dict
         connect = datetime.timedelta(seconds=stall_timeout_s) if stall_timeout_s else None
         self.group = _reconfigurable_gloo(timeout, store_addr, connect_timeout=connect)
@@ -283,7 +285,7 @@ class ElasticMembership:
             self.manager = Manager(
                 pg=self.group,
                 load_state_dict=self._heal,
-                state_dict=state_dict,
+                state_dict=lambda: self._state_dict(),  # type: ignore[misc]
                 min_replica_size=1,  # sync.min_clusters is checked here, with a message that names it
                 use_async_quorum=False,  # the quorum, and a heal, complete at the round boundary
                 timeout=timeout,
@@ -319,6 +321,10 @@ class ElasticMembership:
         )
         """The Lighthouse's heartbeats of the clusters: a member silent for network.stall_timeout while this cluster
         waits on a transfer of its round is named and left out (`dilocox.sync.stall`; 0: not watched)."""
+
+    def serve_heals(self, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
+        """What a live peer sends a joining cluster, and how this cluster takes it (`ElasticRounds` calls it)."""
+        self._state_dict, self._load_state_dict = state_dict, load_state_dict
 
     def _heal(self, state: Any) -> None:
         self._healed = True

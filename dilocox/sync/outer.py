@@ -30,11 +30,10 @@ from dilocox.compress.config import CODEC_KINDS
 from dilocox.faults import FaultConfig
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.net.link import parse_bandwidth, parse_duration
-from dilocox.sync.base import RoundStats
+from dilocox.sync.base import RoundStats, SyncStatus
 from dilocox.sync.config import OUTER_LOOP_KINDS, SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
 from dilocox.sync.elastic import ElasticRounds
-from dilocox.sync.events import ElasticEvent
 from dilocox.sync.lanes import LaneLayout
 from dilocox.sync.membership import ElasticMembership
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory
@@ -260,8 +259,6 @@ class OuterSync:
         self.channel = channel
         """The slow link: cumulative bytes and busy, exposed and hidden time in `channel.stats()`."""
         self.dp_group = dp_group
-        self.num_steps = 0
-        """Inner steps taken (the step of the last `step()` or `after_inner_step(step)`)."""
         self.last_round: RoundStats | None = None
         """What the last sync applied cost: bytes sent, link, exposed and hidden time, the codec's payload and rank."""
         self._owns_channel = owns_channel
@@ -277,9 +274,10 @@ class OuterSync:
         self._finish_start_check(compare=True)
         return self.after_inner_step(self.num_steps + 1)
 
-    def after_inner_step(self, step: int) -> RoundStats | None:
-        """`step()` with the caller's 1-based step count (the trainer's protocol, docs/design.md §6)."""
-        self.num_steps = step
+    def after_inner_step(self, step: int, *, step_s: float = 0.0) -> RoundStats | None:
+        """`step()` with the caller's 1-based step count and the step's training time in seconds, which time rounds
+        measure each cluster's step time from (the trainer's protocol, `SyncStrategy`)."""
+        self.diloco.add_step_time(step_s)
         stats = self.diloco.after_inner_step(step)
         self._reset_if_healed()
         if stats is not None:
@@ -305,25 +303,6 @@ class OuterSync:
             if self.inner_optimizer is not None:
                 self.inner_optimizer.state.clear()
         return joined
-
-    def heal_state(self) -> dict[str, Any]:
-        """Elastic runs: what a live peer sends a cluster that joins (`ElasticRounds.heal_state`)."""
-        return self._elastic().heal_state()
-
-    def load_heal_state(self, state: dict[str, Any]) -> None:
-        """Elastic runs: take a live peer's `heal_state` (torchft calls it inside a quorum)."""
-        self._elastic().load_heal_state(state)
-
-    @property
-    def last_clusters(self) -> tuple[int, ...]:
-        """Elastic runs: the clusters of the last boundary settled (after the flush: those that ended the run)."""
-        return self._elastic().last_clusters
-
-    def elastic_events(self) -> list[ElasticEvent]:
-        """Elastic runs: the membership changes seen since the last call (`ElasticRounds.events`)."""
-        rounds = self._elastic()
-        events, rounds.events = rounds.events, []
-        return events
 
     def _elastic(self) -> ElasticRounds:
         if self.diloco.elastic is None:
@@ -379,51 +358,12 @@ class OuterSync:
 
     @property
     def outer_step(self) -> int:
-        """Rounds completed."""
+        """Rounds ended: their syncs launched (under the delay one more than applied, until `flush()`)."""
         return self.diloco.outer_step
 
     @property
-    def inner_steps(self) -> int:
-        """H of the round in progress."""
-        return self.diloco.inner_steps
-
-    @property
-    def numel(self) -> int:
-        """Values of the parameters kept in step."""
-        return self.diloco.numel
-
-    @property
-    def time_rounds(self) -> bool:
-        """sync.round = time: every cluster trains for the same budget per round (`dilocox.sync.rounds`)."""
-        return self.diloco.time_rounds
-
-    @property
-    def rounds_done(self) -> bool:
-        """sync.round = time: whether every round of the run has ended (a step-round run ends at its last step)."""
-        return self.diloco.done
-
-    @property
-    def landed_tokens(self) -> int:
-        """Token-weighted syncs: the tokens every cluster trained on in the rounds whose sync landed."""
-        return self.diloco.landed_tokens
-
-    def progress_step(self, step: int) -> float:
-        """The run's progress at this cluster's 0-based step `step`, in steps of an unslowed cluster (time rounds:
-        round index plus the fraction of the round done); `step` itself with step rounds."""
-        return self.diloco.progress_step(step)
-
-    def add_step_time(self, seconds: float) -> None:
-        """sync.round = time: count one inner step's training time (no evaluation, checkpoint or boundary wait)."""
-        self.diloco.add_step_time(seconds)
-
-    @property
-    def guard_counts(self) -> dict[str, int]:
-        """sync.guard's totals: excluded_updates, skipped_rounds, healed_rounds (this cluster's)."""
-        return self.diloco.guard_counts
-
-    @property
     def warnings(self) -> list[str]:
-        """Messages for the user (the link cannot keep up); the trainer pops and prints them."""
+        """Messages for the user (the link cannot keep up, the guard's verdicts); pop and print them."""
         return self.diloco.warnings
 
     @property
@@ -431,16 +371,23 @@ class OuterSync:
         """phi, the outer params (numel,) fp32: the same on every cluster after each outer step."""
         return self.diloco.outer_params
 
-    def is_round_boundary(self, step: int) -> bool:
-        return self.diloco.is_round_boundary(step)
+    def status(self) -> SyncStatus:
+        """Where the outer loop stands after the last step (`SyncStatus`: the trainer's view of it)."""
+        return self.diloco.status()
+
+    @property
+    def num_steps(self) -> int:
+        """Inner steps taken (the step of the last `step()` or `after_inner_step(step)`)."""
+        return self.diloco.step
+
+    @num_steps.setter
+    def num_steps(self, step: int) -> None:
+        self.diloco.step = step
 
     def agreed_model(self) -> AbstractContextManager[bool]:
         """Inside it the model holds phi, the parameters every cluster agrees on (evaluate the model there); its
         own parameters come back on exit."""
         return self.diloco.agreed_model()
-
-    def state_bytes(self) -> int:
-        return self.diloco.state_bytes()
 
     # ---------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

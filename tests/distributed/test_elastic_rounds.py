@@ -129,6 +129,9 @@ class Member:
         self.heals = 0
         self.state_dict: Callable[[], dict] = dict
         self.load_state_dict: Callable[[dict], None] = lambda state: None
+
+    def serve_heals(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]) -> None:
+        self.state_dict, self.load_state_dict = state_dict, load_state_dict
         self.restarts: Callable[[], dict[int, bool]] = dict
         self.config_fingerprint = 0
         self.shared_settings: dict = {"train.lr": 0.002}
@@ -202,8 +205,6 @@ class Cluster:
             membership=self.member,
         )
         self.rounds = self.sync.elastic
-        self.member.state_dict = self.rounds.heal_state
-        self.member.load_state_dict = self.rounds.load_heal_state
         self.error: BaseException | None = None
 
     def train(self, first_round: int = 1, last_round: int = ROUNDS, *, flush: bool = True) -> None:

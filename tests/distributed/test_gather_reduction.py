@@ -79,7 +79,7 @@ def _run(rank, world_size):
                 for p, start, d in zip(params, phi, delta(case, rank, round_index), strict=True):
                     p.copy_(start.view_as(p) - d)
             sync.after_inner_step(round_index + 1)
-            assert sync.is_round_boundary(round_index + 1)
+            assert sync.status().boundary
             stats = channel.stats()
             trace.append((sync.outer_params.clone(), stats["bytes_sent"], stats["bytes_recv"]))
         channel.close()

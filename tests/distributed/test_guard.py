@@ -204,7 +204,7 @@ def _dense_round(rank, world_size, mode):
                 p.fill_(float("nan"))
     stats = sync.after_inner_step(1)
     channel.close()
-    return start, sync.outer_params, stats.skipped, sync.warnings, sync.guard_counts
+    return start, sync.outer_params, stats.skipped, sync.warnings, sync.status().guard_counts
 
 
 def test_dense_an_abstaining_cluster_sends_zeros_and_a_lying_nan_skips_the_round():
@@ -288,7 +288,7 @@ def _train_one(rank, fault, aggregate, guard, *, scale=1000.0, peers=True, round
     x, y = _teacher_batch(99, 0)
     with torch.no_grad():
         loss = float(torch.nn.functional.mse_loss(model(x), y))
-    return loss, finite, sync.outer_params, sync.guard_counts, records, sync.warnings
+    return loss, finite, sync.outer_params, sync.status().guard_counts, records, sync.warnings
 
 
 def _train_all(rank, world_size):

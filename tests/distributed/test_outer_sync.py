@@ -100,7 +100,7 @@ def _user_loop(groups, shard, options) -> dict:
             optimizer.step()  # the dp mean runs in OuterSync's pre-step hook
             optimizer.zero_grad()
             sync.step()
-            if sync.is_round_boundary(step):
+            if sync.status().boundary:
                 rounds.append(sync.outer_params.clone())
     return {"rounds": rounds, "outer": sync.outer_params.clone(), "model": flat(model), "bytes": sync.channel.stats()}
 
@@ -121,7 +121,7 @@ def _trainer_loop(groups, shard, configs) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync.after_inner_step(step)
-        if sync.is_round_boundary(step) and step < STEPS:
+        if sync.status().boundary and step < STEPS:
             rounds.append(sync.outer_params.clone())
     sync.flush()
     channel.close()

@@ -53,7 +53,7 @@ def _drive(rank: int, flags: list[str]) -> dict:
         step_now[0] = step
         inner_step(model, optimizer, rank, step, sync)
         sync.after_inner_step(step)
-        if sync.is_round_boundary(step):
+        if sync.status().boundary:
             ends.append(step)
         if step == STEPS:
             sync.flush()
@@ -183,7 +183,7 @@ def _diverge(rank, world_size):
         finite_after.append(bool(torch.isfinite(flat(model)).all()))
     sync.flush()
     channel.close()
-    return {"finite_after": finite_after, "guard": sync.guard_counts, "params": flat(model)}
+    return {"finite_after": finite_after, "guard": sync.status().guard_counts, "params": flat(model)}
 
 
 @pytest.mark.dist

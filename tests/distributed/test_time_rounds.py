@@ -49,12 +49,12 @@ def _drive(rank, world_size, compression: list[str]):
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     rounds, step = [], 0
-    while not sync.rounds_done:
+    while not sync.status().done:
         step += 1
         inner_step(model, optimizer, rank, step, sync)
-        theta = flat(model).clone() if sync.is_round_boundary(step) else None  # the round's end, before its sync
+        theta = flat(model).clone()  # before the sync of a round that ends here
         stats = sync.after_inner_step(step)
-        if theta is not None:
+        if sync.status().boundary:
             rounds.append(
                 {
                     "theta": theta,
@@ -67,7 +67,7 @@ def _drive(rank, world_size, compression: list[str]):
     sync.flush()
     sent = channel.stats()["bytes_sent"]
     channel.close()
-    return {"rounds": rounds, "steps": step, "bytes_sent": sent, "numel": sync.numel}
+    return {"rounds": rounds, "steps": step, "bytes_sent": sent, "numel": sync.status().numel}
 
 
 @pytest.mark.parametrize(
@@ -123,7 +123,7 @@ def _fragments(rank, world_size):
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     landings, step = [], 0
-    while not sync.rounds_done:
+    while not sync.status().done:
         step += 1
         inner_step(model, optimizer, rank, step, sync)
         theta = flat(model).clone()

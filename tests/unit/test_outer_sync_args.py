@@ -54,7 +54,7 @@ def test_kinds_fill_the_settings_left_out(kind, options, want):
     sync = build(kind=kind, **options)
     got = (sync.sync_config.sync_delay, sync.compression.kind, sync.sync_config.outer_lr)
     assert (*got, sync.sync_config.outer_momentum) == want
-    assert sync.name == kind and sync.inner_steps == 2
+    assert sync.name == kind and sync.status().inner_steps == 2
 
 
 @pytest.mark.parametrize("kind", ["dilocox", "diloco"])
@@ -203,7 +203,7 @@ def test_bad_model_or_optimizer():
             OuterSync(model_or_params, inner_optimizer, cluster_group=None, inner_steps=2)
     # frozen parameters need not be synced, and an optimizer over the model may hold them
     model[0].bias.requires_grad_(False)
-    assert OuterSync(model, optimizer, cluster_group=None, inner_steps=2).numel == 4 * 8 + 8 * 2 + 2
+    assert OuterSync(model, optimizer, cluster_group=None, inner_steps=2).status().numel == 4 * 8 + 8 * 2 + 2
 
 
 def test_a_state_of_other_settings_or_not_a_state_is_refused():
@@ -223,4 +223,4 @@ def test_build_sync_gives_the_trainer_an_outer_sync():
             cfg, model.parameters(), channel=WanChannel(None, bandwidth=None, latency_s=0.0), dp_group=None
         )
         assert isinstance(sync, OuterSync)
-        assert (sync.name, sync.inner_steps, sync.compression.kind) == (kind, 4, cfg.compression.kind)
+        assert (sync.name, sync.status().inner_steps, sync.compression.kind) == (kind, 4, cfg.compression.kind)
