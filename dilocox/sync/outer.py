@@ -522,8 +522,7 @@ def check_outer(
         t = lanes.topology
         topology.num_clusters, topology.dp_degree, topology.pp_degree = t.num_clusters, max(t.dp_degrees), t.pp_degree
         topology.clusters = [f"pp{t.pp_degree}xdp{dp}" for dp in t.dp_degrees]
-    if not elastic:  # resolved against the config's own topology, which the caller's groups may not be
-        sync = dataclasses.replace(sync, min_clusters="auto")
+    sync = dataclasses.replace(sync, min_clusters="auto")  # the trainer's membership reads it, not this object
     compat.check(Config(sync=sync, compression=compression, faults=faults or FaultConfig(), topology=topology))
 
 
