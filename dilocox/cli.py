@@ -164,14 +164,18 @@ def cmd_train(argv: list[str]) -> int:
         forkserver.start_early(config_path, rest)  # its imports run while this process imports and checks the config
     from dilocox.launch.local import launch_local
     from dilocox.launch.preflight import preflight
-    from dilocox.launch.rundir import prepare_run_dir
+    from dilocox.launch.rundir import choose_run_dir, prepare_run_dir
     from dilocox.launch.torchrun import launch_torchrun
 
     try:
         cfg = _train_config(config_path, rest)
         if torchrun:
             return launch_torchrun(cfg)
+        cfg.validate()
+        moved = choose_run_dir(cfg)  # a finished run's or another setting's directory: the next free NAME-N
         data, resume = preflight(cfg)
+        if moved:
+            print(moved, flush=True)
         lock = prepare_run_dir(cfg, data, resume)  # takes the run directory's lock before writing into it
     except ValueError as exc:
         return _error(str(exc))
