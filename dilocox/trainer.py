@@ -723,6 +723,7 @@ class Trainer:
             "wan_bytes_recv": stats["bytes_recv"],
             "link_busy_s": stats["link_busy_s"],
             "exposed_comm_s": stats["exposed_s"],
+            "peer_wait_s": stats["peer_wait_s"],
             "payloads_rejected": stats["payloads_rejected"],
             "elapsed_s": self.elapsed_before + self._elapsed(),
         }
@@ -796,6 +797,7 @@ class Trainer:
             wan_bytes_clusters=[self.coords.cluster] if self.elastic else None,
             link_busy_s=stats["link_busy_s"],
             exposed_comm_s=stats["exposed_s"],
+            peer_wait_s=stats["peer_wait_s"],
             hidden_comm_fraction=(
                 min(1.0, max(0.0, 1.0 - stats["exposed_s"] / stats["link_busy_s"])) if stats["link_busy_s"] else None
             ),

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox.net.channel import PendingTransfer, WanChannel, ring_all_gather_bytes, ring_all_reduce_bytes
-from tests.clock import SimulatedClock
+from tests.clock import SharedClock, SimulatedClock
 from tests.multiproc import run_ranks
 
 BANDWIDTH = 5e6  # bytes/s (40 Mbps): a 1 MiB transfer takes ~0.21 s
@@ -20,6 +20,7 @@ def _assert_zero_stats(channel: WanChannel) -> None:
         "control_bytes": 0,
         "link_busy_s": 0.0,
         "exposed_s": 0.0,
+        "peer_wait_s": 0.0,
         "num_transfers": 0,
         "payloads_rejected": 0,
         "peak_in_flight_bytes": 0,
@@ -323,3 +324,38 @@ def test_peak_in_flight_bytes_sums_the_transfers_launched_and_not_yet_arrived():
     big, small = ring_all_reduce_bytes(100_000, 4, 2, 0)[0], ring_all_reduce_bytes(25_000, 4, 2, 0)[0]
     for rank_peaks in peaks:
         assert rank_peaks == [big, big, big + 2 * small, big + 2 * small]
+
+
+# ---------------------------------------------------------------------------------------------- a late peer
+
+
+def _late_peer_worker(rank: int, world_size: int, store_path: str, bandwidth: float | None) -> dict:
+    """Cluster 1 computes 5 s longer than cluster 0 (on a clock shared by the ranks, moved only by them) and sends
+    only once cluster 0 waits; each rank reports how its wait split between the link and the late peer."""
+    clock = SharedClock(dist.FileStore(store_path, world_size), rank)
+    channel = WanChannel(dist.new_group([0, 1]), bandwidth=bandwidth, latency_s=0.01, clock=clock)
+    if rank == 1:
+        clock.store.wait([SharedClock.blocked_key(0)])  # cluster 0 waits from t = 0
+        clock.advance_to(5.0)
+    transfer = channel.launch_all_gather(torch.arange(1000, dtype=torch.uint8))
+    transfer.wait()
+    stats = channel.stats()
+    channel.close()
+    return {"link_s": transfer.link_s, **stats}
+
+
+@pytest.mark.parametrize("bandwidth", [1.25e8, None], ids=["emulated-1Gbps", "unlimited"])
+def test_a_wait_for_a_late_peer_is_not_counted_against_the_link(tmp_path, bandwidth):
+    """The 1,000-byte all-gather (and its 8-byte length) takes the emulated link 10.008 ms (1 Gbps, 10 ms latency)
+    or nothing (unlimited):
+    that is cluster 0's link time and its wait for the link; the 5 s it waited for cluster 1 to send are
+    `peer_wait_s`, never `exposed_s` nor link time. Cluster 1, which sent late, waited only for the link."""
+    link = (1000 + 8) / 1.25e8 + 0.01 if bandwidth else 0.0
+    results = run_ranks(_late_peer_worker, world_size=2, args=(str(tmp_path / "clock"), bandwidth))
+    for rank, result in enumerate(results):
+        assert result["link_s"] == pytest.approx(link, abs=1e-9), rank
+        assert result["link_busy_s"] == pytest.approx(link, abs=1e-9), rank
+        assert result["exposed_s"] == pytest.approx(link, abs=1e-9), rank
+    # cluster 0 waited until 5.0 s, or until cluster 1's own link delivered at 5.01 s if that came first
+    assert 5.0 - link - 1e-9 <= results[0]["peer_wait_s"] <= 5.0 + 1e-9
+    assert results[1]["peer_wait_s"] == pytest.approx(0.0, abs=1e-9)

@@ -50,6 +50,7 @@ def test_train_debug_writes_everything_and_learns(debug_run):
         "wan_bytes_sent",
         "wan_bytes_recv",
         "exposed_comm_s",
+        "peer_wait_s",
         "elapsed_s",
     ):
         assert key in rows[-1], key
@@ -62,6 +63,8 @@ def test_train_debug_writes_everything_and_learns(debug_run):
     assert summary["final_eval_tokens"] == rows[-1]["eval_tokens"] == 16 * 8 * 64
     assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step_00000020", "step_00000040"]
     assert "eval loss" in result.stdout and "AllReduce would send" in result.stdout
+    assert f"waited {summary['exposed_comm_s']:.2f} s for the link" in result.stdout
+    assert f"and {summary['peer_wait_s']:.2f} s for other clusters" in result.stdout
 
 
 def test_eval_command_matches_training_eval(debug_run):
