@@ -592,8 +592,11 @@ class Trainer:
             if joined is not None and joined[1] != RESUMED:
                 if joined[1] == "round":
                     self.round_stats = self.sync.after_inner_step(self.step)
-                if self.step >= cfg.train.steps:
+                if self.step >= cfg.train.steps:  # joined at the last boundary: no step left, but the end is its own
                     self.round_stats = self.sync.flush() or self.round_stats
+                    path = self.save()
+                    if logger is not None:
+                        logger.print(f"checkpoint saved: {path}")
             while not self._finished():
                 try:
                     self.losses.append(self.train_step())
