@@ -300,13 +300,14 @@ Print the versions of dilocox, Python and torch, the GPUs torch sees, the platfo
 ($DILOCOX_CACHE, default ~/.cache/dilocox) (for bug reports)."""
 
 
-LIGHTHOUSE_USAGE = """usage: dilocox lighthouse [--bind HOST:PORT] [--config FILE] [--network.KEY=VALUE ...]
+LIGHTHOUSE_USAGE = """usage: dilocox lighthouse [--bind HOST:PORT] [--verbose] [--config FILE] [--network.KEY=VALUE ...]
 
 Run a torchft Lighthouse for an elastic run whose clusters are on several machines (topology.local_clusters), with
 the timeouts of the run's [network]: a cluster silent for 2 x network.heartbeat is left out of the next round, and
 the others wait up to network.stall_timeout (or network.timeout) for one that heartbeats but does not come. Start
 it on a host every machine reaches (default --bind [::]:29510) and pass the URL it prints as --network.lighthouse
-on every machine. One Lighthouse serves one run at a time. Ctrl+C (or SIGTERM) stops it."""
+on every machine. One Lighthouse serves one run at a time. Ctrl+C (or SIGTERM) stops it. It prints torchft's warnings
+and errors; --verbose also its INFO lines (each quorum's status, several a second while clusters meet)."""
 
 
 def cmd_lighthouse(argv: list[str]) -> int:
@@ -319,6 +320,10 @@ def cmd_lighthouse(argv: list[str]) -> int:
     from dilocox.config import load_config
     from dilocox.launch.elastic import lighthouse_timeouts
 
+    verbose = "--verbose" in argv
+    argv = [a for a in argv if a != "--verbose"]
+    # torchft's Rust side reads RUST_LOG when it starts: a user's own setting is kept unless --verbose
+    os.environ["RUST_LOG"] = "info" if verbose else os.environ.get("RUST_LOG", "warn")
     try:
         bind, argv = _take_option(argv, "--bind")
         config_path, rest = _take_option(argv, "--config")

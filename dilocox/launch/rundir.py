@@ -10,7 +10,9 @@ every check has passed (`preflight`) and the lock is held (docs/reference/run-di
 from __future__ import annotations
 
 import itertools
+import shlex
 import shutil
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -106,6 +108,19 @@ def choose_run_dir(cfg: Config) -> str | None:
     if why.startswith("holds a finished run"):
         more = f"; to continue that run, raise --train.steps and add --checkpoint.resume=latest --run.out_dir={base}"
     return f"dilocox: {base} {why}, so this run is a new one in {candidate} (--run.out_dir names another{more})"
+
+
+def resume_hint(cfg: Config, *, where: str = "") -> str:
+    """How to go on from disk once a run has stopped (Ctrl+C, a stall, every elastic cluster lost): this command in
+    this run directory, which resumes its newest checkpoint (`checkpoint.resume = auto`: the same settings,
+    unfinished), said with that checkpoint; `where` is said after the command (e.g. on which machines)."""
+    drop = ("--run.out_dir=", "--run.overwrite=", "--checkpoint.resume=")  # its own directory, resumed, not replaced
+    argv = ["dilocox", *[arg for arg in sys.argv[1:] if not arg.startswith(drop)], f"--run.out_dir={cfg.run.out_dir}"]
+    command = f"`{shlex.join(argv)}`{where}"
+    newest = list_checkpoints(Path(cfg.run.out_dir))
+    if not newest:
+        return f"no checkpoint was written yet: {command} starts the run again"
+    return f"resume it with {command} (from {newest[-1]}; checkpoint.resume = auto)"
 
 
 def prepare_run_dir(cfg: Config, data: TokenData, resume: Path | None) -> RunLock:

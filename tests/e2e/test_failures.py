@@ -76,7 +76,7 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout_and_every_rank_exits(t
         assert lines[1].startswith(
             "dilocox: a rank stopped sending heartbeats (named above): all 2 ranks stopped, exit 4"
         )
-        assert "--checkpoint.resume=latest" in lines[1]
+        assert "; resume it with `dilocox train " in lines[1] and f"--run.out_dir={run_dir}`" in lines[1]
         assert "Traceback" not in stderr
         assert not wait_until_gone(ranks), "a rank of the stopped run survived"
         # what was saved before the stall is intact; a checkpoint rank 0 was finishing may have landed, whole
