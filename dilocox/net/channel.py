@@ -12,6 +12,7 @@ cluster whose payload every other member dropped stops the run (`PayloadsRejecte
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import functools
@@ -19,6 +20,7 @@ import math
 import queue
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -51,6 +53,18 @@ ResultT = TypeVar("ResultT")
 _REDUCE_OPS = ("sum", "avg")
 _LENGTH_BYTES = 8  # one int64 element count per rank in the length exchange of an all-gather
 _CANCEL_JOIN_S = 5.0  # how long close(cancel=True) waits for a collective already on the wire
+_OPEN: weakref.WeakSet[WanChannel] = weakref.WeakSet()
+"""Channels whose communicator thread runs: closed at interpreter exit (`_close_at_exit`)."""
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """A program that ends (an exception in the user's loop) with a channel open: stop its communicator thread before
+    the interpreter finalizes. A daemon thread still inside a torch collective then would be unwound through C++ code
+    that cannot be, and the process would abort ("terminate called without an active exception", SIGABRT) instead of
+    exiting with the program's own error."""
+    for channel in list(_OPEN):
+        channel.close(cancel=True)
 _STAT_KEYS = ("bytes_sent", "bytes_recv", "control_bytes", "link_busy_s", "exposed_s", "num_transfers")
 _FORGER = PayloadAuth(b"dilocox/faults/a-key-no-cluster-holds".ljust(MIN_KEY_BYTES))
 """faults.kind = forge: what a forger without the shared key tags its payloads with."""
@@ -738,6 +752,7 @@ class WanChannel:
                     target=self._serve, args=(self._queue,), name="dilocox-wan-channel", daemon=True
                 )
                 self._thread.start()
+                _OPEN.add(self)
             if account:
                 transfer.seq = self._submitted
                 self._submitted += 1

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.e2e.helpers import REPO, TORCHRUN
+from tests.e2e.helpers import REPO, TORCHRUN, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -44,3 +44,36 @@ def test_custom_loop_example_without_torchrun_says_how_to_run_it_in_one_line():
         "examples/custom_loop.py: run it with torchrun: torchrun --standalone --nproc-per-node 2 "
         "examples/custom_loop.py\n"
     )
+
+
+LOOP_THAT_FAILS = """
+import torch, torch.distributed as dist, dilocox
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Linear(64, 64)
+inner_optimizer = torch.optim.AdamW(model.parameters())
+# built outside `with` and never closed: its start check (and, on a slow link, a transfer) is in flight
+sync = dilocox.OuterSync(model, inner_optimizer, cluster_group=dist.group.WORLD, inner_steps=2, bandwidth="1Mbps")
+raise RuntimeError("the loop failed")
+"""
+
+
+def test_an_exception_in_a_loop_that_never_closes_its_sync_ends_with_the_exception_and_exit_1():
+    """Not SIGABRT ("terminate called without an active exception"): the open channel is closed at exit."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}  # fmt: skip
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOOP_THAT_FAILS],
+            env={**env, "RANK": str(rank)},
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    for rank in ranks:
+        _, stderr = rank.communicate(timeout=120)
+        assert rank.returncode == 1, stderr[-3000:]
+        assert stderr.rstrip().endswith("RuntimeError: the loop failed") and "terminate called" not in stderr
