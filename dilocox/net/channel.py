@@ -65,6 +65,8 @@ def _close_at_exit() -> None:
     exiting with the program's own error."""
     for channel in list(_OPEN):
         channel.close(cancel=True)
+
+
 _STAT_KEYS = ("bytes_sent", "bytes_recv", "control_bytes", "link_busy_s", "exposed_s", "num_transfers")
 _FORGER = PayloadAuth(b"dilocox/faults/a-key-no-cluster-holds".ljust(MIN_KEY_BYTES))
 """faults.kind = forge: what a forger without the shared key tags its payloads with."""
@@ -173,8 +175,9 @@ class _Outcome:
     phases: int = 1
     """Dependent communication steps (each pays one latency): 1 for a single collective."""
     peers_ready: float | None = None
-    """When every peer had joined the collective (an all-gather's length exchange returned); None where the
-    collective does not tell (an all-reduce, a program): its whole time counts as link time."""
+    """When every peer had joined the collective (an all-gather's length exchange, or on a real link the one-value
+    all-reduce before an all-reduce, returned); None where the collective does not tell (a program, an emulated
+    all-reduce, whose link time is the model's): its whole time counts as link time."""
 
 
 class Wire:
@@ -298,8 +301,9 @@ class WanChannel:
     `group` None or a group of one (a single cluster) makes every operation a local no-op that moves 0 bytes.
     Note that None means "no slow link", not the default group. Counters (`stats()`) cover completed transfers:
     payload bytes by the ring conventions of `dilocox.net.link` (unpadded), `control_bytes` for the length
-    exchange of all-gathers, `link_busy_s` as the union of the link model's [start, done] intervals (when unlimited,
-    the measured collective time after every peer had joined: an all-gather's length exchange tells when), and the
+    exchange of all-gathers (and, on a real link, the one value all-reduced before each all-reduce), `link_busy_s` as
+    the union of the link model's [start, done] intervals (when unlimited, the measured collective time after every
+    peer had joined: those two exchanges tell when), and the
     trainer's time blocked in `wait()` in two parts: `exposed_s` until the link would have delivered, the
     communication training did not hide, and `peer_wait_s` after that, waiting for a cluster that sent late.
 
@@ -872,6 +876,11 @@ class WanChannel:
         self._peak_in_flight_bytes = max(self._peak_in_flight_bytes, sum(n for _, n in self._arrivals))
 
     def _run_all_reduce(self, tensor: torch.Tensor, op: str) -> _Outcome:
+        peers_ready, control_bytes = None, 0
+        if self._link is None:  # a real link: one value all-reduced first says when every peer has joined
+            dist.all_reduce(torch.zeros(1), group=self.group)
+            peers_ready = self.clock.now()
+            control_bytes, _ = ring_all_reduce_bytes(1, 4, self.world_size, self.group_rank)
         # gloo reduces contiguous host buffers only; reduce a copy and write it back so the call stays in-place.
         buffer = self._staging.to_host(tensor)
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
@@ -880,7 +889,7 @@ class WanChannel:
         if buffer is not tensor:
             self._staging.copy_to_device_(tensor, buffer)
         sent, recv = ring_all_reduce_bytes(tensor.numel(), tensor.element_size(), self.world_size, self.group_rank)
-        return _Outcome(tensor, sent, recv)
+        return _Outcome(tensor, sent, recv, control_bytes, peers_ready=peers_ready)
 
     def _run_all_gather(self, tensor: torch.Tensor, max_numel: int, exchange: int, *, forge: bool = False) -> _Outcome:
         world, rank = self.world_size, self.group_rank
