@@ -34,6 +34,7 @@ def test_clusters_of_dp_2_1_1_learn_and_count_every_replicas_tokens(mixed_run):
     assert (meta["world_size"], meta["dp_degrees"]) == (4, [2, 1, 1])
 
 
+@pytest.mark.slow
 def test_clusters_of_dp_2_1_1_resume_exactly_with_the_delayed_sync_in_flight(mixed_run, tmp_path):
     resumed = tmp_path / "resumed"
     checkpoint = mixed_run / "checkpoints" / "step_00000010"

@@ -87,6 +87,7 @@ def test_crashed_rank_stops_the_others(tmp_path):
     assert "failed" in stderr and "all ranks stopped" in stderr
 
 
+@pytest.mark.slow
 def test_torchrun_runs_each_rank(tmp_path):
     run_dir = tmp_path / "torchrun"
     result = subprocess.run(
@@ -103,6 +104,7 @@ def test_torchrun_runs_each_rank(tmp_path):
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
 
 
+@pytest.mark.slow
 def test_torchrun_rerun_after_a_killed_rank_resumes_where_it_stopped(tmp_path):
     """A worker killed under torchrun ends the job; starting the same command again (what torchrun --max-restarts
     or a job scheduler does) resumes from the newest checkpoint under checkpoint.resume = auto, taking over the

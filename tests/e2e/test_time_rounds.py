@@ -32,6 +32,7 @@ TIME_ROUNDS = [
 TOKENS_PER_STEP = 8 * 64  # micro_batch_size x seq_len of one cluster (dp 1)
 
 
+@pytest.mark.slow
 def test_time_rounds_give_the_slow_cluster_fewer_steps_and_resume_exactly(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     result = dilocox("train", *TIME_ROUNDS, f"--run.out_dir={straight}")
