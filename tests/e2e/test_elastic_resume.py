@@ -59,9 +59,11 @@ def test_every_elastic_cluster_writes_checkpoints_that_verify_are_pruned_and_tha
     assert json.loads(exported.stdout)["weights"] == "outer parameters"
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
-    # the run directory of an elastic run is not resumed as a static run (its rank files are per cluster)
+    # the run directory of an elastic run is not resumed as a static run (its rank files are per cluster); without
+    # --checkpoint.resume=latest a static run would be a new one beside it (another setting)
     static = [f for f in ON_DISK if f != "--topology.elastic=true"]
-    refused = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", *static, "--train.steps=40")
+    refused = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", *static, "--train.steps=40",
+                      "--checkpoint.resume=latest")  # fmt: skip
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
         f"dilocox: error: cannot resume {run_dir / 'checkpoints' / 'cluster0' / 'step_00000030'}: topology.elastic "
