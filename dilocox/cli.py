@@ -196,14 +196,18 @@ def cmd_train(argv: list[str]) -> int:
         forkserver.start_early(config_path, rest)  # its imports run while this process imports and checks the config
     from dilocox.launch.local import launch_local
     from dilocox.launch.preflight import preflight
-    from dilocox.launch.rundir import prepare_run_dir
+    from dilocox.launch.rundir import choose_run_dir, prepare_run_dir
     from dilocox.launch.torchrun import launch_torchrun
 
     try:
         cfg = _train_config(config_path, rest)
         if torchrun:
             return launch_torchrun(cfg)
+        cfg.validate()
+        moved = choose_run_dir(cfg)  # a finished run's or another setting's directory: the next free NAME-N
         data, resume = preflight(cfg)
+        if moved:
+            print(moved, flush=True)
         lock = prepare_run_dir(cfg, data, resume)  # takes the run directory's lock before writing into it
     except ValueError as exc:
         return _error(str(exc))
@@ -328,13 +332,14 @@ Print the versions of dilocox, Python and torch, the GPUs torch sees, the platfo
 ($DILOCOX_CACHE, default ~/.cache/dilocox) (for bug reports)."""
 
 
-LIGHTHOUSE_USAGE = """usage: dilocox lighthouse [--bind HOST:PORT] [--config FILE] [--network.KEY=VALUE ...]
+LIGHTHOUSE_USAGE = """usage: dilocox lighthouse [--bind HOST:PORT] [--verbose] [--config FILE] [--network.KEY=VALUE ...]
 
 Run a torchft Lighthouse for an elastic run whose clusters are on several machines (topology.local_clusters), with
 the timeouts of the run's [network]: a cluster silent for 2 x network.heartbeat is left out of the next round, and
 the others wait up to network.stall_timeout (or network.timeout) for one that heartbeats but does not come. Start
 it on a host every machine reaches (default --bind [::]:29510) and pass the URL it prints as --network.lighthouse
-on every machine. One Lighthouse serves one run at a time. Ctrl+C (or SIGTERM) stops it."""
+on every machine. One Lighthouse serves one run at a time. Ctrl+C (or SIGTERM) stops it. It prints torchft's warnings
+and errors; --verbose also its INFO lines (each quorum's status, several a second while clusters meet)."""
 
 
 def cmd_lighthouse(argv: list[str]) -> int:
@@ -347,6 +352,10 @@ def cmd_lighthouse(argv: list[str]) -> int:
     from dilocox.config import load_config
     from dilocox.launch.elastic import lighthouse_timeouts
 
+    verbose = "--verbose" in argv
+    argv = [a for a in argv if a != "--verbose"]
+    # torchft's Rust side reads RUST_LOG when it starts: a user's own setting is kept unless --verbose
+    os.environ["RUST_LOG"] = "info" if verbose else os.environ.get("RUST_LOG", "warn")
     try:
         bind, argv = _take_option(argv, "--bind")
         config_path, rest = _take_option(argv, "--config")

@@ -133,7 +133,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 400
+    # the first run's length: 8 rounds of the dilocox preset, about a minute on 2 cores (README, "The first run")
+    steps: int = 96
     """Inner steps every rank runs (tokens per rank = steps x micro_batch_size x seq_len)."""
     seq_len: int = 256
     """Tokens per training sequence."""

@@ -595,8 +595,11 @@ class Trainer:
             if joined is not None and joined[1] != RESUMED:
                 if joined[1] == "round":
                     self.round_stats = self.sync.after_inner_step(self.step)
-                if self.step >= cfg.train.steps:
+                if self.step >= cfg.train.steps:  # joined at the last boundary: no step left, but the end is its own
                     self.round_stats = self.sync.flush() or self.round_stats
+                    path = self.save()
+                    if logger is not None:
+                        logger.print(f"checkpoint saved: {path}")
             while not self._finished():
                 try:
                     self.losses.append(self.train_step())
@@ -731,6 +734,7 @@ class Trainer:
             "wan_bytes_recv": stats["bytes_recv"],
             "link_busy_s": stats["link_busy_s"],
             "exposed_comm_s": stats["exposed_s"],
+            "peer_wait_s": stats["peer_wait_s"],
             "payloads_rejected": stats["payloads_rejected"],
             "elapsed_s": self.elapsed_before + self._elapsed(),
         }
@@ -806,6 +810,7 @@ class Trainer:
             wan_bytes_clusters=[self.coords.cluster] if self.elastic else None,
             link_busy_s=stats["link_busy_s"],
             exposed_comm_s=stats["exposed_s"],
+            peer_wait_s=stats["peer_wait_s"],
             hidden_comm_fraction=(
                 min(1.0, max(0.0, 1.0 - stats["exposed_s"] / stats["link_busy_s"])) if stats["link_busy_s"] else None
             ),

@@ -16,7 +16,6 @@ import json
 import logging
 import multiprocessing.connection
 import os
-import shlex
 import signal
 import socket
 import sys
@@ -31,7 +30,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from dilocox import forkserver
-from dilocox.checkpoint import elastic_resume_paths, list_checkpoints
+from dilocox.checkpoint import elastic_resume_paths
 from dilocox.config import Config, from_dict, to_dict
 from dilocox.launch.processes import (
     EXIT_INTERRUPTED,
@@ -44,6 +43,7 @@ from dilocox.launch.processes import (
     signals_stop_the_run,
     stop_processes,
 )
+from dilocox.launch.rundir import resume_hint
 from dilocox.launch.status import ClusterBoard, ClusterStatus
 from dilocox.net.listen import bind_string, serve_store
 
@@ -76,7 +76,7 @@ def launch_elastic(cfg: Config, resume: Path | None = None) -> int:
     except (KeyboardInterrupt, Stopped) as exc:
         launcher.stop_all()
         what = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"stopped by {exc}"
-        print(f"\ndilocox: {what}, every cluster stopped", file=sys.stderr)
+        print(f"\ndilocox: {what}, every cluster stopped; {launcher.resume_hint()}", file=sys.stderr)
         return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else 128 + exc.signum
     finally:
         launcher.close()
@@ -192,18 +192,9 @@ class ElasticLauncher:
     def resume_hint(self) -> str:
         """How to go on from disk once the run has stopped: the same command on every machine (checkpoint.resume =
         auto takes each cluster's newest checkpoint), and the checkpoint it resumes from."""
-        argv = ["dilocox", *sys.argv[1:]]
-        if self.cfg.run.overwrite:
-            argv.append("--run.overwrite=false")  # it would start the run afresh
-        if self.cfg.checkpoint.resume == "":
-            argv.append("--checkpoint.resume=auto")
-        newest = list_checkpoints(Path(self.cfg.run.out_dir))
-        command = f"`{shlex.join(argv)}`"
-        if self.cfg.network.lighthouse:
-            command += f" on every machine of the run, once the Lighthouse at {self.cfg.network.lighthouse} runs"
-        if not newest:
-            return f"no checkpoint was written yet: {command} starts the run again"
-        return f"resume it with {command} (from {newest[-1]}; checkpoint.resume = auto)"
+        lighthouse = self.cfg.network.lighthouse
+        where = f" on every machine of the run, once the Lighthouse at {lighthouse} runs" if lighthouse else ""
+        return resume_hint(self.cfg, where=where)
 
     def end(self) -> int:
         """Say which clusters the run finished without; 0 when at least one of this machine's clusters finished."""

@@ -12,12 +12,15 @@ cluster whose payload every other member dropped stops the run (`PayloadsRejecte
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import functools
+import math
 import queue
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -50,10 +53,24 @@ ResultT = TypeVar("ResultT")
 _REDUCE_OPS = ("sum", "avg")
 _LENGTH_BYTES = 8  # one int64 element count per rank in the length exchange of an all-gather
 _CANCEL_JOIN_S = 5.0  # how long close(cancel=True) waits for a collective already on the wire
+_OPEN: weakref.WeakSet[WanChannel] = weakref.WeakSet()
+"""Channels whose communicator thread runs: closed at interpreter exit (`_close_at_exit`)."""
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """A program that ends (an exception in the user's loop) with a channel open: stop its communicator thread before
+    the interpreter finalizes. A daemon thread still inside a torch collective then would be unwound through C++ code
+    that cannot be, and the process would abort ("terminate called without an active exception", SIGABRT) instead of
+    exiting with the program's own error."""
+    for channel in list(_OPEN):
+        channel.close(cancel=True)
+
+
 _STAT_KEYS = ("bytes_sent", "bytes_recv", "control_bytes", "link_busy_s", "exposed_s", "num_transfers")
 _FORGER = PayloadAuth(b"dilocox/faults/a-key-no-cluster-holds".ljust(MIN_KEY_BYTES))
 """faults.kind = forge: what a forger without the shared key tags its payloads with."""
-_ADDED_STAT_KEYS = ("payloads_rejected", "peak_in_flight_bytes")
+_ADDED_STAT_KEYS = ("payloads_rejected", "peak_in_flight_bytes", "peer_wait_s")
 """Counters newer than some checkpoints: 0 when a saved state lacks them."""
 
 
@@ -86,9 +103,13 @@ class PendingTransfer(Generic[ResultT]):
     start_time: float = 0.0
     """When the transfer started on the (emulated) link: after its launch and after the previous one left."""
     done_time: float = 0.0
-    """When the transfer completed: the link model's arrival, or later if the real collective was slower."""
+    """When the transfer completed: the link model's arrival, or later if the real collective was slower (a peer
+    that sent late)."""
+    link_done_time: float = 0.0
+    """When the link alone would have delivered it, had every peer sent at once: the link model's arrival in
+    emulation; on a real link, its start plus the collective's time after every peer had arrived."""
     link_s: float = 0.0
-    """`done_time - start_time`: link time of this transfer alone."""
+    """`link_done_time - start_time`: link time of this transfer alone, without the wait for late peers."""
     seq: int = -1
     """Position among this channel's accounted transfers (the first is 0); -1 when not accounted. Transfers
     complete in order, so transfer `seq` is in the counters exactly when `num_transfers > seq`."""
@@ -106,7 +127,8 @@ class PendingTransfer(Generic[ResultT]):
         return self._finished.is_set()
 
     def wait(self) -> ResultT:
-        """Block until the transfer completes and return its result; the blocked time counts as exposed."""
+        """Block until the transfer completes and return its result; the blocked time counts as exposed until the
+        link would have delivered it, and as a wait for peers after that (`split_wait`)."""
         if not self._finished.is_set():
             if self._channel is None:
                 self._finished.wait()
@@ -114,7 +136,7 @@ class PendingTransfer(Generic[ResultT]):
                 clock = self._channel.clock
                 blocked_from = clock.now()
                 clock.block(self._finished)
-                self._channel._add_exposed(clock.now() - blocked_from)
+                self._channel._add_wait(*self.split_wait(blocked_from, clock.now()))
         if isinstance(self._error, PayloadsRejected):  # a verdict of the members, not a broken transfer
             raise self._error
         if self._error is not None:
@@ -125,6 +147,13 @@ class PendingTransfer(Generic[ResultT]):
         if self._staged is not None:
             self._staged.before_use()  # the compute stream reads the result after its copy back, not before
         return self._result
+
+    def split_wait(self, blocked_from: float, blocked_until: float) -> tuple[float, float]:
+        """(waited for the link, waited for peers): the part of a wait from `blocked_from` to `blocked_until` before
+        `link_done_time`, when the link alone would have delivered the transfer, and the rest, when the link had
+        delivered and the collective still waited for a cluster that sent late (a straggler, not the link)."""
+        link = max(0.0, min(blocked_until, self.link_done_time) - blocked_from)
+        return link, max(0.0, blocked_until - blocked_from - link)
 
     def _complete(self, result: Any) -> None:
         self._result = result
@@ -145,6 +174,10 @@ class _Outcome:
     control_bytes: int = 0
     phases: int = 1
     """Dependent communication steps (each pays one latency): 1 for a single collective."""
+    peers_ready: float | None = None
+    """When every peer had joined the collective (an all-gather's length exchange, or on a real link the one-value
+    all-reduce before an all-reduce, returned); None where the collective does not tell (a program, an emulated
+    all-reduce, whose link time is the model's): its whole time counts as link time."""
 
 
 class Wire:
@@ -345,8 +378,11 @@ class WanChannel:
     `group` None or a group of one (a single cluster) makes every operation a local no-op that moves 0 bytes.
     Note that None means "no slow link", not the default group. Counters (`stats()`) cover completed transfers:
     payload bytes by the ring conventions of `dilocox.net.link` (unpadded), `control_bytes` for the length
-    exchange of all-gathers, `link_busy_s` as the union of the link model's [start, done] intervals (the measured
-    collective time when unlimited), and `exposed_s` as the trainer's time blocked in `wait()`.
+    exchange of all-gathers (and, on a real link, the one value all-reduced before each all-reduce), `link_busy_s` as
+    the union of the link model's [start, done] intervals (when unlimited, the measured collective time after every
+    peer had joined: those two exchanges tell when), and the
+    trainer's time blocked in `wait()` in two parts: `exposed_s` until the link would have delivered, the
+    communication training did not hide, and `peer_wait_s` after that, waiting for a cluster that sent late.
 
     `auth` (a `PayloadAuth` of network.auth_key_file) tags every all-gathered payload and checks every peer's tag
     (docs/design.md §5): `payloads_rejected` counts a payload that fails and one warning line names its cluster.
@@ -416,6 +452,7 @@ class WanChannel:
         self._control_bytes = 0
         self._link_busy_s = 0.0
         self._exposed_s = 0.0
+        self._peer_wait_s = 0.0
         self._num_transfers = 0
         self._payloads_rejected = 0
         self._peak_in_flight_bytes = 0
@@ -425,6 +462,7 @@ class WanChannel:
         self._forge_next = False  # faults.kind = forge: the next all-gathered payload carries a forged tag
         self._in_flight = 0  # launched and not yet completed or failed
         self._running: _Job | None = None  # the job on the communicator thread
+        self._previous_end = -math.inf  # when the communicator thread's last collective returned
         self._submitted = 0  # accounted transfers launched so far (the next one's `seq`)
         self._launched = 0  # collectives launched so far, accounted or not (the next one's `_Job.exchange`)
 
@@ -485,6 +523,11 @@ class WanChannel:
             return self._exposed_s
 
     @property
+    def peer_wait_s(self) -> float:
+        with self._lock:
+            return self._peer_wait_s
+
+    @property
     def num_transfers(self) -> int:
         with self._lock:
             return self._num_transfers
@@ -525,9 +568,9 @@ class WanChannel:
         return 0 if self._auth is None else TAG_BYTES
 
     def stats(self) -> dict[str, float | int]:
-        """Cumulative counters: bytes_sent, bytes_recv, control_bytes, link_busy_s, exposed_s, num_transfers,
-        payloads_rejected (peers' payloads whose tag did not verify, counted even when not accounted), and the
-        peak_in_flight_bytes so far."""
+        """Cumulative counters: bytes_sent, bytes_recv, control_bytes, link_busy_s, exposed_s (waited for the
+        link), peer_wait_s (waited for late peers), num_transfers, payloads_rejected (peers' payloads whose tag did
+        not verify, counted even when not accounted), and the peak_in_flight_bytes so far."""
         with self._lock:
             return {
                 "bytes_sent": self._bytes_sent,
@@ -535,6 +578,7 @@ class WanChannel:
                 "control_bytes": self._control_bytes,
                 "link_busy_s": self._link_busy_s,
                 "exposed_s": self._exposed_s,
+                "peer_wait_s": self._peer_wait_s,
                 "num_transfers": self._num_transfers,
                 "payloads_rejected": self._payloads_rejected,
                 "peak_in_flight_bytes": self._peak_in_flight_bytes,
@@ -558,6 +602,7 @@ class WanChannel:
             self._control_bytes = int(state["control_bytes"])
             self._link_busy_s = float(state["link_busy_s"])
             self._exposed_s = float(state["exposed_s"])
+            self._peer_wait_s = float(state.get("peer_wait_s", 0.0))
             self._num_transfers = int(state["num_transfers"])
             self._payloads_rejected = int(state.get("payloads_rejected", 0))
             self._peak_in_flight_bytes = int(state.get("peak_in_flight_bytes", 0))
@@ -761,7 +806,9 @@ class WanChannel:
 
     def _completed(self, kind: str, result: Any) -> PendingTransfer[Any]:
         now = self.clock.now()
-        transfer: PendingTransfer[Any] = PendingTransfer(kind=kind, launch_time=now, start_time=now, done_time=now)
+        transfer: PendingTransfer[Any] = PendingTransfer(
+            kind=kind, launch_time=now, start_time=now, done_time=now, link_done_time=now
+        )
         transfer._complete(result)
         return transfer
 
@@ -792,6 +839,7 @@ class WanChannel:
                     target=self._serve, args=(self._queue,), name="dilocox-wan-channel", daemon=True
                 )
                 self._thread.start()
+                _OPEN.add(self)
             if account:
                 transfer.seq = self._submitted
                 self._submitted += 1
@@ -810,9 +858,10 @@ class WanChannel:
         """Whether the calling communicator thread was left to its collective (`abandon`); call under the lock."""
         return threading.current_thread() in self._abandoned
 
-    def _add_exposed(self, seconds: float) -> None:
+    def _add_wait(self, link_s: float, peers_s: float) -> None:
         with self._lock:
-            self._exposed_s += seconds
+            self._exposed_s += link_s
+            self._peer_wait_s += peers_s
 
     def _serve(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
         """Communicator thread: run the collectives of `jobs` in launch order until the stop sentinel. A thread that
@@ -858,31 +907,37 @@ class WanChannel:
 
     def _execute(self, job: _Job) -> None:
         transfer = job.transfer
-        real_start = self.clock.now()
+        # when this rank could start it: launched, and the previous collective off this thread
+        real_start = max(transfer.launch_time, self._previous_end)
         with self._staging.running(transfer._staged):
             outcome = job.run(job.exchange)
             self._staging.finish(transfer._staged, outcome.result)
-        real_end = self.clock.now()
+        real_end = self._previous_end = self.clock.now()
         with self._lock:
             if self._is_abandoned():  # its waiter was failed (`abandon`): the link and the counters go on without it
                 return
+        # the time the collective waited for late peers is not the link's
+        peers_s = 0.0 if outcome.peers_ready is None else max(0.0, outcome.peers_ready - real_start)
         if not job.account:
             transfer.nbytes_sent, transfer.nbytes_recv = outcome.nbytes_sent, outcome.nbytes_recv
-            transfer.start_time, transfer.done_time, transfer.link_s = real_start, real_end, real_end - real_start
+            transfer.start_time, transfer.done_time = real_start, real_end
+            transfer.link_done_time = real_end - peers_s
+            transfer.link_s = transfer.link_done_time - real_start
             transfer._complete(outcome.result)
             return
         if self._link is None:
-            start, done = real_start, real_end
-            busy_s = real_end - real_start
+            start, done, link_done = real_start, real_end, real_end - peers_s
+            busy_s = link_done - real_start
         else:
             charge = link_charge_bytes(outcome.nbytes_sent, outcome.nbytes_recv) + outcome.control_bytes
             busy_before = self._link.busy_s
-            start, model_done = self._link.schedule(charge, transfer.launch_time, phases=max(1, outcome.phases))
+            start, link_done = self._link.schedule(charge, transfer.launch_time, phases=max(1, outcome.phases))
             busy_s = self._link.busy_s - busy_before
-            self.clock.sleep_until(model_done)
-            done = max(model_done, real_end)
+            self.clock.sleep_until(link_done)
+            done = max(link_done, real_end)
         transfer.nbytes_sent, transfer.nbytes_recv = outcome.nbytes_sent, outcome.nbytes_recv
-        transfer.start_time, transfer.done_time, transfer.link_s = start, done, done - start
+        transfer.start_time, transfer.done_time, transfer.link_done_time = start, done, link_done
+        transfer.link_s = link_done - start
         with self._lock:
             self._bytes_sent += outcome.nbytes_sent
             self._bytes_recv += outcome.nbytes_recv
@@ -904,6 +959,11 @@ class WanChannel:
         self._peak_in_flight_bytes = max(self._peak_in_flight_bytes, sum(n for _, n in self._arrivals))
 
     def _run_all_reduce(self, tensor: torch.Tensor, op: str) -> _Outcome:
+        peers_ready, control_bytes = None, 0
+        if self._link is None:  # a real link: one value all-reduced first says when every peer has joined
+            dist.all_reduce(torch.zeros(1), group=self.group)
+            peers_ready = self.clock.now()
+            control_bytes, _ = ring_all_reduce_bytes(1, 4, self.world_size, self.group_rank)
         # gloo reduces contiguous host buffers only; reduce a copy and write it back so the call stays in-place.
         buffer = self._staging.to_host(tensor)
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
@@ -912,7 +972,7 @@ class WanChannel:
         if buffer is not tensor:
             self._staging.copy_to_device_(tensor, buffer)
         sent, recv = ring_all_reduce_bytes(tensor.numel(), tensor.element_size(), self.world_size, self.group_rank)
-        return _Outcome(tensor, sent, recv)
+        return _Outcome(tensor, sent, recv, control_bytes, peers_ready=peers_ready)
 
     def _run_all_gather(self, tensor: torch.Tensor, max_numel: int, exchange: int, *, forge: bool = False) -> _Outcome:
         world, rank = self.world_size, self.group_rank
@@ -926,6 +986,7 @@ class WanChannel:
         # gloo gathers equal sizes only: exchange the lengths, pad to the longest, trim on arrival.
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(lengths, torch.tensor([wire.numel()], dtype=torch.int64), group=self.group)
+        peers_ready = self.clock.now()  # every peer has launched its side: what follows is the link's
         numels = [int(n.item()) for n in lengths]
         for peer, numel in enumerate(numels):  # before allocating anything of that size
             if not 0 <= numel <= limit:
@@ -941,11 +1002,11 @@ class WanChannel:
         sent, recv = ring_all_gather_bytes(sizes, rank)
         if self._auth is None:
             gathered[rank] = tensor
-            return _Outcome(gathered, sent, recv, control_bytes)
+            return _Outcome(gathered, sent, recv, control_bytes, peers_ready=peers_ready)
         opened = self._open(gathered, tensor, exchange)
         # the verdicts travel once the payloads have arrived: a second step, with its own latency
         verdict_bytes, _ = ring_all_gather_bytes([world] * world, rank)
-        return _Outcome(opened, sent, recv, control_bytes + verdict_bytes, phases=2)
+        return _Outcome(opened, sent, recv, control_bytes + verdict_bytes, phases=2, peers_ready=peers_ready)
 
     def _global_rank_note(self, peer: int) -> str:
         return f" (global rank {self._group_ranks[peer]})" if peer < len(self._group_ranks) else ""

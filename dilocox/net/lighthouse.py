@@ -119,17 +119,18 @@ def run_lighthouse(
     prefix: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     cwd: str | Path | None = None,
+    log: Path | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
     """`dilocox lighthouse --bind BIND` in a subprocess, with the `[network]` timeouts its clusters use, run under
     `prefix` (e.g. `ip netns exec NS`), for scripts and tests that run a Lighthouse of their own: the process (its
-    stdout a pipe, which ends with "dilocox: lighthouse stopped"; its stderr, torchft's log lines, dropped) and the
-    URL its first line gives for network.lighthouse. RuntimeError, with the process stopped, when it prints none."""
+    stdout a pipe, which ends with "dilocox: lighthouse stopped"; its stderr, torchft's warnings, written to `log` or
+    dropped) and the URL its first line gives for network.lighthouse. RuntimeError, with the process stopped, when
+    it prints none."""
     command = [*prefix, sys.executable, "-m", "dilocox", "lighthouse", "--bind", bind,
                f"--network.heartbeat={heartbeat}", f"--network.stall_timeout={stall_timeout}"]  # fmt: skip
     environment = None if env is None else dict(env)
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=cwd, env=environment
-    )
+    with open(log or "/dev/null", "w") as stderr:  # the process keeps a descriptor of its own
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=cwd, env=environment)
     assert proc.stdout is not None
     first = proc.stdout.readline()
     found = _PRINTED_URL.search(first)

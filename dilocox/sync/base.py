@@ -43,9 +43,11 @@ class RoundStats:
     link_s: float
     """Link time of the transfer (emulated or measured)."""
     exposed_s: float
-    """Time the trainer was blocked waiting for it."""
+    """Time the trainer was blocked waiting for the link to deliver it."""
     bytes_sent: int
     """Bytes this rank put on the slow link for it."""
+    peer_wait_s: float = 0.0
+    """Time the trainer was blocked after the link had delivered, waiting for a cluster that sent late."""
     compute_s: float | None = None
     """Seconds from its launch to the wait (outer loops only): the compute it could hide behind."""
     inner_steps: int | None = None
@@ -120,6 +122,7 @@ class RoundStats:
         record: dict[str, Any] = {
             "round_link_s": self.link_s,
             "round_exposed_s": self.exposed_s,
+            "round_peer_wait_s": self.peer_wait_s,
             "round_hidden_s": self.hidden_s,
             "round_bytes_sent": self.bytes_sent,
         }

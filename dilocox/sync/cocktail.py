@@ -86,7 +86,7 @@ class CocktailSync(StepRounds):
         blocked_from = self.channel.clock.now()
         transfer = self.channel.launch_all_gather(payload.data)
         payloads = transfer.wait()  # one (nbytes,) uint8 per cluster, in cluster order; None: its tag failed
-        exposed = self.channel.clock.now() - blocked_from
+        exposed, peer_wait = transfer.split_wait(blocked_from, self.channel.clock.now())
         avg_shard = torch.zeros(self.shard_numel, device=grads.device)  # (shard,) fp32
         for cluster, data in enumerate(payloads):
             if data is None:
@@ -100,7 +100,9 @@ class CocktailSync(StepRounds):
         avg_shard.div_(sum(data is not None for data in payloads))
         self.flat.scatter_grads(gather_slices_(grads, avg_shard, self.bounds, self.dp_group))
         self.sync_step += 1
-        self.last_step_stats = RoundStats(link_s=transfer.link_s, exposed_s=exposed, bytes_sent=transfer.nbytes_sent)
+        self.last_step_stats = RoundStats(
+            link_s=transfer.link_s, exposed_s=exposed, bytes_sent=transfer.nbytes_sent, peer_wait_s=peer_wait
+        )
         if not self._checked_cost:
             self._checked_cost = True
             self._check_cost(transfer.nbytes_sent)

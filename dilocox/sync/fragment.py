@@ -539,9 +539,11 @@ class FragmentState:
             if skipped:
                 self.reducer.heal()  # a non-finite mean may have reached every cluster's residuals
                 avg = torch.zeros_like(avg)
+        exposed_s, peer_wait_s = pending.transfer.split_wait(blocked_from, clock.now())
         stats = RoundStats(
             link_s=pending.transfer.link_s,
-            exposed_s=clock.now() - blocked_from,
+            exposed_s=exposed_s,
+            peer_wait_s=peer_wait_s,
             bytes_sent=pending.transfer.nbytes_sent,
             compute_s=compute_s,
             inner_steps=round_steps,

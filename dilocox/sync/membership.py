@@ -381,15 +381,19 @@ class ElasticMembership:
         it and, with no cluster left, prints the command that resumes the run from disk."""
         others = [cluster for cluster in quorum.clusters if cluster != self.cluster]
         restarts = self.restarts_in_progress()
+        # every cluster died: the others of its round, or all the others, restarts too (the first restart to ask may
+        # meet the Lighthouse alone, the others' heartbeats gone, whichever restart a loaded machine starts first)
+        restarted = others if quorum.size == self.num_clusters else range(self.num_clusters)
+        if all(cluster in restarts for cluster in restarted if cluster != self.cluster):
+            named = [cluster for cluster in range(self.num_clusters) if cluster != self.cluster]
+            raise NoLivePeer(
+                f"cluster {self.cluster} was started again, and so were clusters {named}: no live cluster holds the "
+                "run's state to heal from (every cluster died)"
+            )
         if not others:
             raise NoLivePeer(
                 f"cluster {self.cluster} was started again, but no other cluster is alive to heal from (the run "
                 "ended, or every other cluster is gone)"
-            )
-        if quorum.size == self.num_clusters and all(cluster in restarts for cluster in others):
-            raise NoLivePeer(
-                f"cluster {self.cluster} was started again, and so were clusters {others}, the others in its first "
-                "round: no live cluster holds the run's state to heal from (every cluster died)"
             )
 
     def await_heals(self, quorum: Quorum) -> None:

@@ -30,6 +30,7 @@ from dilocox.compress.config import CODEC_KINDS
 from dilocox.faults import FaultConfig
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.net.link import parse_bandwidth, parse_duration
+from dilocox.sync.allreduce import allreduce_bytes_per_step
 from dilocox.sync.base import RoundStats, SyncStatus
 from dilocox.sync.config import OUTER_LOOP_KINDS, SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
@@ -358,8 +359,18 @@ class OuterSync:
 
     @property
     def outer_step(self) -> int:
-        """Rounds ended: their syncs launched (under the delay one more than applied, until `flush()`)."""
+        """Rounds ended, each one's sync launched. With `sync_delay = 1` the last one's average is still on its way
+        (it is applied at the end of the next round, or by `flush()`): `outer_step - 1` averages have been applied
+        then, and after `flush()` all of them."""
         return self.diloco.outer_step
+
+    @property
+    def allreduce_equiv_bytes(self) -> int:
+        """Bytes an AllReduce of the same inner steps (an fp32 gradient all-reduce over `cluster_group` every step,
+        sharded over `dp_group` as this sync is) would have put on the slow link from this rank: the yardstick of
+        `dilocox train`'s summary ("AllReduce would send"); what this sync sent is `channel.bytes_sent`."""
+        per_step = allreduce_bytes_per_step(self.diloco.numel, dp_group=self.dp_group, cluster_group=self.channel.group)
+        return self.num_steps * per_step
 
     @property
     def warnings(self) -> list[str]:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dilocox import CompressionConfig, OuterSync, SyncConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync
+from dilocox.sync.base import shard_bounds
 from dilocox.topology import Topology, build_process_groups
 from tests.multiproc import run_ranks
 
@@ -102,7 +103,9 @@ def _user_loop(groups, shard, options) -> dict:
             sync.step()
             if sync.status().boundary:
                 rounds.append(sync.outer_params.clone())
-    return {"rounds": rounds, "outer": sync.outer_params.clone(), "model": flat(model), "bytes": sync.channel.stats()}
+    outer = sync.outer_params.clone()
+    return {"rounds": rounds, "outer": outer, "model": flat(model), "bytes": sync.channel.stats(),
+            "allreduce_equiv": sync.allreduce_equiv_bytes, "numel": outer.numel()}  # fmt: skip
 
 
 def _trainer_loop(groups, shard, configs) -> dict:
@@ -147,7 +150,7 @@ def parity():
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_outer_sync_in_a_plain_loop_equals_diloco_sync_driven_like_the_trainer(parity, variant):
     initial = flat(make_model())
-    for rank_result in parity:
+    for rank, rank_result in enumerate(parity):
         user, trainer = rank_result[variant]
         assert len(user["rounds"]) == len(trainer["rounds"]) == 2
         for got, want in zip(user["rounds"], trainer["rounds"], strict=True):
@@ -155,6 +158,10 @@ def test_outer_sync_in_a_plain_loop_equals_diloco_sync_driven_like_the_trainer(p
         assert torch.equal(user["outer"], trainer["outer"])
         assert torch.equal(user["model"], trainer["model"])
         assert user["bytes"]["bytes_sent"] == trainer["bytes"]["bytes_sent"] > 0
+        # AllReduce's yardstick: each replica's half of the fp32 gradient, all-reduced over 2 clusters every step
+        # (a ring of 2 sends its whole shard: 2 (C-1)/C x 4 bytes a value)
+        start, end = shard_bounds(user["numel"], 2, rank % 2)  # ranks cluster-major: rank = cluster x 2 + dp
+        assert user["allreduce_equiv"] == STEPS * 4 * (end - start)
         drains = VARIANTS[variant][1][0].drain_residual  # the flush's int4 payload of the held-back residual
         assert user["bytes"]["num_transfers"] == trainer["bytes"]["num_transfers"] == 3 + drains
         # after the flush every cluster and replica holds the same parameters: the outer params

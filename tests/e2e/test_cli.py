@@ -50,6 +50,7 @@ def test_train_debug_writes_everything_and_learns(debug_run):
         "wan_bytes_sent",
         "wan_bytes_recv",
         "exposed_comm_s",
+        "peer_wait_s",
         "elapsed_s",
     ):
         assert key in rows[-1], key
@@ -62,6 +63,8 @@ def test_train_debug_writes_everything_and_learns(debug_run):
     assert summary["final_eval_tokens"] == rows[-1]["eval_tokens"] == 16 * 8 * 64
     assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step_00000020", "step_00000040"]
     assert "eval loss" in result.stdout and "AllReduce would send" in result.stdout
+    assert f"waited {summary['exposed_comm_s']:.2f} s for the link" in result.stdout
+    assert f"and {summary['peer_wait_s']:.2f} s for other clusters" in result.stdout
 
 
 def test_eval_command_matches_training_eval(debug_run):
@@ -398,22 +401,26 @@ def test_bad_config_exits_nonzero_naming_the_field(tmp_path, args, field):
     assert not run_dir.exists()
 
 
-def test_a_finished_run_resumes_at_its_end_and_is_never_overwritten(debug_run, tmp_path):
-    """checkpoint.resume = auto (the default) continues a run from its newest checkpoint: a finished run has
-    nothing left to train and keeps its checkpoints and final loss; resume = "" refuses the used directory."""
+def test_a_finished_run_is_never_rewritten_by_another_setting_nor_resumed_to_train_nothing(debug_run, tmp_path):
+    """A finished 1Gbps run rerun with --network.bandwidth=100Mbps: the new run trains in DIR-2 and says so, the
+    finished one keeps every byte (config.toml and summary.json still say 1Gbps). Resuming it explicitly at its last
+    step would train nothing: refused in one line, nothing written."""
     run_dir, _ = debug_run
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)
-    before = json.loads((copy / "summary.json").read_text())
-    checkpoints = {p: p.read_bytes() for p in (copy / "checkpoints").rglob("*") if p.is_file()}
-    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={copy}", "--checkpoint.keep=5", timeout=120)
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={copy}", "--network.bandwidth=100Mbps",
+                     "--train.steps=10", "--eval.interval=0", timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resuming from" in result.stdout and "step_00000040" in result.stdout
-    assert json.loads((copy / "summary.json").read_text())["final_eval_loss"] == before["final_eval_loss"]
-    assert {p: p.read_bytes() for p in (copy / "checkpoints").rglob("*") if p.is_file()} == checkpoints
-    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={copy}", "--checkpoint.resume=", timeout=60)
-    assert result.returncode == 2 and "already holds files" in result.stderr
-    assert {p: p.read_bytes() for p in (copy / "checkpoints").rglob("*") if p.is_file()} == checkpoints
+    assert f"dilocox: {copy} holds a run of other settings (network.bandwidth: '1Gbps' -> '100Mbps'" in result.stdout
+    assert f"so this run is a new one in {copy}-2" in result.stdout
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+    assert json.loads((tmp_path / "copy-2" / "summary.json").read_text())["bandwidth"] == "100Mbps"
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={copy}", "--network.bandwidth=100Mbps",
+                     "--checkpoint.resume=latest", timeout=120)  # fmt: skip
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert "step_00000040 is the end of its run (train.steps = 40): nothing is left to train" in result.stderr
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
 
 
 def test_help_lists_options_with_docstrings():

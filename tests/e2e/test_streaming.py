@@ -4,7 +4,7 @@ impossible split is one line before anything is written."""
 
 import pytest
 
-from tests.e2e.helpers import DEBUG, dilocox, metrics
+from tests.e2e.helpers import DEBUG, dilocox, metrics, train_refusal
 
 pytestmark = pytest.mark.e2e
 
@@ -49,10 +49,8 @@ def test_fragments_sync_at_their_steps_and_resume_bit_exact(tmp_path):
 def test_an_impossible_split_is_one_line_before_anything_is_written(tmp_path):
     run_dir = tmp_path / "run"
     args, message = ["--sync.inner_steps=500", "--sync.fragments=400"], "sync.fragments = 400 is more than the "
-    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", *args, timeout=120)
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.startswith("dilocox: error: ") and result.stderr.count("\n") == 1, result.stderr[-3000:]
-    assert message in result.stderr
+    refusal = train_refusal("--config", DEBUG, f"--run.out_dir={run_dir}", *args)
+    assert refusal is not None and "\n" not in refusal and message in refusal, refusal
     assert not run_dir.exists()
 
 

@@ -103,7 +103,7 @@ def test_missing_and_invalid_files(tmp_path):
         (["--topology.pp_degree=4", "--train.num_microbatches=2"], "fewer than the 4 pipeline stages"),
         (["--train.num_microbatches=3"], "does not divide train.micro_batch_size = 8"),
         (["--train.pipeline_schedule=zb"], "train.pipeline_schedule"),
-        (["--train.warmup_steps=400"], "train.warmup_steps = 400 must be smaller than train.steps = 400"),
+        (["--train.warmup_steps=400"], "train.warmup_steps = 400 must be smaller than train.steps = 96"),
         (["--metrics.wandb=cloud"], "metrics.wandb = 'cloud' is not one of: off, offline, online"),
         (["--network.bandwidth=fast"], "network.bandwidth"),
         (["--network.latency=-3ms"], "network.latency"),
@@ -177,7 +177,8 @@ def test_checkpoint_interval_off_the_round_grid_is_a_note_not_an_error():
 
 
 def test_warmup_default_shrinks_for_short_runs_but_an_explicit_value_is_kept(tmp_path):
-    assert load_config(None, []).train.warmup_steps == 20  # the default run: 400 steps, unchanged
+    assert load_config(None, []).train.warmup_steps == 9  # the default run: 96 steps, a tenth of them
+    assert load_config(None, ["--train.steps=400"]).train.warmup_steps == 20
     assert load_config(None, ["--train.steps=1000"]).train.warmup_steps == 20
     assert load_config(None, ["--train.steps=150"]).train.warmup_steps == 15
     short = load_config(None, ["--train.steps=30"])

@@ -7,6 +7,7 @@ The configuration and CLI references are generated from the code (`dilocox/tools
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,12 @@ def test_site_build_fails_on_a_broken_link_or_anchor(tmp_path):
     result = _mkdocs_build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert result.returncode != 0
     assert "missing.md" in result.stderr and "no-such-heading" in result.stderr, result.stderr
+
+
+def test_the_api_pages_codec_list_is_every_codec():
+    """docs/api.md's `compression` row names every codec OuterSync takes, no more."""
+    row = next(
+        line for line in (REPO / "docs" / "api.md").read_text().splitlines() if line.startswith("| `compression`")
+    )
+    listed = re.search(r"a codec name \(([^;]+);", row).group(1)
+    assert [name.strip(" `") for name in listed.split(",")] == list(CODEC_KINDS)

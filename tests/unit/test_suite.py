@@ -17,3 +17,11 @@ def test_no_test_directory_matches_a_pattern_pytest_does_not_recurse_into(pytest
         and any(directory.rglob("test_*.py"))
     ]
     assert skipped == [], f"pytest never collects the tests under {skipped}: rename the directories"
+
+
+def test_the_slow_tier_is_left_out_of_the_readme_command_and_run_by_ci(pytestconfig):
+    """`python -m pytest` (the README's command) leaves the tests marked slow out; .ci/run runs them too."""
+    addopts = pytestconfig.getini("addopts")
+    assert addopts[addopts.index("-m") + 1] == "not slow"
+    ci = (TESTS.parent / ".ci" / "run").read_text()
+    assert 'python -m pytest -m ""' in ci
