@@ -27,9 +27,9 @@ from dilocox.runlock import LOCK_FILE, RunLock
 RECORD_ONLY = ("run.out_dir", "run.overwrite", "checkpoint.interval", "checkpoint.resume", "checkpoint.keep",
                "eval.interval", "eval.max_batches", "eval.final_max_batches", "eval.local", "network.advertise_host",
                "network.lighthouse", "metrics.progress", "metrics.log_interval", "metrics.tensorboard",
-               "metrics.wandb")  # fmt: skip
-"""Settings that change where a run is recorded, how often it is saved and how it is watched, never what it trains:
-a run started again with another value of these is the same run."""
+               "metrics.wandb", "sync.min_clusters")  # fmt: skip
+"""Settings that change where a run is recorded, how often it is saved, how it is watched and how few clusters it
+goes on with, never what it trains: a run started again with another value of these is the same run."""
 
 
 def _settings(toml_text: str) -> dict[str, Any]:

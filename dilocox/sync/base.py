@@ -204,9 +204,9 @@ class SyncStatus:
 class SyncStrategy(Protocol):
     """One way of keeping the clusters' models together (docs/design.md §6): everything the trainer uses.
 
-        loss.backward(); sync.reduce_gradients(); inner_optimizer.step()
-        stats = sync.after_inner_step(step, step_s=seconds)    # a round's sync, when one landed
-        status = sync.status()                                   # boundary, outer step, messages, ...
+    loss.backward(); sync.reduce_gradients(); inner_optimizer.step()
+    stats = sync.after_inner_step(step, step_s=seconds)    # a round's sync, when one landed
+    status = sync.status()                                   # boundary, outer step, messages, ...
     """
 
     name: str

@@ -41,7 +41,6 @@ class CocktailSync(StepRounds):
 
     name = "cocktail"
 
-
     def __init__(
         self,
         params,
