@@ -19,9 +19,12 @@ def test_no_test_directory_matches_a_pattern_pytest_does_not_recurse_into(pytest
     assert skipped == [], f"pytest never collects the tests under {skipped}: rename the directories"
 
 
-def test_the_slow_tier_is_left_out_of_the_readme_command_and_run_by_ci(pytestconfig):
-    """`python -m pytest` (the README's command) leaves the tests marked slow out; .ci/run runs them too."""
+def test_ci_runs_exactly_the_readmes_test_command_which_includes_the_slow_tier(pytestconfig):
+    """The README's test command is what .ci/run runs, slow tier included (`-m ""`); plain `python -m pytest` leaves
+    the tests marked slow out, for a quicker loop."""
     addopts = pytestconfig.getini("addopts")
     assert addopts[addopts.index("-m") + 1] == "not slow"
+    readme = (TESTS.parent / "README.md").read_text()
+    command = next(line.split("#")[0].strip() for line in readme.splitlines() if "'.[dev]'" in line)
     ci = (TESTS.parent / ".ci" / "run").read_text()
-    assert 'python -m pytest -m ""' in ci
+    assert command.endswith('python -m pytest -m ""') and command in ci, command
