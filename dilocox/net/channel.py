@@ -959,23 +959,25 @@ class WanChannel:
         self._peak_in_flight_bytes = max(self._peak_in_flight_bytes, sum(n for _, n in self._arrivals))
 
     def _run_all_reduce(self, tensor: torch.Tensor, op: str) -> _Outcome:
+        # the group of its launch: a thread `abandon` left to it must not go on over the group of a later `rebind`
+        group, world, rank = self.group, self.world_size, self.group_rank
         peers_ready, control_bytes = None, 0
         if self._link is None:  # a real link: one value all-reduced first says when every peer has joined
-            dist.all_reduce(torch.zeros(1), group=self.group)
+            dist.all_reduce(torch.zeros(1), group=group)
             peers_ready = self.clock.now()
-            control_bytes, _ = ring_all_reduce_bytes(1, 4, self.world_size, self.group_rank)
+            control_bytes, _ = ring_all_reduce_bytes(1, 4, world, rank)
         # gloo reduces contiguous host buffers only; reduce a copy and write it back so the call stays in-place.
         buffer = self._staging.to_host(tensor)
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
         if op == "avg":
-            buffer.div_(self.world_size)
+            buffer.div_(world)
         if buffer is not tensor:
             self._staging.copy_to_device_(tensor, buffer)
-        sent, recv = ring_all_reduce_bytes(tensor.numel(), tensor.element_size(), self.world_size, self.group_rank)
+        sent, recv = ring_all_reduce_bytes(tensor.numel(), tensor.element_size(), world, rank)
         return _Outcome(tensor, sent, recv, control_bytes, peers_ready=peers_ready)
 
     def _run_all_gather(self, tensor: torch.Tensor, max_numel: int, exchange: int, *, forge: bool = False) -> _Outcome:
-        world, rank = self.world_size, self.group_rank
+        group, world, rank = self.group, self.world_size, self.group_rank  # of its launch, as `_run_all_reduce`
         if self._auth is None:
             wire, limit, unit = tensor, max_numel, "elements"
         else:  # the payload's bytes and their tag, one uint8 vector
@@ -985,7 +987,7 @@ class WanChannel:
                 wire[-TAG_BYTES:] = torch.frombuffer(bytearray(tag), dtype=torch.uint8)
         # gloo gathers equal sizes only: exchange the lengths, pad to the longest, trim on arrival.
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(lengths, torch.tensor([wire.numel()], dtype=torch.int64), group=self.group)
+        dist.all_gather(lengths, torch.tensor([wire.numel()], dtype=torch.int64), group=group)
         peers_ready = self.clock.now()  # every peer has launched its side: what follows is the link's
         numels = [int(n.item()) for n in lengths]
         for peer, numel in enumerate(numels):  # before allocating anything of that size
@@ -997,7 +999,7 @@ class WanChannel:
                     "the length was corrupted on the way"
                 )
         control_bytes, _ = ring_all_gather_bytes([_LENGTH_BYTES] * world, rank)
-        gathered: list[torch.Tensor | None] = list(_gather_payloads(self.group, wire, numels, rank, self._staging))
+        gathered: list[torch.Tensor | None] = list(_gather_payloads(group, wire, numels, rank, self._staging))
         sizes = [n * wire.element_size() for n in numels]
         sent, recv = ring_all_gather_bytes(sizes, rank)
         if self._auth is None:

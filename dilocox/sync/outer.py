@@ -191,7 +191,14 @@ class OuterSync:
             raise ValueError(f"OuterSync needs sync.kind = diloco or dilocox, not {sync.kind!r}")
         compression = compression or CompressionConfig()
         sync = sync.resolved(compression)
-        check_outer(sync, compression, faults=faults, elastic=membership is not None, lanes=lanes)
+        check_outer(
+            sync,
+            compression,
+            faults=faults,
+            elastic=membership is not None,
+            lanes=lanes,
+            authenticated=channel.tag_bytes > 0,
+        )
         self = cls.__new__(cls)
         self._setup(
             list(params),
@@ -520,11 +527,13 @@ def check_outer(
     faults: FaultConfig | None = None,
     elastic: bool = False,
     lanes: LaneLayout | None = None,
+    authenticated: bool = False,
 ) -> None:
-    """`sync` and `compression` (resolved) with what the caller runs them in, checked as `Config.validate` checks a
-    run: each section's values, then the compatibility table (`dilocox.compat`)."""
+    """`sync` and `compression` (resolved) with what the caller runs them in (`authenticated`: a channel that tags
+    its payloads), checked as `Config.validate` checks a run: each section's values, then the compatibility table
+    (`dilocox.compat`)."""
     from dilocox import compat
-    from dilocox.config import Config, TopologyConfig
+    from dilocox.config import Config, NetworkConfig, TopologyConfig
 
     sync.validate()
     compression.validate()
@@ -534,7 +543,10 @@ def check_outer(
         topology.num_clusters, topology.dp_degree, topology.pp_degree = t.num_clusters, max(t.dp_degrees), t.pp_degree
         topology.clusters = [f"pp{t.pp_degree}xdp{dp}" for dp in t.dp_degrees]
     sync = dataclasses.replace(sync, min_clusters="auto")  # the trainer's membership reads it, not this object
-    compat.check(Config(sync=sync, compression=compression, faults=faults or FaultConfig(), topology=topology))
+    network = NetworkConfig(auth_key_file="(the channel's key)" if authenticated else "")
+    compat.check(
+        Config(sync=sync, compression=compression, faults=faults or FaultConfig(), topology=topology, network=network)
+    )
 
 
 def _outer_optimizer_argument(

@@ -504,7 +504,9 @@ def test_an_outer_adamw_trains_from_the_cli_and_the_drain_it_cannot_take_is_refu
     assert {"exp_avg", "exp_avg_sq"} <= set(states[0]["outer_optimizer"]["state"][0])
     refused = tmp_path / "refused"
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={refused}", "--preset=dilocox",
-                     "--sync.outer_optimizer=adamw", timeout=60)  # fmt: skip
+                     "--sync.outer_optimizer=adamw", "--sync.drain_residual=true", timeout=60)  # fmt: skip
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
-    assert result.stderr.startswith("dilocox: error: sync.drain_residual = true adds the drained residual")
+    assert result.stderr.startswith(
+        "dilocox: error: sync.drain_residual = true does not work with sync.outer_optimizer = 'adamw'"
+    )
     assert "set sync.drain_residual = false" in result.stderr and not refused.exists()

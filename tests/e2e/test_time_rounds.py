@@ -92,12 +92,8 @@ def test_time_rounds_give_the_slow_cluster_fewer_steps_and_resume_exactly(tmp_pa
     [
         (["--faults.slow_clusters=5:2.0"], "faults.slow_clusters names cluster '5', which is not a cluster"),
         (["--faults.slow_clusters=1:0.5"], "a factor must be a number >= 1"),
-        (
-            ["--sync.round=time", "--topology.elastic=true"],
-            "sync.round = 'time' does not work with topology.elastic = true",
-        ),
     ],
-    ids=["unknown-cluster", "factor-below-one", "time-rounds-elastic"],
+    ids=["unknown-cluster", "factor-below-one"],
 )
 def test_a_bad_slow_or_time_setting_is_one_line_exit_2_and_writes_nothing(tmp_path, flags, words):
     run_dir = tmp_path / "run"
