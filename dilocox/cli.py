@@ -350,7 +350,7 @@ def cmd_lighthouse(argv: list[str]) -> int:
         print(LIGHTHOUSE_USAGE)
         return 0
     from dilocox.config import load_config
-    from dilocox.launch.elastic import lighthouse_timeouts
+    from dilocox.elastic.lighthouse import lighthouse_timeouts, lighthouse_url, start_lighthouse
 
     verbose = "--verbose" in argv
     argv = [a for a in argv if a != "--verbose"]
@@ -363,14 +363,12 @@ def cmd_lighthouse(argv: list[str]) -> int:
         cfg.network.validate()
     except ValueError as exc:
         return _error(str(exc))
-    try:
-        from dilocox.sync.membership import lighthouse_url, start_lighthouse
-    except ImportError:
-        return _error("the Lighthouse is torchft's: pip install 'dilocox[elastic]'")
-    timeouts = lighthouse_timeouts(cfg)
+    timeouts = lighthouse_timeouts(cfg.network)
     bind = bind or "[::]:29510"
     try:
         lighthouse = start_lighthouse(bind=bind, **timeouts)
+    except ImportError:
+        return _error("the Lighthouse is torchft's: pip install 'dilocox[elastic]'")
     except Exception as exc:  # torchft's server says why it could not bind (a port in use, a bad address)
         return _error(f"the Lighthouse could not start on {bind}: {exc}")
     stopped = threading.Event()

@@ -647,7 +647,7 @@ class WanChannel:
         """Stop waiting for what was launched: every transfer in flight fails with `error` now, and the collective on
         the wire is left to its communicator thread, which ends when the collective returns (a peer that resumes, or
         the group's timeout) and then touches nothing of this channel. For a member of an elastic round that stalled
-        in the middle of a transfer (`dilocox.sync.stall`): its peers must not wait for it until `network.timeout`.
+        in the middle of a transfer (`dilocox.elastic.stall`): its peers must not wait for it until `network.timeout`.
         Later collectives run on a new communicator thread, over the group of the next `rebind`."""
         with self._lock:
             jobs, self._queue = self._queue, queue.SimpleQueue()

@@ -48,7 +48,7 @@ from dilocox.sync.robust import RoundGuard
 from dilocox.sync.rounds import RoundReport, token_weighted_factor
 
 if TYPE_CHECKING:
-    from dilocox.sync.elastic import ElasticRounds
+    from dilocox.elastic.rounds import ElasticRounds
 
 STATE_KEYS: tuple[str, ...] = (
     "outer_params",

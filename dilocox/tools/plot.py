@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dilocox.elastic.events import EVENT
 from dilocox.metrics import METRICS_FILE, SUMMARY_FILE, RunSummary, read_metrics
-from dilocox.sync.events import EVENT
 from dilocox.tools.args import ToolParser, user_error
 
 
@@ -259,7 +259,7 @@ def plot_runs(runs: list[RunCurves], out_dir: Path, *, title: str = "") -> list[
 
 MEMBERSHIP_FILE = "membership.png"
 _EVENT_MARKERS = {"stalled": ("x", "C3"), "left": ("v", "C1"), "rejoined": ("^", "C2")}
-"""How each elastic event (`dilocox.sync.events`) is drawn in the membership chart: marker and colour."""
+"""How each elastic event (`dilocox.elastic.events`) is drawn in the membership chart: marker and colour."""
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from dilocox import CompressionConfig, SyncConfig
+from dilocox.elastic.membership import ElasticError, Quorum
+from dilocox.elastic.vote import Branch, ClusterVote, RejoinRequired
 from dilocox.net.auth import PayloadAuth
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.sync import DiLoCoSync
-from dilocox.sync.elastic import Branch, ClusterVote, RejoinRequired
-from dilocox.sync.membership import ElasticError, Quorum
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 

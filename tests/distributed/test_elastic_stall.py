@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from dilocox.sync.stall import MemberStalled, StallWatch
+from dilocox.elastic.stall import MemberStalled, StallWatch
 from tests.distributed.test_elastic_rounds import Cluster, Lighthouse, expected_outer, join_all
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
