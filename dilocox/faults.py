@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from dilocox.checks import check_types
+from dilocox.net.auth import MIN_KEY_BYTES, PayloadAuth
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +52,8 @@ FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 SlowMode = Literal["sleep", "virtual"]
 """How a slow cluster is slow (`faults.slow_mode`): it sleeps for real, or only the time-round clock counts it slow."""
 SLOW_MODES: tuple[str, ...] = get_args(SlowMode)
+FORGER = PayloadAuth(b"dilocox/faults/a-key-no-cluster-holds".ljust(MIN_KEY_BYTES))
+"""faults.kind = forge: what a forger without the shared key tags its payloads with, a key no cluster holds."""
 
 
 @dataclass
@@ -186,7 +189,9 @@ class FaultyReducer:
         round_index = self.round_index()
         if self.faults.active(cluster=self.cluster, round_index=round_index):
             if self.faults.kind == "forge":  # the values are honest, their tag is not
-                self.channel.forge_next_payload()
+                if not self.channel.tag_bytes:
+                    raise ValueError("faults.kind = 'forge' needs network.auth_key_file: without it no tag is sent")
+                self.channel.sign_next_with(FORGER)
             else:
                 pseudo_grad = self.faults.corrupt(pseudo_grad, round_index=round_index)
         return self.reducer.launch(pseudo_grad)
