@@ -42,9 +42,9 @@ from dilocox.checks import (
 )
 from dilocox.compress.config import CocktailConfig, CompressionConfig
 from dilocox.elastic.lighthouse import check_lighthouse_url
-from dilocox.faults import FaultConfig
 from dilocox.net.config import NetworkConfig
 from dilocox.sync.config import CHECKPOINT_STEPS, OUTER_OPTIMIZER_SETTINGS, SYNC_KINDS, SyncConfig
+from dilocox.sync.faults import FaultConfig
 from dilocox.topology import Topology, parse_cluster_shapes
 
 Device = Literal["auto", "cpu", "cuda"]

@@ -35,10 +35,10 @@ import torch.distributed as dist
 from dilocox.compress import CompressionConfig
 from dilocox.elastic.membership import ElasticMembership
 from dilocox.elastic.rounds import ElasticRounds
-from dilocox.faults import FaultConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, RoundStats, SyncStatus, dp_mean_
 from dilocox.sync.config import SyncConfig
+from dilocox.sync.faults import FaultConfig
 from dilocox.sync.fragment import (
     FragmentState,
     StageParts,

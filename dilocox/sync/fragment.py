@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 
 from dilocox.compress import CompressionConfig
-from dilocox.faults import FaultConfig, FaultyReducer
 from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, RoundStats
 from dilocox.sync.config import SyncConfig
+from dilocox.sync.faults import FaultConfig, FaultyReducer
 from dilocox.sync.lanes import LaneLayout, LaneReducer, build_lane_reducer
 from dilocox.sync.link_fit import fit_inner_steps, fit_link_warning, slow_link_advice
 from dilocox.sync.merge import InFlight, build_merge_rule

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from dilocox.compress import CompressionConfig, Payload
-from dilocox.faults import FORGER
 from dilocox.net.auth import TAG_BYTES, PayloadAuth
 from dilocox.net.channel import PayloadsRejected, WanChannel, rejection_verdict
 from dilocox.net.json_gather import all_gather_json
 from dilocox.net.link import ring_all_gather_bytes
+from dilocox.sync.faults import FORGER
 from dilocox.sync.reducer_factory import build_reducer
 from tests.multiproc import run_ranks
 

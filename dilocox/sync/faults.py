@@ -15,8 +15,9 @@ run whose model you want; it exists for tests, the fault benchmark and users who
 The lying kinds (all but `diverge`) change only what is sent: the cluster's own parameters follow the honest
 update, so its next pseudo-gradients are normal again.
 
-The lying kinds are a wrapper around the cluster's reducer (`FaultyReducer`); `diverge` acts on the parameters,
-where the outer loop asks `diverges` at the first step of each round.
+The lying kinds are a wrapper around the cluster's reducer (`FaultyReducer`): `forge` hands the channel a key no
+cluster holds (`FORGER`) for the next payload it seals (`WanChannel.sign_next_with`), the others change the values
+sent; `diverge` acts on the parameters, where the outer loop asks `diverges` at the first step of each round.
 
 Slow clusters (`faults.slow_clusters`, e.g. `{2 = 2.0}`) make heterogeneity measurable on one machine, independently
 of `faults.kind`: with `faults.slow_mode = "sleep"` every inner step of such a cluster takes factor x longer for real
