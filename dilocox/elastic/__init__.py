@@ -6,15 +6,3 @@ round boundary that settles the sync in flight among the live clusters (rounds.p
 transfer (stall.py), and the membership changes as lines and records (events.py). The launcher that starts an
 elastic run's clusters and restarts them is `dilocox.launch.elastic`.
 """
-
-from dilocox.lazy import lazy_exports
-
-__getattr__, __dir__, __all__ = lazy_exports(
-    __name__,
-    {
-        "dilocox.elastic.events": ("ElasticEvent", "MembershipLog"),
-        "dilocox.elastic.membership": ("ElasticError", "ElasticMembership", "NoLivePeer", "Quorum"),
-        "dilocox.elastic.rounds": ("ElasticRounds", "heal_state_bound"),
-        "dilocox.elastic.stall": ("MemberStalled", "StallWatch"),
-    },
-)

@@ -489,6 +489,13 @@ class ElasticMembership:
 def confirm(*, group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
     """Return only once every member of `group` got here (one 1-element all-reduce, bounded by `timeout`)."""
     if group.size() > 1:
-        options = dist.AllreduceOptions()
-        options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
-        group.allreduce([torch.zeros(1)], options).wait()
+        summed(torch.zeros(1), group=group, timeout=timeout)
+
+
+def summed(tensor: torch.Tensor, *, group: dist.ProcessGroup, timeout: datetime.timedelta) -> torch.Tensor:
+    """`tensor` summed in place over `group`, bounded by `timeout` (gloo honours a per-collective timeout given in the
+    options): control traffic between the members of a round, neither counted nor delayed by the link model."""
+    options = dist.AllreduceOptions()
+    options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
+    group.allreduce([tensor], options).wait()
+    return tensor

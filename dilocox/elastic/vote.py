@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dilocox.elastic.membership import ElasticError
+from dilocox.elastic.membership import ElasticError, summed
 
 APPLY, REDO, NOTHING = "apply", "redo", "nothing"
 
@@ -90,18 +90,14 @@ def exchange_reports(
     report: MemberReport, *, group: dist.ProcessGroup, timeout: datetime.timedelta
 ) -> list[MemberReport]:
     """Every member's report, in group rank order: one small all-reduce over `group` of a table in which each member
-    fills its own row, bounded by `timeout` (gloo honours a per-collective timeout given in the options). Control
-    traffic, not slow-link payload: neither counted nor delayed by the link model. A group of one returns its own
-    report."""
+    fills its own row (`summed`, bounded by `timeout`). A group of one returns its own report."""
     if group.size() == 1:
         return [report]
     table = torch.zeros(group.size(), 6, dtype=torch.int64)  # (members, fields)
     table[group.rank()] = torch.tensor(
         [report.holding, report.ok, report.restart_missing, report.digest, report.config, report.healed]
     )
-    options = dist.AllreduceOptions()
-    options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
-    group.allreduce([table], options).wait()
+    summed(table, group=group, timeout=timeout)
     return [MemberReport(bool(h), bool(o), bool(r), int(d), int(c), bool(e)) for h, o, r, d, c, e in table.tolist()]
 
 
@@ -114,16 +110,14 @@ def exchange_settings(
     before anything of that size is allocated."""
     data = json.dumps(settings, sort_keys=True).encode()
     size, rank = group.size(), group.rank()
-    options = dist.AllreduceOptions()
-    options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
     lengths = torch.zeros(size, dtype=torch.int64)
     lengths[rank] = len(data)
-    group.allreduce([lengths], options).wait()
+    summed(lengths, group=group, timeout=timeout)
     if not all(0 <= n <= _MAX_SETTINGS_BYTES for n in lengths.tolist()):
         raise ElasticError(f"a member of the round declared settings of {lengths.tolist()} bytes: not dilocox's")
     table = torch.zeros(size, int(lengths.max()), dtype=torch.int64)  # (members, bytes)
     table[rank, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
-    group.allreduce([table], options).wait()
+    summed(table, group=group, timeout=timeout)
     described = []
     for row, length in zip(table.tolist(), lengths.tolist(), strict=True):
         try:

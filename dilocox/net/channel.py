@@ -1,16 +1,7 @@
-"""The WAN channel: the one object through which every collective on the slow `cluster_group` goes.
-
-It is composed of three parts, one module each: the transport (`dilocox.net.transport`: the communicator thread that
-runs each collective for real, gloo, in launch order, and the `Wire` steps of multi-step programs), the link's
-accounting and emulation (`dilocox.net.accounting`: the exact bytes the ring algorithm puts on the wire, by the
-conventions of `dilocox.net.link`, and in emulation mode each transfer held until a FIFO model of the slow link says
-it would have arrived) and the authentication of payloads (`dilocox.net.sealing`). Training overlaps with the
-transfer exactly as it would with a real slow link; time the trainer spends blocked in `wait()` is recorded as
-exposed. With a `PayloadAuth` (network.auth_key_file) every all-gathered payload carries an HMAC-SHA256 tag, and a
-payload whose tag does not verify is dropped (None in its place) and counted, never used. The members then tell each
-other which payloads they dropped, so that every member leaves out the same ones and all of them average the same
-payloads; a cluster whose payload every other member dropped stops the run (`PayloadsRejected`).
-"""
+"""The WAN channel: the one object through which every collective on the slow `cluster_group` goes (§5 of
+docs/design.md). `WanChannel` composes three parts, a module each: the transport (`dilocox.net.transport`: the
+communicator thread, `Wire` programs), the link's accounting and emulation (`dilocox.net.accounting`) and the
+authentication of payloads (`dilocox.net.sealing`)."""
 
 from __future__ import annotations
 
