@@ -275,13 +275,11 @@ def cmd_eval(argv: list[str]) -> int:
         )
     except ValueError as exc:
         return _error(str(exc))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(
-            f"{result['source']}: loss {result['loss']:.4f}  perplexity {result['perplexity']:,.2f}  "
-            f"({result['tokens']:,} tokens, checkpoint step {result['step']}, {result['model']} model)"
-        )
+    line = (
+        f"{result['source']}: loss {result['loss']:.4f}  perplexity {result['perplexity']:,.2f}  "
+        f"({result['tokens']:,} tokens, checkpoint step {result['step']}, {result['model']} model)"
+    )
+    print(json.dumps(result) if args.json else line)
     return 0
 
 
@@ -321,13 +319,11 @@ def cmd_export(argv: list[str]) -> int:
         result = export_hf(Path(args.run_dir), Path(args.out), step=step, overwrite=args.overwrite)
     except ValueError as exc:
         return _error(str(exc))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(
-            f"exported step {result['step']} ({result['weights']}, {result['num_params']:,} parameters) as "
-            f"{result['architecture']} to {result['out']}"
-        )
+    line = (
+        f"exported step {result['step']} ({result['weights']}, {result['num_params']:,} parameters) as "
+        f"{result['architecture']} to {result['out']}"
+    )
+    print(json.dumps(result) if args.json else line)
     return 0
 
 

@@ -197,8 +197,11 @@ def _titled(title: str, what: str) -> str:
     return f"{title}: {what}" if title else what
 
 
-def _save(fig: Any, path: Path) -> Path:
-    """Write `fig` to `path` and free it."""
+def _save(fig: Any, path: Path, *, suptitle: str | None = None) -> Path:
+    """Write `fig` to `path` (with `suptitle`: titled above its panels and laid out) and free it."""
+    if suptitle is not None:
+        fig.suptitle(suptitle)
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     _pyplot().close(fig)
     return path
@@ -212,8 +215,10 @@ def _panels(out_dir: Path, num_panels: int) -> tuple[Any, list[Any]]:
     return fig, list(axes[0])
 
 
-def _end_run_panel(ax: Any, label: str) -> None:
-    """A panel of one run: its label above it, a grid and its legend."""
+def _end_run_panel(ax: Any, label: str, xlabel: str, ylabel: str) -> None:
+    """A panel of one run: its axes' labels, the run's above it, a grid and its legend."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(label, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
@@ -322,12 +327,8 @@ def plot_membership(runs: list[RunCurves], out_dir: Path, *, title: str = "") ->
                 steps, clusters = [e["step"] for e in events], [e["cluster"] for e in events]
                 ax.scatter(steps, clusters, s=60, marker=marker, color=color, label=kind, zorder=3)
         ax.set_yticks(membership.clusters())
-        ax.set_xlabel(_STEP)
-        ax.set_ylabel("cluster")
-        _end_run_panel(ax, run.label)
-    fig.suptitle(_titled(title, "clusters in each round"))
-    fig.tight_layout()
-    return _save(fig, out_dir / MEMBERSHIP_FILE)
+        _end_run_panel(ax, run.label, _STEP, "cluster")
+    return _save(fig, out_dir / MEMBERSHIP_FILE, suptitle=_titled(title, "clusters in each round"))
 
 
 CLUSTER_STEPS_FILE = "cluster_steps.png"
@@ -356,12 +357,8 @@ def plot_cluster_steps(runs: list[RunCurves], out_dir: Path, *, title: str = "")
         for cluster in range(max(len(steps) for steps in table.values())):
             steps = [table[r][cluster] if cluster < len(table[r]) else None for r in rounds]
             ax.plot(rounds, steps, marker="o", markersize=3, linewidth=1.2, label=f"cluster {cluster}")
-        ax.set_xlabel(_ROUND)
-        ax.set_ylabel("inner steps of the round")
-        _end_run_panel(ax, run.label)
-    fig.suptitle(_titled(title, "steps per cluster per round"))
-    fig.tight_layout()
-    return _save(fig, out_dir / CLUSTER_STEPS_FILE)
+        _end_run_panel(ax, run.label, _ROUND, "inner steps of the round")
+    return _save(fig, out_dir / CLUSTER_STEPS_FILE, suptitle=_titled(title, "steps per cluster per round"))
 
 
 def plot_throughput(labels: list[str], tokens_per_s: list[float], path: Path, *, title: str = "") -> Path:
