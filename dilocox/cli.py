@@ -20,7 +20,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from dilocox.config import Config
@@ -229,23 +229,38 @@ run.num_threads CPU threads. --max-batches N scores the first N batches of train
 log's eval uses eval.max_batches, its final eval eval.final_max_batches; 0: all)."""
 
 
-def cmd_eval(argv: list[str]) -> int:
+def _command_parser(command: str, usage: str):
+    """The options parser of `dilocox COMMAND`, with -h/--help (which prints `usage`; `_parse`)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="dilocox eval", usage=EVAL_USAGE, add_help=False)
+    parser = argparse.ArgumentParser(prog=f"dilocox {command}", usage=usage, add_help=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    return parser
+
+
+def _parse(parser, argv: list[str]) -> tuple[Any, int | None]:
+    """The options of `argv` and None, or the exit code once -h printed the usage or an unknown option is refused."""
+    args, unknown = parser.parse_known_args(argv)
+    if args.help:
+        print(parser.usage)
+        return args, 0
+    if unknown:
+        command = parser.prog.removeprefix("dilocox ")
+        return args, _error(f"unknown option(s) for {command}: {' '.join(unknown)}\n{parser.usage}")
+    return args, None
+
+
+def cmd_eval(argv: list[str]) -> int:
+    parser = _command_parser("eval", EVAL_USAGE)
     parser.add_argument("run_dir", nargs="?")
     parser.add_argument("--data.path", dest="data_path", default=None)
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--max-batches", type=int, default=0)
     parser.add_argument("--local", action="store_true")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("-h", "--help", action="store_true")
-    args, unknown = parser.parse_known_args(argv)
-    if args.help:
-        print(EVAL_USAGE)
-        return 0
-    if unknown:
-        return _error(f"unknown option(s) for eval: {' '.join(unknown)}\n{EVAL_USAGE}")
+    args, code = _parse(parser, argv)
+    if code is not None:
+        return code
     if not args.run_dir:
         return _error(f"eval needs a run directory\n{EVAL_USAGE}")
     from dilocox.evaluate import evaluate_run
@@ -260,13 +275,11 @@ def cmd_eval(argv: list[str]) -> int:
         )
     except ValueError as exc:
         return _error(str(exc))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(
-            f"{result['source']}: loss {result['loss']:.4f}  perplexity {result['perplexity']:,.2f}  "
-            f"({result['tokens']:,} tokens, checkpoint step {result['step']}, {result['model']} model)"
-        )
+    line = (
+        f"{result['source']}: loss {result['loss']:.4f}  perplexity {result['perplexity']:,.2f}  "
+        f"({result['tokens']:,} tokens, checkpoint step {result['step']}, {result['model']} model)"
+    )
+    print(json.dumps(result) if args.json else line)
     return 0
 
 
@@ -282,22 +295,16 @@ every cluster equal and export cluster 0's. Pipeline stages are put together. Ne
 
 
 def cmd_export(argv: list[str]) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="dilocox export", usage=EXPORT_USAGE, add_help=False)
+    parser = _command_parser("export", EXPORT_USAGE)
     parser.add_argument("run_dir", nargs="?")
     parser.add_argument("--out", default=None)
     parser.add_argument("--format", default="hf")
     parser.add_argument("--step", default=None)
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("-h", "--help", action="store_true")
-    args, unknown = parser.parse_known_args(argv)
-    if args.help:
-        print(EXPORT_USAGE)
-        return 0
-    if unknown:
-        return _error(f"unknown option(s) for export: {' '.join(unknown)}\n{EXPORT_USAGE}")
+    args, code = _parse(parser, argv)
+    if code is not None:
+        return code
     if not args.run_dir or not args.out:
         return _error(f"export needs a run directory and --out DIR\n{EXPORT_USAGE}")
     from dilocox.export import FORMATS, export_hf
@@ -312,13 +319,11 @@ def cmd_export(argv: list[str]) -> int:
         result = export_hf(Path(args.run_dir), Path(args.out), step=step, overwrite=args.overwrite)
     except ValueError as exc:
         return _error(str(exc))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(
-            f"exported step {result['step']} ({result['weights']}, {result['num_params']:,} parameters) as "
-            f"{result['architecture']} to {result['out']}"
-        )
+    line = (
+        f"exported step {result['step']} ({result['weights']}, {result['num_params']:,} parameters) as "
+        f"{result['architecture']} to {result['out']}"
+    )
+    print(json.dumps(result) if args.json else line)
     return 0
 
 
@@ -350,7 +355,7 @@ def cmd_lighthouse(argv: list[str]) -> int:
         print(LIGHTHOUSE_USAGE)
         return 0
     from dilocox.config import load_config
-    from dilocox.launch.elastic import lighthouse_timeouts
+    from dilocox.elastic.lighthouse import lighthouse_timeouts, lighthouse_url, start_lighthouse
 
     verbose = "--verbose" in argv
     argv = [a for a in argv if a != "--verbose"]
@@ -363,14 +368,12 @@ def cmd_lighthouse(argv: list[str]) -> int:
         cfg.network.validate()
     except ValueError as exc:
         return _error(str(exc))
-    try:
-        from dilocox.sync.membership import lighthouse_url, start_lighthouse
-    except ImportError:
-        return _error("the Lighthouse is torchft's: pip install 'dilocox[elastic]'")
-    timeouts = lighthouse_timeouts(cfg)
+    timeouts = lighthouse_timeouts(cfg.network)
     bind = bind or "[::]:29510"
     try:
         lighthouse = start_lighthouse(bind=bind, **timeouts)
+    except ImportError:
+        return _error("the Lighthouse is torchft's: pip install 'dilocox[elastic]'")
     except Exception as exc:  # torchft's server says why it could not bind (a port in use, a bad address)
         return _error(f"the Lighthouse could not start on {bind}: {exc}")
     stopped = threading.Event()
@@ -419,11 +422,9 @@ prepared data in DIR. Then train with --data.path=DIR: each rank reads only its 
 
 
 def cmd_prepare_data(argv: list[str]) -> int:
-    import argparse
-
     from dilocox.data.prepare import TOKENS_PER_FILE, prepare_dataset
 
-    parser = argparse.ArgumentParser(prog="dilocox prepare-data", usage=PREPARE_USAGE, add_help=False)
+    parser = _command_parser("prepare-data", PREPARE_USAGE)
 
     def refuse(message: str):
         raise ValueError(f"prepare-data: {message}")
@@ -439,16 +440,12 @@ def cmd_prepare_data(argv: list[str]) -> int:
     parser.add_argument("--reader", default="auto")
     parser.add_argument("--tokens-per-file", type=int, default=TOKENS_PER_FILE)
     parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("-h", "--help", action="store_true")
     try:
-        args, unknown = parser.parse_known_args(argv)
+        args, code = _parse(parser, argv)
     except ValueError as exc:
         return _error(str(exc))
-    if args.help:
-        print(PREPARE_USAGE)
-        return 0
-    if unknown:
-        return _error(f"unknown option(s) for prepare-data: {' '.join(unknown)}\n{PREPARE_USAGE}")
+    if code is not None:
+        return code
     if args.source is None or not args.out:
         return _error(f"prepare-data needs SRC and --out DIR\n{PREPARE_USAGE}")
     try:

@@ -41,10 +41,10 @@ from dilocox.checks import (
     field_type,
 )
 from dilocox.compress.config import CocktailConfig, CompressionConfig
-from dilocox.faults import FaultConfig
+from dilocox.elastic.lighthouse import check_lighthouse_url
 from dilocox.net.config import NetworkConfig
-from dilocox.net.lighthouse import check_lighthouse_url
 from dilocox.sync.config import CHECKPOINT_STEPS, OUTER_OPTIMIZER_SETTINGS, SYNC_KINDS, SyncConfig
+from dilocox.sync.faults import FaultConfig
 from dilocox.topology import Topology, parse_cluster_shapes
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -407,7 +407,7 @@ class Config:
         """The settings every cluster of a run must share, wherever it runs, by dotted name:
         `membership.SHARED_SECTIONS` and run.seed, without `membership.MACHINE_LOCAL_SETTINGS` (where files are, what
         one machine starts)."""
-        from dilocox.sync.membership import MACHINE_LOCAL_SETTINGS, SHARED_SECTIONS
+        from dilocox.elastic.membership import MACHINE_LOCAL_SETTINGS, SHARED_SECTIONS
 
         values = to_dict(self)
         shared: dict[str, Any] = {"run.seed": self.run.seed}

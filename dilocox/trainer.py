@@ -34,6 +34,7 @@ from dilocox.checkpoint import (
 from dilocox.config import Config, to_dict
 from dilocox.data import ShardedTokenStream, TokenData, is_prepared_dir, iter_eval_batches, prepare_tokens
 from dilocox.device import describe, intra_cluster_backend, resolve_device
+from dilocox.elastic.rounds import RESUMED, heal_state_bound
 from dilocox.metrics import MetricsLogger, RunSummary, format_summary, truncate_metrics
 from dilocox.models import Decoder, ModelArgs, count_parameters, model_args
 from dilocox.net.channel import WanChannel
@@ -43,8 +44,7 @@ from dilocox.net.watchdog import JobStore, Watchdog
 from dilocox.optim import MuonAdamW, inner_state_bytes, split_muon_parameters
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
 from dilocox.parallel.pipeline import mean_token_cross_entropy
-from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync, heal_state_bound
-from dilocox.sync.elastic import RESUMED
+from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync
 from dilocox.sync.lanes import LaneLayout, lane_allreduce_bytes_per_step
 from dilocox.sync.robust import GuardError
 from dilocox.topology import Topology, build_process_groups
@@ -376,7 +376,7 @@ class Trainer:
         """Elastic: called once this cluster is in the run (the launcher stops a restart that never got in)."""
 
     def _join_membership(self, cluster_store: tuple[str, int]):
-        from dilocox.sync.membership import ElasticMembership
+        from dilocox.elastic.membership import ElasticMembership
 
         cfg, t = self.cfg, self.cfg.topology
         timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
@@ -392,7 +392,7 @@ class Trainer:
             ranks_per_cluster=t.dp_degree * t.pp_degree,
             timeout=timeout,
             quorum_timeout=timeout,
-            # half the Lighthouse's join timeout (launch.elastic.lighthouse_timeouts)
+            # half the Lighthouse's join timeout (elastic.lighthouse.lighthouse_timeouts)
             control_timeout=datetime.timedelta(seconds=(cfg.network.stall_timeout_s or cfg.network.timeout_s) / 2),
             heal_max_bytes=heal_state_bound(cfg.sync, sum(p.numel() for p in self.model.parameters())),
             config_fingerprint=settings_fingerprint(settings),

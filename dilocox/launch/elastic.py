@@ -32,6 +32,7 @@ from torch.multiprocessing.spawn import ProcessException
 from dilocox import forkserver
 from dilocox.checkpoint import elastic_resume_paths
 from dilocox.config import Config, from_dict, to_dict
+from dilocox.elastic.lighthouse import lighthouse_timeouts, lighthouse_url, start_lighthouse
 from dilocox.launch.processes import (
     EXIT_INTERRUPTED,
     EXIT_USER_ERROR,
@@ -49,15 +50,6 @@ from dilocox.net.listen import bind_string, serve_store
 
 EXIT_NO_PEER = 5
 """A restarted cluster found no live cluster to heal from (the run ended without it); it is not restarted."""
-
-
-def lighthouse_timeouts(cfg: Config) -> dict[str, float]:
-    """The Lighthouse's timeouts from `[network]`: a cluster silent for 2 x network.heartbeat is left out of the next
-    round; the live ones wait up to network.stall_timeout (or network.timeout) for one that beats but does not come."""
-    return {
-        "heartbeat_timeout_s": 2 * cfg.network.heartbeat_s,
-        "join_timeout_s": cfg.network.stall_timeout_s or cfg.network.timeout_s,
-    }
 
 
 def launch_elastic(cfg: Config, resume: Path | None = None) -> int:
@@ -108,8 +100,6 @@ class ElasticLauncher:
     """
 
     def __init__(self, cfg: Config, resume: Path | None = None) -> None:
-        from dilocox.sync.membership import lighthouse_url, start_lighthouse
-
         self.cfg = cfg
         self.topology = cfg.topology
         self.advertise_host = cfg.network.listen_host
@@ -129,7 +119,9 @@ class ElasticLauncher:
         self.lighthouse = None
         self.address = cfg.network.lighthouse
         if not self.address:
-            self.lighthouse = start_lighthouse(bind=bind_string(self.advertise_host), **lighthouse_timeouts(cfg))
+            self.lighthouse = start_lighthouse(
+                bind=bind_string(self.advertise_host), **lighthouse_timeouts(cfg.network)
+            )
             self.address = lighthouse_url(self.lighthouse, self.advertise_host)
 
     def run(self) -> int | None:
@@ -392,7 +384,7 @@ def _elastic_rank_main(
     store = dist.TCPStore(advertise_host, port, ranks_per_cluster, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=local_rank, world_size=ranks_per_cluster, timeout=timeout)
     rank = cluster * ranks_per_cluster + local_rank
-    from dilocox.sync.membership import NoLivePeer
+    from dilocox.elastic.membership import NoLivePeer
     from dilocox.trainer import Trainer
 
     try:

@@ -25,9 +25,9 @@ from dilocox.config import Config
 from dilocox.data import ShardedTokenStream, TokenData, is_prepared_dir, iter_eval_batches
 from dilocox.data.tokenizer import smaller_vocab_warning
 from dilocox.device import resolve_device
+from dilocox.elastic.lighthouse import probe_lighthouse
 from dilocox.metrics import check_sinks
 from dilocox.models import ModelArgs
-from dilocox.net.lighthouse import probe_lighthouse
 from dilocox.net.listen import listening_socket
 from dilocox.parallel import check_split, stage_tensor_counts
 from dilocox.runlock import RunLock

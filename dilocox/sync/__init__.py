@@ -11,10 +11,10 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from dilocox.config import Config
+    from dilocox.elastic.membership import ElasticMembership
     from dilocox.net.channel import WanChannel
     from dilocox.sync.base import SyncStrategy
     from dilocox.sync.lanes import LaneLayout
-    from dilocox.sync.membership import ElasticMembership
 
 __getattr__, __dir__, _names = lazy_exports(
     __name__,
@@ -24,9 +24,7 @@ __getattr__, __dir__, _names = lazy_exports(
         "dilocox.sync.cocktail": ("CocktailSync",),
         "dilocox.sync.config": ("SyncConfig",),
         "dilocox.sync.diloco": ("DiLoCoSync",),
-        "dilocox.sync.elastic": ("ElasticRounds", "heal_state_bound"),
         "dilocox.sync.lanes": ("LaneLayout", "LaneReducer"),
-        "dilocox.sync.membership": ("ElasticError", "ElasticMembership"),
         "dilocox.sync.outer": ("OuterSync",),
         "dilocox.sync.reducer_factory": ("build_reducer",),
         "dilocox.sync.reducers": ("DenseReducer", "GatherReducer", "PendingMean", "Reducer"),

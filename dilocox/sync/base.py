@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox.compress import compression_ratio
-from dilocox.sync.events import ElasticEvent
+from dilocox.elastic.events import ElasticEvent
 from dilocox.topology import group_size
 
 

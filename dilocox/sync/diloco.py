@@ -33,11 +33,12 @@ import torch
 import torch.distributed as dist
 
 from dilocox.compress import CompressionConfig
-from dilocox.faults import FaultConfig
+from dilocox.elastic.membership import ElasticMembership
+from dilocox.elastic.rounds import ElasticRounds
 from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, RoundStats, SyncStatus, dp_mean_
 from dilocox.sync.config import SyncConfig
-from dilocox.sync.elastic import ElasticRounds
+from dilocox.sync.faults import FaultConfig
 from dilocox.sync.fragment import (
     FragmentState,
     StageParts,
@@ -46,7 +47,6 @@ from dilocox.sync.fragment import (
     num_outer_updates,
 )
 from dilocox.sync.lanes import LaneLayout
-from dilocox.sync.membership import ElasticMembership
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory, outer_optimizer_factory
 from dilocox.sync.rounds import RoundClock, RoundReport
 

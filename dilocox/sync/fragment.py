@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 
 from dilocox.compress import CompressionConfig
-from dilocox.faults import FaultConfig, FaultyReducer
 from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, RoundStats
 from dilocox.sync.config import SyncConfig
+from dilocox.sync.faults import FaultConfig, FaultyReducer
 from dilocox.sync.lanes import LaneLayout, LaneReducer, build_lane_reducer
 from dilocox.sync.link_fit import fit_inner_steps, fit_link_warning, slow_link_advice
 from dilocox.sync.merge import InFlight, build_merge_rule
@@ -48,7 +48,7 @@ from dilocox.sync.robust import RoundGuard
 from dilocox.sync.rounds import RoundReport, token_weighted_factor
 
 if TYPE_CHECKING:
-    from dilocox.sync.elastic import ElasticRounds
+    from dilocox.elastic.rounds import ElasticRounds
 
 STATE_KEYS: tuple[str, ...] = (
     "outer_params",
@@ -262,14 +262,6 @@ class FragmentState:
     @property
     def cluster(self) -> int:
         return self.stage.cluster
-
-    @property
-    def warnings(self) -> list[str]:
-        return self.stage.warnings
-
-    @property
-    def channel(self) -> WanChannel:
-        return self.stage.channel
 
     @property
     def divisor(self) -> float:
@@ -562,7 +554,7 @@ class FragmentState:
             advice = slow_link_advice(
                 stats, round_steps=round_steps, overlap_steps=cfg.overlap_steps, channel=stage.channel
             )
-            self.warnings.append(advice)
+            self.stage.warnings.append(advice)
         return avg, stats
 
     # -------------------------------------------------------------------------------------- where a round starts
@@ -608,7 +600,7 @@ class FragmentState:
         )
         if needed > self.cfg.fit_link_max_steps and not self.stage.warned:
             self.stage.warned = True
-            self.warnings.append(fit_link_warning(stats, round_steps=round_steps, needed=needed, cfg=self.cfg))
+            self.stage.warnings.append(fit_link_warning(stats, round_steps=round_steps, needed=needed, cfg=self.cfg))
 
     def _drain(self) -> RoundStats | None:
         """`sync.drain_residual`: send every cluster's held-back residual (`Reducer.held_back`) dense in int4 and
@@ -645,7 +637,7 @@ class FragmentState:
         if not stats.skipped:
             self.outer_params.sub_(avg, alpha=self.outer.lr)
         self.reducer.heal()  # sent: nothing is held back any more
-        self.warnings.append(
+        self.stage.warnings.append(
             f"drain: sent the held-back residual (int4, {stats.bytes_sent:,} bytes from this rank, "
             f"{stats.link_s:.2f} s of link, {stats.exposed_s:.2f} s waited)"
             + (": no usable mean, phi kept as it was" if stats.skipped else "")
@@ -729,14 +721,14 @@ class FragmentState:
             self.weight_sum = None if state["weight_sum"] is None else float(state["weight_sum"])
             self.landed_tokens = int(state["landed_tokens"])
             if state["pending_report"] is not None:
-                counted = state["pending_report_seq"] < self.channel.num_transfers
+                counted = state["pending_report_seq"] < self.stage.channel.num_transfers
                 self._report_flight = state["pending_report"], not counted
         # Every rank resumes from the same step and loads in the same order, so the re-sends pair up across
         # clusters. The link counters (restored first) hold the transfer exactly when it had arrived on this rank.
         self.pending = None
         if state["pending_sent"] is None:
             return None
-        counted = state["pending_seq"] < self.channel.num_transfers
+        counted = state["pending_seq"] < self.stage.channel.num_transfers
         return state["pending_sent"].to(self.outer_params.device), not counted  # checkpoints load on the CPU
 
     def send_again(self, due: PendingMean | None, reducer: Reducer) -> PendingMean:
@@ -748,7 +740,7 @@ class FragmentState:
             sent_report = due.report_sent if due is not None else None
             if sent_report is None:
                 sent_report = RoundReport(0, 0, 0.0).to_tensor()
-            report = self.channel.launch_all_gather(sent_report, account=True)
+            report = self.stage.channel.launch_all_gather(sent_report, account=True)
         if due is not None and not due.abstained:
             pending = reducer.relaunch(due.sent, account=True)
         else:
@@ -763,7 +755,7 @@ class FragmentState:
         report = None
         if self._report_flight is not None:  # sent again first, as it was first sent
             sent, account = self._report_flight
-            report = self.channel.launch_all_gather(sent, account=account)
+            report = self.stage.channel.launch_all_gather(sent, account=account)
         self.pending = self.reducer.relaunch(flight[0], account=flight[1])
         if report is not None:
             self.pending.report, self.pending.report_sent = report, self._report_flight[0]  # type: ignore[index]

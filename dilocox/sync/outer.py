@@ -27,16 +27,16 @@ import torch.distributed as dist
 
 from dilocox.compress import CompressionConfig
 from dilocox.compress.config import CODEC_KINDS
-from dilocox.faults import FaultConfig
+from dilocox.elastic.membership import ElasticMembership
+from dilocox.elastic.rounds import ElasticRounds
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.net.link import parse_bandwidth, parse_duration
 from dilocox.sync.allreduce import allreduce_bytes_per_step
 from dilocox.sync.base import RoundStats, SyncStatus
 from dilocox.sync.config import OUTER_LOOP_KINDS, SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
-from dilocox.sync.elastic import ElasticRounds
+from dilocox.sync.faults import FaultConfig
 from dilocox.sync.lanes import LaneLayout
-from dilocox.sync.membership import ElasticMembership
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory
 from dilocox.topology import group_size
 

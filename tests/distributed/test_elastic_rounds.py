@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from dilocox import CompressionConfig, SyncConfig
+from dilocox.elastic.membership import ElasticError, Quorum
+from dilocox.elastic.vote import Branch, ClusterVote, RejoinRequired
 from dilocox.net.auth import PayloadAuth
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.sync import DiLoCoSync
-from dilocox.sync.elastic import Branch, ClusterVote, RejoinRequired
-from dilocox.sync.membership import ElasticError, Quorum
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
@@ -42,6 +42,22 @@ def progress(cluster: int, round_index: int) -> torch.Tensor:
 
 def start_params() -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(7))
+
+
+def sync_config() -> SyncConfig:
+    """Every cluster's `[sync]`: the clusters' progress is independent noise, not one task's pseudo-gradients, so no
+    peer check on it."""
+    return SyncConfig(
+        kind="dilocox",
+        inner_steps=1,
+        sync_delay=1,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        merge="eager",
+        local_residual=False,  # what an elastic run resolves them to
+        drain_residual=False,
+        guard_peers=False,
+    )
 
 
 def make_group(store: dist.Store, prefix: str, rank: int, size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
@@ -181,18 +197,7 @@ class Cluster:
     ) -> None:
         self.member = Member(cluster, lighthouse, **member)
         self.param = torch.nn.Parameter(start_params())
-        # the clusters' progress is independent noise, not one task's pseudo-gradients: no peer check on it
-        cfg = SyncConfig(
-            kind="dilocox",
-            inner_steps=1,
-            sync_delay=1,
-            outer_lr=1.0,
-            outer_momentum=0.0,
-            merge="eager",
-            local_residual=False,  # what an elastic run resolves them to
-            drain_residual=False,
-            guard_peers=False,
-        )
+        cfg = sync_config()
         auth = None if key is None else PayloadAuth(key)
         channel = WanChannel(None, bandwidth=None, latency_s=0.0, auth=auth, stop_if_cut_off=False)  # as the trainer
         self.sync = DiLoCoSync(
@@ -274,18 +279,7 @@ def static_outer(compression: str) -> torch.Tensor:
     def run(cluster: int) -> None:
         group = make_group(store, "static", cluster, 3, LONG)
         param = torch.nn.Parameter(start_params())
-        # the clusters' progress is independent noise, not one task's pseudo-gradients: no peer check on it
-        cfg = SyncConfig(
-            kind="dilocox",
-            inner_steps=1,
-            sync_delay=1,
-            outer_lr=1.0,
-            outer_momentum=0.0,
-            merge="eager",
-            local_residual=False,  # what an elastic run resolves them to
-            drain_residual=False,
-            guard_peers=False,
-        )
+        cfg = sync_config()
         channel = WanChannel(None, bandwidth=None, latency_s=0.0)
         channel.rebind(group)  # the group is not in the default world (there is none here)
         sync = DiLoCoSync([param], cfg, CompressionConfig(kind=compression), channel=channel, dp_group=None,

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from dilocox import CompressionConfig, SyncConfig
-from dilocox.faults import FaultConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync, OuterSync
+from dilocox.sync.faults import FaultConfig
 from dilocox.sync.reducer_factory import build_reducer
 from dilocox.topology import Topology, build_process_groups
 from tests.multiproc import run_ranks

@@ -9,6 +9,7 @@ from dilocox.compress import CompressionConfig, build_codec
 from dilocox.config import load_config
 from dilocox.net.auth import TAG_BYTES, PayloadAuth
 from dilocox.net.channel import WanChannel
+from dilocox.net.sealing import ChunkSealer
 from dilocox.sync import build_sync
 from dilocox.sync.lanes import LaneLayout, LaneReducer
 from dilocox.topology import Topology, build_process_groups
@@ -273,15 +274,15 @@ def test_an_empty_lane_moves_nothing_and_the_mean_is_whole():
 KEY = b"the shared key of every cluster!"
 
 
-class FlippingOnArrivalChannel(WanChannel):
+class FlippingOnArrival(ChunkSealer):
     """Flips one bit of every lane chunk from cluster 1 (group rank 2) as it arrives here, before its tag is checked:
     corruption on the way to this receiver only, the other receivers get it whole."""
 
-    def _open_chunk(self, part, sender, exchange, *, group):
+    def open_chunk(self, part, sender):
         if sender == 2:
             part = part.clone()
             part[3] ^= 0x04
-        return super()._open_chunk(part, sender, exchange, group=group)
+        return super().open_chunk(part, sender)
 
 
 def _authenticated(rank, world_size):
@@ -297,8 +298,10 @@ def _authenticated(rank, world_size):
     mean = reducer.launch(pseudo_grad(coords.cluster)).wait().clone()
     counters = (channel.bytes_sent, channel.control_bytes)
     channel.close()
-    cls = FlippingOnArrivalChannel if rank == 3 else WanChannel
-    channel = cls(groups.cluster_group, bandwidth=None, latency_s=0.0, auth=PayloadAuth(KEY))
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0, auth=PayloadAuth(KEY))
+    if rank == 3:
+        seal = channel.seal
+        seal.chunks = lambda exchange, signer=None: FlippingOnArrival(seal, exchange, signer or seal.auth)
     reducer = LaneReducer(INT4, [torch.Size(s) for s in SHAPES], layout=layout, channel=channel,
                           dp_group=groups.dp_group)  # fmt: skip
     pending = reducer.launch(pseudo_grad(coords.cluster, 1))

@@ -22,7 +22,9 @@ NUM_CLUSTERS, H, STEPS, TOKENS_PER_STEP = 3, 8, 16, 100
 WANT_STEPS = [8, 8, 4]  # floor(H / factor) per round
 
 
-def _drive(rank, world_size, compression: list[str]):
+def _time_rounds(rank: int, world_size: int, flags: list[str]):
+    """This rank's toy model, channel, diloco sync with time rounds (cluster 2 twice as slow, on the virtual clock)
+    and inner optimizer, with `flags` on top."""
     groups = build_process_groups(Topology(NUM_CLUSTERS, 1, 1), rank)
     cfg = load_config(
         None,
@@ -34,11 +36,10 @@ def _drive(rank, world_size, compression: list[str]):
             "--sync.round=time",
             "--faults.slow_clusters=2:2.0",
             "--faults.slow_mode=virtual",
-            "--sync.sync_delay=0",
             "--sync.outer_lr=1",
             "--sync.outer_momentum=0",
             "--sync.guard_peers=false",  # random data: the clusters' updates of this toy model point apart
-            *compression,
+            *flags,
         ],
     )
     cfg.validate(world_size=world_size)
@@ -47,7 +48,11 @@ def _drive(rank, world_size, compression: list[str]):
     sync = build_sync(
         cfg, model.parameters(), channel=channel, dp_group=groups.dp_group, tokens_per_step=TOKENS_PER_STEP
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, channel, sync, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _drive(rank, world_size, compression: list[str]):
+    model, channel, sync, optimizer = _time_rounds(rank, world_size, ["--sync.sync_delay=0", *compression])
     rounds, step = [], 0
     while not sync.status().done:
         step += 1
@@ -110,18 +115,7 @@ def _fragments(rank, world_size):
     """Time rounds with 2 fragments: cluster 2 does 4 steps to the others' 8 per round, and each fragment's round
     ends halfway through the clock's round (fragment 0) or at its end (fragment 1). Every landing is recorded with the
     clusters' parameters at that fragment's boundary."""
-    groups = build_process_groups(Topology(NUM_CLUSTERS, 1, 1), rank)
-    cfg = load_config(None, [f"--topology.num_clusters={NUM_CLUSTERS}", f"--sync.inner_steps={H}",
-                             f"--train.steps={STEPS}", "--sync.round=time", "--faults.slow_clusters=2:2.0",
-                             "--faults.slow_mode=virtual", "--preset=diloco", "--sync.outer_lr=1",
-                             "--sync.outer_momentum=0", "--sync.guard_peers=false", "--sync.fragments=2"])  # fmt: skip
-    cfg.validate(world_size=world_size)
-    model = make_model()
-    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
-    sync = build_sync(
-        cfg, model.parameters(), channel=channel, dp_group=groups.dp_group, tokens_per_step=TOKENS_PER_STEP
-    )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, channel, sync, optimizer = _time_rounds(rank, world_size, ["--sync.fragments=2"])
     landings, step = [], 0
     while not sync.status().done:
         step += 1

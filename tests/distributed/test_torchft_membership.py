@@ -21,15 +21,9 @@ import torch.distributed as dist
 pytest.importorskip("torchft")
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(60)]
 
+from dilocox.elastic.lighthouse import lighthouse_url, start_lighthouse  # noqa: E402
+from dilocox.elastic.membership import ElasticMembership, NoLivePeer, _heal_transport, _reconfigurable_gloo  # noqa: E402
 from dilocox.net.listen import bind_string, serve_store  # noqa: E402
-from dilocox.sync.membership import (  # noqa: E402
-    ElasticMembership,
-    NoLivePeer,
-    _heal_transport,
-    _reconfigurable_gloo,
-    lighthouse_url,
-    start_lighthouse,
-)
 from tests.e2e.helpers import listening_sockets  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=10)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from dilocox.net.lighthouse import run_lighthouse
+from dilocox.elastic.lighthouse import run_lighthouse
 from tests.e2e.elastic_runs import Run
 from tests.e2e.helpers import REPO
 

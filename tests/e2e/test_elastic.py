@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
+from dilocox.elastic.lighthouse import run_lighthouse
 from dilocox.metrics import read_metrics
-from dilocox.net.lighthouse import run_lighthouse
 from dilocox.tools.linkcheck import namespaces
 from tests.e2e.elastic_runs import ELASTIC, checkpoints_of, records_of
 from tests.e2e.helpers import (

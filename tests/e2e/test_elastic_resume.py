@@ -71,12 +71,22 @@ def test_every_elastic_cluster_writes_checkpoints_that_verify_are_pruned_and_tha
     ]
 
 
-def _kill_entirely(run: Run, *checkpoints: Path) -> None:
-    """SIGKILL the launcher and every process below it once each of `checkpoints` is complete."""
+def _wait_for(run: Run, *checkpoints: Path) -> None:
+    """Return once each of `checkpoints` is complete, the run still going."""
     deadline = time.monotonic() + 120
     while not all((path / "meta.json").is_file() for path in checkpoints):
         assert run.proc.poll() is None and time.monotonic() < deadline, f"no checkpoints {checkpoints}:\n{run.output}"
         time.sleep(0.02)
+
+
+def _first_checkpoints(run_dir: Path) -> list[Path]:
+    """Each cluster's checkpoint of step 10 in `run_dir`."""
+    return [run_dir / "checkpoints" / f"cluster{c}" / "step_00000010" for c in (0, 1)]
+
+
+def _kill_entirely(run: Run, *checkpoints: Path) -> None:
+    """SIGKILL the launcher and every process below it once each of `checkpoints` is complete."""
+    _wait_for(run, *checkpoints)
     pids = [run.proc.pid, *descendant_pids(run.proc.pid)]
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -92,7 +102,7 @@ def test_an_elastic_run_killed_entirely_resumes_from_disk_and_ends_as_the_uninte
     clean_records = records_of(tmp_path / "clean")
 
     killed = start_run("killed", *ON_DISK, "--checkpoint.keep=5")
-    first = [tmp_path / "killed" / "checkpoints" / f"cluster{c}" / "step_00000010" for c in (0, 1)]
+    first = _first_checkpoints(tmp_path / "killed")
     _kill_entirely(killed, *first)
     shutil.copytree(tmp_path / "killed", tmp_path / "lost")  # the same run, where cluster 1's disk is lost below
 
@@ -130,11 +140,7 @@ def test_an_elastic_run_killed_entirely_resumes_from_disk_and_ends_as_the_uninte
 @pytest.mark.timeout(300)
 def test_ctrl_c_stops_every_cluster_with_the_command_that_resumes_the_run(tmp_path, start_run):
     run = start_run("run", *ON_DISK)
-    checkpoints = [tmp_path / "run" / "checkpoints" / f"cluster{c}" / "step_00000010" for c in (0, 1)]
-    deadline = time.monotonic() + 120
-    while not all((path / "meta.json").is_file() for path in checkpoints):
-        assert run.proc.poll() is None and time.monotonic() < deadline, run.output
-        time.sleep(0.02)
+    _wait_for(run, *_first_checkpoints(tmp_path / "run"))
     os.kill(run.proc.pid, signal.SIGINT)
     assert run.finish(timeout=120) == 130
     hint = [line for line in run.lines if line.startswith("dilocox: interrupted, every cluster stopped; ")]
@@ -150,11 +156,7 @@ def test_ctrl_c_stops_every_cluster_with_the_command_that_resumes_the_run(tmp_pa
 @pytest.mark.timeout(300)
 def test_when_every_cluster_dies_the_launcher_gives_the_command_that_resumes_the_run_from_disk(tmp_path, start_run):
     run = start_run("run", *ON_DISK)
-    checkpoints = [tmp_path / "run" / "checkpoints" / f"cluster{c}" / "step_00000010" for c in (0, 1)]
-    deadline = time.monotonic() + 120
-    while not all((path / "meta.json").is_file() for path in checkpoints):
-        assert run.proc.poll() is None and time.monotonic() < deadline, run.output
-        time.sleep(0.02)
+    _wait_for(run, *_first_checkpoints(tmp_path / "run"))
     for cluster in (0, 1):
         os.kill(run.pid_of(cluster), signal.SIGKILL)
     # the restarts meet each other only: none holds the run's state, so they stop rather than train it from step 0

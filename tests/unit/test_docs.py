@@ -18,8 +18,8 @@ import yaml
 from dilocox.cli import COMMANDS
 from dilocox.compress.config import CODEC_KINDS, RANK_RULES, REDUCTIONS
 from dilocox.config import PRESETS, options, read_preset
-from dilocox.faults import FAULT_KINDS
 from dilocox.sync.config import MERGE_RULES, SYNC_KINDS
+from dilocox.sync.faults import FAULT_KINDS
 from dilocox.tools import docgen
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dilocox.config import load_config
-from dilocox.faults import FaultConfig
+from dilocox.sync.faults import FaultConfig
 from dilocox.sync.robust import PeerCheck, UpdateGuard, aggregate, inner_products
 
 

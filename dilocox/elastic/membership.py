@@ -11,7 +11,7 @@ transport instead of from disk (docs/design.md §10.1).
     channel.rebind(quorum.group)          # the slow link of this round
     ...the round's collectives...; membership.commit()
 
-What a round's clusters do with a sync launched in one quorum and resolved in the next is `dilocox.sync.elastic`'s.
+What a round's clusters do with a sync launched in one quorum and resolved in the next is `dilocox.elastic.rounds`'s.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import datetime
 import io
 import logging
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dilocox.net.lighthouse import PROBE_TIMEOUT_S, heartbeat_ages
-from dilocox.net.listen import LOOPBACK, bind_address, url_host
-from dilocox.sync.stall import StallWatch
+from dilocox.elastic.lighthouse import PROBE_TIMEOUT_S, heartbeat_ages
+from dilocox.elastic.stall import StallWatch
+from dilocox.net.listen import bind_address, url_host
 
 
 class ElasticError(ValueError):
@@ -320,7 +319,7 @@ class ElasticMembership:
             poll_s=heartbeat_s,
         )
         """The Lighthouse's heartbeats of the clusters: a member silent for network.stall_timeout while this cluster
-        waits on a transfer of its round is named and left out (`dilocox.sync.stall`; 0: not watched)."""
+        waits on a transfer of its round is named and left out (`dilocox.elastic.stall`; 0: not watched)."""
 
     def serve_heals(self, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
         """What a live peer sends a joining cluster, and how this cluster takes it (`ElasticRounds` calls it)."""
@@ -490,27 +489,13 @@ class ElasticMembership:
 def confirm(*, group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
     """Return only once every member of `group` got here (one 1-element all-reduce, bounded by `timeout`)."""
     if group.size() > 1:
-        options = dist.AllreduceOptions()
-        options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
-        group.allreduce([torch.zeros(1)], options).wait()
+        summed(torch.zeros(1), group=group, timeout=timeout)
 
 
-def start_lighthouse(*, bind: str = f"{LOOPBACK}:0", heartbeat_timeout_s: float, join_timeout_s: float):
-    """A torchft LighthouseServer listening on `bind` (`host:port`; port 0: the system picks), in the launcher's
-    process or `dilocox lighthouse`; `lighthouse_url` is what the clusters pass as network.lighthouse. A cluster whose
-    heartbeat is silent for `heartbeat_timeout_s` is left out of the next quorum; the live ones wait at most
-    `join_timeout_s` for a cluster that beats but does not come."""
-    from torchft.coordination import LighthouseServer
-
-    return LighthouseServer(
-        bind=bind,
-        min_replicas=1,
-        join_timeout_ms=int(join_timeout_s * 1000),
-        heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
-    )
-
-
-def lighthouse_url(lighthouse, host: str) -> str:
-    """The URL of `lighthouse` at `host`, where it listens (torchft's `address()` names `socket.gethostname()`, which
-    need not resolve to the address it listens on)."""
-    return f"http://{url_host(host)}:{urllib.parse.urlsplit(lighthouse.address()).port}"
+def summed(tensor: torch.Tensor, *, group: dist.ProcessGroup, timeout: datetime.timedelta) -> torch.Tensor:
+    """`tensor` summed in place over `group`, bounded by `timeout` (gloo honours a per-collective timeout given in the
+    options): control traffic between the members of a round, neither counted nor delayed by the link model."""
+    options = dist.AllreduceOptions()
+    options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
+    group.allreduce([tensor], options).wait()
+    return tensor

@@ -15,8 +15,9 @@ run whose model you want; it exists for tests, the fault benchmark and users who
 The lying kinds (all but `diverge`) change only what is sent: the cluster's own parameters follow the honest
 update, so its next pseudo-gradients are normal again.
 
-The lying kinds are a wrapper around the cluster's reducer (`FaultyReducer`); `diverge` acts on the parameters,
-where the outer loop asks `diverges` at the first step of each round.
+The lying kinds are a wrapper around the cluster's reducer (`FaultyReducer`): `forge` hands the channel a key no
+cluster holds (`FORGER`) for the next payload it seals (`WanChannel.sign_next_with`), the others change the values
+sent; `diverge` acts on the parameters, where the outer loop asks `diverges` at the first step of each round.
 
 Slow clusters (`faults.slow_clusters`, e.g. `{2 = 2.0}`) make heterogeneity measurable on one machine, independently
 of `faults.kind`: with `faults.slow_mode = "sleep"` every inner step of such a cluster takes factor x longer for real
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from dilocox.checks import check_types
+from dilocox.net.auth import MIN_KEY_BYTES, PayloadAuth
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +53,8 @@ FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 SlowMode = Literal["sleep", "virtual"]
 """How a slow cluster is slow (`faults.slow_mode`): it sleeps for real, or only the time-round clock counts it slow."""
 SLOW_MODES: tuple[str, ...] = get_args(SlowMode)
+FORGER = PayloadAuth(b"dilocox/faults/a-key-no-cluster-holds".ljust(MIN_KEY_BYTES))
+"""faults.kind = forge: what a forger without the shared key tags its payloads with, a key no cluster holds."""
 
 
 @dataclass
@@ -186,7 +190,9 @@ class FaultyReducer:
         round_index = self.round_index()
         if self.faults.active(cluster=self.cluster, round_index=round_index):
             if self.faults.kind == "forge":  # the values are honest, their tag is not
-                self.channel.forge_next_payload()
+                if not self.channel.tag_bytes:
+                    raise ValueError("faults.kind = 'forge' needs network.auth_key_file: without it no tag is sent")
+                self.channel.sign_next_with(FORGER)
             else:
                 pseudo_grad = self.faults.corrupt(pseudo_grad, round_index=round_index)
         return self.reducer.launch(pseudo_grad)
