@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dilocox.net.lighthouse import run_lighthouse  # noqa: E402
+from dilocox.elastic.lighthouse import run_lighthouse  # noqa: E402
 from dilocox.net.link import parse_bandwidth  # noqa: E402
 from dilocox.tools.linkcheck import namespaces  # noqa: E402
 

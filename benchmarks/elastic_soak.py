@@ -85,7 +85,7 @@ class Lighthouse:
         self.start()
 
     def start(self) -> None:
-        from dilocox.net.lighthouse import run_lighthouse
+        from dilocox.elastic.lighthouse import run_lighthouse
 
         self.proc, _ = run_lighthouse(
             f"127.0.0.1:{self.port}", heartbeat="0.5s", stall_timeout=f"{STALL_TIMEOUT_S:g}s", cwd=ROOT

@@ -5,7 +5,7 @@
     python benchmarks/hetero.py --only loss --loss-config configs/debug.toml --loss-preset dilocox   # another model
     python benchmarks/hetero.py --steps 60 --seeds 1 --out /tmp/hetero      # a quicker look
 
-Setting: `configs/default.toml` (the `tiny` model, the dilocox preset: top-k int4, the one-step delay, H = 12 unless
+Setting: `dilocox train`'s own (the `tiny` model, the dilocox preset: top-k int4, the one-step delay, H = 12 unless
 --inner-steps, an emulated 1 Gbps / 10 ms link) with each average applied at the end of the next round
 (`sync.overlap_steps = 0`, which time rounds need), 3 clusters, one rank each, cluster 2 slowed by 2x.
 
@@ -37,7 +37,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "configs" / "default.toml"
+CONFIG: Path | None = None
+"""The `--config` of every run; None: `dilocox train`'s own setting."""
 SLOW = "--faults.slow_clusters=2:2.0"
 SPEED_ROWS = {
     "homogeneous": [],
@@ -51,11 +52,14 @@ LABELS = {
 }
 
 
-def train(run_dir: Path, steps: int, inner_steps: int, seed: int, flags: list[str], config: Path = CONFIG) -> dict:
-    """One `dilocox train` run of `config`; its summary.json."""
+def train(
+    run_dir: Path, steps: int, inner_steps: int, seed: int, flags: list[str], config: Path | None = CONFIG
+) -> dict:
+    """One `dilocox train` run (of `config` if given); its summary.json."""
     shutil.rmtree(run_dir, ignore_errors=True)
     command = [
-        sys.executable, "-m", "dilocox", "train", "--config", str(config), f"--run.out_dir={run_dir}",
+        sys.executable, "-m", "dilocox", "train", *(["--config", str(config)] if config else []),
+        f"--run.out_dir={run_dir}",
         "--topology.num_clusters=3", f"--train.steps={steps}", f"--sync.inner_steps={inner_steps}",
         f"--run.seed={seed}", "--data.split_seed=0", "--eval.interval=0", "--eval.final_max_batches=32",
         "--checkpoint.interval=0", "--metrics.progress=false", "--sync.overlap_steps=0", *flags,
@@ -143,7 +147,7 @@ def table(results: dict) -> str:
     if speed:
         lines += [
             f"Throughput ({speed['date']}, {speed['machine']}): `{speed['command']}`: 3 clusters of "
-            f"configs/default.toml, H = {speed['inner_steps']}, {speed['steps']} steps (homogeneous), cluster 2 "
+            f"dilocox train's setting, H = {speed['inner_steps']}, {speed['steps']} steps (homogeneous), cluster 2 "
             "slowed 2x (sleep), one seed.",
             "",
         ]

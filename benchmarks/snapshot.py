@@ -35,6 +35,10 @@ identical. `--jobs N` (default 2) runs N cases at a time: each run has its own p
 run at one thread per rank gives the same bits whatever else the machine does. On a shared 2-core machine `record`
 took 385 s with `--jobs 2` and `compare` 213 s with `--jobs 3` (each run is mostly process start-up, 9-54 s).
 
+The `preset_*` cases run every shipped preset as `--preset NAME` over the base flags (the dilocox preset at its own
+H = 12, 36 steps, so that its every option resolves as in `dilocox train`): a change in how options resolve shows
+there first.
+
 Not covered, because their results depend on timing: `sync.fit_link` (H follows the measured link time) and an
 elastic run with a killed cluster: where the restarted cluster rejoins (which round, or at the end) depends on how
 fast it restarts, so the elastic case is fault-free. An emulated link is left off too: it only makes the runs wait.
@@ -230,6 +234,15 @@ CASES: tuple[Case, ...] = (
         "the elastic case's settings in a static run (merge eager, no residual options)",
         (*THREE, *DILOCOX, *PLAIN),
     ),  # fmt: skip
+    Case(
+        "preset_dilocox",
+        "the dilocox preset (top-k int4, delay 1, overlap 7) at its own H = 12, 36 steps",
+        ("--preset=dilocox", "--sync.inner_steps=12", "--train.steps=36"),
+    ),  # fmt: skip
+    Case("preset_paper", "the paper preset (adaptive, outer SGD 0.7 / 0.9, keep_local)", ("--preset=paper",)),
+    Case("preset_diloco", "the diloco preset (blocking fp32, outer SGD 0.7 / 0.9)", ("--preset=diloco",)),
+    Case("preset_allreduce", "the allreduce preset", ("--preset=allreduce",)),
+    Case("preset_cocktail", "the cocktail preset", ("--preset=cocktail",)),
 )
 
 
@@ -317,6 +330,10 @@ def observe(run_dir: Path) -> dict[str, Any]:
             fields[f"rank{rank}.channel"] = {k: v for k, v in sorted(channel.items()) if not is_timing(k)}
             fields[f"rank{rank}.model"] = state_digest(state.get("model"))
             sync = state.get("sync") or {}
+            fragments = sync.get("fragments") if isinstance(sync, dict) else None
+            if isinstance(fragments, list) and len(fragments) == 1:  # one fragment: the flat state it always was
+                sync = {**fragments[0], **{k: v for k, v in sync.items() if k != "fragments"}}
+                state["sync"] = sync
             if isinstance(sync, dict) and sync.get("outer_params") is not None:
                 fields[f"rank{rank}.outer_params"] = state_digest(sync["outer_params"])
             fields[f"rank{rank}.state"] = state_digest(state)

@@ -578,7 +578,7 @@ def consolidated_model_state(path: Path, *, agreed: bool) -> tuple[dict[str, tor
         # mmap: the optimizer states next to the model and outer params are not copied into memory
         rank_state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         stage_state = dict(rank_state["model"])
-        outer = rank_state["sync"].get("outer_params") if agreed else None
+        outer = saved_outer_params(rank_state["sync"]) if agreed else None
         if outer is not None:
             _scatter_flat_(stage_state, outer)
             used_outer = True
@@ -605,3 +605,12 @@ def _scatter_flat_(stage_state: dict[str, torch.Tensor], flat: torch.Tensor) -> 
         raise ValueError(
             f"the checkpoint's outer parameters hold {flat.numel()} values but its model {offset}; it is damaged"
         )
+
+
+def saved_outer_params(sync_state: dict[str, Any]) -> torch.Tensor | None:
+    """phi of a stage as a checkpoint's outer-sync state holds it: its fragments' outer params in parameter order (a
+    state saved before fragments holds them itself); None for a strategy without an outer loop."""
+    fragments = sync_state.get("fragments")
+    if fragments is None:
+        return sync_state.get("outer_params")
+    return torch.cat([fragment["outer_params"] for fragment in fragments])

@@ -3,6 +3,7 @@
     dilocox train                                   # DiLoCoX (the dilocox preset): 2 clusters, an emulated 1 Gbps link
     dilocox train --preset allreduce                # a baseline on the same setting
     dilocox train --config configs/debug.toml --sync.kind=allreduce --print-config
+    dilocox train --preset diloco --help            # every option with the value this run would use
     dilocox eval runs/dilocox --json
     dilocox export runs/dilocox --format hf --out hf/dilocox
 
@@ -19,7 +20,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from dilocox.config import Config
@@ -54,16 +55,34 @@ def _show_value(value: object) -> str:
     return json.dumps(value) if isinstance(value, str) else str(value)
 
 
-def train_help() -> str:
-    from dilocox.config import DEFAULT_PRESET, PRESETS, allowed_values, options, preset_summary, read_preset
+def train_help(argv: list[str] | None = None) -> str:
+    """`dilocox train --help`: every option with the value `dilocox train ARGV` runs with (ARGV without --help: the
+    default preset's values, resolved), where it comes from (the preset, auto and its rule), and the presets."""
+    from dilocox.config import (
+        AUTO,
+        PRESETS,
+        allowed_values,
+        auto_options,
+        layered_config,
+        options,
+        preset_summary,
+        read_preset,
+        to_dict,
+    )
 
+    config_path, rest = _take_option([a for a in (argv or []) if a not in ("-h", "--help")], "--config")
+    unresolved, preset, layers = layered_config(config_path, rest)
+    before, values = to_dict(unresolved), to_dict(unresolved.resolve())
     lines = [
         "usage: dilocox train [--preset NAME] [--config FILE] [--section.key=VALUE ...] [--print-config]",
         "",
-        "Train a model. Settings come in layers, each overriding the one before: the field defaults listed below,",
-        "then a preset, then the TOML file of --config, then the --section.key flags. With neither --preset nor",
-        f"--config the {DEFAULT_PRESET} preset is used; a --config file names its preset with a top-level line",
-        'preset = "NAME" (without one it starts from the field defaults). Run as it is, it starts num_clusters x',
+        "Train a model. Settings come in layers, each overriding the one before: the field defaults, then a preset,",
+        "then the TOML file of --config, then the --section.key flags. Every run starts from a preset: --preset NAME,",
+        "or a --config file's top-level preset = \"NAME\", else dilocox. A kind is its preset's identity: a",
+        "sync.kind that differs from the preset's runs that kind's own preset (sync.kind diloco runs what --preset",
+        "diloco runs). An option that follows from others is auto until the layers are read, then set by the rule",
+        "its line states; a value you set is kept. Pairs of options that do not work together are refused in one",
+        "line before anything runs (docs/reference/configuration.md). Run as it is, it starts num_clusters x",
         "dp_degree x pp_degree ranks on this machine; under torchrun (RANK, WORLD_SIZE, MASTER_ADDR set) it runs as",
         "the one rank torchrun gave it.",
         "",
@@ -75,26 +94,37 @@ def train_help() -> str:
         "  DILOCOX_CACHE   where trained tokenizers and tokenized corpora are cached, so a second run on the same",
         "                  text skips tokenizing (default ~/.cache/dilocox; safe to delete; docs/design.md §12)",
         "",
-        "Presets (dilocox/presets/NAME.toml; every other option keeps its field default):",
+        "Presets (dilocox/presets/NAME.toml; every other option keeps its field default or auto rule):",
     ]
     for name in PRESETS:
-        title = f"{name}{' (the default)' if name == DEFAULT_PRESET else ''}: {preset_summary(name)}"
+        title = f"{name}{' (this run)' if name == preset else ''}: {preset_summary(name)}"
         lines += textwrap.wrap(title, width=110, initial_indent="  ", subsequent_indent="      ")
         settings = [
             f"{section}.{key}={_show_value(value)}"
-            for section, values in read_preset(name).items()
-            for key, value in values.items()
+            for section, values_ in read_preset(name).items()
+            for key, value in values_.items()
         ]
         lines += textwrap.wrap(" ".join(settings), width=110, initial_indent="      ", subsequent_indent="      ")
+    lines += ["", f"Each option below shows the value this run uses (the {preset} preset, resolved):"]
     section = None
-    for name, typ, default, doc in options():
-        head = name.split(".")[0]
+    user, autos = set().union(*layers[1:]), auto_options()
+    for name, typ, _, doc in options():
+        head, key = name.split(".")
         if head != section:
             section = head
             lines += ["", f"[{section}]"]
         choices = allowed_values(name)
         shown = "{" + ",".join(choices) + "}" if choices else typ.__name__.upper()
-        lines.append(f"  --{name}={shown}  (default {_show_value(default)})")
+        if name in autos and not choices:
+            shown += "|auto"
+        value = _show_value(values[head][key])
+        if before[head][key] == AUTO:
+            origin = f"auto: {value}"
+        elif name in layers[0] and name not in user:
+            origin = f"{value}, preset {preset}"
+        else:
+            origin = value
+        lines.append(f"  --{name}={shown}  ({origin})")
         lines += textwrap.wrap(doc, width=110, initial_indent="      ", subsequent_indent="      ")
     return "\n".join(lines)
 
@@ -127,16 +157,18 @@ def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
 
 
 def _train_config(config_path: str | None, overrides: list[str]) -> Config:
-    """The config `dilocox train` runs: the preset of --preset or of the file, or the default preset when there is
-    neither a --preset nor a --config; then the file, then the flags (not yet validated)."""
-    from dilocox.config import DEFAULT_PRESET, load_config
+    """The config `dilocox train` runs (`load_config`: a preset, the file, the flags; resolved, not yet validated)."""
+    from dilocox.config import load_config
 
-    return load_config(config_path, overrides, preset=None if config_path else DEFAULT_PRESET)
+    return load_config(config_path, overrides)
 
 
 def cmd_train(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        print(train_help())
+        try:
+            print(train_help(argv))
+        except ValueError as exc:
+            return _error(str(exc))
         return 0
     print_config = "--print-config" in argv
     argv = [a for a in argv if a != "--print-config"]
@@ -164,14 +196,18 @@ def cmd_train(argv: list[str]) -> int:
         forkserver.start_early(config_path, rest)  # its imports run while this process imports and checks the config
     from dilocox.launch.local import launch_local
     from dilocox.launch.preflight import preflight
-    from dilocox.launch.rundir import prepare_run_dir
+    from dilocox.launch.rundir import choose_run_dir, prepare_run_dir
     from dilocox.launch.torchrun import launch_torchrun
 
     try:
         cfg = _train_config(config_path, rest)
         if torchrun:
             return launch_torchrun(cfg)
+        cfg.validate()
+        moved = choose_run_dir(cfg)  # a finished run's or another setting's directory: the next free NAME-N
         data, resume = preflight(cfg)
+        if moved:
+            print(moved, flush=True)
         lock = prepare_run_dir(cfg, data, resume)  # takes the run directory's lock before writing into it
     except ValueError as exc:
         return _error(str(exc))
@@ -193,23 +229,38 @@ run.num_threads CPU threads. --max-batches N scores the first N batches of train
 log's eval uses eval.max_batches, its final eval eval.final_max_batches; 0: all)."""
 
 
-def cmd_eval(argv: list[str]) -> int:
+def _command_parser(command: str, usage: str):
+    """The options parser of `dilocox COMMAND`, with -h/--help (which prints `usage`; `_parse`)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="dilocox eval", usage=EVAL_USAGE, add_help=False)
+    parser = argparse.ArgumentParser(prog=f"dilocox {command}", usage=usage, add_help=False)
+    parser.add_argument("-h", "--help", action="store_true")
+    return parser
+
+
+def _parse(parser, argv: list[str]) -> tuple[Any, int | None]:
+    """The options of `argv` and None, or the exit code once -h printed the usage or an unknown option is refused."""
+    args, unknown = parser.parse_known_args(argv)
+    if args.help:
+        print(parser.usage)
+        return args, 0
+    if unknown:
+        command = parser.prog.removeprefix("dilocox ")
+        return args, _error(f"unknown option(s) for {command}: {' '.join(unknown)}\n{parser.usage}")
+    return args, None
+
+
+def cmd_eval(argv: list[str]) -> int:
+    parser = _command_parser("eval", EVAL_USAGE)
     parser.add_argument("run_dir", nargs="?")
     parser.add_argument("--data.path", dest="data_path", default=None)
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--max-batches", type=int, default=0)
     parser.add_argument("--local", action="store_true")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("-h", "--help", action="store_true")
-    args, unknown = parser.parse_known_args(argv)
-    if args.help:
-        print(EVAL_USAGE)
-        return 0
-    if unknown:
-        return _error(f"unknown option(s) for eval: {' '.join(unknown)}\n{EVAL_USAGE}")
+    args, code = _parse(parser, argv)
+    if code is not None:
+        return code
     if not args.run_dir:
         return _error(f"eval needs a run directory\n{EVAL_USAGE}")
     from dilocox.evaluate import evaluate_run
@@ -224,13 +275,11 @@ def cmd_eval(argv: list[str]) -> int:
         )
     except ValueError as exc:
         return _error(str(exc))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(
-            f"{result['source']}: loss {result['loss']:.4f}  perplexity {result['perplexity']:,.2f}  "
-            f"({result['tokens']:,} tokens, checkpoint step {result['step']}, {result['model']} model)"
-        )
+    line = (
+        f"{result['source']}: loss {result['loss']:.4f}  perplexity {result['perplexity']:,.2f}  "
+        f"({result['tokens']:,} tokens, checkpoint step {result['step']}, {result['model']} model)"
+    )
+    print(json.dumps(result) if args.json else line)
     return 0
 
 
@@ -246,22 +295,16 @@ every cluster equal and export cluster 0's. Pipeline stages are put together. Ne
 
 
 def cmd_export(argv: list[str]) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="dilocox export", usage=EXPORT_USAGE, add_help=False)
+    parser = _command_parser("export", EXPORT_USAGE)
     parser.add_argument("run_dir", nargs="?")
     parser.add_argument("--out", default=None)
     parser.add_argument("--format", default="hf")
     parser.add_argument("--step", default=None)
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("-h", "--help", action="store_true")
-    args, unknown = parser.parse_known_args(argv)
-    if args.help:
-        print(EXPORT_USAGE)
-        return 0
-    if unknown:
-        return _error(f"unknown option(s) for export: {' '.join(unknown)}\n{EXPORT_USAGE}")
+    args, code = _parse(parser, argv)
+    if code is not None:
+        return code
     if not args.run_dir or not args.out:
         return _error(f"export needs a run directory and --out DIR\n{EXPORT_USAGE}")
     from dilocox.export import FORMATS, export_hf
@@ -276,13 +319,11 @@ def cmd_export(argv: list[str]) -> int:
         result = export_hf(Path(args.run_dir), Path(args.out), step=step, overwrite=args.overwrite)
     except ValueError as exc:
         return _error(str(exc))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(
-            f"exported step {result['step']} ({result['weights']}, {result['num_params']:,} parameters) as "
-            f"{result['architecture']} to {result['out']}"
-        )
+    line = (
+        f"exported step {result['step']} ({result['weights']}, {result['num_params']:,} parameters) as "
+        f"{result['architecture']} to {result['out']}"
+    )
+    print(json.dumps(result) if args.json else line)
     return 0
 
 
@@ -296,13 +337,14 @@ Print the versions of dilocox, Python and torch, the GPUs torch sees, the platfo
 ($DILOCOX_CACHE, default ~/.cache/dilocox) (for bug reports)."""
 
 
-LIGHTHOUSE_USAGE = """usage: dilocox lighthouse [--bind HOST:PORT] [--config FILE] [--network.KEY=VALUE ...]
+LIGHTHOUSE_USAGE = """usage: dilocox lighthouse [--bind HOST:PORT] [--verbose] [--config FILE] [--network.KEY=VALUE ...]
 
 Run a torchft Lighthouse for an elastic run whose clusters are on several machines (topology.local_clusters), with
 the timeouts of the run's [network]: a cluster silent for 2 x network.heartbeat is left out of the next round, and
 the others wait up to network.stall_timeout (or network.timeout) for one that heartbeats but does not come. Start
 it on a host every machine reaches (default --bind [::]:29510) and pass the URL it prints as --network.lighthouse
-on every machine. One Lighthouse serves one run at a time. Ctrl+C (or SIGTERM) stops it."""
+on every machine. One Lighthouse serves one run at a time. Ctrl+C (or SIGTERM) stops it. It prints torchft's warnings
+and errors; --verbose also its INFO lines (each quorum's status, several a second while clusters meet)."""
 
 
 def cmd_lighthouse(argv: list[str]) -> int:
@@ -313,8 +355,12 @@ def cmd_lighthouse(argv: list[str]) -> int:
         print(LIGHTHOUSE_USAGE)
         return 0
     from dilocox.config import load_config
-    from dilocox.launch.elastic import lighthouse_timeouts
+    from dilocox.elastic.lighthouse import lighthouse_timeouts, lighthouse_url, start_lighthouse
 
+    verbose = "--verbose" in argv
+    argv = [a for a in argv if a != "--verbose"]
+    # torchft's Rust side reads RUST_LOG when it starts: a user's own setting is kept unless --verbose
+    os.environ["RUST_LOG"] = "info" if verbose else os.environ.get("RUST_LOG", "warn")
     try:
         bind, argv = _take_option(argv, "--bind")
         config_path, rest = _take_option(argv, "--config")
@@ -322,14 +368,12 @@ def cmd_lighthouse(argv: list[str]) -> int:
         cfg.network.validate()
     except ValueError as exc:
         return _error(str(exc))
-    try:
-        from dilocox.sync.membership import lighthouse_url, start_lighthouse
-    except ImportError:
-        return _error("the Lighthouse is torchft's: pip install 'dilocox[elastic]'")
-    timeouts = lighthouse_timeouts(cfg)
+    timeouts = lighthouse_timeouts(cfg.network)
     bind = bind or "[::]:29510"
     try:
         lighthouse = start_lighthouse(bind=bind, **timeouts)
+    except ImportError:
+        return _error("the Lighthouse is torchft's: pip install 'dilocox[elastic]'")
     except Exception as exc:  # torchft's server says why it could not bind (a port in use, a bad address)
         return _error(f"the Lighthouse could not start on {bind}: {exc}")
     stopped = threading.Event()
@@ -378,11 +422,9 @@ prepared data in DIR. Then train with --data.path=DIR: each rank reads only its 
 
 
 def cmd_prepare_data(argv: list[str]) -> int:
-    import argparse
-
     from dilocox.data.prepare import TOKENS_PER_FILE, prepare_dataset
 
-    parser = argparse.ArgumentParser(prog="dilocox prepare-data", usage=PREPARE_USAGE, add_help=False)
+    parser = _command_parser("prepare-data", PREPARE_USAGE)
 
     def refuse(message: str):
         raise ValueError(f"prepare-data: {message}")
@@ -398,16 +440,12 @@ def cmd_prepare_data(argv: list[str]) -> int:
     parser.add_argument("--reader", default="auto")
     parser.add_argument("--tokens-per-file", type=int, default=TOKENS_PER_FILE)
     parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("-h", "--help", action="store_true")
     try:
-        args, unknown = parser.parse_known_args(argv)
+        args, code = _parse(parser, argv)
     except ValueError as exc:
         return _error(str(exc))
-    if args.help:
-        print(PREPARE_USAGE)
-        return 0
-    if unknown:
-        return _error(f"unknown option(s) for prepare-data: {' '.join(unknown)}\n{PREPARE_USAGE}")
+    if code is not None:
+        return code
     if args.source is None or not args.out:
         return _error(f"prepare-data needs SRC and --out DIR\n{PREPARE_USAGE}")
     try:

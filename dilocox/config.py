@@ -1,12 +1,14 @@
 """The run configuration: a tree of dataclasses, loaded from a preset and a TOML file and overridden by dotted flags.
 
 Precedence is field defaults < preset < `--config FILE` < `--section.key=value` flags. Every field has a working
-default and a one-line docstring right under it; the docstrings and defaults are what `dilocox train --help` prints,
-and no setting changes another's default. A preset is a TOML file shipped in the package (`dilocox/presets/`): the
-settings of DiLoCoX or of a baseline, named (`--preset NAME`, or `preset = "NAME"` at the top of a config file).
-A choice is a `Literal[...]` field; its values are defined once, by the type.
+default and a one-line docstring right under it. A preset is a TOML file shipped in the package (`dilocox/presets/`):
+the settings of DiLoCoX or of a baseline, named; every run starts from one (`choose_preset`: `--preset NAME`,
+`preset = "NAME"` in a config file, the preset of a `sync.kind` that differs from it, else `dilocox`). An option that
+follows from others is "auto" until `Config.resolve()` sets it after every layer, by the rule its docstring states;
+`dilocox train --help` prints what the default preset resolves to. A choice is a `Literal[...]` field; its values are
+defined once, by the type. Which options do not work together is one table, `dilocox.compat`.
 
-    cfg = load_config("configs/debug.toml", ["--preset=dilocox-lowrank", "--sync.inner_steps=10"])
+    cfg = load_config("configs/debug.toml", ["--preset=dilocox-lowrank", "--sync.inner_steps=10"])   # resolved
     cfg.validate(world_size=4)
     (run_dir / "config.toml").write_text(to_toml(cfg))
 """
@@ -27,12 +29,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from dilocox.checks import check_choice, check_non_negative, check_positive, check_types, field_choices
+from dilocox.checks import (
+    AUTO,
+    Auto,
+    auto_types,
+    check_choice,
+    check_non_negative,
+    check_positive,
+    check_types,
+    field_choices,
+    field_type,
+)
 from dilocox.compress.config import CocktailConfig, CompressionConfig
-from dilocox.faults import FaultConfig
+from dilocox.elastic.lighthouse import check_lighthouse_url
 from dilocox.net.config import NetworkConfig
-from dilocox.net.lighthouse import check_lighthouse_url
-from dilocox.sync.config import OUTER_LOOP_KINDS, SyncConfig, check_held_back_options, check_robust_reduction
+from dilocox.sync.config import CHECKPOINT_STEPS, OUTER_OPTIMIZER_SETTINGS, SYNC_KINDS, SyncConfig
+from dilocox.sync.faults import FaultConfig
 from dilocox.topology import Topology, parse_cluster_shapes
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -57,12 +69,14 @@ PresetName = Literal["dilocox", "dilocox-lowrank", "paper", "diloco", "allreduce
 """The presets shipped in `dilocox/presets/NAME.toml`, in the order `dilocox train --help` lists them."""
 PRESETS: tuple[str, ...] = get_args(PresetName)
 DEFAULT_PRESET = "dilocox"
-"""The preset `dilocox train` starts from when it is given neither `--preset` nor `--config`."""
+"""The preset a run starts from when neither its flags nor its config file name a preset or another kind."""
+WARMUP_STEPS = 20
+"""`train.warmup_steps = auto`: this many steps, or a tenth of the run if that is fewer."""
 
 
 class ConfigWarning(UserWarning):
-    """A setting that loads but may not mean what it says (a renamed key, a kind without its preset); the CLI prints
-    it as one `dilocox: warning:` line."""
+    """A setting that loads but may not mean what it says (a renamed key); the CLI prints it as one
+    `dilocox: warning:` line."""
 
 
 MOVED_KEYS = {
@@ -73,6 +87,8 @@ MOVED_KEYS = {
     "compression.aggregate": "compression.rank_rule",
 }
 """Keys of earlier versions and where they live now (read with a warning, so older run directories still load)."""
+ZERO_WAS_AUTO = ("sync.fit_link_max_steps", "sync.min_clusters", "train.num_microbatches")
+"""Options whose 0 meant what auto means now (read as auto with a warning, so older run directories still load)."""
 
 
 @dataclass
@@ -117,20 +133,21 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 400
+    # the first run's length: 8 rounds of the dilocox preset, about a minute on 2 cores (README, "The first run")
+    steps: int = 96
     """Inner steps every rank runs (tokens per rank = steps x micro_batch_size x seq_len)."""
     seq_len: int = 256
     """Tokens per training sequence."""
     micro_batch_size: int = 8
     """Sequences per data-parallel rank (one pipeline) per step."""
-    num_microbatches: int = 0
-    """Pipeline microbatches per step (they split micro_batch_size); 0 = pp_degree."""
+    num_microbatches: int | Auto = "auto"
+    """Pipeline microbatches per step (they split micro_batch_size); auto: topology.pp_degree."""
     pipeline_schedule: PipelineSchedule = "1f1b"
     """Pipeline schedule when pp_degree > 1: 1f1b or gpipe."""
     lr: float = 2e-3
     """Peak learning rate of the inner optimizer."""
-    warmup_steps: int = 20
-    """Linear warm-up steps of the inner learning rate (when not set: 20, or train.steps // 10 if that is fewer)."""
+    warmup_steps: int | Auto = "auto"
+    """Linear warm-up steps of the inner learning rate; auto: 20, or train.steps // 10 if that is fewer."""
     min_lr_ratio: float = 0.1
     """The cosine schedule decays the inner learning rate to lr x min_lr_ratio at the last step."""
     optimizer: Optimizer = "adamw"
@@ -220,8 +237,8 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 100
-    """Save a checkpoint every this many steps (outer loops: at the next round boundary) and at the end; 0 = end."""
+    interval: int | Auto = "auto"
+    """Save a checkpoint every this many steps and at the end (0: only then); auto: H's largest multiple <= 100"""
     keep: int = 2
     """Keep the newest this many checkpoints; older ones are deleted."""
     resume: str = "auto"
@@ -257,11 +274,6 @@ class Config:
     faults: FaultConfig = field(default_factory=FaultConfig)
 
     @property
-    def microbatches(self) -> int:
-        """Resolved `train.num_microbatches` (0 means one per pipeline stage)."""
-        return self.train.num_microbatches or self.topology.pp_degree
-
-    @property
     def split_seed(self) -> int:
         """The seed of the held-out split: `data.split_seed`, or run.seed where that is -1."""
         return self.run.seed if self.data.split_seed == -1 else self.data.split_seed
@@ -271,38 +283,39 @@ class Config:
         dp_degrees, pp_degree = self.topology.shape()
         return sum(dp_degrees) * pp_degree
 
-    def validate(self, world_size: int | None = None) -> None:
-        """Raise ValueError naming the first impossible or contradictory setting and how to fix it.
+    def resolve(self) -> Config:
+        """Set every option still at auto by the rule its docstring states, from the options as they stand after the
+        preset, the file and the flags; options set explicitly are kept. Returns the config (resolved in place;
+        resolving again changes nothing)."""
+        self.sync = self.sync.resolved(self.compression)
+        if self.sync.min_clusters == AUTO:
+            self.sync.min_clusters = 1 if self.topology.elastic else self.topology.num_clusters
+        if self.checkpoint.interval == AUTO:
+            h = self.sync.inner_steps
+            outer = self.sync.has_outer_loop and isinstance(h, int) and h > 0
+            self.checkpoint.interval = max(h, h * (CHECKPOINT_STEPS // h)) if outer else CHECKPOINT_STEPS
+        if self.train.warmup_steps == AUTO and isinstance(self.train.steps, int):
+            self.train.warmup_steps = min(WARMUP_STEPS, self.train.steps // 10)  # a short run gets its cosine decay
+        if self.train.num_microbatches == AUTO:
+            self.train.num_microbatches = self.topology.pp_degree
+        return self
 
-        Each component's section validates itself (`SyncConfig`, `CompressionConfig`, `CocktailConfig`,
-        `NetworkConfig`, `FaultConfig`); this checks the sections that only the trainer reads and the settings
-        across sections."""
+    def validate(self, world_size: int | None = None) -> None:
+        """Raise ValueError naming the first impossible setting and how to fix it (resolving auto options first).
+
+        Each component's section validates its own values (`SyncConfig`, `CompressionConfig`, `CocktailConfig`,
+        `NetworkConfig`, `FaultConfig`); this checks the sections that only the trainer reads, then the pairs of
+        options that do not work together (`dilocox.compat`, one table), then the world size."""
+        for name in SECTIONS:  # every type and choice first: the auto rules read these values
+            check_types(name, getattr(self, name))
+        self.resolve()
         for section in (self.sync, self.compression, self.cocktail, self.network):
             section.validate()
         self.faults.validate(self.topology.num_clusters if self.topology.num_clusters >= 1 else None)
-        if self.sync.has_outer_loop:
-            check_robust_reduction(self.sync, self.compression)
-            check_held_back_options(self.sync, self.compression, elastic=self.topology.elastic)
-        if self.sync.fragments > 1:
-            for setting, used in (
-                ("topology.elastic = true", self.topology.elastic),
-                (f"faults.kind = {self.faults.kind!r}", self.faults.enabled),
-            ):
-                if used:
-                    raise ValueError(
-                        f"sync.fragments = {self.sync.fragments} does not work with {setting}: its rounds are whole-"
-                        "stage syncs; set sync.fragments = 1"
-                    )
-        if self.faults.enabled and not self.sync.has_outer_loop:
-            raise ValueError(
-                f"faults.kind = {self.faults.kind!r} injects faults into outer rounds: use sync.kind = diloco or "
-                "dilocox"
-            )
-        for name in ("run", "model", "data", "train", "topology", "eval", "checkpoint", "metrics"):
-            check_types(name, getattr(self, name))  # also every choice (a Literal field): run.device, data.shard, ...
         check_positive("run", self.run, "num_threads")
         check_non_negative("run", self.run, "seed")
         check_positive("train", self.train, "steps", "seq_len", "micro_batch_size")
+        check_positive("train", self.train, "num_microbatches")
         check_non_negative("train", self.train, "warmup_steps", "weight_decay", "grad_clip")
         check_positive("topology", self.topology, "num_clusters", "dp_degree", "pp_degree")
         check_positive("data", self.data, "vocab_size")
@@ -313,30 +326,6 @@ class Config:
         from dilocox.models import list_flavors
 
         check_choice("model.flavor", self.model.flavor, tuple(list_flavors()))
-        if not self.sync.has_outer_loop and self.compression.kind != "none":
-            raise ValueError(
-                f"compression.kind = {self.compression.kind!r} compresses pseudo-gradients: use sync.kind = diloco or "
-                f"dilocox ({self.sync.kind} has its own gradient format)"
-            )
-        if self.faults.kind == "forge" and not self.network.auth_key_file:
-            raise ValueError(
-                "faults.kind = 'forge' sends payloads under a tag that does not verify, but without "
-                "network.auth_key_file no tag is sent or checked: set network.auth_key_file"
-            )
-        if self.network.auth_key_file:
-            gather = "--compression.reduction=gather with a codec (e.g. --compression.kind=int4)"
-            outer, reduction = self.sync.has_outer_loop, self.compression.reduction
-            summed = [  # (setting, whether this config has it, the fix)
-                ("sync.kind = allreduce", self.sync.kind == "allreduce", f"use sync.kind = dilocox with {gather}"),
-                ("compression.kind = none", outer and self.compression.kind == "none", f"use {gather}"),
-                ("compression.reduction = scalable", outer and reduction == "scalable", f"use {gather}"),
-            ]
-            for setting, refused, fix in summed:
-                if refused:
-                    raise ValueError(
-                        f"network.auth_key_file cannot tag {setting}: its values are summed or re-encoded in transit, "
-                        f"where no sender's tag can be checked; {fix}, or leave network.auth_key_file empty"
-                    )
         if self.train.lr <= 0:
             raise ValueError(f"train.lr = {self.train.lr} must be > 0")
         if not 0.0 <= self.train.min_lr_ratio <= 1.0:
@@ -353,9 +342,7 @@ class Config:
             raise ValueError(
                 f"data.split_seed = {self.data.split_seed} must be >= 0, or -1 to hold out the split of run.seed"
             )
-        if self.train.num_microbatches < 0:
-            raise ValueError(f"train.num_microbatches = {self.train.num_microbatches} must be >= 0 (0 = pp_degree)")
-        m, p = self.microbatches, self.topology.pp_degree
+        m, p = self.train.num_microbatches, self.topology.pp_degree
         if self.train.micro_batch_size % m:
             raise ValueError(
                 f"train.num_microbatches = {m} does not divide train.micro_batch_size = {self.train.micro_batch_size}; "
@@ -369,14 +356,13 @@ class Config:
         if self.train.warmup_steps >= self.train.steps and self.train.steps > 1:
             raise ValueError(
                 f"train.warmup_steps = {self.train.warmup_steps} must be smaller than train.steps = "
-                f"{self.train.steps}; use e.g. --train.warmup_steps={default_warmup_steps(self.train.steps)}"
-            )
-        if self.checkpoint.resume not in ("", "auto") and self.run.overwrite:
-            raise ValueError(
-                "checkpoint.resume and run.overwrite contradict each other: resuming keeps the run directory"
+                f"{self.train.steps}; use e.g. --train.warmup_steps=auto ({min(WARMUP_STEPS, self.train.steps // 10)})"
             )
         self._validate_clusters()
         self._validate_membership()
+        from dilocox.compat import check
+
+        check(self)
         if world_size is not None and world_size != self.world_size:
             t = self.topology
             if t.clusters:
@@ -393,8 +379,7 @@ class Config:
             )
 
     def _validate_clusters(self) -> None:
-        """`topology.clusters` against the global degrees, and what clusters of different dp degrees do not support
-        (docs/design.md §2.1)."""
+        """`topology.clusters` against the global degrees (docs/design.md §2.1)."""
         t = self.topology
         if not t.clusters:
             return
@@ -417,58 +402,12 @@ class Config:
                 f"topology.dp_degree = {t.dp_degree} contradicts {listed} (dp {', '.join(map(str, dp_degrees))}); "
                 f"leave topology.dp_degree out (with topology.clusters it is the largest cluster's, {max(dp_degrees)})"
             )
-        if len(set(dp_degrees)) == 1:
-            return  # equal clusters: the uniform topology, whatever it is written as
-        refused = [  # (what, whether this config has it, the fix)
-            ("topology.elastic = true", t.elastic, "list clusters of one shape, or run a static run"),
-            (
-                f"sync.kind = {self.sync.kind}",
-                not self.sync.has_outer_loop,
-                "use sync.kind = diloco or dilocox (their outer sync averages lanes of any shape)",
-            ),
-            (
-                "compression.reduction = scalable",
-                self.sync.has_outer_loop
-                and self.compression.kind != "none"
-                and self.compression.reduction == "scalable",
-                "use compression.reduction = gather",
-            ),
-            (
-                f"sync.aggregate = {self.sync.aggregate}",
-                self.sync.aggregate != "mean",
-                "use sync.aggregate = mean (the clusters' updates are weighted by their tokens)",
-            ),
-            (
-                "network.auth_key_file",
-                bool(self.network.auth_key_file),
-                "leave network.auth_key_file empty (the lanes travel in one exchange, which carries no tags)",
-            ),
-            (
-                "sync.fit_link = true",
-                self.sync.fit_link,
-                "leave sync.fit_link off (each cluster has its own link share)",
-            ),
-            (f"faults.kind = {self.faults.kind}", self.faults.enabled, "inject faults into equal clusters"),
-            (
-                f"sync.fragments = {self.sync.fragments}",
-                self.sync.fragments > 1,
-                "set sync.fragments = 1 (a fragment's sync is not split into lanes)",
-            ),
-            (
-                "sync.round = time",
-                self.sync.round == "time",
-                "use sync.round = steps (each cluster's update is then weighted by its replicas' tokens)",
-            ),
-        ]
-        for what, bad, fix in refused:
-            if bad:
-                raise ValueError(f"{listed}: clusters of different data-parallel degrees do not support {what}; {fix}")
 
     def shared_settings(self) -> dict[str, Any]:
         """The settings every cluster of a run must share, wherever it runs, by dotted name:
         `membership.SHARED_SECTIONS` and run.seed, without `membership.MACHINE_LOCAL_SETTINGS` (where files are, what
         one machine starts)."""
-        from dilocox.sync.membership import MACHINE_LOCAL_SETTINGS, SHARED_SECTIONS
+        from dilocox.elastic.membership import MACHINE_LOCAL_SETTINGS, SHARED_SECTIONS
 
         values = to_dict(self)
         shared: dict[str, Any] = {"run.seed": self.run.seed}
@@ -483,86 +422,20 @@ class Config:
         digest = hashlib.sha256(json.dumps(self.shared_settings(), sort_keys=True).encode()).digest()
         return int.from_bytes(digest[:8], "big") >> 1
 
-    @property
-    def min_clusters(self) -> int:
-        """Resolved `sync.min_clusters`: 0 means every cluster (static), or one (elastic)."""
-        if self.sync.min_clusters:
-            return self.sync.min_clusters
-        return 1 if self.topology.elastic else self.topology.num_clusters
-
     def _validate_membership(self) -> None:
-        """`topology.elastic` and `sync.min_clusters` against the rest (docs/design.md §10.1)."""
+        """`topology.elastic`'s own options (docs/design.md §10.1); what they do not work with: `dilocox.compat`."""
         t, c = self.topology, self.topology.num_clusters
         check_non_negative("topology", t, "max_cluster_restarts")
-        check_non_negative("sync", self.sync, "min_clusters")
+        check_positive("sync", self.sync, "min_clusters")
         if self.sync.min_clusters > c:
             raise ValueError(
                 f"sync.min_clusters = {self.sync.min_clusters} is more than topology.num_clusters = {c}; use {c} or "
-                "less"
+                "less, or auto"
             )
-        if not t.elastic:
-            if self.sync.min_clusters not in (0, c):
-                raise ValueError(
-                    f"sync.min_clusters = {self.sync.min_clusters} lets a run go on without some clusters, which only "
-                    f"an elastic run does: add --topology.elastic=true, or leave sync.min_clusters at 0 (all {c})"
-                )
-            for name, value in (
-                ("network.lighthouse", self.network.lighthouse),
-                ("topology.local_clusters", t.local_clusters),
-                ("network.advertise_host", self.network.advertise_host),
-            ):
-                if value:
-                    raise ValueError(f"{name} is only used by elastic runs: add --topology.elastic=true")
-            return
-        refused = [  # (what, whether this config has it, the fix)
-            (f"sync.kind = {self.sync.kind}", not self.sync.has_outer_loop, "use sync.kind = dilocox or diloco"),
-            (
-                "sync.fit_link = true",
-                self.sync.fit_link,
-                "each cluster would size H from its own link and end its rounds at other steps than its peers, while "
-                "every quorum meets at one round boundary; leave sync.fit_link off (H stays fixed)",
-            ),
-            (
-                f"sync.overlap_steps = {self.sync.overlap_steps}",
-                self.sync.overlap_steps > 0,
-                "an average landing inside a round would need a quorum there; use 0 (each average lands at the end of "
-                "the next round)",
-            ),
-            (
-                "compression.reduction = scalable",
-                self.compression.kind != "none" and self.compression.reduction == "scalable",
-                "its shared warm starts are state every cluster keeps alike, which a cluster healed from a peer does "
-                "not receive; use compression.reduction = gather",
-            ),
-            (
-                f"faults.kind = {self.faults.kind}",
-                self.faults.enabled,
-                "inject faults into a static run, or kill a cluster's process",
-            ),
-            (
-                "sync.round = time",
-                self.sync.round == "time",
-                "every quorum meets at one round boundary, which a cluster's own time budget does not know; use "
-                "sync.round = steps",
-            ),
-        ]
-        for what, bad, fix in refused:
-            if bad:
-                raise ValueError(f"topology.elastic = true does not support {what} yet; {fix}")
-        if self.network.lighthouse:
-            check_lighthouse_url(self.network.lighthouse)
-        if len(t.launched_clusters()) < c:  # several machines: they meet at a Lighthouse they can all reach
-            if not self.network.lighthouse:
-                raise ValueError(
-                    f"topology.local_clusters = {t.local_clusters!r} starts only some clusters here, so the machines "
-                    "need one Lighthouse: start `dilocox lighthouse` on a host they all reach and pass its URL as "
-                    "--network.lighthouse=http://HOST:29510"
-                )
-            if not self.network.advertise_host:
-                raise ValueError(
-                    f"topology.local_clusters = {t.local_clusters!r} starts only some clusters here: pass "
-                    "--network.advertise_host=ADDRESS, the address the other machines reach this one at"
-                )
+        if t.elastic:
+            t.launched_clusters()  # a list it cannot parse is named here
+            if self.network.lighthouse:
+                check_lighthouse_url(self.network.lighthouse)
 
     def notes(self) -> list[str]:
         """One line for each setting that works, but not as its value alone says (printed once at the start)."""
@@ -577,11 +450,6 @@ class Config:
 
 
 SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
-
-
-def default_warmup_steps(steps: int) -> int:
-    """`train.warmup_steps` when the user did not set it: the field's default, but at most a tenth of the run."""
-    return min(TrainConfig.warmup_steps, steps // 10)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -609,15 +477,20 @@ def section_types() -> dict[str, type]:
 
 
 def options() -> list[tuple[str, type, Any, str]]:
-    """Every option as (dotted name, type, default, docstring), in declaration order."""
+    """Every option as (dotted name, type, default, docstring), in declaration order; an auto option's type is the
+    type of its resolved value, its default "auto"."""
     out = []
     for section, cls in section_types().items():
         docs = field_docs(cls)
         default = cls()
         for f in dataclasses.fields(cls):
-            value = getattr(default, f.name)
-            out.append((f"{section}.{f.name}", type(value), value, docs.get(f.name, "")))
+            out.append((f"{section}.{f.name}", field_type(cls, f.name), getattr(default, f.name), docs.get(f.name, "")))
     return out
+
+
+def auto_options() -> set[str]:
+    """The options that may be "auto" (their docstring states the rule `Config.resolve` follows)."""
+    return {f"{section}.{name}" for section, cls in section_types().items() for name in auto_types(cls)}
 
 
 def allowed_values(name: str) -> tuple[str, ...] | None:
@@ -703,7 +576,14 @@ def _set(cfg: Config, name: str, value: Any, *, from_text: bool) -> None:
         hint = difflib.get_close_matches(name, known, n=1)
         fix = f"; did you mean {hint[0]}?" if hint else "; `dilocox train --help` lists the options"
         raise ValueError(f"unknown config key {name!r}{fix}")
-    setattr(getattr(cfg, parts[0]), parts[1], _coerce(name, value, known[name], from_text=from_text))
+    if name in ZERO_WAS_AUTO and str(value).strip() == "0":
+        warnings.warn(f"{name} = 0 is now {name} = auto; update the config or flag", ConfigWarning, stacklevel=2)
+        value = AUTO
+    if isinstance(value, str) and value.strip() == AUTO and name in auto_options():
+        value = AUTO
+    else:
+        value = _coerce(name, value, known[name], from_text=from_text)
+    setattr(getattr(cfg, parts[0]), parts[1], value)
 
 
 def apply_toml(cfg: Config, data: dict[str, Any], *, source: str = "config") -> Config:
@@ -764,7 +644,8 @@ def preset_text(name: str) -> str:
     """The shipped TOML file of preset `name` (`dilocox/presets/NAME.toml`, package data), or a ValueError listing
     the presets."""
     if name not in PRESETS:
-        hint = difflib.get_close_matches(name, PRESETS, n=1)
+        same = [preset for preset in PRESETS if preset.lower() == str(name).lower()]  # a case slip first
+        hint = same or difflib.get_close_matches(str(name), PRESETS, n=1)
         fix = f"did you mean {hint[0]}? " if hint else ""
         raise ValueError(f"--preset {name!r} is not a preset; {fix}presets: {', '.join(PRESETS)}")
     return importlib.resources.files("dilocox").joinpath("presets", f"{name}.toml").read_text()
@@ -783,52 +664,88 @@ def preset_summary(name: str) -> str:
     return ""
 
 
+def preset_kind(name: str) -> str:
+    """The `sync.kind` of preset `name`: its identity (every preset sets one)."""
+    return read_preset(name)["sync"]["kind"]
+
+
+def choose_preset(said: list[tuple[str, str]], default: str = DEFAULT_PRESET) -> str:
+    """The preset a run starts from: `default`, changed by what the config file then the flags say, in order, as
+    ("preset", NAME) or ("sync.kind", KIND). A kind is its preset's identity: a preset replaces the one before; a kind
+    that differs from the chosen preset's kind chooses that kind's own preset (allreduce, cocktail, diloco,
+    dilocox), so `--sync.kind=diloco` runs what `--preset diloco` runs, and `--preset paper --sync.kind=dilocox`
+    stays on paper (its kind)."""
+    chosen = default
+    for what, value in said:
+        if what == "preset":
+            preset_text(value)  # a preset that does not exist is named first
+            chosen = value
+        elif value in SYNC_KINDS and value != preset_kind(chosen):
+            chosen = value
+    return chosen
+
+
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | None = None, *, preset: str | None = None
+    path: str | Path | None = None, overrides: list[str] | None = None, *, preset: str = DEFAULT_PRESET
 ) -> Config:
-    """Field defaults, then a preset, then the TOML file at `path`, then `--section.key=value` overrides (not yet
-    validated). The preset is the last `--preset NAME` among the overrides, else the file's top-level
-    `preset = "NAME"`, else `preset` (None: none). `train.warmup_steps`, when none of them sets it, is
-    `default_warmup_steps(train.steps)`."""
+    """The config of `dilocox train [--config path] overrides`, resolved (`Config.resolve`), not yet validated:
+    `layered_config`, then every auto option set by its rule."""
+    return layered_config(path, overrides, preset=preset)[0].resolve()
+
+
+def layered_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, *, preset: str = DEFAULT_PRESET
+) -> tuple[Config, str, list[set[str]]]:
+    """(the config before its auto options resolve, the preset it started from, the options each layer set: the
+    preset, the file, the flags). Field defaults, then the preset (`choose_preset`: `--preset`, the file's
+    `preset = "NAME"`, a kind that differs, else `preset`), then the TOML file at `path`, then the
+    `--section.key=value` overrides. A preset's values of the outer optimizer's settings (`OUTER_OPTIMIZER_SETTINGS`)
+    apply only while `sync.outer_optimizer` is the preset's: another outer optimizer starts from the field defaults
+    (its own auto learning rate)."""
     flags = parse_overrides(overrides or [])
     data: dict[str, Any] = read_toml(Path(path), "--config") if path else {}
     file_preset = data.pop("preset", None)
     if file_preset is not None and not isinstance(file_preset, str):
         raise ValueError(f"{path}: preset = {file_preset!r} must be the name of a preset ({', '.join(PRESETS)})")
-    chosen = [value for name, value in flags if name == "preset"]
-    name = chosen[-1] if chosen else file_preset if file_preset is not None else preset
+    file_kind = data.get("sync", {}).get("kind") if isinstance(data.get("sync"), dict) else None
+    if file_preset is not None and isinstance(file_kind, str) and file_kind != preset_kind(file_preset):
+        raise ValueError(
+            f"{path}: preset = {file_preset!r} and sync.kind = {file_kind!r} contradict: a kind is its preset's "
+            f"identity (preset {file_preset} is {preset_kind(file_preset)}); write preset = {file_kind!r}, or leave "
+            "sync.kind out"
+        )
+    said = [("preset", file_preset)] if file_preset is not None else []
+    said += [("sync.kind", file_kind)] if isinstance(file_kind, str) else []
+    name = choose_preset(said + [(key, value) for key, value in flags if key in ("preset", "sync.kind")], preset)
     cfg = Config()
-    from_preset: dict[str, Any] = {}
-    if name is not None:
-        values = read_preset(name)
-        apply_toml(cfg, values, source=f"preset {name}")
-        from_preset = {f"{section}.{key}": value for section, keys in values.items() for key, value in keys.items()}
-    explicit: set[str] = set()
-    layers = [set(from_preset)]  # the keys each layer sets: preset, file, flags
+    values = read_preset(name)
+    apply_toml(cfg, values, source=f"preset {name}")
+    layers = [{f"{section}.{key}" for section, keys in values.items() for key in keys}]  # preset, file, flags
     if path:
         apply_toml(cfg, data, source=str(path))
         layers.append({MOVED_KEYS.get(f"{s}.{k}", f"{s}.{k}") for s, values in data.items() for k in values})
-        explicit |= layers[-1]
     layers.append(set())
     for key, value in flags:
         if key != "preset":
             _set(cfg, key, value, from_text=True)
-            explicit.add(MOVED_KEYS.get(key, key))
             layers[-1].add(MOVED_KEYS.get(key, key))
-    if name is not None:
-        _check_preset_kind(cfg, name, {key for key in from_preset if key not in explicit})
-    if cfg.sync.kind == "dilocox" and name is None and "sync.sync_delay" not in explicit:
-        warnings.warn(
-            "sync.kind = 'dilocox' sets no other option: the one-step delay, the codec and the outer optimizer keep "
-            "the field defaults (blocking, fp32, outer SGD 0.7 / Nesterov 0.9) unless set; start from "
-            "--preset dilocox, dilocox-lowrank or paper for DiLoCoX's settings",
-            ConfigWarning,
-            stacklevel=2,
-        )
-    if "train.warmup_steps" not in explicit | from_preset.keys():
-        cfg.train.warmup_steps = default_warmup_steps(cfg.train.steps)  # a short run still gets its cosine decay
+    if cfg.sync.kind in SYNC_KINDS:  # a weaker layer's kind gave way to the preset a stronger one chose
+        cfg.sync.kind = preset_kind(name)
+    keep_preset_optimizer(cfg, values, layers[0] - set().union(*layers[1:]))
     _resolve_clusters(cfg.topology, layers)
-    return cfg
+    return cfg, name, layers
+
+
+def keep_preset_optimizer(cfg: Config, preset: dict[str, dict[str, Any]], inherited: set[str]) -> None:
+    """A preset's values of the outer optimizer's settings (`OUTER_OPTIMIZER_SETTINGS`) are its outer optimizer's:
+    where `sync.outer_optimizer` is another, those of `inherited` (the preset's, not set over it) return to the field
+    defaults, so `--sync.outer_optimizer=adamw` over the dilocox preset takes AdamW's auto learning rate, not the
+    SGD's 1.0 of plain averaging."""
+    if cfg.sync.outer_optimizer == preset.get("sync", {}).get("outer_optimizer", SyncConfig.outer_optimizer):
+        return
+    for option in OUTER_OPTIMIZER_SETTINGS:
+        if f"sync.{option}" in inherited:
+            setattr(cfg.sync, option, getattr(SyncConfig, option))
 
 
 def _resolve_clusters(topology: TopologyConfig, layers: list[set[str]]) -> None:
@@ -847,25 +764,6 @@ def _resolve_clusters(topology: TopologyConfig, layers: list[set[str]]) -> None:
     for name, value in derived.items():
         if f"topology.{name}" not in explicit:
             setattr(topology, name, value)
-
-
-def _check_preset_kind(cfg: Config, name: str, inherited: set[str]) -> None:
-    """Refuse a kind without an outer loop (allreduce, cocktail) over a preset whose outer-loop settings it would
-    keep: the preset's `[sync]` and `[compression]` values that differ from the field defaults."""
-    kind = cfg.sync.kind
-    if kind in OUTER_LOOP_KINDS or read_preset(name).get("sync", {}).get("kind") not in OUTER_LOOP_KINDS:
-        return
-    values, defaults = to_dict(cfg), to_dict(Config())
-    kept = []
-    for key in sorted(inherited - {"sync.kind"}):
-        section, option = key.split(".")
-        if section in ("sync", "compression") and values[section][option] != defaults[section][option]:
-            kept.append(key)
-    if kept:
-        raise ValueError(
-            f"sync.kind = {kind!r} syncs every step, but preset {name!r} also sets {', '.join(kept)} for its outer "
-            f"loop; start from the {kind} preset instead: --preset {kind}"
-        )
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

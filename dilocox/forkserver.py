@@ -18,7 +18,7 @@ LOCAL_PRELOAD = ("torch", "torch._dynamo", "dilocox.launch.local", "dilocox.trai
 """What the fork server of a static local run imports once. torch._dynamo: building the model on the meta device
 imports it (nn.Embedding's init goes through torch._refs), about 2 s of CPU that every rank paid again after the fork
 otherwise; preloaded, a 2-step debug run ends about 1.2 s sooner (6.3-6.9 s -> 5.2-5.5 s on this machine)."""
-ELASTIC_PRELOAD = (*LOCAL_PRELOAD, "dilocox.launch.elastic", "torchft", "dilocox.sync.membership")
+ELASTIC_PRELOAD = (*LOCAL_PRELOAD, "dilocox.launch.elastic", "torchft", "dilocox.elastic.membership")
 """What the fork server of an elastic run imports once, before the first cluster starts: a restart is in its peers'
 run about a second after it starts, instead of the 5-20 s a fresh interpreter takes on 2 busy cores."""
 

@@ -266,7 +266,7 @@ class RunSummary:
     link_busy_s: float
     """Link time of rank 0's transfers."""
     exposed_comm_s: float
-    """Time rank 0 was blocked waiting for the link."""
+    """Time rank 0 was blocked waiting for the link to deliver (the communication training did not hide)."""
     hidden_comm_fraction: float | None
     """1 - exposed / busy, in [0, 1]; None when nothing crossed the link."""
     steps: int
@@ -309,6 +309,9 @@ class RunSummary:
     (`WanChannel.peak_in_flight_bytes`; 0 in summaries written before it was recorded)."""
     fragments: int = 1
     """sync.fragments: the parts each stage's outer sync is streamed in."""
+    peer_wait_s: float = 0.0
+    """Time rank 0 was blocked after the link had delivered, waiting for a cluster that sent late (a straggler, a
+    slower or busier cluster: not the link; 0 in summaries written before it was recorded)."""
     cluster_tokens: list[int] | None = None
     """Each cluster's training tokens (its own steps x its tokens per step; they differ with sync.round = time);
     None in an elastic run's summary and in summaries written before it was recorded."""
@@ -372,8 +375,9 @@ def format_summary(s: RunSummary) -> str:
             f"  throughput  {s.tokens:,} tokens in {s.wall_s:.1f} s = {s.tokens_per_s:,.0f} tokens/s",
             f"  slow link   {fmt_bytes(s.wan_bytes_total)} sent by {senders}; AllReduce would send "
             f"{fmt_bytes(s.allreduce_equiv_bytes)} ({versus}{scope})",
-            f"  link time   busy {s.link_busy_s:.2f} s, trainer blocked {s.exposed_comm_s:.2f} s (rank 0)"
-            + (f", {100 * s.hidden_comm_fraction:.0f}% hidden" if s.hidden_comm_fraction is not None else "")
+            f"  link time   busy {s.link_busy_s:.2f} s; rank 0 waited {s.exposed_comm_s:.2f} s for the link"
+            + (f" ({100 * s.hidden_comm_fraction:.0f}% hidden)" if s.hidden_comm_fraction is not None else "")
+            + f" and {s.peer_wait_s:.2f} s for other clusters"
             + (f"; at most {fmt_bytes(s.peak_in_flight_bytes)} in flight per rank" if s.peak_in_flight_bytes else "")
             + (f" ({s.fragments} fragments per stage)" if s.fragments > 1 else ""),
         ]

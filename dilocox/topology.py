@@ -28,14 +28,18 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 _SHAPE = re.compile(r"pp(?P<pp>\d+)xdp(?P<dp>\d+)|dp(?P<dp2>\d+)xpp(?P<pp2>\d+)|dp(?P<dp3>\d+)")
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Ranks in `group`; None stands for "no group": one process that needs no communication."""
+    import torch.distributed as dist  # here, not at the top: the config reads this module without torch
+
     return 1 if group is None else dist.get_world_size(group)
 
 
@@ -213,6 +217,8 @@ def build_process_groups(
     `intra_backend` is the backend of the fast groups inside a cluster (pp, dp): nccl when the ranks compute on
     GPUs. The cluster groups, the slow link, are always gloo: the channel sends host tensors over TCP. `timeout`
     bounds each collective of every group (`network.timeout`; None: the backend's default, 30 min for gloo)."""
+    import torch.distributed as dist
+
     if dist.get_world_size() != topo.world_size:
         raise ValueError(
             f"the process group has {dist.get_world_size()} ranks but the topology needs {topo.world_size} "

@@ -23,10 +23,18 @@ import torch
 import torch.distributed as dist
 
 from dilocox.agreement import run_settings, settings_fingerprint
-from dilocox.checkpoint import check_resume, list_checkpoints, load_rank_state, run_identity, save_checkpoint
+from dilocox.checkpoint import (
+    check_resume,
+    list_checkpoints,
+    load_rank_state,
+    run_identity,
+    save_checkpoint,
+    saved_outer_params,
+)
 from dilocox.config import Config, to_dict
 from dilocox.data import ShardedTokenStream, TokenData, is_prepared_dir, iter_eval_batches, prepare_tokens
 from dilocox.device import describe, intra_cluster_backend, resolve_device
+from dilocox.elastic.rounds import RESUMED, heal_state_bound
 from dilocox.metrics import MetricsLogger, RunSummary, format_summary, truncate_metrics
 from dilocox.models import Decoder, ModelArgs, count_parameters, model_args
 from dilocox.net.channel import WanChannel
@@ -36,8 +44,7 @@ from dilocox.net.watchdog import JobStore, Watchdog
 from dilocox.optim import MuonAdamW, inner_state_bytes, split_muon_parameters
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
 from dilocox.parallel.pipeline import mean_token_cross_entropy
-from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync, heal_state_bound
-from dilocox.sync.elastic import RESUMED
+from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync
 from dilocox.sync.lanes import LaneLayout, lane_allreduce_bytes_per_step
 from dilocox.sync.robust import GuardError
 from dilocox.topology import Topology, build_process_groups
@@ -153,7 +160,7 @@ def configure_compute(model: Decoder, cfg: Config) -> None:
 
 def lr_at(cfg: Config, step: float, *, peak: float | None = None) -> float:
     """Inner learning rate of 0-based step `step`: linear warm-up to `peak` (train.lr unless given), then cosine
-    decay to peak x min_lr_ratio. With time rounds `step` is the run's progress (`OuterSync.progress_step`), which
+    decay to peak x min_lr_ratio. With time rounds `step` is the run's progress (`SyncStatus.progress`), which
     may fall between two steps."""
     t = cfg.train
     peak = t.lr if peak is None else peak
@@ -292,8 +299,8 @@ class Trainer:
             num_stages=self.num_stages,
             pp_group=self.groups.pp_group,
             schedule=cfg.train.pipeline_schedule,
-            num_microbatches=cfg.microbatches,
-            microbatch_size=cfg.train.micro_batch_size // cfg.microbatches,
+            num_microbatches=cfg.train.num_microbatches,
+            microbatch_size=cfg.train.micro_batch_size // cfg.train.num_microbatches,
             seq_len=cfg.train.seq_len,
             dim=self.model_args.dim,
             vocab_size=self.model_args.vocab_size,
@@ -369,7 +376,7 @@ class Trainer:
         """Elastic: called once this cluster is in the run (the launcher stops a restart that never got in)."""
 
     def _join_membership(self, cluster_store: tuple[str, int]):
-        from dilocox.sync.membership import ElasticMembership
+        from dilocox.elastic.membership import ElasticMembership
 
         cfg, t = self.cfg, self.cfg.topology
         timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
@@ -377,7 +384,7 @@ class Trainer:
         return ElasticMembership(
             cluster=self.coords.cluster,
             num_clusters=t.num_clusters,
-            min_clusters=cfg.min_clusters,
+            min_clusters=cfg.sync.min_clusters,
             lighthouse=cfg.network.lighthouse,
             store_addr=cluster_store[0],
             store_port=cluster_store[1],
@@ -385,10 +392,8 @@ class Trainer:
             ranks_per_cluster=t.dp_degree * t.pp_degree,
             timeout=timeout,
             quorum_timeout=timeout,
-            # half the Lighthouse's join timeout (launch.elastic.lighthouse_timeouts)
+            # half the Lighthouse's join timeout (elastic.lighthouse.lighthouse_timeouts)
             control_timeout=datetime.timedelta(seconds=(cfg.network.stall_timeout_s or cfg.network.timeout_s) / 2),
-            state_dict=lambda: self.sync.heal_state(),
-            load_state_dict=lambda state: self.sync.load_heal_state(state),
             heal_max_bytes=heal_state_bound(cfg.sync, sum(p.numel() for p in self.model.parameters())),
             config_fingerprint=settings_fingerprint(settings),
             shared_settings=settings,
@@ -501,18 +506,16 @@ class Trainer:
         self.sync.reduce_gradients()
         if self.cfg.train.grad_clip > 0:
             clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip, pp_group=self.groups.pp_group)
-        self.lr_step = self.sync.progress_step(self.step) if self.time_rounds else self.step
+        self.lr_step = self.sync.status().progress if self.time_rounds else self.step
         set_inner_lr(self.inner_optimizer, self.cfg, self.lr_step)
         self.inner_optimizer.step()
         self.inner_optimizer.zero_grad(set_to_none=True)
         if self.sleep_factor > 1.0:  # faults.slow_clusters: this cluster's step takes factor x its compute time
             time.sleep((self.sleep_factor - 1.0) * (time.perf_counter() - started))
-        step_s = time.perf_counter() - started
+        step_s = time.perf_counter() - started  # training time only: the boundary's wait below is not a step's
         self.train_s += step_s
-        if self.time_rounds:  # training time only: the boundary's wait below is not a step's
-            self.sync.add_step_time(step_s)
         self.step += 1
-        self.round_stats = self.sync.after_inner_step(self.step)
+        self.round_stats = self.sync.after_inner_step(self.step, step_s=step_s)
         return broadcast_from_last_stage(loss, self.groups.pp_group)
 
     def evaluate(self, *, final: bool = False, agreed: bool = True) -> float:
@@ -556,11 +559,11 @@ class Trainer:
         round boundary (rounds completed x H, at most train.steps), the same on every cluster."""
         if not self.time_rounds:
             return self.step
-        return min(self.sync.outer_step * self.cfg.sync.inner_steps, self.cfg.train.steps)
+        return min(self.sync.status().outer_step * self.cfg.sync.inner_steps, self.cfg.train.steps)
 
     def _finished(self) -> bool:
         """Whether training is over: train.steps steps, or with time rounds every round of the run."""
-        return self.sync.rounds_done if self.time_rounds else self.step >= self.cfg.train.steps
+        return self.sync.status().done if self.time_rounds else self.step >= self.cfg.train.steps
 
     # ---------------------------------------------------------------------------------------------- loop
     def train(self) -> RunSummary | None:
@@ -592,8 +595,11 @@ class Trainer:
             if joined is not None and joined[1] != RESUMED:
                 if joined[1] == "round":
                     self.round_stats = self.sync.after_inner_step(self.step)
-                if self.step >= cfg.train.steps:
+                if self.step >= cfg.train.steps:  # joined at the last boundary: no step left, but the end is its own
                     self.round_stats = self.sync.flush() or self.round_stats
+                    path = self.save()
+                    if logger is not None:
+                        logger.print(f"checkpoint saved: {path}")
             while not self._finished():
                 try:
                     self.losses.append(self.train_step())
@@ -601,18 +607,19 @@ class Trainer:
                     self._diverged(str(error))
                 if not math.isfinite(self.losses[-1]) and not self.guarded:  # the launcher stops the other ranks
                     self._diverged(f"the training loss is {self.losses[-1]}")
-                boundary = self.sync.is_round_boundary(self.step)
+                boundary = self.sync.status().boundary
                 last = self._finished()
                 if last:  # the record of the last step carries the updates left out of every sync it waited for
                     flushed = self.sync.flush()
                     if flushed is not None:
                         self.round_stats = flushed.with_exclusions_of(self.round_stats)
-                while self.sync.warnings and logger is not None:
-                    logger.print(self.sync.warnings.pop(0))
+                messages = self.sync.status().messages
+                while messages and logger is not None:
+                    logger.print(messages.pop(0))
                 if self.membership is not None:  # membership changes: printed where seen, recorded by cluster 0
                     self._record_elastic_events(logger)
                 if logger is None:
-                    self.sync.warnings.clear()  # rank 0 prints them; the others' copies go
+                    messages.clear()  # rank 0 prints them; the others' copies go
                     self.losses.clear()  # rank 0 averages them per logged line; the others keep none
                 eval_loss = None
                 if self.in_eval_pipeline and (self._due(cfg.eval.interval) or last):
@@ -628,7 +635,7 @@ class Trainer:
                     tokens_per_s = (self.step - window_step) * self.tokens_per_step / (now - window_start)
                     if self.time_rounds:  # the clusters' steps differ: their landed tokens over the training time
                         trained_s = self.elapsed_before + self._elapsed() - self.eval_s
-                        tokens_per_s = self.sync.landed_tokens / trained_s if trained_s > 0 else float("nan")
+                        tokens_per_s = self.sync.status().landed_tokens / trained_s if trained_s > 0 else float("nan")
                     logger.log(self._record(eval_loss, tokens_per_s))
                     for landed in self.round_stats.also_landed if self.round_stats is not None else ():
                         logger.log_event(self._round_record(landed))  # sync.fragments: one record per sync
@@ -665,7 +672,7 @@ class Trainer:
         if self.coords.dp == 0 and self.coords.pp == 0:  # one line per cluster
             print(
                 f"dilocox: elastic: cluster {self.coords.cluster} rejoined at step {step} (outer step "
-                f"{self.sync.outer_step}), healed from {how}",
+                f"{self.sync.status().outer_step}), healed from {how}",
                 flush=True,
             )
         return joined
@@ -679,7 +686,7 @@ class Trainer:
 
         from dilocox.fileio import write_atomic
 
-        outer = self.sync.outer_params.detach().cpu().contiguous()
+        outer = saved_outer_params(self.sync.state_dict()).detach().cpu().contiguous()  # type: ignore[union-attr]
         stage_sha256 = hashlib.sha256(outer.numpy().tobytes()).hexdigest()
         if self.num_stages > 1:  # the cluster's world is gloo whatever the fast groups' backend: every stage's digest
             by_stage = dict(all_gather_json([self.coords.pp, stage_sha256], group=dist.group.WORLD, max_bytes=1024))
@@ -687,15 +694,16 @@ class Trainer:
             stage_sha256 = hashlib.sha256(" ".join(stages).encode()).hexdigest()
         if self.coords.dp != 0 or self.coords.pp != 0:  # one record per cluster
             return
+        status = self.sync.status()
         record = {
             "cluster": self.coords.cluster,
             "step": self.step,
-            "outer_step": self.sync.outer_step,
+            "outer_step": status.outer_step,
             # one stage: its outer params' bytes; several: the digest of the stages' digests, in stage order
             "outer_params_sha256": stage_sha256,
             "healed_from_peer": joined is not None,
             "rejoined_at_step": None if joined is None else joined[0],
-            "last_round_clusters": list(self.sync.last_clusters),
+            "last_round_clusters": list(status.last_clusters),
             "heals": self.membership.heals,
             "resumed_from_checkpoint": None if self.resumed_from is None else str(self.resumed_from),
             "last_eval_loss": self.last_eval_loss,
@@ -706,23 +714,27 @@ class Trainer:
 
     def _record_elastic_events(self, logger: MetricsLogger | None) -> None:
         """The stalls, leaves and rejoins seen since the last step, as `elastic` records of metrics.jsonl."""
-        for event in self.sync.elastic_events() if logger is not None else []:
-            logger.log_event(event.record())
+        events = self.sync.status().events
+        while events:
+            event = events.pop(0)
+            if logger is not None:
+                logger.log_event(event.record())
 
     def _record(self, eval_loss: float | None, tokens_per_s: float) -> dict[str, Any]:
-        stats = self.channel.stats()
+        stats, status = self.channel.stats(), self.sync.status()
         record = {
             "step": self.step,
-            "outer_step": self.sync.outer_step,
+            "outer_step": status.outer_step,
             "loss": sum(self.losses) / len(self.losses) if self.losses else float("nan"),
             "lr": lr_at(self.cfg, self.lr_step),
             # time rounds: every cluster's tokens in the rounds whose sync landed (exact once the last one did)
-            "tokens": self.sync.landed_tokens if self.time_rounds else self.step * self.tokens_per_step,
+            "tokens": status.landed_tokens if self.time_rounds else self.step * self.tokens_per_step,
             "tokens_per_s": tokens_per_s,
             "wan_bytes_sent": stats["bytes_sent"],
             "wan_bytes_recv": stats["bytes_recv"],
             "link_busy_s": stats["link_busy_s"],
             "exposed_comm_s": stats["exposed_s"],
+            "peer_wait_s": stats["peer_wait_s"],
             "payloads_rejected": stats["payloads_rejected"],
             "elapsed_s": self.elapsed_before + self._elapsed(),
         }
@@ -733,25 +745,26 @@ class Trainer:
         if self.round_stats is not None:  # link, exposed and hidden time of the sync waited for at this step
             record.update(self.round_stats.to_record())
         if self.membership is not None:  # the clusters of the last round settled (`dilocox plot`: membership)
-            record["round_clusters"] = list(self.sync.last_clusters)
+            record["round_clusters"] = list(status.last_clusters)
         return record
 
     def _round_record(self, stats: RoundStats) -> dict[str, Any]:
         """The record of a fragment's sync landed at this step besides the one the step's record carries."""
-        return {"event": "round", "step": self.step, "outer_step": self.sync.outer_step, **stats.to_record()}
+        return {"event": "round", "step": self.step, "outer_step": self.sync.status().outer_step, **stats.to_record()}
 
     def _summary(self, wall_s: float, logger: MetricsLogger | None) -> RunSummary | None:
         """Gather every rank's link counters (a small control message, not counted as slow-link payload)."""
         stats = self.channel.stats()
         if self.elastic:  # each cluster is its own world: the yardstick of this cluster's place among all of them
-            per_step = ring_all_reduce_bytes(self.sync.numel, 4, self.topology.num_clusters, self.coords.cluster)[0]
+            numel = self.sync.status().numel
+            per_step = ring_all_reduce_bytes(numel, 4, self.topology.num_clusters, self.coords.cluster)[0]
         elif self.lanes is not None:  # an fp32 all-reduce of this rank's lanes over the clusters
             per_step = lane_allreduce_bytes_per_step(
                 self.lanes, [p.numel() for p in self.model.parameters() if p.requires_grad]
             )
         else:
             per_step = allreduce_bytes_per_step(
-                self.sync.numel, dp_group=self.groups.dp_group, cluster_group=self.groups.cluster_group
+                self.sync.status().numel, dp_group=self.groups.dp_group, cluster_group=self.groups.cluster_group
             )
         mine = {
             "bytes_sent": stats["bytes_sent"],
@@ -780,7 +793,8 @@ class Trainer:
         tokens = self.step * self.tokens_per_step if self.elastic else sum(g["tokens"] for g in gathered)
         c = self.cfg
         checkpoints = list_checkpoints(self.run_dir)
-        guard = self.sync.guard_counts
+        status = self.sync.status()
+        guard = status.guard_counts
         summary = RunSummary(
             final_eval_loss=final_eval_loss,
             initial_eval_loss=self.initial_eval_loss,
@@ -796,16 +810,17 @@ class Trainer:
             wan_bytes_clusters=[self.coords.cluster] if self.elastic else None,
             link_busy_s=stats["link_busy_s"],
             exposed_comm_s=stats["exposed_s"],
+            peer_wait_s=stats["peer_wait_s"],
             hidden_comm_fraction=(
                 min(1.0, max(0.0, 1.0 - stats["exposed_s"] / stats["link_busy_s"])) if stats["link_busy_s"] else None
             ),
             steps=self.step,
-            outer_steps=self.sync.outer_step,
+            outer_steps=status.outer_step,
             sync_kind=c.sync.kind,
             sync_delay=c.sync.sync_delay,
             merge=c.sync.merge,
             inner_steps=c.sync.inner_steps,
-            final_inner_steps=self.sync.inner_steps,
+            final_inner_steps=status.inner_steps,
             fragments=c.sync.fragments,
             flavor=c.model.flavor,
             num_params=self.num_params,
@@ -836,7 +851,7 @@ class Trainer:
         (optimizer states counted at their full size even before the first step allocates them)."""
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         inner = inner_state_bytes(self.inner_optimizer)
-        outer = self.sync.state_bytes()
+        outer = self.sync.status().state_bytes
         outer_on_host = self.cfg.sync.outer_state_device == "cpu" and self.device.type != "cpu"
         return {
             "rank": self.rank,

@@ -96,3 +96,37 @@ class SimulatedClock:
         self._cond.notify_all()
         while any(deadline <= self._now for deadline in self._parked):
             self._cond.wait()
+
+
+class SharedClock:
+    """Seconds that every rank reads from one store and that move only when a rank moves them: a cluster that
+    computes longer (`advance_to`) sends late as a fact of the test, not of the machine's load. `block` tells the
+    store that this rank waits (`blocked_key`), so a peer can act only once it does.
+
+        clock = SharedClock(dist.FileStore(path, 2), rank)
+        clock.advance_to(5.0)                        # this cluster computed 5 s more
+    """
+
+    def __init__(self, store, rank: int) -> None:
+        self.store = store
+        self.rank = rank
+        store.compare_set("now", "", "0.0")  # the first rank sets the origin; later ones find it
+
+    def now(self) -> float:
+        return float(self.store.get("now"))
+
+    def advance_to(self, seconds: float) -> None:
+        """Move the time to `seconds` unless it is already later."""
+        while (current := self.store.get("now")) and float(current) < seconds:
+            self.store.compare_set("now", current.decode(), repr(seconds))
+
+    def sleep_until(self, deadline: float) -> None:
+        self.advance_to(deadline)
+
+    def block(self, done: threading.Event) -> None:
+        self.store.set(self.blocked_key(self.rank), "1")
+        done.wait()
+
+    @staticmethod
+    def blocked_key(rank: int) -> str:
+        return f"blocked{rank}"

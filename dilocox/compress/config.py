@@ -141,17 +141,6 @@ class CompressionConfig:
             high=self.energy,
             fix=f"it is the target at the strongest compression, at most compression.energy = {self.energy}",
         )
-        if self.reduction == "scalable" and self.kind not in (*SCALABLE_KINDS, "none"):  # none: a ring all-reduce
-            raise ValueError(
-                f"compression.reduction = 'scalable' cannot average compression.kind = {self.kind!r}: "
-                + (
-                    "it picks the rank from each cluster's own spectrum, and this path needs one rank that every "
-                    "cluster agrees on before a sync starts; use compression.reduction = 'gather', or "
-                    "compression.kind = 'lowrank_int4' with a fixed compression.rank"
-                    if self.kind == "adaptive"
-                    else f"it supports {', '.join(SCALABLE_KINDS)}; use compression.reduction = 'gather'"
-                )
-            )
 
 
 def drain_config(cfg: CompressionConfig) -> CompressionConfig:

@@ -16,7 +16,6 @@ import json
 import logging
 import multiprocessing.connection
 import os
-import shlex
 import signal
 import socket
 import sys
@@ -31,8 +30,9 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from dilocox import forkserver
-from dilocox.checkpoint import elastic_resume_paths, list_checkpoints
+from dilocox.checkpoint import elastic_resume_paths
 from dilocox.config import Config, from_dict, to_dict
+from dilocox.elastic.lighthouse import lighthouse_timeouts, lighthouse_url, start_lighthouse
 from dilocox.launch.processes import (
     EXIT_INTERRUPTED,
     EXIT_USER_ERROR,
@@ -44,20 +44,12 @@ from dilocox.launch.processes import (
     signals_stop_the_run,
     stop_processes,
 )
+from dilocox.launch.rundir import resume_hint
 from dilocox.launch.status import ClusterBoard, ClusterStatus
 from dilocox.net.listen import bind_string, serve_store
 
 EXIT_NO_PEER = 5
 """A restarted cluster found no live cluster to heal from (the run ended without it); it is not restarted."""
-
-
-def lighthouse_timeouts(cfg: Config) -> dict[str, float]:
-    """The Lighthouse's timeouts from `[network]`: a cluster silent for 2 x network.heartbeat is left out of the next
-    round; the live ones wait up to network.stall_timeout (or network.timeout) for one that beats but does not come."""
-    return {
-        "heartbeat_timeout_s": 2 * cfg.network.heartbeat_s,
-        "join_timeout_s": cfg.network.stall_timeout_s or cfg.network.timeout_s,
-    }
 
 
 def launch_elastic(cfg: Config, resume: Path | None = None) -> int:
@@ -76,7 +68,7 @@ def launch_elastic(cfg: Config, resume: Path | None = None) -> int:
     except (KeyboardInterrupt, Stopped) as exc:
         launcher.stop_all()
         what = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"stopped by {exc}"
-        print(f"\ndilocox: {what}, every cluster stopped", file=sys.stderr)
+        print(f"\ndilocox: {what}, every cluster stopped; {launcher.resume_hint()}", file=sys.stderr)
         return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else 128 + exc.signum
     finally:
         launcher.close()
@@ -108,8 +100,6 @@ class ElasticLauncher:
     """
 
     def __init__(self, cfg: Config, resume: Path | None = None) -> None:
-        from dilocox.sync.membership import lighthouse_url, start_lighthouse
-
         self.cfg = cfg
         self.topology = cfg.topology
         self.advertise_host = cfg.network.listen_host
@@ -129,7 +119,9 @@ class ElasticLauncher:
         self.lighthouse = None
         self.address = cfg.network.lighthouse
         if not self.address:
-            self.lighthouse = start_lighthouse(bind=bind_string(self.advertise_host), **lighthouse_timeouts(cfg))
+            self.lighthouse = start_lighthouse(
+                bind=bind_string(self.advertise_host), **lighthouse_timeouts(cfg.network)
+            )
             self.address = lighthouse_url(self.lighthouse, self.advertise_host)
 
     def run(self) -> int | None:
@@ -192,18 +184,9 @@ class ElasticLauncher:
     def resume_hint(self) -> str:
         """How to go on from disk once the run has stopped: the same command on every machine (checkpoint.resume =
         auto takes each cluster's newest checkpoint), and the checkpoint it resumes from."""
-        argv = ["dilocox", *sys.argv[1:]]
-        if self.cfg.run.overwrite:
-            argv.append("--run.overwrite=false")  # it would start the run afresh
-        if self.cfg.checkpoint.resume == "":
-            argv.append("--checkpoint.resume=auto")
-        newest = list_checkpoints(Path(self.cfg.run.out_dir))
-        command = f"`{shlex.join(argv)}`"
-        if self.cfg.network.lighthouse:
-            command += f" on every machine of the run, once the Lighthouse at {self.cfg.network.lighthouse} runs"
-        if not newest:
-            return f"no checkpoint was written yet: {command} starts the run again"
-        return f"resume it with {command} (from {newest[-1]}; checkpoint.resume = auto)"
+        lighthouse = self.cfg.network.lighthouse
+        where = f" on every machine of the run, once the Lighthouse at {lighthouse} runs" if lighthouse else ""
+        return resume_hint(self.cfg, where=where)
 
     def end(self) -> int:
         """Say which clusters the run finished without; 0 when at least one of this machine's clusters finished."""
@@ -401,7 +384,7 @@ def _elastic_rank_main(
     store = dist.TCPStore(advertise_host, port, ranks_per_cluster, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=local_rank, world_size=ranks_per_cluster, timeout=timeout)
     rank = cluster * ranks_per_cluster + local_rank
-    from dilocox.sync.membership import NoLivePeer
+    from dilocox.elastic.membership import NoLivePeer
     from dilocox.trainer import Trainer
 
     try:

@@ -25,7 +25,6 @@ from torch.multiprocessing.spawn import ProcessException
 
 from dilocox import forkserver
 from dilocox.agreement import check_same_settings
-from dilocox.checkpoint import list_checkpoints
 from dilocox.config import Config, from_dict, to_dict
 from dilocox.data import TokenData
 from dilocox.launch.elastic import launch_elastic
@@ -41,6 +40,7 @@ from dilocox.launch.processes import (
     signals_stop_the_run,
     stop_processes,
 )
+from dilocox.launch.rundir import resume_hint
 from dilocox.net.listen import LOOPBACK, serve_store
 from dilocox.net.watchdog import EXIT_STALLED, JobStore, run_was_stopped
 
@@ -72,9 +72,8 @@ def launch_local(cfg: Config, data: TokenData, resume: Path | None) -> int:
                 pass
     except (KeyboardInterrupt, Stopped) as exc:
         stop_processes(ctx)
-        hint = _resume_hint(cfg)
         what = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"stopped by {exc}"
-        print(f"\ndilocox: {what}, all {world_size} ranks stopped{hint}", file=sys.stderr)
+        print(f"\ndilocox: {what}, all {world_size} ranks stopped; {resume_hint(cfg)}", file=sys.stderr)
         return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else 128 + exc.signum
     except ProcessException as exc:
         stop_processes(ctx)
@@ -89,7 +88,7 @@ def _report_failure(cfg: Config, store: dist.TCPStore, exc: ProcessException) ->
     if run_was_stopped(JobStore(store)):
         print(
             f"dilocox: a rank stopped sending heartbeats (named above): all {world_size} ranks stopped, exit "
-            f"{EXIT_STALLED}{_resume_hint(cfg)}",
+            f"{EXIT_STALLED}; {resume_hint(cfg)}",
             file=sys.stderr,
         )
         return EXIT_STALLED
@@ -103,12 +102,6 @@ def _report_failure(cfg: Config, store: dist.TCPStore, exc: ProcessException) ->
         file=sys.stderr,
     )
     return 1
-
-
-def _resume_hint(cfg: Config) -> str:
-    """How to go on after the run was stopped: '; resume from <newest checkpoint> ...', or '' without one."""
-    newest = list_checkpoints(Path(cfg.run.out_dir))
-    return f"; resume from {newest[-1]} with --checkpoint.resume=latest" if newest else ""
 
 
 def _local_rank_main(

@@ -13,14 +13,21 @@ import os
 import sys
 from pathlib import Path
 
-from dilocox.checkpoint import check_auto_resume, check_resume, check_resume_model, find_checkpoint, list_checkpoints
+from dilocox.checkpoint import (
+    check_auto_resume,
+    check_resume,
+    check_resume_model,
+    checkpoint_step,
+    find_checkpoint,
+    list_checkpoints,
+)
 from dilocox.config import Config
 from dilocox.data import ShardedTokenStream, TokenData, is_prepared_dir, iter_eval_batches
 from dilocox.data.tokenizer import smaller_vocab_warning
 from dilocox.device import resolve_device
+from dilocox.elastic.lighthouse import probe_lighthouse
 from dilocox.metrics import check_sinks
 from dilocox.models import ModelArgs
-from dilocox.net.lighthouse import probe_lighthouse
 from dilocox.net.listen import listening_socket
 from dilocox.parallel import check_split, stage_tensor_counts
 from dilocox.runlock import RunLock
@@ -134,6 +141,11 @@ def resolve_resume(cfg: Config) -> Path | None:
     if resume == "auto":  # found, not asked for: it may belong to another run
         check_auto_resume(cfg, path)
     check_resume(cfg, path)
+    if checkpoint_step(path) == cfg.train.steps:  # resumed, it would train nothing and rewrite the run's record
+        raise ValueError(
+            f"{path} is the end of its run (train.steps = {cfg.train.steps}): nothing is left to train; raise "
+            "--train.steps to continue that run, or start a new one in another --run.out_dir"
+        )
     return path
 
 

@@ -78,7 +78,7 @@ def enter_forked_rank(launcher: int, env: dict, cwd: str) -> None:
     """The start of every rank forked from the fork server: watch the launcher, take the launcher's environment and
     directory of now (not the fork server's from its start), put gloo on the loopback. Every group a rank builds
     itself joins ranks of this machine (a static run's world, an elastic cluster), whatever GLOO_SOCKET_IFNAME a
-    user keeps for torchrun jobs; an elastic run's slow-link group binds its own address (`membership.py`)."""
+    user keeps for torchrun jobs; an elastic run's slow-link group binds its own address (`elastic/membership.py`)."""
     _die_with(launcher)
     os.environ.clear()
     os.environ.update(env)

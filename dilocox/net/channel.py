@@ -1,248 +1,43 @@
-"""The WAN channel: the one object through which every collective on the slow `cluster_group` goes.
-
-It runs each collective for real (gloo) on a background communicator thread, counts the exact bytes the ring
-algorithm puts on the wire (conventions in `dilocox.net.link`), and, in emulation mode, completes each transfer
-only when a FIFO model of the slow link says it would have arrived. Training overlaps with the transfer exactly
-as it would with a real slow link; time the trainer spends blocked in `wait()` is recorded as exposed. With a
-`PayloadAuth` (network.auth_key_file) every all-gathered payload carries an HMAC-SHA256 tag, and a payload whose
-tag does not verify is dropped (None in its place) and counted, never used. The members then tell each other which
-payloads they dropped, so that every member leaves out the same ones and all of them average the same payloads; a
-cluster whose payload every other member dropped stops the run (`PayloadsRejected`).
-"""
+"""The WAN channel: the one object through which every collective on the slow `cluster_group` goes (§5 of
+docs/design.md). `WanChannel` composes three parts, a module each: the transport (`dilocox.net.transport`: the
+communicator thread, `Wire` programs), the link's accounting and emulation (`dilocox.net.accounting`) and the
+authentication of payloads (`dilocox.net.sealing`)."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
-import queue
-import sys
-import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dilocox.net.auth import MIN_KEY_BYTES, TAG_BYTES, PayloadAuth
+from dilocox.net.accounting import STAT_KEYS, LinkAccount
+from dilocox.net.auth import TAG_BYTES, PayloadAuth
 from dilocox.net.clock import Clock, MonotonicClock
-from dilocox.net.link import (
-    LinkModel,
-    link_charge_bytes,
-    parse_bandwidth,
-    parse_duration,
-    ring_all_gather_bytes,
-    ring_all_reduce_bytes,
-)
-from dilocox.net.staging import HostStaging, StagingTicket
+from dilocox.net.link import parse_bandwidth, parse_duration, ring_all_gather_bytes, ring_all_reduce_bytes
+from dilocox.net.sealing import PayloadSeal, PayloadsRejected, rejection_verdict
+from dilocox.net.staging import HostStaging
+from dilocox.net.transport import Communicator, LocalWire, Outcome, PendingTransfer, ResultT, Wire, gather_payloads
 
 __all__ = [
+    "PayloadsRejected",
     "PendingTransfer",
     "WanChannel",
     "Wire",
+    "rejection_verdict",
     "ring_all_gather_bytes",
     "ring_all_reduce_bytes",
 ]
 
-ResultT = TypeVar("ResultT")
-
 _REDUCE_OPS = ("sum", "avg")
 _LENGTH_BYTES = 8  # one int64 element count per rank in the length exchange of an all-gather
-_CANCEL_JOIN_S = 5.0  # how long close(cancel=True) waits for a collective already on the wire
-_STAT_KEYS = ("bytes_sent", "bytes_recv", "control_bytes", "link_busy_s", "exposed_s", "num_transfers")
-_FORGER = PayloadAuth(b"dilocox/faults/a-key-no-cluster-holds".ljust(MIN_KEY_BYTES))
-"""faults.kind = forge: what a forger without the shared key tags its payloads with."""
-_ADDED_STAT_KEYS = ("payloads_rejected", "peak_in_flight_bytes")
-"""Counters newer than some checkpoints: 0 when a saved state lacks them."""
 
 
-class PayloadsRejected(ValueError):
-    """Every other member rejected a cluster's authenticated payload (or no payload verified on every member): the
-    same one line on every member of the group, which stops the run rather than let that cluster train apart."""
-
-
-@dataclass(eq=False)
-class PendingTransfer(Generic[ResultT]):
-    """An in-flight collective of a `WanChannel`; `wait()` returns its result once the emulated link delivers it.
-
-        transfer = channel.launch_all_reduce(pseudo_grad, op="avg")
-        ...                                     # compute while the link is busy; do not touch pseudo_grad
-        avg_pseudo_grad = transfer.wait()
-
-    Times are seconds of the channel's clock (`time.perf_counter()` by default). The byte and time fields are final
-    once `done()` is true (the sizes of an all-gather are only known after its length exchange on the communicator
-    thread).
-    """
-
-    kind: str
-    """"all_reduce", "all_gather", or the kind given to `launch_program`."""
-    launch_time: float
-    """When the trainer launched the transfer."""
-    nbytes_sent: int = 0
-    """Payload bytes this rank put on the wire (ring convention, unpadded)."""
-    nbytes_recv: int = 0
-    """Payload bytes this rank took off the wire."""
-    start_time: float = 0.0
-    """When the transfer started on the (emulated) link: after its launch and after the previous one left."""
-    done_time: float = 0.0
-    """When the transfer completed: the link model's arrival, or later if the real collective was slower."""
-    link_s: float = 0.0
-    """`done_time - start_time`: link time of this transfer alone."""
-    seq: int = -1
-    """Position among this channel's accounted transfers (the first is 0); -1 when not accounted. Transfers
-    complete in order, so transfer `seq` is in the counters exactly when `num_transfers > seq`."""
-    _finished: threading.Event = field(default_factory=threading.Event, repr=False)
-    _result: Any = field(default=None, repr=False)
-    _error: BaseException | None = field(default=None, repr=False)
-    _channel: WanChannel | None = field(default=None, repr=False)
-    _staged: StagingTicket | None = field(default=None, repr=False)
-    """How a CUDA payload is staged through the host (None for a host payload)."""
-    _in_peak: bool = field(default=True, repr=False)
-    """Whether it counts towards `WanChannel.peak_in_flight_bytes` (not a transfer launched `off_peak`)."""
-
-    def done(self) -> bool:
-        """True once `wait()` would return (or raise) without blocking."""
-        return self._finished.is_set()
-
-    def wait(self) -> ResultT:
-        """Block until the transfer completes and return its result; the blocked time counts as exposed."""
-        if not self._finished.is_set():
-            if self._channel is None:
-                self._finished.wait()
-            else:
-                clock = self._channel.clock
-                blocked_from = clock.now()
-                clock.block(self._finished)
-                self._channel._add_exposed(clock.now() - blocked_from)
-        if isinstance(self._error, PayloadsRejected):  # a verdict of the members, not a broken transfer
-            raise self._error
-        if self._error is not None:
-            raise RuntimeError(
-                f"WAN channel {self.kind} launched at t={self.launch_time:.3f}s failed on the communicator thread: "
-                f"{self._error!r}"
-            ) from self._error
-        if self._staged is not None:
-            self._staged.before_use()  # the compute stream reads the result after its copy back, not before
-        return self._result
-
-    def _complete(self, result: Any) -> None:
-        self._result = result
-        self._finished.set()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._finished.set()
-
-
-@dataclass
-class _Outcome:
-    """What one collective did on this rank, measured on the communicator thread."""
-
-    result: Any
-    nbytes_sent: int
-    nbytes_recv: int
-    control_bytes: int = 0
-    phases: int = 1
-    """Dependent communication steps (each pays one latency): 1 for a single collective."""
-
-
-class Wire:
-    """The slow-link steps a multi-step program may take on the communicator thread, each counted exactly.
-
-    A `WanChannel.launch_program` program receives a `Wire` and may call its steps in any order, with local
-    compute in between (e.g. decode what arrived, average, encode again). Every rank of the group must call the
-    same steps with the same sizes. Bytes follow `dilocox.net.link`'s conventions, unpadded; sizes are passed in
-    by the caller (who knows them from the shapes), so no length exchange is needed or counted.
-
-        def program(wire: Wire):
-            mine = wire.all_to_all(chunks, recv_sizes)   # chunk j to rank j; returns what each rank sent me
-            ...                                          # reduce my chunk
-            return wire.all_gather(reduced, sizes)       # everyone's reduced chunk
-    """
-
-    def __init__(
-        self, group: dist.ProcessGroup, world_size: int, rank: int, *, staging: HostStaging | None = None
-    ) -> None:
-        self.group = group
-        self.world_size = world_size
-        self.rank = rank
-        self.staging = staging if staging is not None else HostStaging()
-        self.nbytes_sent = 0
-        self.nbytes_recv = 0
-        self.control_bytes = 0
-        self.phases = 0
-
-    def all_to_all(
-        self, chunks: list[torch.Tensor], recv_sizes: list[int], *, header: bool = False, skip_empty: bool = True
-    ) -> list[torch.Tensor]:
-        """Send 1-D uint8 `chunks[j]` to rank j; return the chunk every rank i sent here, of `recv_sizes[i]` bytes.
-
-        A direct exchange (each chunk crosses the link once): this rank sends `sum(chunks) - chunks[rank]` and
-        receives `sum(recv_sizes) - recv_sizes[rank]` bytes; its own chunk stays local. `header=True`: the lengths of
-        the payloads the next step carries, counted in `control_bytes` (what this rank sends) and riding with that
-        step, so without a latency of their own (as the length exchange of `WanChannel.launch_all_gather`).
-        `skip_empty`: a rank with nothing to send or receive skips the collective, right where the sizes follow the
-        shapes (then every rank has nothing); pass False where one rank may have nothing while others exchange.
-        """
-        world, rank = self.world_size, self.rank
-        if len(chunks) != world or len(recv_sizes) != world:
-            raise ValueError(f"all_to_all needs one chunk and one receive size per rank ({world})")
-        if any(chunk.dim() != 1 or chunk.dtype != torch.uint8 for chunk in chunks):
-            raise ValueError("all_to_all takes 1-D uint8 chunks (encoded payloads)")
-        if recv_sizes[rank] != chunks[rank].numel():
-            raise ValueError(f"rank {rank} keeps its own chunk of {chunks[rank].numel()} bytes, not {recv_sizes[rank]}")
-        send_sizes = [chunk.numel() for chunk in chunks]
-        self.phases += not header
-        if skip_empty and not any(send_sizes) and not any(recv_sizes):  # then every rank has nothing
-            return list(chunks)
-        received = self.staging.host_buffer(sum(recv_sizes), torch.uint8)
-        sending = self.staging.to_host(torch.cat(chunks))
-        dist.all_to_all_single(
-            received, sending, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=self.group
-        )
-        if header:
-            self.control_bytes += sum(send_sizes) - send_sizes[rank]
-        else:
-            self.nbytes_sent += sum(send_sizes) - send_sizes[rank]
-            self.nbytes_recv += sum(recv_sizes) - recv_sizes[rank]
-        parts = list(torch.split(self.staging.to_device(received, chunks[rank].device), recv_sizes))
-        parts[rank] = chunks[rank]
-        return parts
-
-    def all_gather(self, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-        """Ring all-gather of 1-D uint8 payloads, rank i's of `sizes[i]` bytes; returns them in rank order."""
-        world, rank = self.world_size, self.rank
-        if len(sizes) != world or sizes[rank] != tensor.numel() or tensor.dim() != 1:
-            raise ValueError(f"all_gather needs this rank's 1-D payload of sizes[{rank}] bytes and one size per rank")
-        self.phases += 1
-        gathered = _gather_payloads(self.group, tensor, list(sizes), rank, self.staging)
-        sent, recv = ring_all_gather_bytes(list(sizes), rank)
-        self.nbytes_sent += sent
-        self.nbytes_recv += recv
-        return gathered
-
-
-@dataclass
-class _Job:
-    transfer: PendingTransfer[Any]
-    run: Callable[[int], _Outcome]
-    """Runs the collective; takes the job's `exchange`."""
-    account: bool = True
-    exchange: int = 0
-    """Position among every collective launched on this channel (accounted or not), the same on every rank of the
-    group: the sequence number authenticated payloads are tagged with."""
-
-
-def _drained(jobs: queue.Queue) -> Iterator[_Job]:
-    """The jobs still queued on a communicator's queue, each taken off it (the stop marker, None, is skipped)."""
-    while True:
-        try:
-            job = jobs.get_nowait()
-        except queue.Empty:
-            return
-        if job is not None:
-            yield job
+def _counter(name: str) -> property:
+    """A read-only view of one of the account's counters (`WanChannel.stats`)."""
+    return property(lambda self: self.account.read(name), doc=f"`stats()['{name}']`.")
 
 
 class WanChannel:
@@ -268,8 +63,11 @@ class WanChannel:
     `group` None or a group of one (a single cluster) makes every operation a local no-op that moves 0 bytes.
     Note that None means "no slow link", not the default group. Counters (`stats()`) cover completed transfers:
     payload bytes by the ring conventions of `dilocox.net.link` (unpadded), `control_bytes` for the length
-    exchange of all-gathers, `link_busy_s` as the union of the link model's [start, done] intervals (the measured
-    collective time when unlimited), and `exposed_s` as the trainer's time blocked in `wait()`.
+    exchange of all-gathers (and, on a real link, the one value all-reduced before each all-reduce), `link_busy_s` as
+    the union of the link model's [start, done] intervals (when unlimited, the measured collective time after every
+    peer had joined: those two exchanges tell when), and the
+    trainer's time blocked in `wait()` in two parts: `exposed_s` until the link would have delivered, the
+    communication training did not hide, and `peer_wait_s` after that, waiting for a cluster that sent late.
 
     `auth` (a `PayloadAuth` of network.auth_key_file) tags every all-gathered payload and checks every peer's tag
     (docs/design.md §5): `payloads_rejected` counts a payload that fails and one warning line names its cluster.
@@ -301,55 +99,32 @@ class WanChannel:
                 f"num_sharing = {num_sharing!r} must be an int >= 1: the number of ranks of a cluster that use its "
                 "uplink at the same time (topology.dp_degree for a sharded outer sync, 1 otherwise)"
             )
-        # LinkModel validates both values and names network.bandwidth / network.latency in its errors.
-        link = LinkModel(None if bandwidth is None else bandwidth / num_sharing, latency_s)
-        self._link: LinkModel | None = None if bandwidth is None else link
+        self.clock: Clock = MonotonicClock() if clock is None else clock
+        """Stamps launches and completions, holds emulated transfers and times the trainer's waits."""
+        self.account = LinkAccount(None if bandwidth is None else bandwidth / num_sharing, latency_s, self.clock)
+        """The link's numbers (bytes, busy time, the trainer's waits, the peak in flight) and its emulation."""
         self.group = group
         self.num_sharing = num_sharing
         self.latency_s = latency_s
         self.uplink_bytes_per_s = bandwidth
-        self.clock: Clock = MonotonicClock() if clock is None else clock
-        """Stamps launches and completions, holds emulated transfers and times the trainer's waits."""
         if group is None:
             self.world_size, self.group_rank = 1, 0
         else:
             self.world_size, self.group_rank = dist.get_world_size(group), dist.get_rank(group)
             if self.group_rank < 0:
                 raise ValueError("this rank is not a member of the WanChannel's group: pass its own cluster_group")
-        self._auth = auth
-        self._staging = HostStaging()  # device payloads cross through pinned host buffers on a side stream
-        self.stop_if_cut_off = stop_if_cut_off
-        """With `auth`: a payload every other member rejected fails the transfer on every member
-        (`PayloadsRejected`); else only on the cut-off member, and the others leave its payload out."""
+        self.staging = HostStaging()  # device payloads cross through pinned host buffers on a side stream
+        self.communicator = Communicator(self.account, self.staging)
+        """The thread that runs the collectives, in launch order."""
         # A tag names the group by its global ranks: a payload of another group (another stage) does not verify.
         self._group_ranks = () if group is None else tuple(dist.get_process_group_ranks(group))
-        self._tag_group = self._group_ranks  # an elastic round's group: its quorum id and clusters (`rebind`)
-        self._clusters: tuple[int, ...] = ()  # the cluster of each group rank where it is not the group rank
-
-        self._lock = threading.Lock()  # guards the counters and the lifecycle flags below
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._abandoned: set[threading.Thread] = set()  # communicator threads left to a collective (`abandon`)
-        self._closed = False
-        self._cancelled = False
-        self._failure: BaseException | None = None
-        self._released = False  # release() let go of the group; rebind() gives it a new one
-        self._bytes_sent = 0
-        self._bytes_recv = 0
-        self._control_bytes = 0
-        self._link_busy_s = 0.0
-        self._exposed_s = 0.0
-        self._num_transfers = 0
-        self._payloads_rejected = 0
-        self._peak_in_flight_bytes = 0
-        self._arrivals: collections.deque[tuple[float, int]] = collections.deque()
-        """(done time, bytes sent) of the accounted transfers that may still overlap a later launch."""
-        self._off_peak = False  # transfers launched now do not count towards the peak in flight (`off_peak`)
-        self._forge_next = False  # faults.kind = forge: the next all-gathered payload carries a forged tag
-        self._in_flight = 0  # launched and not yet completed or failed
-        self._running: _Job | None = None  # the job on the communicator thread
-        self._submitted = 0  # accounted transfers launched so far (the next one's `seq`)
-        self._launched = 0  # collectives launched so far, accounted or not (the next one's `_Job.exchange`)
+        self._identity = self._group_ranks  # an elastic round's group: its quorum id and clusters (`rebind`)
+        self.seal: PayloadSeal | None = None
+        """With `auth`: the tags of this rank's payloads and the verdicts on its peers' (`PayloadSeal`)."""
+        if auth is not None:
+            self.seal = PayloadSeal(auth, staging=self.staging, account=self.account, stop_if_cut_off=stop_if_cut_off)
+            self.seal.bind(rank=self.group_rank, world=self.world_size, identity=self._identity)
+        self._next_signer: PayloadAuth | None = None  # the key of the next sealed payload (`sign_next_with`)
 
     @classmethod
     def from_strings(
@@ -375,119 +150,65 @@ class WanChannel:
     @property
     def emulated(self) -> bool:
         """True when a finite bandwidth is emulated (completion waits for the link model)."""
-        return self._link is not None
+        return self.account.link is not None
 
     @property
     def bytes_per_s(self) -> float | None:
         """This rank's share of the uplink: `bandwidth / num_sharing` (None when unlimited)."""
-        return None if self._link is None else self._link.bytes_per_s
+        return self.account.bytes_per_s
 
-    @property
-    def bytes_sent(self) -> int:
-        with self._lock:
-            return self._bytes_sent
-
-    @property
-    def bytes_recv(self) -> int:
-        with self._lock:
-            return self._bytes_recv
-
-    @property
-    def control_bytes(self) -> int:
-        with self._lock:
-            return self._control_bytes
-
-    @property
-    def link_busy_s(self) -> float:
-        with self._lock:
-            return self._link_busy_s
-
-    @property
-    def exposed_s(self) -> float:
-        with self._lock:
-            return self._exposed_s
-
-    @property
-    def num_transfers(self) -> int:
-        with self._lock:
-            return self._num_transfers
+    bytes_sent = _counter("bytes_sent")
+    bytes_recv = _counter("bytes_recv")
+    control_bytes = _counter("control_bytes")
+    link_busy_s = _counter("link_busy_s")
+    exposed_s = _counter("exposed_s")
+    peer_wait_s = _counter("peer_wait_s")
+    num_transfers = _counter("num_transfers")
+    payloads_rejected = _counter("payloads_rejected")
+    peak_in_flight_bytes = _counter("peak_in_flight_bytes")
+    """The most payload bytes this rank had launched on the link and not yet delivered at any one time (the sum of
+    `nbytes_sent` over the accounted transfers whose [launch, done] spans that time): the burst the link must carry
+    at once; transfers launched `off_peak` (the end-of-run drain) do not count. Exact in emulation, where launch and
+    arrival are the link model's times."""
 
     @property
     def num_in_flight(self) -> int:
         """Transfers launched and not yet completed (or failed), the one on the communicator thread included."""
-        with self._lock:
-            return self._in_flight
-
-    @property
-    def payloads_rejected(self) -> int:
-        with self._lock:
-            return self._payloads_rejected
-
-    @property
-    def peak_in_flight_bytes(self) -> int:
-        """The most payload bytes this rank had launched on the link and not yet delivered at any one time (the sum
-        of `nbytes_sent` over the accounted transfers whose [launch, done] spans that time): the burst the link must
-        carry at once; transfers launched `off_peak` (the end-of-run drain) do not count. Exact in emulation, where
-        launch and arrival are the link model's times."""
-        with self._lock:
-            return self._peak_in_flight_bytes
+        return self.communicator.num_in_flight
 
     @contextlib.contextmanager
     def off_peak(self) -> Iterator[None]:
         """Transfers launched inside do not count towards `peak_in_flight_bytes`: the end of training's one-off
         transfers (the drain of the held-back residual), so the peak is that of the rounds' syncs."""
-        self._off_peak = True
-        try:
+        with self.account.off_peak():
             yield
-        finally:
-            self._off_peak = False
 
     @property
     def tag_bytes(self) -> int:
         """Bytes added to every all-gathered payload: an HMAC-SHA256 tag with `auth`, else 0."""
-        return 0 if self._auth is None else TAG_BYTES
+        return 0 if self.seal is None else TAG_BYTES
 
     def stats(self) -> dict[str, float | int]:
-        """Cumulative counters: bytes_sent, bytes_recv, control_bytes, link_busy_s, exposed_s, num_transfers,
-        payloads_rejected (peers' payloads whose tag did not verify, counted even when not accounted), and the
-        peak_in_flight_bytes so far."""
-        with self._lock:
-            return {
-                "bytes_sent": self._bytes_sent,
-                "bytes_recv": self._bytes_recv,
-                "control_bytes": self._control_bytes,
-                "link_busy_s": self._link_busy_s,
-                "exposed_s": self._exposed_s,
-                "num_transfers": self._num_transfers,
-                "payloads_rejected": self._payloads_rejected,
-                "peak_in_flight_bytes": self._peak_in_flight_bytes,
-            }
+        """Cumulative counters: bytes_sent, bytes_recv, control_bytes, link_busy_s, exposed_s (waited for the
+        link), peer_wait_s (waited for late peers), num_transfers, payloads_rejected (peers' payloads whose tag did
+        not verify, counted even when not accounted), and the peak_in_flight_bytes so far."""
+        return self.account.stats()
 
     def state_dict(self) -> dict[str, float | int]:
         """The counters, so cumulative metrics survive a checkpoint resume (the link's clock does not), and the
         number of collectives launched, which numbers the tags of authenticated payloads."""
-        with self._lock:
-            launched = self._launched
+        launched = self.communicator.num_launched
         return {**self.stats(), "num_launched": launched}
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         """Restore counters saved by `state_dict()`; call before launching transfers."""
-        missing = [k for k in _STAT_KEYS if k not in state]
+        missing = [k for k in STAT_KEYS if k not in state]
         if missing:
             raise ValueError(f"WanChannel state is missing {missing}; expected the keys of WanChannel.state_dict()")
-        with self._lock:
-            self._bytes_sent = int(state["bytes_sent"])
-            self._bytes_recv = int(state["bytes_recv"])
-            self._control_bytes = int(state["control_bytes"])
-            self._link_busy_s = float(state["link_busy_s"])
-            self._exposed_s = float(state["exposed_s"])
-            self._num_transfers = int(state["num_transfers"])
-            self._payloads_rejected = int(state.get("payloads_rejected", 0))
-            self._peak_in_flight_bytes = int(state.get("peak_in_flight_bytes", 0))
-            self._submitted = self._num_transfers
-            # Every rank of the group saved the same count at the same step, so the resumed ranks keep numbering
-            # their exchanges alike (a state saved before it existed restarts at 0 on every rank alike).
-            self._launched = int(state.get("num_launched", 0))
+        self.account.load_state_dict(state)
+        # Every rank of the group saved the same count at the same step, so the resumed ranks keep numbering their
+        # exchanges alike (a state saved before it existed restarts at 0 on every rank alike).
+        self.communicator.number_from(submitted=int(state["num_transfers"]), launched=int(state.get("num_launched", 0)))
 
     def rebind(
         self, group: dist.ProcessGroup, *, identity: Sequence[int] | None = None, clusters: Sequence[int] = ()
@@ -500,46 +221,31 @@ class WanChannel:
         clusters); needed with `auth`. A new identity is a new group, whose members all number their exchanges from
         0, so a payload replayed from another round's group, or from another position in it, does not verify.
         `clusters`: the cluster of each group rank, for messages."""
-        if self._auth is not None and identity is None:
+        if self.seal is not None and identity is None:
             raise ValueError("an authenticated WanChannel changes its group only with the group's identity")
-        with self._lock:
-            self.group = group
-            self.world_size, self.group_rank = group.size(), group.rank()
-            self._group_ranks = ()
-            self._clusters = tuple(clusters)
-            if identity is not None and tuple(identity) != self._tag_group:
-                self._tag_group = tuple(identity)
-                self._launched = 0
-            self._failure = None
-            self._released = False
+        self.group = group
+        self.world_size, self.group_rank = group.size(), group.rank()
+        self._group_ranks = ()
+        new_group = identity is not None and tuple(identity) != self._identity
+        if new_group:
+            self._identity = tuple(identity)
+        if self.seal is not None:
+            self.seal.bind(rank=self.group_rank, world=self.world_size, identity=self._identity, clusters=clusters)
+        self.communicator.rebound(new_group=new_group)
 
     def release(self) -> None:
         """Let go of the group (and of the failure it left, whose frames hold it) after a collective on it failed,
         so that it can be destroyed and its sockets close; nothing can be launched until the next `rebind`."""
-        with self._lock:
-            self.group = None
-            self._failure = None
-            self._released = True
+        self.group = None
+        self.communicator.release()
 
     def abandon(self, error: BaseException) -> None:
         """Stop waiting for what was launched: every transfer in flight fails with `error` now, and the collective on
         the wire is left to its communicator thread, which ends when the collective returns (a peer that resumes, or
         the group's timeout) and then touches nothing of this channel. For a member of an elastic round that stalled
-        in the middle of a transfer (`dilocox.sync.stall`): its peers must not wait for it until `network.timeout`.
+        in the middle of a transfer (`dilocox.elastic.stall`): its peers must not wait for it until `network.timeout`.
         Later collectives run on a new communicator thread, over the group of the next `rebind`."""
-        with self._lock:
-            jobs, self._queue = self._queue, queue.SimpleQueue()
-            thread, self._thread = self._thread, None
-            running, self._running = self._running, None
-            if thread is not None:
-                self._abandoned.add(thread)
-            self._in_flight = 0
-            self._failure = None
-        if running is not None:
-            running.transfer._fail(error)
-        for job in _drained(jobs):
-            job.transfer._fail(error)
-        jobs.put(None)  # the abandoned thread stops once its collective returns
+        self.communicator.abandon(error)
 
     # ----------------------------------------------------------------------------------------- collectives
 
@@ -561,8 +267,9 @@ class WanChannel:
             )
         self._refuse_unauthenticated("all_reduce")
         if self.world_size == 1:
-            return self._completed("all_reduce", tensor)
-        return self._submit("all_reduce", lambda _: self._run_all_reduce(tensor, op), account, device=tensor.device)
+            return PendingTransfer.completed("all_reduce", tensor, self.clock.now())
+        run = lambda _: self._run_all_reduce(tensor, op)  # noqa: E731
+        return self.communicator.submit("all_reduce", run, account, device=tensor.device)
 
     def launch_all_gather(
         self, tensor: torch.Tensor, *, max_numel: int | None = None, account: bool = True
@@ -593,17 +300,18 @@ class WanChannel:
                 "elements: the longest payload a peer may send"
             )
         if self.world_size == 1:
-            return self._completed("all_gather", [tensor])
-        forge, self._forge_next = self._forge_next, False
-        run = functools.partial(self._run_all_gather, tensor, limit, forge=forge)
-        return self._submit("all_gather", run, account, device=tensor.device)
+            return PendingTransfer.completed("all_gather", [tensor], self.clock.now())
+        signer, self._next_signer = self._next_signer, None
+        run = functools.partial(self._run_all_gather, tensor, limit, signer=signer)
+        return self.communicator.submit("all_gather", run, account, device=tensor.device)
 
-    def forge_next_payload(self) -> None:
-        """`faults.kind = forge`: the next all-gathered payload goes out under the tag of a key no cluster holds, as
-        a forger's would (its values are this rank's own). Needs `auth`."""
-        if self._auth is None:
-            raise ValueError("faults.kind = 'forge' needs network.auth_key_file: without it no tag is sent")
-        self._forge_next = True
+    def sign_next_with(self, signer: PayloadAuth) -> None:
+        """The next payload this rank seals (an all-gather's, or a sealed program's) is tagged under `signer` instead
+        of the shared key: under a key no other cluster holds, it is a payload its receivers must reject. Needs
+        `auth`."""
+        if self.seal is None:
+            raise ValueError("sign_next_with needs an authenticated WanChannel (network.auth_key_file)")
+        self._next_signer = signer
 
     def launch_program(
         self,
@@ -612,6 +320,7 @@ class WanChannel:
         kind: str = "program",
         account: bool = True,
         device: torch.device | None = None,
+        sealed: bool = False,
     ) -> PendingTransfer[ResultT]:
         """Start a multi-step collective: `program(wire)` runs on the communicator thread and returns the result.
 
@@ -621,12 +330,19 @@ class WanChannel:
         link is charged the program's `max(sent, recv)` bytes and one latency per step. `wait()` raises what the
         program raised. `device`: where the tensors the program reads and returns live; on a CUDA device the
         program runs on the channel's side stream, after the compute stream's work queued before this launch.
+        `sealed`: the program only moves each sender's own payloads, never sums (the lanes' exchange), so on an
+        authenticated channel every chunk of its payload steps carries a tag (`Wire.all_to_all`).
         """
-        self._refuse_unauthenticated(kind)
+        if not sealed:
+            self._refuse_unauthenticated(kind)
         if self.world_size == 1:
             assert self.group is None or dist.get_world_size(self.group) == 1
-            return self._completed(kind, program(_LocalWire()))
-        return self._submit(kind, lambda _: self._run_program(program), account, device=device)
+            return PendingTransfer.completed(kind, program(LocalWire()), self.clock.now())
+        signer = None
+        if sealed:
+            signer, self._next_signer = self._next_signer, None
+        run = functools.partial(self._run_program, program, sealed=sealed, signer=signer)
+        return self.communicator.submit(kind, run, account, device=device)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "avg") -> torch.Tensor:
         """Blocking `launch_all_reduce(...).wait()`."""
@@ -645,28 +361,7 @@ class WanChannel:
         (error paths) transfers not yet started fail instead, and a collective already on the wire is waited for
         only briefly, since a peer that went away would leave it blocked.
         """
-        with self._lock:
-            if cancel:
-                self._cancelled = True
-            if self._closed:
-                thread = None
-            else:
-                self._closed = True
-                thread = self._thread
-        if thread is None:
-            return
-        if cancel:
-            # Fail queued transfers here rather than on the thread, which may be stuck behind a vanished peer.
-            while True:
-                try:
-                    job = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    job.transfer._fail(RuntimeError("the WanChannel was closed with cancel=True before this ran"))
-                    self._job_ended()
-        self._queue.put(None)
-        thread.join(timeout=_CANCEL_JOIN_S if cancel else None)
+        self.communicator.close(cancel=cancel)
 
     def __enter__(self) -> WanChannel:
         return self
@@ -676,173 +371,44 @@ class WanChannel:
 
     # ----------------------------------------------------------------------------------------- internals
 
-    def _completed(self, kind: str, result: Any) -> PendingTransfer[Any]:
-        now = self.clock.now()
-        transfer: PendingTransfer[Any] = PendingTransfer(kind=kind, launch_time=now, start_time=now, done_time=now)
-        transfer._complete(result)
-        return transfer
-
     def _refuse_unauthenticated(self, kind: str) -> None:
-        if self._auth is not None:
+        if self.seal is not None:
             raise ValueError(
                 f"an authenticated WanChannel cannot run {kind}: values summed or re-encoded in transit carry no tag "
                 "of their sender; all-gather tagged payloads and reduce them locally (compression.reduction = gather)"
             )
 
-    def _submit(
-        self, kind: str, run: Callable[[int], _Outcome], account: bool = True, *, device: torch.device | None = None
-    ) -> PendingTransfer[Any]:
-        transfer: PendingTransfer[Any] = PendingTransfer(
-            kind=kind, launch_time=self.clock.now(), _channel=self, _in_peak=not self._off_peak
-        )
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"cannot launch {kind}: the WanChannel is closed")
-            if self._released:
-                raise RuntimeError(f"cannot launch {kind}: the WanChannel let go of its failed group; rebind it first")
-            if self._failure is not None:
-                raise RuntimeError(
-                    f"cannot launch {kind}: an earlier transfer on this WanChannel failed ({self._failure!r})"
-                ) from self._failure
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._serve, args=(self._queue,), name="dilocox-wan-channel", daemon=True
-                )
-                self._thread.start()
-            if account:
-                transfer.seq = self._submitted
-                self._submitted += 1
-            transfer._staged = self._staging.ticket(device)  # on this thread: after the payload's kernels
-            self._queue.put(_Job(transfer, run, account, exchange=self._launched))
-            self._launched += 1
-            self._in_flight += 1
-        return transfer
-
-    def _job_ended(self) -> None:
-        with self._lock:
-            if not self._is_abandoned():
-                self._in_flight -= 1
-
-    def _is_abandoned(self) -> bool:
-        """Whether the calling communicator thread was left to its collective (`abandon`); call under the lock."""
-        return threading.current_thread() in self._abandoned
-
-    def _add_exposed(self, seconds: float) -> None:
-        with self._lock:
-            self._exposed_s += seconds
-
-    def _serve(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
-        """Communicator thread: run the collectives of `jobs` in launch order until the stop sentinel. A thread that
-        `abandon` left to its collective fails nothing and counts nothing once that collective returns."""
-        job: _Job | None = None
-        try:
-            while (job := jobs.get()) is not None:
-                with self._lock:
-                    failure, cancelled, abandoned = self._failure, self._cancelled, self._is_abandoned()
-                    if not abandoned:
-                        self._running = job
-                if abandoned:  # taken just as `abandon` ran: it belongs to the waits that were failed
-                    job.transfer._fail(RuntimeError("the WanChannel stopped waiting for its transfers"))
-                elif cancelled:
-                    job.transfer._fail(RuntimeError("the WanChannel was closed with cancel=True before this ran"))
-                elif failure is not None:
-                    # The group's collective sequence is broken: running later ones could pair with the wrong peers.
-                    job.transfer._fail(RuntimeError(f"skipped: an earlier transfer failed ({failure!r})"))
-                else:
-                    try:
-                        self._execute(job)
-                    except BaseException as exc:  # handed to wait(); the thread itself must never die silently
-                        with self._lock:
-                            if not self._is_abandoned():
-                                self._failure = exc
-                        job.transfer._fail(exc)
-                self._job_ended()
-                with self._lock:
-                    if self._running is job:
-                        self._running = None
-                job = None
-        finally:
-            # Only reached early on an interpreter-level failure: never leave a waiter blocked forever.
-            if job is not None:
-                if not job.transfer.done():
-                    job.transfer._fail(RuntimeError("the WanChannel communicator thread stopped"))
-                self._job_ended()
-            for leftover in _drained(jobs):
-                leftover.transfer._fail(RuntimeError("the WanChannel communicator thread stopped"))
-                self._job_ended()
-            with self._lock:
-                self._abandoned.discard(threading.current_thread())
-
-    def _execute(self, job: _Job) -> None:
-        transfer = job.transfer
-        real_start = self.clock.now()
-        with self._staging.running(transfer._staged):
-            outcome = job.run(job.exchange)
-            self._staging.finish(transfer._staged, outcome.result)
-        real_end = self.clock.now()
-        with self._lock:
-            if self._is_abandoned():  # its waiter was failed (`abandon`): the link and the counters go on without it
-                return
-        if not job.account:
-            transfer.nbytes_sent, transfer.nbytes_recv = outcome.nbytes_sent, outcome.nbytes_recv
-            transfer.start_time, transfer.done_time, transfer.link_s = real_start, real_end, real_end - real_start
-            transfer._complete(outcome.result)
-            return
-        if self._link is None:
-            start, done = real_start, real_end
-            busy_s = real_end - real_start
-        else:
-            charge = link_charge_bytes(outcome.nbytes_sent, outcome.nbytes_recv) + outcome.control_bytes
-            busy_before = self._link.busy_s
-            start, model_done = self._link.schedule(charge, transfer.launch_time, phases=max(1, outcome.phases))
-            busy_s = self._link.busy_s - busy_before
-            self.clock.sleep_until(model_done)
-            done = max(model_done, real_end)
-        transfer.nbytes_sent, transfer.nbytes_recv = outcome.nbytes_sent, outcome.nbytes_recv
-        transfer.start_time, transfer.done_time, transfer.link_s = start, done, done - start
-        with self._lock:
-            self._bytes_sent += outcome.nbytes_sent
-            self._bytes_recv += outcome.nbytes_recv
-            self._control_bytes += outcome.control_bytes
-            self._link_busy_s += busy_s
-            self._num_transfers += 1
-            if transfer._in_peak:
-                self._count_in_flight(transfer.launch_time, done, outcome.nbytes_sent)
-        transfer._complete(outcome.result)
-
-    def _count_in_flight(self, launch_time: float, done: float, nbytes: int) -> None:
-        """Raise the peak of bytes in flight by a transfer that just completed (call under the lock). Transfers are
-        launched and completed in order, so every transfer launched before this one has completed and none launched
-        after it is counted at its launch time; the bytes in flight peak at a launch: here, the sum over this one and
-        the earlier ones that had not arrived when it was launched."""
-        while self._arrivals and self._arrivals[0][0] <= launch_time:
-            self._arrivals.popleft()  # arrived before this launch, so before every later one
-        self._arrivals.append((done, nbytes))
-        self._peak_in_flight_bytes = max(self._peak_in_flight_bytes, sum(n for _, n in self._arrivals))
-
-    def _run_all_reduce(self, tensor: torch.Tensor, op: str) -> _Outcome:
+    def _run_all_reduce(self, tensor: torch.Tensor, op: str) -> Outcome:
+        # the group of its launch: a thread `abandon` left to it must not go on over the group of a later `rebind`
+        group, world, rank = self.group, self.world_size, self.group_rank
+        peers_ready, control_bytes = None, 0
+        if self.account.link is None:  # a real link: one value all-reduced first says when every peer has joined
+            dist.all_reduce(torch.zeros(1), group=group)
+            peers_ready = self.clock.now()
+            control_bytes, _ = ring_all_reduce_bytes(1, 4, world, rank)
         # gloo reduces contiguous host buffers only; reduce a copy and write it back so the call stays in-place.
-        buffer = self._staging.to_host(tensor)
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
+        buffer = self.staging.to_host(tensor)
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
         if op == "avg":
-            buffer.div_(self.world_size)
+            buffer.div_(world)
         if buffer is not tensor:
-            self._staging.copy_to_device_(tensor, buffer)
-        sent, recv = ring_all_reduce_bytes(tensor.numel(), tensor.element_size(), self.world_size, self.group_rank)
-        return _Outcome(tensor, sent, recv)
+            self.staging.copy_to_device_(tensor, buffer)
+        sent, recv = ring_all_reduce_bytes(tensor.numel(), tensor.element_size(), world, rank)
+        return Outcome(tensor, sent, recv, control_bytes, peers_ready=peers_ready)
 
-    def _run_all_gather(self, tensor: torch.Tensor, max_numel: int, exchange: int, *, forge: bool = False) -> _Outcome:
-        world, rank = self.world_size, self.group_rank
-        if self._auth is None:
+    def _run_all_gather(
+        self, tensor: torch.Tensor, max_numel: int, exchange: int, *, signer: PayloadAuth | None = None
+    ) -> Outcome:
+        group, world, rank = self.group, self.world_size, self.group_rank  # of its launch, as `_run_all_reduce`
+        if self.seal is None:
             wire, limit, unit = tensor, max_numel, "elements"
         else:  # the payload's bytes and their tag, one uint8 vector
-            wire, limit, unit = self._seal(tensor, exchange), max_numel * tensor.element_size() + TAG_BYTES, "bytes"
-            if forge:
-                tag = _FORGER.tag(wire[:-TAG_BYTES].numpy(), seq=exchange, sender=rank, group=self._tag_group)
-                wire[-TAG_BYTES:] = torch.frombuffer(bytearray(tag), dtype=torch.uint8)
+            wire = self.seal.seal(tensor, exchange, signer=signer)
+            limit, unit = max_numel * tensor.element_size() + TAG_BYTES, "bytes"
         # gloo gathers equal sizes only: exchange the lengths, pad to the longest, trim on arrival.
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(lengths, torch.tensor([wire.numel()], dtype=torch.int64), group=self.group)
+        dist.all_gather(lengths, torch.tensor([wire.numel()], dtype=torch.int64), group=group)
+        peers_ready = self.clock.now()  # every peer has launched its side: what follows is the link's
         numels = [int(n.item()) for n in lengths]
         for peer, numel in enumerate(numels):  # before allocating anything of that size
             if not 0 <= numel <= limit:
@@ -853,194 +419,25 @@ class WanChannel:
                     "the length was corrupted on the way"
                 )
         control_bytes, _ = ring_all_gather_bytes([_LENGTH_BYTES] * world, rank)
-        gathered: list[torch.Tensor | None] = list(_gather_payloads(self.group, wire, numels, rank, self._staging))
+        gathered: list[torch.Tensor | None] = list(gather_payloads(group, wire, numels, rank, self.staging))
         sizes = [n * wire.element_size() for n in numels]
         sent, recv = ring_all_gather_bytes(sizes, rank)
-        if self._auth is None:
+        if self.seal is None:
             gathered[rank] = tensor
-            return _Outcome(gathered, sent, recv, control_bytes)
-        opened = self._open(gathered, tensor, exchange)
+            return Outcome(gathered, sent, recv, control_bytes, peers_ready=peers_ready)
+        opened = self.seal.open(gathered, tensor, exchange, group=group)
         # the verdicts travel once the payloads have arrived: a second step, with its own latency
         verdict_bytes, _ = ring_all_gather_bytes([world] * world, rank)
-        return _Outcome(opened, sent, recv, control_bytes + verdict_bytes, phases=2)
+        return Outcome(opened, sent, recv, control_bytes + verdict_bytes, phases=2, peers_ready=peers_ready)
 
     def _global_rank_note(self, peer: int) -> str:
         return f" (global rank {self._group_ranks[peer]})" if peer < len(self._group_ranks) else ""
 
-    def _seal(self, tensor: torch.Tensor, exchange: int) -> torch.Tensor:
-        """(nbytes + 32,) uint8 on the host: the bytes of `tensor` followed by their tag for this exchange."""
-        assert self._auth is not None
-        data = self._staging.to_host(tensor).view(torch.uint8)  # (nbytes,)
-        tag = self._auth.tag(data.numpy(), seq=exchange, sender=self.group_rank, group=self._tag_group)
-        return torch.cat([data, torch.frombuffer(bytearray(tag), dtype=torch.uint8)])
-
-    def _open(
-        self, sealed: list[torch.Tensor | None], tensor: torch.Tensor, exchange: int
-    ) -> list[torch.Tensor | None]:
-        """Every payload that the members of the group kept, as `tensor`'s dtype on its device (this rank's own is
-        `tensor`); None for those any of them rejected (`rejection_verdict`). The payloads this rank rejects are
-        counted and named in one warning line; the members all-gather their verdicts (one byte per sender), so each
-        leaves out the same payloads."""
-        assert self._auth is not None
-        opened: list[torch.Tensor | None] = []
-        rejected_here = torch.zeros(self.world_size, dtype=torch.uint8)  # (senders,) 1: this rank rejected it
-        for sender, wire in enumerate(sealed):
-            assert wire is not None
-            if sender == self.group_rank:
-                opened.append(tensor)
-                continue
-            nbytes = wire.numel() - TAG_BYTES
-            ok = (
-                nbytes >= 0
-                and nbytes % tensor.element_size() == 0
-                and self._auth.verify(
-                    wire[:nbytes].numpy(),
-                    wire[nbytes:].numpy(),
-                    seq=exchange,
-                    sender=sender,
-                    group=self._tag_group,
-                )
-            )
-            opened.append(self._staging.to_device(wire[:nbytes].view(tensor.dtype), tensor.device) if ok else None)
-            rejected_here[sender] = not ok
-        rows = [torch.empty(self.world_size, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(rows, rejected_here, group=self.group)
-        rejected = [[bool(v) for v in row.tolist()] for row in rows]  # (receivers, senders)
-        cluster_of = self._clusters or range(self.world_size)
-        mine = [sender for sender, flag in enumerate(rejected_here.tolist()) if flag]
-        if mine:
-            with self._lock:
-                self._payloads_rejected += len(mine)
-            clusters = ", ".join(str(cluster_of[sender]) for sender in mine)
-            me = f"cluster {cluster_of[self.group_rank]}"
-            if not self._clusters:  # a static run: the global rank too (an elastic cluster is its own world)
-                me = f"rank {dist.get_rank()} ({me})"
-            print(
-                f"dilocox: warning: {me} rejected the slow-link payload of cluster {clusters} in exchange {exchange}: "
-                "its HMAC-SHA256 tag does not verify under network.auth_key_file (another key, or forged or corrupted "
-                "on the way); every cluster leaves it out of this exchange",
-                file=sys.stderr,
-                flush=True,
-            )
-        left_out, cut_off = rejection_verdict(rejected)
-        if self.stop_if_cut_off:
-            stop = bool(cut_off) or len(left_out) == self.world_size
-        else:
-            stop = self.group_rank in cut_off
-        if stop:
-            what = _rejection_message(rejected, cut_off, list(cluster_of), exchange)
-            if self.stop_if_cut_off:
-                then = (
-                    "a cluster whose payloads are refused trains apart from the others"
-                    if cut_off
-                    else "the clusters have no update in common"
-                )
-                what += (
-                    f"; {then}, so the run stops: give every cluster the same key file, and look for what alters "
-                    "payloads on the way if they have it"
-                )
-            raise PayloadsRejected(what)
-        return [None if sender in left_out else payload for sender, payload in enumerate(opened)]
-
-    def _run_program(self, program: Callable[[Wire], Any]) -> _Outcome:
+    def _run_program(
+        self, program: Callable[[Wire], Any], exchange: int, *, sealed: bool = False, signer: PayloadAuth | None = None
+    ) -> Outcome:
         assert self.group is not None
-        wire = Wire(self.group, self.world_size, self.group_rank, staging=self._staging)
+        sealer = self.seal.chunks(exchange, signer=signer) if sealed and self.seal is not None else None
+        wire = Wire(self.group, self.world_size, self.group_rank, staging=self.staging, sealer=sealer)
         result = program(wire)
-        return _Outcome(result, wire.nbytes_sent, wire.nbytes_recv, wire.control_bytes, phases=wire.phases)
-
-
-def rejection_verdict(rejected: Sequence[Sequence[bool]]) -> tuple[list[int], list[int]]:
-    """What the members of a group do with the payloads of one authenticated all-gather, from every member's verdicts
-    (`rejected[r][s]`: member r rejected sender s's payload). Returns (left_out, cut_off): cut_off, the senders that
-    every other member rejected; left_out, the cut-off senders and those that any other member rejected, which every
-    member leaves out alike, so that they all average the same payloads. A cut-off member's own verdicts do not
-    count: it is the odd one out (another key), and the others can go on without it."""
-    members = range(len(rejected))
-    cut_off = [s for s in members if len(rejected) > 1 and all(rejected[r][s] for r in members if r != s)]
-    judges = [r for r in members if r not in cut_off]
-    left_out = [s for s in members if s in cut_off or any(rejected[r][s] for r in judges if r != s)]
-    return left_out, cut_off
-
-
-def _rejection_message(
-    rejected: Sequence[Sequence[bool]], cut_off: list[int], clusters: list[int], exchange: int
-) -> str:
-    """What `PayloadsRejected` says happened: the cut-off clusters (or, with none, who rejected whom) and why."""
-    why = (
-        f"{'its HMAC-SHA256 tag does' if len(cut_off) == 1 else 'their HMAC-SHA256 tags do'} not verify under "
-        "network.auth_key_file: another key there, or payloads forged or corrupted on the way"
-    )
-    if cut_off:
-        named = ", ".join(str(clusters[s]) for s in cut_off)
-        what = (
-            f"every other cluster rejected the slow-link payload of cluster{'s' if len(cut_off) > 1 else ''} {named} "
-            f"in exchange {exchange}"
-        )
-    else:
-        by = [", ".join(str(clusters[r]) for r, row in enumerate(rejected) if row[s]) for s in range(len(rejected))]
-        pairs = "; ".join(f"cluster {clusters[s]}'s by cluster {who}" for s, who in enumerate(by) if who)
-        what = f"no slow-link payload of exchange {exchange} verified on every cluster (rejected: {pairs})"
-    return f"{what} ({why})"
-
-
-def _gather_payloads(
-    group: dist.ProcessGroup, tensor: torch.Tensor, numels: list[int], rank: int, staging: HostStaging
-) -> list[torch.Tensor]:
-    """Every rank's payload, on the device of this rank's `tensor` (see `_gather_host_payloads`). The slow link is
-    gloo over TCP on host memory: a device payload crosses it through `staging` (docs/design.md §9)."""
-    gathered = _gather_host_payloads(group, staging.to_host(tensor), numels, rank, staging)
-    return [tensor if peer == rank else staging.to_device(part, tensor.device) for peer, part in enumerate(gathered)]
-
-
-def _gather_host_payloads(
-    group: dist.ProcessGroup, tensor: torch.Tensor, numels: list[int], rank: int, staging: HostStaging
-) -> list[torch.Tensor]:
-    """Every rank's 1-D `tensor` of `numels[i]` elements, in rank order (this rank's entry is `tensor` itself).
-
-    Two ranks swap their payloads directly, the receive posted before the send, so both directions of the link
-    are busy at once and nothing is padded; gloo's all-gather, measured on a tc-shaped link
-    (`benchmarks/results/shaped_link/`), often ran the two directions one after the other (up to 2x the time).
-    More ranks use gloo's all-gather padded to the longest payload (it gathers equal sizes only)."""
-    world = len(numels)
-    if world == 2:
-        peer = 1 - rank
-        received = staging.host_buffer(numels[peer], tensor.dtype)
-        if numels[peer] or numels[rank]:
-            # group ranks, not global ones: an elastic run's group (torchft's) is not in the default world
-            pending = []
-            if numels[peer]:
-                pending.append(dist.irecv(received, group=group, group_src=peer))
-            if numels[rank]:
-                pending.append(dist.isend(tensor.contiguous(), group=group, group_dst=peer))
-            for work in pending:
-                work.wait()
-        return [tensor, received] if rank == 0 else [received, tensor]
-    longest = max(numels)
-    if longest == 0:
-        return [tensor[:0] for _ in range(world)]
-    if tensor.numel() == longest and tensor.is_contiguous():
-        padded = tensor
-    else:
-        padded = staging.host_buffer(longest, tensor.dtype)
-        padded[: tensor.numel()] = tensor
-        padded[tensor.numel() :] = 0
-    slots = [staging.host_buffer(longest, tensor.dtype) for _ in range(world)]
-    dist.all_gather(slots, padded, group=group)
-    gathered = [slot[:n] for slot, n in zip(slots, numels, strict=True)]
-    gathered[rank] = tensor
-    return gathered
-
-
-class _LocalWire(Wire):
-    """The wire of a group of one: every step is local and moves nothing."""
-
-    def __init__(self) -> None:
-        super().__init__(group=None, world_size=1, rank=0)  # type: ignore[arg-type]
-
-    def all_to_all(
-        self, chunks: list[torch.Tensor], recv_sizes: list[int], *, header: bool = False, skip_empty: bool = True
-    ) -> list[torch.Tensor]:
-        return list(chunks)
-
-    def all_gather(self, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-        return [tensor]
+        return Outcome(result, wire.nbytes_sent, wire.nbytes_recv, wire.control_bytes, phases=wire.phases)

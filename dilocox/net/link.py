@@ -22,16 +22,6 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = [
-    "LinkModel",
-    "link_charge_bytes",
-    "parse_bandwidth",
-    "parse_duration",
-    "ring_all_gather_bytes",
-    "ring_all_reduce_bytes",
-    "ring_chunk_numels",
-]
-
 _NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
 # "b" is bits and "B" bytes, so the unit letter keeps its case; only the SI prefix and "ps" are case-free.
 _RATE = re.compile(rf"^(?P<num>{_NUMBER})\s*(?P<prefix>[kmgt]?)(?P<unit>[bB])(?:ps)$", re.IGNORECASE)

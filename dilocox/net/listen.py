@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import datetime
 import socket
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 LOOPBACK = "127.0.0.1"
 """The address of every listener of a one-machine run."""
@@ -52,6 +54,8 @@ def serve_store(host: str, timeout: datetime.timedelta) -> dist.TCPStore:
     so the store is handed a socket bound here (`master_listen_fd`; the store owns it from then on)."""
     sock = listening_socket(host)
     address, port = sock.getsockname()[:2]
+    import torch.distributed as dist  # here, not at the top: the config reads LOOPBACK without torch
+
     return dist.TCPStore(
         address, port, None, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=sock.detach()
     )

@@ -4,52 +4,34 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from dilocox.net.channel import WanChannel
-from dilocox.sync.allreduce import AllReduceSync, allreduce_bytes_per_step
-from dilocox.sync.base import CodecCost, ElasticSync, RoundStats, SyncStrategy
-from dilocox.sync.cocktail import CocktailSync
-from dilocox.sync.config import SyncConfig
-from dilocox.sync.diloco import DiLoCoSync
-from dilocox.sync.elastic import ElasticRounds, heal_state_bound
-from dilocox.sync.lanes import LaneLayout, LaneReducer
-from dilocox.sync.membership import ElasticError, ElasticMembership
-from dilocox.sync.outer import OuterSync
-from dilocox.sync.reducer_factory import build_reducer
-from dilocox.sync.reducers import DenseReducer, GatherReducer, PendingMean, Reducer
-from dilocox.sync.scalable import ScalableElementwiseReducer, ScalableLowRankReducer
+from dilocox.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from dilocox.config import Config
+    import torch
+    import torch.distributed as dist
 
-__all__ = [
-    "AllReduceSync",
-    "CocktailSync",
-    "CodecCost",
-    "DenseReducer",
-    "DiLoCoSync",
-    "ElasticError",
-    "ElasticSync",
-    "ElasticRounds",
-    "ElasticMembership",
-    "GatherReducer",
-    "LaneLayout",
-    "LaneReducer",
-    "OuterSync",
-    "PendingMean",
-    "Reducer",
-    "RoundStats",
-    "ScalableElementwiseReducer",
-    "ScalableLowRankReducer",
-    "SyncConfig",
-    "SyncStrategy",
-    "allreduce_bytes_per_step",
-    "build_reducer",
-    "build_sync",
-    "heal_state_bound",
-]
+    from dilocox.config import Config
+    from dilocox.elastic.membership import ElasticMembership
+    from dilocox.net.channel import WanChannel
+    from dilocox.sync.base import SyncStrategy
+    from dilocox.sync.lanes import LaneLayout
+
+__getattr__, __dir__, _names = lazy_exports(
+    __name__,
+    {
+        "dilocox.sync.allreduce": ("AllReduceSync", "allreduce_bytes_per_step"),
+        "dilocox.sync.base": ("CodecCost", "ElasticSync", "RoundStats", "SyncStrategy"),
+        "dilocox.sync.cocktail": ("CocktailSync",),
+        "dilocox.sync.config": ("SyncConfig",),
+        "dilocox.sync.diloco": ("DiLoCoSync",),
+        "dilocox.sync.lanes": ("LaneLayout", "LaneReducer"),
+        "dilocox.sync.outer": ("OuterSync",),
+        "dilocox.sync.reducer_factory": ("build_reducer",),
+        "dilocox.sync.reducers": ("DenseReducer", "GatherReducer", "PendingMean", "Reducer"),
+        "dilocox.sync.scalable": ("ScalableElementwiseReducer", "ScalableLowRankReducer"),
+    },
+)
+__all__ = sorted([*_names, "build_sync"])
 
 
 def build_sync(
@@ -70,11 +52,10 @@ def build_sync(
     the stages agree on what the guard leaves out; `lanes`: clusters of different data-parallel degree (outer-loop
     kinds only, docs/design.md §2.1); `tokens_per_step` (this cluster's, per inner step) weighs the clusters'
     updates by their tokens under `sync.round = time`."""
-    if lanes is not None and not cfg.sync.has_outer_loop:
-        raise ValueError(
-            f"sync.kind = {cfg.sync.kind} with clusters of different data-parallel degrees is not built; use sync.kind "
-            "= diloco or dilocox"
-        )
+    from dilocox.sync.allreduce import AllReduceSync
+    from dilocox.sync.cocktail import CocktailSync
+    from dilocox.sync.outer import OuterSync
+
     if cfg.sync.kind == "allreduce":
         return AllReduceSync(params, channel=channel, dp_group=dp_group)
     if cfg.sync.kind == "cocktail":

@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dilocox.net.channel import WanChannel, ring_all_reduce_bytes
-from dilocox.sync.base import GUARD_COUNTS, FlatParams, RoundStats, StepRounds, dp_mean_, shard_bounds
+from dilocox.sync.base import FlatParams, RoundStats, StepRounds, dp_mean_, shard_bounds
 from dilocox.sync.reducers import DenseReducer
 from dilocox.topology import group_size
 
@@ -22,13 +22,6 @@ class AllReduceSync(StepRounds):
     first over the fast dp_group, then each replica's 1/dp shard over the slow cluster_group."""
 
     name = "allreduce"
-    outer_step = 0  # no outer optimizer
-    inner_steps = 1  # every step is a round: the replicas agree after each
-
-    @property
-    def guard_counts(self) -> dict[str, int]:
-        """No guard: every total is 0."""
-        return dict.fromkeys(GUARD_COUNTS, 0)
 
     def __init__(self, params, *, channel: WanChannel, dp_group: dist.ProcessGroup | None) -> None:
         self.flat = FlatParams(params)
@@ -41,20 +34,15 @@ class AllReduceSync(StepRounds):
         grads = dp_mean_(self.flat.gather_grads(), self.dp_group)
         self.flat.scatter_grads(self.reducer.launch(grads).wait())
 
-    def after_inner_step(self, step: int) -> RoundStats | None:
+    def after_inner_step(self, step: int, *, step_s: float = 0.0) -> RoundStats | None:
+        self.step = step
         return None  # the exchange happened inside reduce_gradients; its link time is in the channel's totals
-
-    def is_round_boundary(self, step: int) -> bool:
-        return True
 
     def flush(self) -> RoundStats | None:
         return None
 
     def agreed_model(self) -> AbstractContextManager[bool]:
         return nullcontext(False)  # the clusters apply the same averaged gradient every step: always agreed
-
-    def state_bytes(self) -> int:
-        return 0  # no outer state
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox.compress import compression_ratio
-from dilocox.sync.events import ElasticEvent
+from dilocox.elastic.events import ElasticEvent
 from dilocox.topology import group_size
 
 
@@ -43,9 +43,11 @@ class RoundStats:
     link_s: float
     """Link time of the transfer (emulated or measured)."""
     exposed_s: float
-    """Time the trainer was blocked waiting for it."""
+    """Time the trainer was blocked waiting for the link to deliver it."""
     bytes_sent: int
     """Bytes this rank put on the slow link for it."""
+    peer_wait_s: float = 0.0
+    """Time the trainer was blocked after the link had delivered, waiting for a cluster that sent late."""
     compute_s: float | None = None
     """Seconds from its launch to the wait (outer loops only): the compute it could hide behind."""
     inner_steps: int | None = None
@@ -120,6 +122,7 @@ class RoundStats:
         record: dict[str, Any] = {
             "round_link_s": self.link_s,
             "round_exposed_s": self.exposed_s,
+            "round_peer_wait_s": self.peer_wait_s,
             "round_hidden_s": self.hidden_s,
             "round_bytes_sent": self.bytes_sent,
         }
@@ -160,35 +163,64 @@ class RoundStats:
 
 
 GUARD_COUNTS = ("excluded_updates", "skipped_rounds", "healed_rounds")
-"""The guard's totals (`SyncStrategy.guard_counts`); per-step strategies have no guard and report zeros."""
+"""The guard's totals (`SyncStatus.guard_counts`); per-step strategies have no guard and report zeros."""
+
+
+@dataclass(frozen=True)
+class SyncStatus:
+    """Where a strategy stands after the last inner step it was told of (`SyncStrategy.status`): what the trainer
+    logs, checkpoints by and prints."""
+
+    outer_step: int
+    """Rounds ended (their syncs launched; per-step strategies: 0, they have no outer optimizer)."""
+    inner_steps: int
+    """H of the round in progress (1 for per-step strategies); fit_link may change it between rounds."""
+    boundary: bool
+    """The replicas agree after the last step: a checkpoint or an evaluation of record goes there."""
+    done: bool
+    """`sync.round = time`: every round of the run has ended (the clusters' step counts differ, so the run ends by
+    rounds). False otherwise: the trainer counts train.steps."""
+    progress: float
+    """The run's progress at the last step, in steps of an unslowed cluster, which the inner learning rate follows:
+    that step, or with time rounds the round index plus the fraction of the round done."""
+    landed_tokens: int
+    """Token-weighted syncs: the tokens every cluster trained on in the rounds whose sync landed (else 0)."""
+    guard_counts: dict[str, int]
+    """sync.guard's totals over the run, by `GUARD_COUNTS`."""
+    numel: int
+    """Values of this rank's parameters that the strategy keeps in step."""
+    state_bytes: int
+    """Bytes of the strategy's own state on this rank (outer params, momentum, residuals), for the memory report."""
+    messages: list[str]
+    """Messages for the user (the link cannot keep up, the guard's verdicts): the strategy's own list, from which the
+    trainer pops and prints them once."""
+    events: list[ElasticEvent] = dataclasses.field(default_factory=list)
+    """Elastic runs: the membership changes (stalls, leaves, rejoins) seen and not yet taken: the strategy's own list,
+    from which the trainer pops and records them."""
+    last_clusters: tuple[int, ...] = ()
+    """Elastic runs: the clusters of the last boundary settled (after the flush: those that ended the run)."""
 
 
 class SyncStrategy(Protocol):
-    """One way of keeping the clusters' models together (docs/design.md §6): everything the trainer uses."""
+    """One way of keeping the clusters' models together (docs/design.md §6): everything the trainer uses.
+
+    loss.backward(); sync.reduce_gradients(); inner_optimizer.step()
+    stats = sync.after_inner_step(step, step_s=seconds)    # a round's sync, when one landed
+    status = sync.status()                                   # boundary, outer step, messages, ...
+    """
 
     name: str
-    outer_step: int
-    """Rounds completed (per-step strategies: 0, they have no outer optimizer)."""
-    inner_steps: int
-    """H of the round in progress (1 for per-step strategies); fit_link may change it between rounds."""
-    numel: int
-    """Values of this rank's parameters that the strategy keeps in step."""
-    warnings: list[str]
-    """Messages for the user (e.g. the link cannot keep up), printed once by the trainer."""
-
-    @property
-    def guard_counts(self) -> dict[str, int]:
-        """sync.guard's totals over the run, by `GUARD_COUNTS` (all 0 for strategies without a guard)."""
 
     def reduce_gradients(self) -> None:
         """Average this step's gradients over the ranks that must agree on them, before the inner step."""
 
-    def after_inner_step(self, step: int) -> RoundStats | None:
-        """Called after inner step `step` (1-based); returns what the sync waited for at this step cost, or None
-        when nothing was waited for (no round ended, or a delayed sync's first round)."""
+    def after_inner_step(self, step: int, *, step_s: float = 0.0) -> RoundStats | None:
+        """Called after inner step `step` (1-based) that trained for `step_s` seconds (time rounds measure each
+        cluster's step time from it); returns what the sync waited for at this step cost, or None when nothing was
+        waited for (no round ended, or a delayed sync's first round)."""
 
-    def is_round_boundary(self, step: int) -> bool:
-        """Whether the replicas agree after inner step `step` (checkpoints and evaluations of record go there)."""
+    def status(self) -> SyncStatus:
+        """Where the strategy stands after the last step (`SyncStatus`)."""
 
     def flush(self) -> RoundStats | None:
         """Apply anything pending (the end of training); afterwards every cluster holds the same parameters.
@@ -199,67 +231,44 @@ class SyncStrategy(Protocol):
         with every landed update applied); the local ones are restored on exit. It yields whether it swapped
         anything (False for per-step strategies, whose clusters agree after every step)."""
 
-    def state_bytes(self) -> int:
-        """Bytes of the strategy's own state on this rank (outer params, momentum, ...), for the memory report."""
-
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-    @property
-    def rounds_done(self) -> bool:
-        """`sync.round = time`: whether every round of the run has ended (the clusters' step counts differ, so the
-        run ends by rounds). False otherwise: the trainer counts train.steps."""
-
-    @property
-    def landed_tokens(self) -> int:
-        """Token-weighted syncs: the tokens every cluster trained on in the rounds whose sync landed (else 0)."""
-
-    def progress_step(self, step: int) -> float:
-        """The run's progress at this rank's 0-based step `step`, in steps of an unslowed cluster, which the inner
-        learning rate follows: `step` itself, or with time rounds the round index plus the fraction of the round."""
-
-    def add_step_time(self, seconds: float) -> None:
-        """Count one inner step's training time (time rounds measure each cluster's step time from it)."""
-
-
-class StepRounds:
-    """The round-clock members of `SyncStrategy` for strategies whose every cluster does every step (allreduce,
-    cocktail, streaming fragments): the run ends at train.steps and its progress is the step."""
-
-    rounds_done = False
-    landed_tokens = 0
-
-    def progress_step(self, step: int) -> float:
-        return float(step)
-
-    def add_step_time(self, seconds: float) -> None:
-        pass
 
 
 class ElasticSync(SyncStrategy, Protocol):
     """An outer loop whose clusters may fail and rejoin (`topology.elastic`, docs/design.md §10.1): what the trainer
     uses besides `SyncStrategy`."""
 
-    @property
-    def outer_params(self) -> torch.Tensor:
-        """phi (numel,) fp32: the same on every cluster after each outer step (its digest goes in the run's record)."""
-
-    @property
-    def last_clusters(self) -> tuple[int, ...]:
-        """The clusters of the last boundary settled (after the flush: those that ended the run together)."""
-
     def rejoin(self) -> tuple[int, str] | None:
         """Meet the other clusters; one that joins a run in progress heals from a live peer and gets (step, phase)."""
 
-    def heal_state(self) -> dict[str, Any]:
-        """What a live peer sends a cluster that joins (torchft's checkpoint transport)."""
 
-    def load_heal_state(self, state: dict[str, Any]) -> None:
-        """Take a live peer's `heal_state`."""
+class StepRounds:
+    """`SyncStrategy.status` for strategies whose every cluster does every step (allreduce, cocktail): the run ends
+    at train.steps, its progress is the step, the replicas agree after every step and no guard runs."""
 
-    def elastic_events(self) -> list[ElasticEvent]:
-        """The membership changes (stalls, leaves, rejoins) this cluster saw since the last call."""
+    numel: int
+    warnings: list[str]
+    step = 0
+    """The last step `after_inner_step` was told of."""
+
+    def status(self) -> SyncStatus:
+        return SyncStatus(
+            outer_step=0,
+            inner_steps=1,
+            boundary=True,
+            done=False,
+            progress=float(self.step),
+            landed_tokens=0,
+            guard_counts=dict.fromkeys(GUARD_COUNTS, 0),
+            numel=self.numel,
+            state_bytes=self.state_bytes(),
+            messages=self.warnings,
+        )
+
+    def state_bytes(self) -> int:
+        return 0
 
 
 class FlatParams:

@@ -17,7 +17,7 @@ from dilocox.compress import CocktailConfig, ErrorFeedback
 from dilocox.compress.payload import Payload
 from dilocox.compress.sparse import SparseInt4Codec
 from dilocox.net.channel import WanChannel, ring_all_gather_bytes, ring_all_reduce_bytes
-from dilocox.sync.base import GUARD_COUNTS, FlatParams, RoundStats, StepRounds, dp_mean_, shard_bounds
+from dilocox.sync.base import FlatParams, RoundStats, StepRounds, dp_mean_, shard_bounds
 from dilocox.sync.reducers import gather_slices_
 from dilocox.topology import group_size
 
@@ -40,14 +40,6 @@ class CocktailSync(StepRounds):
     """
 
     name = "cocktail"
-
-    outer_step = 0  # no outer optimizer: every step is a plain data-parallel step, as for allreduce
-    inner_steps = 1  # every step is a round: the replicas agree after each
-
-    @property
-    def guard_counts(self) -> dict[str, int]:
-        """No guard: every total is 0."""
-        return dict.fromkeys(GUARD_COUNTS, 0)
 
     def __init__(
         self,
@@ -93,7 +85,7 @@ class CocktailSync(StepRounds):
         blocked_from = self.channel.clock.now()
         transfer = self.channel.launch_all_gather(payload.data)
         payloads = transfer.wait()  # one (nbytes,) uint8 per cluster, in cluster order; None: its tag failed
-        exposed = self.channel.clock.now() - blocked_from
+        exposed, peer_wait = transfer.split_wait(blocked_from, self.channel.clock.now())
         avg_shard = torch.zeros(self.shard_numel, device=grads.device)  # (shard,) fp32
         for cluster, data in enumerate(payloads):
             if data is None:
@@ -107,17 +99,17 @@ class CocktailSync(StepRounds):
         avg_shard.div_(sum(data is not None for data in payloads))
         self.flat.scatter_grads(gather_slices_(grads, avg_shard, self.bounds, self.dp_group))
         self.sync_step += 1
-        self.last_step_stats = RoundStats(link_s=transfer.link_s, exposed_s=exposed, bytes_sent=transfer.nbytes_sent)
+        self.last_step_stats = RoundStats(
+            link_s=transfer.link_s, exposed_s=exposed, bytes_sent=transfer.nbytes_sent, peer_wait_s=peer_wait
+        )
         if not self._checked_cost:
             self._checked_cost = True
             self._check_cost(transfer.nbytes_sent)
 
-    def after_inner_step(self, step: int) -> RoundStats | None:
+    def after_inner_step(self, step: int, *, step_s: float = 0.0) -> RoundStats | None:
+        self.step = step
         stats, self.last_step_stats = self.last_step_stats, None
         return stats
-
-    def is_round_boundary(self, step: int) -> bool:
-        return True
 
     def flush(self) -> RoundStats | None:
         return None  # every exchange completes within its step

@@ -1,19 +1,23 @@
 """`[sync]`: which strategy keeps the clusters together, and the outer loop's settings, owned and validated here.
 
-Every field's default is the one `dilocox train --help` shows; no strategy changes another field's default. The
-settings of DiLoCoX and of the baselines are presets (`dilocox/presets/*.toml`, `dilocox train --preset NAME`).
+The settings of DiLoCoX and of the baselines are presets (`dilocox/presets/*.toml`, `dilocox train --preset NAME`).
+An option that follows from others is "auto" until `resolved` sets it by the rule its docstring states (from the
+codec, the delay, the outer optimizer); a value the user sets is kept, and refused only by its own checks here or by
+the compatibility table (`dilocox.compat`).
 
-cfg = SyncConfig(kind="dilocox", inner_steps=50, sync_delay=1)
+cfg = SyncConfig(kind="dilocox", inner_steps=50, sync_delay=1).resolved(CompressionConfig(kind="int4"))
 cfg.validate()                                   # ValueError naming sync.<field> and the fix
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from dilocox.checks import check_non_negative, check_positive, check_types
+from dilocox.checks import AUTO, Auto, check_non_negative, check_positive, check_types
+from dilocox.compress.config import SPARSE_KINDS
 
 SyncKind = Literal["allreduce", "cocktail", "diloco", "dilocox"]
 """Every `sync.kind` (docs/design.md §6). `diloco` and `dilocox` run the same outer loop (`DiLoCoSync`) with the
@@ -26,9 +30,30 @@ OuterStateDevice = Literal["device", "cpu"]
 MergeRule = Literal["reset", "keep_local", "eager", "lookahead", "own_payload"]
 """Where a round starts under the one-step delay (see `DiLoCoSync` and docs/design.md §3)."""
 MERGE_RULES: tuple[str, ...] = get_args(MergeRule)
+MergeChoice = Literal["auto", "reset", "keep_local", "eager", "lookahead", "own_payload"]
+"""`sync.merge`: a merge rule, or auto (its rule in the field's docstring)."""
 OuterOptimizerName = Literal["sgd", "adamw"]
 """Every `sync.outer_optimizer` (`dilocox.sync.outer_optimizer`)."""
 OUTER_OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizerName)
+OUTER_LR = {"sgd": 0.7, "adamw": 1e-2}
+"""`sync.outer_lr = auto` by outer optimizer: OpenDiLoCo's SGD 0.7; AdamW 1e-2, the best of 3e-3 / 1e-2 / 3e-2 on the
+gap protocol (docs/results.md, "The outer optimizer")."""
+OUTER_OPTIMIZER_SETTINGS = (
+    "outer_lr",
+    "outer_momentum",
+    "nesterov",
+    "outer_beta1",
+    "outer_beta2",
+    "outer_weight_decay",
+)
+"""The `[sync]` options that configure the outer optimizer: a preset's values of them are its outer optimizer's, and
+apply only while `sync.outer_optimizer` is the preset's (`dilocox.config.load_config`)."""
+OVERLAP_SHARE = 7 / 12
+"""`sync.overlap_steps = auto` with a sparse codec (`SPARSE_KINDS`: a few percent of the values, whose sync lands well
+inside a round) under the delay: 7 of H = 12 steps measured best with top-k int4 (docs/results.md, "The paper
+regime")."""
+CHECKPOINT_STEPS = 100
+"""`checkpoint.interval = auto`: about this many steps, a whole number of rounds (`dilocox.config.Config.resolve`)."""
 OuterLrSchedule = Literal["constant", "cosine"]
 """How the outer learning rate moves over the outer updates (`SyncConfig.outer_lr_at`)."""
 Aggregate = Literal["mean", "trimmed_mean", "median", "norm_clip"]
@@ -43,6 +68,8 @@ FIT_HEADROOM = 1.1
 
 HELD_BACK_OPTIONS = ("local_residual", "drain_residual")
 """The `[sync]` options that work on what a codec's error feedback holds back (`holds_back`)."""
+FIT_LINK_RANGE = 8
+"""`sync.fit_link_max_steps = auto`: this many times sync.inner_steps."""
 
 
 @dataclass
@@ -53,8 +80,8 @@ class SyncConfig:
     """H: local inner steps between two outer syncs (diloco, dilocox)."""
     outer_optimizer: OuterOptimizerName = "sgd"
     """The outer optimizer of phi: sgd (outer_lr, outer_momentum, nesterov) or adamw (outer_lr, outer_beta1/2, ...)."""
-    outer_lr: float = 0.7
-    """Outer learning rate (sgd with momentum 0 and lr 1.0: plain averaging); adamw takes it as its step length."""
+    outer_lr: float | Auto = "auto"
+    """Outer learning rate (sgd: lr 1 and momentum 0 = plain averaging; adamw: its step); auto: sgd 0.7, adamw 0.01"""
     outer_momentum: float = 0.9
     """Momentum of the outer SGD."""
     nesterov: bool = True
@@ -67,14 +94,22 @@ class SyncConfig:
     """adamw: the outer AdamW's decoupled weight decay of phi, per outer update."""
     sync_delay: int = 0
     """Rounds between launching an outer sync and applying it: 0 = blocking, 1 = overlapped (the one-step delay)."""
-    overlap_steps: int = 0
-    """With sync_delay 1: apply round t's average this many inner steps into round t+1 (0: at its end, a round late)."""
-    merge: MergeRule = "keep_local"
-    """With sync_delay 1, where a round starts: keep_local (phi - own progress), reset, eager, lookahead, own_payload"""
-    local_residual: bool = False
-    """Keep 1/C of this cluster's error-feedback residual (what its codec has not sent yet) in its own parameters."""
-    drain_residual: bool = False
-    """At the end of training, send what every codec still holds back (its residual) once, dense int4, into phi."""
+    # overlap_steps = auto: 7/12 of H, rounded half up and below H, where a delayed sync of topk_int4 may land inside
+    # a round (rounds of steps, without fit_link); 0 otherwise (`resolved`). With sync_delay 0 a value tau launches
+    # each sync tau steps before its boundary and lands it there (Streaming DiLoCo), mixed by `alpha`.
+    overlap_steps: int | Auto = "auto"
+    """Steps a sync overlaps: delay 1, landed this far into the next round; delay 0, launched this far before (tau)"""
+    alpha: float = 0.0
+    """sync_delay 0: a landed average leaves the live parameters at lerp(phi, live, alpha) (0: phi, 1: live)"""
+    # merge, local_residual and drain_residual = auto: the rule of `keeps_residual`, under which the residual options
+    # are on and a delayed round starts at own_payload; without it a delayed round starts at eager when the outer
+    # step has no SGD momentum, else at keep_local (also for a blocking sync, which merges nothing).
+    merge: MergeChoice = "auto"
+    """Where a delayed round starts; auto: own_payload if residuals kept, eager if no SGD momentum, else keep_local"""
+    local_residual: bool | Auto = "auto"
+    """Keep 1/C of the codec's error-feedback residual in the cluster's parameters; auto: see merge's rule"""
+    drain_residual: bool | Auto = "auto"
+    """After the last step send what every codec holds back, dense int4; auto: as local_residual, with an outer sgd"""
     outer_lr_schedule: OuterLrSchedule = "constant"
     """Outer learning rate over the outer updates: constant, or cosine down to outer_lr x outer_min_lr_ratio."""
     outer_warmup_rounds: int = 0
@@ -85,8 +120,8 @@ class SyncConfig:
     """Streaming DiLoCo: sync the stage as this many parameter fragments at staggered steps (1: all at once)."""
     fit_link: bool = False
     """With sync_delay 1: raise H each round so that one sync's measured link time fits in the next round's compute."""
-    fit_link_max_steps: int = 0
-    """fit_link: the largest H it may choose; 0 = 8 x sync.inner_steps."""
+    fit_link_max_steps: int | Auto = "auto"
+    """fit_link: the largest H it may choose; auto: 8 x sync.inner_steps."""
     outer_state_device: OuterStateDevice = "device"
     """Where outer params, momentum and residuals live: device (the rank's), or cpu to leave a GPU room for a stage."""
     guard: bool = True
@@ -103,8 +138,8 @@ class SyncConfig:
     """mean, trimmed_mean, median or norm_clip (the robust ones need a codec with compression.reduction = gather)."""
     trim_fraction: float = 0.25
     """aggregate = trimmed_mean: the share of the largest and of the smallest values dropped per coordinate."""
-    min_clusters: int = 0
-    """Fewest clusters a round may have before the run stops; 0 = all of them (static), 1 (topology.elastic)."""
+    min_clusters: int | Auto = "auto"
+    """Fewest clusters a round may have before the run stops; auto: all of them (static), 1 (topology.elastic)."""
     round: RoundMode = "steps"
     """steps: every cluster does H inner steps per round; time: every cluster trains for the same time budget."""
     round_seconds: float = 0.0
@@ -114,10 +149,40 @@ class SyncConfig:
     def has_outer_loop(self) -> bool:
         return self.kind in OUTER_LOOP_KINDS
 
-    @property
-    def max_inner_steps(self) -> int:
-        """The largest H that fit_link may choose."""
-        return self.fit_link_max_steps or 8 * self.inner_steps
+    def keeps_residual(self, compression: Any) -> bool:
+        """The rule of the auto residual options: `local_residual`, `drain_residual` (with an outer SGD) and the merge
+        `own_payload` (under the delay) are on when the codec holds an error-feedback residual back (`holds_back`) and
+        the outer step has no SGD momentum: with plain averaging they took the dilocox presets from +7.44% to +6.23%
+        (docs/results.md); with the paper's SGD 0.7 / Nesterov 0.9 keep_local measured best and the residual stays
+        with the codec. Elastic runs keep them too: a cluster healed from a peer starts its residual afresh."""
+        momentum = self.outer_optimizer == "sgd" and self.outer_momentum > 0
+        return self.has_outer_loop and holds_back(compression) and not momentum
+
+    def resolved(self, compression: Any) -> SyncConfig:
+        """A copy with every auto option set by its rule, from the codec `compression` (a `CompressionConfig`);
+        values set explicitly are kept as they are (`validate` and the compatibility table judge them).
+        `min_clusters` needs the topology: `Config.resolve` sets it."""
+        cfg = dataclasses.replace(self)
+        delayed = self.has_outer_loop and cfg.sync_delay == 1
+        keeps = cfg.keeps_residual(compression)
+        if cfg.outer_lr == AUTO:
+            cfg.outer_lr = OUTER_LR.get(cfg.outer_optimizer, OUTER_LR["sgd"])  # an unknown name: validate() says so
+        if cfg.local_residual == AUTO:
+            cfg.local_residual = keeps
+        if cfg.drain_residual == AUTO:
+            cfg.drain_residual = keeps and cfg.outer_optimizer == "sgd"
+        if cfg.merge == AUTO:  # eager beat keep_local by 1.3 points with plain averaging (docs/results.md)
+            momentum = cfg.outer_optimizer == "sgd" and cfg.outer_momentum > 0
+            cfg.merge = "keep_local" if not delayed or momentum else "own_payload" if keeps else "eager"
+        if cfg.overlap_steps == AUTO:
+            lands_inside = delayed and compression.kind in SPARSE_KINDS and not cfg.fit_link
+            if lands_inside and cfg.round == "steps" and isinstance(cfg.inner_steps, int):
+                cfg.overlap_steps = max(0, min(cfg.inner_steps - 1, math.floor(OVERLAP_SHARE * cfg.inner_steps + 0.5)))
+            else:
+                cfg.overlap_steps = 0
+        if cfg.fit_link_max_steps == AUTO:
+            cfg.fit_link_max_steps = FIT_LINK_RANGE * cfg.inner_steps
+        return cfg
 
     def outer_lr_at(self, update: int, num_updates: int) -> float:
         """The learning rate of the 0-based outer update `update` of `num_updates` (docs/design.md §3): linear
@@ -132,17 +197,17 @@ class SyncConfig:
         return self.outer_lr * (rho + (1.0 - rho) * (1.0 + math.cos(math.pi * progress)) / 2.0)
 
     def validate(self) -> None:
-        """Raise ValueError naming the first impossible setting of `[sync]` and how to fix it."""
+        """Raise ValueError naming the first impossible value of `[sync]` and how to fix it (auto values are judged
+        once resolved; pairs of options that do not work together: `dilocox.compat`)."""
         check_types("sync", self)  # also every choice: kind, merge, aggregate, outer_optimizer, outer_lr_schedule, ...
-        check_positive("sync", self, "inner_steps")
-        check_non_negative("sync", self, "outer_momentum", "fit_link_max_steps")
-        if self.outer_lr <= 0:
+        check_positive("sync", self, "inner_steps", "fragments", "guard_max_bad_rounds")
+        check_non_negative("sync", self, "outer_momentum", "outer_weight_decay", "outer_warmup_rounds", "round_seconds")
+        if self.outer_lr != AUTO and self.outer_lr <= 0:
             raise ValueError(f"sync.outer_lr = {self.outer_lr} must be > 0 (1.0 with momentum 0 = plain averaging)")
         if self.outer_momentum >= 1.0:
             raise ValueError(f"sync.outer_momentum = {self.outer_momentum} must be < 1")
         if self.sync_delay not in (0, 1):
             raise ValueError(f"sync.sync_delay = {self.sync_delay} must be 0 (blocking) or 1 (one-step-delay overlap)")
-        check_positive("sync", self, "guard_max_bad_rounds")
         if not (math.isfinite(self.guard_max_ratio) and self.guard_max_ratio > 1.0):
             raise ValueError(
                 f"sync.guard_max_ratio = {self.guard_max_ratio} must be a finite number > 1 (10 leaves out an update "
@@ -158,171 +223,43 @@ class SyncConfig:
                 f"sync.trim_fraction = {self.trim_fraction} must be in (0, 0.5): the share of the largest and of the "
                 "smallest values dropped per coordinate (0.25 drops one of four clusters at each end)"
             )
-        if self.aggregate != "mean" and not self.has_outer_loop:
-            raise ValueError(
-                f"sync.aggregate = {self.aggregate!r} averages the pseudo-gradients of an outer loop: use sync.kind = "
-                "diloco or dilocox"
-            )
         for name in ("outer_beta1", "outer_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"sync.{name} = {getattr(self, name)} must be in [0, 1): a moment's decay rate")
-        check_non_negative("sync", self, "outer_weight_decay")
-        if self.outer_optimizer != "sgd" and self.drain_residual:
-            raise ValueError(
-                f"sync.drain_residual = true adds the drained residual to phi at the outer SGD's learning rate, but "
-                f"sync.outer_optimizer = {self.outer_optimizer!r} takes steps of its own length; set "
-                "sync.drain_residual = false, or use sync.outer_optimizer = sgd"
-            )
-        check_non_negative("sync", self, "outer_warmup_rounds")
         if not 0.0 <= self.outer_min_lr_ratio <= 1.0:
             raise ValueError(
                 f"sync.outer_min_lr_ratio = {self.outer_min_lr_ratio} must be in [0, 1]: the last outer update's "
                 "learning rate as a fraction of sync.outer_lr (1 = no decay)"
             )
-        for option in HELD_BACK_OPTIONS:
-            if getattr(self, option) and not self.has_outer_loop:
+        if self.overlap_steps != AUTO:
+            check_non_negative("sync", self, "overlap_steps")
+            shortest = max(1, self.inner_steps // self.fragments) if self.sync_delay == 0 else self.inner_steps
+            if self.overlap_steps >= shortest:
+                what = "sync.inner_steps ="
+                if self.fragments > 1 and self.sync_delay == 0:
+                    what = "a fragment's shortest round, H // sync.fragments ="
+                fix = "blocking" if self.sync_delay == 0 else "each average applied at the end of the next round"
                 raise ValueError(
-                    f"sync.{option} = true works on a codec's residual between outer rounds, but sync.kind = "
-                    f"{self.kind!r} has no outer rounds; use sync.kind = diloco or dilocox"
+                    f"sync.overlap_steps = {self.overlap_steps} must be below {what} {shortest}: a sync launched that "
+                    f"many steps before its boundary or applied that many into the next round; use 0 ({fix}), or auto"
                 )
-        if not self.has_outer_loop and self.sync_delay:
-            raise ValueError("sync.sync_delay = 1 needs an outer loop: use sync.kind = diloco or dilocox")
-        if self.fit_link and self.sync_delay != 1:
-            raise ValueError(
-                "sync.fit_link = true sizes H so that a sync travels during the next round, which needs "
-                "sync.sync_delay = 1; with a blocking sync raise sync.inner_steps instead"
-            )
-        check_non_negative("sync", self, "overlap_steps")
-        if self.overlap_steps and self.sync_delay != 1:
-            raise ValueError(
-                f"sync.overlap_steps = {self.overlap_steps} applies a delayed sync inside the next round, which needs "
-                "sync.sync_delay = 1; use 0 with a blocking sync"
-            )
-        if self.overlap_steps >= self.inner_steps:
-            raise ValueError(
-                f"sync.overlap_steps = {self.overlap_steps} must be below sync.inner_steps = {self.inner_steps}; "
-                "use 0 to apply each average at the end of the next round"
-            )
-        if self.overlap_steps and self.fit_link:
-            raise ValueError(
-                "sync.fit_link = true sizes H so that a sync travels during a whole round, but sync.overlap_steps = "
-                f"{self.overlap_steps} applies it {self.overlap_steps} steps in; use one or the other"
-            )
-        self._check_fragments()
-        self._validate_round()
-        if self.fit_link and 0 < self.fit_link_max_steps < self.inner_steps:
-            raise ValueError(
-                f"sync.fit_link_max_steps = {self.fit_link_max_steps} is below sync.inner_steps = {self.inner_steps}: "
-                f"fit_link only raises H; use 0 (8 x H) or a value >= {self.inner_steps}"
-            )
-
-    def _check_fragments(self) -> None:
-        check_positive("sync", self, "fragments")
-        if self.fragments == 1:
-            return
-        if not self.has_outer_loop:
-            raise ValueError(
-                f"sync.fragments = {self.fragments} staggers the outer syncs of an outer loop, but sync.kind = "
-                f"{self.kind!r} syncs every step; use sync.kind = diloco or dilocox, or sync.fragments = 1"
-            )
-        if self.fragments > self.inner_steps:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"sync.alpha = {self.alpha} must be between 0 and 1: lerp(phi, live, alpha) when it lands")
+        if self.fragments > self.inner_steps and self.has_outer_loop:
             raise ValueError(
                 f"sync.fragments = {self.fragments} is more than sync.inner_steps = {self.inner_steps}: fragment k "
                 f"syncs at offset k x H / fragments, so each needs a step of its own; use sync.fragments <= "
                 f"{self.inner_steps}"
             )
-        for option, value, why in (
-            ("fit_link", self.fit_link, "changes H between rounds, which would break the fragments' stagger"),
-            ("overlap_steps", self.overlap_steps, "lands a sync inside the next round, not at a fragment boundary"),
-        ):
-            if value:
-                raise ValueError(
-                    f"sync.{option} = {str(value).lower()} does not work with sync.fragments = {self.fragments}: it "
-                    f"{why}; set sync.{option} = {'false' if isinstance(value, bool) else 0}, or sync.fragments = 1"
-                )
-
-    def _validate_round(self) -> None:
-        """`sync.round` and `sync.round_seconds` against the rest: time rounds need an outer loop whose rounds end
-        where each cluster's budget does and an average that can weigh the clusters by their tokens."""
-        check_non_negative("sync", self, "round_seconds")
-        if self.round == "steps":
-            if self.round_seconds:
-                raise ValueError(
-                    f"sync.round_seconds = {self.round_seconds} is the budget of a time round: add "
-                    "--sync.round=time, or leave sync.round_seconds at 0"
-                )
-            return
-        refused = [  # (what, whether this config has it, the fix)
-            (f"sync.kind = {self.kind}", not self.has_outer_loop, "use sync.kind = diloco or dilocox"),
-            ("sync.fit_link = true", self.fit_link, "fit_link sizes H itself; leave it off"),
-            (
-                f"sync.overlap_steps = {self.overlap_steps}",
-                self.overlap_steps > 0,
-                "a landing a fixed number of steps into a round has no meaning when clusters do different numbers "
-                "of steps; use 0",
-            ),
-            (
-                f"sync.aggregate = {self.aggregate}",
-                self.aggregate != "mean",
-                "the clusters' updates are weighted by their tokens, which only the mean can do; use mean",
-            ),
-            (
-                f"sync.fragments = {self.fragments}",
-                self.fragments > 1,
-                "fragments are staggered by steps within rounds of H steps; use sync.fragments = 1",
-            ),
-        ]
-        for what, bad, fix in refused:
-            if bad:
-                raise ValueError(f"sync.round = time does not work with {what}: {fix}")
-
-
-def check_robust_reduction(sync: SyncConfig, compression: Any) -> None:
-    """A robust `sync.aggregate` needs every cluster's update at every receiver, which only the gather reduction of
-    a codec delivers (the dense all-reduce and the scalable reduction sum in transit)."""
-    if sync.aggregate == "mean":
-        return
-    if compression.kind == "none" or compression.reduction != "gather":
-        raise ValueError(
-            f"sync.aggregate = {sync.aggregate!r} needs every cluster's update at every receiver, but "
-            f"compression.kind = {compression.kind!r} with compression.reduction = {compression.reduction!r} sums "
-            "them in transit; use a codec with compression.reduction = gather (e.g. compression.kind = fp16 or "
-            "adaptive), or sync.aggregate = mean"
-        )
+        if self.fit_link_max_steps != AUTO:
+            check_positive("sync", self, "fit_link_max_steps")
+        if self.fit_link_max_steps != AUTO and self.fit_link and self.fit_link_max_steps < self.inner_steps:
+            raise ValueError(
+                f"sync.fit_link_max_steps = {self.fit_link_max_steps} is below sync.inner_steps = {self.inner_steps}: "
+                f"fit_link only raises H; use auto ({FIT_LINK_RANGE} x H) or a value >= {self.inner_steps}"
+            )
 
 
 def holds_back(compression: Any) -> bool:
     """Whether the codec keeps an error-feedback residual, what `sync.local_residual` keeps a share of."""
     return compression.kind != "none" and compression.error_feedback
-
-
-def check_held_back_options(sync: SyncConfig, compression: Any, *, elastic: bool = False) -> None:
-    """`sync.local_residual`, `sync.drain_residual` and the delayed merge rule `own_payload` work on what a codec's
-    error feedback holds back, so they need such a codec; elastic runs heal a rejoining cluster from a peer's
-    parameters, which hold that peer's residual, not its own, and end their rounds elsewhere (`ElasticRounds`).
-    One error names every such option that is set, with the values that turn them all off."""
-    used = [f"sync.{option} = true" for option in HELD_BACK_OPTIONS if getattr(sync, option)]
-    fix = [f"sync.{option} = false" for option in HELD_BACK_OPTIONS if getattr(sync, option)]
-    if sync.merge == "own_payload" and sync.sync_delay == 1:
-        used.append("sync.merge = 'own_payload'")
-        fix.append("sync.merge = eager")
-    if not used:
-        return
-    named, fixes = _and(used), _and(fix)
-    if not holds_back(compression):
-        raise ValueError(
-            f"{named} {'works' if len(used) == 1 else 'work'} on what a codec's error feedback holds back, but "
-            f"compression.kind = {compression.kind!r} with compression.error_feedback = "
-            f"{str(compression.error_feedback).lower()} holds nothing back; use a codec with error feedback (e.g. "
-            f"compression.kind = topk_int4), or set {fixes}"
-        )
-    if elastic:
-        raise ValueError(
-            f"{named} {'is' if len(used) == 1 else 'are'} not supported in elastic runs (topology.elastic = true): "
-            f"set {fixes}"
-        )
-
-
-def _and(items: list[str]) -> str:
-    """ "a", "a and b", "a, b and c"."""
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"

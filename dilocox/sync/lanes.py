@@ -76,6 +76,16 @@ class LaneLayout:
         coords = self.topology.coords(group_rank * self.topology.pp_degree)
         return coords.cluster, coords.dp
 
+    def per_cluster(self, values: Sequence[Any]) -> list[Any]:
+        """One of `values` per cluster, from values given per rank of the stage group (every replica of every
+        cluster, which agree): its first replica's."""
+        chosen: list[Any] = [None] * self.num_clusters
+        for group_rank, value in enumerate(values):
+            cluster, dp = self.replica_of(group_rank)
+            if dp == 0:
+                chosen[cluster] = value
+        return chosen
+
     def shared_lanes(self, group_rank: int) -> list[int]:
         """The lanes whose payloads this rank exchanges with rank `group_rank` of the stage group: those both own,
         none with a rank of its own cluster."""
@@ -119,6 +129,8 @@ class LaneReducer:
         seed: int = 0,
         guard: UpdateGuard | None = None,
         peers: PeerCheck | None = None,
+        aggregate: str = "mean",
+        trim_fraction: float = 0.25,
     ) -> None:
         cfg.validate()
         if peers is not None and guard is None:
@@ -154,6 +166,10 @@ class LaneReducer:
         self.pp_group = pp_group
         self.guard = guard
         self.peers = peers
+        self.how = aggregate
+        """How each lane's accepted updates are averaged (`sync.aggregate`; a robust one gives every cluster one vote,
+        its payload not weighted by its replicas)."""
+        self.trim_fraction = trim_fraction
         self.empty_reason = "it sent none: its own was non-finite"
         dense = cfg.kind == "none"  # the fp32 identity codec: nothing to hold back
         self.codecs = {lane: build_codec(cfg, seed=seed + _LANE_SEED_STRIDE * lane) for lane in layout.lanes}
@@ -250,11 +266,16 @@ class LaneReducer:
             by_lane: dict[int, dict[int, torch.Tensor]] = {lane: {} for lane in lanes}  # lane -> cluster -> bytes
             for peer, (lanes_, part, part_sizes) in enumerate(zip(shared, arrived, arrived_sizes, strict=True)):
                 cluster, _ = layout.replica_of(peer)
+                if not part.numel() and sum(part_sizes):  # left out: its tag did not verify on some member
+                    rejected.add(cluster)
+                    part_sizes = [0] * len(part_sizes)
                 for lane, data in zip(lanes_, torch.split(part, part_sizes), strict=True):
                     by_lane[lane][cluster] = data
+            rejected.update(layout.replica_of(peer)[0] for peer in wire.left_out)  # this rank's own cluster too
             return by_lane
 
-        transfer = self.channel.launch_program(program, kind="lanes", account=account, device=device)
+        rejected: set[int] = set()  # clusters whose payloads an authenticated channel left out
+        transfer = self.channel.launch_program(program, kind="lanes", account=account, device=device, sealed=True)
         excluded: dict[int, str] = {}  # filled by finish(); shared with the PendingMean (see GatherReducer._start)
 
         def finish() -> torch.Tensor:
@@ -267,7 +288,10 @@ class LaneReducer:
                 for lane in lanes:
                     if not self.lane_tensors[lane]:
                         continue
-                    if cluster == layout.cluster:
+                    if cluster in rejected:
+                        tensors = None
+                        malformed[cluster] = "its payload's HMAC-SHA256 tag does not verify (network.auth_key_file)"
+                    elif cluster == layout.cluster:
                         tensors = None if own_decoded is None else own_decoded[lane]
                         if tensors is None:
                             malformed[cluster] = self.empty_reason
@@ -302,7 +326,7 @@ class LaneReducer:
             cost.codec_s += time.perf_counter() - decode_from
             if not accepted:  # nothing usable: the outer step gets a zero update (DiLoCoSync counts the round)
                 return torch.zeros(self.slice_numel, dtype=torch.float32, device=device)
-            return aggregate(accepted, "mean")
+            return aggregate(accepted, self.how, trim_fraction=self.trim_fraction)
 
         return PendingMean(flat, self.bounds, finish, transfer, self.dp_group, sent=sent, cost=cost, excluded=excluded)
 
@@ -380,8 +404,11 @@ def build_lane_reducer(
     seed: int = 0,
     guard_max_ratio: float | None = None,
     peer_max_ratio: float | None = None,
+    aggregate: str = "mean",
+    trim_fraction: float = 0.25,
 ) -> LaneReducer:
-    """The lane reducer of `compression` (any codec; `compression.reduction` gather) with the guard of `[sync]`."""
+    """The lane reducer of `compression` (any codec; `compression.reduction` gather) with the guard and the aggregate
+    of `[sync]`."""
     if cfg.kind != "none" and cfg.reduction == "scalable":
         raise ValueError(
             "compression.reduction = scalable needs clusters of one shape; clusters of different data-parallel "
@@ -397,6 +424,8 @@ def build_lane_reducer(
         seed=seed,
         guard=UpdateGuard(guard_max_ratio) if guard_max_ratio is not None else None,
         peers=PeerCheck(peer_max_ratio) if guard_max_ratio is not None and peer_max_ratio is not None else None,
+        aggregate=aggregate,
+        trim_fraction=trim_fraction,
     )
 
 

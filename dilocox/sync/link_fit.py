@@ -25,14 +25,14 @@ def fit_inner_steps(stats: RoundStats, *, round_steps: int, cfg: SyncConfig, cur
     that round, fits in its compute with `FIT_HEADROOM`, judged by the sync just waited for (`stats`: same size, same
     link, `round_steps` steps of compute; `current` H when that compute is unknown).
 
-    Never below the configured H (the user's choice when the link is fast) nor above `max_inner_steps`. Every rank
+    Never below the configured H (the user's choice when the link is fast) nor above `fit_link_max_steps`. Every rank
     measures its own link and step time, so they agree on the largest wish with one 8-byte all-reduce over every rank
     (a control message, not counted as slow-link payload): all clusters and stages must end their rounds at the same
     steps."""
     link_s, compute_s = stats.link_s, stats.compute_s or 0.0
     step_s = compute_s / max(1, round_steps)
     needed = math.ceil(FIT_HEADROOM * link_s / step_s) if step_s > 0 else current
-    wish = torch.tensor([min(max(needed, cfg.inner_steps), cfg.max_inner_steps)], dtype=torch.int64)
+    wish = torch.tensor([min(max(needed, cfg.inner_steps), cfg.fit_link_max_steps)], dtype=torch.int64)
     if dist.is_initialized():
         dist.all_reduce(wish, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
     return int(wish.item()), needed
@@ -43,7 +43,7 @@ def fit_link_warning(stats: RoundStats, *, round_steps: int, needed: int, cfg: S
     step_s = (stats.compute_s or 0.0) / max(1, round_steps)
     return (
         f"warning: sync.fit_link wants H = {needed} to hide a {stats.link_s:.2f} s sync behind "
-        f"{step_s:.3f} s steps, above sync.fit_link_max_steps = {cfg.max_inner_steps}; training waits "
+        f"{step_s:.3f} s steps, above sync.fit_link_max_steps = {cfg.fit_link_max_steps}; training waits "
         "for the link: raise fit_link_max_steps, compress harder or use a faster link"
     )
 

@@ -9,7 +9,9 @@ It is a facade over `DiLoCoSync` (the round, the delay, the reducers: docs/desig
 (§5). `build_sync` returns the same class to the CLI's trainer (`OuterSync.from_configs`), so a user's loop and
 `dilocox train` run one implementation; what this module adds is only what a user's loop lacks: a step counter,
 keyword arguments with the strategies' defaults, the dp mean hooked to the inner optimizer, checks of the
-arguments and of the clusters' starting point, and a context manager that flushes.
+arguments and of the clusters' starting point, and a context manager that flushes. Its keyword arguments start from
+the `[sync]` and `[compression]` of the preset of `kind` (`dilocox`: what `dilocox train` runs), and its configs
+resolve and meet the compatibility table (`dilocox.compat`) as `dilocox train`'s do.
 """
 
 from __future__ import annotations
@@ -25,18 +27,17 @@ import torch.distributed as dist
 
 from dilocox.compress import CompressionConfig
 from dilocox.compress.config import CODEC_KINDS
-from dilocox.faults import FaultConfig
+from dilocox.elastic.membership import ElasticMembership
+from dilocox.elastic.rounds import ElasticRounds
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.net.link import parse_bandwidth, parse_duration
-from dilocox.sync.base import RoundStats
-from dilocox.sync.config import HELD_BACK_OPTIONS, OUTER_LOOP_KINDS, SyncConfig, holds_back
+from dilocox.sync.allreduce import allreduce_bytes_per_step
+from dilocox.sync.base import RoundStats, SyncStatus
+from dilocox.sync.config import OUTER_LOOP_KINDS, SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
-from dilocox.sync.elastic import ElasticRounds
-from dilocox.sync.events import ElasticEvent
+from dilocox.sync.faults import FaultConfig
 from dilocox.sync.lanes import LaneLayout
-from dilocox.sync.membership import ElasticMembership
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory
-from dilocox.sync.streaming import StreamingSync
 from dilocox.topology import group_size
 
 RESUME_SETTINGS = ("kind", "inner_steps", "sync_delay", "outer_lr", "outer_momentum", "nesterov")
@@ -62,13 +63,20 @@ class OuterSync:
             ...; inner_optimizer.step(); sync.step()      # the RoundStats of the sync applied, or None
         # here every cluster holds the same parameters
 
-    `kind` picks the defaults of `sync_delay`, `compression`, `outer_lr` and `outer_momentum` (`DILOCOX_KEYWORDS`):
-    `dilocox` is delayed, adaptive low-rank int4, plain averaging, merging by `own_payload`, with `local_residual`
-    and `drain_residual` (each `flush()` then also sends what the codec still holds back, one dense int4 payload:
-    flush at the end, not to peek); `diloco` is blocking, fp32, SGD lr 0.7 with Nesterov 0.9. `dp_group` (the
+    `kind` is a preset (`dilocox/presets/KIND.toml`): the keyword arguments left at None take its `[sync]` and
+    `[compression]` values, then the fields' (auto) rules. `dilocox` is what `dilocox train` runs: H = 12, delayed,
+    top-k int4 at density 0.05, plain averaging, and by the auto rules the average landing 7 steps into the next
+    round, the `own_payload` merge, `local_residual` and `drain_residual` (each `flush()` then also sends what the
+    codec still holds back, one dense int4 payload: flush at the end, not to peek); `diloco` is blocking, fp32, SGD
+    lr 0.7 with Nesterov 0.9, H = 50. `dp_group` (the
     data-parallel replicas of this model inside the cluster) gets the gradient mean before every inner step, from a
     pre-step hook on `inner_optimizer` unless `reduce_gradients()` was called since the last one, and shares the
     cluster's uplink: each replica sends 1/D of the pseudo-gradient.
+
+    Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512): `fragments = N` syncs the model in N contiguous
+    parts, fragment k at (k + 1) H // N and every H steps after; with `sync_delay = 0`, `overlap_steps = tau` launches
+    each sync tau steps before its boundary and `alpha` leaves the live parameters at lerp(phi, live, alpha) once it
+    lands (`sync.overlap_steps`, `sync.alpha`). `guard` turns the numeric guard off or on (docs/design.md §4.5).
     """
 
     def __init__(
@@ -81,6 +89,7 @@ class OuterSync:
         kind: str = "dilocox",
         compression: str | CompressionConfig | None = None,
         sync_delay: int | None = None,
+        overlap_steps: int | None = None,
         outer_optimizer: str | OuterOptimizerFactory | None = None,
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
@@ -88,6 +97,9 @@ class OuterSync:
         merge: str | None = None,
         local_residual: bool | None = None,
         drain_residual: bool | None = None,
+        fragments: int | None = None,
+        alpha: float | None = None,
+        guard: bool | None = None,
         dp_group: dist.ProcessGroup | None = None,
         bandwidth: str | None = None,
         latency: str = "0",
@@ -105,14 +117,18 @@ class OuterSync:
             compression,
             inner_steps=inner_steps,
             sync_delay=sync_delay,
+            overlap_steps=overlap_steps,
             outer_optimizer=outer_optimizer if isinstance(outer_optimizer, str) else None,
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
             nesterov=nesterov,
             merge=merge,
             local_residual=local_residual,
-            drain_residual=drain_residual,
-        )
+            drain_residual=False if drain_residual is None and factory is not None else drain_residual,
+            fragments=fragments,
+            alpha=alpha,
+            guard=guard,
+        )  # the drain adds at an SGD's learning rate: auto drains only under the built-in sgd
         bytes_per_s = None if bandwidth is None else parse_bandwidth(bandwidth)
         latency_s = parse_duration(latency)
         if bytes_per_s is None and latency_s:
@@ -173,11 +189,21 @@ class OuterSync:
         rounds."""
         if sync.kind not in OUTER_LOOP_KINDS:
             raise ValueError(f"OuterSync needs sync.kind = diloco or dilocox, not {sync.kind!r}")
+        compression = compression or CompressionConfig()
+        sync = sync.resolved(compression)
+        check_outer(
+            sync,
+            compression,
+            faults=faults,
+            elastic=membership is not None,
+            lanes=lanes,
+            authenticated=channel.tag_bytes > 0,
+        )
         self = cls.__new__(cls)
         self._setup(
             list(params),
             sync,
-            compression or CompressionConfig(),
+            compression,
             channel=channel,
             owns_channel=False,
             dp_group=dp_group,
@@ -216,50 +242,24 @@ class OuterSync:
         round_tokens: int | None = None,
         weigh_tokens: bool = False,
     ) -> None:
-        self.diloco: DiLoCoSync | StreamingSync
-        """The implementation this facade drives (docs/design.md §3): the stage's rounds, or its fragments' rounds
-        (`sync.fragments > 1`, Streaming DiLoCo)."""
-        if sync.fragments > 1:
-            if faults is not None and faults.enabled or membership is not None or lanes is not None:
-                raise ValueError(
-                    f"sync.fragments = {sync.fragments} works without faults, outside elastic runs and with clusters "
-                    "of one shape: set sync.fragments = 1"
-                )
-            if weigh_tokens:  # sync.round = time is refused by SyncConfig.validate
-                raise ValueError(
-                    f"sync.fragments = {sync.fragments} staggers rounds of H steps, whose average weighs every "
-                    "cluster alike: leave weigh_tokens off, or set sync.fragments = 1"
-                )
-            self.diloco = StreamingSync(
-                params,
-                sync,
-                compression,
-                channel=channel,
-                dp_group=dp_group,
-                pp_group=pp_group,
-                seed=seed,
-                total_steps=total_steps,
-                outer_optimizer=outer_optimizer,
-            )
-        else:
-            self.diloco = DiLoCoSync(
-                params,
-                sync,
-                compression,
-                channel=channel,
-                dp_group=dp_group,
-                pp_group=pp_group,
-                seed=seed,
-                total_steps=total_steps,
-                faults=faults,
-                membership=membership,
-                outer_optimizer=outer_optimizer,
-                lanes=lanes,
-                cluster_weight=1.0 if lanes is None else lanes.cluster_weight,
-                tokens_per_step=tokens_per_step,
-                round_tokens=round_tokens,
-                weigh_tokens=weigh_tokens,
-            )
+        self.diloco = DiLoCoSync(
+            params,
+            sync,
+            compression,
+            channel=channel,
+            dp_group=dp_group,
+            pp_group=pp_group,
+            seed=seed,
+            total_steps=total_steps,
+            faults=faults,
+            membership=membership,
+            outer_optimizer=outer_optimizer,
+            lanes=lanes,
+            tokens_per_step=tokens_per_step,
+            round_tokens=round_tokens,
+            weigh_tokens=weigh_tokens,
+        )
+        """The implementation this facade drives (docs/design.md §3): the stage's fragments' rounds."""
         self.inner_optimizer = inner_optimizer
         """Its state is reset when the guard heals this cluster (None: the caller's own concern)."""
         self.sync_config = sync
@@ -267,8 +267,6 @@ class OuterSync:
         self.channel = channel
         """The slow link: cumulative bytes and busy, exposed and hidden time in `channel.stats()`."""
         self.dp_group = dp_group
-        self.num_steps = 0
-        """Inner steps taken (the step of the last `step()` or `after_inner_step(step)`)."""
         self.last_round: RoundStats | None = None
         """What the last sync applied cost: bytes sent, link, exposed and hidden time, the codec's payload and rank."""
         self._owns_channel = owns_channel
@@ -284,9 +282,10 @@ class OuterSync:
         self._finish_start_check(compare=True)
         return self.after_inner_step(self.num_steps + 1)
 
-    def after_inner_step(self, step: int) -> RoundStats | None:
-        """`step()` with the caller's 1-based step count (the trainer's protocol, docs/design.md §6)."""
-        self.num_steps = step
+    def after_inner_step(self, step: int, *, step_s: float = 0.0) -> RoundStats | None:
+        """`step()` with the caller's 1-based step count and the step's training time in seconds, which time rounds
+        measure each cluster's step time from (the trainer's protocol, `SyncStrategy`)."""
+        self.diloco.add_step_time(step_s)
         stats = self.diloco.after_inner_step(step)
         self._reset_if_healed()
         if stats is not None:
@@ -312,25 +311,6 @@ class OuterSync:
             if self.inner_optimizer is not None:
                 self.inner_optimizer.state.clear()
         return joined
-
-    def heal_state(self) -> dict[str, Any]:
-        """Elastic runs: what a live peer sends a cluster that joins (`ElasticRounds.heal_state`)."""
-        return self._elastic().heal_state()
-
-    def load_heal_state(self, state: dict[str, Any]) -> None:
-        """Elastic runs: take a live peer's `heal_state` (torchft calls it inside a quorum)."""
-        self._elastic().load_heal_state(state)
-
-    @property
-    def last_clusters(self) -> tuple[int, ...]:
-        """Elastic runs: the clusters of the last boundary settled (after the flush: those that ended the run)."""
-        return self._elastic().last_clusters
-
-    def elastic_events(self) -> list[ElasticEvent]:
-        """Elastic runs: the membership changes seen since the last call (`ElasticRounds.events`)."""
-        rounds = self._elastic()
-        events, rounds.events = rounds.events, []
-        return events
 
     def _elastic(self) -> ElasticRounds:
         if self.diloco.elastic is None:
@@ -386,51 +366,22 @@ class OuterSync:
 
     @property
     def outer_step(self) -> int:
-        """Rounds completed."""
+        """Rounds ended, each one's sync launched. With `sync_delay = 1` the last one's average is still on its way
+        (it is applied at the end of the next round, or by `flush()`): `outer_step - 1` averages have been applied
+        then, and after `flush()` all of them."""
         return self.diloco.outer_step
 
     @property
-    def inner_steps(self) -> int:
-        """H of the round in progress."""
-        return self.diloco.inner_steps
-
-    @property
-    def numel(self) -> int:
-        """Values of the parameters kept in step."""
-        return self.diloco.numel
-
-    @property
-    def time_rounds(self) -> bool:
-        """sync.round = time: every cluster trains for the same budget per round (`dilocox.sync.rounds`)."""
-        return self.diloco.time_rounds
-
-    @property
-    def rounds_done(self) -> bool:
-        """sync.round = time: whether every round of the run has ended (a step-round run ends at its last step)."""
-        return self.diloco.done
-
-    @property
-    def landed_tokens(self) -> int:
-        """Token-weighted syncs: the tokens every cluster trained on in the rounds whose sync landed."""
-        return self.diloco.landed_tokens
-
-    def progress_step(self, step: int) -> float:
-        """The run's progress at this cluster's 0-based step `step`, in steps of an unslowed cluster (time rounds:
-        round index plus the fraction of the round done); `step` itself with step rounds."""
-        return self.diloco.progress_step(step)
-
-    def add_step_time(self, seconds: float) -> None:
-        """sync.round = time: count one inner step's training time (no evaluation, checkpoint or boundary wait)."""
-        self.diloco.add_step_time(seconds)
-
-    @property
-    def guard_counts(self) -> dict[str, int]:
-        """sync.guard's totals: excluded_updates, skipped_rounds, healed_rounds (this cluster's)."""
-        return self.diloco.guard_counts
+    def allreduce_equiv_bytes(self) -> int:
+        """Bytes an AllReduce of the same inner steps (an fp32 gradient all-reduce over `cluster_group` every step,
+        sharded over `dp_group` as this sync is) would have put on the slow link from this rank: the yardstick of
+        `dilocox train`'s summary ("AllReduce would send"); what this sync sent is `channel.bytes_sent`."""
+        per_step = allreduce_bytes_per_step(self.diloco.numel, dp_group=self.dp_group, cluster_group=self.channel.group)
+        return self.num_steps * per_step
 
     @property
     def warnings(self) -> list[str]:
-        """Messages for the user (the link cannot keep up); the trainer pops and prints them."""
+        """Messages for the user (the link cannot keep up, the guard's verdicts); pop and print them."""
         return self.diloco.warnings
 
     @property
@@ -438,16 +389,23 @@ class OuterSync:
         """phi, the outer params (numel,) fp32: the same on every cluster after each outer step."""
         return self.diloco.outer_params
 
-    def is_round_boundary(self, step: int) -> bool:
-        return self.diloco.is_round_boundary(step)
+    def status(self) -> SyncStatus:
+        """Where the outer loop stands after the last step (`SyncStatus`: the trainer's view of it)."""
+        return self.diloco.status()
+
+    @property
+    def num_steps(self) -> int:
+        """Inner steps taken (the step of the last `step()` or `after_inner_step(step)`)."""
+        return self.diloco.step
+
+    @num_steps.setter
+    def num_steps(self, step: int) -> None:
+        self.diloco.step = step
 
     def agreed_model(self) -> AbstractContextManager[bool]:
         """Inside it the model holds phi, the parameters every cluster agrees on (evaluate the model there); its
         own parameters come back on exit."""
         return self.diloco.agreed_model()
-
-    def state_bytes(self) -> int:
-        return self.diloco.state_bytes()
 
     # ---------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -464,10 +422,10 @@ class OuterSync:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()`. Every cluster must call it at the same point (a sync that was in flight is
         sent again over the slow link), on an object built with the same settings."""
-        if not isinstance(state, dict) or self.diloco.state_keys[0] not in state:
+        if not isinstance(state, dict) or not {"fragments", "outer_params"} & state.keys():
             keys = sorted(state)[:5] if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"load_state_dict takes what OuterSync.state_dict() returned, got {keys}")
-        missing = [key for key in (*self.diloco.state_keys, "num_steps", "channel", "settings") if key not in state]
+        missing = [key for key in ("num_steps", "channel", "settings") if key not in state]
         if missing:
             raise ValueError(
                 f"this outer-sync state lacks {', '.join(missing)}: load_state_dict takes what OuterSync.state_dict() "
@@ -518,68 +476,77 @@ class OuterSync:
             _check_same_start(fingerprints, "cluster_group", "clusters")
 
 
-DILOCOX_KEYWORDS: dict[str, Any] = {
-    "sync.sync_delay": 1,
-    "compression.kind": "adaptive",
-    "sync.outer_lr": 1.0,
-    "sync.outer_momentum": 0.0,
-    "sync.merge": "own_payload",
-    "sync.local_residual": True,
-    "sync.drain_residual": True,
-}
-"""`OuterSync(kind="dilocox")`'s values of the keyword arguments left at None (the outer loop of the
-`dilocox-lowrank` preset); with a codec that holds nothing back it merges by `eager`, without the residual options."""
-
-
 def outer_configs(
     kind: str, compression: str | CompressionConfig | None = None, **sync_options: Any
 ) -> tuple[SyncConfig, CompressionConfig]:
-    """The validated configs of `OuterSync`'s keyword arguments: None keeps the kind's value (`DILOCOX_KEYWORDS`
-    for `dilocox`), then the dataclasses' defaults."""
+    """The resolved, checked configs of `OuterSync`'s keyword arguments: the `[sync]` and `[compression]` of the
+    preset of `kind`, then the arguments that are not None (a codec name replaces the preset's codec kind; a
+    `CompressionConfig` replaces its whole section), then the auto rules (`SyncConfig.resolved`), then the
+    compatibility table."""
+    from dilocox.config import Config, apply_toml, keep_preset_optimizer, read_preset
+
     if kind not in OUTER_LOOP_KINDS:
         per_step = " (allreduce and cocktail sync every step: in your own loop use DistributedDataParallel)"
         raise ValueError(
-            f"kind = {kind!r} is not an outer-loop strategy; use 'dilocox' (one-step delay, adaptive compression) "
-            f"or 'diloco' (blocking, fp32)" + (per_step if kind in ("allreduce", "cocktail") else "")
+            f"kind = {kind!r} is not an outer-loop strategy; use 'dilocox' (the dilocox preset: one-step delay, "
+            f"top-k int4) or 'diloco' (blocking, fp32)" + (per_step if kind in ("allreduce", "cocktail") else "")
         )
     inner_steps = sync_options.get("inner_steps")
     if inner_steps is not None and (
         isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1
     ):
         raise ValueError(f"inner_steps = {inner_steps!r} must be an int >= 1: H, the inner steps between outer syncs")
+    values = read_preset(kind)
+    cfg = apply_toml(Config(), {section: values[section] for section in ("sync", "compression") if section in values})
+    preset_keys = {f"sync.{name}" for name in values.get("sync", {})}
     if isinstance(compression, str):
         if compression not in CODEC_KINDS:
             raise ValueError(f"compression = {compression!r} is not a codec; use one of: {', '.join(CODEC_KINDS)}")
-        codec = CompressionConfig(kind=compression)
+        cfg.compression.kind = compression
     elif isinstance(compression, CompressionConfig):
-        codec = dataclasses.replace(compression)  # the caller's object is never changed
-    elif compression is None:
-        codec = CompressionConfig()
-    else:
+        cfg.compression = dataclasses.replace(compression)  # the caller's object is never changed
+    elif compression is not None:
         raise ValueError(
             f"compression = {compression!r} must be a codec name ({', '.join(CODEC_KINDS)}) or a CompressionConfig"
         )
-    sync = SyncConfig(kind=kind)
-    explicit = {"compression.kind"} if compression is not None else set()
-    for name, value in sync_options.items():
-        if value is not None:
-            setattr(sync, name, value)
-            explicit.add(f"sync.{name}")
-    sections = {"sync": sync, "compression": codec}
-    if kind == "dilocox":
-        for key, value in DILOCOX_KEYWORDS.items():
-            if key not in explicit:
-                section, name = key.split(".")
-                setattr(sections[section], name, value)
-        if not holds_back(codec):
-            for option in HELD_BACK_OPTIONS:
-                if f"sync.{option}" not in explicit:
-                    setattr(sync, option, False)
-            if "sync.merge" not in explicit and sync.merge == "own_payload":
-                sync.merge = "eager"
+    given = {name: value for name, value in sync_options.items() if value is not None}
+    for name, value in given.items():
+        setattr(cfg.sync, name, value)
+    keep_preset_optimizer(cfg, values, preset_keys - {f"sync.{name}" for name in given})
+    cfg.sync.validate()  # the arguments' own values first, named as given
+    cfg.compression.validate()
+    cfg.sync = cfg.sync.resolved(cfg.compression)
+    check_outer(cfg.sync, cfg.compression)
+    return cfg.sync, cfg.compression
+
+
+def check_outer(
+    sync: SyncConfig,
+    compression: CompressionConfig,
+    *,
+    faults: FaultConfig | None = None,
+    elastic: bool = False,
+    lanes: LaneLayout | None = None,
+    authenticated: bool = False,
+) -> None:
+    """`sync` and `compression` (resolved) with what the caller runs them in (`authenticated`: a channel that tags
+    its payloads), checked as `Config.validate` checks a run: each section's values, then the compatibility table
+    (`dilocox.compat`)."""
+    from dilocox import compat
+    from dilocox.config import Config, NetworkConfig, TopologyConfig
+
     sync.validate()
-    codec.validate()
-    return sync, codec
+    compression.validate()
+    topology = TopologyConfig(elastic=elastic)
+    if lanes is not None:
+        t = lanes.topology
+        topology.num_clusters, topology.dp_degree, topology.pp_degree = t.num_clusters, max(t.dp_degrees), t.pp_degree
+        topology.clusters = [f"pp{t.pp_degree}xdp{dp}" for dp in t.dp_degrees]
+    sync = dataclasses.replace(sync, min_clusters="auto")  # the trainer's membership reads it, not this object
+    network = NetworkConfig(auth_key_file="(the channel's key)" if authenticated else "")
+    compat.check(
+        Config(sync=sync, compression=compression, faults=faults or FaultConfig(), topology=topology, network=network)
+    )
 
 
 def _outer_optimizer_argument(

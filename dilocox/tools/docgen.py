@@ -2,8 +2,8 @@
 
 The configuration reference is read from the config dataclasses (`dilocox.config.options`: name, type, default and
 the docstring under each field, the text `dilocox train --help` prints), the allowed values of every choice (its
-`Literal[...]` type) and the shipped presets (`dilocox/presets/*.toml`); the CLI reference is each command's own
-`--help`. Nothing is copied by hand, so the pages cannot drift from the code.
+`Literal[...]` type), the shipped presets (`dilocox/presets/*.toml`) and the compatibility table (`dilocox.compat`);
+the CLI reference is each command's own `--help`. Nothing is copied by hand, so the pages cannot drift from the code.
 
 It is also the MkDocs hook that puts them into the site (`mkdocs.yml`: `hooks: [dilocox/tools/docgen.py]`): a page
 holding a marker line gets the generated text in its place.
@@ -94,9 +94,19 @@ def presets_reference() -> str:
 def config_reference() -> str:
     """Markdown: the presets, then one table per config section with every option's type, default, allowed values
     and docstring."""
+    from dilocox.compat import matrix_markdown
     from dilocox.config import options
 
-    lines: list[str] = [presets_reference()]
+    lines: list[str] = [
+        presets_reference(),
+        "## Options that do not work together",
+        "",
+        "Every pair of options that is refused, with the reason and the fix: one table (`dilocox/compat.py`), which",
+        "`dilocox train` and `OuterSync` apply before anything starts, naming the first row a config meets in one",
+        "line. An option left at `auto` never meets a row: its rule resolves it to a value that works with the rest.",
+        "",
+        matrix_markdown(),
+    ]
     section = None
     for name, typ, default, doc in options():
         head = name.split(".")[0]

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dilocox.elastic.events import EVENT
 from dilocox.metrics import METRICS_FILE, SUMMARY_FILE, RunSummary, read_metrics
-from dilocox.sync.events import EVENT
 from dilocox.tools.args import ToolParser, user_error
 
 
@@ -194,6 +194,37 @@ def _pyplot():
     return plt
 
 
+def _titled(title: str, what: str) -> str:
+    return f"{title}: {what}" if title else what
+
+
+def _save(fig: Any, path: Path, *, suptitle: str | None = None) -> Path:
+    """Write `fig` to `path` (with `suptitle`: titled above its panels and laid out) and free it."""
+    if suptitle is not None:
+        fig.suptitle(suptitle)
+        fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
+def _panels(out_dir: Path, num_panels: int) -> tuple[Any, list[Any]]:
+    """A figure of `num_panels` panels side by side, and their axes; `out_dir` is made for it."""
+    plt = _pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, num_panels, figsize=(6 * num_panels, _PLOT_HEIGHT), squeeze=False)
+    return fig, list(axes[0])
+
+
+def _end_run_panel(ax: Any, label: str, xlabel: str, ylabel: str) -> None:
+    """A panel of one run: its axes' labels, the run's above it, a grid and its legend."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(label, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+
+
 _LINESTYLES = ("-", "--", ":", "-.")
 _PLOT_HEIGHT = 4.2
 """Inches of a chart's panels; the legend below them adds its own height."""
@@ -232,13 +263,13 @@ def legend_below(fig: Any, entries: list[tuple[str, dict[str, Any]]]) -> None:
 def plot_runs(runs: list[RunCurves], out_dir: Path, *, title: str = "") -> list[Path]:
     """Write the charts of `CHARTS` that have a line to draw for `runs` (`chart_lines`) into `out_dir`; returns the
     paths."""
-    plt = _pyplot()
+    _pyplot()  # matplotlib, or the one line that says how to get it
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for chart, panels in chart_lines(runs):
-        fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), _PLOT_HEIGHT), squeeze=False)
+        fig, axes = _panels(out_dir, len(panels))
         drawn: dict[int, dict[str, Any]] = {}  # the runs with a line in some panel, by index
-        for ax, (panel, lines) in zip(axes[0], panels, strict=True):
+        for ax, (panel, lines) in zip(axes, panels, strict=True):
             for index in lines:
                 xs, ys = runs[index].series(panel.x, panel.y)
                 marker = {"marker": "o", "markersize": 3} if panel.markers else {}
@@ -249,18 +280,15 @@ def plot_runs(runs: list[RunCurves], out_dir: Path, *, title: str = "") -> list[
             ax.set_xlabel(panel.xlabel)
             ax.set_ylabel(panel.ylabel)
             ax.grid(alpha=0.3)
-        fig.suptitle(f"{title}: {chart.title}" if title else chart.title)
+        fig.suptitle(_titled(title, chart.title))
         legend_below(fig, [(runs[index].label, style) for index, style in sorted(drawn.items())])
-        path = out_dir / chart.filename
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(fig, out_dir / chart.filename))
     return paths
 
 
 MEMBERSHIP_FILE = "membership.png"
 _EVENT_MARKERS = {"stalled": ("x", "C3"), "left": ("v", "C1"), "rejoined": ("^", "C2")}
-"""How each elastic event (`dilocox.sync.events`) is drawn in the membership chart: marker and colour."""
+"""How each elastic event (`dilocox.elastic.events`) is drawn in the membership chart: marker and colour."""
 
 
 @dataclass(frozen=True)
@@ -289,10 +317,8 @@ def plot_membership(runs: list[RunCurves], out_dir: Path, *, title: str = "") ->
     memberships = [(run, m) for run, m in memberships if m.rounds or m.events]
     if not memberships:
         return None
-    plt = _pyplot()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, len(memberships), figsize=(6 * len(memberships), _PLOT_HEIGHT), squeeze=False)
-    for ax, (run, membership) in zip(axes[0], memberships, strict=True):
+    fig, axes = _panels(out_dir, len(memberships))
+    for ax, (run, membership) in zip(axes, memberships, strict=True):
         xs = [step for step, members in membership.rounds for _ in members]
         ys = [cluster for _, members in membership.rounds for cluster in members]
         ax.scatter(xs, ys, s=6, color="C0", label="in the round")
@@ -302,17 +328,8 @@ def plot_membership(runs: list[RunCurves], out_dir: Path, *, title: str = "") ->
                 steps, clusters = [e["step"] for e in events], [e["cluster"] for e in events]
                 ax.scatter(steps, clusters, s=60, marker=marker, color=color, label=kind, zorder=3)
         ax.set_yticks(membership.clusters())
-        ax.set_xlabel(_STEP)
-        ax.set_ylabel("cluster")
-        ax.set_title(run.label, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-    fig.suptitle(f"{title}: clusters in each round" if title else "clusters in each round")
-    fig.tight_layout()
-    path = out_dir / MEMBERSHIP_FILE
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        _end_run_panel(ax, run.label, _STEP, "cluster")
+    return _save(fig, out_dir / MEMBERSHIP_FILE, suptitle=_titled(title, "clusters in each round"))
 
 
 CLUSTER_STEPS_FILE = "cluster_steps.png"
@@ -335,25 +352,14 @@ def plot_cluster_steps(runs: list[RunCurves], out_dir: Path, *, title: str = "")
     tables = [(run, table) for run, table in tables if table]
     if not tables:
         return None
-    plt = _pyplot()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, len(tables), figsize=(6 * len(tables), _PLOT_HEIGHT), squeeze=False)
-    for ax, (run, table) in zip(axes[0], tables, strict=True):
+    fig, axes = _panels(out_dir, len(tables))
+    for ax, (run, table) in zip(axes, tables, strict=True):
         rounds = sorted(table)
         for cluster in range(max(len(steps) for steps in table.values())):
             steps = [table[r][cluster] if cluster < len(table[r]) else None for r in rounds]
             ax.plot(rounds, steps, marker="o", markersize=3, linewidth=1.2, label=f"cluster {cluster}")
-        ax.set_xlabel(_ROUND)
-        ax.set_ylabel("inner steps of the round")
-        ax.set_title(run.label, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-    fig.suptitle(f"{title}: steps per cluster per round" if title else "steps per cluster per round")
-    fig.tight_layout()
-    path = out_dir / CLUSTER_STEPS_FILE
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        _end_run_panel(ax, run.label, _ROUND, "inner steps of the round")
+    return _save(fig, out_dir / CLUSTER_STEPS_FILE, suptitle=_titled(title, "steps per cluster per round"))
 
 
 def plot_throughput(labels: list[str], tokens_per_s: list[float], path: Path, *, title: str = "") -> Path:
@@ -365,12 +371,10 @@ def plot_throughput(labels: list[str], tokens_per_s: list[float], path: Path, *,
     ax.barh(range(len(wrapped)), tokens_per_s, color="tab:blue")
     ax.set_yticks(range(len(wrapped)), wrapped, fontsize=7)
     ax.set_xlabel("tokens/s (training, all ranks)")
-    ax.set_title(f"{title}: throughput" if title else "throughput")
+    ax.set_title(_titled(title, "throughput"))
     ax.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_seed_spread(rows: list[dict[str, Any]], path: Path, *, title: str = "") -> Path:
@@ -393,12 +397,10 @@ def plot_seed_spread(rows: list[dict[str, Any]], path: Path, *, title: str = "")
         entries.append((f"{row['label']} ({len(curves)} seeds)", style))
     ax.set_xlabel("tokens")
     ax.set_ylabel("validation loss (agreed model)")
-    ax.set_title(f"{title}: mean and min-max over seeds" if title else "mean and min-max over seeds")
+    ax.set_title(_titled(title, "mean and min-max over seeds"))
     ax.grid(alpha=0.3)
     legend_below(fig, entries)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 @dataclass(frozen=True)

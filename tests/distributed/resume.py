@@ -49,7 +49,7 @@ def straight_and_resumed(fresh, train_step, *, total_steps: int, save_after: int
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
     channel.load_state_dict(saved["channel"])
-    in_flight = saved["sync"]["pending_seq"] >= channel.num_transfers
+    in_flight = saved["sync"]["fragments"][0]["pending_seq"] >= channel.num_transfers
     sync.load_state_dict(saved["sync"])
     run(model, channel, sync, optimizer, range(save_after + 1, total_steps + 1))
     return {"straight": straight, "resumed": finish(channel, sync), "in_flight": in_flight, "save_s": saved["save_s"]}

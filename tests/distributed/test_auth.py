@@ -18,6 +18,7 @@ from dilocox.net.auth import TAG_BYTES, PayloadAuth
 from dilocox.net.channel import PayloadsRejected, WanChannel, rejection_verdict
 from dilocox.net.json_gather import all_gather_json
 from dilocox.net.link import ring_all_gather_bytes
+from dilocox.sync.faults import FORGER
 from dilocox.sync.reducer_factory import build_reducer
 from tests.multiproc import run_ranks
 
@@ -27,26 +28,31 @@ KEY = b"the shared key of every cluster!"
 OTHER_KEY = b"a key that nobody else holds....."
 
 
-class FlippingOnArrivalChannel(WanChannel):
+def flipping_on_arrival(channel: WanChannel) -> WanChannel:
     """Flips one bit of cluster 1's payload as it arrives here, before the tag is checked (corruption or tampering on
     the way to this receiver only: the other receivers get it whole)."""
+    open_ = channel.seal.open
 
-    def _open(self, sealed: list, tensor: torch.Tensor, exchange: int) -> list:
+    def open(sealed: list, tensor: torch.Tensor, exchange: int, *, group) -> list:
         sealed[1] = sealed[1].clone()
         sealed[1][3] ^= 0x04
-        return super()._open(sealed, tensor, exchange)
+        return open_(sealed, tensor, exchange, group=group)
+
+    channel.seal.open = open
+    return channel
 
 
-class ReplayingChannel(WanChannel):
+def replaying(channel: WanChannel) -> WanChannel:
     """Sends, from its second exchange on, the correctly tagged bytes of its first one again (a replay)."""
+    seal, first = channel.seal.seal, []
 
-    first: torch.Tensor | None = None
+    def replay(tensor: torch.Tensor, exchange: int, **kwargs) -> torch.Tensor:
+        sealed = seal(tensor, exchange, **kwargs)
+        first.append(sealed)
+        return first[0].clone()
 
-    def _seal(self, tensor: torch.Tensor, exchange: int) -> torch.Tensor:
-        sealed = super()._seal(tensor, exchange)
-        if self.first is None:
-            self.first = sealed
-        return self.first.clone()
+    channel.seal.seal = replay
+    return channel
 
 
 def _pseudo_grad(cluster: int, round_index: int) -> torch.Tensor:
@@ -87,8 +93,8 @@ def _worker(rank: int, world_size: int) -> dict:
 
     # 1. cluster 1's payload is corrupted on its way to cluster 0 only: cluster 0 rejects it, cluster 2 verifies it,
     # and every cluster (cluster 1 too) leaves it out, so all three average the same payloads (0 and 2)
-    channel_type = FlippingOnArrivalChannel if rank == 0 else WanChannel
-    with channel_type(group, bandwidth=None, latency_s=0.0, auth=PayloadAuth(KEY)) as channel:
+    channel = WanChannel(group, bandwidth=None, latency_s=0.0, auth=PayloadAuth(KEY))
+    with flipping_on_arrival(channel) if rank == 0 else channel:
         reducer, pending, mean, delta, warning = _gather_round(channel, 0, rank)
     payloads = round0 = _all_payloads(pending.sent)
     out["partial"] = {
@@ -124,8 +130,8 @@ def _worker(rank: int, world_size: int) -> dict:
 
     # 3. a replay: cluster 1 sends its correctly tagged first payload again in the second exchange; and a forged tag
     # (faults.kind = forge) in the third: each time every other cluster rejects it and the run stops
-    channel_type = ReplayingChannel if rank == 1 else WanChannel
-    with channel_type(group, bandwidth=None, latency_s=0.0, auth=PayloadAuth(KEY)) as channel:
+    channel = WanChannel(group, bandwidth=None, latency_s=0.0, auth=PayloadAuth(KEY))
+    with replaying(channel) if rank == 1 else channel:
         first = _gather_round(channel, 0, rank)
         with pytest.raises(PayloadsRejected) as info:
             _gather_round(channel, 1, rank)
@@ -135,7 +141,7 @@ def _worker(rank: int, world_size: int) -> dict:
     with WanChannel(group, bandwidth=None, latency_s=0.0, auth=PayloadAuth(KEY)) as channel:
         honest = _gather_round(channel, 0, rank)
         if rank == 1:
-            channel.forge_next_payload()
+            channel.sign_next_with(FORGER)
         with pytest.raises(PayloadsRejected) as info:
             _gather_round(channel, 1, rank)
     out["forged"] = (honest[3]["payloads_rejected"], str(info.value))

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox.net.channel import PendingTransfer, WanChannel, ring_all_gather_bytes, ring_all_reduce_bytes
-from tests.clock import SimulatedClock
+from tests.clock import SharedClock, SimulatedClock
 from tests.multiproc import run_ranks
 
 BANDWIDTH = 5e6  # bytes/s (40 Mbps): a 1 MiB transfer takes ~0.21 s
@@ -20,6 +20,7 @@ def _assert_zero_stats(channel: WanChannel) -> None:
         "control_bytes": 0,
         "link_busy_s": 0.0,
         "exposed_s": 0.0,
+        "peer_wait_s": 0.0,
         "num_transfers": 0,
         "payloads_rejected": 0,
         "peak_in_flight_bytes": 0,
@@ -130,6 +131,9 @@ def _exact_worker(rank: int, world_size: int) -> dict[str, float | int]:
     assert [t.numel() for t in empty] == [0] * world_size
     expected_control += 8 * (world_size - 1)
 
+    # on a real link each of the 4 all-reduces first all-reduces one fp32 value: when every peer has joined
+    expected_control += 4 * ring_all_reduce_bytes(1, 4, world_size, rank)[0]
+
     with pytest.raises(ValueError, match="int32"):
         channel.launch_all_reduce(torch.ones(3, dtype=torch.int32))
 
@@ -184,7 +188,7 @@ def _check_failures(group: dist.ProcessGroup) -> None:
             started.wait()
             threading.Thread(target=lambda: (transfers[1]._finished.wait(), release.set()), daemon=True).start()
             raise KeyError("trainer crashed")
-        assert len(ran) == 1  # only the transfer already on the wire ran
+        assert len(ran) == 2  # only the transfer already on the wire ran: on a real link its handshake and data
         assert all(t.done() for t in transfers) and channel.num_in_flight == 0
         transfers[0].wait()
         for transfer in transfers[1:]:
@@ -323,3 +327,44 @@ def test_peak_in_flight_bytes_sums_the_transfers_launched_and_not_yet_arrived():
     big, small = ring_all_reduce_bytes(100_000, 4, 2, 0)[0], ring_all_reduce_bytes(25_000, 4, 2, 0)[0]
     for rank_peaks in peaks:
         assert rank_peaks == [big, big, big + 2 * small, big + 2 * small]
+
+
+# ---------------------------------------------------------------------------------------------- a late peer
+
+
+def _late_peer_worker(rank: int, world_size: int, store_path: str, bandwidth: float | None, collective: str) -> dict:
+    """Cluster 1 computes 5 s longer than cluster 0 (on a clock shared by the ranks, moved only by them) and sends
+    only once cluster 0 waits; each rank reports how its wait split between the link and the late peer."""
+    clock = SharedClock(dist.FileStore(store_path, world_size), rank)
+    channel = WanChannel(dist.new_group([0, 1]), bandwidth=bandwidth, latency_s=0.01, clock=clock)
+    if rank == 1:
+        clock.store.wait([SharedClock.blocked_key(0)])  # cluster 0 waits from t = 0
+        clock.advance_to(5.0)
+    if collective == "all_gather":
+        transfer = channel.launch_all_gather(torch.arange(1000, dtype=torch.uint8))
+    else:
+        transfer = channel.launch_all_reduce(torch.ones(250))  # 1,000 bytes
+    transfer.wait()
+    stats = channel.stats()
+    channel.close()
+    return {"link_s": transfer.link_s, **stats}
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "all_reduce"])
+@pytest.mark.parametrize("bandwidth", [1.25e8, None], ids=["emulated-1Gbps", "unlimited"])
+def test_a_wait_for_a_late_peer_is_not_counted_against_the_link(tmp_path, bandwidth, collective):
+    """1,000 bytes (an all-gather's also its 8-byte length) take the emulated link 10.008 ms (1 Gbps, 10 ms
+    latency) or nothing (unlimited: a real link, measured after every peer joined): that is cluster 0's link time and
+    its wait for the link; the 5 s it waited for cluster 1 to send are `peer_wait_s`, never `exposed_s` nor link
+    time. Cluster 1, which sent late, waited only for the link."""
+    length = 8 if collective == "all_gather" else 0
+    link = (1000 + length) / 1.25e8 + 0.01 if bandwidth else 0.0
+    args = (str(tmp_path / "clock"), bandwidth, collective)
+    results = run_ranks(_late_peer_worker, world_size=2, args=args)
+    for rank, result in enumerate(results):
+        assert result["link_s"] == pytest.approx(link, abs=1e-9), rank
+        assert result["link_busy_s"] == pytest.approx(link, abs=1e-9), rank
+        assert result["exposed_s"] == pytest.approx(link, abs=1e-9), rank
+    # cluster 0 waited until 5.0 s, or until cluster 1's own link delivered at 5.01 s if that came first
+    assert 5.0 - link - 1e-9 <= results[0]["peer_wait_s"] <= 5.0 + 1e-9
+    assert results[1]["peer_wait_s"] == pytest.approx(0.0, abs=1e-9)

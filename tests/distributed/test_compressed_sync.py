@@ -27,11 +27,12 @@ def train(rank, topo_args, codec_kind, *, capture=None):
     compression = CompressionConfig(kind=codec_kind or "none", rank=2, group_size=8)
     sync = DiLoCoSync(model.parameters(), SyncConfig(inner_steps=H), compression, channel=channel,
                       dp_group=groups.dp_group, total_steps=STEPS)  # fmt: skip
+    fragment = sync.fragments[0]
     if codec_kind == "none":  # the fp32 identity codec through the gather path, against the dense all-reduce
-        sync.reducer = GatherReducer(build_codec("none"), sync.flat.shapes, error_feedback=True, channel=channel,
-                                     dp_group=groups.dp_group)  # fmt: skip
+        fragment.reducer = GatherReducer(build_codec("none"), sync.flat.shapes, error_feedback=True, channel=channel,
+                                         dp_group=groups.dp_group)  # fmt: skip
     if capture is not None:  # record what each sync sent and what it averaged to
-        launch, wait = sync.reducer.launch, sync.wait_sync
+        launch, wait = fragment.reducer.launch, fragment.wait_sync
 
         def launch_and_keep(pseudo_grad):
             pending = launch(pseudo_grad)
@@ -43,7 +44,7 @@ def train(rank, topo_args, codec_kind, *, capture=None):
             capture[-1]["avg"] = avg.clone()
             return avg, stats
 
-        sync.reducer.launch, sync.wait_sync = launch_and_keep, wait_and_keep
+        fragment.reducer.launch, fragment.wait_sync = launch_and_keep, wait_and_keep
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     shard = topo.shard_index(rank)
     for step in range(1, STEPS + 1):

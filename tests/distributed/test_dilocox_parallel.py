@@ -71,9 +71,9 @@ def _one_run(cfg, rank, data, run_dir: Path, resume: Path | None = None) -> dict
     sync, rounds = trainer.sync, []
     after_inner_step = sync.after_inner_step
 
-    def after_and_record(step):  # at each round boundary: the outer params, and where the next round starts
-        stats = after_inner_step(step)
-        if sync.is_round_boundary(step):
+    def after_and_record(step, **timing):  # at each round boundary: the outer params, where the next round starts
+        stats = after_inner_step(step, **timing)
+        if sync.status().boundary:
             start = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
             rounds.append({"step": step, "outer": sync.outer_params.clone(), "start": start})
         return stats

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from dilocox import CompressionConfig, SyncConfig
+from dilocox.elastic.membership import ElasticError, Quorum
+from dilocox.elastic.vote import Branch, ClusterVote, RejoinRequired
 from dilocox.net.auth import PayloadAuth
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.sync import DiLoCoSync
-from dilocox.sync.elastic import Branch, ClusterVote, RejoinRequired
-from dilocox.sync.membership import ElasticError, Quorum
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
@@ -42,6 +42,22 @@ def progress(cluster: int, round_index: int) -> torch.Tensor:
 
 def start_params() -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(7))
+
+
+def sync_config() -> SyncConfig:
+    """Every cluster's `[sync]`: the clusters' progress is independent noise, not one task's pseudo-gradients, so no
+    peer check on it."""
+    return SyncConfig(
+        kind="dilocox",
+        inner_steps=1,
+        sync_delay=1,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        merge="eager",
+        local_residual=False,  # what an elastic run resolves them to
+        drain_residual=False,
+        guard_peers=False,
+    )
 
 
 def make_group(store: dist.Store, prefix: str, rank: int, size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
@@ -129,6 +145,9 @@ class Member:
         self.heals = 0
         self.state_dict: Callable[[], dict] = dict
         self.load_state_dict: Callable[[dict], None] = lambda state: None
+
+    def serve_heals(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]) -> None:
+        self.state_dict, self.load_state_dict = state_dict, load_state_dict
         self.restarts: Callable[[], dict[int, bool]] = dict
         self.config_fingerprint = 0
         self.shared_settings: dict = {"train.lr": 0.002}
@@ -178,16 +197,7 @@ class Cluster:
     ) -> None:
         self.member = Member(cluster, lighthouse, **member)
         self.param = torch.nn.Parameter(start_params())
-        # the clusters' progress is independent noise, not one task's pseudo-gradients: no peer check on it
-        cfg = SyncConfig(
-            kind="dilocox",
-            inner_steps=1,
-            sync_delay=1,
-            outer_lr=1.0,
-            outer_momentum=0.0,
-            merge="eager",
-            guard_peers=False,
-        )
+        cfg = sync_config()
         auth = None if key is None else PayloadAuth(key)
         channel = WanChannel(None, bandwidth=None, latency_s=0.0, auth=auth, stop_if_cut_off=False)  # as the trainer
         self.sync = DiLoCoSync(
@@ -200,8 +210,6 @@ class Cluster:
             membership=self.member,
         )
         self.rounds = self.sync.elastic
-        self.member.state_dict = self.rounds.heal_state
-        self.member.load_state_dict = self.rounds.load_heal_state
         self.error: BaseException | None = None
 
     def train(self, first_round: int = 1, last_round: int = ROUNDS, *, flush: bool = True) -> None:
@@ -271,16 +279,7 @@ def static_outer(compression: str) -> torch.Tensor:
     def run(cluster: int) -> None:
         group = make_group(store, "static", cluster, 3, LONG)
         param = torch.nn.Parameter(start_params())
-        # the clusters' progress is independent noise, not one task's pseudo-gradients: no peer check on it
-        cfg = SyncConfig(
-            kind="dilocox",
-            inner_steps=1,
-            sync_delay=1,
-            outer_lr=1.0,
-            outer_momentum=0.0,
-            merge="eager",
-            guard_peers=False,
-        )
+        cfg = sync_config()
         channel = WanChannel(None, bandwidth=None, latency_s=0.0)
         channel.rebind(group)  # the group is not in the default world (there is none here)
         sync = DiLoCoSync([param], cfg, CompressionConfig(kind=compression), channel=channel, dp_group=None,
@@ -368,7 +367,7 @@ def test_a_cluster_gone_between_rounds_is_left_out_and_the_survivors_average_wha
 
     def victim() -> None:
         clusters[2].train(1, 2, flush=False)
-        clusters[2].sync.pending.transfer.wait()  # its share of round 2 reached the others, then it dies
+        clusters[2].sync.fragments[0].pending.transfer.wait()  # its share of round 2 reached the others, then it dies
         lighthouse.set_expected({0, 1})
 
     assert run_threads(clusters[0].train, clusters[1].train, victim) == [None] * 3
@@ -388,14 +387,14 @@ def test_a_restarted_cluster_heals_from_a_peer_abstains_and_ends_bit_identical(k
     join_all(clusters)
     restarted = Cluster(2, lighthouse, compression=compression, key=key)
     waits: list[bool] = []  # judge_link of every wait of the restarted cluster's outer loop
-    wait_sync = restarted.sync.wait_sync
-    restarted.sync.wait_sync = lambda *a, judge_link=True, **k: (
+    wait_sync = restarted.sync.fragments[0].wait_sync
+    restarted.sync.fragments[0].wait_sync = lambda *a, judge_link=True, **k: (
         waits.append(judge_link) or wait_sync(*a, judge_link=judge_link, **k)
     )
 
     def victim_then_restart() -> None:
         clusters[2].train(1, 1, flush=False)
-        clusters[2].sync.pending.transfer.wait()
+        clusters[2].sync.fragments[0].pending.transfer.wait()
         survivors_met = threading.Event()  # cluster 2 died after round 1; its launcher starts it again
         lighthouse.on_formed = lambda members: members == (0, 1) and survivors_met.set()
         lighthouse.set_expected({0, 1})
@@ -487,7 +486,7 @@ def test_a_restart_that_asks_just_after_the_last_quorum_formed_is_met_in_a_new_o
 
     def victim_then_late_restart() -> None:
         clusters[2].train(1, ROUNDS, flush=False)
-        clusters[2].sync.pending.transfer.wait()
+        clusters[2].sync.fragments[0].pending.transfer.wait()
         survivors_met = threading.Event()
         lighthouse.on_formed = lambda members: members == (0, 1) and survivors_met.set()
         lighthouse.set_expected({0, 1})

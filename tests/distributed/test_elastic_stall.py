@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from dilocox.sync.stall import MemberStalled, StallWatch
+from dilocox.elastic.stall import MemberStalled, StallWatch
 from tests.distributed.test_elastic_rounds import Cluster, Lighthouse, expected_outer, join_all
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
@@ -36,7 +36,7 @@ def test_a_member_frozen_in_the_rounds_transfer_is_named_and_the_others_settle_w
 
     channel = clusters[2].sync.channel
     freeze, resume = threading.Event(), threading.Event()
-    execute = channel._execute
+    execute = channel.communicator._execute
 
     def frozen_execute(job):  # the communicator thread of cluster 2: its next collective waits for SIGCONT
         if freeze.is_set():
@@ -46,15 +46,15 @@ def test_a_member_frozen_in_the_rounds_transfer_is_named_and_the_others_settle_w
             resume.wait(100)
         return execute(job)
 
-    channel._execute = frozen_execute
+    channel.communicator._execute = frozen_execute
     resumed: list = []
 
     def victim() -> None:
         clusters[2].train(1, 1, flush=False)
-        clusters[2].sync.pending.transfer.wait()
+        clusters[2].sync.fragments[0].pending.transfer.wait()
         freeze.set()
         clusters[2].train(2, 2, flush=False)  # boundary 2: in the quorum with the others, round 2's sync launched
-        resumed.append(clusters[2].sync.pending.transfer.wait())  # released by `resume`
+        resumed.append(clusters[2].sync.fragments[0].pending.transfer.wait())  # released by `resume`
 
     errors: list[BaseException | None] = [None] * 3
 
@@ -93,9 +93,10 @@ def test_a_member_frozen_in_the_rounds_transfer_is_named_and_the_others_settle_w
     threads[2].join(timeout=100)
     assert errors[2] is None and len(resumed) == 1
     deadline = time.monotonic() + 60
-    while any(cluster.sync.channel._abandoned for cluster in clusters[:2]) and time.monotonic() < deadline:
+    communicators = [cluster.sync.channel.communicator for cluster in clusters[:2]]
+    while any(communicator._abandoned for communicator in communicators) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not any(cluster.sync.channel._abandoned for cluster in clusters[:2])  # the left threads have ended
+    assert not any(communicator._abandoned for communicator in communicators)  # the left threads have ended
     assert [cluster.sync.channel.bytes_sent for cluster in clusters[:2]] == sent
     assert torch.equal(clusters[0].outer(), survivors[0])
 

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from dilocox import CompressionConfig, SyncConfig
-from dilocox.faults import FaultConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync, OuterSync
+from dilocox.sync.faults import FaultConfig
 from dilocox.sync.reducer_factory import build_reducer
 from dilocox.topology import Topology, build_process_groups
 from tests.multiproc import run_ranks
@@ -204,7 +204,7 @@ def _dense_round(rank, world_size, mode):
                 p.fill_(float("nan"))
     stats = sync.after_inner_step(1)
     channel.close()
-    return start, sync.outer_params, stats.skipped, sync.warnings, sync.guard_counts
+    return start, sync.outer_params, stats.skipped, sync.warnings, sync.status().guard_counts
 
 
 def test_dense_an_abstaining_cluster_sends_zeros_and_a_lying_nan_skips_the_round():
@@ -256,6 +256,9 @@ def _train_one(rank, fault, aggregate, guard, *, scale=1000.0, peers=True, round
         sync_delay=1,
         outer_lr=1.0,
         outer_momentum=0.0,
+        merge="keep_local",
+        local_residual=False,
+        drain_residual=False,
         aggregate=aggregate,
         guard=guard,
         guard_peers=peers,
@@ -285,7 +288,7 @@ def _train_one(rank, fault, aggregate, guard, *, scale=1000.0, peers=True, round
     x, y = _teacher_batch(99, 0)
     with torch.no_grad():
         loss = float(torch.nn.functional.mse_loss(model(x), y))
-    return loss, finite, sync.outer_params, sync.guard_counts, records, sync.warnings
+    return loss, finite, sync.outer_params, sync.status().guard_counts, records, sync.warnings
 
 
 def _train_all(rank, world_size):

@@ -7,7 +7,9 @@ import torch
 
 from dilocox.compress import CompressionConfig, build_codec
 from dilocox.config import load_config
+from dilocox.net.auth import TAG_BYTES, PayloadAuth
 from dilocox.net.channel import WanChannel
+from dilocox.net.sealing import ChunkSealer
 from dilocox.sync import build_sync
 from dilocox.sync.lanes import LaneLayout, LaneReducer
 from dilocox.topology import Topology, build_process_groups
@@ -171,6 +173,78 @@ def test_under_the_delay_a_cluster_starts_from_its_own_progress_in_its_own_units
         torch.testing.assert_close(params, phi - share * pseudo_grad(cluster), rtol=0, atol=1e-5)
 
 
+def _composed(rank, world_size, flags):
+    """Clusters of dp 2, 1 and 1 with `flags` (time rounds or fragments), blocking fp32 plain averaging: each cluster
+    moves its parameters by its own pseudo-gradient over its round's steps (time rounds: cluster 2 is virtually twice
+    as slow, so it does 1 step to the others' 2); returns phi before and after, and the parameters."""
+    topo = Topology.of_clusters(DP_DEGREES)
+    groups = build_process_groups(topo, rank)
+    coords = topo.coords(rank)
+    cfg = load_config(None, ["--sync.kind=diloco", "--sync.inner_steps=2", "--sync.outer_lr=1",
+                             "--sync.outer_momentum=0", "--sync.guard_peers=false", "--compression.kind=none",
+                             "--train.steps=2", "--topology.clusters=dp2,dp1,dp1", *flags])  # fmt: skip
+    cfg.validate(world_size=world_size)
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+    layout = LaneLayout(topo, coords.cluster, coords.dp)
+    tokens_per_step = 100 * DP_DEGREES[coords.cluster]  # every replica trains 100 tokens a step
+    sync = build_sync(cfg, params, channel=channel, dp_group=groups.dp_group, lanes=layout,
+                      tokens_per_step=tokens_per_step)  # fmt: skip
+    phi = sync.outer_params.clone()
+    steps = 1 if cfg.sync.round == "time" and coords.cluster == 2 else 2
+    numels = [p.numel() for p in params]
+    for step in range(1, steps + 1):
+        with torch.no_grad():  # theta_c = phi - its pseudo-gradient at the round's end
+            for p, d in zip(params, (pseudo_grad(coords.cluster) / steps).split(numels), strict=True):
+                p.sub_(d.view_as(p))
+        sync.after_inner_step(step)
+    sync.flush()
+    channel.close()
+    return phi, sync.outer_params.clone(), torch.cat([p.detach().reshape(-1) for p in params])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "flags, weights",
+    [
+        # tokens of the round: dp_c x steps_c x 100 = 400, 200 and 100
+        (("--sync.round=time", "--faults.slow_clusters=2:2.0", "--faults.slow_mode=virtual"), (4, 2, 1)),
+        # each fragment (one at step 1, the other at step 2) averages its slice by dp: 2, 1 and 1
+        (("--sync.fragments=2",), (2, 1, 1)),
+        # a robust aggregate gives every cluster one vote: the median of the three, value by value
+        (("--sync.aggregate=median", "--sync.guard=false"), None),
+        # cluster 2 lies (3 x its update), unguarded: it goes into the weighted mean as it was sent
+        (
+            (
+                "--faults.kind=scale",
+                "--faults.scale=3",
+                "--faults.cluster=2",
+                "--faults.rounds=1",
+                "--sync.guard=false",
+            ),
+            (2, 1, 1),
+        ),
+    ],
+    ids=["time_rounds", "fragments", "median", "lying_cluster"],
+)
+def test_clusters_of_different_dp_compose_with_time_rounds_fragments_robust_aggregates_and_faults(flags, weights):
+    results = run_ranks(_composed, sum(DP_DEGREES), args=(flags,))
+    phi = results[0][0]
+    lie = 3.0 if "--faults.kind=scale" in flags else 1.0
+    thetas = [phi - (lie if c == 2 else 1.0) * pseudo_grad(c) for c in range(3)]
+    if weights is None:
+        want = torch.stack(thetas).median(dim=0).values
+    else:
+        want = sum(w * theta for w, theta in zip(weights, thetas, strict=True)) / sum(weights)
+    assert (want - sum(thetas) / 3).abs().max() > 0.1  # the premise: the weights change the average
+    assert (want - sum(phi - pseudo_grad(c) for c in range(3)) / 3).abs().max() > 0.1
+    for start, outer_params, params in results:
+        assert torch.equal(start, phi)
+        torch.testing.assert_close(outer_params, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(params, want, rtol=0, atol=1e-5)
+
+
 def _empty_lane(rank, world_size):
     topo = Topology.of_clusters((2, 1))  # 2 lanes of a stage of one tensor: lane 1 is empty
     groups = build_process_groups(topo, rank)
@@ -195,3 +269,75 @@ def test_an_empty_lane_moves_nothing_and_the_mean_is_whole():
         torch.testing.assert_close(held, pseudo_grad(0 if rank < 2 else 1)[:6] - decoded[0 if rank < 2 else 1])
         # int4 of 6 values in groups of 4: 2 scales of 2 bytes + 3 bytes; replica 1 of cluster 0 owns the empty lane
         assert (sent, control) == ((0, 0) if rank == 1 else (7, 8)), rank
+
+
+KEY = b"the shared key of every cluster!"
+
+
+class FlippingOnArrival(ChunkSealer):
+    """Flips one bit of every lane chunk from cluster 1 (group rank 2) as it arrives here, before its tag is checked:
+    corruption on the way to this receiver only, the other receivers get it whole."""
+
+    def open_chunk(self, part, sender):
+        if sender == 2:
+            part = part.clone()
+            part[3] ^= 0x04
+        return super().open_chunk(part, sender)
+
+
+def _authenticated(rank, world_size):
+    """The int4 lane exchange over an authenticated channel: a round with every payload tagged, then one in which
+    cluster 1's payloads arrive corrupted at cluster 2 only (rank 3): every member leaves cluster 1 out of it."""
+    topo = Topology.of_clusters(DP_DEGREES)
+    groups = build_process_groups(topo, rank)
+    coords = topo.coords(rank)
+    layout = LaneLayout(topo, coords.cluster, coords.dp)
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0, auth=PayloadAuth(KEY))
+    reducer = LaneReducer(INT4, [torch.Size(s) for s in SHAPES], layout=layout, channel=channel,
+                          dp_group=groups.dp_group)  # fmt: skip
+    mean = reducer.launch(pseudo_grad(coords.cluster)).wait().clone()
+    counters = (channel.bytes_sent, channel.control_bytes)
+    channel.close()
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0, auth=PayloadAuth(KEY))
+    if rank == 3:
+        seal = channel.seal
+        seal.chunks = lambda exchange, signer=None: FlippingOnArrival(seal, exchange, signer or seal.auth)
+    reducer = LaneReducer(INT4, [torch.Size(s) for s in SHAPES], layout=layout, channel=channel,
+                          dp_group=groups.dp_group)  # fmt: skip
+    pending = reducer.launch(pseudo_grad(coords.cluster, 1))
+    mean2 = pending.wait().clone()
+    rejected = channel.stats()["payloads_rejected"]
+    channel.close()
+    return mean, counters, mean2, dict(pending.excluded), rejected
+
+
+def _decoded_mean(clusters, round_index):
+    """The mean of fresh codecs' decoded int4 lane payloads of `clusters` (lane l's codec seeded 7919 l)."""
+    means = []
+    for cluster in clusters:
+        parts = []
+        for lane in (0, 1):
+            codec = build_codec(INT4, seed=7919 * lane)
+            tensors = lane_tensors(pseudo_grad(cluster, round_index), lane)
+            decoded = codec.decode_list(codec.encode_list(tensors), [t.shape for t in tensors])
+            parts += [t.reshape(-1) for t in decoded]
+        means.append(torch.cat(parts))
+    return sum(means) / len(means)
+
+
+@pytest.mark.dist
+def test_authenticated_lanes_carry_a_tag_per_payload_and_a_corrupted_cluster_is_left_out_everywhere():
+    results = run_ranks(_authenticated, sum(DP_DEGREES))
+    for rank, (mean, (sent, control), mean2, excluded, rejected) in enumerate(results):
+        lanes = LANES_OF_RANK[rank]
+        torch.testing.assert_close(mean, _decoded_mean(range(3), 0), rtol=0, atol=1e-6)
+        # each lane payload to each of the 2 other clusters, one 32-byte tag per peer it sends to (ranks 0 and 1 send
+        # their lane to ranks 2 and 3; ranks 2 and 3 send to the 3 ranks of the other clusters); the lengths (8 bytes
+        # per lane and peer), and one verdict byte per member of the stage group to every other (3 x 4 bytes)
+        peers = (2, 2, 3, 3)[rank]
+        assert sent == sum(2 * INT4_LANE_BYTES[lane] for lane in lanes) + peers * TAG_BYTES, rank
+        assert control == 2 * 8 * len(lanes) + 3 * 4, rank
+        # round 2: only rank 3 rejected cluster 1's chunks, and every member (cluster 1's own too) leaves it out
+        assert list(excluded) == [1] and "tag does not verify" in excluded[1], rank
+        assert rejected == (1 if rank == 3 else 0), rank
+        torch.testing.assert_close(mean2, _decoded_mean([0, 2], 1), rtol=0, atol=1e-6)

@@ -63,7 +63,7 @@ def _train(rank, world_size):
                 inner.step()
                 inner.zero_grad()
                 sync.step()
-        optimizer = sync.diloco.outer.optimizer
+        optimizer = sync.diloco.fragments[0].outer.optimizer
         state = optimizer.state[sync.outer_params]
         results[name] = {
             "initial": initial,

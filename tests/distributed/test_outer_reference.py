@@ -176,7 +176,7 @@ def drive(groups, rank: int, flags: list[str], model: torch.nn.Module, step_fn=N
     for step in range(1, STEPS + 1):
         step_fn(model, optimizer, rank, step, sync)
         sync.after_inner_step(step)
-        if sync.is_round_boundary(step):
+        if sync.status().boundary:
             trace.append((sync.outer_params.clone(), flat(model)))
     sent_before = channel.stats()["bytes_sent"]
     sync.flush()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dilocox import CompressionConfig, OuterSync, SyncConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync
+from dilocox.sync.base import shard_bounds
 from dilocox.topology import Topology, build_process_groups
 from tests.multiproc import run_ranks
 
@@ -32,11 +33,12 @@ VARIANTS = {
                 sync_delay=1,
                 outer_lr=1.0,
                 outer_momentum=0.0,
+                overlap_steps=2,  # 7/12 of H = 3, rounded
                 merge="own_payload",
                 local_residual=True,
                 drain_residual=True,
             ),
-            CompressionConfig(kind="adaptive"),
+            CompressionConfig(kind="topk_int4", density=0.05, feedback_decay=1.0),
         ),
     ),
     "dilocox-int4-reset-nesterov": (
@@ -46,16 +48,23 @@ VARIANTS = {
                 kind="dilocox",
                 inner_steps=H,
                 sync_delay=1,
+                overlap_steps=0,
                 merge="reset",
                 outer_lr=0.7,
                 outer_momentum=0.9,
-                local_residual=True,
-                drain_residual=True,
+                local_residual=False,  # SGD momentum: the residual stays with the codec
+                drain_residual=False,
             ),
-            CompressionConfig(kind="int4"),
+            CompressionConfig(kind="int4", density=0.05),
         ),
     ),
-    "diloco-blocking": ({"kind": "diloco"}, (SyncConfig(kind="diloco", inner_steps=H), CompressionConfig())),
+    "diloco-blocking": (
+        {"kind": "diloco"},
+        (
+            SyncConfig(kind="diloco", inner_steps=H, outer_lr=0.7, merge="keep_local", drain_residual=False),
+            CompressionConfig(),
+        ),
+    ),
 }
 
 
@@ -92,9 +101,11 @@ def _user_loop(groups, shard, options) -> dict:
             optimizer.step()  # the dp mean runs in OuterSync's pre-step hook
             optimizer.zero_grad()
             sync.step()
-            if sync.is_round_boundary(step):
+            if sync.status().boundary:
                 rounds.append(sync.outer_params.clone())
-    return {"rounds": rounds, "outer": sync.outer_params.clone(), "model": flat(model), "bytes": sync.channel.stats()}
+    outer = sync.outer_params.clone()
+    return {"rounds": rounds, "outer": outer, "model": flat(model), "bytes": sync.channel.stats(),
+            "allreduce_equiv": sync.allreduce_equiv_bytes, "numel": outer.numel()}  # fmt: skip
 
 
 def _trainer_loop(groups, shard, configs) -> dict:
@@ -113,7 +124,7 @@ def _trainer_loop(groups, shard, configs) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync.after_inner_step(step)
-        if sync.is_round_boundary(step) and step < STEPS:
+        if sync.status().boundary and step < STEPS:
             rounds.append(sync.outer_params.clone())
     sync.flush()
     channel.close()
@@ -139,7 +150,7 @@ def parity():
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_outer_sync_in_a_plain_loop_equals_diloco_sync_driven_like_the_trainer(parity, variant):
     initial = flat(make_model())
-    for rank_result in parity:
+    for rank, rank_result in enumerate(parity):
         user, trainer = rank_result[variant]
         assert len(user["rounds"]) == len(trainer["rounds"]) == 2
         for got, want in zip(user["rounds"], trainer["rounds"], strict=True):
@@ -147,6 +158,10 @@ def test_outer_sync_in_a_plain_loop_equals_diloco_sync_driven_like_the_trainer(p
         assert torch.equal(user["outer"], trainer["outer"])
         assert torch.equal(user["model"], trainer["model"])
         assert user["bytes"]["bytes_sent"] == trainer["bytes"]["bytes_sent"] > 0
+        # AllReduce's yardstick: each replica's half of the fp32 gradient, all-reduced over 2 clusters every step
+        # (a ring of 2 sends its whole shard: 2 (C-1)/C x 4 bytes a value)
+        start, end = shard_bounds(user["numel"], 2, rank % 2)  # ranks cluster-major: rank = cluster x 2 + dp
+        assert user["allreduce_equiv"] == STEPS * 4 * (end - start)
         drains = VARIANTS[variant][1][0].drain_residual  # the flush's int4 payload of the held-back residual
         assert user["bytes"]["num_transfers"] == trainer["bytes"]["num_transfers"] == 3 + drains
         # after the flush every cluster and replica holds the same parameters: the outer params
@@ -186,7 +201,7 @@ def _resume(rank, world_size, root):
     resumed, in_flight = {}, {}
     for step, path in saved.items():
         state = torch.load(path, weights_only=True)
-        in_flight[step] = state["sync"]["pending_seq"] >= state["sync"]["channel"]["num_transfers"]
+        in_flight[step] = state["sync"]["fragments"][0]["pending_seq"] >= state["sync"]["channel"]["num_transfers"]
         model = make_model(seed=99)  # the saved state, not the constructor's model, must decide where it resumes
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
         if step == 2 * H:  # build OuterSync, then load the model: either order works

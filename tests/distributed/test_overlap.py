@@ -289,7 +289,7 @@ def _fit_link(rank, world_size, max_steps):
 
 @pytest.mark.dist
 def test_fit_link_raises_h_until_the_sync_is_hidden():
-    results = run_ranks(_fit_link, 2, args=(0,))
+    results = run_ranks(_fit_link, 2, args=("auto",))
     (rounds, final_h, warnings, params), other = results
     assert rounds == other[0]  # both clusters end their rounds at the same steps
     assert torch.equal(params, other[3])

@@ -44,7 +44,7 @@ def staging_worker(rank: int, world_size: int, devices: tuple[str, ...]) -> dict
             dist.all_reduce(plain, group=reference_group)
             out["all_reduce"].append(grads.cpu())
             out["plain_all_reduce"].append(plain / world_size)
-            out["allocations"].append(channel._staging.buffers.num_allocations)
+            out["allocations"].append(channel.staging.buffers.num_allocations)
 
         payload = (torch.arange(rank + 3, dtype=torch.int64) * (rank + 1)).to(torch.uint8).to(device)
         gathered = channel.all_gather(payload, max_numel=world_size + 2)

@@ -1,5 +1,5 @@
 """Streaming DiLoCo (`sync.fragments`) on 2 real gloo clusters: what each fragment sends and when, against the split,
-the schedule k x H // N + multiples of H, and a hand reference of blocking averaging per fragment."""
+the schedule (k + 1) x H // N + multiples of H, and a hand reference of blocking averaging per fragment."""
 
 import pytest
 import torch
@@ -21,8 +21,8 @@ SPLIT = [(0, 1), (1, 2), (2, 4)]
 
 
 def boundaries(fragment: int) -> list[int]:
-    """The formula: the steps s >= 1 with (s - k H // N) % H == 0, and the last step."""
-    offset = fragment * H // FRAGMENTS
+    """The formula: the steps s >= 1 with (s - (k + 1) H // N) % H == 0, and the last step."""
+    offset = (fragment + 1) * H // FRAGMENTS
     return sorted({s for s in range(1, STEPS + 1) if (s - offset) % H == 0} | {STEPS})
 
 
@@ -53,7 +53,7 @@ def _drive(rank: int, flags: list[str]) -> dict:
         step_now[0] = step
         inner_step(model, optimizer, rank, step, sync)
         sync.after_inner_step(step)
-        if sync.is_round_boundary(step):
+        if sync.status().boundary:
             ends.append(step)
         if step == STEPS:
             sync.flush()
@@ -131,7 +131,8 @@ def test_the_peak_in_flight_is_one_fragment_not_the_stage():
 
 
 def test_the_schedule_is_staggered():
-    assert [boundaries(k) for k in range(FRAGMENTS)] == [[6, 12, 14], [2, 8, 14], [4, 10, 14]]
+    # fragment 0 first, the last one at H (Streaming DiLoCo's order)
+    assert [boundaries(k) for k in range(FRAGMENTS)] == [[2, 8, 14], [4, 10, 14], [6, 12, 14]]
 
 
 @pytest.mark.dist
@@ -161,12 +162,12 @@ def test_blocking_fragments_become_the_cluster_mean_at_their_boundaries(runs):
             torch.testing.assert_close(got, want[step - 1][cluster], rtol=0, atol=1e-6, msg=f"step {step}")
     # the clusters really trained apart between boundaries, and agree on a fragment right after its boundary
     assert (want[0][0] - want[0][1]).abs().max() > 1e-3
-    first = slice(0, numels[0])
-    assert torch.equal(runs[0]["blocking"]["params"][5][first], runs[1]["blocking"]["params"][5][first])
+    first = slice(0, numels[0])  # fragment 0's first boundary is step 2
+    assert torch.equal(runs[0]["blocking"]["params"][1][first], runs[1]["blocking"]["params"][1][first])
 
 
 def _diverge(rank, world_size):
-    """Cluster 1's parameters all go non-finite after step 3 (H 4, fragments at 4, 8 and 2, 6, 8)."""
+    """Cluster 1's parameters all go non-finite after step 3 (H 4, fragments at 2, 6, 8 and 4, 8)."""
     groups = build_process_groups(Topology(NUM_CLUSTERS), rank)
     cfg = load_config(None, ["--sync.kind=diloco", "--sync.inner_steps=4", "--train.steps=8", "--sync.fragments=2"])
     channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
@@ -182,12 +183,12 @@ def _diverge(rank, world_size):
         finite_after.append(bool(torch.isfinite(flat(model)).all()))
     sync.flush()
     channel.close()
-    return {"finite_after": finite_after, "guard": sync.guard_counts, "params": flat(model)}
+    return {"finite_after": finite_after, "guard": sync.status().guard_counts, "params": flat(model)}
 
 
 @pytest.mark.dist
 def test_a_cluster_that_diverges_heals_every_fragment_at_the_first_boundary():
-    """Fragment 0 ends its round at step 4 non-finite and heals to phi; fragment 1 went bad in the same steps and
+    """Fragment 1 ends its round at step 4 non-finite and heals to phi; fragment 0 went bad in the same steps and
     starts its round in progress again from its start (step 2), so the cluster trains on finite parameters from step
     4 and heals once, not once per fragment and round."""
     healthy, diverged = run_ranks(_diverge, NUM_CLUSTERS)
@@ -198,21 +199,23 @@ def test_a_cluster_that_diverges_heals_every_fragment_at_the_first_boundary():
 
 
 def _short_first_round(rank, world_size):
-    """A fragment whose first round is 1 step of H = 3: its small pseudo-gradient, then a 1000 x larger full round."""
+    """Fragment 0 of 2 (H = 4) has a first round of 2 steps: its small pseudo-gradient, then a 1000 x larger full
+    round; fragment 1's rounds are full from the start."""
     groups = build_process_groups(Topology(NUM_CLUSTERS), rank)
-    cfg = SyncConfig(kind="diloco", inner_steps=3, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    cfg = SyncConfig(kind="diloco", inner_steps=4, fragments=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
     channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
-    param = torch.nn.Parameter(torch.zeros(8))
-    sync = DiLoCoSync([param], cfg, channel=channel, dp_group=groups.dp_group, total_steps=4, first_round_end=1)
+    first, second = torch.nn.Parameter(torch.zeros(8)), torch.nn.Parameter(torch.zeros(8))
+    sync = DiLoCoSync([first, second], cfg, channel=channel, dp_group=groups.dp_group, total_steps=8)
     skipped = []
-    for step, moved in ((1, 1e-3), (2, 0.0), (3, 0.0), (4, 1.0)):
-        with torch.no_grad():
-            param.sub_(moved)  # the inner steps: a short early round, then a full one
+    for step in range(1, 7):
+        with torch.no_grad():  # the inner steps: a short early round of fragment 0, then a full one
+            first.sub_({1: 1e-3, 5: 1.0}.get(step, 0.0))
+            second.sub_(1e-3 if step in (1, 3) else 0.0)
         stats = sync.after_inner_step(step)
         if stats is not None:
-            skipped.append(stats.skipped)
+            skipped.append((stats.fragment, stats.skipped))
     channel.close()
-    return skipped, param.detach().clone()
+    return skipped, first.detach().clone()
 
 
 @pytest.mark.dist
@@ -220,5 +223,5 @@ def test_a_short_first_round_is_no_norm_reference_for_the_full_rounds():
     """The guard judges the mean against recent rounds' norms: a short first round's norm (a fraction of H steps,
     under warm-up) would make the first full round look 1000 x outsized and skip it."""
     for skipped, param in run_ranks(_short_first_round, NUM_CLUSTERS):
-        assert skipped == [False, False]
+        assert skipped == [(0, False), (1, False), (0, False)]
         assert torch.allclose(param, torch.full((8,), -1.001))

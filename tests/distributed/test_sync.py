@@ -51,7 +51,7 @@ def _run_strategy(rank, world_size, kind, topo_args, steps, inner_steps, outer_l
     for step in range(1, steps + 1):
         local_step(model, optimizer, topo.shard_index(rank), step, sync)
         sync.after_inner_step(step)
-        if sync.is_round_boundary(step):
+        if sync.status().boundary:
             trajectory.append(params_of(model))
     stats = channel.stats()
     channel.close()

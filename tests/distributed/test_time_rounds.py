@@ -22,22 +22,24 @@ NUM_CLUSTERS, H, STEPS, TOKENS_PER_STEP = 3, 8, 16, 100
 WANT_STEPS = [8, 8, 4]  # floor(H / factor) per round
 
 
-def _drive(rank, world_size, compression: list[str]):
+def _time_rounds(rank: int, world_size: int, flags: list[str]):
+    """This rank's toy model, channel, diloco sync with time rounds (cluster 2 twice as slow, on the virtual clock)
+    and inner optimizer, with `flags` on top."""
     groups = build_process_groups(Topology(NUM_CLUSTERS, 1, 1), rank)
     cfg = load_config(
         None,
         [
+            "--preset=diloco",
             f"--topology.num_clusters={NUM_CLUSTERS}",
             f"--sync.inner_steps={H}",
             f"--train.steps={STEPS}",
             "--sync.round=time",
             "--faults.slow_clusters=2:2.0",
             "--faults.slow_mode=virtual",
-            "--sync.sync_delay=0",
             "--sync.outer_lr=1",
             "--sync.outer_momentum=0",
             "--sync.guard_peers=false",  # random data: the clusters' updates of this toy model point apart
-            *compression,
+            *flags,
         ],
     )
     cfg.validate(world_size=world_size)
@@ -46,14 +48,18 @@ def _drive(rank, world_size, compression: list[str]):
     sync = build_sync(
         cfg, model.parameters(), channel=channel, dp_group=groups.dp_group, tokens_per_step=TOKENS_PER_STEP
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, channel, sync, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _drive(rank, world_size, compression: list[str]):
+    model, channel, sync, optimizer = _time_rounds(rank, world_size, ["--sync.sync_delay=0", *compression])
     rounds, step = [], 0
-    while not sync.rounds_done:
+    while not sync.status().done:
         step += 1
         inner_step(model, optimizer, rank, step, sync)
-        theta = flat(model).clone() if sync.is_round_boundary(step) else None  # the round's end, before its sync
+        theta = flat(model).clone()  # before the sync of a round that ends here
         stats = sync.after_inner_step(step)
-        if theta is not None:
+        if sync.status().boundary:
             rounds.append(
                 {
                     "theta": theta,
@@ -66,7 +72,7 @@ def _drive(rank, world_size, compression: list[str]):
     sync.flush()
     sent = channel.stats()["bytes_sent"]
     channel.close()
-    return {"rounds": rounds, "steps": step, "bytes_sent": sent, "numel": sync.numel}
+    return {"rounds": rounds, "steps": step, "bytes_sent": sent, "numel": sync.status().numel}
 
 
 @pytest.mark.parametrize(
@@ -103,3 +109,50 @@ def test_time_rounds_weigh_each_cluster_by_its_tokens(compression, tolerance):
             report = ring_all_gather_bytes([8 * REPORT_FIELDS] * NUM_CLUSTERS, rank)[0]
             payload = ring_all_reduce_bytes(result["numel"], 4, NUM_CLUSTERS, rank)[0]
             assert result["bytes_sent"] == 2 * (report + payload)
+
+
+def _fragments(rank, world_size):
+    """Time rounds with 2 fragments: cluster 2 does 4 steps to the others' 8 per round, and each fragment's round
+    ends halfway through the clock's round (fragment 0) or at its end (fragment 1). Every landing is recorded with the
+    clusters' parameters at that fragment's boundary."""
+    model, channel, sync, optimizer = _time_rounds(rank, world_size, ["--sync.fragments=2"])
+    landings, step = [], 0
+    while not sync.status().done:
+        step += 1
+        inner_step(model, optimizer, rank, step, sync)
+        theta = flat(model).clone()
+        stats = sync.after_inner_step(step)
+        for landed in [] if stats is None else [stats, *stats.also_landed]:
+            landings.append({"fragment": landed.fragment, "theta": theta, "phi": sync.outer_params.clone(),
+                             "tokens": landed.cluster_tokens})  # fmt: skip
+    stats = sync.flush()  # the rounds that ended with the run's last one come with the flush
+    for landed in [] if stats is None else [stats, *stats.also_landed]:
+        landings.append({"fragment": landed.fragment, "theta": theta, "phi": sync.outer_params.clone(),
+                         "tokens": landed.cluster_tokens})  # fmt: skip
+    channel.close()
+    return {"landings": landings, "steps": step, "bounds": sync.diloco.bounds}
+
+
+@pytest.mark.dist
+def test_time_rounds_with_fragments_weigh_each_fragments_round_by_its_tokens():
+    results = run_ranks(_fragments, world_size=NUM_CLUSTERS)
+    numels = [p.numel() for p in make_model().parameters()]
+    offsets = [sum(numels[:i]) for i in range(len(numels) + 1)]
+    for rank, result in enumerate(results):
+        assert result["steps"] == 2 * WANT_STEPS[rank]
+        # blocking: each fragment lands at each of its 2 boundaries on every cluster, fragment 0 first
+        assert [landed["fragment"] for landed in result["landings"]] == [0, 1, 0, 1]
+    for index in range(4):
+        fragment = results[0]["landings"][index]["fragment"]
+        first, end = results[0]["bounds"][fragment]
+        part = slice(offsets[first], offsets[end])
+        # fragment 0's first round is half a clock round (4, 4 and 2 steps), its second from halfway to halfway
+        # (8, 8, 4); fragment 1's rounds are the clock's
+        want_tokens = [s * TOKENS_PER_STEP // (2 if index == 0 else 1) for s in WANT_STEPS]
+        weights = torch.tensor(want_tokens, dtype=torch.float64)
+        thetas = torch.stack([r["landings"][index]["theta"][part].double() for r in results])
+        weighted = (weights[:, None] * thetas).sum(0) / weights.sum()
+        assert (weighted - thetas.mean(0)).abs().max() > 1e-4  # the weights make a difference
+        for result in results:
+            assert list(result["landings"][index]["tokens"]) == want_tokens
+            torch.testing.assert_close(result["landings"][index]["phi"][part].double(), weighted, rtol=0, atol=1e-6)

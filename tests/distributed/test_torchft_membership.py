@@ -9,6 +9,7 @@ import http.server
 import io
 import os
 import pickle
+import re
 import socket
 import threading
 from pathlib import Path
@@ -20,15 +21,9 @@ import torch.distributed as dist
 pytest.importorskip("torchft")
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(60)]
 
+from dilocox.elastic.lighthouse import lighthouse_url, start_lighthouse  # noqa: E402
+from dilocox.elastic.membership import ElasticMembership, NoLivePeer, _heal_transport, _reconfigurable_gloo  # noqa: E402
 from dilocox.net.listen import bind_string, serve_store  # noqa: E402
-from dilocox.sync.membership import (  # noqa: E402
-    ElasticMembership,
-    NoLivePeer,
-    _heal_transport,
-    _reconfigurable_gloo,
-    lighthouse_url,
-    start_lighthouse,
-)
 from tests.e2e.helpers import listening_sockets  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=10)
@@ -150,16 +145,28 @@ def _membership(
     )
 
 
-def test_a_restart_alone_at_the_lighthouse_stops_at_once_with_no_live_peer():
+@pytest.mark.parametrize(
+    ("restarts", "message"),
+    [
+        ({}, "cluster 2 was started again, but no other cluster is alive to heal from"),
+        # the launcher starts every cluster again (every one died), and cluster 2's restart asks first
+        ({0: False, 1: True, 2: True}, "cluster 2 was started again, and so were clusters [0, 1]: no live cluster "
+         "holds the run's state to heal from (every cluster died)"),
+    ],
+    ids=["the-others-gone", "every-cluster-died"],
+)  # fmt: skip
+def test_a_restart_alone_at_the_lighthouse_stops_at_once_with_no_live_peer(restarts, message):
     # the run ended (or every other cluster died) before cluster 2's restart came: it would otherwise wait for its
     # peers up to network.timeout and then fail as if the user had started too few clusters; that timeout is longer
-    # than the test's own, so a wait for it fails the test
+    # than the test's own, so a wait for it fails the test. Which of the two it says depends on whether the other
+    # clusters are being started again, never on which restart reaches the Lighthouse first.
     lighthouse = start_lighthouse(heartbeat_timeout_s=1.0, join_timeout_s=2.0)
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
     membership = _membership(lighthouse_url(lighthouse, "127.0.0.1"), 2, store, timeout=datetime.timedelta(hours=1))
     try:
         membership.restarted = True
-        with pytest.raises(NoLivePeer, match="cluster 2 was started again, but no other cluster is alive"):
+        membership.restarts = lambda: restarts
+        with pytest.raises(NoLivePeer, match=re.escape(message)):
             membership.join()
     finally:
         membership.close()

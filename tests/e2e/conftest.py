@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from dilocox.net.lighthouse import run_lighthouse
+from dilocox.elastic.lighthouse import run_lighthouse
 from tests.e2e.elastic_runs import Run
 from tests.e2e.helpers import REPO
 
@@ -35,9 +35,11 @@ def start_run(request, tmp_path):
 
 
 @pytest.fixture
-def lighthouse_proc():
-    """`dilocox lighthouse` in a subprocess, with the heartbeat and stall timeout of ELASTIC: (its URL, process)."""
-    proc, url = run_lighthouse("127.0.0.1:0", heartbeat="0.5s", stall_timeout="5s", cwd=REPO)
+def lighthouse_proc(tmp_path):
+    """`dilocox lighthouse` in a subprocess, with the heartbeat and stall timeout of ELASTIC: (its URL, process).
+    Quiet by default: none of torchft's per-quorum INFO lines, while the clusters of the test meet there."""
+    log = tmp_path / "lighthouse.stderr"
+    proc, url = run_lighthouse("127.0.0.1:0", heartbeat="0.5s", stall_timeout="5s", cwd=REPO, log=log)
     try:
         yield url, proc
     finally:
@@ -45,6 +47,7 @@ def lighthouse_proc():
             proc.terminate()
             assert proc.wait(timeout=20) == 0  # SIGTERM is its normal end
             assert proc.stdout.read().strip() == "dilocox: lighthouse stopped"
+        assert "Quorum status" not in log.read_text()
 
 
 @pytest.fixture

@@ -236,3 +236,22 @@ print("held", flush=True)
 sys.stdin.read()
 lock.release()
 """
+
+
+def train_refusal(*args: str) -> str | None:
+    """What `dilocox train ARGS` says after `dilocox: error:` when it refuses to start, found in this process by the
+    launcher's own steps up to the first rank (the config, the run directory's choice, `preflight`); None when it
+    would start. The CLI's one line and exit code 2 around it are tested where `dilocox train` runs."""
+    from dilocox.cli import _take_option, _train_config
+    from dilocox.launch.preflight import preflight
+    from dilocox.launch.rundir import choose_run_dir
+
+    config_path, rest = _take_option(list(args), "--config")
+    try:
+        cfg = _train_config(config_path, rest)
+        cfg.validate()
+        choose_run_dir(cfg)
+        preflight(cfg)
+    except ValueError as exc:
+        return str(exc)
+    return None

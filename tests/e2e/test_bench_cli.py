@@ -15,6 +15,7 @@ from tests.e2e.helpers import (
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.slow
 def test_bench_quick_runs_every_run_per_seed_tabulates_and_pairs_the_gaps(tmp_path):
     """One bench of three strategies over two seeds (every shipped bench file's runs are validated in
     tests/unit/test_bench.py; dilocox runs in the paper-regime bench test below and in its own e2e tests)."""
@@ -61,6 +62,7 @@ def test_bench_quick_runs_every_run_per_seed_tabulates_and_pairs_the_gaps(tmp_pa
     assert rows["allreduce"]["num_seeds"] == 3 and rows["diloco"]["num_seeds"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # the bench's own limits: about 3.5 minutes on 2 idle cores, more when they are shared
 def test_bench_quick_paper_regime_produces_a_complete_table(tmp_path):
     """Throughputs on the calibrated link follow from the calibration and the bytes the run itself reports; with

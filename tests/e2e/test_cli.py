@@ -50,6 +50,7 @@ def test_train_debug_writes_everything_and_learns(debug_run):
         "wan_bytes_sent",
         "wan_bytes_recv",
         "exposed_comm_s",
+        "peer_wait_s",
         "elapsed_s",
     ):
         assert key in rows[-1], key
@@ -62,6 +63,8 @@ def test_train_debug_writes_everything_and_learns(debug_run):
     assert summary["final_eval_tokens"] == rows[-1]["eval_tokens"] == 16 * 8 * 64
     assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step_00000020", "step_00000040"]
     assert "eval loss" in result.stdout and "AllReduce would send" in result.stdout
+    assert f"waited {summary['exposed_comm_s']:.2f} s for the link" in result.stdout
+    assert f"and {summary['peer_wait_s']:.2f} s for other clusters" in result.stdout
 
 
 def test_eval_command_matches_training_eval(debug_run):
@@ -305,7 +308,7 @@ def test_adaptive_codec_state_stays_bounded_over_rounds_and_a_late_resume_is_exa
     policies = {}
     for step in (4, 8):
         state = torch.load(straight / "checkpoints" / f"step_{step:08d}" / "rank_00000.pt", weights_only=False)
-        policies[step] = state["sync"]["reducer"]["codec"]["policy"]
+        policies[step] = state["sync"]["fragments"][0]["reducer"]["codec"]["policy"]
         assert policies[step]["history"][:, 0].tolist() == [step - 2, step - 1]  # 0-based rounds: the last two
     num_matrices = policies[4]["matrix_ranks"].shape[-1]
     assert num_matrices > 0 and policies[8]["matrix_ranks"].shape == policies[4]["matrix_ranks"].shape
@@ -398,22 +401,26 @@ def test_bad_config_exits_nonzero_naming_the_field(tmp_path, args, field):
     assert not run_dir.exists()
 
 
-def test_a_finished_run_resumes_at_its_end_and_is_never_overwritten(debug_run, tmp_path):
-    """checkpoint.resume = auto (the default) continues a run from its newest checkpoint: a finished run has
-    nothing left to train and keeps its checkpoints and final loss; resume = "" refuses the used directory."""
+def test_a_finished_run_is_never_rewritten_by_another_setting_nor_resumed_to_train_nothing(debug_run, tmp_path):
+    """A finished 1Gbps run rerun with --network.bandwidth=100Mbps: the new run trains in DIR-2 and says so, the
+    finished one keeps every byte (config.toml and summary.json still say 1Gbps). Resuming it explicitly at its last
+    step would train nothing: refused in one line, nothing written."""
     run_dir, _ = debug_run
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)
-    before = json.loads((copy / "summary.json").read_text())
-    checkpoints = {p: p.read_bytes() for p in (copy / "checkpoints").rglob("*") if p.is_file()}
-    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={copy}", "--checkpoint.keep=5", timeout=120)
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={copy}", "--network.bandwidth=100Mbps",
+                     "--train.steps=10", "--eval.interval=0", timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resuming from" in result.stdout and "step_00000040" in result.stdout
-    assert json.loads((copy / "summary.json").read_text())["final_eval_loss"] == before["final_eval_loss"]
-    assert {p: p.read_bytes() for p in (copy / "checkpoints").rglob("*") if p.is_file()} == checkpoints
-    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={copy}", "--checkpoint.resume=", timeout=60)
-    assert result.returncode == 2 and "already holds files" in result.stderr
-    assert {p: p.read_bytes() for p in (copy / "checkpoints").rglob("*") if p.is_file()} == checkpoints
+    assert f"dilocox: {copy} holds a run of other settings (network.bandwidth: '1Gbps' -> '100Mbps'" in result.stdout
+    assert f"so this run is a new one in {copy}-2" in result.stdout
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+    assert json.loads((tmp_path / "copy-2" / "summary.json").read_text())["bandwidth"] == "100Mbps"
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={copy}", "--network.bandwidth=100Mbps",
+                     "--checkpoint.resume=latest", timeout=120)  # fmt: skip
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert "step_00000040 is the end of its run (train.steps = 40): nothing is left to train" in result.stderr
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
 
 
 def test_help_lists_options_with_docstrings():
@@ -492,12 +499,14 @@ def test_an_outer_adamw_trains_from_the_cli_and_the_drain_it_cannot_take_is_refu
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
     last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-    states = [torch.load(path, weights_only=True)["sync"] for path in sorted(last.glob("rank_*.pt"))]
+    states = [torch.load(path, weights_only=True)["sync"]["fragments"][0] for path in sorted(last.glob("rank_*.pt"))]
     assert len(states) == 2 and torch.equal(states[0]["outer_params"], states[1]["outer_params"])
     assert {"exp_avg", "exp_avg_sq"} <= set(states[0]["outer_optimizer"]["state"][0])
     refused = tmp_path / "refused"
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={refused}", "--preset=dilocox",
-                     "--sync.outer_optimizer=adamw", timeout=60)  # fmt: skip
+                     "--sync.outer_optimizer=adamw", "--sync.drain_residual=true", timeout=60)  # fmt: skip
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
-    assert result.stderr.startswith("dilocox: error: sync.drain_residual = true adds the drained residual")
+    assert result.stderr.startswith(
+        "dilocox: error: sync.drain_residual = true does not work with sync.outer_optimizer = 'adamw'"
+    )
     assert "set sync.drain_residual = false" in result.stderr and not refused.exists()

@@ -59,9 +59,11 @@ def test_every_elastic_cluster_writes_checkpoints_that_verify_are_pruned_and_tha
     assert json.loads(exported.stdout)["weights"] == "outer parameters"
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
-    # the run directory of an elastic run is not resumed as a static run (its rank files are per cluster)
+    # the run directory of an elastic run is not resumed as a static run (its rank files are per cluster); without
+    # --checkpoint.resume=latest a static run would be a new one beside it (another setting)
     static = [f for f in ON_DISK if f != "--topology.elastic=true"]
-    refused = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", *static, "--train.steps=40")
+    refused = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", *static, "--train.steps=40",
+                      "--checkpoint.resume=latest")  # fmt: skip
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
         f"dilocox: error: cannot resume {run_dir / 'checkpoints' / 'cluster0' / 'step_00000030'}: topology.elastic "
@@ -69,12 +71,22 @@ def test_every_elastic_cluster_writes_checkpoints_that_verify_are_pruned_and_tha
     ]
 
 
-def _kill_entirely(run: Run, *checkpoints: Path) -> None:
-    """SIGKILL the launcher and every process below it once each of `checkpoints` is complete."""
+def _wait_for(run: Run, *checkpoints: Path) -> None:
+    """Return once each of `checkpoints` is complete, the run still going."""
     deadline = time.monotonic() + 120
     while not all((path / "meta.json").is_file() for path in checkpoints):
         assert run.proc.poll() is None and time.monotonic() < deadline, f"no checkpoints {checkpoints}:\n{run.output}"
         time.sleep(0.02)
+
+
+def _first_checkpoints(run_dir: Path) -> list[Path]:
+    """Each cluster's checkpoint of step 10 in `run_dir`."""
+    return [run_dir / "checkpoints" / f"cluster{c}" / "step_00000010" for c in (0, 1)]
+
+
+def _kill_entirely(run: Run, *checkpoints: Path) -> None:
+    """SIGKILL the launcher and every process below it once each of `checkpoints` is complete."""
+    _wait_for(run, *checkpoints)
     pids = [run.proc.pid, *descendant_pids(run.proc.pid)]
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -90,7 +102,7 @@ def test_an_elastic_run_killed_entirely_resumes_from_disk_and_ends_as_the_uninte
     clean_records = records_of(tmp_path / "clean")
 
     killed = start_run("killed", *ON_DISK, "--checkpoint.keep=5")
-    first = [tmp_path / "killed" / "checkpoints" / f"cluster{c}" / "step_00000010" for c in (0, 1)]
+    first = _first_checkpoints(tmp_path / "killed")
     _kill_entirely(killed, *first)
     shutil.copytree(tmp_path / "killed", tmp_path / "lost")  # the same run, where cluster 1's disk is lost below
 
@@ -126,13 +138,25 @@ def test_an_elastic_run_killed_entirely_resumes_from_disk_and_ends_as_the_uninte
 
 
 @pytest.mark.timeout(300)
+def test_ctrl_c_stops_every_cluster_with_the_command_that_resumes_the_run(tmp_path, start_run):
+    run = start_run("run", *ON_DISK)
+    _wait_for(run, *_first_checkpoints(tmp_path / "run"))
+    os.kill(run.proc.pid, signal.SIGINT)
+    assert run.finish(timeout=120) == 130
+    hint = [line for line in run.lines if line.startswith("dilocox: interrupted, every cluster stopped; ")]
+    assert len(hint) == 1, run.output
+    command = re.search(r"resume it with `([^`]+)` \(from (\S+); checkpoint\.resume = auto\)", hint[0])
+    assert command and shlex.split(command.group(1))[:2] == ["dilocox", "train"], hint[0]
+    resumed = dilocox(*shlex.split(command.group(1))[1:])  # the command as printed
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"dilocox: resuming from {command.group(2)} (checkpoint.resume = auto" in resumed.stdout
+    assert all(r["step"] == 30 for r in records_of(tmp_path / "run").values())
+
+
+@pytest.mark.timeout(300)
 def test_when_every_cluster_dies_the_launcher_gives_the_command_that_resumes_the_run_from_disk(tmp_path, start_run):
     run = start_run("run", *ON_DISK)
-    checkpoints = [tmp_path / "run" / "checkpoints" / f"cluster{c}" / "step_00000010" for c in (0, 1)]
-    deadline = time.monotonic() + 120
-    while not all((path / "meta.json").is_file() for path in checkpoints):
-        assert run.proc.poll() is None and time.monotonic() < deadline, run.output
-        time.sleep(0.02)
+    _wait_for(run, *_first_checkpoints(tmp_path / "run"))
     for cluster in (0, 1):
         os.kill(run.pid_of(cluster), signal.SIGKILL)
     # the restarts meet each other only: none holds the run's state, so they stop rather than train it from step 0
@@ -224,14 +248,14 @@ def test_a_resumed_run_waits_for_a_machine_that_starts_after_the_join_timeout(tm
     assert first.finish() == 0, "the first run failed"
     shutil.rmtree(tmp_path / "first" / "checkpoints" / "cluster0" / "step_00000030")
     shutil.copytree(tmp_path / "first", tmp_path / "machine_b")  # the same run directory on the late machine
-    a = start_run("machine_a", *flags, "--train.steps=50", "--topology.local_clusters=0-1", run_dir=tmp_path / "first")
+    # a finished run continued for 20 more steps: asked for (--checkpoint.resume=latest), never found by auto
+    more = ["--train.steps=50", "--checkpoint.resume=latest"]
+    a = start_run("machine_a", *flags, *more, "--topology.local_clusters=0-1", run_dir=tmp_path / "first")
     deadline = time.time() + 60
     while not any("cluster 1 started" in line for line in a.lines) and time.time() < deadline:
         time.sleep(0.1)
     time.sleep(8)
-    b = start_run(
-        "machine_b", *flags, "--train.steps=50", "--topology.local_clusters=2", run_dir=tmp_path / "machine_b"
-    )
+    b = start_run("machine_b", *flags, *more, "--topology.local_clusters=2", run_dir=tmp_path / "machine_b")
     assert (a.finish(), b.finish()) == (0, 0), "a launcher failed"
     assert "failed" not in a.output + b.output
     assert "cluster 0 rejoined at step 30 (outer step 3), healed from its peers resumed from disk" in a.output

@@ -76,7 +76,7 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout_and_every_rank_exits(t
         assert lines[1].startswith(
             "dilocox: a rank stopped sending heartbeats (named above): all 2 ranks stopped, exit 4"
         )
-        assert "--checkpoint.resume=latest" in lines[1]
+        assert "; resume it with `dilocox train " in lines[1] and f"--run.out_dir={run_dir}`" in lines[1]
         assert "Traceback" not in stderr
         assert not wait_until_gone(ranks), "a rank of the stopped run survived"
         # what was saved before the stall is intact; a checkpoint rank 0 was finishing may have landed, whole
@@ -87,6 +87,7 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout_and_every_rank_exits(t
         _kill_what_is_left(proc, ranks)
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_stopped_rank_0_is_named_by_rank_1(tmp_path):
     """torchrun's agent serves the store, so rank 0 frozen does not silence it: rank 1 names rank 0 and exits 4;
     torchrun then sends the frozen worker SIGTERM, which waits until the process runs again (torchrun's own grace

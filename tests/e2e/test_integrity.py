@@ -95,8 +95,8 @@ def test_a_meta_json_that_does_not_verify_is_refused_by_eval_and_export_and_skip
     (newest / "meta.json").write_text(json.dumps(meta, indent=2))
     assert why in refused(capsys, "export", run_dir, "--out", tmp_path / "hf")
     assert why in refused(capsys, "eval", run_dir, "--checkpoint", newest, "--max-batches", 1)
-    # checkpoint.resume = auto: the newest is skipped in one warning, the run goes on from the previous one
-    result = dilocox("train", *TRAIN, f"--run.out_dir={run_dir}")
+    # checkpoint.resume = latest: the newest is skipped in one warning, the run goes on from the previous one
+    result = dilocox("train", *TRAIN, f"--run.out_dir={run_dir}", "--checkpoint.resume=latest")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"dilocox: warning: skipping corrupt checkpoint {newest}: {why}" in result.stderr
     assert f"resuming from {checkpoints / 'step_00000010'}" in result.stdout

@@ -3,7 +3,7 @@ is written: data shorter than a batch, a sequence beyond the model's context, ab
 
 import pytest
 
-from tests.e2e.helpers import DEBUG, dilocox
+from tests.e2e.helpers import DEBUG, train_refusal
 
 pytestmark = pytest.mark.e2e
 
@@ -33,8 +33,6 @@ def test_impossible_runs_are_one_line_before_anything_is_written(tmp_path, args,
     tiny.write_text("Hello there.\n")
     run_dir = tmp_path / "run"
     args = [a.format(tiny=tiny) for a in args]
-    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", *args, timeout=120)
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.startswith("dilocox: error: ") and result.stderr.count("\n") == 1, result.stderr[-3000:]
-    assert message in result.stderr
+    refusal = train_refusal("--config", DEBUG, f"--run.out_dir={run_dir}", *args)
+    assert refusal is not None and "\n" not in refusal and message in refusal, refusal
     assert not run_dir.exists()

@@ -2,6 +2,8 @@
 
 import pytest
 
+from dilocox.config import load_config
+from dilocox.launch.preflight import preflight
 from tests.e2e.helpers import DEBUG, dilocox
 
 pytestmark = pytest.mark.e2e
@@ -44,28 +46,34 @@ def base_run(tmp_path_factory):
     ids=["vocab", "seq_len", "codec", "topology", "inner_steps", "tokenizer"],
 )
 def test_an_incompatible_resume_is_one_line_naming_the_field(base_run, tmp_path, args, message):
+    """The launcher's checks (`preflight`), in this process: what `dilocox train` prints after `dilocox: error:`
+    (exit 2, nothing written: the in-place test below runs the command)."""
     run_dir, corpus = base_run
     checkpoint = run_dir / "checkpoints" / "step_00000010"
     target = tmp_path / "resumed"
     args = [a.format(corpus=corpus) for a in args]
-    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={target}", "--train.steps=20",
-                     f"--checkpoint.resume={checkpoint}", *args, timeout=120)  # fmt: skip
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.startswith(f"dilocox: error: cannot resume {checkpoint}: ") and result.stderr.count("\n") == 1
-    assert message in result.stderr and "or start a new run directory" in result.stderr
+    flags = [f"--run.out_dir={target}", "--train.steps=20", f"--checkpoint.resume={checkpoint}", *args]
+    cfg = load_config(DEBUG, flags)
+    with pytest.raises(ValueError) as refused:
+        preflight(cfg)
+    assert str(refused.value).startswith(f"cannot resume {checkpoint}: ") and "\n" not in str(refused.value)
+    assert message in str(refused.value) and "or start a new run directory" in str(refused.value)
     assert not target.exists()
 
 
 def test_an_incompatible_resume_in_place_leaves_the_run_untouched(base_run):
-    """checkpoint.resume = auto in the run's own directory: refused, config.toml and the checkpoint as they were."""
+    """checkpoint.resume = latest in the run's own directory: refused, config.toml and the checkpoint as they were;
+    the same tokenizer named by its path resumes, and the settings the first steps ran with are kept."""
     run_dir, _ = base_run
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--train.steps=20",
-                     "--train.seq_len=128", timeout=120)  # fmt: skip
+                     "--train.seq_len=128", "--checkpoint.resume=latest", timeout=120)  # fmt: skip
     assert result.returncode == 2 and "train.seq_len was 64 in the checkpoint, 128 now" in result.stderr
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
     tokenizer = run_dir / "tokenizer.json"
     resumed = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--train.steps=20",
-                      f"--data.tokenizer={tokenizer}", "--eval.interval=0", timeout=240)  # fmt: skip
+                      f"--data.tokenizer={tokenizer}", "--eval.interval=0", "--checkpoint.resume=latest",
+                      timeout=240)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]  # the same tokenizer by path: compatible
     assert "resuming from" in resumed.stdout
+    assert (run_dir / "config.until_step_00000010.toml").read_bytes() == before[run_dir / "config.toml"]

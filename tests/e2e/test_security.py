@@ -54,7 +54,9 @@ def test_a_summed_reduction_with_a_key_is_refused_before_anything_is_written(tmp
     run_dir = tmp_path / "run"
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", f"--network.auth_key_file={key_file}")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
-    assert result.stderr.startswith("dilocox: error: network.auth_key_file cannot tag compression.kind = none")
+    assert result.stderr.startswith(
+        "dilocox: error: network.auth_key_file does not work with compression.kind = 'none': its values are summed"
+    )
     assert not run_dir.exists()
     short = tmp_path / "short.key"
     short.write_bytes(b"12345")

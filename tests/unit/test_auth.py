@@ -76,19 +76,23 @@ def test_the_config_keeps_the_path_and_never_the_key(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("overrides", "setting"),
+    ("overrides", "setting", "fix"),
     [
-        (["--sync.kind=allreduce"], "sync.kind = allreduce"),
-        (["--sync.kind=diloco"], "compression.kind = none"),  # diloco's default: fp32, all-reduced
-        (["--compression.kind=none"], "compression.kind = none"),
-        (["--compression.kind=int4", "--compression.reduction=scalable"], "compression.reduction = scalable"),
+        (["--sync.kind=allreduce"], "sync.kind = 'allreduce'", "--preset dilocox"),
+        (["--sync.kind=diloco"], "compression.kind = 'none'", "compression.reduction = gather"),  # diloco: fp32
+        (["--compression.kind=none"], "compression.kind = 'none'", "compression.reduction = gather"),
+        (
+            ["--compression.kind=int4", "--compression.reduction=scalable"],
+            "compression.reduction = 'scalable'",
+            "compression.reduction = gather",
+        ),
     ],
 )
-def test_summed_reductions_refuse_an_auth_key(tmp_path, overrides, setting):
+def test_summed_reductions_refuse_an_auth_key(tmp_path, overrides, setting, fix):
     key_file = tmp_path / "wan.key"
     key_file.write_bytes(KEY)
     cfg = load_config(None, [f"--network.auth_key_file={key_file}", *overrides])
-    with pytest.raises(ValueError, match=rf"cannot tag {setting}: .*--compression.reduction=gather with a codec"):
+    with pytest.raises(ValueError, match=rf"network.auth_key_file does not work with {setting}: .*summed.*{fix}"):
         cfg.validate()
 
 

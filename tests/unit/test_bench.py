@@ -204,7 +204,7 @@ def test_cli_help_exits_0_and_its_example_bench_file_is_one(capsys, tmp_path):
     assert "usage: dilocox bench" in out
     example = out.split("a bench file (more in benchmarks/configs/):")[1].split("\n[bench] may also")[0]
     path = tmp_path / "mine.toml"
-    path.write_text(textwrap.dedent(example).replace("../../configs/default.toml", str(REPO / "configs/default.toml")))
+    path.write_text(textwrap.dedent(example).replace("../../configs/debug.toml", str(REPO / "configs/debug.toml")))
     spec = load_bench(path)
     assert [run.name for run in spec.runs] == ["allreduce", "allreduce-lr4e-3", "dilocox"]
     assert spec.baseline == "allreduce" and spec.tuned_baseline == ["allreduce", "allreduce-lr4e-3"]

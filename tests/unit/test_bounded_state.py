@@ -17,6 +17,8 @@ def _tensor_shapes(state: object, prefix: str = "") -> dict[str, tuple[int, ...]
         return {prefix: tuple(state.shape)}
     if isinstance(state, dict):
         return {k: v for key, value in state.items() for k, v in _tensor_shapes(value, f"{prefix}/{key}").items()}
+    if isinstance(state, list):
+        return {k: v for i, value in enumerate(state) for k, v in _tensor_shapes(value, f"{prefix}/{i}").items()}
     return {}
 
 
@@ -48,8 +50,8 @@ def test_rounds_leave_no_cyclic_garbage_and_a_state_of_the_same_size():
                     shapes[step] = _tensor_shapes(sync.state_dict())
         finally:
             gc.enable()
-        policy = sync.reducer.codec.policy
+        policy = sync.fragments[0].reducer.codec.policy
         assert policy.rounds == 40 and [d.round for d in policy.history] == [37, 38, 39]
     assert shapes[8] == shapes[40]
-    assert shapes[40]["/reducer/codec/policy/history"] == (3, 4)
-    assert shapes[40]["/reducer/codec/policy/matrix_ranks"] == (3, 2, 2)
+    assert shapes[40]["/fragments/0/reducer/codec/policy/history"] == (3, 4)
+    assert shapes[40]["/fragments/0/reducer/codec/policy/matrix_ranks"] == (3, 2, 2)

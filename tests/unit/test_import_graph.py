@@ -73,7 +73,7 @@ def test_the_graph_sees_every_kind_of_import():
     """The reader is not blind: known edges of each kind are found, and a cycle is found where there is one."""
     graph = import_graph()
     assert "dilocox.sync.base" in graph["dilocox.sync.reducers"]  # from-import at the top level
-    assert "dilocox.sync.membership" in graph["dilocox.trainer"]  # inside a function
+    assert "dilocox.elastic.membership" in graph["dilocox.trainer"]  # inside a function
     assert "dilocox.sync.outer" in graph["dilocox.sync"]  # a package's __init__
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

@@ -11,11 +11,18 @@ import threading
 import pytest
 import torch
 
-from dilocox.net.lighthouse import check_lighthouse_url, heartbeat_ages, parse_heartbeats, probe_lighthouse
-from dilocox.sync.elastic import APPLY, NOTHING, REDO, delayed_update_verdict, diverged_members, outer_digest
-from dilocox.sync.events import MembershipLog
-from dilocox.sync.membership import ElasticError, ElasticMembership, lighthouse_url, start_lighthouse
-from dilocox.sync.stall import cluster_ages
+from dilocox.elastic.events import MembershipLog
+from dilocox.elastic.lighthouse import (
+    check_lighthouse_url,
+    heartbeat_ages,
+    lighthouse_url,
+    parse_heartbeats,
+    probe_lighthouse,
+    start_lighthouse,
+)
+from dilocox.elastic.membership import ElasticError, ElasticMembership
+from dilocox.elastic.stall import cluster_ages
+from dilocox.elastic.vote import APPLY, NOTHING, REDO, delayed_update_verdict, diverged_members, outer_digest
 
 
 def test_no_member_holding_a_sync_means_nothing_to_settle():
@@ -95,7 +102,7 @@ def test_torchft_flight_recorder_warning_is_dropped_and_its_other_warnings_and_e
     flight recorder; the slow-link group is gloo, so that line is dropped, through torchft's own logger, and only it."""
     from torchft.manager import _ManagerLogger
 
-    from dilocox.sync.membership import quiet_torchft_logs
+    from dilocox.elastic.membership import quiet_torchft_logs
 
     class Step:
         def current_step(self) -> int:

@@ -1,6 +1,7 @@
 """The metrics sinks (TensorBoard, W&B), their preflight checks, and the end-of-run summary text."""
 
 import dataclasses
+import json
 import sys
 
 import pytest
@@ -155,3 +156,17 @@ def test_a_half_written_last_line_is_left_out_and_a_resume_drops_it(tmp_path):
     with pytest.raises(ValueError, match="line 2 is not a metrics record"):
         read_metrics(tmp_path)
     assert read_metrics(tmp_path / "no-such-run") == []
+
+
+def test_summary_tells_the_wait_for_the_link_from_the_wait_for_other_clusters(tmp_path):
+    """A straggler is not the link: its wait is said apart, and the hidden share counts only the link's."""
+    line = next(line for line in format_summary(dataclasses.replace(SUMMARY, peer_wait_s=5.65)).splitlines()
+                if line.startswith("  link time"))  # fmt: skip
+    assert (
+        line
+        == "  link time   busy 0.50 s; rank 0 waited 0.10 s for the link (80% hidden) and 5.65 s for other clusters"
+    )
+    data = json.loads(json.dumps(dataclasses.asdict(SUMMARY)))
+    del data["peer_wait_s"]  # a summary written before the wait for peers was recorded
+    (tmp_path / "summary.json").write_text(json.dumps(data))
+    assert RunSummary.read(tmp_path).peer_wait_s == 0.0

@@ -149,10 +149,6 @@ def test_a_factory_that_does_not_build_an_optimizer_over_phi_is_refused(factory,
         ({"outer_optimizer": "lion"}, "sync.outer_optimizer = 'lion' is not one of: sgd, adamw"),
         ({"outer_optimizer": "adamw", "outer_beta2": 1.0}, r"sync.outer_beta2 = 1.0 must be in \[0, 1\)"),
         ({"outer_optimizer": "adamw", "outer_weight_decay": -0.1}, "sync.outer_weight_decay = -0.1 must be >= 0"),
-        (
-            {"outer_optimizer": "adamw", "drain_residual": True},
-            "sync.drain_residual = true adds .* set sync.drain_residual = false",
-        ),
     ],
 )
 def test_the_outer_optimizer_settings_are_validated(fields, match):

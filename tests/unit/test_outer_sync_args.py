@@ -2,6 +2,8 @@
 its fix, and the one object the trainer also gets from `build_sync`. No process group: `cluster_group=None` is one
 cluster (nothing crosses a link); the mistakes that need groups are in tests/distributed/test_outer_sync.py."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -42,8 +44,8 @@ def test_public_names_are_exported_and_lazy():
 @pytest.mark.parametrize(
     "kind, options, want",
     [
-        ("dilocox", {}, (1, "adaptive", 1.0, 0.0)),  # DILOCOX_KEYWORDS
-        ("diloco", {}, (0, "none", 0.7, 0.9)),  # the global defaults
+        ("dilocox", {}, (1, "topk_int4", 1.0, 0.0)),  # the dilocox preset: what `dilocox train` runs
+        ("diloco", {}, (0, "none", 0.7, 0.9)),  # the diloco preset: the field defaults
         ("dilocox", {"sync_delay": 0, "compression": "int4", "outer_momentum": 0.5}, (0, "int4", 1.0, 0.5)),
         ("diloco", {"compression": CompressionConfig(kind="lowrank_int4", rank=4)}, (0, "lowrank_int4", 0.7, 0.9)),
     ],
@@ -52,7 +54,24 @@ def test_kinds_fill_the_settings_left_out(kind, options, want):
     sync = build(kind=kind, **options)
     got = (sync.sync_config.sync_delay, sync.compression.kind, sync.sync_config.outer_lr)
     assert (*got, sync.sync_config.outer_momentum) == want
-    assert sync.name == kind and sync.inner_steps == 2
+    assert sync.name == kind and sync.status().inner_steps == 2
+
+
+@pytest.mark.parametrize("kind", ["dilocox", "diloco"])
+def test_a_kind_is_the_setting_of_its_preset_as_dilocox_train_runs_it(kind):
+    """`OuterSync(kind="dilocox")` and `dilocox train` are one setting: the preset's, resolved by the same rules
+    (min_clusters aside: the trainer's membership reads it, an OuterSync has none)."""
+    sync = build(kind=kind)
+    cfg = load_config(None, [f"--preset={kind}", "--sync.inner_steps=2"])
+    mine, cli = dataclasses.asdict(sync.sync_config), dataclasses.asdict(cfg.sync)
+    assert {**mine, "min_clusters": None} == {**cli, "min_clusters": None}
+    assert sync.compression == cfg.compression
+    if kind == "dilocox":  # what the preset file wrote out before they were auto: here at H = 2
+        assert (sync.sync_config.overlap_steps, sync.sync_config.merge, sync.compression.kind) == (
+            1,
+            "own_payload",
+            "topk_int4",
+        )
 
 
 def test_dilocox_keeps_the_local_residual_where_its_codec_has_one():
@@ -93,12 +112,12 @@ def test_a_compression_config_is_used_as_given_and_never_changed():
         ({"compression": 4}, ["compression = 4 must be a codec name", "or a CompressionConfig"]),
         ({"compression": CompressionConfig(kind="int4", group_size=0)}, ["compression.group_size = 0 must be > 0"]),
         ({"sync_delay": 2}, ["sync.sync_delay = 2 must be 0 (blocking) or 1"]),
-        ({"merge": "average"}, ["sync.merge = 'average' is not one of: reset, keep_local"]),
+        ({"merge": "average"}, ["sync.merge = 'average' is not one of: auto, reset, keep_local"]),
         ({"outer_lr": 0.0}, ["sync.outer_lr = 0.0 must be > 0"]),
         ({"kind": "diloco", "local_residual": True}, ["compression.kind = 'none'", "holds nothing back", "topk_int4"]),
         (
             {"local_residual": True, "compression": CompressionConfig(kind="topk_int4", error_feedback=False)},
-            ["compression.error_feedback = false holds nothing back", "sync.local_residual = false"],
+            ["compression.error_feedback = false (topk_int4)", "holds nothing back", "sync.local_residual = false"],
         ),
         ({"kind": "diloco", "drain_residual": True}, ["sync.drain_residual = true", "holds nothing back"]),
         (
@@ -108,14 +127,20 @@ def test_a_compression_config_is_used_as_given_and_never_changed():
                 "compression": CompressionConfig(kind="int4", error_feedback=False),
             },
             [
-                "sync.merge = 'own_payload'",
-                "compression.error_feedback = false holds nothing back",
+                "sync.merge = 'own_payload' does not work with compression.error_feedback = false (int4)",
+                "holds nothing back",
                 "sync.merge = eager",
             ],
         ),
         ({"outer_optimizer": "adagrad"}, ["sync.outer_optimizer = 'adagrad' is not one of: sgd, adamw"]),
-        ({"outer_optimizer": "adamw"}, ["sync.drain_residual = true adds the drained residual", "= false"]),
-        ({"outer_optimizer": torch.optim.Adam}, ["the outer optimizer is Adam", "drain_residual=False"]),
+        (
+            {"outer_optimizer": "adamw", "drain_residual": True},
+            ["sync.drain_residual = true does not work with sync.outer_optimizer = 'adamw'", "= false"],
+        ),
+        (
+            {"outer_optimizer": torch.optim.Adam, "drain_residual": True},
+            ["the outer optimizer is Adam", "drain_residual=False"],
+        ),
         (
             {"outer_optimizer": torch.optim.Adam, "outer_lr": 0.5, "drain_residual": False},
             ["outer_lr configure the built-in outer optimizers", "set them in its factory"],
@@ -137,14 +162,26 @@ def test_bad_arguments_name_the_argument_and_the_fix(options, words):
 
 
 def test_the_outer_optimizer_is_a_name_or_a_factory():
+    """A name or a factory; the auto options follow it: no drain (it adds at an SGD's learning rate), AdamW's own
+    auto learning rate instead of the dilocox preset's plain-averaging 1.0."""
+    assert not build(outer_optimizer=torch.optim.Adam).sync_config.drain_residual
+    auto = build(outer_optimizer="adamw")
+    assert (auto.sync_config.outer_lr, auto.sync_config.drain_residual, auto.sync_config.local_residual) == (
+        0.01,
+        False,
+        True,
+    )
     adam = build(outer_optimizer=lambda params: torch.optim.Adam(params, lr=0.01), drain_residual=False)
-    assert isinstance(adam.diloco.outer.optimizer, torch.optim.Adam) and adam.diloco.outer.lr == 0.01
+    outer = adam.diloco.fragments[0].outer
+    assert isinstance(outer.optimizer, torch.optim.Adam) and outer.lr == 0.01
     adamw = build(outer_optimizer="adamw", outer_lr=0.02, drain_residual=False)
-    assert isinstance(adamw.diloco.outer.optimizer, torch.optim.AdamW) and adamw.sync_config.outer_optimizer == "adamw"
+    outer = adamw.diloco.fragments[0].outer
+    assert isinstance(outer.optimizer, torch.optim.AdamW) and adamw.sync_config.outer_optimizer == "adamw"
     sgd = build(kind="diloco")
-    assert type(sgd.diloco.outer.optimizer) is torch.optim.SGD and sgd.diloco.outer.optimizer.defaults["nesterov"]
+    outer = sgd.diloco.fragments[0].outer
+    assert type(outer.optimizer) is torch.optim.SGD and outer.optimizer.defaults["nesterov"]
     state = adam.state_dict()
-    state["settings"]["outer_lr"] = 0.02  # the same settings, but another optimizer's state
+    state["settings"] = adamw.state_dict()["settings"]  # the same settings, but another optimizer's state
     with pytest.raises(ValueError, match="saved with decoupled_weight_decay = False .now True.") as error:
         adamw.load_state_dict(state)
     assert "\n" not in str(error.value)
@@ -166,7 +203,7 @@ def test_bad_model_or_optimizer():
             OuterSync(model_or_params, inner_optimizer, cluster_group=None, inner_steps=2)
     # frozen parameters need not be synced, and an optimizer over the model may hold them
     model[0].bias.requires_grad_(False)
-    assert OuterSync(model, optimizer, cluster_group=None, inner_steps=2).numel == 4 * 8 + 8 * 2 + 2
+    assert OuterSync(model, optimizer, cluster_group=None, inner_steps=2).status().numel == 4 * 8 + 8 * 2 + 2
 
 
 def test_a_state_of_other_settings_or_not_a_state_is_refused():
@@ -186,4 +223,4 @@ def test_build_sync_gives_the_trainer_an_outer_sync():
             cfg, model.parameters(), channel=WanChannel(None, bandwidth=None, latency_s=0.0), dp_group=None
         )
         assert isinstance(sync, OuterSync)
-        assert (sync.name, sync.inner_steps, sync.compression.kind) == (kind, 4, cfg.compression.kind)
+        assert (sync.name, sync.status().inner_steps, sync.compression.kind) == (kind, 4, cfg.compression.kind)

@@ -101,7 +101,7 @@ def test_an_elastic_run_gets_a_membership_chart_of_its_rounds_and_events(tmp_pat
     for row in rows:
         row["round_clusters"] = [0, 1] if 4 < row["step"] <= 6 else [0, 1, 2]
         lines.append(row)
-        if row["step"] == 4:  # the records `dilocox.sync.events` writes, between the per-step ones
+        if row["step"] == 4:  # the records `dilocox.elastic.events` writes, between the per-step ones
             lines.append(
                 {"step": 4, "event": "elastic", "kind": "stalled", "cluster": 2, "reason": "r", "seconds": 6.1}
             )

@@ -103,7 +103,7 @@ def test_a_preset_is_under_the_file_and_the_file_under_the_flags(tmp_path):
         24,
         1e-3,
     )
-    # without a preset named anywhere a file starts from the field defaults; `preset=` is load_config's fallback
+    # without a preset named anywhere a file starts from the default preset; `preset=` is load_config's fallback
     plain = write(tmp_path, "[sync]\ninner_steps = 24\n", "plain.toml")
     assert to_dict(load_config(plain)) == to_dict(load_config(None, ["--sync.inner_steps=24"]))
     assert load_config(plain, preset="paper").sync.merge == "keep_local"
@@ -116,7 +116,8 @@ def test_a_preset_is_under_the_file_and_the_file_under_the_flags(tmp_path):
         ("", ["--preset=dilocx"], "--preset 'dilocx' is not a preset; did you mean dilocox? presets: dilocox, "),
         ("preset = 3\n", [], "preset = 3 must be the name of a preset"),
         ('preset = "nope"\n', [], "--preset 'nope' is not a preset"),
-        ("[sync]\nkind = 'allreduce'\n", ["--preset=dilocox"], "start from the allreduce preset instead: --preset"),
+        ("", ["--preset=dilocoX"], "--preset 'dilocoX' is not a preset; did you mean dilocox? presets: dilocox, "),
+        ('preset = "paper"\n[sync]\nkind = "diloco"\n', [], "contradict: a kind is its preset's identity"),
     ],
 )
 def test_a_bad_preset_is_one_error_naming_the_fix(tmp_path, path_text, overrides, message):
@@ -124,32 +125,25 @@ def test_a_bad_preset_is_one_error_naming_the_fix(tmp_path, path_text, overrides
         load_config(write(tmp_path, path_text), overrides)
 
 
-def test_a_kind_without_an_outer_loop_over_an_outer_loop_preset_is_refused():
-    """The preset's delay, codec and residual options would stay behind a per-step kind: one error that names them
-    and the preset to use; over the diloco preset, whose outer-loop values are the field defaults, it is allowed."""
-    with pytest.raises(ValueError) as error:
-        load_config(None, ["--preset=dilocox-lowrank", "--sync.kind=cocktail"])
-    assert str(error.value) == (
-        "sync.kind = 'cocktail' syncs every step, but preset 'dilocox-lowrank' also sets compression.kind, "
-        "sync.drain_residual, sync.local_residual, sync.merge, sync.outer_lr, sync.outer_momentum, sync.sync_delay "
-        "for its outer loop; start from the cocktail preset instead: --preset cocktail"
-    )
-    over_diloco = load_config(None, ["--preset=diloco", "--sync.kind=allreduce"])
-    over_diloco.validate()
-    assert to_dict(over_diloco) == to_dict(load_config(None, ["--preset=allreduce"]))
-    # set explicitly, the same values are the user's: then the ordinary checks speak
-    with pytest.raises(ValueError, match="sync.kind = 'allreduce' has no outer rounds"):
-        load_config(None, ["--preset=dilocox", "--sync.kind=allreduce", *FLAGS_OF["dilocox"]]).validate()
-
-
-def test_the_dilocox_kind_alone_warns_that_it_sets_nothing_else(tmp_path):
-    with pytest.warns(ConfigWarning, match="sync.kind = 'dilocox' sets no other option"):
-        cfg = load_config(None, ["--sync.kind=dilocox"])
-    assert to_dict(cfg)["sync"] == {**to_dict(Config())["sync"], "kind": "dilocox"}  # no defaults of its own
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ConfigWarning)
-        load_config(None, ["--preset=paper"])  # from a preset
-        load_config(None, ["--sync.kind=dilocox", "--sync.sync_delay=0"])  # the delay chosen: the user's setting
+def test_a_kind_runs_its_own_preset_and_never_mixes_two(tmp_path):
+    """A kind is its preset's identity: a sync.kind other than the preset's runs that kind's own preset, whatever
+    layer chose the preset before it; the same kind keeps the preset; a file without a preset starts from the default
+    preset, so `--config x.toml --sync.kind=dilocox` compresses as `dilocox train` does."""
+    for kind in ("diloco", "allreduce", "cocktail", "dilocox"):
+        assert to_dict(load_config(None, [f"--sync.kind={kind}"])) == to_dict(load_config(None, [f"--preset={kind}"]))
+        for preset in PRESETS:  # the last word on the command line wins
+            switched = load_config(None, [f"--preset={preset}", f"--sync.kind={kind}"])
+            kept = preset if read_preset(preset)["sync"]["kind"] == kind else kind
+            assert to_dict(switched) == to_dict(load_config(None, [f"--preset={kept}"])), (preset, kind)
+    plain = write(tmp_path, "[sync]\ninner_steps = 24\n", "plain.toml")
+    over_file = load_config(plain, ["--sync.kind=dilocox"])
+    assert to_dict(over_file) == to_dict(load_config(None, ["--sync.inner_steps=24"]))
+    assert over_file.compression.kind == "topk_int4" and over_file.sync.sync_delay == 1
+    in_file = write(tmp_path, "[sync]\nkind = 'allreduce'\n", "kind.toml")
+    assert to_dict(load_config(in_file)) == to_dict(load_config(None, ["--preset=allreduce"]))
+    assert load_config(in_file, ["--preset=paper"]).sync.kind == "dilocox"  # the flag's preset, the file's kind gone
+    for args in (["--sync.kind=allreduce"], ["--preset=dilocox-lowrank", "--sync.kind=cocktail"]):
+        load_config(None, args).validate()  # no outer-loop setting of the preset stays behind
 
 
 def test_an_older_run_directory_config_loads_and_means_what_it_meant(tmp_path):
@@ -179,62 +173,94 @@ def test_an_older_run_directory_config_loads_and_means_what_it_meant(tmp_path):
     check_resume(loaded, checkpoint)  # the resumed run's settings agree with the old checkpoint's
 
 
-def test_print_config_of_the_default_preset_is_the_preset_file_over_the_field_defaults(tmp_path):
+def test_print_config_of_the_default_preset_is_the_preset_file_over_the_field_defaults_resolved(tmp_path):
     """`dilocox train --print-config` (no preset, no config: the default preset) prints every option, exits 0 and
-    writes nothing; its values are the preset file's where it sets them and the field defaults elsewhere."""
+    writes nothing; its values are the preset file's where it sets them, the auto rules' where an option is auto and
+    the field defaults elsewhere."""
     result = cli("train", "--print-config", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert list(tmp_path.iterdir()) == []  # no run directory, nothing
     printed = tomllib.loads(result.stdout)
     preset = read_preset(DEFAULT_PRESET)
-    defaults = to_dict(Config())
+    defaults, resolved = to_dict(Config()), to_dict(load_config(None, []))
     for name, *_ in options():
         section, key = name.split(".")
         want = preset.get(section, {}).get(key, defaults[section][key])
-        assert printed[section][key] == want, name
-    assert to_dict(from_dict(printed)) == to_dict(load_config(None, [f"--preset={DEFAULT_PRESET}"]))
-    # a combination that cannot work is one line and exit 2, before anything is printed
-    bad = cli("train", "--print-config", "--sync.kind=allreduce", cwd=tmp_path)
+        assert printed[section][key] == (resolved[section][key] if want == "auto" else want), name
+    assert "auto" not in result.stdout.split("\n#")[0] and printed == resolved
+    assert (printed["sync"]["overlap_steps"], printed["sync"]["merge"], printed["checkpoint"]["interval"]) == (
+        7,
+        "own_payload",
+        96,
+    )  # the values the preset file wrote out before they were auto
+    # a combination that cannot work is one line and exit 2, before anything is printed; it is the real one: the
+    # preset's auto overlap does not complain about time rounds
+    bad = cli("train", "--print-config", "--sync.round=time", "--sync.aggregate=median", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1
-    assert (
-        bad.stderr.startswith("dilocox: error: sync.kind = 'allreduce' syncs every step")
-        and "--preset allreduce" in bad.stderr
+    assert bad.stderr.startswith(
+        "dilocox: error: sync.round = 'time' does not work with sync.aggregate = 'median': the clusters' updates are "
+        "weighted by their tokens"
     )
 
 
-def test_help_shows_the_field_defaults_and_every_preset_in_full():
-    text = train_help()
-    assert "unless set" not in text and "(dilocox:" not in text  # no default that depends on another option
-    for name, typ, default, _ in options():
-        shown = ("true" if default else "false") if typ is bool else f'"{default}"' if typ is str else str(default)
+@pytest.mark.parametrize("args", [[], ["--preset=diloco", "--sync.inner_steps=4"]], ids=["default", "diloco-h4"])
+def test_help_shows_the_values_the_run_uses_and_every_preset_in_full(args):
+    """Each option's line shows the value `dilocox train ARGS` runs with: the preset's, an auto option's resolved
+    value, the field default; and every preset in full."""
+    text = train_help([*args, "--help"])
+    values = to_dict(load_config(None, args))
+    for name, *_ in options():
+        section, key = name.split(".")
+        value = values[section][key]
+        shown = ("true" if value else "false") if isinstance(value, bool) else f'"{value}"' if isinstance(
+            value, str) else str(value)  # fmt: skip
         lines = [line for line in text.splitlines() if line.startswith(f"  --{name}=")]
-        assert len(lines) == 1 and lines[0].endswith(f"(default {shown})"), (name, lines)
-    assert '  --sync.kind={allreduce,cocktail,diloco,dilocox}  (default "diloco")' in text  # a choice: its values
+        assert len(lines) == 1, (name, lines)
+        assert lines[0].endswith((f"({shown})", f"(auto: {shown})", f"({shown}, preset {values['sync']['kind']})")), (
+            name,
+            lines,
+        )
+    assert '  --sync.kind={allreduce,cocktail,diloco,dilocox}  ("' in text  # a choice: its values
     presets = text.split("Presets (", 1)[1].split("\n[run]\n", 1)[0]
     for name in PRESETS:
         assert f"\n  {name}" in presets, name
-        for section, values in read_preset(name).items():
-            for key in values:
+        for section, values_ in read_preset(name).items():
+            for key in values_:
                 assert f"{section}.{key}=" in " ".join(presets.split()), (name, key)
+    if not args:  # the first run's values: what the preset file used to spell out, now resolved by the rules
+        for line in (
+            "--sync.overlap_steps=INT|auto  (auto: 7)",
+            "--checkpoint.interval=INT|auto  (auto: 96)",
+            "--sync.inner_steps=INT  (12, preset dilocox)",
+            "--sync.outer_lr=FLOAT|auto  (1.0, preset dilocox)",
+        ):
+            assert f"  {line}" in text, line
+
+
+def test_help_imports_no_torch():
+    """`dilocox train --help` reads the config dataclasses only: torch (seconds to import) stays out."""
+    code = "import sys; from dilocox.cli import main; main(['train', '--help']); print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "False"
 
 
 def test_the_default_preset_trains_what_its_bench_row_measured():
-    """The dilocox preset claims the measured gap of a bench row (its header, docs/results.md): configs/default.toml
-    (the embedded default written out) trains exactly that row's setting."""
+    """The dilocox preset claims the measured gap of a bench row (its header, docs/results.md): `dilocox train`
+    with no arguments trains exactly that row's setting, its auto options resolving to the values the row set."""
     spec = load_bench(REPO / "benchmarks" / "configs" / "paper_decomposition.toml")
     row = next(
         r for r in spec.runs if r.name == "dilocox-topk-d05-h12-overlap7-local-residual-decay1-lr3e-3-drain-own-payload"
     )
-    measured = to_dict(load_config(REPO / "configs" / "default.toml", row.overrides))
-    shipped = to_dict(load_config(REPO / "configs" / "default.toml"))
-    embedded = to_dict(load_config(None, [f"--preset={DEFAULT_PRESET}"]))
+    measured = to_dict(load_config(None, row.overrides))
+    embedded = to_dict(load_config(None, []))
     for section in ("model", "data", "train", "topology", "sync", "compression"):
-        assert shipped[section] == measured[section] == embedded[section], section
-    assert shipped["network"] == embedded["network"] and shipped["eval"] == embedded["eval"]
+        assert measured[section] == embedded[section], section
 
 
 def test_configs_paper_toml_is_the_paper_preset_on_the_default_setting():
     paper = load_config(REPO / "configs" / "paper.toml")
-    default = load_config(REPO / "configs" / "default.toml", ["--preset=paper"])
+    default = load_config(None, ["--preset=paper", "--train.steps=400"])  # the benchmarks' length, not the first run's
     assert to_dict(dataclasses.replace(paper, run=default.run)) == to_dict(default)
     assert (paper.sync.outer_lr, paper.sync.outer_momentum, paper.sync.merge) == (0.7, 0.9, "keep_local")
+    assert (paper.sync.local_residual, paper.sync.drain_residual, paper.sync.overlap_steps) == (False, False, 0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dilocox.config import load_config
-from dilocox.faults import FaultConfig
+from dilocox.sync.faults import FaultConfig
 from dilocox.sync.robust import PeerCheck, UpdateGuard, aggregate, inner_products
 
 
@@ -214,7 +214,7 @@ def test_fault_config_rounds_and_corruptions():
             ],
             "sum",
         ),
-        (["--sync.kind=allreduce", "--sync.aggregate=median"], "outer loop"),
+        (["--sync.kind=allreduce", "--sync.aggregate=median"], "pseudo-gradients of a round"),
         (["--preset=dilocox-lowrank", "--sync.trim_fraction=0.5"], "sync.trim_fraction"),
         (["--preset=dilocox-lowrank", "--sync.guard_max_ratio=1"], "sync.guard_max_ratio"),
         (["--preset=dilocox-lowrank", "--sync.guard_peer_ratio=0.5"], "sync.guard_peer_ratio"),

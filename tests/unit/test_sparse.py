@@ -148,7 +148,7 @@ def test_sync_with_one_cluster_passes_gradients_through_and_keeps_its_state():
     sync.reduce_gradients()
     for p, g in zip(model.parameters(), grads, strict=True):
         assert torch.equal(p.grad, g)
-    assert sync.after_inner_step(1) is None and sync.is_round_boundary(1)  # nothing crossed a link
+    assert sync.after_inner_step(1) is None and sync.status().boundary  # nothing crossed a link
     assert sync.payload_nbytes() == 0 and sync.bytes_per_step() == (0, 0)
     assert sync.state_bytes() == 4 * 21  # the fp32 residual of the whole (unsharded) gradient
     state = sync.state_dict()

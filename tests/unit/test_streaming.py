@@ -7,7 +7,7 @@ from dilocox.models import model_args
 from dilocox.parallel import stage_tensor_counts
 from dilocox.sync.base import RoundStats
 from dilocox.sync.config import SyncConfig
-from dilocox.sync.streaming import fragment_bounds, fragment_offset
+from dilocox.sync.fragment import fragment_bounds, fragment_offset
 
 
 def test_fragments_hold_every_tensor_once_balanced_by_numel():
@@ -23,9 +23,11 @@ def test_fragments_hold_every_tensor_once_balanced_by_numel():
         fragment_bounds(numels, 5)
 
 
-def test_fragment_k_first_syncs_at_offset_k_h_over_n():
-    assert [fragment_offset(k, 12, 4) for k in range(4)] == [12, 3, 6, 9]
-    assert [fragment_offset(k, 10, 3) for k in range(3)] == [10, 3, 6]
+def test_fragment_k_first_syncs_at_offset_k_plus_one_h_over_n():
+    # fragment 0 first, the last at H: Streaming DiLoCo's and torchft's order
+    assert [fragment_offset(k, 12, 4) for k in range(4)] == [3, 6, 9, 12]
+    assert [fragment_offset(k, 10, 4) for k in range(4)] == [2, 5, 7, 10]
+    assert [fragment_offset(k, 10, 3) for k in range(3)] == [3, 6, 10]
 
 
 def test_stage_tensor_counts_count_each_stage_on_the_meta_device():
@@ -40,27 +42,25 @@ def test_stage_tensor_counts_count_each_stage_on_the_meta_device():
     ("fields", "message"),
     [
         ({"fragments": 0}, "sync.fragments = 0 must be > 0"),
-        ({"kind": "allreduce", "fragments": 2}, "sync.kind = 'allreduce' syncs every step"),
         ({"inner_steps": 3, "fragments": 4}, "sync.fragments = 4 is more than sync.inner_steps = 3"),
-        ({"sync_delay": 1, "fit_link": True, "fragments": 2}, "sync.fit_link = true does not work with"),
-        ({"sync_delay": 1, "overlap_steps": 2, "fragments": 2}, "sync.overlap_steps = 2 does not work with"),
+        (
+            {"inner_steps": 6, "overlap_steps": 2, "fragments": 3},
+            "sync.overlap_steps = 2 must be below a fragment's shortest round, H // sync.fragments = 2",
+        ),
     ],
 )
-def test_sync_config_refuses_fragments_where_they_do_not_work(fields, message):
+def test_sync_config_refuses_impossible_fragments(fields, message):
+    """The counts alone; fragments with other features: the compatibility table (tests/unit/test_compat.py)."""
     with pytest.raises(ValueError, match=message):
         SyncConfig(**fields).validate()
-    SyncConfig(**(fields | {"fragments": 1, "fit_link": False, "overlap_steps": 0})).validate()
+    SyncConfig(**(fields | {"fragments": 1, "overlap_steps": 0})).validate()
 
 
-def test_config_refuses_fragments_with_elastic_and_faults():
-    cfg = Config()
-    cfg.sync.kind, cfg.sync.fragments = "diloco", 2
-    cfg.topology.elastic = True
-    with pytest.raises(ValueError, match="sync.fragments = 2 does not work with topology.elastic = true"):
-        cfg.validate()
-    cfg.topology.elastic = False
-    cfg.faults.kind = "diverge"
-    with pytest.raises(ValueError, match="sync.fragments = 2 does not work with faults.kind = 'diverge'"):
+def test_fragments_compose_with_elastic_runs_faults_and_time_rounds():
+    for elastic, faults, round_mode in ((True, "none", "steps"), (False, "diverge", "time"), (True, "nan", "time")):
+        cfg = Config()
+        cfg.sync.kind, cfg.sync.fragments, cfg.sync.round = "diloco", 2, round_mode
+        cfg.topology.elastic, cfg.faults.kind = elastic, faults
         cfg.validate()
 
 

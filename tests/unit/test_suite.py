@@ -17,3 +17,14 @@ def test_no_test_directory_matches_a_pattern_pytest_does_not_recurse_into(pytest
         and any(directory.rglob("test_*.py"))
     ]
     assert skipped == [], f"pytest never collects the tests under {skipped}: rename the directories"
+
+
+def test_ci_runs_exactly_the_readmes_test_command_which_includes_the_slow_tier(pytestconfig):
+    """The README's test command is what .ci/run runs, slow tier included (`-m ""`); plain `python -m pytest` leaves
+    the tests marked slow out, for a quicker loop."""
+    addopts = pytestconfig.getini("addopts")
+    assert addopts[addopts.index("-m") + 1] == "not slow"
+    readme = (TESTS.parent / "README.md").read_text()
+    command = next(line.split("#")[0].strip() for line in readme.splitlines() if "'.[dev]'" in line)
+    ci = (TESTS.parent / ".ci" / "run").read_text()
+    assert command.endswith('python -m pytest -m ""') and command in ci, command

@@ -16,7 +16,7 @@ a bench file (more in benchmarks/configs/):
 
   [bench]
   name = "mine"                        # results go to runs/bench/mine/ (or --out)
-  base = "../../configs/default.toml"  # the `dilocox train` config of every run, relative to this file
+  base = "../../configs/debug.toml"    # optional: a `dilocox train --config` file, relative to this file
   overrides = ["--eval.interval=50"]   # flags every run gets (a run's own come after, and win)
   baseline = "allreduce"               # the run every gap is paired with, seed by seed
   tuned_baseline = ["allreduce", "allreduce-lr4e-3"]  # optional: a second gap column, to the best of these
@@ -24,7 +24,7 @@ a bench file (more in benchmarks/configs/):
 
   [[runs]]
   name = "allreduce"
-  overrides = ["--preset=allreduce"]   # a preset replaces the base file's own (`dilocox train --help`)
+  overrides = ["--preset=allreduce"]   # a preset replaces the base file's own; no base: dilocox train's default
 
   [[runs]]
   name = "allreduce-lr4e-3"

@@ -26,7 +26,8 @@ PROCESS_FILE = "process_s.txt"
 
 def train_command(spec: BenchSpec, run: BenchRun, run_dir: Path, quick: bool, extra: Sequence[str] = ()) -> list[str]:
     return [
-        sys.executable, "-m", "dilocox", "train", "--config", spec.base, *run_overrides(spec, run, quick), *extra,
+        sys.executable, "-m", "dilocox", "train", *(["--config", spec.base] if spec.base else []),
+        *run_overrides(spec, run, quick), *extra,
         f"--run.out_dir={run_dir}", "--run.overwrite=true", "--metrics.progress=false",
     ]  # fmt: skip
 

@@ -1,10 +1,10 @@
-"""The bench file: a base training config, overrides shared by every run, and the runs (TOML).
+"""The bench file: an optional base training config, overrides shared by every run, and the runs (TOML).
 
-A bench file looks like this (benchmarks/configs/ has the real ones) and is read with `load_bench`:
+A bench file looks like this (benchmarks/configs/ has the real ones) and is read with `load_bench`; without `base`
+every run starts from what `dilocox train` runs with no --config (the default preset and the field defaults):
 
     [bench]
     name = "default"
-    base = "configs/default.toml"
     overrides = ["--train.steps=400"]
     [[runs]]
     name = "allreduce"
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dilocox.config import load_config, read_toml
+from dilocox.config import read_toml
 
 MIN_STEADY_STEPS = 48
 """The paper regime: the fewest steps the steady window of an outer-loop run spans (whole rounds): one 12-step
@@ -55,7 +55,8 @@ class BenchRun:
 @dataclass
 class BenchSpec:
     name: str
-    base: str
+    base: str | None
+    """The `dilocox train --config` file of every run; None: none (the default preset, `dilocox train`)."""
     overrides: list[str]
     runs: list[BenchRun]
     baseline: str = "allreduce"
@@ -75,8 +76,8 @@ def load_bench(path: Path) -> BenchSpec:
     """Read and check a bench file; errors name the file and the key."""
     data = read_toml(path, "bench config", hint=" (see benchmarks/configs/)")
     bench = data.get("bench")
-    if not isinstance(bench, dict) or "base" not in bench:
-        raise ValueError(f'bench config {path}: needs a [bench] table with base = "path/to/train.toml"')
+    if not isinstance(bench, dict):
+        raise ValueError(f"bench config {path}: needs a [bench] table (name, overrides, baseline; base optional)")
     keys = {"name", "base", "overrides", "baseline", "notes", "regime", "timing_repeats", "tuned_baseline"}
     unknown = set(bench) - keys
     if unknown or set(data) - {"bench", "runs"}:
@@ -91,12 +92,12 @@ def load_bench(path: Path) -> BenchSpec:
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
         raise ValueError(f"bench config {path}: run names repeat: {names}")
-    base = Path(bench["base"])
-    if not base.is_absolute():
+    base = Path(bench["base"]) if "base" in bench else None
+    if base is not None and not base.is_absolute():
         base = (path.parent / base) if (path.parent / base).is_file() else base
     spec = BenchSpec(
         name=bench.get("name", path.stem),
-        base=str(base),
+        base=None if base is None else str(base),
         overrides=list(bench.get("overrides", [])),
         runs=runs,
         baseline=bench.get("baseline", "allreduce"),
@@ -131,8 +132,9 @@ QUICK_OVERLAP_STEPS = 2
 
 def run_overrides(spec: BenchSpec, run: BenchRun, quick: bool) -> list[str]:
     """The `dilocox train` overrides of one run: the bench's, then `--quick`'s, then the run's own (under `--quick`
-    a nonzero `sync.overlap_steps`, whether a flag or a preset sets it, becomes `QUICK_OVERLAP_STEPS`)."""
+    a nonzero `sync.overlap_steps` the run sets becomes `QUICK_OVERLAP_STEPS`; an auto one follows the quick H)."""
     flags = [*spec.overrides, *(QUICK_OVERRIDES if quick else []), *run.overrides]
-    if quick and load_config(spec.base, flags).sync.overlap_steps > 0:
+    set_overlap = [flag.partition("=")[2] for flag in flags if flag.startswith("--sync.overlap_steps=")]
+    if quick and set_overlap and set_overlap[-1] not in ("0", "auto"):
         flags.append(f"--sync.overlap_steps={QUICK_OVERLAP_STEPS}")
     return flags

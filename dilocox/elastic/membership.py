@@ -11,7 +11,7 @@ transport instead of from disk (docs/design.md §10.1).
     channel.rebind(quorum.group)          # the slow link of this round
     ...the round's collectives...; membership.commit()
 
-What a round's clusters do with a sync launched in one quorum and resolved in the next is `dilocox.sync.elastic`'s.
+What a round's clusters do with a sync launched in one quorum and resolved in the next is `dilocox.elastic.rounds`'s.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import datetime
 import io
 import logging
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dilocox.net.lighthouse import PROBE_TIMEOUT_S, heartbeat_ages
-from dilocox.net.listen import LOOPBACK, bind_address, url_host
-from dilocox.sync.stall import StallWatch
+from dilocox.elastic.lighthouse import PROBE_TIMEOUT_S, heartbeat_ages
+from dilocox.elastic.stall import StallWatch
+from dilocox.net.listen import bind_address, url_host
 
 
 class ElasticError(ValueError):
@@ -233,7 +232,8 @@ class ElasticMembership:
     """One torchft `Manager` for this rank's position (dp, pp) in its cluster: replica id = the cluster.
 
     `state_dict` / `load_state_dict` are what a live peer sends a joining cluster (outer params, outer optimizer,
-    round counter: `ElasticRounds.heal_state`); they are called by torchft during `start_round`."""
+    round counter: `ElasticRounds.heal_state`); they are called by torchft during `start_round`. Left out, the
+    `ElasticRounds` built over this membership serves them (`serve_heals`)."""
 
     def __init__(
         self,
@@ -249,9 +249,9 @@ class ElasticMembership:
         timeout: datetime.timedelta,
         quorum_timeout: datetime.timedelta,
         control_timeout: datetime.timedelta,
-        state_dict: Callable[[], Any],
-        load_state_dict: Callable[[Any], None],
         heal_max_bytes: int,
+        state_dict: Callable[[], Any] | None = None,
+        load_state_dict: Callable[[Any], None] | None = None,
         config_fingerprint: int,
         shared_settings: dict[str, Any] | None = None,
         cluster_group: dist.ProcessGroup | None = None,
@@ -275,6 +275,7 @@ class ElasticMembership:
         """This cluster's own ranks (its world: pipeline stages x data-parallel replicas, on the fast link), over which
         they take the same branch at every step of a boundary (`ClusterVote`); None for a cluster of one rank."""
         self._healed = False
+        self._state_dict = state_dict
         self._load_state_dict = load_state_dict
         connect = datetime.timedelta(seconds=stall_timeout_s) if stall_timeout_s else None
         self.group = _reconfigurable_gloo(timeout, store_addr, connect_timeout=connect)
@@ -283,7 +284,7 @@ class ElasticMembership:
             self.manager = Manager(
                 pg=self.group,
                 load_state_dict=self._heal,
-                state_dict=state_dict,
+                state_dict=lambda: self._state_dict(),  # type: ignore[misc]
                 min_replica_size=1,  # sync.min_clusters is checked here, with a message that names it
                 use_async_quorum=False,  # the quorum, and a heal, complete at the round boundary
                 timeout=timeout,
@@ -318,7 +319,11 @@ class ElasticMembership:
             poll_s=heartbeat_s,
         )
         """The Lighthouse's heartbeats of the clusters: a member silent for network.stall_timeout while this cluster
-        waits on a transfer of its round is named and left out (`dilocox.sync.stall`; 0: not watched)."""
+        waits on a transfer of its round is named and left out (`dilocox.elastic.stall`; 0: not watched)."""
+
+    def serve_heals(self, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
+        """What a live peer sends a joining cluster, and how this cluster takes it (`ElasticRounds` calls it)."""
+        self._state_dict, self._load_state_dict = state_dict, load_state_dict
 
     def _heal(self, state: Any) -> None:
         self._healed = True
@@ -375,15 +380,19 @@ class ElasticMembership:
         it and, with no cluster left, prints the command that resumes the run from disk."""
         others = [cluster for cluster in quorum.clusters if cluster != self.cluster]
         restarts = self.restarts_in_progress()
+        # every cluster died: the others of its round, or all the others, restarts too (the first restart to ask may
+        # meet the Lighthouse alone, the others' heartbeats gone, whichever restart a loaded machine starts first)
+        restarted = others if quorum.size == self.num_clusters else range(self.num_clusters)
+        if all(cluster in restarts for cluster in restarted if cluster != self.cluster):
+            named = [cluster for cluster in range(self.num_clusters) if cluster != self.cluster]
+            raise NoLivePeer(
+                f"cluster {self.cluster} was started again, and so were clusters {named}: no live cluster holds the "
+                "run's state to heal from (every cluster died)"
+            )
         if not others:
             raise NoLivePeer(
                 f"cluster {self.cluster} was started again, but no other cluster is alive to heal from (the run "
                 "ended, or every other cluster is gone)"
-            )
-        if quorum.size == self.num_clusters and all(cluster in restarts for cluster in others):
-            raise NoLivePeer(
-                f"cluster {self.cluster} was started again, and so were clusters {others}, the others in its first "
-                "round: no live cluster holds the run's state to heal from (every cluster died)"
             )
 
     def await_heals(self, quorum: Quorum) -> None:
@@ -480,27 +489,13 @@ class ElasticMembership:
 def confirm(*, group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
     """Return only once every member of `group` got here (one 1-element all-reduce, bounded by `timeout`)."""
     if group.size() > 1:
-        options = dist.AllreduceOptions()
-        options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
-        group.allreduce([torch.zeros(1)], options).wait()
+        summed(torch.zeros(1), group=group, timeout=timeout)
 
 
-def start_lighthouse(*, bind: str = f"{LOOPBACK}:0", heartbeat_timeout_s: float, join_timeout_s: float):
-    """A torchft LighthouseServer listening on `bind` (`host:port`; port 0: the system picks), in the launcher's
-    process or `dilocox lighthouse`; `lighthouse_url` is what the clusters pass as network.lighthouse. A cluster whose
-    heartbeat is silent for `heartbeat_timeout_s` is left out of the next quorum; the live ones wait at most
-    `join_timeout_s` for a cluster that beats but does not come."""
-    from torchft.coordination import LighthouseServer
-
-    return LighthouseServer(
-        bind=bind,
-        min_replicas=1,
-        join_timeout_ms=int(join_timeout_s * 1000),
-        heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
-    )
-
-
-def lighthouse_url(lighthouse, host: str) -> str:
-    """The URL of `lighthouse` at `host`, where it listens (torchft's `address()` names `socket.gethostname()`, which
-    need not resolve to the address it listens on)."""
-    return f"http://{url_host(host)}:{urllib.parse.urlsplit(lighthouse.address()).port}"
+def summed(tensor: torch.Tensor, *, group: dist.ProcessGroup, timeout: datetime.timedelta) -> torch.Tensor:
+    """`tensor` summed in place over `group`, bounded by `timeout` (gloo honours a per-collective timeout given in the
+    options): control traffic between the members of a round, neither counted nor delayed by the link model."""
+    options = dist.AllreduceOptions()
+    options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
+    group.allreduce([tensor], options).wait()
+    return tensor

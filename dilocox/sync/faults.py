@@ -15,8 +15,9 @@ run whose model you want; it exists for tests, the fault benchmark and users who
 The lying kinds (all but `diverge`) change only what is sent: the cluster's own parameters follow the honest
 update, so its next pseudo-gradients are normal again.
 
-The lying kinds are a wrapper around the cluster's reducer (`FaultyReducer`); `diverge` acts on the parameters,
-where the outer loop asks `diverges` at the first step of each round.
+The lying kinds are a wrapper around the cluster's reducer (`FaultyReducer`): `forge` hands the channel a key no
+cluster holds (`FORGER`) for the next payload it seals (`WanChannel.sign_next_with`), the others change the values
+sent; `diverge` acts on the parameters, where the outer loop asks `diverges` at the first step of each round.
 
 Slow clusters (`faults.slow_clusters`, e.g. `{2 = 2.0}`) make heterogeneity measurable on one machine, independently
 of `faults.kind`: with `faults.slow_mode = "sleep"` every inner step of such a cluster takes factor x longer for real
@@ -27,7 +28,7 @@ schedules are deterministic.
     faults = FaultConfig(cluster=3, kind="scale", rounds="2-4")
     faults.active(cluster=3, round_index=3)          # True
     sent = faults.corrupt(pseudo_grad, round_index=3)
-    reducer = FaultyReducer(reducer, faults, channel=channel, round_index=lambda: sync.outer_step + 1)
+    reducer = FaultyReducer(reducer, faults, channel=channel, cluster=1, round_index=lambda: sync.outer_step + 1)
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-import torch
-
 from dilocox.checks import check_types
+from dilocox.net.auth import MIN_KEY_BYTES, PayloadAuth
 
 if TYPE_CHECKING:
+    import torch
+
     from dilocox.net.channel import WanChannel
     from dilocox.sync.reducers import PendingMean, Reducer
 
@@ -51,6 +53,8 @@ FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 SlowMode = Literal["sleep", "virtual"]
 """How a slow cluster is slow (`faults.slow_mode`): it sleeps for real, or only the time-round clock counts it slow."""
 SLOW_MODES: tuple[str, ...] = get_args(SlowMode)
+FORGER = PayloadAuth(b"dilocox/faults/a-key-no-cluster-holds".ljust(MIN_KEY_BYTES))
+"""faults.kind = forge: what a forger without the shared key tags its payloads with, a key no cluster holds."""
 
 
 @dataclass
@@ -131,6 +135,8 @@ class FaultConfig:
 
     def corrupt(self, pseudo_grad: torch.Tensor, *, round_index: int) -> torch.Tensor:
         """What a lying cluster sends instead of `pseudo_grad` (a new tensor; `pseudo_grad` is not changed)."""
+        import torch  # here: the config half of this module is read without torch (`dilocox train --help`)
+
         if self.kind == "nan":
             return torch.full_like(pseudo_grad, float("nan"))
         if self.kind == "scale":
@@ -158,25 +164,35 @@ class FaultyReducer:
     scale, random, sign) or goes out under a forged tag (forge); everything else is the wrapped reducer's. A payload
     sent again (a resumed run's sync in flight) is sent as it was, lie included.
 
-        reducer = FaultyReducer(build_reducer(...), FaultConfig(kind="sign", cluster=1), channel=channel,
+        reducer = FaultyReducer(build_reducer(...), FaultConfig(kind="sign", cluster=1), channel=channel, cluster=1,
                                 round_index=lambda: sync.outer_step + 1)
     """
 
     def __init__(
-        self, reducer: Reducer, faults: FaultConfig, *, channel: WanChannel, round_index: Callable[[], int]
+        self,
+        reducer: Reducer,
+        faults: FaultConfig,
+        *,
+        channel: WanChannel,
+        cluster: int,
+        round_index: Callable[[], int],
     ) -> None:
         self.reducer = reducer
         self.faults = faults
         self.channel = channel
+        self.cluster = cluster
+        """This cluster's index in the run (not its rank in a quorum or stage group)."""
         self.round_index = round_index
         """The round (1-based) a launch belongs to."""
         self.name = reducer.name
 
     def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
         round_index = self.round_index()
-        if self.faults.active(cluster=self.channel.group_rank, round_index=round_index):
+        if self.faults.active(cluster=self.cluster, round_index=round_index):
             if self.faults.kind == "forge":  # the values are honest, their tag is not
-                self.channel.forge_next_payload()
+                if not self.channel.tag_bytes:
+                    raise ValueError("faults.kind = 'forge' needs network.auth_key_file: without it no tag is sent")
+                self.channel.sign_next_with(FORGER)
             else:
                 pseudo_grad = self.faults.corrupt(pseudo_grad, round_index=round_index)
         return self.reducer.launch(pseudo_grad)

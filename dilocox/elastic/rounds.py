@@ -3,44 +3,47 @@
 With `topology.elastic = true` (docs/design.md §10.1) the clusters of a round are the members of that round's
 torchft quorum (`ElasticMembership`), and the one-step-delay sync launched over one quorum is resolved at the next
 boundary, whose quorum may differ: a cluster died, or a restarted one joined and healed from a live peer.
-`ElasticRounds` owns everything elastic about the outer loop; the round itself (`DiLoCoSync.end_round`: launch,
-landing, guard, merge rule) is the static run's, which calls it at four points of every boundary, through the
-public methods of `ElasticRound`:
+`ElasticRounds` owns everything elastic about the outer loop; the rounds themselves (`FragmentState`: launch,
+landing, guard, merge rule) are the static run's. Around every step with a boundary (`DiLoCoSync.after_inner_step`)
+it opens the boundary and commits it, and each fragment's launch and landing pass through it:
 
     rounds = ElasticRounds(sync, membership)     # DiLoCoSync builds it when given a membership
     joined = rounds.rejoin()                     # the first quorum; a late cluster heals here
-    newcomer = rounds.open_boundary(step)        # then, in the round: before_launch(), settle(due, ...), commit()
+    newcomer = rounds.open_boundary(step)        # then per fragment: before_launch(f), settle(f, due, ...); commit()
 
-What the members of a boundary's quorum do with the sync in flight is `delayed_update_verdict`.
+What the members of a boundary's quorum do with the sync in flight is `delayed_update_verdict` (`dilocox.elastic.vote`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import enum
 import gc
-import json
 import time
-from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from dilocox.agreement import describe_differences
+from dilocox.elastic.events import ElasticEvent, MembershipLog
+from dilocox.elastic.membership import ElasticError, ElasticMembership, Quorum, confirm, shared_settings
+from dilocox.elastic.stall import MemberStalled
+from dilocox.elastic.vote import (
+    VERDICT_BRANCH,
+    Branch,
+    ClusterVote,
+    MemberReport,
+    RejoinRequired,
+    delayed_update_verdict,
+    diverged_members,
+    exchange_reports,
+    exchange_settings,
+    outer_digest,
+)
 from dilocox.net.channel import PayloadsRejected, WanChannel
 from dilocox.sync.base import RoundStats
 from dilocox.sync.config import SyncConfig
-from dilocox.sync.events import ElasticEvent, MembershipLog
-from dilocox.sync.membership import ElasticError, ElasticMembership, Quorum, confirm, shared_settings
 from dilocox.sync.outer_optimizer import outer_optimizer_factory, outer_state_bytes
 from dilocox.sync.reducers import PendingMean, Reducer
-from dilocox.sync.stall import MemberStalled
-
-APPLY, REDO, NOTHING = "apply", "redo", "nothing"
 
 RESUMED = "resumed"
 """The phase of a cluster resumed from disk until its first boundary: the boundary of its checkpoint was settled
@@ -60,14 +63,13 @@ def heal_state_bound(cfg: SyncConfig, numel: int) -> int:
     return 4 * numel + outer_state_bytes(outer_optimizer_factory(cfg), numel) + HEAL_STATE_SLACK
 
 
-class ElasticRound(Protocol):
-    """What `ElasticRounds` uses of the round it settles (`DiLoCoSync`): its public state and methods."""
+class FragmentState(Protocol):
+    """What `ElasticRounds` uses of a fragment whose syncs it settles (`dilocox.sync.fragment.FragmentState`)."""
 
     outer_params: torch.Tensor
-    reducer: Reducer
-    channel: WanChannel
-    warnings: list[str]
     pending: PendingMean | None
+    pending_quorum: int
+    reducer: Reducer
 
     def wait_sync(
         self,
@@ -76,8 +78,13 @@ class ElasticRound(Protocol):
         round_steps: int | None,
         round_index: int | None,
         judge_link: bool,
+        judge_mean: bool = True,
         blocked_from: float | None = None,
     ) -> tuple[torch.Tensor, RoundStats]: ...
+
+    def relaunch(self, flight: tuple[torch.Tensor, bool]) -> None: ...
+
+    def send_again(self, due: PendingMean | None, reducer: Reducer) -> PendingMean: ...
 
     def guard_snapshot(self) -> dict[str, Any]: ...
 
@@ -88,179 +95,16 @@ class ElasticRound(Protocol):
     def load_agreed_state(self, state: dict[str, Any]) -> None: ...
 
 
-class RejoinRequired(RuntimeError):
-    """This cluster's state is not its peers' (it missed a commit, or applied another average): its process stops,
-    so that its launcher restarts it and it heals from a live peer."""
+class ElasticStage(Protocol):
+    """What `ElasticRounds` uses of the stage whose boundaries it settles (`DiLoCoSync`): its fragments, phi of the
+    whole stage (whose digest every member compares), the link and the messages for the user."""
 
+    fragments: list[FragmentState]
+    channel: WanChannel
+    warnings: list[str]
 
-def delayed_update_verdict(*, num_holding: int, num_not_ok: int) -> str:
-    """What the clusters of a quorum do with the sync of the last round, still in flight (one-step delay).
-
-    Every member says whether it holds a share of it (`num_holding` counts those that do) and whether that share
-    arrived whole in this very quorum (`num_not_ok` counts the members for which it did not: it failed, it was
-    launched in another quorum, or the member has none, being new). Both counts are summed over the quorum, so every
-    member reaches the same verdict:
-    - `nothing`: no member holds one (the first round, or a blocking sync);
-    - `apply`: every member got the whole average in an unchanged quorum: apply it, as a static run would;
-    - `redo`: the members that hold a share send it again over the new quorum (the same bytes) and the others
-      abstain, so the average is over the clusters that delivered and are still alive.
-    """
-    if num_holding == 0:
-        return NOTHING
-    return APPLY if num_not_ok == 0 else REDO
-
-
-@dataclass(frozen=True)
-class MemberReport:
-    """What one member of a boundary's quorum tells the others before the sync in flight is settled."""
-
-    holding: bool
-    """It holds a share of the sync in flight (an abstaining sender's too), or, just healed, its peers do."""
-    ok: bool
-    """Its share arrived whole, in this very quorum."""
-    restart_missing: bool
-    """End of training: a cluster its launcher is starting again is not in this quorum (it asked too late)."""
-    digest: int
-    """`outer_digest` of its outer params, which every member must hold bit for bit."""
-    config: int = 0
-    """`agreement.settings_fingerprint` of its run's settings and payload key: clusters started on several machines
-    with different configs stop with one line at their first boundary instead of averaging what does not belong
-    together."""
-    healed: bool = False
-    """It healed from a live peer at this boundary (a restart, or a cluster that joined late): its peers record the
-    rejoin, also when it was back so fast that no quorum ever went without it."""
-
-
-def outer_digest(outer_params: torch.Tensor) -> int:
-    """A fingerprint of fp32 outer params: the wrapping int64 sum of their bit patterns. Integer addition is
-    associative, so it is the same on every device and for any reduction order; one flipped bit changes it."""
-    return int(outer_params.detach().view(torch.int32).sum(dtype=torch.int64))
-
-
-def diverged_members(digests: Sequence[int]) -> list[int]:
-    """The group ranks whose outer params are not the agreed ones: the digest most members hold, ties going to the
-    one of the lowest rank. Empty when all agree."""
-    counts = Counter(digests)
-    agreed = max(digests, key=lambda digest: (counts[digest], -digests.index(digest)))
-    return [rank for rank, digest in enumerate(digests) if digest != agreed]
-
-
-def exchange_reports(
-    report: MemberReport, *, group: dist.ProcessGroup, timeout: datetime.timedelta
-) -> list[MemberReport]:
-    """Every member's report, in group rank order: one small all-reduce over `group` of a table in which each member
-    fills its own row, bounded by `timeout` (gloo honours a per-collective timeout given in the options). Control
-    traffic, not slow-link payload: neither counted nor delayed by the link model. A group of one returns its own
-    report."""
-    if group.size() == 1:
-        return [report]
-    table = torch.zeros(group.size(), 6, dtype=torch.int64)  # (members, fields)
-    table[group.rank()] = torch.tensor(
-        [report.holding, report.ok, report.restart_missing, report.digest, report.config, report.healed]
-    )
-    options = dist.AllreduceOptions()
-    options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
-    group.allreduce([table], options).wait()
-    return [MemberReport(bool(h), bool(o), bool(r), int(d), int(c), bool(e)) for h, o, r, d, c, e in table.tolist()]
-
-
-def exchange_settings(
-    settings: dict[str, Any], *, group: dist.ProcessGroup, timeout: datetime.timedelta
-) -> list[dict[str, Any]]:
-    """Every member's `agreement.run_settings`, in group rank order, when their fingerprints differ: two small
-    all-reduces over `group` (the JSON's lengths, then its bytes, each member filling its own row), bounded by
-    `timeout`. Control traffic, once, just before the run stops. A length above `_MAX_SETTINGS_BYTES` is refused
-    before anything of that size is allocated."""
-    data = json.dumps(settings, sort_keys=True).encode()
-    size, rank = group.size(), group.rank()
-    options = dist.AllreduceOptions()
-    options.reduceOp, options.timeout = dist.ReduceOp.SUM, timeout
-    lengths = torch.zeros(size, dtype=torch.int64)
-    lengths[rank] = len(data)
-    group.allreduce([lengths], options).wait()
-    if not all(0 <= n <= _MAX_SETTINGS_BYTES for n in lengths.tolist()):
-        raise ElasticError(f"a member of the round declared settings of {lengths.tolist()} bytes: not dilocox's")
-    table = torch.zeros(size, int(lengths.max()), dtype=torch.int64)  # (members, bytes)
-    table[rank, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
-    group.allreduce([table], options).wait()
-    described = []
-    for row, length in zip(table.tolist(), lengths.tolist(), strict=True):
-        try:
-            described.append(json.loads(bytes(row[:length])))
-        except (ValueError, UnicodeDecodeError):
-            described.append({})
-    return described
-
-
-_MAX_SETTINGS_BYTES = 256 << 10
-"""The most bytes a member may declare for its settings as JSON (about 5 KB)."""
-
-
-class Branch(enum.IntEnum):
-    """The way a rank goes at one step of a boundary, ordered by severity: the ranks of a cluster take the most
-    severe one any of them saw (`ClusterVote`)."""
-
-    GO_ON = 0
-    """Nothing happened that changes the way (a transfer arrived, a quorum formed)."""
-    NOTHING = 1
-    """No member holds a sync in flight (`delayed_update_verdict`)."""
-    APPLY = 2
-    """Every member got the whole average in an unchanged quorum."""
-    REDO = 3
-    """The members that hold a share send it again over the new quorum."""
-    MEET_AGAIN = 4
-    """A restarted cluster is missing from the quorum at the end of training: meet again with it."""
-    FAILED = 5
-    """A collective of the round failed, or a member diverged: report it and settle in a new quorum."""
-    REJOIN = 6
-    """This cluster is cut off or holds other outer params: it stops, and heals once restarted."""
-
-
-_VERDICT_BRANCH = {NOTHING: Branch.NOTHING, APPLY: Branch.APPLY, REDO: Branch.REDO}
-
-
-class ClusterVote:
-    """The ranks of one cluster take the same branch at every step of an elastic boundary.
-
-    Each rank settles its own stage's sync (its slice, with several data-parallel replicas) with the same rank of the
-    other clusters, over a slow-link group of its own, so what one rank sees (a transfer that failed, a quorum that
-    did not form, a member that diverged) may differ from what another rank of its cluster sees. torchft meets all
-    ranks of a cluster at every quorum and commit, and the stages and replicas meet in the fast collectives that
-    follow a transfer, so a rank that went its own way would hold its whole cluster until network.timeout. Each rank
-    says its branch and all take the most severe (one MAX all-reduce of one value over the cluster's own group, on
-    the fast link). A cluster of one rank needs no vote.
-
-        vote = ClusterVote(membership.cluster_group)
-        branch = vote.most_severe(Branch.REDO)   # REDO, or a more severe branch another rank took
-        failed = vote.any_failed(error)          # a step that failed on any rank (error: this rank's, or None)
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None, *, cluster: int = 0) -> None:
-        self.group = group
-        self.cluster = cluster
-        self.size = 1 if group is None else group.size()
-
-    def most_severe(self, branch: Branch) -> Branch:
-        """The most severe of the cluster's ranks' `branch`es. A rank of this cluster that does not answer (it died or
-        hangs) stops this one too: its launcher restarts the whole cluster, which heals from a live peer."""
-        if self.size == 1:
-            return branch
-        assert self.group is not None
-        value = torch.tensor([int(branch)], dtype=torch.int64)
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MAX
-        try:
-            self.group.allreduce([value], options).wait()
-        except RuntimeError as error:
-            raise RejoinRequired(
-                f"a rank of cluster {self.cluster} did not answer its cluster's vote ({error}); this rank stops, so "
-                "that its launcher restarts the whole cluster and it heals from a live peer"
-            ) from None
-        return Branch(int(value))
-
-    def any_failed(self, failure: BaseException | None) -> bool:
-        """Whether a step failed on any rank of the cluster; `failure`: this rank's error, None where it passed."""
-        return self.most_severe(Branch.FAILED if failure else Branch.GO_ON) is Branch.FAILED
+    @property
+    def outer_params(self) -> torch.Tensor: ...
 
 
 def _forget_traceback(error: BaseException | None) -> None:
@@ -281,34 +125,36 @@ class ElasticRounds:
     it.
     """
 
-    def __init__(self, sync: ElasticRound, membership: ElasticMembership) -> None:
+    def __init__(self, sync: ElasticStage, membership: ElasticMembership) -> None:
         self.sync = sync
         self.membership = membership
-        self.pending_quorum = -1
-        """The quorum over which the sync in flight was launched."""
+        membership.serve_heals(self.heal_state, self.load_heal_state)  # what torchft sends and takes in a heal
         self.joined_quorum: Quorum | None = None
         """A quorum already formed for the next settling (the one `rejoin` healed in)."""
         self.newcomer = False
         """This cluster healed at this boundary: it did not train the round that ends here, so it abstains from it."""
         self.healed_here = False
         """This cluster healed at the boundary being settled (reported to its peers: `MemberReport.healed`)."""
-        self.others_hold = False
-        """Healed: the peers hold shares of a sync in flight that this cluster has no share of."""
+        self.others_hold: set[int] = set()
+        """Healed: the fragments (by position) whose sync in flight the peers hold shares of, this cluster none."""
         self.boundary_step = 0
         """The inner step of the boundary being settled (sent to a cluster that heals there)."""
         self.phase = "round"
         """What the boundary being settled is: an outer round's end (round) or the end of training (flush)."""
-        self.guard_snapshot: dict[str, Any] | None = None
-        """The guard's state before the sync in flight was judged: a redo judges it again from there."""
+        self.settling: Reducer | None = None
+        """The reducer of the sync being settled when it is not its fragment's rounds' (the drain's)."""
+        self.guard_snapshot: tuple[int, dict[str, Any]] | None = None
+        """(fragment position, its guard's state) before the sync being settled was judged: a redo judges it again
+        from there."""
         self.quorum: Quorum | None = None
         """The quorum of the boundary being settled (its group carries this round's sync)."""
         self.boundary_quorum: Quorum | None = None
         """The quorum this boundary met in so far: a blocking sync's launch meets first, a delayed sync's settling."""
         self.vote = ClusterVote(membership.cluster_group, cluster=membership.cluster)
         """The ranks of this cluster (pp x dp) take the same branch at every step of the settling."""
-        self.resumed_flight: tuple[torch.Tensor, bool] | None = None
-        """Resumed from disk: the sync in flight this cluster had sent (and whether to count its bytes again), sent
-        again over the first quorum's group once this cluster is in it (`rejoin`)."""
+        self.resumed_flights: dict[int, tuple[torch.Tensor, bool]] = {}
+        """Resumed from disk: the syncs in flight this cluster had sent, by fragment position in launch order (and
+        whether to count their bytes again), sent again over the first quorum's group once it is in it (`rejoin`)."""
         watch = membership.stall_watch
         self.membership_log = MembershipLog(
             cluster=membership.cluster, heartbeat_timeout_s=2 * watch.poll_s if watch is not None else 0.0
@@ -330,23 +176,35 @@ class ElasticRounds:
         newcomer, self.newcomer = self.newcomer, False
         return newcomer
 
-    def before_launch(self) -> None:
-        """This boundary's sync is launched over this boundary's quorum (the one its settling met in, or a new one,
-        to which the channel moves)."""
+    def before_launch(self, fragment: FragmentState) -> None:
+        """`fragment`'s sync is launched over this boundary's quorum (the one its settling met in, or a new one, to
+        which the channel moves)."""
         if self.boundary_quorum is None:
             self.boundary_quorum = self._next_quorum()
-        self.pending_quorum = self.boundary_quorum.quorum_id
+        fragment.pending_quorum = self.boundary_quorum.quorum_id
 
     def settle(
-        self, due: PendingMean | None, *, round_steps: int | None, round_index: int, judge_link: bool
+        self,
+        fragment: FragmentState,
+        due: PendingMean | None,
+        *,
+        round_steps: int | None,
+        round_index: int,
+        judge_link: bool,
+        reducer: Reducer | None = None,
     ) -> tuple[torch.Tensor, RoundStats] | None:
-        """The average of the sync in flight (`due`, this cluster's share, None if it has none) that every cluster
-        of this boundary's quorum agrees on, and what it cost; None when no cluster holds one
-        (`delayed_update_verdict`). `judge_link` as `DiLoCoSync.wait_sync`'s, for a wait that is not a redo."""
+        """The average of `fragment`'s sync in flight (`due`, this cluster's share, None if it has none) that every
+        cluster of this boundary's quorum agrees on, and what it cost; None when no cluster holds one
+        (`delayed_update_verdict`). `judge_link` as `FragmentState.wait_sync`'s, for a wait that is not a redo.
+        `reducer`: the one that launched `due`, if not the fragment's rounds' (the drain of the held-back residual,
+        which the guard does not judge against the rounds' norms)."""
+        position = self.sync.fragments.index(fragment)
+        self.settling = reducer
         if due is not None:
-            self.guard_snapshot = self.sync.guard_snapshot()
+            self.guard_snapshot = position, fragment.guard_snapshot()
         try:
             return self._settle_in_quorum(
+                fragment,
                 due,
                 round_steps=round_steps,
                 round_index=round_index,
@@ -354,8 +212,9 @@ class ElasticRounds:
                 judge_link=judge_link,
             )
         finally:
+            self.settling = None
             self.guard_snapshot = None
-            self.others_hold = False
+            self.others_hold.discard(position)
             self.boundary_quorum = self.quorum
 
     def commit(self) -> None:
@@ -388,25 +247,26 @@ class ElasticRounds:
             # abstains from the sync they send again now (it holds no share of it).
             self.membership.await_heals(quorum)
             self.membership.commit()
-            self.resumed_flight = None
-            if self.others_hold:
-                s.pending = s.reducer.abstain(s.outer_params)
-                s.pending.abstained = True
-                self.pending_quorum = quorum.quorum_id
-            self.others_hold = False
+            self.resumed_flights = {}
+            for position in sorted(self.others_hold):
+                fragment = s.fragments[position]
+                fragment.pending = fragment.reducer.abstain(fragment.outer_params)
+                fragment.pending.abstained = True
+                fragment.pending_quorum = quorum.quorum_id
+            self.others_hold = set()
             return self.boundary_step, self.phase
-        if self.resumed_flight is not None:  # every member that resumed sends its share again, in the same order
-            sent, account = self.resumed_flight
-            self.resumed_flight = None
-            s.pending = s.reducer.relaunch(sent, account=account)
-            self.pending_quorum = quorum.quorum_id
+        # every member that resumed sends its shares again, in the same order
+        flights, self.resumed_flights = self.resumed_flights, {}
+        for position, flight in flights.items():
+            s.fragments[position].relaunch(flight)
+            s.fragments[position].pending_quorum = quorum.quorum_id
         return None
 
-    def resume(self, step: int, flight: tuple[torch.Tensor, bool] | None) -> None:
-        """This cluster loaded a checkpoint of the boundary at `step` (`DiLoCoSync.load_state_dict`): its sync in flight
-        (what it sent, and whether to count the bytes again) goes out once it is in the first quorum, and a cluster
-        that heals from it joins after that boundary (`RESUMED`)."""
-        self.boundary_step, self.phase, self.resumed_flight = step, RESUMED, flight
+    def resume(self, step: int, flights: dict[int, tuple[torch.Tensor, bool]]) -> None:
+        """This cluster loaded a checkpoint of the boundary at `step` (`DiLoCoSync.load_state_dict`): its syncs in
+        flight (by fragment position, in launch order: what it sent, and whether to count the bytes again) go out
+        once it is in the first quorum, and a cluster that heals from it joins after that boundary (`RESUMED`)."""
+        self.boundary_step, self.phase, self.resumed_flights = step, RESUMED, dict(flights)
 
     # ---------------------------------------------------------------------------------------------- quorum
     def _next_quorum(self) -> Quorum:
@@ -433,6 +293,7 @@ class ElasticRounds:
     # ---------------------------------------------------------------------------------------------- settling
     def _settle_in_quorum(
         self,
+        fragment: FragmentState,
         due: PendingMean | None,
         *,
         round_steps: int | None,
@@ -443,8 +304,9 @@ class ElasticRounds:
         """Every step that can go another way on another rank passes through `self.vote`, so that the ranks of this
         cluster (each settling its own stage and slice) fail, meet again, redo or apply together."""
         s = self.sync
+        position = s.fragments.index(fragment)
         try:
-            arrived = self._wait(due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
+            arrived = self._wait(fragment, due, round_steps=round_steps, round_index=round_index, judge_link=judge_link)
         except RejoinRequired:
             raise
         except RuntimeError as error:  # a peer died during it: that group is broken here, the settling needs a new one
@@ -469,9 +331,9 @@ class ElasticRounds:
                     arrived, quorum = None, None
                     continue
             assert quorum is not None
-            ok = arrived is not None and self.pending_quorum == quorum.quorum_id
+            ok = arrived is not None and fragment.pending_quorum == quorum.quorum_id
             mine = MemberReport(
-                holding=due is not None or self.others_hold,
+                holding=due is not None or position in self.others_hold,
                 ok=ok,
                 restart_missing=self.phase == "flush" and time.monotonic() < deadline and self._restart_missing(quorum),
                 digest=outer_digest(s.outer_params),
@@ -513,7 +375,7 @@ class ElasticRounds:
             if branch is Branch.APPLY:
                 return arrived
             try:
-                return self._redo(due, quorum, round_steps=round_steps, round_index=round_index)
+                return self._redo(fragment, due, quorum, round_steps=round_steps, round_index=round_index)
             except RejoinRequired:
                 raise
             except RuntimeError as error:
@@ -535,7 +397,7 @@ class ElasticRounds:
             num_holding=sum(report.holding for report in reports),
             num_not_ok=sum(not report.ok for report in reports),
         )
-        return _VERDICT_BRANCH[verdict]
+        return VERDICT_BRANCH[verdict]
 
     def _failed_elsewhere(self, what: str, round_index: int) -> RuntimeError:
         """Why this rank leaves a quorum in which nothing failed on its own stage: another rank of its cluster saw
@@ -544,21 +406,22 @@ class ElasticRounds:
         return RuntimeError(f"{what} of round {round_index} failed on another rank of cluster {cluster}")
 
     def _redo(
-        self, due: PendingMean | None, quorum: Quorum, *, round_steps: int | None, round_index: int
+        self,
+        fragment: FragmentState,
+        due: PendingMean | None,
+        quorum: Quorum,
+        *,
+        round_steps: int | None,
+        round_index: int,
     ) -> tuple[torch.Tensor, RoundStats] | None:
-        """Send this member's share of the sync in flight again over `quorum` (or abstain: it has none of its own),
-        and return the average once every member has it."""
-        s = self.sync
+        """Send this member's share of `fragment`'s sync in flight again over `quorum` (or abstain: it has none of its
+        own), and return the average once every member has it."""
         if self.guard_snapshot is not None:
-            s.restore_guard(self.guard_snapshot)
-        self.pending_quorum = quorum.quorum_id
-        if due is not None and not due.abstained:
-            due = s.reducer.relaunch(due.sent, account=True)
-        else:  # nothing of its own to send again: new to the quorum, or it abstained from that round
-            due = s.reducer.abstain(s.outer_params)
-            due.abstained = True
+            fragment.restore_guard(self.guard_snapshot[1])
+        fragment.pending_quorum = quorum.quorum_id
+        due = fragment.send_again(due, self.settling if self.settling is not None else fragment.reducer)
         # sent again just now: waited for at once, with no compute to hide behind
-        arrived = self._wait(due, round_steps=round_steps, round_index=round_index, judge_link=False)
+        arrived = self._wait(fragment, due, round_steps=round_steps, round_index=round_index, judge_link=False)
         # Confirm before applying: an all-reduce completes nowhere unless every member took part, so a redo that
         # failed on one member (it never gets here) fails the confirmation on every member alike, and they all try
         # again. A member that dies inside the confirmation itself can leave one member applying and another trying
@@ -604,10 +467,16 @@ class ElasticRounds:
         return any(cluster not in quorum.clusters for cluster in self.membership.restarts_in_progress())
 
     def _wait(
-        self, due: PendingMean | None, *, round_steps: int | None, round_index: int, judge_link: bool
+        self,
+        fragment: FragmentState,
+        due: PendingMean | None,
+        *,
+        round_steps: int | None,
+        round_index: int,
+        judge_link: bool,
     ) -> tuple[torch.Tensor, RoundStats] | None:
-        """`DiLoCoSync.wait_sync` of `due`, or None when there is none. The slow-link transfer is waited for first and
-        the cluster's ranks vote on it before the fast collectives that follow it (the slices' all-gather over the
+        """`FragmentState.wait_sync` of `due`, or None when there is none. The slow-link transfer is waited for first
+        and the cluster's ranks vote on it before the fast collectives that follow it (the slices' all-gather over the
         replicas, the guard's agreement over the stages): a failed transfer on any rank raises RuntimeError on every
         rank of the cluster, and RejoinRequired where every other member rejected a payload of this cluster (the
         channel's `PayloadsRejected`): it cannot average what the others do, so it stops and heals from a live peer
@@ -632,15 +501,20 @@ class ElasticRounds:
             ) from None
         if branch is Branch.FAILED:
             raise failure or self._failed_elsewhere("the transfer", round_index)
-        return self.sync.wait_sync(
-            due, round_steps=round_steps, round_index=round_index, judge_link=judge_link, blocked_from=blocked_from
+        return fragment.wait_sync(
+            due,
+            round_steps=round_steps,
+            round_index=round_index,
+            judge_link=judge_link,
+            judge_mean=self.settling is None,
+            blocked_from=blocked_from,
         )
 
     # ---------------------------------------------------------------------------------------------- stalls, events
     def _watching_stalls(self):
         """While this cluster waits on a transfer of the quorum it was launched in: a member silent at the Lighthouse
         for network.stall_timeout is named (one line, one record) and the wait fails, so that the live members settle
-        the round without it (`dilocox.sync.stall`)."""
+        the round without it (`dilocox.elastic.stall`)."""
         watch = self.membership.stall_watch
         quorum = self.quorum
         if watch is None or quorum is None:
@@ -683,22 +557,34 @@ class ElasticRounds:
 
     # ---------------------------------------------------------------------------------------------- state
     def heal_state(self) -> dict[str, Any]:
-        """What a live peer sends a cluster that joins at this boundary (torchft's checkpoint transport): the agreed
-        outer state and the round counters (`DiLoCoSync.agreed_state`); not the error-feedback residuals or codec warm
-        starts, which are each cluster's own (the joiner starts them afresh), nor the sync in flight (it abstains)."""
+        """What a live peer sends a cluster that joins at this boundary (torchft's checkpoint transport): every
+        fragment's agreed outer state and round counters (`FragmentState.agreed_state`) and guard; not the
+        error-feedback residuals or codec warm starts, which are each cluster's own (the joiner starts them afresh),
+        nor the syncs in flight (it abstains from them)."""
         s = self.sync
+        snapshot = self.guard_snapshot
+        guards = [
+            snapshot[1] if snapshot is not None and snapshot[0] == k else fragment.guard_snapshot()
+            for k, fragment in enumerate(s.fragments)
+        ]
+        holding = [
+            k
+            for k, fragment in enumerate(s.fragments)
+            if fragment.pending is not None or (snapshot is not None and snapshot[0] == k) or k in self.resumed_flights
+        ]
         return {
-            **s.agreed_state(),
-            "guard": self.guard_snapshot if self.guard_snapshot is not None else s.guard_snapshot(),
-            "others_hold": s.pending is not None or self.guard_snapshot is not None or self.resumed_flight is not None,
+            "fragments": [fragment.agreed_state() for fragment in s.fragments],
+            "guards": guards,
+            "others_hold": holding,
             "boundary_step": self.boundary_step,
             "phase": self.phase,
         }
 
     def load_heal_state(self, state: dict[str, Any]) -> None:
-        """Take a live peer's `heal_state` (called by torchft inside a quorum); the next settling abstains."""
-        self.sync.load_agreed_state(state)
-        self.sync.restore_guard(state["guard"])
-        self.others_hold = bool(state["others_hold"])
+        """Take a live peer's `heal_state` (called by torchft inside a quorum); the next settlings abstain."""
+        for fragment, agreed, guard in zip(self.sync.fragments, state["fragments"], state["guards"], strict=True):
+            fragment.load_agreed_state(agreed)
+            fragment.restore_guard(guard)
+        self.others_hold = {int(k) for k in state["others_hold"]}
         self.guard_snapshot = None
         self.boundary_step, self.phase = int(state["boundary_step"]), state["phase"]

@@ -21,6 +21,12 @@ import sys
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dilocox.net.listen import LOOPBACK, url_host
+
+if TYPE_CHECKING:
+    from dilocox.net.config import NetworkConfig
 
 PROBE_TIMEOUT_S = 3.0
 """How long a probe of the Lighthouse waits for its TCP connection and its answer."""
@@ -119,17 +125,18 @@ def run_lighthouse(
     prefix: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     cwd: str | Path | None = None,
+    log: Path | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
     """`dilocox lighthouse --bind BIND` in a subprocess, with the `[network]` timeouts its clusters use, run under
     `prefix` (e.g. `ip netns exec NS`), for scripts and tests that run a Lighthouse of their own: the process (its
-    stdout a pipe, which ends with "dilocox: lighthouse stopped"; its stderr, torchft's log lines, dropped) and the
-    URL its first line gives for network.lighthouse. RuntimeError, with the process stopped, when it prints none."""
+    stdout a pipe, which ends with "dilocox: lighthouse stopped"; its stderr, torchft's warnings, written to `log` or
+    dropped) and the URL its first line gives for network.lighthouse. RuntimeError, with the process stopped, when
+    it prints none."""
     command = [*prefix, sys.executable, "-m", "dilocox", "lighthouse", "--bind", bind,
                f"--network.heartbeat={heartbeat}", f"--network.stall_timeout={stall_timeout}"]  # fmt: skip
     environment = None if env is None else dict(env)
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=cwd, env=environment
-    )
+    with open(log or "/dev/null", "w") as stderr:  # the process keeps a descriptor of its own
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=cwd, env=environment)
     assert proc.stdout is not None
     first = proc.stdout.readline()
     found = _PRINTED_URL.search(first)
@@ -138,3 +145,33 @@ def run_lighthouse(
         proc.wait()
         raise RuntimeError(f"`{' '.join(command)}` printed no address: {first!r}")
     return proc, found.group(1)
+
+
+def lighthouse_timeouts(network: NetworkConfig) -> dict[str, float]:
+    """The Lighthouse's timeouts from `[network]`: a cluster silent for 2 x network.heartbeat is left out of the next
+    round; the live ones wait up to network.stall_timeout (or network.timeout) for one that beats but does not come."""
+    return {
+        "heartbeat_timeout_s": 2 * network.heartbeat_s,
+        "join_timeout_s": network.stall_timeout_s or network.timeout_s,
+    }
+
+
+def start_lighthouse(*, bind: str = f"{LOOPBACK}:0", heartbeat_timeout_s: float, join_timeout_s: float):
+    """A torchft LighthouseServer listening on `bind` (`host:port`; port 0: the system picks), in the launcher's
+    process or `dilocox lighthouse`; `lighthouse_url` is what the clusters pass as network.lighthouse. A cluster whose
+    heartbeat is silent for `heartbeat_timeout_s` is left out of the next quorum; the live ones wait at most
+    `join_timeout_s` for a cluster that beats but does not come."""
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(
+        bind=bind,
+        min_replicas=1,
+        join_timeout_ms=int(join_timeout_s * 1000),
+        heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
+    )
+
+
+def lighthouse_url(lighthouse, host: str) -> str:
+    """The URL of `lighthouse` at `host`, where it listens (torchft's `address()` names `socket.gethostname()`, which
+    need not resolve to the address it listens on)."""
+    return f"http://{url_host(host)}:{urllib.parse.urlsplit(lighthouse.address()).port}"

@@ -1,0 +1,82 @@
+"""Elastic runs of the setting users run, composed with the features that arrived after elasticity: the `dilocox`
+preset as it is (the one-step delay with each average landing 7 steps into the next round, top-k int4, the
+own_payload merge, the local and drained residual), with its syncs in 2 streaming fragments or in rounds of time
+with a cluster twice as slow. Without failures the elastic run is bit-identical to the static one; with a cluster
+killed mid-run, every fragment of the restarted cluster heals from a live peer and all end on the same outer
+parameters."""
+
+import json
+import os
+import re
+import signal
+
+import pytest
+
+from dilocox.metrics import read_metrics
+from tests.e2e.elastic_runs import records_of
+
+pytest.importorskip("torchft")
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+STEPS = 36
+COMPOSED = [
+    "--preset=dilocox", f"--train.steps={STEPS}", "--eval.interval=0",
+    "--eval.final_max_batches=8", "--checkpoint.interval=0", "--metrics.log_interval=1",
+]  # fmt: skip
+ELASTIC = ["--topology.elastic=true", "--network.heartbeat=0.5s", "--network.stall_timeout=5s", "--network.timeout=60s"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--sync.fragments=2"],
+        # cluster 1 counts its steps twice as long: 6 steps to cluster 0's 12 in every round of the same budget
+        ["--sync.round=time", "--faults.slow_clusters=1:2.0", "--faults.slow_mode=virtual", "--sync.overlap_steps=0"],
+    ],
+    ids=["fragments", "time_rounds"],
+)
+def test_the_preset_elastic_without_failures_is_bit_identical_to_the_static_run(tmp_path, start_run, flags):
+    static = start_run("static", *COMPOSED, *flags, "--topology.num_clusters=2")
+    assert static.finish() == 0, "the static run failed"
+    elastic = start_run("elastic", *COMPOSED, *flags, *ELASTIC, "--topology.num_clusters=2")
+    assert elastic.finish() == 0, "the elastic run failed"
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("static", "elastic")]
+    assert summaries[0]["final_eval_loss"] == summaries[1]["final_eval_loss"]
+    losses = [[r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r] for name in ("static", "elastic")]
+    assert len(losses[0]) == STEPS and losses[0] == losses[1]  # cluster 0's steps
+    records = records_of(tmp_path / "elastic")
+    assert sorted(records) == [0, 1] and records[0]["outer_params_sha256"] == records[1]["outer_params_sha256"]
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_cluster_heals_every_fragment_under_the_preset(tmp_path, start_run):
+    run = start_run("killed", *COMPOSED, "--sync.fragments=2", *ELASTIC, "--topology.num_clusters=3")
+    run.wait_for_step(16)  # mid-round: fragment 0 lands 7 steps after its boundaries at 6, 18, 30
+    os.kill(run.pid_of(2), signal.SIGKILL)
+    assert run.finish() == 0, "the killed run failed"
+    out = run.output
+    assert "dilocox: elastic: cluster 2 failed" in out
+    assert re.search(r"dilocox: elastic: cluster 2 rejoined at step \d+ .*healed from a live peer", out)
+    records = records_of(tmp_path / "killed")
+    assert sorted(records) == [0, 1, 2] and all(r["step"] == STEPS for r in records.values())
+    assert len({r["outer_params_sha256"] for r in records.values()}) == 1, records  # every fragment, bit for bit
+    assert records[2]["healed_from_peer"] and not records[0]["healed_from_peer"]
+
+
+@pytest.mark.timeout(300)
+def test_a_lying_cluster_in_an_elastic_run_is_left_out_and_heals(tmp_path, start_run):
+    """3 elastic clusters under the preset, cluster 2 sends 1000 x its update in round 2: every cluster leaves it out
+    of that sync, cluster 2 heals from the agreed parameters, and all end on the same outer params."""
+    run = start_run("liar", *COMPOSED, *ELASTIC, "--topology.num_clusters=3", "--faults.kind=scale",
+                    "--faults.cluster=2", "--faults.rounds=2")  # fmt: skip
+    assert run.finish() == 0, "the run failed"
+    exclusions = [
+        entry
+        for record in read_metrics(tmp_path / "liar")
+        for entry in record.get("round_exclusions", [])
+        if entry["round"] is not None
+    ]
+    assert [(e["round"], e["cluster"]) for e in exclusions] == [(2, 2)], exclusions
+    records = records_of(tmp_path / "liar")
+    assert sorted(records) == [0, 1, 2] and len({r["outer_params_sha256"] for r in records.values()}) == 1, records
