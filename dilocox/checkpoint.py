@@ -357,6 +357,7 @@ _LEGACY_VALUES = {
     "data.shard": "contiguous",
     "data.split_seed": -1,
     "topology.elastic": False,
+    "topology.dp_mode": "replicate",
     "sync.fragments": 1,
     "sync.round": "steps",
 }
@@ -373,6 +374,7 @@ def resume_fields(cfg: Config, saved: dict[str, Any]) -> list[str]:
     and the codec's format: the saved outer optimizer, round and a sync in flight, whose payload is sent again as it
     was encoded."""
     fields = ["topology.elastic", "topology.num_clusters", "topology.dp_degree", "topology.pp_degree"]
+    fields.append("topology.dp_mode")  # a sharded rank's files hold its shards
     fields += ["model.flavor", "sync.kind"]
     saved_trains_bpe = not saved.get("data", {}).get("tokenizer") and not saved.get("model", {}).get("init_from")
     if saved_trains_bpe and not cfg.data.tokenizer and not cfg.model.init_from:
@@ -569,20 +571,26 @@ def consolidated_model_state(path: Path, *, agreed: bool) -> tuple[dict[str, tor
     """
     meta = read_meta(path)
     topology = meta_topology(meta)
-    names = [_rank_file(topology.rank_of(0, 0, stage)) for stage in range(topology.pp_degree)]
-    verify_checkpoint(path, names)  # the files read below: their sizes and sha256
+    # a sharded stage (topology.dp_mode = shard): every dp rank of cluster 0 holds a dim-0 shard of each tensor
+    sharded = meta.get("config", {}).get("topology", {}).get("dp_mode") == "shard"
+    replicas = range(topology.dp_degrees[0] if sharded else 1)
+    stages = [[_rank_file(topology.rank_of(0, dp, stage)) for dp in replicas] for stage in range(topology.pp_degree)]
+    verify_checkpoint(path, [name for names in stages for name in names])  # the files read below: sizes, sha256
     state: dict[str, torch.Tensor] = {}
     used_outer = False
-    for name in names:
-        file = Path(path) / name
-        # mmap: the optimizer states next to the model and outer params are not copied into memory
-        rank_state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        stage_state = dict(rank_state["model"])
-        outer = saved_outer_params(rank_state["sync"]) if agreed else None
-        if outer is not None:
-            _scatter_flat_(stage_state, outer)
-            used_outer = True
-        state.update(stage_state)
+    for names in stages:
+        shards = []
+        for name in names:
+            file = Path(path) / name
+            # mmap: the optimizer states next to the model and outer params are not copied into memory
+            rank_state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            stage_state = dict(rank_state["model"])
+            outer = saved_outer_params(rank_state["sync"]) if agreed else None
+            if outer is not None:
+                _scatter_flat_(stage_state, outer)
+                used_outer = True
+            shards.append(stage_state)
+        state.update({key: torch.cat([shard[key] for shard in shards]) for key in shards[0]})
     return state, used_outer
 
 

@@ -50,6 +50,9 @@ from dilocox.topology import Topology, parse_cluster_shapes
 Device = Literal["auto", "cpu", "cuda"]
 """`run.device`: where each rank computes (`dilocox.device.resolve_device`)."""
 DEVICES: tuple[str, ...] = get_args(Device)
+DpMode = Literal["replicate", "shard"]
+"""`topology.dp_mode`: how a cluster's dp ranks hold a stage (`dilocox.parallel.fsdp`)."""
+DP_MODES: tuple[str, ...] = get_args(DpMode)
 ShardMode = Literal["mixed", "contiguous"]
 """`data.shard`: how the training windows are dealt to the data shards (`dilocox.data.dataset`)."""
 SHARD_MODES: tuple[str, ...] = get_args(ShardMode)
@@ -181,6 +184,8 @@ class TopologyConfig:
     """Data-parallel replicas inside each cluster (D), joined by a fast link."""
     pp_degree: int = 1
     """Pipeline stages inside each cluster (P); world size = C x D x P."""
+    dp_mode: DpMode = "replicate"
+    """How the D ranks hold a stage: replicate (each all of it) or shard (FSDP2: each 1/D, outer state and link too)."""
     clusters: list[str] = field(default_factory=list)
     """Each cluster's shape, e.g. ["pp2xdp2", "pp2xdp1"] (dp may differ); sets num_clusters, dp_degree (max), pp."""
     elastic: bool = False

@@ -19,6 +19,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from dilocox.topology import local_shard
+
 MUON_LR_CONVENTION = "match_rms_adamw"
 """`torch.optim.Muon`'s `adjust_lr_fn`: each matrix's step is scaled by 0.2 x sqrt(max(rows, cols)), so that its RMS
 is that of a typical AdamW step at the same learning rate (Liu et al. 2025, arXiv 2502.16982). AdamW's learning
@@ -119,7 +121,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
 def inner_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of `optimizer`'s per-parameter state at its full size (before the first step allocates it): two
-    moments per AdamW parameter, one momentum buffer per Muon matrix or momentum SGD parameter, none for plain SGD."""
+    moments per AdamW parameter, one momentum buffer per Muon matrix or momentum SGD parameter, none for plain SGD;
+    of a sharded parameter, its shard's."""
     optimizers = [optimizer.muon, optimizer.adamw] if isinstance(optimizer, MuonAdamW) else [optimizer]
     total = 0
     for inner in optimizers:
@@ -130,5 +133,5 @@ def inner_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                 copies = 1
             else:
                 copies = 0
-            total += copies * sum(p.numel() * p.element_size() for p in group["params"])
+            total += copies * sum(local_shard(p).numel() * p.element_size() for p in group["params"])
     return total

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     import torch.distributed as dist
 
 _SHAPE = re.compile(r"pp(?P<pp>\d+)xdp(?P<dp>\d+)|dp(?P<dp2>\d+)xpp(?P<pp2>\d+)|dp(?P<dp3>\d+)")
@@ -41,6 +42,12 @@ def group_size(group: dist.ProcessGroup | None) -> int:
     import torch.distributed as dist  # here, not at the top: the config reads this module without torch
 
     return 1 if group is None else dist.get_world_size(group)
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor of its stage: a DTensor's local shard (`topology.dp_mode = shard`, the dim-0
+    shard FSDP keeps on this dp rank, sharing its storage), else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def parse_cluster_shapes(shapes: Sequence[str], *, pp_degree: int) -> tuple[tuple[int, ...], int]:

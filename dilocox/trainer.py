@@ -43,11 +43,12 @@ from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.net.watchdog import JobStore, Watchdog
 from dilocox.optim import MuonAdamW, inner_state_bytes, split_muon_parameters
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
+from dilocox.parallel.fsdp import load_local_optimizer_state_, load_local_state_, local_state, shard_stage
 from dilocox.parallel.pipeline import mean_token_cross_entropy
 from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync
 from dilocox.sync.lanes import LaneLayout, lane_allreduce_bytes_per_step
 from dilocox.sync.robust import GuardError
-from dilocox.topology import Topology, build_process_groups
+from dilocox.topology import Topology, build_process_groups, local_shard
 
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 """The autocast dtype of each `train.dtype` (fp32: no autocast)."""
@@ -292,6 +293,10 @@ class Trainer:
             cfg, self.data.vocab_size, stage=self.coords.pp, num_stages=self.num_stages, device=self.device
         )
         configure_compute(self.model, cfg)
+        self.sharded = cfg.topology.dp_mode == "shard"
+        """The cluster's dp ranks hold this stage as FSDP2 shards (`dilocox.parallel.fsdp`), not as replicas."""
+        if self.sharded:
+            shard_stage(self.model, self.groups.dp_group)
         self.num_params = count_parameters(self.model_args)
         self.runner = PipelineRunner(
             self.model,
@@ -305,8 +310,9 @@ class Trainer:
             dim=self.model_args.dim,
             vocab_size=self.model_args.vocab_size,
         )
-        # the pipeline of cluster 0, replica 0 (it contains rank 0) evaluates; its last stage has the loss
-        self.in_eval_pipeline = self.coords.cluster == 0 and self.coords.dp == 0
+        # the pipeline of cluster 0, replica 0 (it contains rank 0) evaluates; its last stage has the loss. A sharded
+        # stage's forward all-gathers its parameters over the dp ranks, so all of cluster 0's run it.
+        self.in_eval_pipeline = self.coords.cluster == 0 and (self.coords.dp == 0 or self.sharded)
         self.inner_optimizer = build_inner_optimizer(cfg, self.model)
         self.membership = None
         if self.elastic:
@@ -336,6 +342,7 @@ class Trainer:
             membership=self.membership,
             lanes=self.lanes,
             tokens_per_step=self.cluster_tokens_per_step,
+            sharded=self.sharded,
         )
         self.time_rounds = cfg.sync.has_outer_loop and cfg.sync.round == "time"
         """Every cluster trains for the same time budget per round; the run is ceil(train.steps / H) rounds."""
@@ -404,9 +411,10 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict(),
-            "inner_optimizer": self.inner_optimizer.state_dict(),
+        model, inner = self.model.state_dict(), self.inner_optimizer.state_dict()
+        return {  # a sharded stage's tensors: this rank's shards
+            "model": local_state(model) if self.sharded else model,
+            "inner_optimizer": local_state(inner) if self.sharded else inner,
             "sync": self.sync.state_dict(),
             "data": self.stream.state_dict(),
             "channel": self.channel.state_dict(),
@@ -423,8 +431,12 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        if self.sharded:
+            load_local_state_(self.model.state_dict(), state["model"])
+            load_local_optimizer_state_(self.inner_optimizer, state["inner_optimizer"])
+        else:
+            self.model.load_state_dict(state["model"])
+            self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self.channel.load_state_dict(state["channel"])  # before the sync, which may send a saved transfer again
         self.sync.load_state_dict(state["sync"])
         self.stream.load_state_dict(state["data"])
@@ -470,7 +482,7 @@ class Trainer:
     def save(self) -> Path | None:
         """Checkpoint this rank (collective); a rank with non-finite parameters stops the run instead, so no
         checkpoint of a diverged model is ever written and the good ones stay."""
-        bad = [name for name, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        bad = [name for name, p in self.model.named_parameters() if not torch.isfinite(local_shard(p)).all()]
         if bad:
             self._diverged(f"non-finite parameters ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
         self._last_checkpoint_step = self._checkpoint_position()
@@ -505,7 +517,12 @@ class Trainer:
         loss = self.runner.train_step(inputs, targets)  # forward + backward over all microbatches
         self.sync.reduce_gradients()
         if self.cfg.train.grad_clip > 0:
-            clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip, pp_group=self.groups.pp_group)
+            clip_grad_norm_(
+                self.model.parameters(),
+                self.cfg.train.grad_clip,
+                pp_group=self.groups.pp_group,
+                shard_group=self.groups.dp_group if self.sharded else None,
+            )
         self.lr_step = self.sync.status().progress if self.time_rounds else self.step
         set_inner_lr(self.inner_optimizer, self.cfg, self.lr_step)
         self.inner_optimizer.step()
@@ -763,8 +780,10 @@ class Trainer:
                 self.lanes, [p.numel() for p in self.model.parameters() if p.requires_grad]
             )
         else:
-            per_step = allreduce_bytes_per_step(
-                self.sync.status().numel, dp_group=self.groups.dp_group, cluster_group=self.groups.cluster_group
+            per_step = allreduce_bytes_per_step(  # a sharded stage: this rank's shard is its part
+                self.sync.status().numel,
+                dp_group=None if self.sharded else self.groups.dp_group,
+                cluster_group=self.groups.cluster_group,
             )
         mine = {
             "bytes_sent": stats["bytes_sent"],
@@ -848,8 +867,9 @@ class Trainer:
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of this rank's training state: its stage's parameters, gradients, inner and outer optimizer state
-        (optimizer states counted at their full size even before the first step allocates them)."""
-        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        (optimizer states counted at their full size even before the first step allocates them; a sharded stage's,
+        this rank's shards)."""
+        params = sum(local_shard(p).numel() * p.element_size() for p in self.model.parameters())
         inner = inner_state_bytes(self.inner_optimizer)
         outer = self.sync.status().state_bytes
         outer_on_host = self.cfg.sync.outer_state_device == "cpu" and self.device.type != "cpu"

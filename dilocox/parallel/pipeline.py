@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dilocox.config import PIPELINE_SCHEDULES as SCHEDULES  # the schedules `PipelineRunner` accepts
-from dilocox.topology import group_size
+from dilocox.topology import group_size, local_shard
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -257,22 +257,30 @@ def broadcast_from_last_stage(value: float | None, pp_group: dist.ProcessGroup |
     return buffer.item()
 
 
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, *, pp_group: dist.ProcessGroup | None) -> float:
+def clip_grad_norm_(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    pp_group: dist.ProcessGroup | None,
+    shard_group: dist.ProcessGroup | None = None,
+) -> float:
     """Clip the gradients of a stage so that the whole model's gradient norm is at most `max_norm`.
 
     The squared norms of the stages are summed over `pp_group`, so every stage scales by the factor that
     `torch.nn.utils.clip_grad_norm_` would apply to the unsplit model. Returns the total norm (before clipping).
-    Gradients are the same on every dp replica after their all-reduce, so the pipeline group is enough.
+    Gradients are the same on every dp replica after their all-reduce, so the pipeline group is enough; a stage
+    sharded over the dp ranks (`shard_group`, topology.dp_mode = shard) sums its shards' squares over it first.
     """
     if not max_norm > 0:
         raise ValueError(f"train.grad_clip = {max_norm!r} must be > 0 to clip (0 disables clipping: skip the call)")
-    grads = [param.grad for param in params if param.grad is not None]
+    grads = [local_shard(param.grad) for param in params if param.grad is not None]
     # Per-tensor norms in fp32 as torch does, their squares summed in fp64 so that the sum over stages loses nothing.
     squared = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else group_device(pp_group))
     for grad in grads:
         squared += torch.linalg.vector_norm(grad.detach(), 2.0, dtype=torch.float32).double().square()
-    if group_size(pp_group) > 1:
-        dist.all_reduce(squared, group=pp_group)
+    for group in (shard_group, pp_group):
+        if group_size(group) > 1:
+            dist.all_reduce(squared, group=group)
     total_norm = math.sqrt(squared.item())
     # The same coefficient as torch.nn.utils.clip_grad_norm_ (including its 1e-6 guard), clamped to never scale up.
     coefficient = min(max_norm / (total_norm + 1e-6), 1.0)

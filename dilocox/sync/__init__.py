@@ -45,21 +45,24 @@ def build_sync(
     membership: ElasticMembership | None = None,
     lanes: LaneLayout | None = None,
     tokens_per_step: int = 1,
+    sharded: bool = False,
 ) -> SyncStrategy:
     """The strategy named by `sync.kind`, over this rank's parameters. The outer-loop kinds get the public
     `OuterSync` around `DiLoCoSync`, so `dilocox train` and a user's own loop (docs/api.md) run one object;
     `inner_optimizer` has its state reset when the guard heals this cluster; over `pp_group` (the cluster's pipeline)
     the stages agree on what the guard leaves out; `lanes`: clusters of different data-parallel degree (outer-loop
     kinds only, docs/design.md §2.1); `tokens_per_step` (this cluster's, per inner step) weighs the clusters'
-    updates by their tokens under `sync.round = time`."""
+    updates by their tokens under `sync.round = time`; `sharded`: `params` are FSDP shards over `dp_group`
+    (`topology.dp_mode = shard`): each rank syncs its own shard."""
     from dilocox.sync.allreduce import AllReduceSync
     from dilocox.sync.cocktail import CocktailSync
     from dilocox.sync.outer import OuterSync
 
+    replicas = None if sharded else dp_group  # FSDP averaged a sharded stage's gradients over dp_group
     if cfg.sync.kind == "allreduce":
-        return AllReduceSync(params, channel=channel, dp_group=dp_group)
+        return AllReduceSync(params, channel=channel, dp_group=replicas)
     if cfg.sync.kind == "cocktail":
-        return CocktailSync(params, cfg.cocktail, channel=channel, dp_group=dp_group, seed=cfg.run.seed)
+        return CocktailSync(params, cfg.cocktail, channel=channel, dp_group=replicas, seed=cfg.run.seed)
     return OuterSync.from_configs(
         params,
         cfg.sync,
@@ -74,4 +77,5 @@ def build_sync(
         membership=membership,
         lanes=lanes,
         tokens_per_step=tokens_per_step,
+        sharded=sharded,
     )

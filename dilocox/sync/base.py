@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from dilocox.compress import compression_ratio
 from dilocox.elastic.events import ElasticEvent
-from dilocox.topology import group_size
+from dilocox.topology import group_size, local_shard
 
 
 @dataclass
@@ -273,6 +273,7 @@ class StepRounds:
 
 class FlatParams:
     """A fixed list of parameters seen as one flat fp32 vector (one collective per step instead of one per tensor).
+    A sharded stage's parameter (`topology.dp_mode = shard`) counts as this rank's shard of it (`local_shard`).
 
     flat = FlatParams(model.parameters())
     g = flat.gather_grads()        # (numel,)
@@ -281,28 +282,31 @@ class FlatParams:
 
     def __init__(self, params) -> None:
         self.params: list[torch.nn.Parameter] = [p for p in params if p.requires_grad]
-        self.numels = [p.numel() for p in self.params]
-        self.shapes = [p.shape for p in self.params]
+        self.numels = [local_shard(p).numel() for p in self.params]
+        self.shapes = [local_shard(p).shape for p in self.params]
         self.numel = sum(self.numels)
 
     def gather_data(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        return torch.cat([local_shard(p).detach().reshape(-1).float() for p in self.params])
 
     def scatter_data(self, flat: torch.Tensor) -> None:
         with torch.no_grad():
             for p, chunk in zip(self.params, flat.split(self.numels), strict=True):
-                p.copy_(chunk.view_as(p))
+                local_shard(p).copy_(chunk.view_as(local_shard(p)))
 
     def gather_grads(self) -> torch.Tensor:
         return torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in self.params]
+            [
+                (local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p))).reshape(-1).float()
+                for p in self.params
+            ]
         )
 
     def scatter_grads(self, flat: torch.Tensor) -> None:
         for p, chunk in zip(self.params, flat.split(self.numels), strict=True):
             if p.grad is None:
                 p.grad = torch.empty_like(p)
-            p.grad.copy_(chunk.view_as(p))
+            local_shard(p.grad).copy_(chunk.view_as(local_shard(p)))
 
 
 def dp_mean_(flat: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -87,9 +87,13 @@ class DiLoCoSync:
         tokens_per_step: int = 1,
         round_tokens: int | None = None,
         weigh_tokens: bool = False,
+        sharded: bool = False,
     ) -> None:
-        """`lanes`: clusters of different data-parallel degree (docs/design.md §2.1). `tokens_per_step`: the tokens
-        this cluster trains on per inner step; `round_tokens`: n_ref, the nominal tokens of one round, the same on
+        """`sharded`: `params` are FSDP shards over `dp_group` (topology.dp_mode = shard): FSDP's reduce-scatter
+        already averaged the gradients over it, and this rank's shard is all it sends over the slow link (a replicated
+        stage's rank sends its slice of the stage and all-gathers the others'). `lanes`: clusters of different
+        data-parallel degree (docs/design.md §2.1). `tokens_per_step`: the tokens this cluster trains on per inner
+        step; `round_tokens`: n_ref, the nominal tokens of one round, the same on
         every cluster (default H x one replica's tokens per step); `weigh_tokens`: weigh the clusters by their tokens
         also with `sync.round = "steps"`."""
         compression = compression or CompressionConfig()
@@ -101,7 +105,8 @@ class DiLoCoSync:
         self.name = cfg.kind  # diloco or dilocox: the same code, other defaults
         self.flat = FlatParams(params)
         self.numel = self.flat.numel
-        self.dp_group = dp_group
+        self.dp_group = None if sharded else dp_group
+        """The replicas whose gradients `reduce_gradients` averages and over which the reducers slice the stage."""
         self.total_steps = total_steps
         self.time_rounds = cfg.round == "time"
         if self.time_rounds and not total_steps:
@@ -115,7 +120,7 @@ class DiLoCoSync:
             cfg=cfg,
             compression=compression,
             channel=channel,
-            dp_group=dp_group,
+            dp_group=self.dp_group,
             pp_group=pp_group,
             seed=seed,
             state_device=params_device if cfg.outer_state_device == "device" else torch.device("cpu"),
@@ -233,7 +238,8 @@ class DiLoCoSync:
 
     # ---------------------------------------------------------------------------------------------- protocol
     def reduce_gradients(self) -> None:
-        self.flat.scatter_grads(dp_mean_(self.flat.gather_grads(), self.dp_group))
+        if self.dp_group is not None:  # a sharded stage's gradients were averaged by FSDP's reduce-scatter
+            self.flat.scatter_grads(dp_mean_(self.flat.gather_grads(), self.dp_group))
 
     def is_round_boundary(self, step: int) -> bool:
         """Whether some fragment's round ends at `step` (a checkpoint there holds every fragment's state)."""

@@ -174,6 +174,7 @@ class OuterSync:
         tokens_per_step: int = 1,
         round_tokens: int | None = None,
         weigh_tokens: bool = False,
+        sharded: bool = False,
     ) -> OuterSync:
         """Around a `channel` the caller owns (and closes), with the config dataclasses: the trainer's path
         (`build_sync`), and the one to `sync.fit_link` or `sync.outer_state_device`. Nothing is hooked or
@@ -186,7 +187,7 @@ class OuterSync:
         pseudo-gradient is weighted by its tokens (`LaneLayout.cluster_weight`). `tokens_per_step`, `round_tokens`
         and `weigh_tokens` set the token-weighted average of time rounds (`DiLoCoSync`): this cluster's tokens per
         inner step, the nominal tokens of a round (the same on every cluster), and whether to weigh also with step
-        rounds."""
+        rounds. `sharded`: `params` are FSDP shards over `dp_group` (topology.dp_mode = shard, `DiLoCoSync`)."""
         if sync.kind not in OUTER_LOOP_KINDS:
             raise ValueError(f"OuterSync needs sync.kind = diloco or dilocox, not {sync.kind!r}")
         compression = compression or CompressionConfig()
@@ -218,6 +219,7 @@ class OuterSync:
             tokens_per_step=tokens_per_step,
             round_tokens=round_tokens,
             weigh_tokens=weigh_tokens,
+            sharded=sharded,
         )
         return self
 
@@ -241,6 +243,7 @@ class OuterSync:
         tokens_per_step: int = 1,
         round_tokens: int | None = None,
         weigh_tokens: bool = False,
+        sharded: bool = False,
     ) -> None:
         self.diloco = DiLoCoSync(
             params,
@@ -258,6 +261,7 @@ class OuterSync:
             tokens_per_step=tokens_per_step,
             round_tokens=round_tokens,
             weigh_tokens=weigh_tokens,
+            sharded=sharded,
         )
         """The implementation this facade drives (docs/design.md §3): the stage's fragments' rounds."""
         self.inner_optimizer = inner_optimizer
@@ -266,7 +270,7 @@ class OuterSync:
         self.compression = compression
         self.channel = channel
         """The slow link: cumulative bytes and busy, exposed and hidden time in `channel.stats()`."""
-        self.dp_group = dp_group
+        self.dp_group = self.diloco.dp_group
         self.last_round: RoundStats | None = None
         """What the last sync applied cost: bytes sent, link, exposed and hidden time, the codec's payload and rank."""
         self._owns_channel = owns_channel

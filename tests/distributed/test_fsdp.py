@@ -1,0 +1,149 @@
+"""`topology.dp_mode = shard` (FSDP2 inside a cluster) against `replicate`, on 2 clusters x dp 2 of gloo ranks.
+
+Each case runs the Trainer on 4 ranks for 3 rounds of the blocking fp32 DiLoCo (`--preset=diloco`, grad clipping
+on), and the sharded one again resumed from the checkpoint of round 2. Checked: the sharded run's losses are the
+replicated run's to float rounding at every step of every rank; every rank puts the same bytes on the slow link (its
+1/2 of the stage, both ways: rank d's FSDP shard instead of slice d of the replicated stage); each rank's parameters,
+gradients, inner and outer state in the memory report are half the replicated rank's; the resumed run ends bit for
+bit where the straight one does; and the checkpoint's consolidated model (`dilocox eval`, `export`) is the whole
+stage, as the replicated run's is.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dilocox.checkpoint import consolidated_model_state
+from dilocox.config import load_config
+from dilocox.trainer import Trainer, prepare_data
+from tests.multiproc import run_ranks
+
+CORPUS = "corpus.txt"
+H, STEPS = 2, 6
+COMMON = [
+    "--model.flavor=debug",
+    "--data.vocab_size=300",
+    "--train.seq_len=32",
+    "--train.micro_batch_size=4",
+    f"--train.steps={STEPS}",
+    "--train.warmup_steps=1",
+    "--train.grad_clip=1.0",
+    "--preset=diloco",
+    f"--sync.inner_steps={H}",
+    "--topology.dp_degree=2",
+    "--network.bandwidth=unlimited",
+    "--network.latency=0",
+    "--eval.interval=0",
+    "--eval.max_batches=1",
+    "--eval.final_max_batches=1",
+    f"--checkpoint.interval={H}",
+    "--checkpoint.keep=5",
+    "--metrics.progress=false",
+]
+VARIANTS = {"replicate": ["--topology.dp_mode=replicate"], "shard": ["--topology.dp_mode=shard"]}
+
+
+def config(corpus: Path, *overrides: str):
+    cfg = load_config(None, [*COMMON, f"--data.path={corpus}", *overrides])
+    cfg.validate(cfg.world_size)
+    return cfg
+
+
+def _one_run(cfg, rank, data, run_dir: Path, resume: Path | None = None) -> dict:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg, rank=rank, run_dir=run_dir, data=data)
+    if resume is not None:
+        trainer.resume(resume)
+    losses, train_step = [], trainer.train_step
+
+    def recorded_step():
+        losses.append(train_step())
+        return losses[-1]
+
+    trainer.train_step = recorded_step
+    summary = trainer.train()
+    stats = trainer.channel.stats()
+    out = {
+        "coords": trainer.coords,
+        "losses": losses,
+        "outer": trainer.sync.diloco.outer_params.clone(),
+        "bytes": (stats["bytes_sent"], stats["bytes_recv"]),
+        "memory": trainer.memory[rank],
+        "eval_loss": trainer.last_eval_loss,
+        "summary": summary,
+    }
+    trainer.close()
+    return out
+
+
+def _all_runs(rank, world_size, data, root):
+    out = {}
+    for name, overrides in VARIANTS.items():
+        out[name] = _one_run(config(root / CORPUS, *overrides), rank, data, root / name)
+    checkpoint = root / "shard" / "checkpoints" / f"step_{2 * H:08d}"
+    out["resumed"] = _one_run(config(root / CORPUS, *VARIANTS["shard"]), rank, data, root / "resumed", checkpoint)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run of this module in one set of 4 processes: starting them is most of the cost."""
+    root = tmp_path_factory.mktemp("fsdp")
+    words = "each rank keeps a shard of the stage and the slow link carries the shards".split()
+    generator = torch.Generator().manual_seed(0)
+    lines = [" ".join(words[i] for i in torch.randint(len(words), (12,), generator=generator)) for _ in range(400)]
+    (root / CORPUS).write_text("\n".join(lines) + "\n")
+    data = prepare_data(config(root / CORPUS))
+    ranks = run_ranks(_all_runs, 4, args=(data, root))
+    return {name: [rank[name] for rank in ranks] for name in (*VARIANTS, "resumed")}, root
+
+
+@pytest.mark.dist
+def test_shard_trains_as_replicate_with_the_same_bytes_and_half_the_state(runs):
+    results, _ = runs
+    for replicated, sharded in zip(results["replicate"], results["shard"], strict=True):
+        assert replicated["coords"] == sharded["coords"]
+        assert len(sharded["losses"]) == STEPS
+        assert sharded["losses"][0] == replicated["losses"][0]  # the same start and batch
+        assert sharded["losses"] == pytest.approx(replicated["losses"], rel=1e-5, abs=1e-6)
+        assert sharded["losses"][-1] < sharded["losses"][0] - 0.1  # it trained
+        # the debug stage's tensors have even first dimensions: rank d's FSDP shard has the values of slice d of
+        # the replicated stage, so the fp32 ring all-reduce over 2 clusters moves the same bytes
+        assert sharded["bytes"] == replicated["bytes"]
+        assert sharded["bytes"][0] > 0
+        for key in ("params", "grads", "inner_state", "outer_state", "total"):
+            assert 2 * sharded["memory"][key] == replicated["memory"][key], key
+    numel = sum(r["outer"].numel() for r in results["replicate"][:1])
+    assert sum(s["outer"].numel() for s in results["shard"][:2]) == numel  # the two shards make one stage
+    # every cluster holds the same phi on its dp rank d; the shards' concatenation is the replicated phi's values
+    by_dp = {s["coords"].dp: s["outer"] for s in results["shard"]}
+    for s in results["shard"]:
+        assert torch.equal(s["outer"], by_dp[s["coords"].dp])
+    summary = results["shard"][0]["summary"]
+    assert summary.wan_bytes_total == results["replicate"][0]["summary"].wan_bytes_total
+    assert summary.allreduce_equiv_bytes == results["replicate"][0]["summary"].allreduce_equiv_bytes
+    assert summary.final_eval_loss == pytest.approx(results["replicate"][0]["summary"].final_eval_loss, rel=1e-5)
+
+
+@pytest.mark.dist
+def test_a_resumed_shard_run_ends_where_the_straight_one_does(runs):
+    results, _ = runs
+    for straight, resumed in zip(results["shard"], results["resumed"], strict=True):
+        assert resumed["losses"] == straight["losses"][2 * H :]
+        assert torch.equal(resumed["outer"], straight["outer"])
+        assert resumed["bytes"] == straight["bytes"]
+        assert resumed["eval_loss"] == straight["eval_loss"]
+
+
+@pytest.mark.dist
+def test_the_consolidated_model_of_a_shard_checkpoint_is_the_whole_stage(runs):
+    _, root = runs
+    step = root / "{}" / "checkpoints" / f"step_{STEPS:08d}"
+    whole, used_outer = consolidated_model_state(Path(str(step).format("shard")), agreed=True)
+    replicated, _ = consolidated_model_state(Path(str(step).format("replicate")), agreed=True)
+    assert used_outer
+    assert whole.keys() == replicated.keys()
+    for name, tensor in replicated.items():
+        assert whole[name].shape == tensor.shape, name
+        torch.testing.assert_close(whole[name], tensor, rtol=1e-4, atol=1e-5)
