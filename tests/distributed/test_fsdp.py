@@ -9,6 +9,7 @@ bit where the straight one does; and the checkpoint's consolidated model (`diloc
 stage, as the replicated run's is.
 """
 
+import math
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,21 @@ COMMON = [
     "--checkpoint.keep=5",
     "--metrics.progress=false",
 ]
-VARIANTS = {"replicate": ["--topology.dp_mode=replicate"], "shard": ["--topology.dp_mode=shard"]}
+DELAYED = ["--sync.sync_delay=1", "--eval.interval=1"]  # phi != the live params mid-round: every step evaluates phi
+GROUP = 64
+INT4 = ["--preset=dilocox", "--compression.kind=int4", f"--compression.group_size={GROUP}"]
+VARIANTS = {
+    "replicate": ["--topology.dp_mode=replicate"],
+    "shard": ["--topology.dp_mode=shard"],
+    "replicate-delayed": ["--topology.dp_mode=replicate", *DELAYED],
+    "shard-delayed": ["--topology.dp_mode=shard", *DELAYED],
+    "shard-int4": ["--topology.dp_mode=shard", *INT4],
+}
+
+
+def int4_nbytes(numel: int) -> int:
+    """int4 payload of one tensor: an fp16 scale per group of GROUP values, two values per byte."""
+    return 2 * math.ceil(numel / GROUP) + math.ceil(numel / 2)
 
 
 def config(corpus: Path, *overrides: str):
@@ -68,6 +83,7 @@ def _one_run(cfg, rank, data, run_dir: Path, resume: Path | None = None) -> dict
         "coords": trainer.coords,
         "losses": losses,
         "outer": trainer.sync.diloco.outer_params.clone(),
+        "shards": [p.to_local().numel() for p in trainer.model.parameters()] if cfg.topology.dp_mode == "shard" else [],
         "bytes": (stats["bytes_sent"], stats["bytes_recv"]),
         "memory": trainer.memory[rank],
         "eval_loss": trainer.last_eval_loss,
@@ -97,6 +113,29 @@ def runs(tmp_path_factory):
     data = prepare_data(config(root / CORPUS))
     ranks = run_ranks(_all_runs, 4, args=(data, root))
     return {name: [rank[name] for rank in ranks] for name in (*VARIANTS, "resumed")}, root
+
+
+@pytest.mark.dist
+def test_shard_evaluates_phi_mid_round_and_trains_on_as_replicate(runs):
+    """With the one-step delay the live params differ from phi inside a round; an evaluation of phi at every step
+    gathers phi's shards in its forward and must leave the live shards to the next training forward."""
+    results, _ = runs
+    for replicated, sharded in zip(results["replicate-delayed"], results["shard-delayed"], strict=True):
+        assert sharded["losses"] == pytest.approx(replicated["losses"], rel=1e-5, abs=1e-6)
+        assert sharded["bytes"] == replicated["bytes"]
+    assert results["shard-delayed"][0]["eval_loss"] == pytest.approx(
+        results["replicate-delayed"][0]["eval_loss"], rel=1e-5
+    )
+    assert results["shard-delayed"][0]["losses"] != results["shard"][0]["losses"]  # the delay changed the run
+
+
+@pytest.mark.dist
+def test_a_shard_rank_sends_the_int4_payload_of_its_own_shards(runs):
+    results, _ = runs
+    payloads = STEPS // H + 1  # one per round, and the final flush's drain of what the codec held back (int4 too)
+    for sharded in results["shard-int4"]:
+        want = payloads * sum(int4_nbytes(numel) for numel in sharded["shards"])
+        assert sharded["bytes"] == (want, want)  # 2 clusters: it receives its peer's payload of the same shards
 
 
 @pytest.mark.dist
