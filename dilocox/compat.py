@@ -160,7 +160,6 @@ LOCAL_CLUSTERS = _flag("topology.local_clusters", lambda v: bool(v.strip()), "a 
 SOME_HERE = Feature("topology.local_clusters", "some of the clusters", lambda cfg: cfg.topology.elastic
                     and len(cfg.topology.launched_clusters()) < cfg.topology.num_clusters)
 SHARDED = _flag("topology.dp_mode", lambda v: v == "shard", "shard")
-PIPELINED = _flag("topology.pp_degree", lambda v: v > 1, "> 1")
 MUON = _flag("train.optimizer", lambda v: v == "muon", "muon")
 RESUME_ONE = _flag("checkpoint.resume", lambda v: v not in ("", "auto"), "latest, or a checkpoint")
 OVERWRITE = _flag("run.overwrite", bool, "true")
@@ -273,9 +272,6 @@ ROWS: tuple[Row, ...] = (
     Row(MIXED_DP, FIT_LINK, "each cluster has its own share of the link",
         "sync.fit_link = false; topology.clusters = []", "--topology.clusters=dp2,dp1 --sync.fit_link=true"),
     # stages sharded over a cluster's dp ranks (FSDP2)
-    Row(SHARDED, PIPELINED, "a sharded stage is not yet run under the pipeline schedules",
-        "topology.dp_mode = replicate; topology.pp_degree = 1",
-        "--topology.dp_degree=2 --topology.pp_degree=2 --topology.dp_mode=shard"),
     Row(SHARDED, MUON, "Muon orthogonalizes whole matrices, and a rank holds a shard of rows of each",
         "train.optimizer = adamw; topology.dp_mode = replicate",
         "--topology.dp_degree=2 --topology.dp_mode=shard --train.optimizer=muon"),

@@ -1,5 +1,8 @@
 """`topology.dp_mode = "shard"`: a cluster's dp ranks hold a stage as FSDP2 shards (`fully_shard`), as torchtitan does.
 
+With pipelining, the sharded stage module is what `PipelineStage` runs (torchtitan's order): the schedule
+reduce-scatters the gradients once, after the last microbatch's backward.
+
 Each block of the stage, then the stage itself, is `fully_shard`ed over the cluster's `dp_group` (a `DeviceMesh` of
 that group): a rank keeps dim-0 shard d of every parameter (a `DTensor` whose `to_local()` is that shard), its
 gradient after FSDP's reduce-scatter (the mean over the dp ranks) and the inner optimizer's state of it. The outer

@@ -1,12 +1,13 @@
 """`topology.dp_mode = shard` (FSDP2 inside a cluster) against `replicate`, on 2 clusters x dp 2 of gloo ranks.
 
 Each case runs the Trainer on 4 ranks for 3 rounds of the blocking fp32 DiLoCo (`--preset=diloco`, grad clipping
-on), and the sharded one again resumed from the checkpoint of round 2. Checked: the sharded run's losses are the
-replicated run's to float rounding at every step of every rank; every rank puts the same bytes on the slow link (its
-1/2 of the stage, both ways: rank d's FSDP shard instead of slice d of the replicated stage); each rank's parameters,
-gradients, inner and outer state in the memory report are half the replicated rank's; the resumed run ends bit for
-bit where the straight one does; and the checkpoint's consolidated model (`dilocox eval`, `export`) is the whole
-stage, as the replicated run's is.
+on), and the sharded one again resumed from the checkpoint of round 2; then with the one-step delay and phi
+evaluated at every step, with int4 payloads, and on 8 ranks with 2 pipeline stages (1F1B). Checked: the sharded
+run's losses are the replicated run's to float rounding at every step of every rank; every rank puts the same bytes
+on the slow link (its 1/2 of the stage, both ways: rank d's FSDP shard instead of slice d of the replicated stage);
+each rank's parameters, gradients, inner and outer state in the memory report are half the replicated rank's; the
+resumed run ends bit for bit where the straight one does; and the checkpoint's consolidated model (`dilocox eval`,
+`export`) is the whole model, as the replicated run's is.
 """
 
 import math
@@ -113,6 +114,52 @@ def runs(tmp_path_factory):
     data = prepare_data(config(root / CORPUS))
     ranks = run_ranks(_all_runs, 4, args=(data, root))
     return {name: [rank[name] for rank in ranks] for name in (*VARIANTS, "resumed")}, root
+
+
+PIPELINE = ["--topology.pp_degree=2", "--train.pipeline_schedule=1f1b", "--train.num_microbatches=4", *DELAYED]
+PIPELINE_VARIANTS = {
+    "replicate-pp": ["--topology.dp_mode=replicate", *PIPELINE],
+    "shard-pp": ["--topology.dp_mode=shard", *PIPELINE],
+}
+
+
+def _pipeline_runs(rank, world_size, data, root):
+    out = {name: _one_run(config(root / CORPUS, *o), rank, data, root / name) for name, o in PIPELINE_VARIANTS.items()}
+    checkpoint = root / "shard-pp" / "checkpoints" / f"step_{2 * H:08d}"
+    resumed = config(root / CORPUS, *PIPELINE_VARIANTS["shard-pp"])
+    out["resumed-pp"] = _one_run(resumed, rank, data, root / "resumed-pp", checkpoint)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(runs):
+    """2 clusters x dp 2 x pp 2: 8 ranks, each stage sharded over its cluster's 2 dp ranks under the 1F1B schedule."""
+    _, root = runs
+    data = prepare_data(config(root / CORPUS))
+    ranks = run_ranks(_pipeline_runs, 8, args=(data, root))
+    return {name: [rank[name] for rank in ranks] for name in (*PIPELINE_VARIANTS, "resumed-pp")}
+
+
+@pytest.mark.dist
+def test_shard_composes_with_the_pipeline_as_replicate_does(runs, pipeline_runs):
+    for replicated, sharded, resumed in zip(*pipeline_runs.values(), strict=True):
+        assert sharded["coords"] == replicated["coords"]
+        assert sharded["losses"] == pytest.approx(replicated["losses"], rel=1e-5, abs=1e-6)
+        assert sharded["bytes"] == replicated["bytes"]
+        for key in ("params", "grads", "inner_state", "outer_state", "total"):
+            assert 2 * sharded["memory"][key] == replicated["memory"][key], key
+        assert resumed["losses"] == sharded["losses"][2 * H :]
+        assert torch.equal(resumed["outer"], sharded["outer"])
+        assert resumed["bytes"] == sharded["bytes"]
+    sharded = pipeline_runs["shard-pp"][0]
+    assert sharded["eval_loss"] == pytest.approx(pipeline_runs["replicate-pp"][0]["eval_loss"], rel=1e-5)
+    _, root = runs
+    step = f"checkpoints/step_{STEPS:08d}"
+    whole, _ = consolidated_model_state(root / "shard-pp" / step, agreed=True)
+    replicated, _ = consolidated_model_state(root / "replicate-pp" / step, agreed=True)
+    assert whole.keys() == replicated.keys()  # both stages, each from its 2 dp ranks' shards
+    for name, tensor in replicated.items():
+        torch.testing.assert_close(whole[name], tensor, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.dist
