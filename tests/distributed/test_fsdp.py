@@ -46,12 +46,14 @@ COMMON = [
 DELAYED = ["--sync.sync_delay=1", "--eval.interval=1"]  # phi != the live params mid-round: every step evaluates phi
 GROUP = 64
 INT4 = ["--preset=dilocox", "--compression.kind=int4", f"--compression.group_size={GROUP}"]
+PER_STEP, MODES = ("allreduce", "cocktail"), ("replicate", "shard")
 VARIANTS = {
     "replicate": ["--topology.dp_mode=replicate"],
     "shard": ["--topology.dp_mode=shard"],
     "replicate-delayed": ["--topology.dp_mode=replicate", *DELAYED],
     "shard-delayed": ["--topology.dp_mode=shard", *DELAYED],
     "shard-int4": ["--topology.dp_mode=shard", *INT4],
+    **{f"{mode}-{kind}": [f"--topology.dp_mode={mode}", f"--preset={kind}"] for kind in PER_STEP for mode in MODES},
 }
 
 
@@ -83,7 +85,7 @@ def _one_run(cfg, rank, data, run_dir: Path, resume: Path | None = None) -> dict
     out = {
         "coords": trainer.coords,
         "losses": losses,
-        "outer": trainer.sync.diloco.outer_params.clone(),
+        "outer": trainer.sync.diloco.outer_params.clone() if cfg.sync.has_outer_loop else None,
         "shards": [p.to_local().numel() for p in trainer.model.parameters()] if cfg.topology.dp_mode == "shard" else [],
         "bytes": (stats["bytes_sent"], stats["bytes_recv"]),
         "memory": trainer.memory[rank],
@@ -160,6 +162,21 @@ def test_shard_composes_with_the_pipeline_as_replicate_does(runs, pipeline_runs)
     assert whole.keys() == replicated.keys()  # both stages, each from its 2 dp ranks' shards
     for name, tensor in replicated.items():
         torch.testing.assert_close(whole[name], tensor, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.dist
+def test_per_step_kinds_reduce_each_rank_s_gradient_shard_over_the_clusters(runs):
+    """allreduce: FSDP's dp mean, then each rank's shard all-reduced over the clusters, as replicate's slice d is:
+    the same losses and bytes. cocktail compresses each rank's shard (its random and top-k picks are of another
+    vector than the replicated slice), so only its bytes are the same."""
+    results, _ = runs
+    for replicated, sharded in zip(results["replicate-allreduce"], results["shard-allreduce"], strict=True):
+        assert sharded["losses"] == pytest.approx(replicated["losses"], rel=1e-5, abs=1e-6)
+        assert sharded["bytes"] == replicated["bytes"]
+        assert 2 * sharded["memory"]["total"] == replicated["memory"]["total"]
+    for replicated, sharded in zip(results["replicate-cocktail"], results["shard-cocktail"], strict=True):
+        assert sharded["losses"][0] == replicated["losses"][0]
+        assert sharded["bytes"] == replicated["bytes"]
 
 
 @pytest.mark.dist
