@@ -122,6 +122,7 @@ class DiLoCoSync:
             channel=channel,
             dp_group=self.dp_group,
             pp_group=pp_group,
+            shard_group=dp_group if sharded else None,
             seed=seed,
             state_device=params_device if cfg.outer_state_device == "device" else torch.device("cpu"),
             lanes=lanes,

@@ -113,6 +113,8 @@ class StageParts:
     seed: int
     state_device: torch.device
     """Where the outer state, the pseudo-gradient and its reduction live (sync.outer_state_device)."""
+    shard_group: dist.ProcessGroup | None = None
+    """A sharded stage's dp ranks (topology.dp_mode = shard; `dp_group` is then None): they agree on it too."""
     lanes: LaneLayout | None = None
     """Clusters of different data-parallel degree (topology.clusters): this rank's lanes (docs/design.md §2.1)."""
     cluster_weight: float = 1.0
@@ -164,7 +166,7 @@ class StageParts:
         common.update(aggregate=self.cfg.aggregate, trim_fraction=self.cfg.trim_fraction)
         if self.lanes is not None:
             return build_lane_reducer(compression, shapes, layout=self.lanes, **common)
-        return build_reducer(compression, shapes, **common, elastic=self.elastic_run)
+        return build_reducer(compression, shapes, **common, shard_group=self.shard_group, elastic=self.elastic_run)
 
 
 class Landed(NamedTuple):

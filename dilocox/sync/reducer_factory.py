@@ -25,6 +25,7 @@ def build_reducer(
     channel: WanChannel,
     dp_group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None = None,
+    shard_group: dist.ProcessGroup | None = None,
     seed: int = 0,
     guard_max_ratio: float | None = None,
     peer_max_ratio: float | None = None,
@@ -37,8 +38,8 @@ def build_reducer(
     `guard_max_ratio` (None: no guard), `peer_max_ratio` (None: no peer check) and `aggregate` are
     `sync.guard_max_ratio`, `sync.guard_peer_ratio` and `sync.aggregate`: only the gather reduction judges and
     robustly averages the clusters' updates one by one (`SyncConfig` refuses a robust aggregate with the others;
-    their guard is the check of the mean in `DiLoCoSync`). `pp_group` (the cluster's pipeline) makes its stages
-    agree on what the guard leaves out."""
+    their guard is the check of the mean in `DiLoCoSync`). `pp_group` (the cluster's pipeline) and `shard_group` (a
+    sharded stage's dp ranks) make its stages and shards agree on what the guard leaves out."""
     cfg.validate()
     if cfg.kind == "none":
         numel = sum(shape.numel() for shape in shapes)
@@ -62,6 +63,7 @@ def build_reducer(
         guard=UpdateGuard(guard_max_ratio) if guard_max_ratio is not None else None,
         peers=PeerCheck(peer_max_ratio) if guard_max_ratio is not None and peer_max_ratio is not None else None,
         pp_group=pp_group,
+        shard_group=shard_group,
         how=aggregate,
         trim_fraction=trim_fraction,
     )

@@ -348,6 +348,7 @@ class GatherReducer(CodecReducer):
         guard: UpdateGuard | None = None,
         peers: PeerCheck | None = None,
         pp_group: dist.ProcessGroup | None = None,
+        shard_group: dist.ProcessGroup | None = None,
         how: str = "mean",
         trim_fraction: float = 0.25,
         feedback_decay: float = 1.0,
@@ -368,6 +369,9 @@ class GatherReducer(CodecReducer):
         self.guard = guard
         self.peers = peers
         self.pp_group = pp_group
+        self.shard_group = shard_group
+        """A sharded stage's dp ranks (topology.dp_mode = shard), each judging its own shard: they agree as a replicated
+        stage's replicas agree over dp_group."""
         """The cluster's pipeline: the stages agree on what the guard leaves out of every stage's mean."""
         self.how = how
         self.trim_fraction = trim_fraction
@@ -453,7 +457,12 @@ class GatherReducer(CodecReducer):
 
     def _judge(self, updates: list[torch.Tensor | None], device: torch.device) -> dict[int, str]:
         return judge_updates(
-            updates, device, guard=self.guard, peers=self.peers, dp_group=self.dp_group, pp_group=self.pp_group
+            updates,
+            device,
+            guard=self.guard,
+            peers=self.peers,
+            dp_group=self.dp_group if self.shard_group is None else self.shard_group,
+            pp_group=self.pp_group,
         )
 
     def state_dict(self) -> dict[str, Any]:

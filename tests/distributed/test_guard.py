@@ -4,7 +4,8 @@
   is exact (fp16 codec: decoding is exact and deterministic);
 - the peer check, 3 clusters: a x9 update (below the x10 guard) and a sign-flipped one are left out on every
   cluster; with none, nothing is, and the mean is bit-identical to the one without the check;
-- dp replicas agree: a cluster one replica's slice finds bad is left out of every replica's slice; with dp 2 or
+- dp replicas agree: a cluster one replica's slice finds bad is left out of every replica's slice (and one dp rank's
+  shard of a sharded stage of every shard); with dp 2 or
   pp 2 the peer check judges the whole update, the same on every rank, even where one slice or stage alone would
   decide otherwise;
 - the summing (dense) reduction: an abstaining cluster sends zeros, a lying one's NaN mean skips the round on all;
@@ -182,6 +183,40 @@ def test_dp_replicas_agree_on_what_is_left_out():
     for coords, avg, excluded in run_ranks(_dp_agreement, 4):
         assert list(excluded) == [1], coords
         assert torch.equal(avg, fp16(vector(0))), coords  # cluster 1 is out of both replicas' slices
+
+
+def _shard_agreement(rank, world_size):
+    """Each dp rank holds the dim-0 half of every tensor (a sharded stage) and judges only it."""
+    topo = Topology(num_clusters=2, dp_degree=2)
+    groups = build_process_groups(topo, rank)
+    coords = topo.coords(rank)
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+    shapes = [torch.Size([shape[0] // 2, *shape[1:]]) for shape in SHAPES]
+    reducer = build_reducer(
+        CompressionConfig(kind="fp16"),
+        shapes,
+        channel=channel,
+        dp_group=None,
+        shard_group=groups.dp_group,
+        guard_max_ratio=10.0,
+    )
+    mine = torch.randn(NUMEL // 2, generator=torch.Generator().manual_seed(100 + coords.cluster + 10 * coords.dp))
+    if coords.cluster == 1 and coords.dp == 0:
+        mine[:4] = float("nan")  # only in dp rank 0's shard
+    pending = reducer.launch(mine)
+    avg = pending.wait()
+    channel.close()
+    return coords, avg, mine, pending.excluded
+
+
+def test_the_dp_ranks_of_a_sharded_stage_agree_on_what_is_left_out():
+    """topology.dp_mode = shard: the reducer slices nothing over dp (the shard is the rank's part), and what one
+    shard's guard leaves out is left out of the other shard too, as with replicas' slices."""
+    results = run_ranks(_shard_agreement, 4)
+    for coords, avg, _, excluded in results:
+        assert list(excluded) == [1], coords
+        own = next(mine for c, _, mine, _ in results if (c.cluster, c.dp) == (0, coords.dp))
+        assert torch.equal(avg, fp16(own)), coords  # cluster 0's own shard: cluster 1 is out of both
 
 
 def _dense_round(rank, world_size, mode):
