@@ -128,7 +128,8 @@ class Case:
         full = [*BASE_FLAGS, f"--run.out_dir={RUN_DIR}", *self.flags]
         if not self.resume_at:
             return [full]
-        return [[*full, f"--train.steps={self.resume_at}"], full]
+        # a finished run goes on to more steps only when asked: otherwise the second call gets a directory of its own
+        return [[*full, f"--train.steps={self.resume_at}"], [*full, "--checkpoint.resume=latest"]]
 
 
 THREE = ("--topology.num_clusters=3",)
@@ -195,7 +196,7 @@ CASES: tuple[Case, ...] = (
     ),  # fmt: skip
     Case(
         "resume",
-        "dilocox: 6 steps, then on to 12 in the same directory (resume = auto)",
+        "dilocox: 6 steps, then on to 12 in the same directory (checkpoint.resume = latest)",
         DILOCOX,
         resume_at=6,
     ),  # fmt: skip
