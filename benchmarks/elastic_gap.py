@@ -45,7 +45,7 @@ import threading
 import time
 from pathlib import Path
 
-from elastic_soak import Launcher, counted_work, final_loss, membership_records, signal_all, wait_for
+from elastic_soak import Launcher, final_loss, membership_records, signal_all, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 GAP = {
@@ -182,7 +182,6 @@ def train(args: argparse.Namespace, row: str, seed: int) -> dict:
         record["membership_records"] = membership_records(run_dir)
     if row == "killed":
         record["kills"] = kills
-        record["counted_work"] = round(counted_work(run_dir, args.clusters), 4)
     loss, seconds = record["final_eval_loss"], record["process_s"]
     print(f"    exit {code}, final eval loss {loss!r}, {seconds} s, load {record['load']}", flush=True)
     if code == 0:
@@ -255,7 +254,6 @@ def summarize(args: argparse.Namespace, records: list[dict]) -> tuple[dict, dict
     if recoveries:
         rows["killed"]["recovery_s"] = {"median": statistics.median(recoveries), "max": max(recoveries),
                                         "count": len(recoveries)}  # fmt: skip
-        rows["killed"]["counted_work"] = [r["counted_work"] for r in killed]
     return rows, checks
 
 
@@ -305,8 +303,7 @@ def write_results(args: argparse.Namespace, records: list[dict], rows: dict, che
     if "killed" in rows and "recovery_s" in rows["killed"]:
         rec = rows["killed"]["recovery_s"]
         lines += ["", f"Recovery (kill to `rejoined`, {rec['count']} kills): median {rec['median']:.1f} s, "
-                  f"max {rec['max']:.1f} s; counted work (share of cluster-rounds whose update counted): "
-                  f"{', '.join(f'{w:.3f}' for w in rows['killed']['counted_work'])}."]  # fmt: skip
+                  f"max {rec['max']:.1f} s."]  # fmt: skip
     lines += [
         "",
         "| row | seed | source | exit | process (s) | load mean / max |",
