@@ -109,13 +109,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--codecs", nargs="+", default=CODECS, choices=CODECS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--lies", nargs="+", default=list(LIES), choices=list(LIES))
     args = parser.parse_args()
     path = OUT / "results.json"
     results = json.loads(path.read_text()) if path.is_file() else []
     done = {(r["codec"], r["lie"], r["seed"]) for r in results}
     for codec in args.codecs:
         for seed in args.seeds:
-            for lie in LIES:
+            for lie in args.lies:
                 if (codec, lie, seed) in done:
                     continue
                 results.append(run(codec, lie, seed))
