@@ -129,9 +129,9 @@ class SyncConfig:
     guard_max_ratio: float = 10.0
     """guard: an update whose norm exceeds this multiple of the recent accepted median is left out."""
     guard_peers: bool = True
-    """guard, gather reduction, 3+ updates: also leave out one much longer than the round's median or pointing away."""
-    guard_peer_ratio: float = 3.0
-    """guard_peers: an update whose norm exceeds this multiple of the median norm of the round's updates is left out."""
+    """guard, gather reduction, 3+ updates: also leave out one much larger than the round's median or pointing away."""
+    guard_peer_ratio: float = 2.0
+    """guard_peers: an update whose norm, or median |value| sent, exceeds this multiple of the round's median is out."""
     guard_max_bad_rounds: int = 3
     """guard: the run stops when this cluster's update, or every cluster's, is unusable this many rounds in a row."""
     aggregate: Aggregate = "mean"
@@ -215,8 +215,8 @@ class SyncConfig:
             )
         if not (math.isfinite(self.guard_peer_ratio) and self.guard_peer_ratio > 1.0):
             raise ValueError(
-                f"sync.guard_peer_ratio = {self.guard_peer_ratio} must be a finite number > 1 (3 leaves out an update "
-                "three times longer than the median of the round's updates), or set sync.guard_peers = false"
+                f"sync.guard_peer_ratio = {self.guard_peer_ratio} must be a finite number > 1 (2 leaves out an update "
+                "twice as large as the median of the round's updates), or set sync.guard_peers = false"
             )
         if not 0.0 < self.trim_fraction < 0.5:
             raise ValueError(
