@@ -511,7 +511,12 @@ def _coerce(name: str, value: Any, typ: type, *, from_text: bool) -> Any:
             except tomllib.TOMLDecodeError:
                 raise ValueError(f'{name} = {value!r} is not a list; write e.g. a,b or ["a", "b"]') from None
         else:
-            value = [part.strip() for part in text.split(",") if part.strip()]
+            value = [part.strip() for part in text.split(",")] if text else []
+            if "" in value:  # `,,` is not "no clusters", nor `dp2,,dp1` two of them
+                raise ValueError(
+                    f"{name} = {text!r} has an empty entry; separate the entries by single commas (e.g. a,b), "
+                    "or give nothing for none"
+                )
     if typ is list:
         if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
             raise ValueError(f"{name} = {value!r} must be a list of strings")

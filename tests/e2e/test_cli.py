@@ -384,6 +384,9 @@ def test_muon_inner_optimizer_learns(debug_run, tmp_path):
         (["--data.path=/nonexistent/corpus.txt"], "data.path"),
         (["--train.stepz=3"], "train.steps"),
         (["--checkpoint.resume=latest"], "checkpoint.resume"),
+        (["--topology.clusters=,,"], "topology.clusters = ',,' has an empty entry"),  # not an ordinary run
+        (["--topology.clusters=dp2,,dp1"], "topology.clusters = 'dp2,,dp1' has an empty entry"),  # not 2 clusters
+        (["--sync.round=time", "--sync.round_seconds=1e-9"], "sync.round_seconds = 1e-09 is less than H = 10"),
         pytest.param(
             ["--run.device=cuda"],
             "run.device = cuda",
