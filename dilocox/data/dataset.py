@@ -16,9 +16,10 @@ import torch
 
 from dilocox.checks import check_choice
 from dilocox.config import SHARD_MODES  # `data.shard`: how the training windows are dealt (`ShardedTokenStream`)
-from dilocox.data.corpus import corpus_fingerprint, load_documents
+from dilocox.data.corpus import corpus_content_fingerprint, corpus_fingerprint, load_documents
 from dilocox.data.tokenfiles import (
     INDEX_FILE,
+    SPLITS,
     TokenFiles,
     gather_windows,
     is_prepared_dir,
@@ -26,7 +27,7 @@ from dilocox.data.tokenfiles import (
     tokenizer_fingerprint,
 )
 from dilocox.data.tokenizer import Tokenizer, check_vocab_size, train_bpe
-from dilocox.fileio import write_atomic
+from dilocox.fileio import sampled_digest, write_atomic
 
 # Bumped whenever the split or the layout of the cached arrays changes, so old caches are not reused.
 _TOKENS_FORMAT_VERSION = 1
@@ -165,6 +166,18 @@ def load_prepared_tokens(directory: str | Path, *, tokenizer: str = "") -> Token
         num_train_documents=int(documents["train"]),
         num_val_documents=int(documents["val"]),
     )
+
+
+def data_fingerprint(path: str = "", text_field: str = "text") -> str:
+    """What ``data.path`` holds, wherever it is: for a prepared directory, its tokenizer and token files sampled by
+    `fileio.sampled_digest`; for a corpus, `corpus_content_fingerprint`. Ranks compare it before training
+    (`dilocox.agreement`)."""
+    if is_prepared_dir(path):
+        directory = Path(path).expanduser()
+        index = read_index(directory)
+        files = [directory / entry["file"] for split in SPLITS for entry in index["files"][split]]
+        return sampled_digest([directory / index["tokenizer"], *files])
+    return corpus_content_fingerprint(path, text_field)
 
 
 class IndexPermutation:

@@ -36,8 +36,25 @@ def test_another_codec_is_a_differing_setting():
 
 
 def test_what_may_differ_between_machines_is_not_compared(tmp_path):
-    here = settings(f"--data.path={tmp_path}", "--run.num_threads=2", "--network.bandwidth=10Mbps")
-    assert differing_settings([settings(), here]) == []
+    for copy in ("a", "b"):
+        (tmp_path / copy).mkdir()
+        (tmp_path / copy / "corpus.txt").write_text("to be or not to be\n" * 2000)
+    there = settings(f"--data.path={tmp_path / 'a'}")
+    here = settings(f"--data.path={tmp_path / 'b'}", "--run.num_threads=2", "--network.bandwidth=10Mbps")
+    assert differing_settings([there, here]) == []
+
+
+def test_what_the_data_and_the_tokenizer_hold_is_compared_wherever_they_are(tmp_path):
+    text = "to be or not to be\n" * 20_000  # 380 kB: more than the blocks sampled
+    paths = [tmp_path / name for name in ("a.txt", "b.txt", "c.txt")]
+    paths[0].write_text(text)
+    paths[1].write_text(text)
+    paths[2].write_text(text[:250_000] + "TO" + text[250_002:])  # the same size, two letters changed (sampled)
+    described = [settings(f"--data.path={path}") for path in paths]
+    assert differing_settings(described[:2]) == []
+    assert differing_settings([described[0], described[2]]) == ["data.path"]
+    assert differing_settings([described[0], settings()]) == ["data.path"]  # the default corpus
+    assert described[0]["data.path"].startswith("content ") and described[0]["data.tokenizer"] is None
 
 
 def test_a_static_run_also_compares_what_its_ranks_do_together_an_elastic_one_does_not():
