@@ -59,8 +59,8 @@ def run_settings(cfg: Config) -> dict[str, Any]:
     Reads the data and key files: their ValueError names the one that cannot be read."""
     from dilocox.config import to_dict
     from dilocox.data import data_fingerprint
-    from dilocox.data.tokenizer import Tokenizer
     from dilocox.data.tokenfiles import tokenizer_fingerprint
+    from dilocox.data.tokenizer import Tokenizer
 
     settings = cfg.shared_settings()
     if not cfg.topology.elastic:
