@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from dilocox.data.tokenizer import Tokenizer, check_vocab_size, train_bpe
 from dilocox.fileio import sampled_digest, write_atomic
 
 # Bumped whenever the split or the layout of the cached arrays changes, so old caches are not reused.
-_TOKENS_FORMAT_VERSION = 1
+_TOKENS_FORMAT_VERSION = 2
 _MAX_UINT16_VOCAB = 1 << 16
 
 
@@ -114,12 +115,12 @@ def prepare_tokens(
     else:
         check_vocab_size(vocab_size)
         tokenizer_file = cache_dir() / "tokenizers" / f"bpe{vocab_size}-{_short_hash(fingerprint, split_key)}.json"
-        if tokenizer_file.is_file():
-            tok = Tokenizer.from_file(tokenizer_file)
-        else:
+        tok = _load_cached_tokenizer(tokenizer_file)
+        if tok is None:
             documents = load_documents(path, text_field=text_field)
             tok = train_bpe(_training_texts(documents, val_fraction, seed), vocab_size)
             tok.save(tokenizer_file)
+            write_atomic(_digest_file(tokenizer_file), hashlib.sha256(tokenizer_file.read_bytes()).hexdigest().encode())
 
     tokenizer_hash = hashlib.sha256(tokenizer_file.read_bytes()).hexdigest()
     entry = cache_dir() / "tokens" / _short_hash(str(_TOKENS_FORMAT_VERSION), fingerprint, tokenizer_hash, split_key)
@@ -527,36 +528,63 @@ def _npy_bytes(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def _digest_file(cached: Path) -> Path:
+    return cached.with_name(cached.name + ".sha256")
+
+
+def _load_cached_tokenizer(file: Path) -> Tokenizer | None:
+    """The cached BPE at `file`, or None when there is none yet or it is damaged (it does not match the sha256 saved
+    beside it, or does not parse: one warning line), to be trained again."""
+    if not (file.is_file() and _digest_file(file).is_file()):  # none yet, or cached before digests were saved
+        return None
+    try:
+        if hashlib.sha256(file.read_bytes()).hexdigest() != _digest_file(file).read_text().strip():
+            raise ValueError(f"{file.name} does not match its sha256")
+        return Tokenizer.from_file(file)
+    except (OSError, ValueError) as exc:
+        print(f"dilocox: warning: the cached tokenizer {file} is damaged ({exc}); training it again", file=sys.stderr)
+        return None
+
+
 def _save_cached_tokens(entry: Path, data: TokenData) -> None:
-    write_atomic(entry / "train.npy", _npy_bytes(data.train))
-    write_atomic(entry / "val.npy", _npy_bytes(data.val))
+    arrays = {"train.npy": _npy_bytes(data.train), "val.npy": _npy_bytes(data.val)}
+    for name, raw in arrays.items():
+        write_atomic(entry / name, raw)
     # meta.json goes last: its presence is what tells a reader that both arrays are complete.
     meta = {
         "vocab_size": data.vocab_size,
         "eos_id": data.eos_id,
         "num_train_documents": data.num_train_documents,
         "num_val_documents": data.num_val_documents,
+        "sha256": {name: hashlib.sha256(raw).hexdigest() for name, raw in arrays.items()},
     }
     write_atomic(entry / "meta.json", json.dumps(meta, indent=1).encode())
 
 
 def _load_cached_tokens(entry: Path, tokenizer_file: Path) -> TokenData | None:
+    """The cached token arrays of `entry`, or None when there are none yet or they are damaged (a meta.json or an
+    array that does not read, or an array whose sha256 is not the one recorded: one warning line), to be rebuilt."""
     meta_file = entry / "meta.json"
     if not meta_file.is_file():
         return None
     try:
         meta = json.loads(meta_file.read_text())
-        train = np.load(entry / "train.npy", allow_pickle=False)
-        val = np.load(entry / "val.npy", allow_pickle=False)
+        arrays = {}
+        for name in ("train.npy", "val.npy"):
+            raw = (entry / name).read_bytes()
+            if hashlib.sha256(raw).hexdigest() != meta["sha256"][name]:
+                raise ValueError(f"{name} does not match its sha256")
+            arrays[name] = np.load(io.BytesIO(raw), allow_pickle=False)
         return TokenData(
-            train=train,
-            val=val,
+            train=arrays["train.npy"],
+            val=arrays["val.npy"],
             tokenizer_path=str(tokenizer_file),
             vocab_size=int(meta["vocab_size"]),
             eos_id=int(meta["eos_id"]),
             num_train_documents=int(meta["num_train_documents"]),
             num_val_documents=int(meta["num_val_documents"]),
         )
-    except (OSError, ValueError, KeyError):
-        # A damaged or foreign cache entry is rebuilt rather than trusted; the rewrite replaces it atomically.
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        # rebuilt rather than trusted; the rewrite replaces it atomically
+        print(f"dilocox: warning: the token cache {entry} is damaged ({exc}); rebuilding it", file=sys.stderr)
         return None
