@@ -28,7 +28,7 @@ from dilocox.data.tokenfiles import (
     tokenizer_fingerprint,
 )
 from dilocox.data.tokenizer import Tokenizer, check_vocab_size, train_bpe
-from dilocox.fileio import sampled_digest, write_atomic
+from dilocox.fileio import write_atomic
 
 # Bumped whenever the split or the layout of the cached arrays changes, so old caches are not reused.
 _TOKENS_FORMAT_VERSION = 2
@@ -170,14 +170,13 @@ def load_prepared_tokens(directory: str | Path, *, tokenizer: str = "") -> Token
 
 
 def data_fingerprint(path: str = "", text_field: str = "text") -> str:
-    """What ``data.path`` holds, wherever it is: for a prepared directory, its tokenizer and token files sampled by
-    `fileio.sampled_digest`; for a corpus, `corpus_content_fingerprint`. Ranks compare it before training
-    (`dilocox.agreement`)."""
+    """What ``data.path`` holds, wherever it is: for a prepared directory, its tokenizer's fingerprint and its token
+    files' sampled digests (`read_index` checks them against the files); for a corpus, `corpus_content_fingerprint`.
+    Ranks compare it before training (`dilocox.agreement`)."""
     if is_prepared_dir(path):
-        directory = Path(path).expanduser()
-        index = read_index(directory)
-        files = [directory / entry["file"] for split in SPLITS for entry in index["files"][split]]
-        return sampled_digest([directory / index["tokenizer"], *files])
+        index = read_index(path)
+        digests = [entry["sampled_sha256"] for split in SPLITS for entry in index["files"][split]]
+        return _short_hash(index["tokenizer_fingerprint"], *digests)
     return corpus_content_fingerprint(path, text_field)
 
 

@@ -4,11 +4,13 @@ of the payload key that tells keys apart without revealing them, and a message t
 import hashlib
 import hmac
 import json
+import shutil
 
 import pytest
 
 from dilocox.agreement import describe_differences, differing_settings, run_settings, settings_fingerprint
 from dilocox.config import load_config
+from dilocox.data.prepare import prepare_dataset
 from dilocox.net.auth import PayloadAuth
 from tests.e2e.helpers import DEBUG
 
@@ -101,3 +103,14 @@ def test_many_differences_are_counted_beyond_the_first_six():
     other = {**base, **{name: "x" for name in list(base)[:9]}}
     message = describe_differences([base, other])
     assert message.count(" on rank 0, ") == 6 and message.endswith("; and 3 more")
+
+
+def test_a_prepared_directory_is_compared_by_what_its_index_and_files_hold(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("".join(f"line {i} of the king and the queen\n" for i in range(3000)))
+    prepare_dataset(str(tmp_path / "corpus"), tmp_path / "prepared", vocab_size=300)
+    prepare_dataset(str(tmp_path / "corpus"), tmp_path / "other", vocab_size=290)  # another tokenizer, other ids
+    shutil.copytree(tmp_path / "prepared", tmp_path / "copy")
+    described = [settings(f"--data.path={tmp_path / name}") for name in ("prepared", "copy", "other")]
+    assert differing_settings(described[:2]) == []
+    assert differing_settings([described[0], described[2]]) == ["data.path"]
