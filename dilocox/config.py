@@ -233,6 +233,8 @@ class EvalConfig:
     """Validation batches of the final evaluation (summary.json); 0 = the whole split, every held-out token."""
     local: bool = False
     """Also score cluster 0's own model (eval_loss_local); eval_loss is always the model the clusters agree on."""
+    divergence_ratio: float = 1.5
+    """Stop the run (one line, exit 2) when eval_loss exceeds this x its lowest so far, the initial one's; 0: never."""
 
 
 @dataclass
@@ -322,6 +324,11 @@ class Config:
         check_positive("metrics", self.metrics, "log_interval")
         check_positive("checkpoint", self.checkpoint, "keep")
         check_non_negative("eval", self.eval, "interval", "max_batches", "final_max_batches")
+        if self.eval.divergence_ratio != 0 and not self.eval.divergence_ratio > 1:
+            raise ValueError(
+                f"eval.divergence_ratio = {self.eval.divergence_ratio} must be above 1 (1.5: stop when the eval loss "
+                "is half as high again as its lowest so far), or 0 to never stop on it"
+            )
         check_non_negative("checkpoint", self.checkpoint, "interval")
         from dilocox.models import list_flavors
 
@@ -511,7 +518,12 @@ def _coerce(name: str, value: Any, typ: type, *, from_text: bool) -> Any:
             except tomllib.TOMLDecodeError:
                 raise ValueError(f'{name} = {value!r} is not a list; write e.g. a,b or ["a", "b"]') from None
         else:
-            value = [part.strip() for part in text.split(",") if part.strip()]
+            value = [part.strip() for part in text.split(",")] if text else []
+            if "" in value:  # `,,` is not "no clusters", nor `dp2,,dp1` two of them
+                raise ValueError(
+                    f"{name} = {text!r} has an empty entry; separate the entries by single commas (e.g. a,b), "
+                    "or give nothing for none"
+                )
     if typ is list:
         if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
             raise ValueError(f"{name} = {value!r} must be a list of strings")

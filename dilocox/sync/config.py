@@ -62,6 +62,9 @@ AGGREGATES: tuple[str, ...] = get_args(Aggregate)
 RoundMode = Literal["steps", "time"]
 """What makes a round (`sync.round`): H inner steps on every cluster, or one time budget (`dilocox.sync.rounds`)."""
 ROUND_MODES: tuple[str, ...] = get_args(RoundMode)
+MIN_STEP_SECONDS = 1e-3
+"""The least time one inner step can take (a forward, a backward and an optimizer step of the smallest model): a
+`sync.round_seconds` under H of them cuts every round to the one step a time round keeps at least."""
 FIT_HEADROOM = 1.1
 """`fit_link` sizes a round so that its compute is at least this multiple of the last sync's link time."""
 
@@ -202,6 +205,14 @@ class SyncConfig:
         check_types("sync", self)  # also every choice: kind, merge, aggregate, outer_optimizer, outer_lr_schedule, ...
         check_positive("sync", self, "inner_steps", "fragments", "guard_max_bad_rounds")
         check_non_negative("sync", self, "outer_momentum", "outer_weight_decay", "outer_warmup_rounds", "round_seconds")
+        if 0 < self.round_seconds < self.inner_steps * MIN_STEP_SECONDS:
+            least = self.inner_steps * MIN_STEP_SECONDS
+            raise ValueError(
+                f"sync.round_seconds = {self.round_seconds:g} is less than H = {self.inner_steps} steps of "
+                f"{MIN_STEP_SECONDS * 1e3:g} ms, shorter than any inner step: every round would be cut to one step; "
+                f"use --sync.round_seconds={least:g} or more (the budget of H steps), or 0 (auto: H x the fastest "
+                "cluster's step time)"
+            )
         if self.outer_lr != AUTO and self.outer_lr <= 0:
             raise ValueError(f"sync.outer_lr = {self.outer_lr} must be > 0 (1.0 with momentum 0 = plain averaging)")
         if self.outer_momentum >= 1.0:

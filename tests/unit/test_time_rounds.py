@@ -43,6 +43,9 @@ def test_slow_clusters_from_a_toml_table_and_from_the_flag_forms(tmp_path):
         (["--sync.round=time", "--sync.sync_delay=1", "--sync.overlap_steps=2"], "sync.overlap_steps = 2"),
         (["--sync.round=time", "--sync.aggregate=median"], "sync.aggregate = 'median'"),
         (["--sync.round_seconds=2"], "set sync.round = time"),
+        # a budget below H steps of 1 ms cuts every round to one step (20 steps to 11 with H = 10)
+        (["--sync.round=time", "--sync.round_seconds=1e-9"], "use --sync.round_seconds=0.008 or more"),
+        (["--sync.round=time", "--sync.round_seconds=0.0079"], "sync.round_seconds = 0.0079 is less than H = 8 steps"),
     ],
 )
 def test_impossible_slow_or_time_settings_are_refused_naming_the_field(flags, words):
