@@ -160,6 +160,7 @@ class StageParts:
             seed=self.seed,
             guard_max_ratio=self.cfg.guard_max_ratio if self.cfg.guard else None,
             peer_max_ratio=self.cfg.guard_peer_ratio if self.cfg.guard_peers else None,
+            peer_sizes=not self.weighted,  # token weights: known only once the payloads land (`PeerCheck.sizes`)
         )
         common.update(aggregate=self.cfg.aggregate, trim_fraction=self.cfg.trim_fraction)
         if self.lanes is not None:

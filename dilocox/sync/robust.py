@@ -132,14 +132,24 @@ class PeerCheck:
     updates nothing is judged. The input is `peer_statistics` of the whole updates (summed over the shards of a
     sharded update), so the decision depends only on it: the same statistics give the same verdicts.
 
+    Weighted payloads: where every cluster's payload is its update times a weight all clusters know (clusters of
+    different dp averaged by lanes: C dp_c / sum(dp)), `scales` holds those weights and the sizes are compared divided
+    by them; where the weights are not known before the payloads land (token-weighted time rounds: each cluster's
+    tokens), `sizes = False` leaves the size tests out (a cluster that trained twice the tokens sends twice the
+    values) and only the direction is judged.
+
         peers = PeerCheck(max_ratio=2.0)
         excluded = peers.judge(peer_statistics(updates), candidates=[0, 1, 2])   # {cluster: reason}
     """
 
-    def __init__(self, max_ratio: float) -> None:
+    def __init__(self, max_ratio: float, *, scales: Sequence[float] | None = None, sizes: bool = True) -> None:
         if not (math.isfinite(max_ratio) and max_ratio > 1.0):
             raise ValueError(f"sync.guard_peer_ratio = {max_ratio} must be a finite number > 1")
         self.max_ratio = max_ratio
+        self.scales = None if scales is None else list(scales)
+        """The weight each cluster's payload was multiplied by (None: 1 for every cluster)."""
+        self.sizes = sizes
+        """Whether the size tests run (False: weights unknown to the receivers)."""
 
     def judge(self, stats: torch.Tensor, candidates: Sequence[int]) -> dict[int, str]:
         """The `candidates` (rows of the (C, 2C + MAGNITUDE_BINS) float64 `peer_statistics`, all of finite updates) to
@@ -148,10 +158,11 @@ class PeerCheck:
             return {}
         count = stats.shape[0]
         gram, shared = stats[:, :count].tolist(), stats[:, count : 2 * count].tolist()  # Python floats: exact compares
-        norms = {i: math.sqrt(max(gram[i][i], 0.0)) for i in candidates}
-        magnitudes = {i: median_magnitude(stats[i, 2 * count :].tolist()) for i in candidates}
+        scales = self.scales or [1.0] * count
+        norms = {i: math.sqrt(max(gram[i][i], 0.0)) / scales[i] for i in candidates}
+        magnitudes = {i: median_magnitude(stats[i, 2 * count :].tolist()) / scales[i] for i in candidates}
         excluded: dict[int, str] = {}
-        for what, sizes in (("norm", norms), ("median |value| sent", magnitudes)):
+        for what, sizes in (("norm", norms), ("median |value| sent", magnitudes)) if self.sizes else ():
             median = _median(list(sizes.values()))
             for i in candidates:
                 if i not in excluded and median > 0 and sizes[i] > self.max_ratio * median:

@@ -218,6 +218,22 @@ def test_peer_check_leaves_out_a_sparse_update_scaled_below_the_ratio_in_norm_by
     assert set(excluded) == reference_peer_exclusions([u[0], u[1], liar], [0, 1, 2], 2.0)
 
 
+def test_peer_check_compares_weighted_payloads_per_unit_of_weight_and_without_sizes_where_weights_are_unknown():
+    u = honest_updates(3, seed=7)
+    weights = [1.5, 0.75, 0.75]  # clusters of dp 2, 1, 1 averaged by lanes: C dp_c / sum(dp)
+    sent = [w * x for w, x in zip(weights, u, strict=True)]
+    stats = peer_statistics(sent)
+    assert list(PeerCheck(max_ratio=1.9).judge(stats, [0, 1, 2])) == [0]  # unweighted, the dp-2 cluster reads as x2
+    assert PeerCheck(max_ratio=1.9, scales=weights).judge(stats, [0, 1, 2]) == {}  # the weight is no lie
+    liar = peer_statistics([sent[0], sent[1], 4 * sent[2]])
+    assert list(PeerCheck(max_ratio=1.9, scales=weights).judge(liar, [0, 1, 2])) == [2]
+    # token weights are not known before the payloads land: only the direction is judged
+    unknown = PeerCheck(max_ratio=1.9, sizes=False)
+    assert unknown.judge(liar, [0, 1, 2]) == {}
+    flipped = unknown.judge(peer_statistics([sent[0], sent[1], -sent[2]]), [0, 1, 2])
+    assert list(flipped) == [2] and "points away" in flipped[2]
+
+
 def test_peer_check_leaves_out_a_long_or_a_sign_flipped_update_of_three():
     peers = PeerCheck(max_ratio=3.0)
     u = honest_updates(3, seed=2)
