@@ -52,14 +52,13 @@ def run_settings(cfg: Config) -> dict[str, Any]:
     static run `STATIC_SHARED_SETTINGS`, and under `KEY_SETTING` the fingerprint of network.auth_key_file's key
     (`PayloadAuth.fingerprint`, which reveals nothing of the key) or None without one. Reads the key file: its
     ValueError names it when it cannot be read."""
-    from dilocox.config import to_dict
+    from dilocox.config import flat_settings, to_dict
 
     settings = cfg.shared_settings()
     if not cfg.topology.elastic:
-        values = to_dict(cfg)
+        values = flat_settings(to_dict(cfg))
         for name in STATIC_SHARED_SETTINGS:
-            section, key = name.split(".")
-            settings[name] = values[section][key]
+            settings[name] = values[name]
     auth = cfg.network.payload_auth()
     settings[KEY_SETTING] = None if auth is None else f"key {auth.fingerprint()}"
     return settings

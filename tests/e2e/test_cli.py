@@ -162,13 +162,13 @@ def test_a_corrupt_checkpoint_falls_back_and_a_diverged_run_writes_none(debug_ru
     # Without the guard the first non-finite loss stops the run.
     diverged = tmp_path / "diverged"
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={diverged}", "--train.lr=1e3",
-                     "--train.grad_clip=0", "--sync.guard=false")  # fmt: skip
+                     "--train.grad_clip=0", "--sync.guard.enabled=false")  # fmt: skip
     assert result.returncode == 2
     (line,) = [x for x in result.stderr.splitlines() if x.startswith("dilocox: error:")]
     assert "training diverged" in line and "no checkpoint was written" in line
     assert not (diverged / "checkpoints").exists() or not list((diverged / "checkpoints").glob("step_*"))
     # With it (the default) each cluster heals to the agreed parameters and tries again; a run that stays
-    # non-finite stops after sync.guard_max_bad_rounds rounds, and what it checkpointed is finite (the agreed params).
+    # non-finite stops after sync.guard.max_bad_rounds rounds, and what it checkpointed is finite (the agreed params).
     guarded = tmp_path / "guarded"
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={guarded}", "--train.lr=1e3",
                      "--train.grad_clip=0")  # fmt: skip
@@ -489,12 +489,12 @@ def test_a_cluster_that_sends_sign_flipped_updates_is_left_out_of_every_round_it
 
 
 def test_an_outer_adamw_trains_from_the_cli_and_the_drain_it_cannot_take_is_refused_in_one_line(tmp_path):
-    """--sync.outer_optimizer=adamw: the debug run learns, its clusters end with the same outer params, and the
+    """--sync.outer.optimizer=adamw: the debug run learns, its clusters end with the same outer params, and the
     checkpoint holds AdamW's moments. The dilocox preset's drained residual assumes an SGD step, so with adamw it is
     refused."""
     run_dir = tmp_path / "adamw"
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--preset=dilocox",
-                     "--sync.outer_optimizer=adamw", "--sync.outer_lr=0.03", "--sync.drain_residual=false")  # fmt: skip
+                     "--sync.outer.optimizer=adamw", "--sync.outer.lr=0.03", "--sync.drain_residual=false")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
@@ -504,9 +504,9 @@ def test_an_outer_adamw_trains_from_the_cli_and_the_drain_it_cannot_take_is_refu
     assert {"exp_avg", "exp_avg_sq"} <= set(states[0]["outer_optimizer"]["state"][0])
     refused = tmp_path / "refused"
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={refused}", "--preset=dilocox",
-                     "--sync.outer_optimizer=adamw", "--sync.drain_residual=true", timeout=60)  # fmt: skip
+                     "--sync.outer.optimizer=adamw", "--sync.drain_residual=true", timeout=60)  # fmt: skip
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
     assert result.stderr.startswith(
-        "dilocox: error: sync.drain_residual = true does not work with sync.outer_optimizer = 'adamw'"
+        "dilocox: error: sync.drain_residual = true does not work with sync.outer.optimizer = 'adamw'"
     )
     assert "set sync.drain_residual = false" in result.stderr and not refused.exists()
