@@ -180,11 +180,12 @@ def test_overlap_hides_the_link():
 
 def _checkpoint_in_flight(rank, world_size, options):
     """6 rounds on a slow link, checkpointed at the end of round 3 while that round's sync is on the wire; `options`
-    are further SyncConfig fields (the merge rule, the outer learning-rate schedule), and `compression` a codec's
-    CompressionConfig fields."""
+    are further SyncConfig fields (the merge rule; under `outer` the outer learning-rate schedule), and `compression` a
+    codec's CompressionConfig fields."""
     inner_steps, rounds, step_s = 2, 6, 0.03
     options = dict(options)
     compression = CompressionConfig(**options.pop("compression", {}))
+    outer_options = options.pop("outer", {})  # OuterConfig fields (the outer learning-rate schedule)
     # each sync needs ~0.25 s of link: far longer than the 0.06 s of a round (a codec's payload is under 1/4 of fp32)
     nbytes = sum(p.numel() for p in make_model().parameters()) * (4 if compression.kind == "none" else 1)
 
@@ -193,7 +194,7 @@ def _checkpoint_in_flight(rank, world_size, options):
         channel = simulated(
             lambda clock: WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.25, latency_s=0.0, clock=clock)
         )
-        outer = OuterConfig(lr=OUTER_LR, momentum=MOMENTUM, **options.pop("outer", {}))
+        outer = OuterConfig(lr=OUTER_LR, momentum=MOMENTUM, **outer_options)
         cfg = SyncConfig(inner_steps=inner_steps, outer=outer, sync_delay=1, **options)
         sync = DiLoCoSync(
             model.parameters(), cfg, compression, channel=channel, dp_group=None, total_steps=rounds * inner_steps
