@@ -95,7 +95,7 @@ def config_reference() -> str:
     """Markdown: the presets, then one table per config section with every option's type, default, allowed values
     and docstring."""
     from dilocox.compat import matrix_markdown
-    from dilocox.config import options
+    from dilocox.config import MOVED_KEYS, options
 
     lines: list[str] = [
         presets_reference(),
@@ -106,6 +106,15 @@ def config_reference() -> str:
         "line. An option left at `auto` never meets a row: its rule resolves it to a value that works with the rest.",
         "",
         matrix_markdown(),
+        "",
+        "## Keys of earlier versions",
+        "",
+        "Options that moved or were renamed: a config file, a flag, a run directory's config.toml or a checkpoint that",
+        "spells the old key loads it into the new one, with one warning line (`MOVED_KEYS` in `dilocox/config.py`).",
+        "",
+        "| old key | now |",
+        "| --- | --- |",
+        *(f"| `{old}` | [`{new}`](#{new.replace('.', '-').replace('_', '-')}) |" for old, new in MOVED_KEYS.items()),
     ]
     section = None
     for name, typ, default, doc in options():

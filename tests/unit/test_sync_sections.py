@@ -26,6 +26,7 @@ from dilocox.config import (
 )
 from dilocox.launch.rundir import settings_changed
 from dilocox.sync.config import GuardConfig, OuterConfig, RoundConfig, SyncConfig
+from dilocox.tools import docgen
 
 SUB_SECTIONS = ("sync.outer", "sync.guard", "sync.round")
 OLD_SYNC_KEYS = {old: new for old, new in MOVED_KEYS.items() if old.startswith("sync.")}
@@ -106,6 +107,9 @@ def test_the_moved_keys_table_names_every_option_of_the_sub_sections_once():
     assert set(OLD_SYNC_KEYS.values()) == sub_options
     assert len(OLD_SYNC_KEYS) == len(sub_options) == len(VALUES)
     assert set(VALUES) == set(OLD_SYNC_KEYS)
+    reference = docgen.config_reference()  # the configuration reference lists the table
+    for old, new in OLD_SYNC_KEYS.items():
+        assert f"| `{old}` | [`{new}`](#{new.replace('.', '-').replace('_', '-')}) |" in reference, old
 
 
 @pytest.mark.parametrize("old", list(VALUES))
