@@ -633,9 +633,14 @@ def _pair(name: str, part: str) -> str:
     return f"{json.dumps(key.strip())} = {value.strip()}"
 
 
-def _set(cfg: Config, name: str, value: Any, *, from_text: bool) -> None:
+def _set(cfg: Config, name: str, value: Any, *, from_text: bool, warned: set[str] | None = None) -> None:
+    """Set option `name` (its key of an earlier version moved to its new one, with a warning unless `warned`, the
+    keys already warned of while loading this config, holds it) to `value`, checked and converted to its type."""
     if name in MOVED_KEYS:
-        warnings.warn(f"{name} is now {MOVED_KEYS[name]}; update the config or flag", ConfigWarning, stacklevel=2)
+        if warned is None or name not in warned:
+            warnings.warn(f"{name} is now {MOVED_KEYS[name]}; update the config or flag", ConfigWarning, stacklevel=2)
+        if warned is not None:
+            warned.add(name)
         name = MOVED_KEYS[name]
     known = {opt[0]: opt[1] for opt in options()}
     if name not in known:
@@ -676,7 +681,7 @@ def _check_spellings(names: list[str], source: str) -> None:
             )
 
 
-def apply_toml(cfg: Config, data: dict[str, Any], *, source: str = "config") -> Config:
+def apply_toml(cfg: Config, data: dict[str, Any], *, source: str = "config", warned: set[str] | None = None) -> Config:
     unknown = [key for key in data if key not in SECTIONS or not isinstance(data[key], dict)]
     if unknown:
         raise ValueError(
@@ -687,7 +692,7 @@ def apply_toml(cfg: Config, data: dict[str, Any], *, source: str = "config") -> 
     bad: list[str] = []
     for name, value in items:
         try:
-            _set(cfg, name, value, from_text=False)
+            _set(cfg, name, value, from_text=False, warned=warned)
         except ValueError as exc:
             if "unknown config key" in str(exc):
                 bad.append(name)
@@ -810,16 +815,17 @@ def layered_config(
     name = choose_preset(said + [(key, value) for key, value in flags if key in ("preset", "sync.kind")], preset)
     cfg = Config()
     values = read_preset(name)
-    apply_toml(cfg, values, source=f"preset {name}")
+    warned: set[str] = set()  # each key of an earlier version is warned of once, in the file or in the flags
+    apply_toml(cfg, values, source=f"preset {name}", warned=warned)
     layers = [set(flat_settings(values))]  # preset, file, flags
     if path:
-        apply_toml(cfg, data, source=str(path))
+        apply_toml(cfg, data, source=str(path), warned=warned)
         layers.append(set(flat_settings(data)))
     layers.append(set())
     _check_spellings([key for key, _ in flags], "the flags")
     for key, value in flags:
         if key != "preset":
-            _set(cfg, key, value, from_text=True)
+            _set(cfg, key, value, from_text=True, warned=warned)
             layers[-1].add(MOVED_KEYS.get(key, key))
     if cfg.sync.kind in SYNC_KINDS:  # a weaker layer's kind gave way to the preset a stronger one chose
         cfg.sync.kind = preset_kind(name)

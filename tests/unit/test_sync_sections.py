@@ -164,6 +164,9 @@ def test_one_layer_that_spells_an_option_both_ways_is_refused_in_one_line(tmp_pa
     path.write_text("[sync]\nouter_lr = 0.5\n")
     with pytest.warns(ConfigWarning):
         assert load_config(path, ["--sync.outer.lr=0.6"]).sync.outer.lr == 0.6
+    with pytest.warns(ConfigWarning) as warned:  # the old key in the file and in a flag: one line
+        assert load_config(path, ["--sync.outer_lr=0.7"]).sync.outer.lr == 0.7
+    assert [str(w.message) for w in warned] == ["sync.outer_lr is now sync.outer.lr; update the config or flag"]
     result = cli("train", "--print-config", "--sync.guard=false", "--sync.guard.enabled=true", cwd=tmp_path)
     assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1
     assert result.stderr.startswith("dilocox: error: the flags: sync.guard and sync.guard.enabled are the same option")
