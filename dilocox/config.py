@@ -530,17 +530,10 @@ def option_value(cfg: Config, name: str) -> Any:
     return getattr(section_of(cfg, section), key)
 
 
-def flat_settings(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_settings(data: dict[str, Any]) -> dict[str, Any]:
     """The options of a config as a dict (`to_dict`, a parsed config.toml or a checkpoint's saved config) by dotted
     name, a key of an earlier version under its new name (`MOVED_KEYS`, silently: comparing is not loading)."""
-    sections, out = section_types(), {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if name in sections and isinstance(value, dict):
-            out.update(flat_settings(value, f"{name}."))
-        else:
-            out[MOVED_KEYS.get(name, name)] = value
-    return out
+    return {MOVED_KEYS.get(name, name): value for name, value in _toml_items(data)}
 
 
 def options() -> list[tuple[str, type, Any, str]]:
@@ -659,7 +652,8 @@ def _set(cfg: Config, name: str, value: Any, *, from_text: bool, warned: set[str
 
 
 def _toml_items(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    """The (dotted name, value) pairs of a config file's sections, its sub-section tables (`[sync.outer]`) included."""
+    """The (dotted name, value) pairs of a config's sections (a TOML file, `to_dict`), its sub-section tables
+    (`[sync.outer]`) included, each name as written."""
     items: list[tuple[str, Any]] = []
     for key, value in data.items():
         name = f"{prefix}{key}"
