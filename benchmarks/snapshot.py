@@ -39,7 +39,7 @@ The `preset_*` cases run every shipped preset as `--preset NAME` over the base f
 H = 12, 36 steps, so that its every option resolves as in `dilocox train`): a change in how options resolve shows
 there first.
 
-Not covered, because their results depend on timing: `sync.fit_link` (H follows the measured link time) and an
+Not covered, because their results depend on timing: `sync.round.fit_link` (H follows the measured link time) and an
 elastic run with a killed cluster: where the restarted cluster rejoins (which round, or at the end) depends on how
 fast it restarts, so the elastic case is fault-free. An emulated link is left off too: it only makes the runs wait.
 The elastic case's results are bit-identical to `elastic_static_twin`, the same settings without
@@ -185,14 +185,14 @@ CASES: tuple[Case, ...] = (
             "--compression.kind=topk_int4",
             "--sync.local_residual=true",
             "--sync.drain_residual=true",
-            "--sync.outer_lr=1.0",
-            "--sync.outer_momentum=0",
+            "--sync.outer.lr=1.0",
+            "--sync.outer.momentum=0",
         ),
     ),  # fmt: skip
     Case(
         "outer_cosine",
         "blocking DiLoCo, cosine outer lr with 1 warm-up round",
-        ("--sync.outer_lr_schedule=cosine", "--sync.outer_warmup_rounds=1"),
+        ("--sync.outer.lr_schedule=cosine", "--sync.outer.warmup_rounds=1"),
     ),  # fmt: skip
     Case(
         "resume",

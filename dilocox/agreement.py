@@ -57,17 +57,16 @@ def run_settings(cfg: Config) -> dict[str, Any]:
     hold (`data.data_fingerprint`, a few sampled blocks per file), and under `KEY_SETTING` the fingerprint of
     network.auth_key_file's key (`PayloadAuth.fingerprint`, which reveals nothing of the key) or None without one.
     Reads the data and key files: their ValueError names the one that cannot be read."""
-    from dilocox.config import to_dict
+    from dilocox.config import flat_settings, to_dict
     from dilocox.data import data_fingerprint
     from dilocox.data.tokenfiles import tokenizer_fingerprint
     from dilocox.data.tokenizer import Tokenizer
 
     settings = cfg.shared_settings()
     if not cfg.topology.elastic:
-        values = to_dict(cfg)
+        values = flat_settings(to_dict(cfg))
         for name in STATIC_SHARED_SETTINGS:
-            section, key = name.split(".")
-            settings[name] = values[section][key]
+            settings[name] = values[name]
     settings["data.path"] = f"content {data_fingerprint(cfg.data.path, cfg.data.text_field)}"
     tokenizer = None
     if cfg.data.tokenizer:

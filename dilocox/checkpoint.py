@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox.compress.config import SPARSE_KINDS
-from dilocox.config import Config
+from dilocox.config import Config, flat_settings, option_value
 from dilocox.fileio import write_atomic
 from dilocox.models import ModelArgs, model_args
 from dilocox.net.json_gather import all_gather_json
@@ -434,7 +434,7 @@ _LEGACY_VALUES = {
     "data.split_seed": -1,
     "topology.elastic": False,
     "sync.fragments": 1,
-    "sync.round": "steps",
+    "sync.round.mode": "steps",
 }
 """What a config written before a field existed meant by its absence."""
 
@@ -455,20 +455,11 @@ def resume_fields(cfg: Config, saved: dict[str, Any]) -> list[str]:
         fields.append("data.vocab_size")  # both train their BPE here: its size is the model's vocabulary
     fields += ["data.shard", "data.split_seed", "train.seq_len", "train.optimizer"]
     if cfg.sync.has_outer_loop:
-        # sync.round: a time-round state carries the round clock and the reports, and its ranks' steps differ
-        outer = (
-            "inner_steps",
-            "sync_delay",
-            "fragments",
-            "round",
-            "outer_optimizer",
-            "outer_lr",
-            "outer_momentum",
-            "nesterov",
-        )
-        fields += [f"sync.{name}" for name in outer]
-        if cfg.sync.outer_optimizer == "adamw":
-            fields += [f"sync.{name}" for name in ("outer_beta1", "outer_beta2", "outer_weight_decay")]
+        # sync.round.mode: a time-round state carries the round clock and the reports, and its ranks' steps differ
+        fields += [f"sync.{name}" for name in ("inner_steps", "sync_delay", "fragments", "round.mode")]
+        fields += [f"sync.outer.{name}" for name in ("optimizer", "lr", "momentum", "nesterov")]
+        if cfg.sync.outer.optimizer == "adamw":
+            fields += [f"sync.outer.{name}" for name in ("beta1", "beta2", "weight_decay")]
         fields.append("compression.kind")
         if cfg.compression.kind != "none":
             formats = ("reduction", "rank", "group_size", "factor_dtype", "small_tensors", "rank_max")
@@ -506,10 +497,10 @@ def check_resume(cfg: Config, path: Path) -> None:
             "new run directory"
         )
     if isinstance(saved, dict):
+        saved_settings = flat_settings(saved)  # a key of an earlier version under its new name
         for name in resume_fields(cfg, saved):
-            section, key = name.split(".")
-            new = getattr(getattr(cfg, section), key)
-            old = saved.get(section, {}).get(key, _LEGACY_VALUES.get(name, new))  # a field newer than the file
+            new = option_value(cfg, name)
+            old = saved_settings.get(name, _LEGACY_VALUES.get(name, new))  # a field newer than the file
             if old != new:
                 raise _incompatible(path, name, old, new)
     else:  # written before meta.json held the config

@@ -63,6 +63,7 @@ def train_help(argv: list[str] | None = None) -> str:
         PRESETS,
         allowed_values,
         auto_options,
+        flat_settings,
         layered_config,
         options,
         preset_summary,
@@ -72,7 +73,7 @@ def train_help(argv: list[str] | None = None) -> str:
 
     config_path, rest = _take_option([a for a in (argv or []) if a not in ("-h", "--help")], "--config")
     unresolved, preset, layers = layered_config(config_path, rest)
-    before, values = to_dict(unresolved), to_dict(unresolved.resolve())
+    before, values = flat_settings(to_dict(unresolved)), flat_settings(to_dict(unresolved.resolve()))
     lines = [
         "usage: dilocox train [--preset NAME] [--config FILE] [--section.key=VALUE ...] [--print-config]",
         "",
@@ -99,17 +100,13 @@ def train_help(argv: list[str] | None = None) -> str:
     for name in PRESETS:
         title = f"{name}{' (this run)' if name == preset else ''}: {preset_summary(name)}"
         lines += textwrap.wrap(title, width=110, initial_indent="  ", subsequent_indent="      ")
-        settings = [
-            f"{section}.{key}={_show_value(value)}"
-            for section, values_ in read_preset(name).items()
-            for key, value in values_.items()
-        ]
+        settings = [f"{key}={_show_value(value)}" for key, value in flat_settings(read_preset(name)).items()]
         lines += textwrap.wrap(" ".join(settings), width=110, initial_indent="      ", subsequent_indent="      ")
     lines += ["", f"Each option below shows the value this run uses (the {preset} preset, resolved):"]
     section = None
     user, autos = set().union(*layers[1:]), auto_options()
     for name, typ, _, doc in options():
-        head, key = name.split(".")
+        head = name.rpartition(".")[0]
         if head != section:
             section = head
             lines += ["", f"[{section}]"]
@@ -117,8 +114,8 @@ def train_help(argv: list[str] | None = None) -> str:
         shown = "{" + ",".join(choices) + "}" if choices else typ.__name__.upper()
         if name in autos and not choices:
             shown += "|auto"
-        value = _show_value(values[head][key])
-        if before[head][key] == AUTO:
+        value = _show_value(values[name])
+        if before[name] == AUTO:
             origin = f"auto: {value}"
         elif name in layers[0] and name not in user:
             origin = f"{value}, preset {preset}"

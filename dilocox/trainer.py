@@ -337,11 +337,11 @@ class Trainer:
             lanes=self.lanes,
             tokens_per_step=self.cluster_tokens_per_step,
         )
-        self.time_rounds = cfg.sync.has_outer_loop and cfg.sync.round == "time"
+        self.time_rounds = cfg.sync.has_outer_loop and cfg.sync.round.mode == "time"
         """Every cluster trains for the same time budget per round; the run is ceil(train.steps / H) rounds."""
         self.sleep_factor = cfg.faults.slow_factor(self.coords.cluster) if cfg.faults.slow_mode == "sleep" else 1.0
         """faults.slow_clusters, sleep mode: every inner step of this cluster takes this many times longer."""
-        self.guarded = cfg.sync.has_outer_loop and cfg.sync.guard
+        self.guarded = cfg.sync.has_outer_loop and cfg.sync.guard.enabled
         """A non-finite loss does not stop the run at once: the guard heals the cluster at the round's end."""
         self.stream = ShardedTokenStream(
             self.data.train,
@@ -554,7 +554,7 @@ class Trainer:
             self._diverged(
                 f"the agreed model's eval loss is {eval_loss:.4g}, above eval.divergence_ratio = {ratio:g} x its "
                 f"lowest so far ({lowest:.4g})",
-                fix="lower sync.outer_lr or train.lr (or raise eval.divergence_ratio, 0 = never stop on it)",
+                fix="lower sync.outer.lr or train.lr (or raise eval.divergence_ratio, 0 = never stop on it)",
             )
         self.lowest_eval_loss = eval_loss if lowest is None else min(lowest, eval_loss)
 
@@ -566,7 +566,7 @@ class Trainer:
 
     def _checkpoint_due(self, interval: int) -> bool:
         """At a round boundary: whether a multiple of `interval` was passed since the last checkpoint (the same as
-        `_due` when rounds end on multiples of it; with compression.fit_link they may not). With time rounds the
+        `_due` when rounds end on multiples of it; with sync.round.fit_link they may not). With time rounds the
         position is the run's, by round, so that every cluster checkpoints at the same boundary."""
         return interval > 0 and self._checkpoint_position() // interval > self._last_checkpoint_step // interval
 
@@ -870,7 +870,7 @@ class Trainer:
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         inner = inner_state_bytes(self.inner_optimizer)
         outer = self.sync.status().state_bytes
-        outer_on_host = self.cfg.sync.outer_state_device == "cpu" and self.device.type != "cpu"
+        outer_on_host = self.cfg.sync.outer.state_device == "cpu" and self.device.type != "cpu"
         return {
             "rank": self.rank,
             "stage": self.coords.pp,

@@ -140,7 +140,9 @@ class LaneReducer:
     ) -> None:
         cfg.validate()
         if peers is not None and guard is None:
-            raise ValueError("the peer check (sync.guard_peers) is part of the guard: it needs sync.guard = true")
+            raise ValueError(
+                "the peer check (sync.guard.peers) is part of the guard: it needs sync.guard.enabled = true"
+            )
         if channel.world_size != layout.topology.num_shards:
             raise ValueError(
                 f"the lane exchange runs over the stage group of all {layout.topology.num_shards} replicas of a "

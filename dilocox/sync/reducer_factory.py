@@ -36,7 +36,7 @@ def build_reducer(
     """The reducer of `compression.kind` and `compression.reduction` over tensors of `shapes` (validated here).
 
     `guard_max_ratio` (None: no guard), `peer_max_ratio` (None: no peer check) and `aggregate` are
-    `sync.guard_max_ratio`, `sync.guard_peer_ratio` (`peer_sizes`: `PeerCheck.sizes`) and `sync.aggregate`: only the gather reduction judges and
+    `sync.guard.max_ratio`, `sync.guard.peer_ratio` (`peer_sizes`: `PeerCheck.sizes`) and `sync.aggregate`: only the gather reduction judges and
     robustly averages the clusters' updates one by one (`SyncConfig` refuses a robust aggregate with the others;
     their guard is the check of the mean in `DiLoCoSync`). `pp_group` (the cluster's pipeline) makes its stages
     agree on what the guard leaves out."""

@@ -353,7 +353,9 @@ class GatherReducer(CodecReducer):
         feedback_decay: float = 1.0,
     ) -> None:
         if peers is not None and guard is None:
-            raise ValueError("the peer check (sync.guard_peers) is part of the guard: it needs sync.guard = true")
+            raise ValueError(
+                "the peer check (sync.guard.peers) is part of the guard: it needs sync.guard.enabled = true"
+            )
         super().__init__(
             codec,
             shapes,

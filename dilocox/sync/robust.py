@@ -55,7 +55,7 @@ MAGNITUDE_BINS = 256 << MAGNITUDE_BITS
 
 class GuardError(RuntimeError):
     """The guard cannot go on: this cluster's own update stayed bad, or no cluster's update was usable, for
-    `sync.guard_max_bad_rounds` rounds in a row. The trainer turns it into one line and a non-zero exit."""
+    `sync.guard.max_bad_rounds` rounds in a row. The trainer turns it into one line and a non-zero exit."""
 
 
 class UpdateGuard:
@@ -71,7 +71,7 @@ class UpdateGuard:
 
     def __init__(self, max_ratio: float) -> None:
         if not (math.isfinite(max_ratio) and max_ratio > 1.0):
-            raise ValueError(f"sync.guard_max_ratio = {max_ratio} must be a finite number > 1")
+            raise ValueError(f"sync.guard.max_ratio = {max_ratio} must be a finite number > 1")
         self.max_ratio = max_ratio
         self.history: deque[list[float]] = deque(maxlen=HISTORY_ROUNDS)  # accepted norms, one list per round
 
@@ -110,7 +110,7 @@ class UpdateGuard:
 
 
 class PeerCheck:
-    """Judges the updates of one round against each other: the peer check of `sync.guard_peers` (docs/design.md §4.5).
+    """Judges the updates of one round against each other: the peer check of `sync.guard.peers` (docs/design.md §4.5).
 
     Among the `n >= 3` updates the guard left in, an update is excluded when
     - its size exceeds `max_ratio` x the median of the n sizes (one outsized update cannot move the median), by
@@ -144,7 +144,7 @@ class PeerCheck:
 
     def __init__(self, max_ratio: float, *, scales: Sequence[float] | None = None, sizes: bool = True) -> None:
         if not (math.isfinite(max_ratio) and max_ratio > 1.0):
-            raise ValueError(f"sync.guard_peer_ratio = {max_ratio} must be a finite number > 1")
+            raise ValueError(f"sync.guard.peer_ratio = {max_ratio} must be a finite number > 1")
         self.max_ratio = max_ratio
         self.scales = None if scales is None else list(scales)
         """The weight each cluster's payload was multiplied by (None: 1 for every cluster)."""
@@ -362,7 +362,7 @@ class RoundGuard:
         self.bad_in_row[which] = self.bad_in_row[which] + 1 if bad else 0
         if self.bad_in_row[which] >= self.max_bad_rounds:
             raise GuardError(
-                f"{what}, {self.bad_in_row[which]} rounds in a row (sync.guard_max_bad_rounds = "
+                f"{what}, {self.bad_in_row[which]} rounds in a row (sync.guard.max_bad_rounds = "
                 f"{self.max_bad_rounds}): training cannot recover by itself"
             )
 

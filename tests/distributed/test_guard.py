@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dilocox import CompressionConfig, SyncConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync, OuterSync
+from dilocox.sync.config import GuardConfig, OuterConfig
 from dilocox.sync.faults import FaultConfig
 from dilocox.sync.reducer_factory import build_reducer
 from dilocox.topology import Topology, build_process_groups
@@ -191,7 +192,7 @@ def _dense_round(rank, world_size, mode):
     faults = FaultConfig(kind="nan", cluster=1, rounds="1") if mode == "lie" else None
     sync = DiLoCoSync(
         model.parameters(),
-        SyncConfig(kind="diloco", inner_steps=1, outer_lr=1.0, outer_momentum=0.0),
+        SyncConfig(kind="diloco", inner_steps=1, outer=OuterConfig(lr=1.0, momentum=0.0)),
         channel=channel,
         dp_group=None,
         faults=faults,
@@ -229,7 +230,7 @@ def _teacher_batch(cluster: int, step: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, torch.tanh(x @ teacher) + 0.2 * torch.randn(32, 8, generator=generator)
 
 
-SCENARIOS = [  # (fault of cluster 3, sync.aggregate, sync.guard, allowed loss above the clean run)
+SCENARIOS = [  # (fault of cluster 3, sync.aggregate, sync.guard.enabled, allowed loss above the clean run)
     (None, "mean", True, 0.0),
     ("nan", "mean", True, 0.02),
     ("scale", "mean", True, 0.02),
@@ -254,14 +255,12 @@ def _train_one(rank, fault, aggregate, guard, *, scale=1000.0, peers=True, round
         kind="dilocox",
         inner_steps=H,
         sync_delay=1,
-        outer_lr=1.0,
-        outer_momentum=0.0,
         merge="keep_local",
         local_residual=False,
         drain_residual=False,
         aggregate=aggregate,
-        guard=guard,
-        guard_peers=peers,
+        outer=OuterConfig(lr=1.0, momentum=0.0),
+        guard=GuardConfig(enabled=guard, peers=peers),
     )
     sync = OuterSync.from_configs(  # the trainer's object: it heals the inner optimizer's state too
         model.parameters(),

@@ -23,8 +23,8 @@ def test_torchrun_nodes_with_other_settings_stop_before_training_naming_the_sett
     run_dir = tmp_path / "run"
     flags = ["train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--topology.num_clusters=3", "--train.steps=20"]
     if differs == "lr":
-        node2 = ["--train.lr=0.03", "--sync.outer_lr=1.5"]
-        want = "train.lr: 0.003 on ranks 0-1 (nodes 0-1), 0.03 on rank 2 (node 2); sync.outer_lr: 0.7 on ranks 0-1 " \
+        node2 = ["--train.lr=0.03", "--sync.outer.lr=1.5"]
+        want = "train.lr: 0.003 on ranks 0-1 (nodes 0-1), 0.03 on rank 2 (node 2); sync.outer.lr: 0.7 on ranks 0-1 " \
             "(nodes 0-1), 1.5 on rank 2 (node 2); start every node"  # fmt: skip
     else:  # the same flags; node 2's key file holds another key
         keys = [tmp_path / "node01.key", tmp_path / "node2.key"]

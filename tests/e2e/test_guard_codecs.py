@@ -39,7 +39,7 @@ def train(run_dir, *flags) -> tuple[dict, list[tuple[int | None, int, str]]]:
 
 def test_a_clean_run_is_the_same_with_and_without_the_peer_check(tmp_path):
     checked, left_out = train(tmp_path / "clean")
-    unchecked, _ = train(tmp_path / "unchecked", "--sync.guard_peers=false")
+    unchecked, _ = train(tmp_path / "unchecked", "--sync.guard.peers=false")
     assert left_out == []
     assert checked["final_eval_loss"] == unchecked["final_eval_loss"]
 

@@ -22,11 +22,11 @@ def settings(*flags: str) -> dict:
 
 
 def test_a_differing_setting_is_named_with_its_values_and_the_ranks_and_nodes_that_hold_them():
-    same, other = settings(), settings("--train.lr=0.03", "--sync.outer_lr=1.5")
+    same, other = settings(), settings("--train.lr=0.03", "--sync.outer.lr=1.5")
     message = describe_differences([same, same, other], nodes=["0", "0", "1"])
     assert message == (
         "train.lr: 0.003 on ranks 0-1 (node 0), 0.03 on rank 2 (node 1); "
-        "sync.outer_lr: 0.7 on ranks 0-1 (node 0), 1.5 on rank 2 (node 1)"
+        "sync.outer.lr: 0.7 on ranks 0-1 (node 0), 1.5 on rank 2 (node 1)"
     )
     assert describe_differences([same, same, same]) == ""
     assert settings_fingerprint(same) != settings_fingerprint(other)

@@ -202,8 +202,8 @@ def test_resume_compares_the_fields_the_saved_state_depends_on(tmp_path):
         ("--compression.group_size=32", "compression.group_size was 64 in the checkpoint, 32 now"),
         ("--sync.sync_delay=0", "sync.sync_delay was 1 in the checkpoint, 0 now; resume with --sync.sync_delay=1"),
         (
-            "--sync.nesterov=false",
-            "sync.nesterov was true in the checkpoint, false now; resume with --sync.nesterov=true",
+            "--sync.outer.nesterov=false",
+            "sync.outer.nesterov was true in the checkpoint, false now; resume with --sync.outer.nesterov=true",
         ),
         ("--topology.pp_degree=2", "topology.pp_degree was 1 in the checkpoint, 2 now"),
         ("--data.split_seed=0", "data.split_seed was -1 in the checkpoint, 0 now; resume with --data.split_seed=-1"),
