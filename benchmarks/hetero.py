@@ -1,4 +1,4 @@
-"""Clusters of different speeds: step rounds against time rounds (`sync.round`), with one cluster at half speed.
+"""Clusters of different speeds: step rounds against time rounds (`sync.round.mode`), with one cluster at half speed.
 
     python benchmarks/hetero.py                          # writes benchmarks/results/hetero/results.{json,md}
     python benchmarks/hetero.py --only speed             # the throughput rows only (nothing else on the machine)
@@ -43,7 +43,7 @@ SLOW = "--faults.slow_clusters=2:2.0"
 SPEED_ROWS = {
     "homogeneous": [],
     "steps-slow": [SLOW, "--faults.slow_mode=sleep"],
-    "time-slow": [SLOW, "--faults.slow_mode=sleep", "--sync.round=time"],
+    "time-slow": [SLOW, "--faults.slow_mode=sleep", "--sync.round.mode=time"],
 }
 LABELS = {
     "homogeneous": "homogeneous (no slowdown)",
@@ -123,7 +123,7 @@ def main() -> None:
             equal_tokens,
             args.inner_steps,
             seed,
-            [*preset, SLOW, "--faults.slow_mode=virtual", "--sync.round=time"],
+            [*preset, SLOW, "--faults.slow_mode=virtual", "--sync.round.mode=time"],
             args.loss_config,
         )
         row = {

@@ -39,7 +39,7 @@ The `preset_*` cases run every shipped preset as `--preset NAME` over the base f
 H = 12, 36 steps, so that its every option resolves as in `dilocox train`): a change in how options resolve shows
 there first.
 
-Not covered, because their results depend on timing: `sync.fit_link` (H follows the measured link time) and an
+Not covered, because their results depend on timing: `sync.round.fit_link` (H follows the measured link time) and an
 elastic run with a killed cluster: where the restarted cluster rejoins (which round, or at the end) depends on how
 fast it restarts, so the elastic case is fault-free. An emulated link is left off too: it only makes the runs wait.
 The elastic case's results are bit-identical to `elastic_static_twin`, the same settings without
@@ -128,7 +128,8 @@ class Case:
         full = [*BASE_FLAGS, f"--run.out_dir={RUN_DIR}", *self.flags]
         if not self.resume_at:
             return [full]
-        return [[*full, f"--train.steps={self.resume_at}"], full]
+        # a finished run goes on to more steps only when asked: otherwise the second call gets a directory of its own
+        return [[*full, f"--train.steps={self.resume_at}"], [*full, "--checkpoint.resume=latest"]]
 
 
 THREE = ("--topology.num_clusters=3",)
@@ -184,18 +185,18 @@ CASES: tuple[Case, ...] = (
             "--compression.kind=topk_int4",
             "--sync.local_residual=true",
             "--sync.drain_residual=true",
-            "--sync.outer_lr=1.0",
-            "--sync.outer_momentum=0",
+            "--sync.outer.lr=1.0",
+            "--sync.outer.momentum=0",
         ),
     ),  # fmt: skip
     Case(
         "outer_cosine",
         "blocking DiLoCo, cosine outer lr with 1 warm-up round",
-        ("--sync.outer_lr_schedule=cosine", "--sync.outer_warmup_rounds=1"),
+        ("--sync.outer.lr_schedule=cosine", "--sync.outer.warmup_rounds=1"),
     ),  # fmt: skip
     Case(
         "resume",
-        "dilocox: 6 steps, then on to 12 in the same directory (resume = auto)",
+        "dilocox: 6 steps, then on to 12 in the same directory (checkpoint.resume = latest)",
         DILOCOX,
         resume_at=6,
     ),  # fmt: skip

@@ -4,7 +4,8 @@ The ranks of a run are started apart (torchrun on each node, `dilocox train` on 
 each from its own command line. A setting given otherwise on one node (another learning rate, codec or key file) does
 not fail by itself: the clusters average what does not belong together and end apart. So every rank describes what
 it must share with the others (`run_settings`: `Config.shared_settings`, the settings a static run's ranks use
-together, and a fingerprint of its payload key) and the ranks compare the descriptions before anything is written.
+together, fingerprints of what its data files hold and of its payload key) and the ranks compare the descriptions
+before anything is written.
 
     check_same_settings(cfg, group=dist.group.WORLD, node="2")   # collective; SettingsMismatch on every rank:
     # "the ranks were started with other settings: train.lr: 0.003 on ranks 0-1 (nodes 0-1), 0.03 on rank 2 (node 2)"
@@ -36,6 +37,9 @@ checkpoint at one barrier, and the stages of cluster 0 evaluate together."""
 KEY_SETTING = "network.auth_key_file"
 """The name under which `run_settings` holds the payload key's fingerprint (the file's path may differ per machine;
 its key may not)."""
+DATA_SETTINGS = ("data.path", "data.tokenizer")
+"""The names under which `run_settings` holds fingerprints of what the data and the tokenizer files hold (a node may
+read a copy at another path; the copy must hold the same)."""
 _MAX_SETTINGS_BYTES = 256 << 10
 """The most bytes a rank may declare for its settings as JSON (about 5 KB)."""
 _MAX_SHOWN = 6
@@ -49,17 +53,26 @@ class SettingsMismatch(ValueError):
 
 def run_settings(cfg: Config) -> dict[str, Any]:
     """What this rank must share with every other rank of its run, by dotted name: `Config.shared_settings`, for a
-    static run `STATIC_SHARED_SETTINGS`, and under `KEY_SETTING` the fingerprint of network.auth_key_file's key
-    (`PayloadAuth.fingerprint`, which reveals nothing of the key) or None without one. Reads the key file: its
-    ValueError names it when it cannot be read."""
-    from dilocox.config import to_dict
+    static run `STATIC_SHARED_SETTINGS`, under `DATA_SETTINGS` fingerprints of what data.path and the tokenizer
+    hold (`data.data_fingerprint`, a few sampled blocks per file), and under `KEY_SETTING` the fingerprint of
+    network.auth_key_file's key (`PayloadAuth.fingerprint`, which reveals nothing of the key) or None without one.
+    Reads the data and key files: their ValueError names the one that cannot be read."""
+    from dilocox.config import flat_settings, to_dict
+    from dilocox.data import data_fingerprint
+    from dilocox.data.tokenfiles import tokenizer_fingerprint
+    from dilocox.data.tokenizer import Tokenizer
 
     settings = cfg.shared_settings()
     if not cfg.topology.elastic:
-        values = to_dict(cfg)
+        values = flat_settings(to_dict(cfg))
         for name in STATIC_SHARED_SETTINGS:
-            section, key = name.split(".")
-            settings[name] = values[section][key]
+            settings[name] = values[name]
+    settings["data.path"] = f"content {data_fingerprint(cfg.data.path, cfg.data.text_field)}"
+    tokenizer = None
+    if cfg.data.tokenizer:
+        serialized = Tokenizer.from_file(cfg.data.tokenizer).backend.to_str(pretty=False).encode("utf-8")
+        tokenizer = f"content {tokenizer_fingerprint(serialized)}"
+    settings["data.tokenizer"] = tokenizer
     auth = cfg.network.payload_auth()
     settings[KEY_SETTING] = None if auth is None else f"key {auth.fingerprint()}"
     return settings
@@ -124,7 +137,8 @@ def check_same_settings(cfg: Config, *, group: dist.ProcessGroup | None, node: s
     if differences:
         raise SettingsMismatch(
             f"the ranks of this run were started with other settings: {differences}; start every node with the same "
-            f"config file and flags, and the same key in {KEY_SETTING} (a path may differ, not the key)"
+            f"config file and flags, the same data and the same key ({', '.join(DATA_SETTINGS)} and {KEY_SETTING} may "
+            "be other paths on other nodes, not other contents)"
         )
 
 
@@ -140,7 +154,7 @@ def _shown(value: Any) -> str:
         return value
     if value is None:
         return "none"
-    text = value if isinstance(value, str) and value.startswith("key ") else json.dumps(value)
+    text = value if isinstance(value, str) and value.startswith(("key ", "content ")) else json.dumps(value)
     return text if len(text) <= _MAX_VALUE_CHARS else text[: _MAX_VALUE_CHARS - 3] + "..."
 
 

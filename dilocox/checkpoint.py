@@ -31,6 +31,7 @@ and at equal steps the lowest cluster's counts as the newest (`latest`, `dilocox
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -44,9 +45,10 @@ import torch
 import torch.distributed as dist
 
 from dilocox.compress.config import SPARSE_KINDS
-from dilocox.config import Config
+from dilocox.config import Config, flat_settings, option_value
 from dilocox.fileio import write_atomic
 from dilocox.models import ModelArgs, model_args
+from dilocox.net.json_gather import all_gather_json
 from dilocox.topology import Topology
 
 CHECKPOINT_DIR = "checkpoints"
@@ -136,30 +138,47 @@ def save_checkpoint(
 ) -> Path:
     """Collectively save this rank's `state` as checkpoint `step`; rank 0 finalizes it and prunes old ones.
     `cluster`: an elastic run's cluster, whose ranks (`rank` counted inside it, `group` its world) write into
-    `checkpoint_root(run_dir, cluster)`."""
+    `checkpoint_root(run_dir, cluster)`. A write that fails on any rank (a full disk, checked first against the last
+    checkpoint's size) raises `CheckpointNotWritten` on every rank after the partial directory is removed: the
+    checkpoints before it stay as they were."""
     root = checkpoint_root(run_dir, cluster)
     final = _step_dir(root, step)
     partial = root / f".{final.name}.partial"
+    error = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if partial.exists():
-            shutil.rmtree(partial)
-        partial.mkdir()
-    _barrier(group)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if partial.exists():
+                shutil.rmtree(partial)
+            _check_free_space(root)
+            partial.mkdir()
+        except OSError as exc:
+            error = _not_written(step, root, exc)
+    _stop_if_any_failed(error, partial, rank, group)
     name = _rank_file(rank)
     tmp = partial / f".{name}.tmp"
-    torch.save(state, tmp)
-    _fsync(tmp)
-    os.replace(tmp, partial / name)
-    write_atomic(partial / (name + DIGEST_SUFFIX), json.dumps(_digest(partial / name)).encode())
-    _barrier(group)
+    try:
+        with open(tmp, "wb") as handle:  # through a Python file, a full disk is OSError(ENOSPC), not a zip error
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, partial / name)
+        write_atomic(partial / (name + DIGEST_SUFFIX), json.dumps(_digest(partial / name)).encode())
+    except OSError as exc:
+        error = _not_written(step, root, exc)
+    _stop_if_any_failed(error, partial, rank, group)
     if rank == 0:
-        digests = sorted(partial.glob("*" + DIGEST_SUFFIX))
-        files = {d.name.removesuffix(DIGEST_SUFFIX): json.loads(d.read_text()) for d in digests}
-        write_meta(partial, {"step": step, **meta, "files": files})
-        for d in digests:
-            d.unlink()
-        _fsync(partial)
+        try:
+            digests = sorted(partial.glob("*" + DIGEST_SUFFIX))
+            files = {d.name.removesuffix(DIGEST_SUFFIX): json.loads(d.read_text()) for d in digests}
+            write_meta(partial, {"step": step, **meta, "files": files})
+            for d in digests:
+                d.unlink()
+            _fsync(partial)
+        except OSError as exc:
+            error = _not_written(step, root, exc)
+    _stop_if_any_failed(error, partial, rank, group)
+    if rank == 0:
         if final.exists():  # the same step saved again after a resume: replace it whole
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -170,6 +189,63 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     _barrier(group)
     return final
+
+
+class CheckpointNotWritten(ValueError):
+    """A checkpoint could not be written (a full disk, say): one line naming where and why, the same on every rank;
+    its partial directory is removed and the earlier checkpoints are untouched."""
+
+
+_MAX_ERROR_BYTES = 16 << 10
+
+
+def _check_free_space(root: Path) -> None:
+    """Raise ENOSPC before writing when the file system of `root` has less free space than the newest checkpoint
+    there took (the next one is as large: the same model and optimizer states)."""
+    newest = _complete_in(root)
+    if not newest:
+        return
+    try:
+        need = sum(int(entry["bytes"]) for entry in read_meta(newest[-1])["files"].values())
+    except (OSError, ValueError, KeyError, TypeError):  # an unreadable last checkpoint: no estimate
+        return
+    if shutil.disk_usage(root).free < need:
+        raise OSError(errno.ENOSPC, f"less free space than the last checkpoint's {_size(need)}")
+
+
+def _not_written(step: int, root: Path, exc: OSError) -> str:
+    """The line every rank stops with when this rank could not write checkpoint `step`."""
+    try:
+        free = f"{_size(shutil.disk_usage(root).free)} free there"
+    except OSError:
+        free = "its free space unknown"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (
+            f"the disk is full: checkpoint step {step} could not be written to {root} ({free}); the partial "
+            "checkpoint was removed and the earlier ones are intact: free some space, or lower checkpoint.keep, "
+            "then resume the run (checkpoint.resume = latest)"
+        )
+    return (
+        f"checkpoint step {step} could not be written to {root} ({exc.strerror or exc}; {free}); the partial "
+        "checkpoint was removed and the earlier ones are intact: fix the cause, then resume the run"
+    )
+
+
+def _stop_if_any_failed(error: str | None, partial: Path, rank: int, group: dist.ProcessGroup | None) -> None:
+    """A barrier that also carries each rank's write error: if any rank failed, rank 0 removes the partial directory
+    and every rank raises the lowest failed rank's line."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        error = next((e for e in all_gather_json(error, group=group, max_bytes=_MAX_ERROR_BYTES) if e), None)
+    if error is None:
+        return
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    _barrier(group)  # the partial directory is gone before any rank reports
+    raise CheckpointNotWritten(error)
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:.1f} MB"
 
 
 def _complete_in(root: Path) -> list[Path]:
@@ -359,7 +435,7 @@ _LEGACY_VALUES = {
     "topology.elastic": False,
     "topology.dp_mode": "replicate",
     "sync.fragments": 1,
-    "sync.round": "steps",
+    "sync.round.mode": "steps",
 }
 """What a config written before a field existed meant by its absence."""
 
@@ -381,20 +457,11 @@ def resume_fields(cfg: Config, saved: dict[str, Any]) -> list[str]:
         fields.append("data.vocab_size")  # both train their BPE here: its size is the model's vocabulary
     fields += ["data.shard", "data.split_seed", "train.seq_len", "train.optimizer"]
     if cfg.sync.has_outer_loop:
-        # sync.round: a time-round state carries the round clock and the reports, and its ranks' steps differ
-        outer = (
-            "inner_steps",
-            "sync_delay",
-            "fragments",
-            "round",
-            "outer_optimizer",
-            "outer_lr",
-            "outer_momentum",
-            "nesterov",
-        )
-        fields += [f"sync.{name}" for name in outer]
-        if cfg.sync.outer_optimizer == "adamw":
-            fields += [f"sync.{name}" for name in ("outer_beta1", "outer_beta2", "outer_weight_decay")]
+        # sync.round.mode: a time-round state carries the round clock and the reports, and its ranks' steps differ
+        fields += [f"sync.{name}" for name in ("inner_steps", "sync_delay", "fragments", "round.mode")]
+        fields += [f"sync.outer.{name}" for name in ("optimizer", "lr", "momentum", "nesterov")]
+        if cfg.sync.outer.optimizer == "adamw":
+            fields += [f"sync.outer.{name}" for name in ("beta1", "beta2", "weight_decay")]
         fields.append("compression.kind")
         if cfg.compression.kind != "none":
             formats = ("reduction", "rank", "group_size", "factor_dtype", "small_tensors", "rank_max")
@@ -432,10 +499,10 @@ def check_resume(cfg: Config, path: Path) -> None:
             "new run directory"
         )
     if isinstance(saved, dict):
+        saved_settings = flat_settings(saved)  # a key of an earlier version under its new name
         for name in resume_fields(cfg, saved):
-            section, key = name.split(".")
-            new = getattr(getattr(cfg, section), key)
-            old = saved.get(section, {}).get(key, _LEGACY_VALUES.get(name, new))  # a field newer than the file
+            new = option_value(cfg, name)
+            old = saved_settings.get(name, _LEGACY_VALUES.get(name, new))  # a field newer than the file
             if old != new:
                 raise _incompatible(path, name, old, new)
     else:  # written before meta.json held the config

@@ -63,6 +63,7 @@ def train_help(argv: list[str] | None = None) -> str:
         PRESETS,
         allowed_values,
         auto_options,
+        flat_settings,
         layered_config,
         options,
         preset_summary,
@@ -72,7 +73,7 @@ def train_help(argv: list[str] | None = None) -> str:
 
     config_path, rest = _take_option([a for a in (argv or []) if a not in ("-h", "--help")], "--config")
     unresolved, preset, layers = layered_config(config_path, rest)
-    before, values = to_dict(unresolved), to_dict(unresolved.resolve())
+    before, values = flat_settings(to_dict(unresolved)), flat_settings(to_dict(unresolved.resolve()))
     lines = [
         "usage: dilocox train [--preset NAME] [--config FILE] [--section.key=VALUE ...] [--print-config]",
         "",
@@ -99,17 +100,13 @@ def train_help(argv: list[str] | None = None) -> str:
     for name in PRESETS:
         title = f"{name}{' (this run)' if name == preset else ''}: {preset_summary(name)}"
         lines += textwrap.wrap(title, width=110, initial_indent="  ", subsequent_indent="      ")
-        settings = [
-            f"{section}.{key}={_show_value(value)}"
-            for section, values_ in read_preset(name).items()
-            for key, value in values_.items()
-        ]
+        settings = [f"{key}={_show_value(value)}" for key, value in flat_settings(read_preset(name)).items()]
         lines += textwrap.wrap(" ".join(settings), width=110, initial_indent="      ", subsequent_indent="      ")
     lines += ["", f"Each option below shows the value this run uses (the {preset} preset, resolved):"]
     section = None
     user, autos = set().union(*layers[1:]), auto_options()
     for name, typ, _, doc in options():
-        head, key = name.split(".")
+        head = name.rpartition(".")[0]
         if head != section:
             section = head
             lines += ["", f"[{section}]"]
@@ -117,8 +114,8 @@ def train_help(argv: list[str] | None = None) -> str:
         shown = "{" + ",".join(choices) + "}" if choices else typ.__name__.upper()
         if name in autos and not choices:
             shown += "|auto"
-        value = _show_value(values[head][key])
-        if before[head][key] == AUTO:
+        value = _show_value(values[name])
+        if before[name] == AUTO:
             origin = f"auto: {value}"
         elif name in layers[0] and name not in user:
             origin = f"{value}, preset {preset}"
@@ -217,16 +214,18 @@ def cmd_train(argv: list[str]) -> int:
         lock.release()
 
 
-EVAL_USAGE = """usage: dilocox eval RUN_DIR [--data.path PATH] [--checkpoint DIR] [--max-batches N] [--local] [--json]
+EVAL_USAGE = """usage: dilocox eval RUN_DIR [--data.path PATH] [--step N | --checkpoint DIR] [--max-batches N] [--local]
+                    [--json]
 
-Load the newest complete checkpoint of RUN_DIR (or --checkpoint DIR) with the run's tokenizer and print the mean
+Load checkpoint N of RUN_DIR (default: the newest; or --checkpoint DIR) with the run's tokenizer and print the mean
 token loss and perplexity on the run's validation split, or on the text at --data.path (.txt/.md/.jsonl/.parquet,
 a directory or a glob). The model is the agreed model of the run, all pipeline stages together: the outer
 parameters every cluster holds (diloco, dilocox), the model the training log's eval_loss and `dilocox export` use;
 allreduce and cocktail runs keep every cluster equal. --local scores cluster 0's own parameters instead (the log's
 eval_loss_local with eval.local = true), which inside a dilocox run differ from the agreed model. Runs on the run's
 run.num_threads CPU threads. --max-batches N scores the first N batches of train.micro_batch_size sequences (the
-log's eval uses eval.max_batches, its final eval eval.final_max_batches; 0: all)."""
+log's eval uses eval.max_batches, its final eval eval.final_max_batches; 0: all). A checkpoint that does not verify is
+refused in one line naming the steps to pass to --step, as by `dilocox export`."""
 
 
 def _command_parser(command: str, usage: str):
@@ -255,6 +254,7 @@ def cmd_eval(argv: list[str]) -> int:
     parser.add_argument("run_dir", nargs="?")
     parser.add_argument("--data.path", dest="data_path", default=None)
     parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--step", default=None)
     parser.add_argument("--max-batches", type=int, default=0)
     parser.add_argument("--local", action="store_true")
     parser.add_argument("--json", action="store_true")
@@ -263,6 +263,8 @@ def cmd_eval(argv: list[str]) -> int:
         return code
     if not args.run_dir:
         return _error(f"eval needs a run directory\n{EVAL_USAGE}")
+    if args.step is not None and args.checkpoint:
+        return _error("eval takes --step N or --checkpoint DIR, not both")
     from dilocox.evaluate import evaluate_run
 
     try:
@@ -270,6 +272,7 @@ def cmd_eval(argv: list[str]) -> int:
             Path(args.run_dir),
             data_path=args.data_path,
             checkpoint=args.checkpoint,
+            step=_step(args.step),
             max_batches=args.max_batches,
             local=args.local,
         )
@@ -294,6 +297,16 @@ after the last step and which are the last outer step's model inside training; a
 every cluster equal and export cluster 0's. Pipeline stages are put together. Needs `pip install 'dilocox[hf]'`."""
 
 
+def _step(value: str | None) -> int | None:
+    """The checkpoint step of `--step` (None: the newest)."""
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        raise ValueError(
+            f"--step {value!r} is not a step number; pass the step of a checkpoint, e.g. --step 100"
+        ) from None
+
+
 def cmd_export(argv: list[str]) -> int:
     parser = _command_parser("export", EXPORT_USAGE)
     parser.add_argument("run_dir", nargs="?")
@@ -312,11 +325,7 @@ def cmd_export(argv: list[str]) -> int:
     if args.format not in FORMATS:
         return _error(f"--format {args.format!r} is not supported; use --format hf")
     try:
-        step = None if args.step is None else int(args.step)
-    except ValueError:
-        return _error(f"--step {args.step!r} is not a step number; pass the step of a checkpoint, e.g. --step 100")
-    try:
-        result = export_hf(Path(args.run_dir), Path(args.out), step=step, overwrite=args.overwrite)
+        result = export_hf(Path(args.run_dir), Path(args.out), step=_step(args.step), overwrite=args.overwrite)
     except ValueError as exc:
         return _error(str(exc))
     line = (

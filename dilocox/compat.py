@@ -7,11 +7,12 @@ loop" or "clusters of different data-parallel degree"), and rows read those decl
 (`matrix_markdown`), and tests/unit/test_compat.py runs every row's example and fixes. An option left at auto never
 meets a row: its rule resolves to a value that works with the rest (`SyncConfig.resolved`, `Config.resolve`).
 
-    check(cfg)    # ValueError: sync.round = 'time' does not work with sync.fragments = 4: ...; set sync.fragments = 1
+    check(cfg)  # ValueError: sync.round.mode = 'time' does not work with sync.fragments = 4: ...; set sync.fragments=1
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +25,8 @@ Config = Any
 
 
 def _value(cfg: Config, option: str) -> Any:
-    section, _, key = option.partition(".")
-    return getattr(getattr(cfg, section), key)
+    section, _, key = option.rpartition(".")
+    return getattr(functools.reduce(getattr, section.split("."), cfg), key)
 
 
 def _show(value: Any) -> str:
@@ -114,17 +115,17 @@ DELAY = _flag("sync.sync_delay", lambda v: v == 1, "1")
 BLOCKING = _flag("sync.sync_delay", lambda v: v == 0, "0")
 OVERLAP = _flag("sync.overlap_steps", lambda v: v > 0, "> 0")
 ALPHA = _flag("sync.alpha", lambda v: v > 0, "> 0")
-FIT_LINK = _flag("sync.fit_link", bool, "true")
+FIT_LINK = _flag("sync.round.fit_link", bool, "true")
 FRAGMENTS = _flag("sync.fragments", lambda v: v > 1, "> 1")
-TIME_ROUNDS = _flag("sync.round", lambda v: v == "time", "time")
-STEP_ROUNDS = _flag("sync.round", lambda v: v == "steps", "steps")
-ROUND_SECONDS = _flag("sync.round_seconds", lambda v: v > 0, "> 0")
+TIME_ROUNDS = _flag("sync.round.mode", lambda v: v == "time", "time")
+STEP_ROUNDS = _flag("sync.round.mode", lambda v: v == "steps", "steps")
+ROUND_SECONDS = _flag("sync.round.seconds", lambda v: v > 0, "> 0")
 ROBUST = _flag("sync.aggregate", lambda v: v != "mean", "trimmed_mean, median, norm_clip")
 LOCAL_RESIDUAL = _flag("sync.local_residual", bool, "true")
 DRAIN = _flag("sync.drain_residual", bool, "true")
 OWN_PAYLOAD = Feature("sync.merge", "own_payload (sync_delay 1)",
                       lambda cfg: cfg.sync.merge == "own_payload" and cfg.sync.sync_delay == 1)
-NOT_SGD = _flag("sync.outer_optimizer", lambda v: v != "sgd", "adamw")
+NOT_SGD = _flag("sync.outer.optimizer", lambda v: v != "sgd", "adamw")
 CODEC = _flag("compression.kind", lambda v: v != "none", "a codec")
 NO_RESIDUAL = Feature("compression.kind", "none, or compression.error_feedback = false",
                       lambda cfg: cfg.sync.has_outer_loop and not holds_back(cfg.compression),
@@ -180,7 +181,7 @@ ROWS: tuple[Row, ...] = (
     Row(ROBUST, PER_STEP, "a robust aggregate combines the clusters' pseudo-gradients of a round",
         "sync.aggregate = mean; --preset dilocox", "--preset=allreduce --sync.aggregate=median"),
     Row(TIME_ROUNDS, PER_STEP, "a time round ends an outer round by the clock",
-        "sync.round = steps; --preset dilocox", "--preset=allreduce --sync.round=time"),
+        "sync.round.mode = steps; --preset dilocox", "--preset=allreduce --sync.round.mode=time"),
     Row(FAULTS, PER_STEP, "faults are injected into outer rounds",
         "faults.kind = none; --preset dilocox", "--preset=allreduce --faults.kind=nan"),
     Row(ELASTIC, PER_STEP, "the quorum of an elastic run meets at outer-round boundaries",
@@ -189,24 +190,25 @@ ROWS: tuple[Row, ...] = (
         "topology.clusters = []; --preset dilocox", "--preset=allreduce --topology.clusters=dp2,dp1"),
     # the delay, and what lands inside a round
     Row(FIT_LINK, BLOCKING, "fit_link sizes H so that a sync travels during the next round, which only a delayed sync "
-        "does", "sync.sync_delay = 1; sync.fit_link = false", "--preset=diloco --sync.fit_link=true"),
+        "does", "sync.sync_delay = 1; sync.round.fit_link = false", "--preset=diloco --sync.round.fit_link=true"),
     Row(ALPHA, DELAY, "it mixes a landed average into the round that launched it; under the delay the round restarted "
         "when it launched, where sync.merge says", "sync.alpha = 0; sync.sync_delay = 0",
         "--sync.alpha=0.5"),
     Row(OVERLAP, FIT_LINK, "fit_link sizes H so that a sync travels during a whole round, which a landing inside it "
-        "cuts short", "sync.overlap_steps = 0; sync.fit_link = false", "--sync.fit_link=true --sync.overlap_steps=3"),
+        "cuts short", "sync.overlap_steps = 0; sync.round.fit_link = false",
+        "--sync.round.fit_link=true --sync.overlap_steps=3"),
     Row(FRAGMENTS, FIT_LINK, "fit_link changes H between rounds, which breaks the fragments' stagger",
-        "sync.fragments = 1; sync.fit_link = false", "--sync.fit_link=true --sync.fragments=2"),
+        "sync.fragments = 1; sync.round.fit_link = false", "--sync.round.fit_link=true --sync.fragments=2"),
     # time rounds
     Row(TIME_ROUNDS, FIT_LINK, "a time round's length is its budget; fit_link sizes H itself",
-        "sync.fit_link = false; sync.round = steps", "--sync.round=time --sync.fit_link=true"),
+        "sync.round.fit_link = false; sync.round.mode = steps", "--sync.round.mode=time --sync.round.fit_link=true"),
     Row(TIME_ROUNDS, OVERLAP, "clusters do different numbers of steps in a time round, so a landing a fixed number of "
         "steps in has no meaning",
-        "sync.overlap_steps = 0; sync.round = steps", "--sync.round=time --sync.overlap_steps=3"),
+        "sync.overlap_steps = 0; sync.round.mode = steps", "--sync.round.mode=time --sync.overlap_steps=3"),
     Row(TIME_ROUNDS, ROBUST, "the clusters' updates are weighted by their tokens, which only the mean can do",
-        "sync.aggregate = mean; sync.round = steps", "--sync.round=time --sync.aggregate=median"),
+        "sync.aggregate = mean; sync.round.mode = steps", "--sync.round.mode=time --sync.aggregate=median"),
     Row(ROUND_SECONDS, STEP_ROUNDS, "it is the budget of a time round",
-        "sync.round = time; sync.round_seconds = 0", "--sync.round_seconds=2"),
+        "sync.round.mode = time; sync.round.seconds = 0", "--sync.round.seconds=2"),
     # what a reduction that sums in transit cannot do
     Row(ROBUST, SUMMED, "a robust aggregate needs every cluster's update at every receiver; this reduction delivers "
         "only their sum",
@@ -236,12 +238,12 @@ ROWS: tuple[Row, ...] = (
         "--compression.kind=none --sync.merge=own_payload"),
     Row(DRAIN, NOT_SGD, "the drained residual is added to phi at the outer SGD's learning rate, and this optimizer's "
         "steps have a length of their own",
-        "sync.drain_residual = false; sync.outer_optimizer = sgd",
-        "--sync.outer_optimizer=adamw --sync.drain_residual=true"),
+        "sync.drain_residual = false; sync.outer.optimizer = sgd",
+        "--sync.outer.optimizer=adamw --sync.drain_residual=true"),
     # elastic runs: a cluster heals from a peer, and every cluster's H is the same
     Row(FIT_LINK, ELASTIC, "each cluster would size H from its own link and end its rounds at other steps than its "
         "peers, while every quorum meets at one round boundary",
-        "sync.fit_link = false; topology.elastic = false", "--topology.elastic=true --sync.fit_link=true"),
+        "sync.round.fit_link = false; topology.elastic = false", "--topology.elastic=true --sync.round.fit_link=true"),
     Row(SCALABLE, ELASTIC, "its shared warm starts are state every cluster keeps alike, which a cluster healed from a "
         "peer does not receive",
         "compression.reduction = gather; topology.elastic = false",
@@ -270,7 +272,8 @@ ROWS: tuple[Row, ...] = (
         "compression.reduction = gather; topology.clusters = []",
         "--topology.clusters=dp2,dp1 --compression.kind=int4 --compression.reduction=scalable"),
     Row(MIXED_DP, FIT_LINK, "each cluster has its own share of the link",
-        "sync.fit_link = false; topology.clusters = []", "--topology.clusters=dp2,dp1 --sync.fit_link=true"),
+        "sync.round.fit_link = false; topology.clusters = []",
+        "--topology.clusters=dp2,dp1 --sync.round.fit_link=true"),
     # stages sharded over a cluster's dp ranks (FSDP2)
     Row(SHARDED, MUON, "Muon orthogonalizes whole matrices, and a rank holds a shard of rows of each",
         "train.optimizer = adamw; topology.dp_mode = replicate",

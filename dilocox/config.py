@@ -43,7 +43,7 @@ from dilocox.checks import (
 from dilocox.compress.config import CocktailConfig, CompressionConfig
 from dilocox.elastic.lighthouse import check_lighthouse_url
 from dilocox.net.config import NetworkConfig
-from dilocox.sync.config import CHECKPOINT_STEPS, OUTER_OPTIMIZER_SETTINGS, SYNC_KINDS, SyncConfig
+from dilocox.sync.config import CHECKPOINT_STEPS, OUTER_OPTIMIZER_SETTINGS, SYNC_KINDS, OuterConfig, SyncConfig
 from dilocox.sync.faults import FaultConfig
 from dilocox.topology import Topology, parse_cluster_shapes
 
@@ -83,14 +83,37 @@ class ConfigWarning(UserWarning):
 
 
 MOVED_KEYS = {
-    "compression.fit_link": "sync.fit_link",
-    "compression.fit_link_max_steps": "sync.fit_link_max_steps",
+    "compression.fit_link": "sync.round.fit_link",
+    "compression.fit_link_max_steps": "sync.round.fit_link_max_steps",
     "compression.sample_ratio": "cocktail.sample_ratio",
     "compression.topk_ratio": "cocktail.topk_ratio",
     "compression.aggregate": "compression.rank_rule",
+    # [sync] in sub-sections: the outer optimizer, the guard, what makes a round
+    "sync.outer_optimizer": "sync.outer.optimizer",
+    "sync.outer_lr": "sync.outer.lr",
+    "sync.outer_momentum": "sync.outer.momentum",
+    "sync.nesterov": "sync.outer.nesterov",
+    "sync.outer_beta1": "sync.outer.beta1",
+    "sync.outer_beta2": "sync.outer.beta2",
+    "sync.outer_weight_decay": "sync.outer.weight_decay",
+    "sync.outer_lr_schedule": "sync.outer.lr_schedule",
+    "sync.outer_warmup_rounds": "sync.outer.warmup_rounds",
+    "sync.outer_min_lr_ratio": "sync.outer.min_lr_ratio",
+    "sync.outer_state_device": "sync.outer.state_device",
+    "sync.guard": "sync.guard.enabled",
+    "sync.guard_max_ratio": "sync.guard.max_ratio",
+    "sync.guard_peers": "sync.guard.peers",
+    "sync.guard_peer_ratio": "sync.guard.peer_ratio",
+    "sync.guard_max_bad_rounds": "sync.guard.max_bad_rounds",
+    "sync.round": "sync.round.mode",
+    "sync.round_seconds": "sync.round.seconds",
+    "sync.fit_link": "sync.round.fit_link",
+    "sync.fit_link_max_steps": "sync.round.fit_link_max_steps",
 }
-"""Keys of earlier versions and where they live now (read with a warning, so older run directories still load)."""
-ZERO_WAS_AUTO = ("sync.fit_link_max_steps", "sync.min_clusters", "train.num_microbatches")
+"""Keys of earlier versions and where they live now, the one table of them: a config file, a flag, a run directory's
+config.toml or a checkpoint's saved config that spells one loads it into its new place, with one warning line per key
+(`apply_toml`, `layered_config`), or silently where a saved config is only compared (`flat_settings`)."""
+ZERO_WAS_AUTO = ("sync.round.fit_link_max_steps", "sync.min_clusters", "train.num_microbatches")
 """Options whose 0 meant what auto means now (read as auto with a warning, so older run directories still load)."""
 
 
@@ -238,6 +261,8 @@ class EvalConfig:
     """Validation batches of the final evaluation (summary.json); 0 = the whole split, every held-out token."""
     local: bool = False
     """Also score cluster 0's own model (eval_loss_local); eval_loss is always the model the clusters agree on."""
+    divergence_ratio: float = 1.5
+    """Stop the run (one line, exit 2) when eval_loss exceeds this x its lowest so far, the initial one's; 0: never."""
 
 
 @dataclass
@@ -311,8 +336,8 @@ class Config:
         Each component's section validates its own values (`SyncConfig`, `CompressionConfig`, `CocktailConfig`,
         `NetworkConfig`, `FaultConfig`); this checks the sections that only the trainer reads, then the pairs of
         options that do not work together (`dilocox.compat`, one table), then the world size."""
-        for name in SECTIONS:  # every type and choice first: the auto rules read these values
-            check_types(name, getattr(self, name))
+        for name in section_types():  # every type and choice first: the auto rules read these values
+            check_types(name, section_of(self, name))
         self.resolve()
         for section in (self.sync, self.compression, self.cocktail, self.network):
             section.validate()
@@ -327,6 +352,11 @@ class Config:
         check_positive("metrics", self.metrics, "log_interval")
         check_positive("checkpoint", self.checkpoint, "keep")
         check_non_negative("eval", self.eval, "interval", "max_batches", "final_max_batches")
+        if self.eval.divergence_ratio != 0 and not self.eval.divergence_ratio > 1:
+            raise ValueError(
+                f"eval.divergence_ratio = {self.eval.divergence_ratio} must be above 1 (1.5: stop when the eval loss "
+                "is half as high again as its lowest so far), or 0 to never stop on it"
+            )
         check_non_negative("checkpoint", self.checkpoint, "interval")
         from dilocox.models import list_flavors
 
@@ -414,12 +444,10 @@ class Config:
         one machine starts)."""
         from dilocox.elastic.membership import MACHINE_LOCAL_SETTINGS, SHARED_SECTIONS
 
-        values = to_dict(self)
         shared: dict[str, Any] = {"run.seed": self.run.seed}
-        for section in SHARED_SECTIONS:
-            for key, value in values[section].items():
-                if f"{section}.{key}" not in MACHINE_LOCAL_SETTINGS:
-                    shared[f"{section}.{key}"] = value
+        for name, value in flat_settings(to_dict(self)).items():
+            if name.split(".")[0] in SHARED_SECTIONS and name not in MACHINE_LOCAL_SETTINGS:
+                shared[name] = value
         return shared
 
     def shared_fingerprint(self) -> int:
@@ -446,7 +474,7 @@ class Config:
         """One line for each setting that works, but not as its value alone says (printed once at the start)."""
         notes = []
         h, interval = self.sync.inner_steps, self.checkpoint.interval
-        if self.sync.has_outer_loop and not self.sync.fit_link and interval % h:
+        if self.sync.has_outer_loop and not self.sync.round.fit_link and interval % h:
             notes.append(
                 f"note: checkpoint.interval = {interval} is not a multiple of sync.inner_steps = {h}: checkpoints are "
                 f"taken at the first round boundary at or after each multiple of {interval} (and at the end)"
@@ -477,8 +505,47 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def _is_section(f: dataclasses.Field) -> bool:  # type: ignore[type-arg]
+    """A field that holds a sub-section (a config dataclass, `sync.outer`), not an option."""
+    return isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)
+
+
+@functools.cache
 def section_types() -> dict[str, type]:
-    return {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+    """Every section by dotted name, in declaration order, a sub-section (`sync.outer`) right after its parent."""
+    out: dict[str, type] = {}
+
+    def walk(name: str, cls: type) -> None:
+        out[name] = cls
+        for f in dataclasses.fields(cls):
+            if _is_section(f):
+                walk(f"{name}.{f.name}", f.default_factory)  # type: ignore[arg-type]
+
+    for f in dataclasses.fields(Config):
+        walk(f.name, f.default_factory)  # type: ignore[arg-type]
+    return out
+
+
+def option_fields(cls: type) -> list[dataclasses.Field]:  # type: ignore[type-arg]
+    """The fields of a section that are options (its sub-sections left out)."""
+    return [f for f in dataclasses.fields(cls) if not _is_section(f)]
+
+
+def section_of(cfg: Config, name: str) -> Any:
+    """The section object of dotted `name` (`sync.outer` -> cfg.sync.outer)."""
+    return functools.reduce(getattr, name.split("."), cfg)
+
+
+def option_value(cfg: Config, name: str) -> Any:
+    """The value of the option of dotted `name` (`sync.outer.lr`)."""
+    section, _, key = name.rpartition(".")
+    return getattr(section_of(cfg, section), key)
+
+
+def flat_settings(data: dict[str, Any]) -> dict[str, Any]:
+    """The options of a config as a dict (`to_dict`, a parsed config.toml or a checkpoint's saved config) by dotted
+    name, a key of an earlier version under its new name (`MOVED_KEYS`, silently: comparing is not loading)."""
+    return {MOVED_KEYS.get(name, name): value for name, value in _toml_items(data)}
 
 
 def options() -> list[tuple[str, type, Any, str]]:
@@ -488,7 +555,7 @@ def options() -> list[tuple[str, type, Any, str]]:
     for section, cls in section_types().items():
         docs = field_docs(cls)
         default = cls()
-        for f in dataclasses.fields(cls):
+        for f in option_fields(cls):
             out.append((f"{section}.{f.name}", field_type(cls, f.name), getattr(default, f.name), docs.get(f.name, "")))
     return out
 
@@ -500,7 +567,7 @@ def auto_options() -> set[str]:
 
 def allowed_values(name: str) -> tuple[str, ...] | None:
     """The values the option `section.key` accepts, from its `Literal[...]` type; None when it is not a choice."""
-    section, _, key = name.partition(".")
+    section, _, key = name.rpartition(".")
     cls = section_types().get(section)
     return field_choices(cls).get(key) if cls is not None else None
 
@@ -516,7 +583,12 @@ def _coerce(name: str, value: Any, typ: type, *, from_text: bool) -> Any:
             except tomllib.TOMLDecodeError:
                 raise ValueError(f'{name} = {value!r} is not a list; write e.g. a,b or ["a", "b"]') from None
         else:
-            value = [part.strip() for part in text.split(",") if part.strip()]
+            value = [part.strip() for part in text.split(",")] if text else []
+            if "" in value:  # `,,` is not "no clusters", nor `dp2,,dp1` two of them
+                raise ValueError(
+                    f"{name} = {text!r} has an empty entry; separate the entries by single commas (e.g. a,b), "
+                    "or give nothing for none"
+                )
     if typ is list:
         if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
             raise ValueError(f"{name} = {value!r} must be a list of strings")
@@ -571,13 +643,17 @@ def _pair(name: str, part: str) -> str:
     return f"{json.dumps(key.strip())} = {value.strip()}"
 
 
-def _set(cfg: Config, name: str, value: Any, *, from_text: bool) -> None:
+def _set(cfg: Config, name: str, value: Any, *, from_text: bool, warned: set[str] | None = None) -> None:
+    """Set option `name` (its key of an earlier version moved to its new one, with a warning unless `warned`, the
+    keys already warned of while loading this config, holds it) to `value`, checked and converted to its type."""
     if name in MOVED_KEYS:
-        warnings.warn(f"{name} is now {MOVED_KEYS[name]}; update the config or flag", ConfigWarning, stacklevel=2)
+        if warned is None or name not in warned:
+            warnings.warn(f"{name} is now {MOVED_KEYS[name]}; update the config or flag", ConfigWarning, stacklevel=2)
+        if warned is not None:
+            warned.add(name)
         name = MOVED_KEYS[name]
-    parts = name.split(".")
     known = {opt[0]: opt[1] for opt in options()}
-    if len(parts) != 2 or name not in known:
+    if name not in known:
         hint = difflib.get_close_matches(name, known, n=1)
         fix = f"; did you mean {hint[0]}?" if hint else "; `dilocox train --help` lists the options"
         raise ValueError(f"unknown config key {name!r}{fix}")
@@ -588,25 +664,51 @@ def _set(cfg: Config, name: str, value: Any, *, from_text: bool) -> None:
         value = AUTO
     else:
         value = _coerce(name, value, known[name], from_text=from_text)
-    setattr(getattr(cfg, parts[0]), parts[1], value)
+    section, _, key = name.rpartition(".")
+    setattr(section_of(cfg, section), key, value)
 
 
-def apply_toml(cfg: Config, data: dict[str, Any], *, source: str = "config") -> Config:
+def _toml_items(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """The (dotted name, value) pairs of a config's sections (a TOML file, `to_dict`), its sub-section tables
+    (`[sync.outer]`) included, each name as written."""
+    items: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if name in section_types() and isinstance(value, dict):
+            items += _toml_items(value, f"{name}.")
+        else:
+            items.append((name, value))
+    return items
+
+
+def _check_spellings(names: list[str], source: str) -> None:
+    """Refuse a layer (a file, the flags) that sets an option under its new name and its old one (`MOVED_KEYS`)."""
+    given = set(names)
+    for name in names:
+        new = MOVED_KEYS.get(name)
+        if new in given:
+            raise ValueError(
+                f"{source}: {name} and {new} are the same option (the old name and the new); set {new} only"
+            )
+
+
+def apply_toml(cfg: Config, data: dict[str, Any], *, source: str = "config", warned: set[str] | None = None) -> Config:
     unknown = [key for key in data if key not in SECTIONS or not isinstance(data[key], dict)]
     if unknown:
         raise ValueError(
             f"{source}: unknown section(s) {', '.join(repr(k) for k in unknown)}; sections are: {', '.join(SECTIONS)}"
         )
+    items = _toml_items(data)
+    _check_spellings([name for name, _ in items], source)
     bad: list[str] = []
-    for section, values in data.items():
-        for key, value in values.items():
-            try:
-                _set(cfg, f"{section}.{key}", value, from_text=False)
-            except ValueError as exc:
-                if "unknown config key" in str(exc):
-                    bad.append(f"{section}.{key}")
-                else:
-                    raise ValueError(f"{source}: {exc}") from None
+    for name, value in items:
+        try:
+            _set(cfg, name, value, from_text=False, warned=warned)
+        except ValueError as exc:
+            if "unknown config key" in str(exc):
+                bad.append(name)
+            else:
+                raise ValueError(f"{source}: {exc}") from None
     if bad:
         raise ValueError(f"{source}: unknown key(s) {', '.join(bad)}; `dilocox train --help` lists the options")
     return cfg
@@ -623,7 +725,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
         name, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(args) or args[i + 1].startswith("--"):
-                if name in {opt[0] for opt in options() if opt[1] is bool}:
+                if MOVED_KEYS.get(name, name) in {opt[0] for opt in options() if opt[1] is bool}:
                     value = "true"  # a bare boolean flag switches it on
                 else:
                     raise ValueError(f"option --{name} needs a value: --{name}=VALUE")
@@ -705,7 +807,7 @@ def layered_config(
     preset, the file, the flags). Field defaults, then the preset (`choose_preset`: `--preset`, the file's
     `preset = "NAME"`, a kind that differs, else `preset`), then the TOML file at `path`, then the
     `--section.key=value` overrides. A preset's values of the outer optimizer's settings (`OUTER_OPTIMIZER_SETTINGS`)
-    apply only while `sync.outer_optimizer` is the preset's: another outer optimizer starts from the field defaults
+    apply only while `sync.outer.optimizer` is the preset's: another outer optimizer starts from the field defaults
     (its own auto learning rate)."""
     flags = parse_overrides(overrides or [])
     data: dict[str, Any] = read_toml(Path(path), "--config") if path else {}
@@ -724,15 +826,17 @@ def layered_config(
     name = choose_preset(said + [(key, value) for key, value in flags if key in ("preset", "sync.kind")], preset)
     cfg = Config()
     values = read_preset(name)
-    apply_toml(cfg, values, source=f"preset {name}")
-    layers = [{f"{section}.{key}" for section, keys in values.items() for key in keys}]  # preset, file, flags
+    warned: set[str] = set()  # each key of an earlier version is warned of once, in the file or in the flags
+    apply_toml(cfg, values, source=f"preset {name}", warned=warned)
+    layers = [set(flat_settings(values))]  # preset, file, flags
     if path:
-        apply_toml(cfg, data, source=str(path))
-        layers.append({MOVED_KEYS.get(f"{s}.{k}", f"{s}.{k}") for s, values in data.items() for k in values})
+        apply_toml(cfg, data, source=str(path), warned=warned)
+        layers.append(set(flat_settings(data)))
     layers.append(set())
+    _check_spellings([key for key, _ in flags], "the flags")
     for key, value in flags:
         if key != "preset":
-            _set(cfg, key, value, from_text=True)
+            _set(cfg, key, value, from_text=True, warned=warned)
             layers[-1].add(MOVED_KEYS.get(key, key))
     if cfg.sync.kind in SYNC_KINDS:  # a weaker layer's kind gave way to the preset a stronger one chose
         cfg.sync.kind = preset_kind(name)
@@ -743,14 +847,14 @@ def layered_config(
 
 def keep_preset_optimizer(cfg: Config, preset: dict[str, dict[str, Any]], inherited: set[str]) -> None:
     """A preset's values of the outer optimizer's settings (`OUTER_OPTIMIZER_SETTINGS`) are its outer optimizer's:
-    where `sync.outer_optimizer` is another, those of `inherited` (the preset's, not set over it) return to the field
-    defaults, so `--sync.outer_optimizer=adamw` over the dilocox preset takes AdamW's auto learning rate, not the
+    where `sync.outer.optimizer` is another, those of `inherited` (the preset's, not set over it) return to the field
+    defaults, so `--sync.outer.optimizer=adamw` over the dilocox preset takes AdamW's auto learning rate, not the
     SGD's 1.0 of plain averaging."""
-    if cfg.sync.outer_optimizer == preset.get("sync", {}).get("outer_optimizer", SyncConfig.outer_optimizer):
+    if cfg.sync.outer.optimizer == flat_settings(preset).get("sync.outer.optimizer", OuterConfig.optimizer):
         return
     for option in OUTER_OPTIMIZER_SETTINGS:
-        if f"sync.{option}" in inherited:
-            setattr(cfg.sync, option, getattr(SyncConfig, option))
+        if f"sync.outer.{option}" in inherited:
+            setattr(cfg.sync.outer, option, getattr(OuterConfig, option))
 
 
 def _resolve_clusters(topology: TopologyConfig, layers: list[set[str]]) -> None:
@@ -784,9 +888,12 @@ def to_toml(cfg: Config) -> str:
     lines = ["# Resolved dilocox configuration (every option); `dilocox train --config FILE` runs exactly this.", ""]
     for section, cls in section_types().items():
         docs = field_docs(cls)
+        parent, _, own = section.rpartition(".")
+        if parent:  # a sub-section: what it holds, from its field's docstring in the parent
+            lines.append(f"# {' '.join(field_docs(section_types()[parent]).get(own, '').split())}")
         lines.append(f"[{section}]")
-        for f in dataclasses.fields(cls):
-            value = getattr(getattr(cfg, section), f.name)
+        for f in option_fields(cls):
+            value = getattr(section_of(cfg, section), f.name)
             if docs.get(f.name):
                 lines.append(f"# {' '.join(docs[f.name].split())}")  # one comment line, however the doc wraps
             lines.append(f"{f.name} = {_toml_value(value)}")

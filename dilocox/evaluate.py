@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dilocox.checkpoint import checkpoint_model_args, consolidated_model_state, find_checkpoint, read_meta
+from dilocox.checkpoint import checkpoint_model_args, consolidated_model_state, find_checkpoint, find_step, read_meta
 from dilocox.config import from_dict
 from dilocox.data import Tokenizer, load_documents, prepare_tokens
 from dilocox.parallel import build_stage
@@ -31,6 +31,7 @@ def evaluate_run(
     *,
     data_path: str | None = None,
     checkpoint: str | None = None,
+    step: int | None = None,
     max_batches: int = 0,
     local: bool = False,
 ) -> dict[str, Any]:
@@ -39,7 +40,8 @@ def evaluate_run(
     cfg = from_dict(tomllib.loads((run_dir / "config.toml").read_text()))
     # the run's CPU threads: torch's default (one per core) oversubscribes a machine the user shares or trains on
     torch.set_num_threads(cfg.run.num_threads)
-    path = find_checkpoint(run_dir, checkpoint or "latest")
+    # the newest checkpoint or `step`'s, as `dilocox export` picks it: a corrupt one is refused, never passed over
+    path = find_checkpoint(run_dir, checkpoint) if checkpoint else find_step(run_dir, step)
     meta = read_meta(path)
     tokenizer_file = run_dir / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(tokenizer_file))

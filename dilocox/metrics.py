@@ -277,7 +277,7 @@ class RunSummary:
     inner_steps: int
     """The configured H."""
     final_inner_steps: int
-    """H of the last round (sync.fit_link may raise it)."""
+    """H of the last round (sync.round.fit_link may raise it)."""
     flavor: str
     num_params: int
     rank_state_bytes: list[dict[str, int]]
@@ -313,7 +313,7 @@ class RunSummary:
     """Time rank 0 was blocked after the link had delivered, waiting for a cluster that sent late (a straggler, a
     slower or busier cluster: not the link; 0 in summaries written before it was recorded)."""
     cluster_tokens: list[int] | None = None
-    """Each cluster's training tokens (its own steps x its tokens per step; they differ with sync.round = time);
+    """Each cluster's training tokens (its own steps x its tokens per step; they differ with sync.round.mode = time);
     None in an elastic run's summary and in summaries written before it was recorded."""
     cluster_train_s: list[float] | None = None
     """Each cluster's training seconds, its first rank's: its inner steps only, without evaluations, checkpoints

@@ -344,11 +344,11 @@ class Trainer:
             tokens_per_step=self.cluster_tokens_per_step,
             sharded=self.sharded,
         )
-        self.time_rounds = cfg.sync.has_outer_loop and cfg.sync.round == "time"
+        self.time_rounds = cfg.sync.has_outer_loop and cfg.sync.round.mode == "time"
         """Every cluster trains for the same time budget per round; the run is ceil(train.steps / H) rounds."""
         self.sleep_factor = cfg.faults.slow_factor(self.coords.cluster) if cfg.faults.slow_mode == "sleep" else 1.0
         """faults.slow_clusters, sleep mode: every inner step of this cluster takes this many times longer."""
-        self.guarded = cfg.sync.has_outer_loop and cfg.sync.guard
+        self.guarded = cfg.sync.has_outer_loop and cfg.sync.guard.enabled
         """A non-finite loss does not stop the run at once: the guard heals the cluster at the round's end."""
         self.stream = ShardedTokenStream(
             self.data.train,
@@ -365,6 +365,7 @@ class Trainer:
         self.elapsed_before = 0.0  # training seconds of the run before a resume
         self._start: float | None = None  # perf_counter() when this process started training
         self.initial_eval_loss: float | None = None
+        self.lowest_eval_loss: float | None = None  # of the agreed model, the initial one included
         self.last_eval_loss: float | None = None  # of the agreed model
         self.last_eval_local: float | None = None  # of cluster 0's own model (eval.local)
         self.eval_tokens = 0  # tokens scored by the last evaluation
@@ -425,6 +426,7 @@ class Trainer:
                 "eval_s": self.eval_s,
                 "train_s": self.train_s,
                 "initial_eval_loss": self.initial_eval_loss,
+                "lowest_eval_loss": self.lowest_eval_loss,
                 # elastic: torchft's step, which a resumed cluster presents so that the others heal from it
                 **({"torchft": self.membership.progress()} if self.membership is not None else {}),
             },
@@ -447,6 +449,8 @@ class Trainer:
         self.eval_s = float(state["trainer"]["eval_s"])
         self.train_s = float(state["trainer"].get("train_s", 0.0))  # checkpoints written before it: from here on
         self.initial_eval_loss = state["trainer"]["initial_eval_loss"]
+        # checkpoints written before it was kept: the initial loss
+        self.lowest_eval_loss = state["trainer"].get("lowest_eval_loss", self.initial_eval_loss)
 
     def checkpoint_meta(self) -> dict[str, Any]:
         if self._tokenizer_vocab is None:
@@ -496,9 +500,8 @@ class Trainer:
             cluster=self.coords.cluster if self.elastic else None,  # elastic: each cluster its own, §10.1
         )
 
-    def _diverged(self, what: str) -> None:
+    def _diverged(self, what: str, fix: str = "lower train.lr or set train.grad_clip > 0") -> None:
         newest = list_checkpoints(self.run_dir)
-        fix = "lower train.lr or set train.grad_clip > 0"
         then = (
             f"the last checkpoint, {newest[-1]}, is from before it: {fix} and resume it with --checkpoint.resume"
             if newest
@@ -559,6 +562,19 @@ class Trainer:
         self.eval_s += time.perf_counter() - eval_start
         return self.last_eval_loss
 
+    def _check_eval_loss(self, eval_loss: float) -> None:
+        """Stop the run (`TrainingDiverged`) when the agreed model's eval loss is not finite or exceeds
+        eval.divergence_ratio x the lowest so far; a run whose loss climbs (an outer lr far too large) would otherwise
+        finish with exit 0 and checkpoints of a model worse than its start."""
+        ratio, lowest = self.cfg.eval.divergence_ratio, self.lowest_eval_loss
+        if ratio and lowest is not None and not eval_loss <= ratio * lowest:
+            self._diverged(
+                f"the agreed model's eval loss is {eval_loss:.4g}, above eval.divergence_ratio = {ratio:g} x its "
+                f"lowest so far ({lowest:.4g})",
+                fix="lower sync.outer.lr or train.lr (or raise eval.divergence_ratio, 0 = never stop on it)",
+            )
+        self.lowest_eval_loss = eval_loss if lowest is None else min(lowest, eval_loss)
+
     def _elapsed(self) -> float:
         return time.perf_counter() - self._start if self._start is not None else 0.0
 
@@ -567,7 +583,7 @@ class Trainer:
 
     def _checkpoint_due(self, interval: int) -> bool:
         """At a round boundary: whether a multiple of `interval` was passed since the last checkpoint (the same as
-        `_due` when rounds end on multiples of it; with compression.fit_link they may not). With time rounds the
+        `_due` when rounds end on multiples of it; with sync.round.fit_link they may not). With time rounds the
         position is the run's, by round, so that every cluster checkpoints at the same boundary."""
         return interval > 0 and self._checkpoint_position() // interval > self._last_checkpoint_step // interval
 
@@ -602,7 +618,7 @@ class Trainer:
             for note in cfg.notes():
                 logger.print(note)
         if self.in_eval_pipeline and self.initial_eval_loss is None and joined is None:
-            self.initial_eval_loss = self.evaluate()
+            self.initial_eval_loss = self.lowest_eval_loss = self.evaluate()
         self.memory = self._memory_report(logger)
         self._start = time.perf_counter()
         window_start, window_step = self._start, self.step
@@ -658,6 +674,8 @@ class Trainer:
                         logger.log_event(self._round_record(landed))  # sync.fragments: one record per sync
                     self.losses.clear()
                     window_start, window_step = now, self.step
+                if eval_loss is not None:  # logged above; stopped before a checkpoint of it
+                    self._check_eval_loss(eval_loss)
                 if boundary and (self._checkpoint_due(cfg.checkpoint.interval) or last):
                     path = self.save()
                     if logger is not None:
@@ -872,7 +890,7 @@ class Trainer:
         params = sum(local_shard(p).numel() * p.element_size() for p in self.model.parameters())
         inner = inner_state_bytes(self.inner_optimizer)
         outer = self.sync.status().state_bytes
-        outer_on_host = self.cfg.sync.outer_state_device == "cpu" and self.device.type != "cpu"
+        outer_on_host = self.cfg.sync.outer.state_device == "cpu" and self.device.type != "cpu"
         return {
             "rank": self.rank,
             "stage": self.coords.pp,

@@ -10,8 +10,8 @@ Time moves only when the trainer computes (`sleep`) or waits for a transfer (`bl
 next event: a transfer the emulated link delivers (its communicator thread parks in `sleep_until`), or the end of
 the computation. A collective itself takes no virtual time: before time moves, every followed channel's communicator
 thread must have finished its real gloo work and parked (or have nothing to do). Nothing depends on how fast the
-machine runs: the blocked (exposed) time, each transfer's link time and the H that `sync.fit_link` derives from them
-are exact. One thread, the trainer, drives the clock.
+machine runs: the blocked (exposed) time, each transfer's link time and the H that `sync.round.fit_link` derives from
+them are exact. One thread, the trainer, drives the clock.
 """
 
 from __future__ import annotations

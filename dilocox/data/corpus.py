@@ -14,6 +14,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from dilocox.fileio import sampled_digest
+
 # Bumped whenever the way documents are read or cleaned changes, so cached tokens built from the old text are not
 # reused.
 _CORPUS_FORMAT_VERSION = 1
@@ -108,6 +110,15 @@ def corpus_fingerprint(path: str = "", text_field: str = "text") -> str:
             # Absolute, so the same relative data.path run from another directory is another corpus.
             digest.update(f"{file.resolve()}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:16]
+
+
+def corpus_content_fingerprint(path: str = "", text_field: str = "text") -> str:
+    """What the corpus at ``path`` holds, wherever it is (`fileio.sampled_digest` of its files in their order): a
+    node-local copy of the same text gives the same fingerprint, another text another. The default corpus:
+    `corpus_fingerprint`."""
+    if path == "":
+        return corpus_fingerprint("", text_field)
+    return sampled_digest(_resolve_user_files(path))
 
 
 def strip_play_markdown(text: str) -> str:

@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +17,10 @@ import torch
 
 from dilocox.checks import check_choice
 from dilocox.config import SHARD_MODES  # `data.shard`: how the training windows are dealt (`ShardedTokenStream`)
-from dilocox.data.corpus import corpus_fingerprint, load_documents
+from dilocox.data.corpus import corpus_content_fingerprint, corpus_fingerprint, load_documents
 from dilocox.data.tokenfiles import (
     INDEX_FILE,
+    SPLITS,
     TokenFiles,
     gather_windows,
     is_prepared_dir,
@@ -29,7 +31,7 @@ from dilocox.data.tokenizer import Tokenizer, check_vocab_size, train_bpe
 from dilocox.fileio import write_atomic
 
 # Bumped whenever the split or the layout of the cached arrays changes, so old caches are not reused.
-_TOKENS_FORMAT_VERSION = 1
+_TOKENS_FORMAT_VERSION = 2
 _MAX_UINT16_VOCAB = 1 << 16
 
 
@@ -113,12 +115,12 @@ def prepare_tokens(
     else:
         check_vocab_size(vocab_size)
         tokenizer_file = cache_dir() / "tokenizers" / f"bpe{vocab_size}-{_short_hash(fingerprint, split_key)}.json"
-        if tokenizer_file.is_file():
-            tok = Tokenizer.from_file(tokenizer_file)
-        else:
+        tok = _load_cached_tokenizer(tokenizer_file)
+        if tok is None:
             documents = load_documents(path, text_field=text_field)
             tok = train_bpe(_training_texts(documents, val_fraction, seed), vocab_size)
             tok.save(tokenizer_file)
+            write_atomic(_digest_file(tokenizer_file), hashlib.sha256(tokenizer_file.read_bytes()).hexdigest().encode())
 
     tokenizer_hash = hashlib.sha256(tokenizer_file.read_bytes()).hexdigest()
     entry = cache_dir() / "tokens" / _short_hash(str(_TOKENS_FORMAT_VERSION), fingerprint, tokenizer_hash, split_key)
@@ -165,6 +167,17 @@ def load_prepared_tokens(directory: str | Path, *, tokenizer: str = "") -> Token
         num_train_documents=int(documents["train"]),
         num_val_documents=int(documents["val"]),
     )
+
+
+def data_fingerprint(path: str = "", text_field: str = "text") -> str:
+    """What ``data.path`` holds, wherever it is: for a prepared directory, its tokenizer's fingerprint and its token
+    files' sampled digests (`read_index` checks them against the files); for a corpus, `corpus_content_fingerprint`.
+    Ranks compare it before training (`dilocox.agreement`)."""
+    if is_prepared_dir(path):
+        index = read_index(path)
+        digests = [entry["sampled_sha256"] for split in SPLITS for entry in index["files"][split]]
+        return _short_hash(index["tokenizer_fingerprint"], *digests)
+    return corpus_content_fingerprint(path, text_field)
 
 
 class IndexPermutation:
@@ -514,36 +527,63 @@ def _npy_bytes(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def _digest_file(cached: Path) -> Path:
+    return cached.with_name(cached.name + ".sha256")
+
+
+def _load_cached_tokenizer(file: Path) -> Tokenizer | None:
+    """The cached BPE at `file`, or None when there is none yet or it is damaged (it does not match the sha256 saved
+    beside it, or does not parse: one warning line), to be trained again."""
+    if not (file.is_file() and _digest_file(file).is_file()):  # none yet, or cached before digests were saved
+        return None
+    try:
+        if hashlib.sha256(file.read_bytes()).hexdigest() != _digest_file(file).read_text().strip():
+            raise ValueError(f"{file.name} does not match its sha256")
+        return Tokenizer.from_file(file)
+    except (OSError, ValueError) as exc:
+        print(f"dilocox: warning: the cached tokenizer {file} is damaged ({exc}); training it again", file=sys.stderr)
+        return None
+
+
 def _save_cached_tokens(entry: Path, data: TokenData) -> None:
-    write_atomic(entry / "train.npy", _npy_bytes(data.train))
-    write_atomic(entry / "val.npy", _npy_bytes(data.val))
+    arrays = {"train.npy": _npy_bytes(data.train), "val.npy": _npy_bytes(data.val)}
+    for name, raw in arrays.items():
+        write_atomic(entry / name, raw)
     # meta.json goes last: its presence is what tells a reader that both arrays are complete.
     meta = {
         "vocab_size": data.vocab_size,
         "eos_id": data.eos_id,
         "num_train_documents": data.num_train_documents,
         "num_val_documents": data.num_val_documents,
+        "sha256": {name: hashlib.sha256(raw).hexdigest() for name, raw in arrays.items()},
     }
     write_atomic(entry / "meta.json", json.dumps(meta, indent=1).encode())
 
 
 def _load_cached_tokens(entry: Path, tokenizer_file: Path) -> TokenData | None:
+    """The cached token arrays of `entry`, or None when there are none yet or they are damaged (a meta.json or an
+    array that does not read, or an array whose sha256 is not the one recorded: one warning line), to be rebuilt."""
     meta_file = entry / "meta.json"
     if not meta_file.is_file():
         return None
     try:
         meta = json.loads(meta_file.read_text())
-        train = np.load(entry / "train.npy", allow_pickle=False)
-        val = np.load(entry / "val.npy", allow_pickle=False)
+        arrays = {}
+        for name in ("train.npy", "val.npy"):
+            raw = (entry / name).read_bytes()
+            if hashlib.sha256(raw).hexdigest() != meta["sha256"][name]:
+                raise ValueError(f"{name} does not match its sha256")
+            arrays[name] = np.load(io.BytesIO(raw), allow_pickle=False)
         return TokenData(
-            train=train,
-            val=val,
+            train=arrays["train.npy"],
+            val=arrays["val.npy"],
             tokenizer_path=str(tokenizer_file),
             vocab_size=int(meta["vocab_size"]),
             eos_id=int(meta["eos_id"]),
             num_train_documents=int(meta["num_train_documents"]),
             num_val_documents=int(meta["num_val_documents"]),
         )
-    except (OSError, ValueError, KeyError):
-        # A damaged or foreign cache entry is rebuilt rather than trusted; the rewrite replaces it atomically.
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        # rebuilt rather than trusted; the rewrite replaces it atomically
+        print(f"dilocox: warning: the token cache {entry} is damaged ({exc}); rebuilding it", file=sys.stderr)
         return None

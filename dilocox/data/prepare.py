@@ -32,8 +32,10 @@ from dilocox.data.tokenfiles import (
     INDEX_FILE,
     INDEX_FORMAT,
     INDEX_VERSION,
+    SPLITS,
     TokenFiles,
     TokenFileWriter,
+    describe_token_file,
     token_file_dtype,
     tokenizer_fingerprint,
 )
@@ -122,6 +124,8 @@ def prepare_dataset(
         index = _write_tokens(
             partial, pieces(), tok, held_out, num_documents, num_chars, val_fraction, tokens_per_file, say, start
         )
+        for entry in (entry for split in SPLITS for entry in index["files"][split]):
+            entry.update(describe_token_file(partial / entry["file"], np.dtype(index["dtype"])))
         index.update(
             source=str(source), reader="datasets" if use_datasets else "files", text_field=text_field, seed=seed
         )

@@ -2,7 +2,9 @@
 
 A directory written by ``dilocox prepare-data`` holds ``tokenizer.json``, the train and validation ids in numbered
 files (``train-00000.bin``, ...: raw little-endian uint16 when the vocabulary fits in 16 bits, else uint32) and
-``dilocox-index.json`` (dtype, the tokens of every file, the tokenizer's fingerprint, the split), written last.
+``dilocox-index.json`` (dtype, every file's tokens, largest id and sampled digest, the tokenizer's fingerprint, the
+split), written last. Every load checks each file's size and sampled digest (`fileio.sampled_digest`: a damaged or
+replaced file is refused without reading the corpus) and the largest id against the vocabulary.
 
     index = read_index("data/prepared")                 # checks the files against the index
     train = TokenFiles.from_index("data/prepared", index, "train")
@@ -17,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dilocox.fileio import sampled_digest
 
 INDEX_FILE = "dilocox-index.json"
 INDEX_FORMAT = "dilocox-tokens"
@@ -65,7 +69,32 @@ def read_index(directory: str | Path) -> dict[str, Any]:
                     f"({entry['tokens'] * itemsize} bytes) but has {'no file' if size is None else f'{size} bytes'}; "
                     f"{fix}"
                 )
+            if "sampled_sha256" not in entry or "max_id" not in entry:
+                raise ValueError(
+                    f"data.path={str(directory)!r}: {INDEX_FILE} records no digest or largest id of {entry['file']} "
+                    f"(an older dilocox prepared it), so damage cannot be told apart; {fix}"
+                )
+            if sampled_digest([file]) != entry["sampled_sha256"]:
+                raise ValueError(
+                    f"data.path={str(directory)!r}: {entry['file']} does not match its digest in {INDEX_FILE} "
+                    f"(damaged or replaced); {fix}"
+                )
+            if not 0 <= entry["max_id"] < index["vocab_size"]:
+                raise ValueError(
+                    f"data.path={str(directory)!r}: {entry['file']} holds token id {entry['max_id']}, but the "
+                    f"tokenizer has {index['vocab_size']} ids (0-{index['vocab_size'] - 1}): the ids are not from "
+                    f"this tokenizer; {fix}"
+                )
     return index
+
+
+def describe_token_file(file: Path, dtype: np.dtype, chunk_tokens: int = 1 << 24) -> dict[str, Any]:
+    """What the index records of a finished token file besides its tokens: its largest id (one read of the file, at
+    prepare time) and its `fileio.sampled_digest`."""
+    tokens = np.memmap(file, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+    max_id = max((int(tokens[i : i + chunk_tokens].max()) for i in range(0, len(tokens), chunk_tokens)), default=0)
+    del tokens
+    return {"max_id": max_id, "sampled_sha256": sampled_digest([file])}
 
 
 class TokenFiles:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dilocox.checkpoint import checkpoint_step, list_checkpoints
-from dilocox.config import Config, to_toml
+from dilocox.config import Config, flat_settings, to_toml
 from dilocox.data import TokenData
 from dilocox.fileio import write_atomic
 from dilocox.metrics import SUMMARY_FILE
@@ -34,8 +34,7 @@ goes on with, never what it trains: a run started again with another value of th
 
 def _settings(toml_text: str) -> dict[str, Any]:
     """The `section.key` settings of a config.toml, without the `RECORD_ONLY` ones."""
-    flat = {f"{section}.{key}": value for section, values in tomllib.loads(toml_text).items() for key, value in
-            values.items()}  # fmt: skip
+    flat = flat_settings(tomllib.loads(toml_text))  # a key of an earlier version under its new name
     return {key: value for key, value in flat.items() if key not in RECORD_ONLY}
 
 

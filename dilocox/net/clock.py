@@ -3,7 +3,7 @@ long the trainer waited for it.
 
 `WanChannel(..., clock=...)` reads every time through one `Clock`. The default, `MonotonicClock`, is real time
 (`time.perf_counter`); a clock that counts virtual seconds lets a test assert the link's schedule, the exposed time
-and the H that `sync.fit_link` chooses exactly, on a machine of any speed (`tests/clock.py`).
+and the H that `sync.round.fit_link` chooses exactly, on a machine of any speed (`tests/clock.py`).
 """
 
 from __future__ import annotations

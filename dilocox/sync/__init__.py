@@ -22,7 +22,7 @@ __getattr__, __dir__, _names = lazy_exports(
         "dilocox.sync.allreduce": ("AllReduceSync", "allreduce_bytes_per_step"),
         "dilocox.sync.base": ("CodecCost", "ElasticSync", "RoundStats", "SyncStrategy"),
         "dilocox.sync.cocktail": ("CocktailSync",),
-        "dilocox.sync.config": ("SyncConfig",),
+        "dilocox.sync.config": ("GuardConfig", "OuterConfig", "RoundConfig", "SyncConfig"),
         "dilocox.sync.diloco": ("DiLoCoSync",),
         "dilocox.sync.lanes": ("LaneLayout", "LaneReducer"),
         "dilocox.sync.outer": ("OuterSync",),
@@ -52,7 +52,7 @@ def build_sync(
     `inner_optimizer` has its state reset when the guard heals this cluster; over `pp_group` (the cluster's pipeline)
     the stages agree on what the guard leaves out; `lanes`: clusters of different data-parallel degree (outer-loop
     kinds only, docs/design.md §2.1); `tokens_per_step` (this cluster's, per inner step) weighs the clusters'
-    updates by their tokens under `sync.round = time`; `sharded`: `params` are FSDP shards over `dp_group`
+    updates by their tokens under `sync.round.mode = time`; `sharded`: `params` are FSDP shards over `dp_group`
     (`topology.dp_mode = shard`): each rank syncs its own shard."""
     from dilocox.sync.allreduce import AllReduceSync
     from dilocox.sync.cocktail import CocktailSync

@@ -178,7 +178,7 @@ class SyncStatus:
     boundary: bool
     """The replicas agree after the last step: a checkpoint or an evaluation of record goes there."""
     done: bool
-    """`sync.round = time`: every round of the run has ended (the clusters' step counts differ, so the run ends by
+    """`sync.round.mode = time`: every round of the run has ended (the clusters' step counts differ, so the run ends by
     rounds). False otherwise: the trainer counts train.steps."""
     progress: float
     """The run's progress at the last step, in steps of an unslowed cluster, which the inner learning rate follows:

@@ -13,7 +13,7 @@ H steps after, so the slow link carries N bursts of ~1/N of the stage per round 
 | delayed (`sync_delay = 1`) | | land the last, launch, merge rule | land (`overlap_steps = k`) |
 
 Around every step with something to do, an elastic run meets the live clusters (`ElasticRounds`: a torchft quorum,
-then a commit). With `sync.round = "time"` a `RoundClock` decides how many steps each round has on this cluster,
+then a commit). With `sync.round.mode = "time"` a `RoundClock` decides how many steps each round has on this cluster,
 and the clusters' updates weigh by their tokens (`StageParts.weighted`).
 
     sync = DiLoCoSync(model.parameters(), SyncConfig(inner_steps=50, sync_delay=1), channel=channel, dp_group=dp_group)
@@ -59,7 +59,7 @@ class DiLoCoSync:
     drive: `reduce_gradients`, `after_inner_step`, `flush`, `agreed_model`, `state_dict` / `load_state_dict`.
 
     The outer optimizer is any `torch.optim.Optimizer` over phi (`outer_optimizer`, a factory; by default
-    `sync.outer_optimizer`'s), one per fragment, with the learning rate of each update set by `sync.outer_lr_schedule`.
+    `sync.outer.optimizer`'s), one per fragment, with the learning rate of each update set by `sync.outer.lr_schedule`.
     The average is its reducer's (`compression.kind` and `compression.reduction`, docs/design.md §4.4); with `faults`
     a lying cluster's reducers are wrapped (`FaultyReducer`). With a `membership` (elastic runs, docs/design.md §10.1)
     each step with a boundary meets that boundary's torchft quorum. `lanes` and the tokens: clusters of different
@@ -95,7 +95,7 @@ class DiLoCoSync:
         data-parallel degree (docs/design.md §2.1). `tokens_per_step`: the tokens this cluster trains on per inner
         step; `round_tokens`: n_ref, the nominal tokens of one round, the same on
         every cluster (default H x one replica's tokens per step); `weigh_tokens`: weigh the clusters by their tokens
-        also with `sync.round = "steps"`."""
+        also with `sync.round.mode = "steps"`."""
         compression = compression or CompressionConfig()
         cfg = cfg.resolved(compression)  # its auto options, by their rules
         cfg.validate()
@@ -108,9 +108,9 @@ class DiLoCoSync:
         self.dp_group = None if sharded else dp_group
         """The replicas whose gradients `reduce_gradients` averages and over which the reducers slice the stage."""
         self.total_steps = total_steps
-        self.time_rounds = cfg.round == "time"
+        self.time_rounds = cfg.round.mode == "time"
         if self.time_rounds and not total_steps:
-            raise ValueError("sync.round = time makes the run ceil(total_steps / H) rounds: pass total_steps")
+            raise ValueError("sync.round.mode = time makes the run ceil(total_steps / H) rounds: pass total_steps")
         weighted = self.time_rounds or weigh_tokens
         params_device = self.flat.params[0].device if self.flat.params else torch.device("cpu")
         if round_tokens is None:  # n_ref: a round of H steps of one replica's tokens, the same on every cluster
@@ -124,7 +124,7 @@ class DiLoCoSync:
             pp_group=pp_group,
             shard_group=dp_group if sharded else None,
             seed=seed,
-            state_device=params_device if cfg.outer_state_device == "device" else torch.device("cpu"),
+            state_device=params_device if cfg.outer.state_device == "device" else torch.device("cpu"),
             lanes=lanes,
             # a robust aggregate gives every cluster one vote: its payload is not weighted by its replicas
             cluster_weight=1.0 if lanes is None or cfg.aggregate != "mean" else lanes.cluster_weight,
@@ -142,7 +142,7 @@ class DiLoCoSync:
         )
         self.tokens_per_step = tokens_per_step
         self.clock: RoundClock | None = None
-        """sync.round = time: the steps of each round on this cluster."""
+        """sync.round.mode = time: the steps of each round on this cluster."""
         first_steps = cfg.inner_steps
         if self.time_rounds:
             slow = faults.slow_factor(self.stage.cluster_id) if faults is not None else 1.0
@@ -158,9 +158,9 @@ class DiLoCoSync:
             first_steps = self.clock.first_steps()
         self.clock_round = (0, first_steps)
         """Time rounds: (first step, steps) of the clock's round in progress on this cluster."""
-        if cfg.outer_lr_schedule == "cosine" and not total_steps:
+        if cfg.outer.lr_schedule == "cosine" and not total_steps:
             raise ValueError(
-                "sync.outer_lr_schedule = 'cosine' decays over the run's outer updates, so it needs the run's length: "
+                "sync.outer.lr_schedule = 'cosine' decays over the run's outer updates, so it needs the run's length: "
                 "pass total_steps (the trainer passes train.steps), or use 'constant'"
             )
         factory = outer_optimizer if outer_optimizer is not None else outer_optimizer_factory(cfg)
@@ -253,7 +253,7 @@ class DiLoCoSync:
 
     @property
     def done(self) -> bool:
-        """sync.round = time: whether every round of the run has ended."""
+        """sync.round.mode = time: whether every round of the run has ended."""
         return self.clock is not None and self.last_fragment.outer_step >= self.clock.num_rounds
 
     @property
@@ -303,7 +303,7 @@ class DiLoCoSync:
         return self.clock.progress_step(self.last_fragment.outer_step + 1, step - first, max(1, steps))
 
     def add_step_time(self, seconds: float) -> None:
-        """sync.round = time: count one inner step's training time (the round's step time is measured from it)."""
+        """sync.round.mode = time: count one inner step's training time (the round's step time is measured from it)."""
         if self.clock is not None:
             self.clock.add_step_time(seconds)
 
@@ -364,7 +364,7 @@ class DiLoCoSync:
             ended[self.fragments.index(fragment)] = what == "end" or (what == "land" and self.cfg.sync_delay == 0)
         if self.elastic is not None:
             self.elastic.commit()
-        if self.cfg.guard and any(ended) and len(self.fragments) > 1:
+        if self.cfg.guard.enabled and any(ended) and len(self.fragments) > 1:
             self._restart_non_finite(ended)
         if len(self.fragments) > 1 and (self.done if self.clock is not None else step == self.total_steps):
             self._last_step = landed  # every fragment's last round ended here: the flush returns them all

@@ -22,8 +22,8 @@ sent; `diverge` acts on the parameters, where the outer loop asks `diverges` at 
 Slow clusters (`faults.slow_clusters`, e.g. `{2 = 2.0}`) make heterogeneity measurable on one machine, independently
 of `faults.kind`: with `faults.slow_mode = "sleep"` every inner step of such a cluster takes factor x longer for real
 (its ranks sleep (factor - 1) x the step's measured compute time after it); with `"virtual"` nothing sleeps and the
-time-round clock (`sync.round = "time"`, `dilocox.sync.rounds`) counts each of its steps as exactly factor units, so
-schedules are deterministic.
+time-round clock (`sync.round.mode = "time"`, `dilocox.sync.rounds`) counts each of its steps as exactly factor
+units, so schedules are deterministic.
 
     faults = FaultConfig(cluster=3, kind="scale", rounds="2-4")
     faults.active(cluster=3, round_index=3)          # True
@@ -70,7 +70,7 @@ class FaultConfig:
     slow_clusters: dict = field(default_factory=dict)
     """Clusters slower than the rest, cluster -> factor >= 1: {2 = 2.0} (flag: --faults.slow_clusters=2:2.0,1:1.5)."""
     slow_mode: SlowMode = "sleep"
-    """slow_clusters: sleep (each step really takes factor x longer) or virtual (only sync.round = time counts it)."""
+    """slow_clusters: sleep (each step really takes factor x longer) or virtual (only time rounds count it)."""
 
     def validate(self, num_clusters: int | None = None) -> None:
         """Raise ValueError naming the first impossible setting of `[faults]` and how to fix it."""

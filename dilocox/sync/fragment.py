@@ -112,7 +112,7 @@ class StageParts:
     """The cluster's pipeline, over which the stages agree on what the guard leaves out (None: one stage)."""
     seed: int
     state_device: torch.device
-    """Where the outer state, the pseudo-gradient and its reduction live (sync.outer_state_device)."""
+    """Where the outer state, the pseudo-gradient and its reduction live (sync.outer.state_device)."""
     shard_group: dist.ProcessGroup | None = None
     """A sharded stage's dp ranks (topology.dp_mode = shard; `dp_group` is then None): they agree on it too."""
     lanes: LaneLayout | None = None
@@ -160,8 +160,9 @@ class StageParts:
             dp_group=self.dp_group,
             pp_group=self.pp_group,
             seed=self.seed,
-            guard_max_ratio=self.cfg.guard_max_ratio if self.cfg.guard else None,
-            peer_max_ratio=self.cfg.guard_peer_ratio if self.cfg.guard_peers else None,
+            guard_max_ratio=self.cfg.guard.max_ratio if self.cfg.guard.enabled else None,
+            peer_max_ratio=self.cfg.guard.peer_ratio if self.cfg.guard.peers else None,
+            peer_sizes=not self.weighted,  # token weights: known only once the payloads land (`PeerCheck.sizes`)
         )
         common.update(aggregate=self.cfg.aggregate, trim_fraction=self.cfg.trim_fraction)
         if self.lanes is not None:
@@ -220,7 +221,7 @@ class FragmentState:
         self.outer_params = self.flat.gather_data().to(device, copy=True)  # (numel,) fp32, phi
         self.round_start = self.outer_params.clone()  # theta at the start of the round
         self.outer = OuterOptimizer(self.outer_params, outer_optimizer, lr_at=outer_lr_schedule(cfg, num_outer_updates))
-        """The outer optimizer of phi (`sync.outer_optimizer`, or the factory passed in) and its lr schedule."""
+        """The outer optimizer of phi (`sync.outer.optimizer`, or the factory passed in) and its lr schedule."""
         self.merge = build_merge_rule(cfg.merge)
         """Where a round starts while the last round's average is in flight (`sync.merge`, delayed syncs only)."""
         reducer = stage.build_reducer(stage.compression, self.flat.shapes)
@@ -228,9 +229,9 @@ class FragmentState:
         self._update_guard = reducer.guard if gathers else None
         """The gather reduction's own guard (its norm history), None for the summing reductions."""
         self.guard = RoundGuard(
-            max_ratio=cfg.guard_max_ratio,
-            max_bad_rounds=cfg.guard_max_bad_rounds,
-            judges_mean=cfg.guard and not gathers,
+            max_ratio=cfg.guard.max_ratio,
+            max_bad_rounds=cfg.guard.max_bad_rounds,
+            judges_mean=cfg.guard.enabled and not gathers,
             warnings=stage.warnings,
         )
         self.reducer: Reducer = reducer
@@ -289,7 +290,7 @@ class FragmentState:
         cfg = self.cfg
         round_steps, round_index = step - self.last_boundary, self.outer_step + 1
         pseudo_grad = self.pseudo_grad()
-        own_bad = cfg.guard and not newcomer and not bool(torch.isfinite(pseudo_grad).all())
+        own_bad = cfg.guard.enabled and not newcomer and not bool(torch.isfinite(pseudo_grad).all())
         abstain = own_bad or newcomer
         if cfg.sync_delay == 0:
             if own_bad:  # before the encoding: what the bad round left in the residuals is not sent
@@ -300,7 +301,7 @@ class FragmentState:
             self._mix(heal)
         else:
             landed = self.perform_sync(round_steps=round_steps, round_index=round_index - 1)
-            if landed is not None and cfg.fit_link:
+            if landed is not None and cfg.round.fit_link:
                 self._fit_inner_steps(landed.stats, round_steps)
             heal = abstain or (landed is not None and landed.left_out)
             if heal:  # before this round's encoding: what the bad round left in the residuals is not sent again
@@ -319,7 +320,7 @@ class FragmentState:
         """A streamed round's launch, `overlap_steps` before its boundary: its pseudo-gradient goes out while the
         round's last steps train; the parameters and the round start stay until it lands (`land`)."""
         pseudo_grad = self.pseudo_grad()
-        own_bad = self.cfg.guard and not newcomer and not bool(torch.isfinite(pseudo_grad).all())
+        own_bad = self.cfg.guard.enabled and not newcomer and not bool(torch.isfinite(pseudo_grad).all())
         if own_bad:  # before the encoding: what the bad round left in the residuals is not sent
             self.reducer.heal()
         self.prepare_sync(pseudo_grad, abstain=own_bad or newcomer, report=report, step=step)
@@ -341,7 +342,7 @@ class FragmentState:
             return None
         if landed.left_out:
             self.reducer.heal()
-            if self.cfg.guard:
+            if self.cfg.guard.enabled:
                 self.guard.heal(cluster=self.cluster, round_index=self.outer_step, why="the others left its update out")
             start = self.outer_params.clone()
             theta = start
@@ -403,7 +404,7 @@ class FragmentState:
 
     def _count_heal(self, newcomer: bool, own_bad: bool, heal: bool, round_index: int) -> None:
         """The guard's count of this cluster's own rounds, and its heal (not for a round it did not train)."""
-        if self.cfg.guard and not newcomer:
+        if self.cfg.guard.enabled and not newcomer:
             self.guard.count_own(own_bad, round_index)
             if heal:
                 why = "its own update is non-finite" if own_bad else "the others left its update out"
@@ -523,7 +524,7 @@ class FragmentState:
                 self.weight_sum = weight_sum
             self.landed_tokens += sum(r.tokens for r in reports if r is not None)
         skipped = False
-        if cfg.guard:
+        if cfg.guard.enabled:
             skipped = self.guard.judge_landing(
                 avg,
                 pending.excluded,
@@ -545,14 +546,14 @@ class FragmentState:
             cost=pending.cost,
             rank=self.reducer.current_rank(),
             matrix_ranks=self.reducer.current_matrix_ranks(),
-            excluded=dict(pending.excluded) if cfg.guard else None,
+            excluded=dict(pending.excluded) if cfg.guard.enabled else None,
             skipped=skipped,
             round_index=round_index,
             cluster_steps=None if reports is None else tuple(r.steps if r else 0 for r in reports),
             cluster_tokens=None if reports is None else tuple(r.tokens if r else 0 for r in reports),
         )
         slower = judge_link and stats.link_s > compute_s > 0
-        if cfg.sync_delay == 1 and slower and not stage.warned and not cfg.fit_link:
+        if cfg.sync_delay == 1 and slower and not stage.warned and not cfg.round.fit_link:
             stage.warned = True
             advice = slow_link_advice(
                 stats, round_steps=round_steps, overlap_steps=cfg.overlap_steps, channel=stage.channel
@@ -597,11 +598,11 @@ class FragmentState:
         return self.cfg.local_residual or self.merge.reads_held_back
 
     def _fit_inner_steps(self, stats: RoundStats, round_steps: int) -> None:
-        """sync.fit_link: the next round's H, sized to the link by the sync just waited for (`link_fit`)."""
+        """sync.round.fit_link: the next round's H, sized to the link by the sync just waited for (`link_fit`)."""
         self.inner_steps, needed = fit_inner_steps(
             stats, round_steps=round_steps, cfg=self.cfg, current=self.inner_steps
         )
-        if needed > self.cfg.fit_link_max_steps and not self.stage.warned:
+        if needed > self.cfg.round.fit_link_max_steps and not self.stage.warned:
             self.stage.warned = True
             self.stage.warnings.append(fit_link_warning(stats, round_steps=round_steps, needed=needed, cfg=self.cfg))
 
@@ -695,9 +696,14 @@ class FragmentState:
                 "version returned; start a new run (dilocox eval still reads its model)"
             )
         if self.stage.weighted != all(key in state for key in WEIGHTED_STATE_KEYS):
-            saved = "unweighted (sync.round = steps)" if self.stage.weighted else "token-weighted (sync.round = time)"
+            saved = (
+                "unweighted (sync.round.mode = steps)"
+                if self.stage.weighted
+                else "token-weighted (sync.round.mode = time)"
+            )
             raise ValueError(
-                f"this outer-sync state is {saved}, this run is not: resume with the sync.round it was written with"
+                f"this outer-sync state is {saved}, this run is not: resume with the sync.round.mode it was written "
+                "with"
             )
         if state["reduction"] != self.reducer.name:
             raise ValueError(

@@ -65,11 +65,17 @@ class LaneLayout:
         return self.topology.lanes_of(self.cluster, self.dp)
 
     @property
-    def cluster_weight(self) -> float:
-        """C x dp_c / sum(dp): the factor that makes the plain mean of the clusters' pseudo-gradients their token-
-        weighted mean, sum_c dp_c Delta_c / sum_c dp_c (a cluster of dp_c replicas trained dp_c shards per step)."""
+    def cluster_weights(self) -> list[float]:
+        """C x dp_c / sum(dp) of every cluster c: the factor that makes the plain mean of the clusters' pseudo-gradients
+        their token-weighted mean, sum_c dp_c Delta_c / sum_c dp_c (a cluster of dp_c replicas trained dp_c shards
+        per step)."""
         degrees = self.topology.dp_degrees
-        return self.num_clusters * degrees[self.cluster] / sum(degrees)
+        return [self.num_clusters * degree / sum(degrees) for degree in degrees]
+
+    @property
+    def cluster_weight(self) -> float:
+        """This cluster's of `cluster_weights`."""
+        return self.cluster_weights[self.cluster]
 
     def replica_of(self, group_rank: int) -> tuple[int, int]:
         """(cluster, dp) of a rank of the stage group (ordered cluster-major, as the global ranks)."""
@@ -134,7 +140,9 @@ class LaneReducer:
     ) -> None:
         cfg.validate()
         if peers is not None and guard is None:
-            raise ValueError("the peer check (sync.guard_peers) is part of the guard: it needs sync.guard = true")
+            raise ValueError(
+                "the peer check (sync.guard.peers) is part of the guard: it needs sync.guard.enabled = true"
+            )
         if channel.world_size != layout.topology.num_shards:
             raise ValueError(
                 f"the lane exchange runs over the stage group of all {layout.topology.num_shards} replicas of a "
@@ -404,11 +412,13 @@ def build_lane_reducer(
     seed: int = 0,
     guard_max_ratio: float | None = None,
     peer_max_ratio: float | None = None,
+    peer_sizes: bool = True,
     aggregate: str = "mean",
     trim_fraction: float = 0.25,
 ) -> LaneReducer:
     """The lane reducer of `compression` (any codec; `compression.reduction` gather) with the guard and the aggregate
-    of `[sync]`."""
+    of `[sync]`. With the plain mean every cluster's payload is weighted by its replicas (`LaneLayout.cluster_weight`):
+    the peer check compares the sizes per unit of weight."""
     if cfg.kind != "none" and cfg.reduction == "scalable":
         raise ValueError(
             "compression.reduction = scalable needs clusters of one shape; clusters of different data-parallel "
@@ -423,7 +433,13 @@ def build_lane_reducer(
         pp_group=pp_group,
         seed=seed,
         guard=UpdateGuard(guard_max_ratio) if guard_max_ratio is not None else None,
-        peers=PeerCheck(peer_max_ratio) if guard_max_ratio is not None and peer_max_ratio is not None else None,
+        peers=PeerCheck(
+            peer_max_ratio,
+            scales=layout.cluster_weights if aggregate == "mean" else None,  # a robust aggregate: one vote, unweighted
+            sizes=peer_sizes,
+        )
+        if guard_max_ratio is not None and peer_max_ratio is not None
+        else None,
         aggregate=aggregate,
         trim_fraction=trim_fraction,
     )

@@ -1,7 +1,7 @@
-"""When the slow link cannot keep up with the rounds: `sync.fit_link`'s choice of H, and the warning that says so.
+"""When the slow link cannot keep up with the rounds: `sync.round.fit_link`'s choice of H, and the warning that says so.
 
 `fit_inner_steps` sizes the next round so that a delayed sync, which travels during it, fits in its compute
-(docs/design.md §3, `sync.fit_link`); `slow_link_advice` is the one-line warning when it does not (the H, the
+(docs/design.md §3, `sync.round.fit_link`); `slow_link_advice` is the one-line warning when it does not (the H, the
 overlap or the emulated bandwidth that would hide it).
 
     h, needed = fit_inner_steps(stats, round_steps=20, cfg=cfg)    # every rank agrees on h (one 8-byte all-reduce)
@@ -32,18 +32,18 @@ def fit_inner_steps(stats: RoundStats, *, round_steps: int, cfg: SyncConfig, cur
     link_s, compute_s = stats.link_s, stats.compute_s or 0.0
     step_s = compute_s / max(1, round_steps)
     needed = math.ceil(FIT_HEADROOM * link_s / step_s) if step_s > 0 else current
-    wish = torch.tensor([min(max(needed, cfg.inner_steps), cfg.fit_link_max_steps)], dtype=torch.int64)
+    wish = torch.tensor([min(max(needed, cfg.inner_steps), cfg.round.fit_link_max_steps)], dtype=torch.int64)
     if dist.is_initialized():
         dist.all_reduce(wish, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
     return int(wish.item()), needed
 
 
 def fit_link_warning(stats: RoundStats, *, round_steps: int, needed: int, cfg: SyncConfig) -> str:
-    """The warning that `sync.fit_link` wants an H above its maximum."""
+    """The warning that `sync.round.fit_link` wants an H above its maximum."""
     step_s = (stats.compute_s or 0.0) / max(1, round_steps)
     return (
-        f"warning: sync.fit_link wants H = {needed} to hide a {stats.link_s:.2f} s sync behind "
-        f"{step_s:.3f} s steps, above sync.fit_link_max_steps = {cfg.fit_link_max_steps}; training waits "
+        f"warning: sync.round.fit_link wants H = {needed} to hide a {stats.link_s:.2f} s sync behind "
+        f"{step_s:.3f} s steps, above sync.round.fit_link_max_steps = {cfg.round.fit_link_max_steps}; training waits "
         "for the link: raise fit_link_max_steps, compress harder or use a faster link"
     )
 
@@ -64,7 +64,7 @@ def slow_link_advice(stats: RoundStats, *, round_steps: int, overlap_steps: int,
     return (
         f"warning: the slow link cannot keep up: one outer sync takes {link_s:.2f} s on the link but a round "
         f"computes in {compute_s:.2f} s, so training waits for it; use sync.inner_steps >= {need_h}{fit} "
-        "(or sync.fit_link = true to size H to the link as it goes)"
+        "(or sync.round.fit_link = true to size H to the link as it goes)"
     )
 
 

@@ -17,6 +17,7 @@ resolve and meet the compatibility table (`dilocox.compat`) as `dilocox train`'s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
@@ -40,9 +41,17 @@ from dilocox.sync.lanes import LaneLayout
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory
 from dilocox.topology import group_size
 
-RESUME_SETTINGS = ("kind", "inner_steps", "sync_delay", "outer_lr", "outer_momentum", "nesterov")
+RESUME_SETTINGS = {
+    "kind": "kind",
+    "inner_steps": "inner_steps",
+    "sync_delay": "sync_delay",
+    "outer_lr": "outer.lr",
+    "outer_momentum": "outer.momentum",
+    "nesterov": "outer.nesterov",
+}
 """`SyncConfig` fields a saved state overrides (H, the outer optimizer's settings) or depends on (the delay), so
-`load_state_dict` refuses a state saved with other values instead of silently keeping the saved ones."""
+`load_state_dict` refuses a state saved with other values instead of silently keeping the saved ones: by the name the
+state records each under (this class's keyword argument), the field's path in `SyncConfig`."""
 _FINGERPRINT_VALUES = 4096
 """Parameter values (evenly strided) hashed into the fingerprint that checks the clusters start alike."""
 
@@ -177,12 +186,12 @@ class OuterSync:
         sharded: bool = False,
     ) -> OuterSync:
         """Around a `channel` the caller owns (and closes), with the config dataclasses: the trainer's path
-        (`build_sync`), and the one to `sync.fit_link` or `sync.outer_state_device`. Nothing is hooked or
+        (`build_sync`), and the one to `sync.round.fit_link` or `sync.outer.state_device`. Nothing is hooked or
         checked beyond the configs: the caller calls `reduce_gradients()` before each inner step itself, and
         the rounds also end at `total_steps`. `inner_optimizer` (optional here) gets its state reset when the
         guard heals this cluster; `faults` injects the faults of `[faults]`; `pp_group` (a pipeline's stages, each
         with its own OuterSync) makes the stages agree on what the guard leaves out; `outer_optimizer` (a factory,
-        as for the constructor) replaces the one `sync.outer_optimizer` names. `lanes`: clusters of different
+        as for the constructor) replaces the one `sync.outer.optimizer` names. `lanes`: clusters of different
         data-parallel degree (`channel` is then over the stage group, docs/design.md §2.1); each cluster's
         pseudo-gradient is weighted by its tokens (`LaneLayout.cluster_weight`). `tokens_per_step`, `round_tokens`
         and `weigh_tokens` set the token-weighted average of time rounds (`DiLoCoSync`): this cluster's tokens per
@@ -459,7 +468,10 @@ class OuterSync:
         """The settings a saved state must be resumed with (`RESUME_SETTINGS` and the codec)."""
         fragments = {"fragments": self.sync_config.fragments} if self.sync_config.fragments > 1 else {}
         return (
-            {name: getattr(self.sync_config, name) for name in RESUME_SETTINGS}
+            {
+                name: functools.reduce(getattr, path.split("."), self.sync_config)
+                for name, path in RESUME_SETTINGS.items()
+            }
             | {"compression": self.compression.kind}
             | fragments
         )
@@ -487,7 +499,15 @@ def outer_configs(
     preset of `kind`, then the arguments that are not None (a codec name replaces the preset's codec kind; a
     `CompressionConfig` replaces its whole section), then the auto rules (`SyncConfig.resolved`), then the
     compatibility table."""
-    from dilocox.config import Config, apply_toml, keep_preset_optimizer, read_preset
+    from dilocox.config import (
+        MOVED_KEYS,
+        Config,
+        apply_toml,
+        flat_settings,
+        keep_preset_optimizer,
+        read_preset,
+        section_of,
+    )
 
     if kind not in OUTER_LOOP_KINDS:
         per_step = " (allreduce and cocktail sync every step: in your own loop use DistributedDataParallel)"
@@ -502,7 +522,7 @@ def outer_configs(
         raise ValueError(f"inner_steps = {inner_steps!r} must be an int >= 1: H, the inner steps between outer syncs")
     values = read_preset(kind)
     cfg = apply_toml(Config(), {section: values[section] for section in ("sync", "compression") if section in values})
-    preset_keys = {f"sync.{name}" for name in values.get("sync", {})}
+    preset_keys = {name for name in flat_settings(values) if name.startswith("sync.")}
     if isinstance(compression, str):
         if compression not in CODEC_KINDS:
             raise ValueError(f"compression = {compression!r} is not a codec; use one of: {', '.join(CODEC_KINDS)}")
@@ -513,10 +533,16 @@ def outer_configs(
         raise ValueError(
             f"compression = {compression!r} must be a codec name ({', '.join(CODEC_KINDS)}) or a CompressionConfig"
         )
-    given = {name: value for name, value in sync_options.items() if value is not None}
-    for name, value in given.items():
-        setattr(cfg.sync, name, value)
-    keep_preset_optimizer(cfg, values, preset_keys - {f"sync.{name}" for name in given})
+    # the keyword arguments are flat: outer_lr is sync.outer.lr, guard sync.guard.enabled (`MOVED_KEYS`)
+    given = {
+        MOVED_KEYS.get(f"sync.{name}", f"sync.{name}"): value
+        for name, value in sync_options.items()
+        if value is not None
+    }
+    for option, value in given.items():
+        section, _, key = option.rpartition(".")
+        setattr(section_of(cfg, section), key, value)
+    keep_preset_optimizer(cfg, values, preset_keys - set(given))
     cfg.sync.validate()  # the arguments' own values first, named as given
     cfg.compression.validate()
     cfg.sync = cfg.sync.resolved(cfg.compression)

@@ -2,8 +2,8 @@
 
 Any `torch.optim.Optimizer` over phi, as torchft's DiLoCo takes one: the averaged pseudo-gradient is phi's
 gradient and `optimizer.step()` moves phi. phi is a flat fp32 vector that the outer loop creates (on
-`sync.outer_state_device`), so the optimizer is passed as a factory, `Callable[[list[Tensor]], Optimizer]`, called
-once with `[phi]`; `sync.outer_optimizer` names the built-in ones (`outer_optimizer_factory`). Nothing else in the
+`sync.outer.state_device`), so the optimizer is passed as a factory, `Callable[[list[Tensor]], Optimizer]`, called
+once with `[phi]`; `sync.outer.optimizer` names the built-in ones (`outer_optimizer_factory`). Nothing else in the
 outer loop knows which optimizer it is: what a merge rule predicts, what the state costs and what a checkpoint must
 match are read from the optimizer itself.
 
@@ -31,33 +31,33 @@ every update) and how torch runs the step, which does not change its result's me
 
 
 def outer_optimizer_factory(cfg: Any) -> OuterOptimizerFactory:
-    """The outer optimizer of `sync.outer_optimizer` (a `SyncConfig`): `torch.optim.SGD` with `outer_lr`,
-    `outer_momentum` and Nesterov (dropped at momentum 0, which torch refuses), or `torch.optim.AdamW` with
-    `outer_lr`, `(outer_beta1, outer_beta2)` and `outer_weight_decay`."""
-    if cfg.outer_optimizer == "sgd":
+    """The outer optimizer of `sync.outer.optimizer` (a `SyncConfig`): `torch.optim.SGD` with `outer.lr`,
+    `outer.momentum` and Nesterov (dropped at momentum 0, which torch refuses), or `torch.optim.AdamW` with
+    `outer.lr`, `(outer.beta1, outer.beta2)` and `outer.weight_decay`."""
+    if cfg.outer.optimizer == "sgd":
         return functools.partial(
             torch.optim.SGD,
-            lr=cfg.outer_lr,
-            momentum=cfg.outer_momentum,
-            nesterov=cfg.nesterov and cfg.outer_momentum > 0,
+            lr=cfg.outer.lr,
+            momentum=cfg.outer.momentum,
+            nesterov=cfg.outer.nesterov and cfg.outer.momentum > 0,
         )
-    if cfg.outer_optimizer == "adamw":
+    if cfg.outer.optimizer == "adamw":
         return functools.partial(
             torch.optim.AdamW,
-            lr=cfg.outer_lr,
-            betas=(cfg.outer_beta1, cfg.outer_beta2),
-            weight_decay=cfg.outer_weight_decay,
+            lr=cfg.outer.lr,
+            betas=(cfg.outer.beta1, cfg.outer.beta2),
+            weight_decay=cfg.outer.weight_decay,
         )
-    raise ValueError(f"sync.outer_optimizer = {cfg.outer_optimizer!r} is not one of: sgd, adamw")
+    raise ValueError(f"sync.outer.optimizer = {cfg.outer.optimizer!r} is not one of: sgd, adamw")
 
 
 def outer_lr_schedule(cfg: Any, num_updates: int | None) -> Callable[[float, int], float]:
-    """`lr_at(base_lr, update)` of `sync.outer_lr_schedule` (a `SyncConfig`) over a run of `num_updates` outer
-    updates (None: unknown, so only a constant schedule or the warm-up apply): `SyncConfig.outer_lr_at` with
-    `outer_lr` replaced by the param group's own learning rate, so a factory's optimizer follows the same shape."""
+    """`lr_at(base_lr, update)` of `sync.outer.lr_schedule` (a `SyncConfig`) over a run of `num_updates` outer
+    updates (None: unknown, so only a constant schedule or the warm-up apply): `OuterConfig.lr_at` with
+    `outer.lr` replaced by the param group's own learning rate, so a factory's optimizer follows the same shape."""
 
     def lr_at(base_lr: float, update: int) -> float:
-        return dataclasses.replace(cfg, outer_lr=base_lr).outer_lr_at(update, num_updates or update + 1)
+        return dataclasses.replace(cfg.outer, lr=base_lr).lr_at(update, num_updates or update + 1)
 
     return lr_at
 
@@ -66,7 +66,7 @@ class OuterOptimizer:
     """The outer optimizer of one rank's phi, with the outer learning-rate schedule.
 
     `lr_at(base_lr, update)` gives the learning rate of 0-based outer update `update` for a param group whose
-    learning rate was `base_lr` when the factory built it (`sync.outer_lr_schedule`: warm-up, then constant or
+    learning rate was `base_lr` when the factory built it (`sync.outer.lr_schedule`: warm-up, then constant or
     cosine); `set_lr` writes it into `param_groups[...]["lr"]`, which every torch optimizer reads at `step()`.
 
         outer = OuterOptimizer(phi, torch.optim.Adam, lr_at=lambda base, k: base)

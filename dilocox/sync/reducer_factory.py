@@ -29,6 +29,7 @@ def build_reducer(
     seed: int = 0,
     guard_max_ratio: float | None = None,
     peer_max_ratio: float | None = None,
+    peer_sizes: bool = True,
     aggregate: str = "mean",
     trim_fraction: float = 0.25,
     elastic: bool = False,
@@ -36,7 +37,7 @@ def build_reducer(
     """The reducer of `compression.kind` and `compression.reduction` over tensors of `shapes` (validated here).
 
     `guard_max_ratio` (None: no guard), `peer_max_ratio` (None: no peer check) and `aggregate` are
-    `sync.guard_max_ratio`, `sync.guard_peer_ratio` and `sync.aggregate`: only the gather reduction judges and
+    `sync.guard.max_ratio`, `sync.guard.peer_ratio` (`peer_sizes`: `PeerCheck.sizes`) and `sync.aggregate`: only the gather reduction judges and
     robustly averages the clusters' updates one by one (`SyncConfig` refuses a robust aggregate with the others;
     their guard is the check of the mean in `DiLoCoSync`). `pp_group` (the cluster's pipeline) and `shard_group` (a
     sharded stage's dp ranks) make its stages and shards agree on what the guard leaves out."""
@@ -61,7 +62,9 @@ def build_reducer(
         shapes,
         **common,
         guard=UpdateGuard(guard_max_ratio) if guard_max_ratio is not None else None,
-        peers=PeerCheck(peer_max_ratio) if guard_max_ratio is not None and peer_max_ratio is not None else None,
+        peers=PeerCheck(peer_max_ratio, sizes=peer_sizes)
+        if guard_max_ratio is not None and peer_max_ratio is not None
+        else None,
         pp_group=pp_group,
         shard_group=shard_group,
         how=aggregate,

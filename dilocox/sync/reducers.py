@@ -34,7 +34,7 @@ import torch.distributed as dist
 from dilocox.compress import Codec, ErrorFeedback, Payload
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.sync.base import CodecCost, shard_bounds
-from dilocox.sync.robust import PEER_MIN_UPDATES, PeerCheck, UpdateGuard, aggregate, inner_products
+from dilocox.sync.robust import PEER_MIN_UPDATES, PeerCheck, UpdateGuard, aggregate, peer_statistics
 from dilocox.topology import group_size
 
 
@@ -354,7 +354,9 @@ class GatherReducer(CodecReducer):
         feedback_decay: float = 1.0,
     ) -> None:
         if peers is not None and guard is None:
-            raise ValueError("the peer check (sync.guard_peers) is part of the guard: it needs sync.guard = true")
+            raise ValueError(
+                "the peer check (sync.guard.peers) is part of the guard: it needs sync.guard.enabled = true"
+            )
         super().__init__(
             codec,
             shapes,
@@ -494,36 +496,36 @@ def judge_updates(
     if guard is None:
         return {index: "no usable update arrived" for index, u in enumerate(updates) if u is None}
     verdicts = guard.judge(updates)
-    gram = None
-    if peers is not None and len(updates) >= PEER_MIN_UPDATES:  # this rank's part of the whole updates' Gram
-        gram = inner_products([u if v is None else None for u, v in zip(updates, verdicts, strict=True)])
-    flags, gram = agree_in_cluster([v is not None for v in verdicts], gram, device, groups=(dp_group, pp_group))
+    stats = None
+    if peers is not None and len(updates) >= PEER_MIN_UPDATES:  # this rank's part of the whole updates' statistics
+        stats = peer_statistics([u if v is None else None for u, v in zip(updates, verdicts, strict=True)])
+    flags, stats = agree_in_cluster([v is not None for v in verdicts], stats, device, groups=(dp_group, pp_group))
     verdicts = [
         v if v is not None or not flag else "left out by the guard of another rank of this cluster (its slice)"
         for v, flag in zip(verdicts, flags, strict=True)
     ]
     excluded = {index: v for index, v in enumerate(verdicts) if v is not None}
-    if gram is not None and peers is not None:
-        excluded.update(peers.judge(gram, [i for i in range(len(updates)) if i not in excluded]))
+    if stats is not None and peers is not None:
+        excluded.update(peers.judge(stats, [i for i in range(len(updates)) if i not in excluded]))
     return excluded
 
 
 def agree_in_cluster(
     flags: list[bool],
-    gram: torch.Tensor | None,
+    stats: torch.Tensor | None,
     device: torch.device,
     *,
     groups: Sequence[dist.ProcessGroup | None],
 ) -> tuple[list[bool], torch.Tensor | None]:
-    """Combine every rank's `flags` (any rank's flag counts) and partial Gram matrix (summed: the whole updates'
-    inner products) over the cluster: its dp replicas, then its pipeline stages (`groups`). Gathered and summed in rank
-    order, so every rank of the cluster gets the same bits, as does every cluster's rank that holds the same bytes: the
-    decision is one on every rank. The collectives run on `device` (the fast groups' backend may be NCCL); a no-op on
-    one rank."""
+    """Combine every rank's `flags` (any rank's flag counts) and partial peer statistics (`peer_statistics`, summed:
+    the whole updates' inner products and magnitude counts) over the cluster: its dp replicas, then its pipeline stages
+    (`groups`). Gathered and summed in rank order, so every rank of the cluster gets the same bits, as does every
+    cluster's rank that holds the same bytes: the decision is one on every rank. The collectives run on `device` (the
+    fast groups' backend may be NCCL); a no-op on one rank."""
     count = len(flags)
     packed = torch.tensor(flags, dtype=torch.float64)
-    if gram is not None:
-        packed = torch.cat([packed, gram.flatten()])
+    if stats is not None:
+        packed = torch.cat([packed, stats.flatten()])
     for group in groups:
         size = group_size(group)
         if size == 1:
@@ -537,4 +539,4 @@ def agree_in_cluster(
             total[:count] = torch.maximum(total[:count], part[:count])
         packed = total
     combined = [bool(flag) for flag in packed[:count].tolist()]
-    return combined, None if gram is None else packed[count:].view(count, count)
+    return combined, None if stats is None else packed[count:].view(count, -1)

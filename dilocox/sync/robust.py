@@ -4,15 +4,16 @@
 Clusters joined by the internet are not all healthy, and not all of them may be trusted. Before an outer step
 uses the pseudo-gradients of a round, `UpdateGuard` judges each cluster's (decoded) update: it must be finite and
 its L2 norm must stay within `max_ratio` times the median norm of the updates accepted in recent rounds. With three
-or more updates left, `PeerCheck` then compares them with each other within the round: an update much longer than
-the round's median, or one that points away from most of the others (a sign flip), is left out too. Every cluster
+or more updates left, `PeerCheck` then compares them with each other within the round: an update much larger than
+the round's median (in norm, or in the median magnitude of the values it sent), or one that points away from most
+of the others (a sign flip), is left out too. Every cluster
 judges the same bytes with the same history, so every cluster excludes the same senders without another message.
 `aggregate` then averages what was accepted: the plain mean, or a coordinate-wise robust statistic.
 
-    guard, peers = UpdateGuard(max_ratio=10.0), PeerCheck(max_ratio=3.0)
+    guard, peers = UpdateGuard(max_ratio=10.0), PeerCheck(max_ratio=2.0)
     verdicts = guard.judge([u0, u1, None, u3])       # [None, None, 'no usable update arrived', 'norm 4.1e3 is ...']
-    gram = inner_products([u0, u1, None, u3])        # (4, 4) float64; sum it over the shards of a sharded update
-    excluded = peers.judge(gram, [0, 1])             # {}: fewer than 3 updates cannot be compared
+    stats = peer_statistics([u0, u1, None, u3])      # (4, 8 + bins) float64; sum it over the shards of an update
+    excluded = peers.judge(stats, [0, 1])            # {}: fewer than 3 updates cannot be compared
     avg = aggregate([u for u, v in zip(updates, verdicts) if v is None], "trimmed_mean", trim_fraction=0.25)
     guard.accept([u for u, v in zip(updates, verdicts) if v is None])
 
@@ -23,6 +24,7 @@ reductions' mean is judged, this cluster's bad rounds are counted and its heals 
 from __future__ import annotations
 
 import math
+import struct
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -37,13 +39,23 @@ HISTORY_ROUNDS = 8
 PEER_MIN_UPDATES = 3
 """`PeerCheck` compares updates only when at least this many are left: of two, neither can be told the wrong one."""
 
+DIRECTION_MARGIN = 0.05
+"""`PeerCheck`: two updates disagree when their cosine on the values both sent is at or below minus this. Honest
+clusters' lowest was -0.03 (docs/design.md §4.5), a sign-flipped update's -0.26 or lower; noise is near 0."""
+
 GRAM_CHUNK = 1 << 18
 """Values per chunk of `inner_products`: bounds its scratch memory to (clusters x this) float64."""
+
+MAGNITUDE_BITS = 4
+"""`magnitude_counts` bins |values| by their fp32 exponent and this many leading mantissa bits: 2^4 = 16 bins per
+octave, so a median magnitude is known to within 1/16 of itself."""
+MAGNITUDE_BINS = 256 << MAGNITUDE_BITS
+"""Bins of `magnitude_counts`: every fp32 exponent (inf and NaN included) times the mantissa bins."""
 
 
 class GuardError(RuntimeError):
     """The guard cannot go on: this cluster's own update stayed bad, or no cluster's update was usable, for
-    `sync.guard_max_bad_rounds` rounds in a row. The trainer turns it into one line and a non-zero exit."""
+    `sync.guard.max_bad_rounds` rounds in a row. The trainer turns it into one line and a non-zero exit."""
 
 
 class UpdateGuard:
@@ -59,7 +71,7 @@ class UpdateGuard:
 
     def __init__(self, max_ratio: float) -> None:
         if not (math.isfinite(max_ratio) and max_ratio > 1.0):
-            raise ValueError(f"sync.guard_max_ratio = {max_ratio} must be a finite number > 1")
+            raise ValueError(f"sync.guard.max_ratio = {max_ratio} must be a finite number > 1")
         self.max_ratio = max_ratio
         self.history: deque[list[float]] = deque(maxlen=HISTORY_ROUNDS)  # accepted norms, one list per round
 
@@ -98,43 +110,66 @@ class UpdateGuard:
 
 
 class PeerCheck:
-    """Judges the updates of one round against each other: the peer check of `sync.guard_peers` (docs/design.md §4.5).
+    """Judges the updates of one round against each other: the peer check of `sync.guard.peers` (docs/design.md §4.5).
 
     Among the `n >= 3` updates the guard left in, an update is excluded when
-    - its norm exceeds `max_ratio` x the median of the n norms (one long update cannot move the median), or
-    - it agrees (strictly positive inner product, i.e. cosine) with fewer than floor((n - 1) / 2) of the other
-      n - 1 updates (of 3, it points away from both others; of 5, from at least 3 of the 4 others), and the
-      updates that pass this test are a strict majority of the n: where they are not (of 3, when the two honest
-      updates of a round happen to point apart too), nothing is excluded for its direction. Honest clusters
-      that train on the same distribution from the same start agree with each other (docs/design.md §4.5); a
-      sign-flipped update has the negated cosine with every one of them.
-    Both tests run on all n updates at once (the direction test on those the norm test kept); with fewer than 3
-    updates nothing is judged. The input is the Gram matrix of the whole updates (`inner_products`, summed over the
-    shards of a sharded update), so the decision depends only on it: the same matrix gives the same verdicts.
+    - its size exceeds `max_ratio` x the median of the n sizes (one outsized update cannot move the median), by
+      either of two sizes: its norm, or the median |value| of the values it sent (its nonzero values). A sender
+      that scales its update multiplies both. The second is the one that tells a scaled sparse update apart: a
+      top-k payload with error feedback holds a few long residual values, whose share of the norm varies from
+      cluster to cluster and round to round, while the median of what it sent stays within a few % of its peers';
+    - it disagrees (cosine <= -`DIRECTION_MARGIN` on the values both sent, see below) with so many of the other n - 1
+      that it agrees with fewer than floor((n - 1) / 2) of them (of 3, it points away from both others; of 5, from at
+      least 3 of the 4 others), and the updates that pass this test are a strict majority of the n: where they are
+      not (of 3, when the two honest updates of a round happen to point apart too), nothing is excluded for its
+      direction. Honest clusters that train on the same distribution from the same start agree with each other; a
+      sign-flipped update has the negated cosine with every one of them. The cosine of two updates is taken on the
+      positions both sent, `G[i, j] / sqrt(S[i, j] S[j, i])` (`inner_products`): the whole vectors' cosine for dense
+      updates, and for sparse ones (which share a few % of their positions) the cosine where they can be compared.
+      Updates that are noise to each other (the residuals of a dense int4 codec, drained at the end: cosines of
+      either sign near 0) agree.
+    Both tests run on all n updates at once (the direction test on those the size tests kept); with fewer than 3
+    updates nothing is judged. The input is `peer_statistics` of the whole updates (summed over the shards of a
+    sharded update), so the decision depends only on it: the same statistics give the same verdicts.
 
-        peers = PeerCheck(max_ratio=3.0)
-        excluded = peers.judge(inner_products(updates), candidates=[0, 1, 2])   # {cluster: reason}
+    Weighted payloads: where every cluster's payload is its update times a weight all clusters know (clusters of
+    different dp averaged by lanes: C dp_c / sum(dp)), `scales` holds those weights and the sizes are compared divided
+    by them; where the weights are not known before the payloads land (token-weighted time rounds: each cluster's
+    tokens), `sizes = False` leaves the size tests out (a cluster that trained twice the tokens sends twice the
+    values) and only the direction is judged.
+
+        peers = PeerCheck(max_ratio=2.0)
+        excluded = peers.judge(peer_statistics(updates), candidates=[0, 1, 2])   # {cluster: reason}
     """
 
-    def __init__(self, max_ratio: float) -> None:
+    def __init__(self, max_ratio: float, *, scales: Sequence[float] | None = None, sizes: bool = True) -> None:
         if not (math.isfinite(max_ratio) and max_ratio > 1.0):
-            raise ValueError(f"sync.guard_peer_ratio = {max_ratio} must be a finite number > 1")
+            raise ValueError(f"sync.guard.peer_ratio = {max_ratio} must be a finite number > 1")
         self.max_ratio = max_ratio
+        self.scales = None if scales is None else list(scales)
+        """The weight each cluster's payload was multiplied by (None: 1 for every cluster)."""
+        self.sizes = sizes
+        """Whether the size tests run (False: weights unknown to the receivers)."""
 
-    def judge(self, gram: torch.Tensor, candidates: Sequence[int]) -> dict[int, str]:
-        """The `candidates` (indices into the (C, C) float64 `gram`, all with finite entries) to leave out, and why."""
+    def judge(self, stats: torch.Tensor, candidates: Sequence[int]) -> dict[int, str]:
+        """The `candidates` (rows of the (C, 2C + MAGNITUDE_BINS) float64 `peer_statistics`, all of finite updates) to
+        leave out, and why."""
         if len(candidates) < PEER_MIN_UPDATES:
             return {}
-        values = gram.tolist()  # Python floats: every comparison below is exact and the same on every rank
-        norms = {i: math.sqrt(max(values[i][i], 0.0)) for i in candidates}
-        median = _median(list(norms.values()))
+        count = stats.shape[0]
+        gram, shared = stats[:, :count].tolist(), stats[:, count : 2 * count].tolist()  # Python floats: exact compares
+        scales = self.scales or [1.0] * count
+        norms = {i: math.sqrt(max(gram[i][i], 0.0)) / scales[i] for i in candidates}
+        magnitudes = {i: median_magnitude(stats[i, 2 * count :].tolist()) / scales[i] for i in candidates}
         excluded: dict[int, str] = {}
-        for i in candidates:
-            if median > 0 and norms[i] > self.max_ratio * median:
-                excluded[i] = (
-                    f"norm {norms[i]:.3g} is {norms[i] / median:.1f} x the median {median:.3g} of this round's "
-                    f"{len(candidates)} updates"
-                )
+        for what, sizes in (("norm", norms), ("median |value| sent", magnitudes)) if self.sizes else ():
+            median = _median(list(sizes.values()))
+            for i in candidates:
+                if i not in excluded and median > 0 and sizes[i] > self.max_ratio * median:
+                    excluded[i] = (
+                        f"{what} {sizes[i]:.3g} is {sizes[i] / median:.1f} x the median {median:.3g} of this round's "
+                        f"{len(candidates)} updates"
+                    )
         kept = [i for i in candidates if i not in excluded]
         if len(kept) < PEER_MIN_UPDATES:
             return excluded
@@ -142,34 +177,77 @@ class PeerCheck:
         away: dict[int, str] = {}
         for i in kept:
             others = [j for j in kept if j != i]
-            agree = sum(values[i][j] > 0 for j in others)
+            cosines = [_shared_cosine(gram[i][j], shared[i][j], shared[j][i]) for j in others]
+            agree = sum(cosine > -DIRECTION_MARGIN for cosine in cosines)
             if agree < needed:
-                cosines = [values[i][j] / (norms[i] * norms[j]) if norms[i] * norms[j] > 0 else 0.0 for j in others]
                 away[i] = (
-                    f"it points away from the others: cosine <= 0 with {len(others) - agree} of the other "
-                    f"{len(others)} updates (median {_median(cosines):.2f}), positive with {agree} < {needed} needed"
+                    f"it points away from the others: cosine <= -{DIRECTION_MARGIN} on the values both sent with "
+                    f"{len(others) - agree} of the other {len(others)} updates (median {_median(cosines):.2f}), above "
+                    f"with {agree} < {needed} needed"
                 )
         if 2 * len(away) < len(kept):  # those that agree are a majority: otherwise nothing can be told apart
             excluded.update(away)
         return excluded
 
 
+def _shared_cosine(product: float, square_i: float, square_j: float) -> float:
+    """The cosine of two updates on the positions both sent (0.0 where they share none)."""
+    return product / math.sqrt(square_i * square_j) if square_i > 0 and square_j > 0 else 0.0
+
+
 def inner_products(updates: Sequence[torch.Tensor | None], *, chunk: int = GRAM_CHUNK) -> torch.Tensor:
-    """The (C, C) float64 Gram matrix `G[i, j] = <updates[i], updates[j]>` of equal-length fp32 vectors, on the CPU;
-    rows and columns of a None update are 0. Products of fp32 values are exact in float64 and the sums run over
-    fixed chunks in a fixed order, so the same updates give the same matrix. Sharded updates: sum the shards'."""
+    """(C, 2C) float64 `[G | S]` of equal-length fp32 vectors, on the CPU: the Gram matrix `G[i, j] = <u_i, u_j>`
+    and `S[i, j]`, the sum of `u_i^2` over the positions where `u_j` is nonzero, so that `S[i, j]` and `S[j, i]` are
+    the squared norms of the two on the values both sent (a sparse codec's updates share few positions). Rows and
+    columns of a None update are 0. Products of fp32 values are exact in float64 and the sums run over fixed chunks in
+    a fixed order, so the same updates give the same matrix. Sharded updates: sum the shards'."""
     count = len(updates)
-    gram = torch.zeros(count, count, dtype=torch.float64)
+    products = torch.zeros(count, 2 * count, dtype=torch.float64)
     present = [i for i, u in enumerate(updates) if u is not None]
     if not present:
-        return gram
+        return products
     numel = updates[present[0]].numel()
-    index = torch.tensor(present)
+    rows = torch.tensor(present).unsqueeze(1)
+    columns = torch.tensor(present + [count + i for i in present]).unsqueeze(0)
     for start in range(0, numel, chunk):
         block = torch.stack([updates[i][start : start + chunk].double() for i in present])  # (present, chunk)
-        part = (block @ block.T).cpu()
-        gram[index.unsqueeze(1), index.unsqueeze(0)] += part
-    return gram
+        sent = (block != 0).double()
+        products[rows, columns] += torch.cat([block @ block.T, (block * block) @ sent.T], dim=1).cpu()
+    return products
+
+
+def magnitude_counts(updates: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """(C, MAGNITUDE_BINS) float64 counts of each update's nonzero |values| per magnitude bin, on the CPU; a None
+    update's row is 0. A value's bin is the top bits of its fp32 |value| (exponent, then `MAGNITUDE_BITS` of mantissa),
+    which grow with |value|: integer counts, exact in float64 and independent of the order of the sums and of the
+    hardware. Sharded updates: sum the shards'."""
+    counts = torch.zeros(len(updates), MAGNITUDE_BINS, dtype=torch.float64)
+    for i, update in enumerate(updates):
+        if update is not None and update.numel():
+            bits = update.detach().float().abs().view(torch.int32)  # (n,) sign cleared: >= 0, ordered as |value|
+            bins = bits[bits != 0] >> (23 - MAGNITUDE_BITS)
+            counts[i] = torch.bincount(bins, minlength=MAGNITUDE_BINS).cpu().double()
+    return counts
+
+
+def median_magnitude(counts: Sequence[float]) -> float:
+    """The lower edge of the bin that holds the (lower) median of the counted |values| (`magnitude_counts`): within a
+    1/16 of itself below the median |value| of the nonzero values; 0.0 when none was counted."""
+    total = sum(counts)
+    if total <= 0:
+        return 0.0
+    seen = 0.0
+    for index, count in enumerate(counts):
+        seen += count
+        if 2 * seen >= total:
+            return struct.unpack("<f", struct.pack("<i", index << (23 - MAGNITUDE_BITS)))[0]
+    raise AssertionError("unreachable: the counts reach their total")
+
+
+def peer_statistics(updates: Sequence[torch.Tensor | None], *, chunk: int = GRAM_CHUNK) -> torch.Tensor:
+    """What `PeerCheck` judges a round by: (C, 2C + MAGNITUDE_BINS) float64, each update's rows of `inner_products`
+    followed by its magnitude counts (`magnitude_counts`). Sums over shards: sum the shards'."""
+    return torch.cat([inner_products(updates, chunk=chunk), magnitude_counts(updates)], dim=1)
 
 
 def aggregate(updates: Sequence[torch.Tensor], how: str, *, trim_fraction: float = 0.25) -> torch.Tensor:
@@ -284,7 +362,7 @@ class RoundGuard:
         self.bad_in_row[which] = self.bad_in_row[which] + 1 if bad else 0
         if self.bad_in_row[which] >= self.max_bad_rounds:
             raise GuardError(
-                f"{what}, {self.bad_in_row[which]} rounds in a row (sync.guard_max_bad_rounds = "
+                f"{what}, {self.bad_in_row[which]} rounds in a row (sync.guard.max_bad_rounds = "
                 f"{self.max_bad_rounds}): training cannot recover by itself"
             )
 

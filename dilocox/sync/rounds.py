@@ -1,11 +1,11 @@
-"""What a round is on each cluster (`sync.round`), and what the clusters tell each other about it.
+"""What a round is on each cluster (`sync.round.mode`), and what the clusters tell each other about it.
 
-With `sync.round = "steps"` every round is H inner steps on every cluster, so the fastest cluster waits for the
+With `sync.round.mode = "steps"` every round is H inner steps on every cluster, so the fastest cluster waits for the
 slowest at every boundary. With `"time"` every cluster trains for the same budget per round and decides its own
 number of steps at the start of each round (`RoundClock.next_steps`): steps_c = max(1, floor(budget / its step
 time + carry)), where the carry is what the earlier rounds' floors left over, so that a cluster's steps average its
 budget (2.67 steps a round: 2, 3, 3, 2, 3, 3, ...) instead of losing up to a step of every round to waiting. The
-budget is `sync.round_seconds`, or H x the fastest cluster's mean step time, which arrives with the syncs
+budget is `sync.round.seconds`, or H x the fastest cluster's mean step time, which arrives with the syncs
 (`RoundReport`, exchanged just before each pseudo-gradient); the first rounds, before any report landed, are H
 steps. With `faults.slow_mode = "virtual"` a step of cluster c counts exactly its slow factor f_c units of time
 and the budget is H units, so steps_c follows H / f_c from the first round on, whatever the machine's load.
@@ -77,7 +77,7 @@ class RoundClock:
         device: torch.device | None = None,
     ) -> None:
         self.inner_steps = cfg.inner_steps
-        self.round_seconds = cfg.round_seconds
+        self.round_seconds = cfg.round.seconds
         self.total_steps = total_steps
         self.num_rounds = math.ceil(total_steps / cfg.inner_steps)
         self.virtual_factor = virtual_factor

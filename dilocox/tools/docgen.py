@@ -32,7 +32,10 @@ SECTION_SUMMARIES = {
     "data": "The training text, tokenizer and held-out split.",
     "train": "The inner loop: steps, batch, inner optimizer and its schedule, precision.",
     "topology": "Clusters and the parallel degrees inside each (world size = clusters x dp x pp), elastic membership.",
-    "sync": "The strategy that keeps the clusters together and its outer loop (H, delay, outer optimizer, guard).",
+    "sync": "The strategy that keeps the clusters together and its round: H, delay, overlap, merge, fragments.",
+    "sync.outer": "The outer optimizer of the agreed parameters and its learning-rate schedule.",
+    "sync.guard": "The per-round numeric guard and the peer check: which clusters' updates are left out.",
+    "sync.round": "What makes a round (H inner steps or a time budget) and fit_link's choice of H.",
     "compression": "The codec that encodes pseudo-gradients for the slow link, and how payloads are averaged.",
     "cocktail": "The CocktailSGD baseline's per-step gradient compression (`sync.kind = cocktail`).",
     "network": "The slow link (emulated bandwidth, latency), timeouts, failure detection, payload authentication.",
@@ -67,7 +70,7 @@ def _cell(text: str) -> str:
 
 def presets_reference() -> str:
     """Markdown: every shipped preset, its first comment line and every setting it makes."""
-    from dilocox.config import DEFAULT_PRESET, PRESETS, preset_summary, read_preset
+    from dilocox.config import DEFAULT_PRESET, PRESETS, flat_settings, preset_summary, read_preset
 
     lines = [
         "## Presets",
@@ -82,10 +85,7 @@ def presets_reference() -> str:
         "| --- | --- | --- |",
     ]
     for name in PRESETS:
-        settings = "<br>".join(
-            f"`{section}.{key} = {_show(value)}`" for section, values in read_preset(name).items()
-            for key, value in values.items()
-        )  # fmt: skip
+        settings = "<br>".join(f"`{key} = {_show(value)}`" for key, value in flat_settings(read_preset(name)).items())
         default = " (the default)" if name == DEFAULT_PRESET else ""
         lines.append(f"| `{name}`{default} | {_cell(preset_summary(name))} | {settings} |")
     return "\n".join(lines) + "\n"
@@ -95,7 +95,7 @@ def config_reference() -> str:
     """Markdown: the presets, then one table per config section with every option's type, default, allowed values
     and docstring."""
     from dilocox.compat import matrix_markdown
-    from dilocox.config import options
+    from dilocox.config import MOVED_KEYS, options
 
     lines: list[str] = [
         presets_reference(),
@@ -106,10 +106,19 @@ def config_reference() -> str:
         "line. An option left at `auto` never meets a row: its rule resolves it to a value that works with the rest.",
         "",
         matrix_markdown(),
+        "",
+        "## Keys of earlier versions",
+        "",
+        "Options that moved or were renamed: a config file, a flag, a run directory's config.toml or a checkpoint that",
+        "spells the old key loads it into the new one, with one warning line (`MOVED_KEYS` in `dilocox/config.py`).",
+        "",
+        "| old key | now |",
+        "| --- | --- |",
+        *(f"| `{old}` | [`{new}`](#{new.replace('.', '-').replace('_', '-')}) |" for old, new in MOVED_KEYS.items()),
     ]
     section = None
     for name, typ, default, doc in options():
-        head = name.split(".")[0]
+        head = name.rpartition(".")[0]
         if head != section:
             section = head
             lines += ["", f"## `[{section}]`", "", SECTION_SUMMARIES.get(section, ""), ""]

@@ -337,7 +337,7 @@ CLUSTER_STEPS_FILE = "cluster_steps.png"
 
 def cluster_steps(run: RunCurves) -> dict[int, list[int]]:
     """Each cluster's inner steps per outer round, from the rounds a run's records say landed (`rounds_landed`,
-    written by token-weighted syncs such as `sync.round = time`): {round: [steps of cluster 0, 1, ...]}."""
+    written by token-weighted syncs such as `sync.round.mode = time`): {round: [steps of cluster 0, 1, ...]}."""
     return {
         entry["round"]: list(entry["cluster_steps"])
         for record in run.records

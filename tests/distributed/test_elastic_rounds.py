@@ -26,6 +26,7 @@ from dilocox.elastic.vote import Branch, ClusterVote, RejoinRequired
 from dilocox.net.auth import PayloadAuth
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.sync import DiLoCoSync
+from dilocox.sync.config import GuardConfig, OuterConfig
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
@@ -51,12 +52,11 @@ def sync_config() -> SyncConfig:
         kind="dilocox",
         inner_steps=1,
         sync_delay=1,
-        outer_lr=1.0,
-        outer_momentum=0.0,
         merge="eager",
-        local_residual=False,  # what an elastic run resolves them to
+        local_residual=False,
         drain_residual=False,
-        guard_peers=False,
+        outer=OuterConfig(lr=1.0, momentum=0.0),
+        guard=GuardConfig(peers=False),
     )
 
 

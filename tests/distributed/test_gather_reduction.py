@@ -22,11 +22,11 @@ SHAPES = [(20, 24), (20,)]
 BLOCKING_PLAIN_OUTER = [
     "--sync.kind=diloco",
     "--sync.inner_steps=1",
-    "--sync.outer_lr=1",
-    "--sync.outer_momentum=0",
+    "--sync.outer.lr=1",
+    "--sync.outer.momentum=0",
     "--sync.local_residual=false",  # the codec's residual stays with it (auto would keep a share here)
     "--sync.drain_residual=false",
-    "--sync.guard_peers=false",
+    "--sync.guard.peers=false",
 ]
 ADAPTIVE = {"rank_min": 1, "rank_max": 8, "energy": 0.9, "window": 1}
 # the rank of each cluster's matrix, per round: the adaptive codec must choose these, different in the same round

@@ -122,8 +122,8 @@ def _weighted(rank, world_size, flags=("--sync.sync_delay=0",)):
         [
             "--sync.kind=diloco",
             "--sync.inner_steps=1",
-            "--sync.outer_lr=1",
-            "--sync.outer_momentum=0",
+            "--sync.outer.lr=1",
+            "--sync.outer.momentum=0",
             "--compression.kind=none",
             "--train.steps=2",
             *flags,
@@ -180,8 +180,8 @@ def _composed(rank, world_size, flags):
     topo = Topology.of_clusters(DP_DEGREES)
     groups = build_process_groups(topo, rank)
     coords = topo.coords(rank)
-    cfg = load_config(None, ["--sync.kind=diloco", "--sync.inner_steps=2", "--sync.outer_lr=1",
-                             "--sync.outer_momentum=0", "--sync.guard_peers=false", "--compression.kind=none",
+    cfg = load_config(None, ["--sync.kind=diloco", "--sync.inner_steps=2", "--sync.outer.lr=1",
+                             "--sync.outer.momentum=0", "--sync.guard.peers=false", "--compression.kind=none",
                              "--train.steps=2", "--topology.clusters=dp2,dp1,dp1", *flags])  # fmt: skip
     cfg.validate(world_size=world_size)
     generator = torch.Generator().manual_seed(0)
@@ -192,7 +192,7 @@ def _composed(rank, world_size, flags):
     sync = build_sync(cfg, params, channel=channel, dp_group=groups.dp_group, lanes=layout,
                       tokens_per_step=tokens_per_step)  # fmt: skip
     phi = sync.outer_params.clone()
-    steps = 1 if cfg.sync.round == "time" and coords.cluster == 2 else 2
+    steps = 1 if cfg.sync.round.mode == "time" and coords.cluster == 2 else 2
     numels = [p.numel() for p in params]
     for step in range(1, steps + 1):
         with torch.no_grad():  # theta_c = phi - its pseudo-gradient at the round's end
@@ -209,11 +209,11 @@ def _composed(rank, world_size, flags):
     "flags, weights",
     [
         # tokens of the round: dp_c x steps_c x 100 = 400, 200 and 100
-        (("--sync.round=time", "--faults.slow_clusters=2:2.0", "--faults.slow_mode=virtual"), (4, 2, 1)),
+        (("--sync.round.mode=time", "--faults.slow_clusters=2:2.0", "--faults.slow_mode=virtual"), (4, 2, 1)),
         # each fragment (one at step 1, the other at step 2) averages its slice by dp: 2, 1 and 1
         (("--sync.fragments=2",), (2, 1, 1)),
         # a robust aggregate gives every cluster one vote: the median of the three, value by value
-        (("--sync.aggregate=median", "--sync.guard=false"), None),
+        (("--sync.aggregate=median", "--sync.guard.enabled=false"), None),
         # cluster 2 lies (3 x its update), unguarded: it goes into the weighted mean as it was sent
         (
             (
@@ -221,7 +221,7 @@ def _composed(rank, world_size, flags):
                 "--faults.scale=3",
                 "--faults.cluster=2",
                 "--faults.rounds=1",
-                "--sync.guard=false",
+                "--sync.guard.enabled=false",
             ),
             (2, 1, 1),
         ),

@@ -173,7 +173,7 @@ def _run(rank, world_size):
     common = ["--sync.kind=diloco", f"--sync.inner_steps={H}", f"--train.steps={STEPS}"]
     # each cluster fits its own random targets (inner_step): its updates need not agree with the others', so the
     # peer check is off; the reference is the plain mean of what was sent
-    common.append("--sync.guard_peers=false")
+    common.append("--sync.guard.peers=false")
     common += [f"--compression.{key}={value}" for key, value in CODEC.items()]
     traces, flush_bytes = {}, {}
     for name in VARIANTS:

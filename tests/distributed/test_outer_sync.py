@@ -17,6 +17,7 @@ from dilocox import CompressionConfig, OuterSync, SyncConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync
 from dilocox.sync.base import shard_bounds
+from dilocox.sync.config import OuterConfig
 from dilocox.topology import Topology, build_process_groups
 from tests.multiproc import run_ranks
 
@@ -31,12 +32,11 @@ VARIANTS = {
                 kind="dilocox",
                 inner_steps=H,
                 sync_delay=1,
-                outer_lr=1.0,
-                outer_momentum=0.0,
-                overlap_steps=2,  # 7/12 of H = 3, rounded
+                overlap_steps=2,
                 merge="own_payload",
                 local_residual=True,
                 drain_residual=True,
+                outer=OuterConfig(lr=1.0, momentum=0.0),
             ),
             CompressionConfig(kind="topk_int4", density=0.05, feedback_decay=1.0),
         ),
@@ -50,10 +50,9 @@ VARIANTS = {
                 sync_delay=1,
                 overlap_steps=0,
                 merge="reset",
-                outer_lr=0.7,
-                outer_momentum=0.9,
-                local_residual=False,  # SGD momentum: the residual stays with the codec
+                local_residual=False,
                 drain_residual=False,
+                outer=OuterConfig(lr=0.7, momentum=0.9),
             ),
             CompressionConfig(kind="int4", density=0.05),
         ),
@@ -61,7 +60,9 @@ VARIANTS = {
     "diloco-blocking": (
         {"kind": "diloco"},
         (
-            SyncConfig(kind="diloco", inner_steps=H, outer_lr=0.7, merge="keep_local", drain_residual=False),
+            SyncConfig(
+                kind="diloco", inner_steps=H, merge="keep_local", drain_residual=False, outer=OuterConfig(lr=0.7)
+            ),
             CompressionConfig(),
         ),
     ),

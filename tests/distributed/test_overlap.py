@@ -15,6 +15,7 @@ import torch
 from dilocox.compress import CompressionConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync, SyncConfig
+from dilocox.sync.config import OuterConfig, RoundConfig
 from tests.distributed.resume import simulated, straight_and_resumed
 from tests.multiproc import run_ranks
 
@@ -83,7 +84,9 @@ def reference(merge: str, num_clusters: int = 2) -> list[list[float]]:
 def _delayed(rank, world_size, merge, sync_delay):
     model = make_model()
     channel = WanChannel(torch.distributed.group.WORLD, bandwidth=None, latency_s=0.0)
-    cfg = SyncConfig(inner_steps=H, outer_lr=OUTER_LR, outer_momentum=MOMENTUM, sync_delay=sync_delay, merge=merge)
+    cfg = SyncConfig(
+        inner_steps=H, sync_delay=sync_delay, merge=merge, outer=OuterConfig(lr=OUTER_LR, momentum=MOMENTUM)
+    )
     sync = DiLoCoSync(model.parameters(), cfg, channel=channel, dp_group=None, total_steps=STEPS)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     trace, models = [], []
@@ -177,11 +180,12 @@ def test_overlap_hides_the_link():
 
 def _checkpoint_in_flight(rank, world_size, options):
     """6 rounds on a slow link, checkpointed at the end of round 3 while that round's sync is on the wire; `options`
-    are further SyncConfig fields (the merge rule, the outer learning-rate schedule), and `compression` a codec's
-    CompressionConfig fields."""
+    are further SyncConfig fields (the merge rule; under `outer` the outer learning-rate schedule), and `compression` a
+    codec's CompressionConfig fields."""
     inner_steps, rounds, step_s = 2, 6, 0.03
     options = dict(options)
     compression = CompressionConfig(**options.pop("compression", {}))
+    outer_options = options.pop("outer", {})  # OuterConfig fields (the outer learning-rate schedule)
     # each sync needs ~0.25 s of link: far longer than the 0.06 s of a round (a codec's payload is under 1/4 of fp32)
     nbytes = sum(p.numel() for p in make_model().parameters()) * (4 if compression.kind == "none" else 1)
 
@@ -190,7 +194,8 @@ def _checkpoint_in_flight(rank, world_size, options):
         channel = simulated(
             lambda clock: WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.25, latency_s=0.0, clock=clock)
         )
-        cfg = SyncConfig(inner_steps=inner_steps, outer_lr=OUTER_LR, outer_momentum=MOMENTUM, sync_delay=1, **options)
+        outer = OuterConfig(lr=OUTER_LR, momentum=MOMENTUM, **outer_options)
+        cfg = SyncConfig(inner_steps=inner_steps, outer=outer, sync_delay=1, **options)
         sync = DiLoCoSync(
             model.parameters(), cfg, compression, channel=channel, dp_group=None, total_steps=rounds * inner_steps
         )
@@ -211,7 +216,7 @@ def _checkpoint_in_flight(rank, world_size, options):
     [
         {},
         {"merge": "eager"},
-        {"merge": "lookahead", "outer_lr_schedule": "cosine", "outer_warmup_rounds": 2},
+        {"merge": "lookahead", "outer": {"lr_schedule": "cosine", "warmup_rounds": 2}},
         {"merge": "eager", "overlap_steps": 1},
         {"merge": "eager", "overlap_steps": 1, "local_residual": True, "compression": TOPK},
     ],
@@ -272,7 +277,7 @@ def _fit_link(rank, world_size, max_steps):
     channel = simulated(
         lambda clock: WanChannel(torch.distributed.group.WORLD, bandwidth=nbytes / 0.5, latency_s=0.0, clock=clock)
     )
-    cfg = SyncConfig(inner_steps=2, sync_delay=1, fit_link=True, fit_link_max_steps=max_steps)
+    cfg = SyncConfig(inner_steps=2, sync_delay=1, round=RoundConfig(fit_link=True, fit_link_max_steps=max_steps))
     sync = DiLoCoSync(model.parameters(), cfg, channel=channel, dp_group=None, total_steps=60)
     rounds = []
     for step in range(1, 61):
@@ -309,4 +314,4 @@ def test_fit_link_stops_at_its_maximum_and_says_so():
     for rounds, final_h, warnings, _ in run_ranks(_fit_link, 2, args=(4,)):
         assert final_h == 4
         assert max(h for _, h, _ in rounds) == 4
-        assert len(warnings) == 1 and "sync.fit_link_max_steps = 4" in warnings[0]
+        assert len(warnings) == 1 and "sync.round.fit_link_max_steps = 4" in warnings[0]

@@ -8,7 +8,7 @@ from dilocox.config import load_config
 from dilocox.net.channel import WanChannel
 from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.sync import build_sync
-from dilocox.sync.config import SyncConfig
+from dilocox.sync.config import OuterConfig, SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
 from dilocox.topology import Topology, build_process_groups
 from tests.clock import SimulatedClock
@@ -68,7 +68,8 @@ def _run(rank, world_size):
     return {
         "delayed": _drive(rank, ["--sync.sync_delay=1"]),
         "blocking": _drive(
-            rank, ["--sync.sync_delay=0", "--sync.outer_lr=1.0", "--sync.outer_momentum=0", "--sync.nesterov=false"]
+            rank,
+            ["--sync.sync_delay=0", "--sync.outer.lr=1.0", "--sync.outer.momentum=0", "--sync.outer.nesterov=false"],
         ),  # fmt: skip
     }
 
@@ -202,7 +203,7 @@ def _short_first_round(rank, world_size):
     """Fragment 0 of 2 (H = 4) has a first round of 2 steps: its small pseudo-gradient, then a 1000 x larger full
     round; fragment 1's rounds are full from the start."""
     groups = build_process_groups(Topology(NUM_CLUSTERS), rank)
-    cfg = SyncConfig(kind="diloco", inner_steps=4, fragments=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    cfg = SyncConfig(kind="diloco", inner_steps=4, fragments=2, outer=OuterConfig(lr=1.0, momentum=0.0, nesterov=False))
     channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
     first, second = torch.nn.Parameter(torch.zeros(8)), torch.nn.Parameter(torch.zeros(8))
     sync = DiLoCoSync([first, second], cfg, channel=channel, dp_group=groups.dp_group, total_steps=8)

@@ -6,6 +6,7 @@ import torch
 from dilocox.net.channel import WanChannel, ring_all_reduce_bytes
 from dilocox.sync import AllReduceSync, DiLoCoSync, SyncConfig
 from dilocox.sync.base import shard_bounds
+from dilocox.sync.config import OuterConfig
 from dilocox.topology import Topology, build_process_groups
 from tests.multiproc import run_ranks
 
@@ -44,7 +45,7 @@ def _run_strategy(rank, world_size, kind, topo_args, steps, inner_steps, outer_l
     if kind == "allreduce":
         sync = AllReduceSync(model.parameters(), channel=channel, dp_group=groups.dp_group)
     else:
-        cfg = SyncConfig(inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum)
+        cfg = SyncConfig(inner_steps=inner_steps, outer=OuterConfig(lr=outer_lr, momentum=outer_momentum))
         sync = DiLoCoSync(model.parameters(), cfg, channel=channel, dp_group=groups.dp_group, total_steps=steps)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     trajectory = []
@@ -160,7 +161,7 @@ def _agreed_model(rank, world_size, steps, merge="keep_local"):
     groups = build_process_groups(Topology(2, 1, 1), rank)
     model = make_model()
     channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
-    cfg = SyncConfig(inner_steps=3, sync_delay=1, merge=merge, outer_lr=0.7, outer_momentum=0.9)
+    cfg = SyncConfig(inner_steps=3, sync_delay=1, merge=merge, outer=OuterConfig(lr=0.7, momentum=0.9))
     sync = DiLoCoSync(model.parameters(), cfg, channel=channel, dp_group=None, total_steps=100)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(1, steps + 1):

@@ -1,4 +1,4 @@
-"""Time rounds (`sync.round = time`) on 3 gloo ranks, one per cluster, cluster 2 virtually twice as slow: the step
+"""Time rounds (`sync.round.mode = time`) on 3 gloo ranks, one per cluster, cluster 2 virtually twice as slow: the step
 counts each cluster decides, and the token-weighted average against the test's own computation from the clusters'
 parameters.
 
@@ -33,12 +33,12 @@ def _time_rounds(rank: int, world_size: int, flags: list[str]):
             f"--topology.num_clusters={NUM_CLUSTERS}",
             f"--sync.inner_steps={H}",
             f"--train.steps={STEPS}",
-            "--sync.round=time",
+            "--sync.round.mode=time",
             "--faults.slow_clusters=2:2.0",
             "--faults.slow_mode=virtual",
-            "--sync.outer_lr=1",
-            "--sync.outer_momentum=0",
-            "--sync.guard_peers=false",  # random data: the clusters' updates of this toy model point apart
+            "--sync.outer.lr=1",
+            "--sync.outer.momentum=0",
+            "--sync.guard.peers=false",  # random data: the clusters' updates of this toy model point apart
             *flags,
         ],
     )

@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from dilocox.checkpoint import list_checkpoints, verify_checkpoint
 from dilocox.models import Decoder, model_args
 from dilocox.optim import split_muon_parameters
 from tests.e2e.helpers import (
@@ -162,13 +163,13 @@ def test_a_corrupt_checkpoint_falls_back_and_a_diverged_run_writes_none(debug_ru
     # Without the guard the first non-finite loss stops the run.
     diverged = tmp_path / "diverged"
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={diverged}", "--train.lr=1e3",
-                     "--train.grad_clip=0", "--sync.guard=false")  # fmt: skip
+                     "--train.grad_clip=0", "--sync.guard.enabled=false")  # fmt: skip
     assert result.returncode == 2
     (line,) = [x for x in result.stderr.splitlines() if x.startswith("dilocox: error:")]
     assert "training diverged" in line and "no checkpoint was written" in line
     assert not (diverged / "checkpoints").exists() or not list((diverged / "checkpoints").glob("step_*"))
     # With it (the default) each cluster heals to the agreed parameters and tries again; a run that stays
-    # non-finite stops after sync.guard_max_bad_rounds rounds, and what it checkpointed is finite (the agreed params).
+    # non-finite stops after sync.guard.max_bad_rounds rounds, and what it checkpointed is finite (the agreed params).
     guarded = tmp_path / "guarded"
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={guarded}", "--train.lr=1e3",
                      "--train.grad_clip=0")  # fmt: skip
@@ -179,6 +180,29 @@ def test_a_corrupt_checkpoint_falls_back_and_a_diverged_run_writes_none(debug_ru
     for rank_file in (guarded / "checkpoints").glob("step_*/rank_*.pt"):
         state = torch.load(rank_file, weights_only=True)
         assert all(torch.isfinite(t).all() for t in state["model"].values()), rank_file
+
+
+def test_a_run_whose_eval_loss_climbs_stops_in_one_line_before_a_checkpoint_of_it(tmp_path):
+    """An outer step far too large (AdamW at lr 0.7): the agreed model's eval loss climbs from ~6.2 to ~40, above
+    eval.divergence_ratio x its lowest. The run stops at that eval in one line, exit 2, with the eval logged, no
+    summary.json (not a finished run) and the checkpoint before it intact; with the ratio at 0 it finishes."""
+    flags = ["train", "--config", DEBUG, "--preset=diloco", "--sync.outer.optimizer=adamw", "--sync.outer.lr=0.7",
+             "--train.steps=20", "--sync.inner_steps=5", "--checkpoint.interval=5", "--eval.interval=10"]  # fmt: skip
+    run_dir = tmp_path / "diverging"
+    result = dilocox(*flags, f"--run.out_dir={run_dir}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("dilocox: error:")]
+    assert "training diverged" in line and "at step 10: the agreed model's eval loss is " in line
+    assert "above eval.divergence_ratio = 1.5 x its lowest so far" in line and "lower sync.outer.lr" in line
+    assert f"the last checkpoint, {run_dir / 'checkpoints' / 'step_00000005'}, is from before it" in line
+    evals = [r["eval_loss"] for r in metrics(run_dir) if "eval_loss" in r]
+    assert evals[-1] > 1.5 * 6 and [r["step"] for r in metrics(run_dir)][-1] == 10
+    assert not (run_dir / "summary.json").exists()
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000005"]
+    verify_checkpoint(list_checkpoints(run_dir)[0])
+
+    result = dilocox(*flags, f"--run.out_dir={tmp_path / 'unchecked'}", "--eval.divergence_ratio=0")
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_allreduce_baseline_sends_its_own_yardstick(tmp_path):
@@ -384,6 +408,9 @@ def test_muon_inner_optimizer_learns(debug_run, tmp_path):
         (["--data.path=/nonexistent/corpus.txt"], "data.path"),
         (["--train.stepz=3"], "train.steps"),
         (["--checkpoint.resume=latest"], "checkpoint.resume"),
+        (["--topology.clusters=,,"], "topology.clusters = ',,' has an empty entry"),  # not an ordinary run
+        (["--topology.clusters=dp2,,dp1"], "topology.clusters = 'dp2,,dp1' has an empty entry"),  # not 2 clusters
+        (["--sync.round.mode=time", "--sync.round.seconds=1e-9"], "sync.round.seconds = 1e-09 is less than H = 10"),
         pytest.param(
             ["--run.device=cuda"],
             "run.device = cuda",
@@ -489,12 +516,12 @@ def test_a_cluster_that_sends_sign_flipped_updates_is_left_out_of_every_round_it
 
 
 def test_an_outer_adamw_trains_from_the_cli_and_the_drain_it_cannot_take_is_refused_in_one_line(tmp_path):
-    """--sync.outer_optimizer=adamw: the debug run learns, its clusters end with the same outer params, and the
+    """--sync.outer.optimizer=adamw: the debug run learns, its clusters end with the same outer params, and the
     checkpoint holds AdamW's moments. The dilocox preset's drained residual assumes an SGD step, so with adamw it is
     refused."""
     run_dir = tmp_path / "adamw"
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--preset=dilocox",
-                     "--sync.outer_optimizer=adamw", "--sync.outer_lr=0.03", "--sync.drain_residual=false")  # fmt: skip
+                     "--sync.outer.optimizer=adamw", "--sync.outer.lr=0.03", "--sync.drain_residual=false")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
@@ -504,9 +531,9 @@ def test_an_outer_adamw_trains_from_the_cli_and_the_drain_it_cannot_take_is_refu
     assert {"exp_avg", "exp_avg_sq"} <= set(states[0]["outer_optimizer"]["state"][0])
     refused = tmp_path / "refused"
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={refused}", "--preset=dilocox",
-                     "--sync.outer_optimizer=adamw", "--sync.drain_residual=true", timeout=60)  # fmt: skip
+                     "--sync.outer.optimizer=adamw", "--sync.drain_residual=true", timeout=60)  # fmt: skip
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
     assert result.stderr.startswith(
-        "dilocox: error: sync.drain_residual = true does not work with sync.outer_optimizer = 'adamw'"
+        "dilocox: error: sync.drain_residual = true does not work with sync.outer.optimizer = 'adamw'"
     )
     assert "set sync.drain_residual = false" in result.stderr and not refused.exists()

@@ -32,7 +32,12 @@ ELASTIC = ["--topology.elastic=true", "--network.heartbeat=0.5s", "--network.sta
     [
         ["--sync.fragments=2"],
         # cluster 1 counts its steps twice as long: 6 steps to cluster 0's 12 in every round of the same budget
-        ["--sync.round=time", "--faults.slow_clusters=1:2.0", "--faults.slow_mode=virtual", "--sync.overlap_steps=0"],
+        [
+            "--sync.round.mode=time",
+            "--faults.slow_clusters=1:2.0",
+            "--faults.slow_mode=virtual",
+            "--sync.overlap_steps=0",
+        ],
     ],
     ids=["fragments", "time_rounds"],
 )

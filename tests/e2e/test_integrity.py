@@ -65,10 +65,14 @@ def test_a_flipped_bit_in_a_rank_file_is_refused_by_export_and_eval(finished_run
         "partial overwrite); pass --step with another of its steps (10)\n"
     )
     assert not out.exists() and not list(tmp_path.glob(".hf.partial"))
+    assert refused(capsys, "eval", run_dir, "--max-batches", 1) == err  # the newest, as export: never an older one
+    assert refused(capsys, "eval", run_dir, "--step", 20, "--max-batches", 1) == err
     err = refused(capsys, "eval", run_dir, "--checkpoint", newest, "--max-batches", 1)
     assert f"checkpoint {newest} is corrupt: rank_{rank:05d}.pt does not match its sha256" in err
     assert main(["export", str(run_dir), "--out", str(out), "--step", "10"]) == 0  # the good one still exports
     assert (out / "model.safetensors").is_file()
+    assert main(["eval", str(run_dir), "--step", "10", "--max-batches", "1", "--json"]) == 0  # and is scored
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["step"] == 10
 
 
 def rename_files(meta):

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dilocox.data.tokenfiles import describe_token_file
 from tests.e2e.helpers import DEBUG, dilocox, metrics
 
 pytestmark = pytest.mark.e2e
@@ -124,3 +125,28 @@ def test_prepare_data_refuses_bad_input_with_one_line(corpus, prepared, tmp_path
         assert result.stderr.startswith("dilocox: error:") and message in result.stderr.splitlines()[0]
         assert "Traceback" not in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blank"]
+
+
+@pytest.mark.parametrize("damage", ["ids beyond the vocabulary", "damaged file"])
+def test_prepared_data_that_does_not_fit_its_tokenizer_is_refused_before_the_run_directory(corpus, tmp_path, damage):
+    out = tmp_path / "data"
+    assert dilocox("prepare-data", corpus, "--out", out, "--vocab-size", "512").returncode == 0
+    index = json.loads((out / "dilocox-index.json").read_text())
+    file = out / index["files"]["train"][0]["file"]
+    ids = np.fromfile(file, dtype="<u2")
+    if damage == "ids beyond the vocabulary":  # shards written by another tool, with an index that describes them
+        ids[len(ids) // 2] = index["vocab_size"]
+        ids.tofile(file)
+        index["files"]["train"][0].update(describe_token_file(file, np.dtype("<u2")))
+        (out / "dilocox-index.json").write_text(json.dumps(index))
+        want = f"{file.name} holds token id {index['vocab_size']}, but the tokenizer has {index['vocab_size']} ids"
+    else:  # a bit flipped on disk
+        ids[3] ^= 1
+        ids.tofile(file)
+        want = f"{file.name} does not match its digest in dilocox-index.json (damaged or replaced)"
+    run_dir = tmp_path / "run"
+    result = dilocox("train", *TRAIN, f"--data.path={out}", f"--run.out_dir={run_dir}", timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith("dilocox: error: data.path=") and len(result.stderr.splitlines()) == 1
+    assert want in result.stderr and "prepare-data" in result.stderr
+    assert not run_dir.exists()

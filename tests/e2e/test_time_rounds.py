@@ -1,5 +1,6 @@
-"""`dilocox train --sync.round=time` with a virtually slow cluster: the steps each cluster does, the records and the
-summary that say so, a resume equal to the uninterrupted run, and the settings refused before anything is written."""
+"""`dilocox train --sync.round.mode=time` with a virtually slow cluster: the steps each cluster does, the records and
+the summary that say so, a resume equal to the uninterrupted run, and the settings refused before anything is
+written."""
 
 import json
 
@@ -17,7 +18,7 @@ TIME_ROUNDS = [
     "--topology.num_clusters=3",
     "--sync.inner_steps=8",
     "--train.steps=24",  # 3 rounds
-    "--sync.round=time",
+    "--sync.round.mode=time",
     "--faults.slow_clusters=2:2.0",
     "--faults.slow_mode=virtual",
     # the one-step delay and a codec with error feedback: the checkpoint holds a sync in flight and residuals

@@ -4,11 +4,13 @@ of the payload key that tells keys apart without revealing them, and a message t
 import hashlib
 import hmac
 import json
+import shutil
 
 import pytest
 
 from dilocox.agreement import describe_differences, differing_settings, run_settings, settings_fingerprint
 from dilocox.config import load_config
+from dilocox.data.prepare import prepare_dataset
 from dilocox.net.auth import PayloadAuth
 from tests.e2e.helpers import DEBUG
 
@@ -20,11 +22,11 @@ def settings(*flags: str) -> dict:
 
 
 def test_a_differing_setting_is_named_with_its_values_and_the_ranks_and_nodes_that_hold_them():
-    same, other = settings(), settings("--train.lr=0.03", "--sync.outer_lr=1.5")
+    same, other = settings(), settings("--train.lr=0.03", "--sync.outer.lr=1.5")
     message = describe_differences([same, same, other], nodes=["0", "0", "1"])
     assert message == (
         "train.lr: 0.003 on ranks 0-1 (node 0), 0.03 on rank 2 (node 1); "
-        "sync.outer_lr: 0.7 on ranks 0-1 (node 0), 1.5 on rank 2 (node 1)"
+        "sync.outer.lr: 0.7 on ranks 0-1 (node 0), 1.5 on rank 2 (node 1)"
     )
     assert describe_differences([same, same, same]) == ""
     assert settings_fingerprint(same) != settings_fingerprint(other)
@@ -36,8 +38,25 @@ def test_another_codec_is_a_differing_setting():
 
 
 def test_what_may_differ_between_machines_is_not_compared(tmp_path):
-    here = settings(f"--data.path={tmp_path}", "--run.num_threads=2", "--network.bandwidth=10Mbps")
-    assert differing_settings([settings(), here]) == []
+    for copy in ("a", "b"):
+        (tmp_path / copy).mkdir()
+        (tmp_path / copy / "corpus.txt").write_text("to be or not to be\n" * 2000)
+    there = settings(f"--data.path={tmp_path / 'a'}")
+    here = settings(f"--data.path={tmp_path / 'b'}", "--run.num_threads=2", "--network.bandwidth=10Mbps")
+    assert differing_settings([there, here]) == []
+
+
+def test_what_the_data_and_the_tokenizer_hold_is_compared_wherever_they_are(tmp_path):
+    text = "to be or not to be\n" * 20_000  # 380 kB: more than the blocks sampled
+    paths = [tmp_path / name for name in ("a.txt", "b.txt", "c.txt")]
+    paths[0].write_text(text)
+    paths[1].write_text(text)
+    paths[2].write_text(text[:250_000] + "TO" + text[250_002:])  # the same size, two letters changed (sampled)
+    described = [settings(f"--data.path={path}") for path in paths]
+    assert differing_settings(described[:2]) == []
+    assert differing_settings([described[0], described[2]]) == ["data.path"]
+    assert differing_settings([described[0], settings()]) == ["data.path"]  # the default corpus
+    assert described[0]["data.path"].startswith("content ") and described[0]["data.tokenizer"] is None
 
 
 def test_a_static_run_also_compares_what_its_ranks_do_together_an_elastic_one_does_not():
@@ -84,3 +103,14 @@ def test_many_differences_are_counted_beyond_the_first_six():
     other = {**base, **{name: "x" for name in list(base)[:9]}}
     message = describe_differences([base, other])
     assert message.count(" on rank 0, ") == 6 and message.endswith("; and 3 more")
+
+
+def test_a_prepared_directory_is_compared_by_what_its_index_and_files_hold(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("".join(f"line {i} of the king and the queen\n" for i in range(3000)))
+    prepare_dataset(str(tmp_path / "corpus"), tmp_path / "prepared", vocab_size=300)
+    prepare_dataset(str(tmp_path / "corpus"), tmp_path / "other", vocab_size=290)  # another tokenizer, other ids
+    shutil.copytree(tmp_path / "prepared", tmp_path / "copy")
+    described = [settings(f"--data.path={tmp_path / name}") for name in ("prepared", "copy", "other")]
+    assert differing_settings(described[:2]) == []
+    assert differing_settings([described[0], described[2]]) == ["data.path"]

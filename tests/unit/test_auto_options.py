@@ -8,7 +8,7 @@ import tomllib
 import pytest
 
 from dilocox.config import Config, auto_options, load_config, to_dict, to_toml
-from dilocox.sync.config import SyncConfig
+from dilocox.sync.config import OuterConfig, SyncConfig
 
 SPELLED_OUT = {
     # preset: the values its file set before they were auto (overlap, merge, local, drain, outer lr, checkpoint)
@@ -21,14 +21,14 @@ SPELLED_OUT = {
 
 def resolved(cfg: Config) -> tuple:
     s = cfg.sync
-    return (s.overlap_steps, s.merge, s.local_residual, s.drain_residual, s.outer_lr, cfg.checkpoint.interval)
+    return (s.overlap_steps, s.merge, s.local_residual, s.drain_residual, s.outer.lr, cfg.checkpoint.interval)
 
 
 @pytest.mark.parametrize("preset", sorted(SPELLED_OUT))
 def test_the_shipped_presets_resolve_to_the_values_they_wrote_out(preset):
     cfg = load_config(None, [f"--preset={preset}"])
     assert resolved(cfg) == SPELLED_OUT[preset]
-    assert (cfg.sync.fit_link_max_steps, cfg.sync.min_clusters, cfg.train.warmup_steps) == (
+    assert (cfg.sync.round.fit_link_max_steps, cfg.sync.min_clusters, cfg.train.warmup_steps) == (
         8 * cfg.sync.inner_steps,
         2,
         min(20, cfg.train.steps // 10),  # 9 for the 96 steps of the first run
@@ -66,13 +66,13 @@ def test_one_flag_on_the_default_works_and_what_follows_from_it_follows():
 
 
 def test_another_outer_optimizer_takes_its_own_learning_rate_not_the_presets_sgd_one():
-    adamw = load_config(None, ["--sync.outer_optimizer=adamw"])
+    adamw = load_config(None, ["--sync.outer.optimizer=adamw"])
     adamw.validate()
-    assert (adamw.sync.outer_lr, adamw.sync.drain_residual, adamw.sync.merge) == (0.01, False, "own_payload")
-    assert load_config(None, ["--sync.outer_optimizer=adamw", "--sync.outer_lr=0.003"]).sync.outer_lr == 0.003
-    assert load_config(None, ["--preset=diloco", "--sync.outer_optimizer=adamw"]).sync.outer_lr == 0.01
+    assert (adamw.sync.outer.lr, adamw.sync.drain_residual, adamw.sync.merge) == (0.01, False, "own_payload")
+    assert load_config(None, ["--sync.outer.optimizer=adamw", "--sync.outer.lr=0.003"]).sync.outer.lr == 0.003
+    assert load_config(None, ["--preset=diloco", "--sync.outer.optimizer=adamw"]).sync.outer.lr == 0.01
     # the preset's own optimizer keeps the preset's values
-    assert load_config(None, ["--sync.outer_optimizer=sgd"]).sync.outer_lr == 1.0
+    assert load_config(None, ["--sync.outer.optimizer=sgd"]).sync.outer.lr == 1.0
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,10 @@ def test_another_outer_optimizer_takes_its_own_learning_rate_not_the_presets_sgd
     [
         (["--sync.overlap_steps=12"], "sync.overlap_steps = 12 must be below sync.inner_steps = 12"),
         (["--sync.alpha=0.5"], "sync.alpha = 0.5 does not work with sync.sync_delay = 1"),
-        (["--sync.round=time", "--sync.overlap_steps=3"], "sync.round = 'time' does not work with sync.overlap_steps"),
+        (
+            ["--sync.round.mode=time", "--sync.overlap_steps=3"],
+            "sync.round.mode = 'time' does not work with sync.overlap_steps",
+        ),
         (["--compression.kind=none", "--sync.local_residual=true"], "sync.local_residual = true does not work with"),
     ],
 )
@@ -110,7 +113,7 @@ def test_a_sync_config_resolves_from_its_codec_alone():
     """The library path (`OuterSync.from_configs`, `DiLoCoSync`): a SyncConfig resolves against the codec it runs."""
     from dilocox.compress.config import CompressionConfig
 
-    delayed = SyncConfig(kind="dilocox", inner_steps=24, sync_delay=1, outer_lr=1.0, outer_momentum=0.0)
+    delayed = SyncConfig(kind="dilocox", inner_steps=24, sync_delay=1, outer=OuterConfig(lr=1.0, momentum=0.0))
     topk = delayed.resolved(CompressionConfig(kind="topk_int4"))
     assert (topk.overlap_steps, topk.merge, topk.local_residual, topk.drain_residual) == (14, "own_payload", True, True)
     fp32 = delayed.resolved(CompressionConfig())
@@ -118,7 +121,7 @@ def test_a_sync_config_resolves_from_its_codec_alone():
     streamed = dataclasses.replace(delayed, sync_delay=0).resolved(CompressionConfig(kind="topk_int4"))
     assert (streamed.overlap_steps, streamed.merge, streamed.alpha) == (0, "keep_local", 0.0)  # blocking unless set
     nesterov = SyncConfig(sync_delay=1).resolved(CompressionConfig(kind="topk_int4"))
-    assert (nesterov.merge, nesterov.local_residual, nesterov.outer_lr, nesterov.fit_link_max_steps) == (
+    assert (nesterov.merge, nesterov.local_residual, nesterov.outer.lr, nesterov.round.fit_link_max_steps) == (
         "keep_local",
         False,
         0.7,
@@ -134,6 +137,6 @@ def test_an_older_config_that_wrote_0_for_auto_loads_with_a_warning(tmp_path):
     path = tmp_path / "old.toml"
     path.write_text("[sync]\nfit_link_max_steps = 0\nmin_clusters = 0\n[train]\nnum_microbatches = 0\n")
     with pytest.warns(ConfigWarning, match="sync.min_clusters = 0 is now sync.min_clusters = auto"):
-        cfg = load_config(path, ["--sync.fit_link=true"])
+        cfg = load_config(path, ["--sync.round.fit_link=true"])
     cfg.validate()
-    assert (cfg.sync.fit_link_max_steps, cfg.sync.min_clusters, cfg.train.num_microbatches) == (96, 2, 1)
+    assert (cfg.sync.round.fit_link_max_steps, cfg.sync.min_clusters, cfg.train.num_microbatches) == (96, 2, 1)

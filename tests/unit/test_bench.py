@@ -469,7 +469,7 @@ def test_resume_keeps_only_a_finished_run_of_exactly_the_settings_it_would_train
     same = run_overrides(spec, run, False)
     assert same_finished_run(spec, run, run_dir_of(same, "done"), quick=False, extra=[])
     assert not same_finished_run(spec, run, run_dir_of(same, "stopped", finished=False), quick=False, extra=[])
-    assert not same_finished_run(spec, run, run_dir_of([*same, "--sync.outer_lr=0.5"], "other"), quick=False,
+    assert not same_finished_run(spec, run, run_dir_of([*same, "--sync.outer.lr=0.5"], "other"), quick=False,
                                  extra=[])  # fmt: skip
     assert not same_finished_run(spec, run, run_dir_of(same, "seed0"), quick=False, extra=seed_overrides(0, 1))
     assert not same_finished_run(spec, run, run_dir_of(same, "quick"), quick=True, extra=[])

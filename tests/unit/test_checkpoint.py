@@ -4,11 +4,14 @@ checkpoint."""
 
 import hashlib
 import json
+import re
+import shutil
 
 import pytest
 import torch
 
 from dilocox.checkpoint import (
+    CheckpointNotWritten,
     CorruptCheckpoint,
     elastic_resume_paths,
     find_checkpoint,
@@ -199,8 +202,8 @@ def test_resume_compares_the_fields_the_saved_state_depends_on(tmp_path):
         ("--compression.group_size=32", "compression.group_size was 64 in the checkpoint, 32 now"),
         ("--sync.sync_delay=0", "sync.sync_delay was 1 in the checkpoint, 0 now; resume with --sync.sync_delay=1"),
         (
-            "--sync.nesterov=false",
-            "sync.nesterov was true in the checkpoint, false now; resume with --sync.nesterov=true",
+            "--sync.outer.nesterov=false",
+            "sync.outer.nesterov was true in the checkpoint, false now; resume with --sync.outer.nesterov=true",
         ),
         ("--topology.pp_degree=2", "topology.pp_degree was 1 in the checkpoint, 2 now"),
         ("--data.split_seed=0", "data.split_seed was -1 in the checkpoint, 0 now; resume with --data.split_seed=-1"),
@@ -347,3 +350,37 @@ def test_a_static_runs_checkpoint_is_not_resumed_as_an_elastic_run_in_one_line(t
         f"cannot resume {path}: topology.elastic was false in the checkpoint, true now; resume with "
         "--topology.elastic=false or start a new run directory"
     )
+
+
+def test_a_full_disk_during_a_save_is_one_line_with_the_free_space_and_leaves_no_partial(tmp_path, monkeypatch):
+    earlier = [save(tmp_path, 10), save(tmp_path, 20)]
+    real_save = torch.save
+
+    def save_onto_a_full_disk(obj, handle):  # what the kernel says when the disk is full: /dev/full
+        with open("/dev/full", "wb") as full:
+            real_save(obj, full)
+
+    monkeypatch.setattr(torch, "save", save_onto_a_full_disk)
+    with pytest.raises(CheckpointNotWritten) as caught:
+        save(tmp_path, 30)
+    message = str(caught.value)
+    root = tmp_path / "checkpoints"
+    assert message.startswith(f"the disk is full: checkpoint step 30 could not be written to {root} (")
+    assert re.search(r"\(\d+\.\d+ [MG]B free there\)", message) and "\n" not in message
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000010", "step_00000020"]  # no .partial left
+    assert list_checkpoints(tmp_path) == earlier
+    for path in earlier:
+        verify_checkpoint(path)
+
+
+def test_a_save_is_refused_before_writing_when_less_is_free_than_the_last_checkpoint_took(tmp_path, monkeypatch):
+    earlier = save(tmp_path, 10)
+    need = sum(entry["bytes"] for entry in read_meta(earlier)["files"].values())
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=need - 1))
+    with pytest.raises(CheckpointNotWritten, match=r"^the disk is full: checkpoint step 20 could not be written"):
+        save(tmp_path, 20)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000010"]
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=need))
+    later = save(tmp_path, 20)  # exactly as much free as it needs
+    assert list_checkpoints(tmp_path) == [earlier, later]

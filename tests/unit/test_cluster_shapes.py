@@ -79,6 +79,11 @@ def test_clusters_set_the_global_degrees_over_the_files_and_refuse_a_contradicti
         cfg = load_config("configs/debug.toml", ["--preset=diloco", "--topology.clusters=dp2,dp1", *flags.split()])
         with pytest.raises(ValueError, match=message):
             cfg.validate()
+    # an empty entry is refused: `,,` is not an ordinary run, nor `dp2,,dp1` two clusters; nothing given is none
+    for flag in ("--topology.clusters=,,", "--topology.clusters=dp2,,dp1", "--topology.clusters=dp2,dp1,"):
+        with pytest.raises(ValueError, match=r"topology.clusters = '[dp21,]*' has an empty entry; separate the"):
+            load_config("configs/debug.toml", ["--preset=diloco", flag])
+    assert load_config("configs/debug.toml", ["--topology.clusters="]).topology.clusters == []
     cfg = load_config("configs/debug.toml", ["--preset=diloco", "--topology.clusters=dp2,dp1"])
     with pytest.raises(ValueError, match=r"started 4 ranks but topology.clusters = \['dp2', 'dp1'\] makes 2 x 1 \+ 1"):
         cfg.validate(world_size=4)

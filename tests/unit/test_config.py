@@ -5,6 +5,7 @@ import pytest
 
 from dilocox.config import Config, field_docs, from_dict, load_config, options, to_dict, to_toml
 from dilocox.sync import SyncConfig
+from dilocox.sync.config import OuterConfig
 
 REPO = Path(__file__).resolve().parents[2]
 LOWRANK = ["--preset=dilocox-lowrank"]
@@ -20,20 +21,20 @@ def write(tmp_path, text: str) -> Path:
 
 
 def test_precedence_defaults_then_preset_then_file_then_flags(tmp_path):
-    path = write(tmp_path, "[sync]\ninner_steps = 20\nouter_lr = 0.5\n[train]\nlr = 1e-3\n")
+    path = write(tmp_path, "[sync]\ninner_steps = 20\n[sync.outer]\nlr = 0.5\n[train]\nlr = 1e-3\n")
     cfg = load_config(path, ["--sync.inner_steps=10", "--train.steps", "77", "--run.overwrite"])
     assert cfg.sync.inner_steps == 10  # flag beats file
-    assert cfg.sync.outer_lr == 0.5  # file beats the preset (1.0)
+    assert cfg.sync.outer.lr == 0.5  # file beats the preset (1.0)
     assert cfg.train.lr == 1e-3
     assert cfg.train.steps == 77  # "--key value" form
     assert cfg.run.overwrite is True  # bare boolean flag
-    assert cfg.sync.outer_momentum == 0.0  # a file without a preset starts from the default preset, dilocox
+    assert cfg.sync.outer.momentum == 0.0  # a file without a preset starts from the default preset, dilocox
     assert cfg.compression.rank == 8  # no layer sets it: the field default
 
 
 def test_int_in_toml_accepted_for_float_field(tmp_path):
-    cfg = load_config(write(tmp_path, "[sync]\nouter_lr = 1\n"))
-    assert cfg.sync.outer_lr == 1.0 and isinstance(cfg.sync.outer_lr, float)
+    cfg = load_config(write(tmp_path, "[sync.outer]\nlr = 1\n"))
+    assert cfg.sync.outer.lr == 1.0 and isinstance(cfg.sync.outer.lr, float)
 
 
 @pytest.mark.parametrize(
@@ -75,8 +76,8 @@ def test_missing_and_invalid_files(tmp_path):
         (["--compression.schedule=sometimes"], "compression.schedule"),
         (["--compression.reduction=tree"], "compression.reduction"),
         (
-            [*LOWRANK, "--sync.fit_link=true", "--sync.fit_link_max_steps=10"],
-            "sync.fit_link_max_steps = 10 is below sync.inner_steps = 50",
+            [*LOWRANK, "--sync.round.fit_link=true", "--sync.round.fit_link_max_steps=10"],
+            "sync.round.fit_link_max_steps = 10 is below sync.inner_steps = 50",
         ),
         ([*LOWRANK, "--sync.alpha=1.5"], "sync.alpha = 1.5 must be between 0 and 1"),
         ([*LOWRANK, "--sync.overlap_steps=50"], "sync.overlap_steps = 50 must be below sync.inner"),
@@ -88,7 +89,7 @@ def test_missing_and_invalid_files(tmp_path):
         (["--train.optimizer=lion"], "train.optimizer"),
         (["--train.lr=-1"], "train.lr"),
         (["--train.lr=nan"], "finite"),
-        (["--sync.outer_momentum=1.0"], "sync.outer_momentum"),
+        (["--sync.outer.momentum=1.0"], "sync.outer.momentum"),
         (["--data.val_fraction=0.9"], "data.val_fraction"),
         (["--data.split_seed=-2"], "data.split_seed = -2 must be >= 0, or -1"),
         (["--data.shard=blocks"], "data.shard = 'blocks' is not one of: mixed, contiguous"),
@@ -97,9 +98,9 @@ def test_missing_and_invalid_files(tmp_path):
             ["--sync.merge=greedy"],
             "sync.merge = 'greedy' is not one of: auto, reset, keep_local, eager, lookahead, own_payload",
         ),
-        (["--sync.outer_lr_schedule=linear"], "sync.outer_lr_schedule = 'linear' is not one of: constant, cosine"),
-        (["--sync.outer_warmup_rounds=-1"], "sync.outer_warmup_rounds = -1 must be >= 0"),
-        (["--sync.outer_min_lr_ratio=1.5"], "sync.outer_min_lr_ratio = 1.5 must be in"),
+        (["--sync.outer.lr_schedule=linear"], "sync.outer.lr_schedule = 'linear' is not one of: constant, cosine"),
+        (["--sync.outer.warmup_rounds=-1"], "sync.outer.warmup_rounds = -1 must be >= 0"),
+        (["--sync.outer.min_lr_ratio=1.5"], "sync.outer.min_lr_ratio = 1.5 must be in"),
         (["--topology.pp_degree=4", "--train.num_microbatches=2"], "fewer than the 4 pipeline stages"),
         (["--train.num_microbatches=3"], "does not divide train.micro_batch_size = 8"),
         (["--train.pipeline_schedule=zb"], "train.pipeline_schedule"),
@@ -116,12 +117,12 @@ def test_validate_errors_name_the_field(overrides, message):
 
 
 def test_moved_keys_are_read_where_they_live_now(tmp_path):
-    """Options that moved or were renamed (compression.fit_link -> sync.fit_link, compression.aggregate ->
+    """Options that moved or were renamed (compression.fit_link -> sync.round.fit_link, compression.aggregate ->
     compression.rank_rule, ...) still load, with a warning, so an older run's config.toml or command line keeps
     working."""
-    with pytest.warns(UserWarning, match="compression.fit_link is now sync.fit_link"):
+    with pytest.warns(UserWarning, match="compression.fit_link is now sync.round.fit_link"):
         cfg = load_config(None, [*LOWRANK, "--compression.fit_link=true"])
-    assert cfg.sync.fit_link is True
+    assert cfg.sync.round.fit_link is True
     with pytest.warns(UserWarning, match="cocktail.topk_ratio"):
         cfg = load_config(write(tmp_path, "[compression]\ntopk_ratio = 0.02\n"))
     assert cfg.cocktail.topk_ratio == 0.02
@@ -138,7 +139,6 @@ def test_each_section_validates_itself():
     """A component's config is checked where it is defined, so one built in Python fails the same way."""
     from dilocox.compress import CocktailConfig, CompressionConfig
     from dilocox.net.config import NetworkConfig
-    from dilocox.sync import SyncConfig
 
     for section, message in [
         (SyncConfig(kind="gossip"), "sync.kind"),
@@ -173,7 +173,7 @@ def test_checkpoint_interval_off_the_round_grid_is_a_note_not_an_error():
     ]
     assert load_config(None, ["--sync.inner_steps=50", "--checkpoint.interval=100"]).notes() == []
     # fit_link changes H as it goes: checkpoints follow the rounds anyway, nothing to say
-    assert load_config(None, ["--sync.fit_link=true", "--checkpoint.interval=75"]).notes() == []
+    assert load_config(None, ["--sync.round.fit_link=true", "--checkpoint.interval=75"]).notes() == []
 
 
 def test_warmup_default_shrinks_for_short_runs_but_an_explicit_value_is_kept(tmp_path):
@@ -219,15 +219,15 @@ def test_every_field_has_a_docstring():
 
 
 def test_outer_lr_schedules():
-    """Warm-up reaches outer_lr at update W - 1; cosine ends at outer_lr x rho on the last update; constant stays."""
-    constant = SyncConfig(outer_lr=0.8, outer_warmup_rounds=4)
-    assert [constant.outer_lr_at(k, 10) for k in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 0.8, 0.8])
-    cosine = SyncConfig(outer_lr=1.0, outer_lr_schedule="cosine", outer_warmup_rounds=2, outer_min_lr_ratio=0.25)
-    lrs = [cosine.outer_lr_at(k, 13) for k in range(13)]
+    """Warm-up reaches outer.lr at update W - 1; cosine ends at outer.lr x rho on the last update; constant stays."""
+    constant = OuterConfig(lr=0.8, warmup_rounds=4)
+    assert [constant.lr_at(k, 10) for k in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 0.8, 0.8])
+    cosine = OuterConfig(lr=1.0, lr_schedule="cosine", warmup_rounds=2, min_lr_ratio=0.25)
+    lrs = [cosine.lr_at(k, 13) for k in range(13)]
     assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0])  # warm-up, then the cosine's start
     assert lrs[-1] == pytest.approx(0.25) and lrs[7] == pytest.approx(0.25 + 0.75 * 0.5)  # the middle of 2 ... 12
     assert all(a >= b for a, b in zip(lrs[2:], lrs[3:], strict=False))
-    assert SyncConfig().outer_lr_at(29, 30) == SyncConfig().outer_lr  # the default: constant, no warm-up
+    assert OuterConfig(lr=0.7).lr_at(29, 30) == 0.7  # the default: constant, no warm-up
 
 
 def test_every_option_has_a_one_line_docstring():

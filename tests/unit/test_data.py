@@ -678,3 +678,26 @@ def test_index_permutation_looks_random():
     assert (first == np.arange(size)).sum() < 10  # about one fixed point, as for a uniform permutation
     # Neighbouring indices land far apart: consecutive windows of a batch come from all over the corpus.
     assert np.median(np.abs(np.diff(first))) > size / 10
+
+
+@pytest.mark.parametrize("damaged", ["train.npy", "tokenizer"])
+def test_a_damaged_token_cache_is_rebuilt_with_one_warning(tmp_path, monkeypatch, capsys, damaged):
+    monkeypatch.setenv("DILOCOX_CACHE", str(tmp_path / "cache"))
+    corpus = write_corpus(tmp_path / "corpus", make_documents(6))
+    first = prepare_tokens(path=str(corpus), vocab_size=300, val_fraction=0.2)
+    capsys.readouterr()
+    if damaged == "train.npy":
+        (file,) = (cache_dir() / "tokens").rglob("train.npy")
+        raw = bytearray(file.read_bytes())
+        raw[-1] ^= 0x01  # the last id, one bit: still a valid .npy of the same shape
+    else:
+        file = Path(first.tokenizer_path)
+        raw = bytearray(file.read_bytes().replace(b'"special":true', b'"special":false', 1))  # still valid
+        assert bytes(raw) != file.read_bytes()
+    file.write_bytes(bytes(raw))
+    again = prepare_tokens(path=str(corpus), vocab_size=300, val_fraction=0.2)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dilocox: warning:")]
+    assert len(warnings) == 1 and "is damaged" in warnings[0] and "does not match its sha256" in warnings[0]
+    assert np.array_equal(again.train, first.train) and np.array_equal(again.val, first.val)
+    prepare_tokens(path=str(corpus), vocab_size=300, val_fraction=0.2)  # rebuilt: no warning now
+    assert "warning" not in capsys.readouterr().err

@@ -17,7 +17,7 @@ import yaml
 
 from dilocox.cli import COMMANDS
 from dilocox.compress.config import CODEC_KINDS, RANK_RULES, REDUCTIONS
-from dilocox.config import PRESETS, options, read_preset
+from dilocox.config import PRESETS, flat_settings, options, read_preset
 from dilocox.sync.config import MERGE_RULES, SYNC_KINDS
 from dilocox.sync.faults import FAULT_KINDS
 from dilocox.tools import docgen
@@ -63,9 +63,8 @@ def test_config_reference_lists_every_preset_with_every_setting():
     rows = {line.split("`")[1]: line for line in page.splitlines() if line.startswith("| `")}
     assert list(rows) == list(PRESETS)
     for name in PRESETS:
-        for section, values in read_preset(name).items():
-            for key, value in values.items():
-                assert f"`{section}.{key} = {docgen._show(value)}`" in rows[name], (name, key)
+        for key, value in flat_settings(read_preset(name)).items():
+            assert f"`{key} = {docgen._show(value)}`" in rows[name], (name, key)
 
 
 def test_cli_reference_has_every_command_with_its_help():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dilocox.sync import SyncConfig
+from dilocox.sync.config import OuterConfig
 from dilocox.sync.outer_optimizer import (
     OuterOptimizer,
     outer_lr_schedule,
@@ -65,10 +66,10 @@ def test_the_prediction_uses_the_scheduled_learning_rate_of_its_update():
 
 
 def test_the_schedule_scales_every_optimizers_own_learning_rate():
-    cfg = SyncConfig(outer_lr=0.7, outer_lr_schedule="cosine", outer_warmup_rounds=2, outer_min_lr_ratio=0.1)
+    cfg = SyncConfig(outer=OuterConfig(lr=0.7, lr_schedule="cosine", warmup_rounds=2, min_lr_ratio=0.1))
     lr_at = outer_lr_schedule(cfg, 10)
-    # the config's own optimizer gets exactly SyncConfig.outer_lr_at
-    assert [lr_at(0.7, k) for k in range(10)] == [cfg.outer_lr_at(k, 10) for k in range(10)]
+    # the config's own optimizer gets exactly OuterConfig.lr_at
+    assert [lr_at(0.7, k) for k in range(10)] == [cfg.outer.lr_at(k, 10) for k in range(10)]
     # an Adam of lr 0.01 from a factory follows the same shape around its own lr
     phi = torch.zeros(3)
     outer = OuterOptimizer(phi, lambda params: torch.optim.Adam(params, lr=0.01), lr_at=lr_at)
@@ -95,9 +96,9 @@ def test_the_state_is_counted_from_the_optimizers_own_tensors(name, state_bytes)
 
 
 def test_the_configs_optimizers():
-    sgd = outer_optimizer_factory(SyncConfig(outer_lr=0.5, outer_momentum=0.0))([torch.zeros(2)])
+    sgd = outer_optimizer_factory(SyncConfig(outer=OuterConfig(lr=0.5, momentum=0.0)))([torch.zeros(2)])
     assert isinstance(sgd, torch.optim.SGD) and not sgd.defaults["nesterov"]  # torch refuses Nesterov without it
-    cfg = SyncConfig(outer_optimizer="adamw", outer_lr=0.02, outer_beta1=0.8, outer_beta2=0.95, outer_weight_decay=0.1)
+    cfg = SyncConfig(outer=OuterConfig(optimizer="adamw", lr=0.02, beta1=0.8, beta2=0.95, weight_decay=0.1))
     adamw = outer_optimizer_factory(cfg)([torch.zeros(2)])
     assert isinstance(adamw, torch.optim.AdamW)
     assert (adamw.defaults["lr"], adamw.defaults["betas"], adamw.defaults["weight_decay"]) == (0.02, (0.8, 0.95), 0.1)
@@ -146,14 +147,14 @@ def test_a_factory_that_does_not_build_an_optimizer_over_phi_is_refused(factory,
 @pytest.mark.parametrize(
     ("fields", "match"),
     [
-        ({"outer_optimizer": "lion"}, "sync.outer_optimizer = 'lion' is not one of: sgd, adamw"),
-        ({"outer_optimizer": "adamw", "outer_beta2": 1.0}, r"sync.outer_beta2 = 1.0 must be in \[0, 1\)"),
-        ({"outer_optimizer": "adamw", "outer_weight_decay": -0.1}, "sync.outer_weight_decay = -0.1 must be >= 0"),
+        ({"optimizer": "lion"}, "sync.outer.optimizer = 'lion' is not one of: sgd, adamw"),
+        ({"optimizer": "adamw", "beta2": 1.0}, r"sync.outer.beta2 = 1.0 must be in \[0, 1\)"),
+        ({"optimizer": "adamw", "weight_decay": -0.1}, "sync.outer.weight_decay = -0.1 must be >= 0"),
     ],
 )
 def test_the_outer_optimizer_settings_are_validated(fields, match):
     with pytest.raises(ValueError, match=match):
-        SyncConfig(kind="dilocox", **fields).validate()
+        SyncConfig(kind="dilocox", outer=OuterConfig(**fields)).validate()
 
 
 def test_adamw_moves_phi_by_about_its_learning_rate_per_value():

@@ -1,4 +1,4 @@
-"""`sync.outer_state_device`: the outer state on the host computes what it computes on the device."""
+"""`sync.outer.state_device`: the outer state on the host computes what it computes on the device."""
 
 import pytest
 import torch
@@ -6,14 +6,15 @@ import torch
 from dilocox.compress import CompressionConfig
 from dilocox.net.channel import WanChannel
 from dilocox.sync import DiLoCoSync, SyncConfig
+from dilocox.sync.config import OuterConfig
 
 
 def _rounds(params_device: str, outer_state_device: str, kind: str = "int4") -> tuple[list[torch.Tensor], DiLoCoSync]:
     """One cluster (no process group), delay 1, 3 rounds of a fixed drift: the outer params after each round."""
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 8).to(params_device)
-    cfg = SyncConfig(kind="dilocox", inner_steps=2, sync_delay=1, outer_lr=0.7, outer_momentum=0.9,
-                     outer_state_device=outer_state_device)  # fmt: skip
+    outer = OuterConfig(lr=0.7, momentum=0.9, state_device=outer_state_device)
+    cfg = SyncConfig(kind="dilocox", inner_steps=2, sync_delay=1, outer=outer)
     with WanChannel(None, bandwidth=None, latency_s=0.0) as channel:
         sync = DiLoCoSync(model.parameters(), cfg, CompressionConfig(kind=kind), channel=channel, dp_group=None)
         trace = []
@@ -38,8 +39,8 @@ def test_outer_state_on_cpu_is_the_same_arithmetic():
 
 
 def test_unknown_outer_state_device_names_the_choices():
-    with pytest.raises(ValueError, match="sync.outer_state_device = 'gpu' is not one of: device, cpu"):
-        SyncConfig(outer_state_device="gpu").validate()
+    with pytest.raises(ValueError, match="sync.outer.state_device = 'gpu' is not one of: device, cpu"):
+        SyncConfig(outer=OuterConfig(state_device="gpu")).validate()
 
 
 @pytest.mark.gpu
@@ -57,7 +58,7 @@ def _halfway(steps: int, state: dict | None = None) -> tuple[dict, torch.Tensor]
     start or from `state`, then the sync's state and the model's parameters."""
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 8)
-    cfg = SyncConfig(kind="dilocox", inner_steps=2, sync_delay=1, outer_lr=1.0, outer_momentum=0.0)
+    cfg = SyncConfig(kind="dilocox", inner_steps=2, sync_delay=1, outer=OuterConfig(lr=1.0, momentum=0.0))
     with WanChannel(None, bandwidth=None, latency_s=0.0) as channel:
         sync = DiLoCoSync(model.parameters(), cfg, CompressionConfig(kind="int4"), channel=channel, dp_group=None)
         first = 1

@@ -52,8 +52,8 @@ def test_public_names_are_exported_and_lazy():
 )
 def test_kinds_fill_the_settings_left_out(kind, options, want):
     sync = build(kind=kind, **options)
-    got = (sync.sync_config.sync_delay, sync.compression.kind, sync.sync_config.outer_lr)
-    assert (*got, sync.sync_config.outer_momentum) == want
+    got = (sync.sync_config.sync_delay, sync.compression.kind, sync.sync_config.outer.lr)
+    assert (*got, sync.sync_config.outer.momentum) == want
     assert sync.name == kind and sync.status().inner_steps == 2
 
 
@@ -113,7 +113,7 @@ def test_a_compression_config_is_used_as_given_and_never_changed():
         ({"compression": CompressionConfig(kind="int4", group_size=0)}, ["compression.group_size = 0 must be > 0"]),
         ({"sync_delay": 2}, ["sync.sync_delay = 2 must be 0 (blocking) or 1"]),
         ({"merge": "average"}, ["sync.merge = 'average' is not one of: auto, reset, keep_local"]),
-        ({"outer_lr": 0.0}, ["sync.outer_lr = 0.0 must be > 0"]),
+        ({"outer_lr": 0.0}, ["sync.outer.lr = 0.0 must be > 0"]),
         ({"kind": "diloco", "local_residual": True}, ["compression.kind = 'none'", "holds nothing back", "topk_int4"]),
         (
             {"local_residual": True, "compression": CompressionConfig(kind="topk_int4", error_feedback=False)},
@@ -132,10 +132,10 @@ def test_a_compression_config_is_used_as_given_and_never_changed():
                 "sync.merge = eager",
             ],
         ),
-        ({"outer_optimizer": "adagrad"}, ["sync.outer_optimizer = 'adagrad' is not one of: sgd, adamw"]),
+        ({"outer_optimizer": "adagrad"}, ["sync.outer.optimizer = 'adagrad' is not one of: sgd, adamw"]),
         (
             {"outer_optimizer": "adamw", "drain_residual": True},
-            ["sync.drain_residual = true does not work with sync.outer_optimizer = 'adamw'", "= false"],
+            ["sync.drain_residual = true does not work with sync.outer.optimizer = 'adamw'", "= false"],
         ),
         (
             {"outer_optimizer": torch.optim.Adam, "drain_residual": True},
@@ -166,7 +166,7 @@ def test_the_outer_optimizer_is_a_name_or_a_factory():
     auto learning rate instead of the dilocox preset's plain-averaging 1.0."""
     assert not build(outer_optimizer=torch.optim.Adam).sync_config.drain_residual
     auto = build(outer_optimizer="adamw")
-    assert (auto.sync_config.outer_lr, auto.sync_config.drain_residual, auto.sync_config.local_residual) == (
+    assert (auto.sync_config.outer.lr, auto.sync_config.drain_residual, auto.sync_config.local_residual) == (
         0.01,
         False,
         True,
@@ -176,7 +176,7 @@ def test_the_outer_optimizer_is_a_name_or_a_factory():
     assert isinstance(outer.optimizer, torch.optim.Adam) and outer.lr == 0.01
     adamw = build(outer_optimizer="adamw", outer_lr=0.02, drain_residual=False)
     outer = adamw.diloco.fragments[0].outer
-    assert isinstance(outer.optimizer, torch.optim.AdamW) and adamw.sync_config.outer_optimizer == "adamw"
+    assert isinstance(outer.optimizer, torch.optim.AdamW) and adamw.sync_config.outer.optimizer == "adamw"
     sgd = build(kind="diloco")
     outer = sgd.diloco.fragments[0].outer
     assert type(outer.optimizer) is torch.optim.SGD and outer.optimizer.defaults["nesterov"]

@@ -131,7 +131,7 @@ def test_a_time_round_run_gets_a_chart_of_each_clusters_steps_per_round(tmp_path
         row["rounds_landed"] = [
             {"round": r, "cluster_steps": [2, 2, 1], "cluster_tokens": [200, 200, 100]} for r in landed
         ]
-    run_dir = write_run(tmp_path / "time", ["--sync.round=time", "--sync.inner_steps=2"], rows)
+    run_dir = write_run(tmp_path / "time", ["--sync.round.mode=time", "--sync.inner_steps=2"], rows)
     assert cluster_steps(load_run(run_dir)) == {r: [2, 2, 1] for r in (1, 2, 3, 4)}
     assert plot_main([str(run_dir), "--out", str(tmp_path / "plots")]) == 0
     assert "cluster_steps.png" in {p.name for p in (tmp_path / "plots").iterdir()}

@@ -219,6 +219,13 @@ def test_a_damaged_prepared_directory_is_refused(tmp_path):
         handle.write(b"\0")
     with pytest.raises(ValueError, match=r"train-00000\.bin should hold \d+ tokens .* --overwrite"):
         prepare_tokens(path=str(tmp_path / "prepared"))
+    with open(tmp_path / "prepared" / "train-00000.bin", "r+b") as handle:
+        handle.truncate(handle.seek(0, 2) - 1)
+    index = json.loads((tmp_path / "prepared" / INDEX_FILE).read_text())
+    del index["files"]["val"][0]["sampled_sha256"]  # written before the index recorded digests
+    (tmp_path / "prepared" / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"records no digest or largest id of val-00000\.bin .* --overwrite"):
+        prepare_tokens(path=str(tmp_path / "prepared"))
     (tmp_path / "prepared" / INDEX_FILE).write_text('{"format": "something else"}')
     with pytest.raises(ValueError, match=r"not a version-1 dilocox-tokens index"):
         prepare_tokens(path=str(tmp_path / "prepared"))

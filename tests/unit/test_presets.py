@@ -16,8 +16,10 @@ from dilocox.config import (
     PRESETS,
     Config,
     ConfigWarning,
+    flat_settings,
     from_dict,
     load_config,
+    option_value,
     options,
     read_preset,
     to_dict,
@@ -62,9 +64,8 @@ def test_every_preset_is_shipped_in_the_package_and_validates():
     for name in PRESETS:
         cfg = load_config(None, [f"--preset={name}"])
         cfg.validate()
-        for section, values in read_preset(name).items():  # the preset's values are what the run gets
-            for key, value in values.items():
-                assert getattr(getattr(cfg, section), key) == value, (name, section, key)
+        for key, value in flat_settings(read_preset(name)).items():  # the preset's values are what the run gets
+            assert option_value(cfg, key) == value, (name, key)
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
@@ -181,12 +182,14 @@ def test_print_config_of_the_default_preset_is_the_preset_file_over_the_field_de
     assert result.returncode == 0, result.stderr
     assert list(tmp_path.iterdir()) == []  # no run directory, nothing
     printed = tomllib.loads(result.stdout)
-    preset = read_preset(DEFAULT_PRESET)
-    defaults, resolved = to_dict(Config()), to_dict(load_config(None, []))
+    preset = flat_settings(read_preset(DEFAULT_PRESET))
+    defaults, flat_resolved = flat_settings(to_dict(Config())), flat_settings(to_dict(load_config(None, [])))
+    resolved = to_dict(load_config(None, []))
     for name, *_ in options():
-        section, key = name.split(".")
-        want = preset.get(section, {}).get(key, defaults[section][key])
-        assert printed[section][key] == (resolved[section][key] if want == "auto" else want), name
+        want = preset.get(name, defaults[name])
+        assert flat_settings(printed)[name] == (flat_resolved[name] if want == "auto" else want), name
+    assert printed["sync"]["outer"] == resolved["sync"]["outer"]  # a sub-section is a table of its own: [sync.outer]
+    assert "\n[sync.outer]\n" in result.stdout and "\n[sync.guard]\n" in result.stdout
     assert "auto" not in result.stdout.split("\n#")[0] and printed == resolved
     assert (printed["sync"]["overlap_steps"], printed["sync"]["merge"], printed["checkpoint"]["interval"]) == (
         7,
@@ -195,11 +198,11 @@ def test_print_config_of_the_default_preset_is_the_preset_file_over_the_field_de
     )  # the values the preset file wrote out before they were auto
     # a combination that cannot work is one line and exit 2, before anything is printed; it is the real one: the
     # preset's auto overlap does not complain about time rounds
-    bad = cli("train", "--print-config", "--sync.round=time", "--sync.aggregate=median", cwd=tmp_path)
+    bad = cli("train", "--print-config", "--sync.round.mode=time", "--sync.aggregate=median", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1
     assert bad.stderr.startswith(
-        "dilocox: error: sync.round = 'time' does not work with sync.aggregate = 'median': the clusters' updates are "
-        "weighted by their tokens"
+        "dilocox: error: sync.round.mode = 'time' does not work with sync.aggregate = 'median': the clusters' updates "
+        "are weighted by their tokens"
     )
 
 
@@ -208,15 +211,14 @@ def test_help_shows_the_values_the_run_uses_and_every_preset_in_full(args):
     """Each option's line shows the value `dilocox train ARGS` runs with: the preset's, an auto option's resolved
     value, the field default; and every preset in full."""
     text = train_help([*args, "--help"])
-    values = to_dict(load_config(None, args))
+    values = flat_settings(to_dict(load_config(None, args)))
     for name, *_ in options():
-        section, key = name.split(".")
-        value = values[section][key]
+        value = values[name]
         shown = ("true" if value else "false") if isinstance(value, bool) else f'"{value}"' if isinstance(
             value, str) else str(value)  # fmt: skip
         lines = [line for line in text.splitlines() if line.startswith(f"  --{name}=")]
         assert len(lines) == 1, (name, lines)
-        assert lines[0].endswith((f"({shown})", f"(auto: {shown})", f"({shown}, preset {values['sync']['kind']})")), (
+        assert lines[0].endswith((f"({shown})", f"(auto: {shown})", f"({shown}, preset {values['sync.kind']})")), (
             name,
             lines,
         )
@@ -224,15 +226,14 @@ def test_help_shows_the_values_the_run_uses_and_every_preset_in_full(args):
     presets = text.split("Presets (", 1)[1].split("\n[run]\n", 1)[0]
     for name in PRESETS:
         assert f"\n  {name}" in presets, name
-        for section, values_ in read_preset(name).items():
-            for key in values_:
-                assert f"{section}.{key}=" in " ".join(presets.split()), (name, key)
+        for key in flat_settings(read_preset(name)):
+            assert f"{key}=" in " ".join(presets.split()), (name, key)
     if not args:  # the first run's values: what the preset file used to spell out, now resolved by the rules
         for line in (
             "--sync.overlap_steps=INT|auto  (auto: 7)",
             "--checkpoint.interval=INT|auto  (auto: 96)",
             "--sync.inner_steps=INT  (12, preset dilocox)",
-            "--sync.outer_lr=FLOAT|auto  (1.0, preset dilocox)",
+            "--sync.outer.lr=FLOAT|auto  (1.0, preset dilocox)",
         ):
             assert f"  {line}" in text, line
 
@@ -262,5 +263,5 @@ def test_configs_paper_toml_is_the_paper_preset_on_the_default_setting():
     paper = load_config(REPO / "configs" / "paper.toml")
     default = load_config(None, ["--preset=paper", "--train.steps=400"])  # the benchmarks' length, not the first run's
     assert to_dict(dataclasses.replace(paper, run=default.run)) == to_dict(default)
-    assert (paper.sync.outer_lr, paper.sync.outer_momentum, paper.sync.merge) == (0.7, 0.9, "keep_local")
+    assert (paper.sync.outer.lr, paper.sync.outer.momentum, paper.sync.merge) == (0.7, 0.9, "keep_local")
     assert (paper.sync.local_residual, paper.sync.drain_residual, paper.sync.overlap_steps) == (False, False, 0)

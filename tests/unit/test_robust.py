@@ -8,7 +8,16 @@ import torch
 
 from dilocox.config import load_config
 from dilocox.sync.faults import FaultConfig
-from dilocox.sync.robust import PeerCheck, UpdateGuard, aggregate, inner_products
+from dilocox.sync.robust import (
+    MAGNITUDE_BITS,
+    PeerCheck,
+    UpdateGuard,
+    aggregate,
+    inner_products,
+    magnitude_counts,
+    median_magnitude,
+    peer_statistics,
+)
 
 
 def updates(*rows) -> list[torch.Tensor]:
@@ -88,20 +97,43 @@ def reference_dot(a: torch.Tensor, b: torch.Tensor) -> float:
     return math.fsum(x * y for x, y in zip(a.tolist(), b.tolist(), strict=True))
 
 
+def reference_median_magnitude(update: torch.Tensor) -> float:
+    """The lower median of the nonzero |values| of `update`, rounded down to a multiple of 2^e / 2^MAGNITUDE_BITS where
+    2^e <= it < 2^(e+1) (normal fp32 values): the lower edge of its magnitude bin, computed on Python floats."""
+    values = sorted(abs(x) for x in update.tolist() if x != 0)
+    if not values:
+        return 0.0
+    median = values[(len(values) + 1) // 2 - 1]
+    mantissa, exponent = math.frexp(median)  # median = mantissa x 2^exponent, 0.5 <= mantissa < 1
+    steps = 1 << MAGNITUDE_BITS
+    return math.ldexp(0.5 + math.floor((2 * mantissa - 1) * steps) / (2 * steps), exponent)
+
+
+def reference_shared_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The cosine of `a` and `b` restricted to the positions where both are nonzero (0.0 where there is none)."""
+    both = (a != 0) & (b != 0)
+    x, y = a[both], b[both]
+    squares = reference_dot(x, x) * reference_dot(y, y)
+    return reference_dot(x, y) / math.sqrt(squares) if squares > 0 else 0.0
+
+
 def reference_peer_exclusions(updates: list[torch.Tensor], candidates: list[int], ratio: float) -> set[int]:
     """The rule of docs/design.md §4.5 written out on the vectors: with 3+ candidates, out if the norm exceeds ratio x
-    the median norm; then, among the rest (3+), out if the cosine is positive with fewer than floor((n-1)/2) others,
-    provided those that are not out that way are a strict majority of the rest."""
+    the median norm, or the median |value| sent exceeds ratio x the median of those; then, among the rest (3+), out if
+    the cosine on the positions both sent is above -0.05 with fewer than floor((n-1)/2) others, provided those that are
+    not out that way are a strict majority of the rest."""
     if len(candidates) < 3:
         return set()
-    norm = {i: math.sqrt(reference_dot(updates[i], updates[i])) for i in candidates}
-    median = statistics.median(norm.values())
-    out = {i for i in candidates if median > 0 and norm[i] > ratio * median}
+    out = set()
+    for size in (lambda u: math.sqrt(reference_dot(u, u)), reference_median_magnitude):
+        sizes = {i: size(updates[i]) for i in candidates}
+        median = statistics.median(sizes.values())
+        out |= {i for i in candidates if median > 0 and sizes[i] > ratio * median}
     kept = [i for i in candidates if i not in out]
     if len(kept) >= 3:
         away = set()
         for i in kept:
-            agreeing = [j for j in kept if j != i and reference_dot(updates[i], updates[j]) > 0]
+            agreeing = [j for j in kept if j != i and reference_shared_cosine(updates[i], updates[j]) > -0.05]
             if len(agreeing) < (len(kept) - 1) // 2:
                 away.add(i)
         if len(kept) - len(away) > len(kept) / 2:
@@ -118,57 +150,129 @@ def honest_updates(count: int, seed: int, *, numel: int = 500, signal: float = 0
 
 def test_inner_products_match_exact_sums_whatever_the_chunks_and_shards():
     u = honest_updates(4, seed=1, numel=1000)
-    exact = torch.tensor([[reference_dot(a, b) for b in u] for a in u], dtype=torch.float64)
+    u[3][::3] = 0.0  # sparse in part: S sums u_i^2 where u_3 sent something
+    gram = [[reference_dot(a, b) for b in u] for a in u]
+    shared = [[reference_dot(a.double() ** 2, (b != 0).double()) for b in u] for a in u]
+    exact = torch.tensor([g + s for g, s in zip(gram, shared, strict=True)], dtype=torch.float64)
     for chunk in (1, 7, 1000, 1 << 18):
         assert torch.allclose(inner_products(u, chunk=chunk), exact, rtol=1e-12, atol=0)
-    # a sharded update: the shards' Gram matrices sum to the whole one's
+    # a sharded update: the shards' matrices sum to the whole one's
     halves = inner_products([x[:300] for x in u]) + inner_products([x[300:] for x in u])
     assert torch.allclose(halves, exact, rtol=1e-12, atol=0)
-    # a missing update: its row and column are 0, the rest unchanged
-    gram = inner_products([u[0], None, u[2], u[3]])
-    assert torch.equal(gram[1], torch.zeros(4, dtype=torch.float64)) and torch.equal(gram[:, 1], gram[1])
-    assert torch.allclose(gram[[0, 2, 3]][:, [0, 2, 3]], exact[[0, 2, 3]][:, [0, 2, 3]], rtol=1e-12, atol=0)
+    # a missing update: its rows and columns are 0, the rest unchanged
+    products = inner_products([u[0], None, u[2], u[3]])
+    assert torch.equal(products[1], torch.zeros(8, dtype=torch.float64))
+    assert torch.equal(products[:, 1], torch.zeros(4, dtype=torch.float64))
+    assert torch.equal(products[:, 5], products[:, 1])
+    rest = [0, 2, 3]
+    columns = rest + [4 + i for i in rest]
+    assert torch.allclose(products[rest][:, columns], exact[rest][:, columns], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_median_magnitude_against_the_slow_reference_whatever_the_shards(seed):
+    generator = torch.Generator().manual_seed(seed)
+    scale = float(10 ** torch.randint(-6, 4, (1,), generator=generator))
+    u = [scale * torch.randn(301 + 40 * i, generator=generator) for i in range(3)]
+    for update in u:  # sparse, as a top-k or random-k payload decodes: most values are 0
+        update[torch.rand(update.shape, generator=generator) < 0.8] = 0.0
+    u.append(torch.zeros(341))  # nothing sent: its median magnitude is 0
+    counts = magnitude_counts(u)
+    assert torch.equal(counts, magnitude_counts([x[:100] for x in u]) + magnitude_counts([x[100:] for x in u]))
+    for update, row in zip(u, counts, strict=True):
+        expected = reference_median_magnitude(update)
+        assert median_magnitude(row.tolist()) == expected
+        nonzero = update[update != 0].abs()
+        if nonzero.numel():  # the bin's lower edge: less than 1/16 of itself below the true lower median
+            true = float(nonzero.sort().values[(nonzero.numel() + 1) // 2 - 1])
+            assert expected <= true < expected * (1 + 2**-MAGNITUDE_BITS)
+    assert magnitude_counts([None, u[0]])[0].sum() == 0
+
+
+def sparse_updates(count: int, seed: int, *, numel: int = 2000, kept: int = 100) -> list[torch.Tensor]:
+    """What top-k payloads with error feedback decode to: each cluster sends its own positions (they overlap little)
+    of a common direction, a few of them long (residuals grown over rounds), so norms vary more than magnitudes."""
+    generator = torch.Generator().manual_seed(seed)
+    common = torch.randn(numel, generator=generator)
+    out = []
+    for _ in range(count):
+        update = torch.zeros(numel)
+        index = torch.randperm(numel, generator=generator)[:kept]
+        update[index] = common[index] + 0.3 * torch.randn(kept, generator=generator)
+        update[index[:5]] *= 20  # long residual values
+        out.append(update)
+    return out
+
+
+def test_peer_check_leaves_out_a_sparse_update_scaled_below_the_ratio_in_norm_by_its_median_magnitude():
+    u = sparse_updates(3, seed=5)
+    peers = PeerCheck(max_ratio=2.0)
+    assert peers.judge(peer_statistics(u), [0, 1, 2]) == {}
+    liar = u[2].clone()
+    liar[liar.abs() > 5] /= 20  # a healed liar: no long residual values, the rest x 3
+    liar *= 3
+    stats = peer_statistics([u[0], u[1], liar])
+    assert math.sqrt(stats[2, 2]) < 2.0 * math.sqrt(stats[0, 0])  # the norm alone would let it in
+    excluded = peers.judge(stats, [0, 1, 2])
+    assert list(excluded) == [2] and "median |value| sent" in excluded[2]
+    assert set(excluded) == reference_peer_exclusions([u[0], u[1], liar], [0, 1, 2], 2.0)
+
+
+def test_peer_check_compares_weighted_payloads_per_unit_of_weight_and_without_sizes_where_weights_are_unknown():
+    u = honest_updates(3, seed=7)
+    weights = [1.5, 0.75, 0.75]  # clusters of dp 2, 1, 1 averaged by lanes: C dp_c / sum(dp)
+    sent = [w * x for w, x in zip(weights, u, strict=True)]
+    stats = peer_statistics(sent)
+    assert list(PeerCheck(max_ratio=1.9).judge(stats, [0, 1, 2])) == [0]  # unweighted, the dp-2 cluster reads as x2
+    assert PeerCheck(max_ratio=1.9, scales=weights).judge(stats, [0, 1, 2]) == {}  # the weight is no lie
+    liar = peer_statistics([sent[0], sent[1], 4 * sent[2]])
+    assert list(PeerCheck(max_ratio=1.9, scales=weights).judge(liar, [0, 1, 2])) == [2]
+    # token weights are not known before the payloads land: only the direction is judged
+    unknown = PeerCheck(max_ratio=1.9, sizes=False)
+    assert unknown.judge(liar, [0, 1, 2]) == {}
+    flipped = unknown.judge(peer_statistics([sent[0], sent[1], -sent[2]]), [0, 1, 2])
+    assert list(flipped) == [2] and "points away" in flipped[2]
 
 
 def test_peer_check_leaves_out_a_long_or_a_sign_flipped_update_of_three():
     peers = PeerCheck(max_ratio=3.0)
     u = honest_updates(3, seed=2)
-    assert peers.judge(inner_products(u), [0, 1, 2]) == {}
-    scaled = peers.judge(inner_products([u[0], 9 * u[1], u[2]]), [0, 1, 2])
+    assert peers.judge(peer_statistics(u), [0, 1, 2]) == {}
+    scaled = peers.judge(peer_statistics([u[0], 9 * u[1], u[2]]), [0, 1, 2])
     assert list(scaled) == [1] and "x the median" in scaled[1]
-    flipped = peers.judge(inner_products([u[0], u[1], -u[2]]), [0, 1, 2])
+    flipped = peers.judge(peer_statistics([u[0], u[1], -u[2]]), [0, 1, 2])
     assert list(flipped) == [2] and "points away from the others" in flipped[2]
     # below the ratio, a scaled update stays in (docs/design.md §4.5: what is not detected)
-    assert peers.judge(inner_products([2.5 * u[0], u[1], u[2]]), [0, 1, 2]) == {}
+    assert peers.judge(peer_statistics([2.5 * u[0], u[1], u[2]]), [0, 1, 2]) == {}
 
 
 def test_peer_check_judges_nothing_with_fewer_than_three_updates():
     peers = PeerCheck(max_ratio=3.0)
     u = honest_updates(3, seed=3)
     for pair in ([u[0], -u[1]], [u[0], 100 * u[1]]):
-        assert peers.judge(inner_products(pair), [0, 1]) == {}
+        assert peers.judge(peer_statistics(pair), [0, 1]) == {}
     # three sent, one already left out by the guard: the two left are not compared
-    assert peers.judge(inner_products([u[0], -u[1], u[2]]), [0, 1]) == {}
+    assert peers.judge(peer_statistics([u[0], -u[1], u[2]]), [0, 1]) == {}
 
 
 def test_peer_check_majority_two_liars_of_five_are_left_out_and_of_four_no_honest_one_is():
     peers = PeerCheck(max_ratio=3.0)
     u = honest_updates(5, seed=4)
     # two sign flips of five: they agree with each other but with no honest one, 1 < floor(4 / 2)
-    assert set(peers.judge(inner_products([u[0], u[1], u[2], -u[3], -u[4]]), list(range(5)))) == {3, 4}
+    assert set(peers.judge(peer_statistics([u[0], u[1], u[2], -u[3], -u[4]]), list(range(5)))) == {3, 4}
     # two of four: no majority either way, nothing is excluded rather than an honest cluster
-    assert peers.judge(inner_products([u[0], u[1], -u[2], -u[3]]), list(range(4))) == {}
+    assert peers.judge(peer_statistics([u[0], u[1], -u[2], -u[3]]), list(range(4))) == {}
 
 
 def test_peer_check_excludes_nothing_for_its_direction_when_no_majority_agrees():
-    peers = PeerCheck(max_ratio=3.0)
+    peers = PeerCheck(max_ratio=10.0)  # their median magnitudes differ 5 x: only the direction is tested here
     # three updates that all point apart (the two honest ones of a round happen to disagree, and the third is flipped)
     e = torch.eye(3)
     apart = [e[0] - 0.1 * e[1], e[1] - 0.1 * e[0], -(e[0] + e[1]) / 2 + e[2]]
-    gram = inner_products(apart)
-    assert all(gram[i, j] < 0 for i in range(3) for j in range(3) if i != j)
-    assert peers.judge(gram, [0, 1, 2]) == {}
-    assert reference_peer_exclusions(apart, [0, 1, 2], 3.0) == set()
+    gram = inner_products(apart)[:, :3]
+    assert all(gram[i, j] < -0.05 * gram[i, i].sqrt() * gram[j, j].sqrt() for i in range(3) for j in range(3) if i != j)
+    assert peers.judge(peer_statistics(apart), [0, 1, 2]) == {}
+    assert reference_peer_exclusions(apart, [0, 1, 2], 10.0) == set()
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -181,7 +285,7 @@ def test_peer_check_against_the_slow_reference(seed):
         u[i] = [-u[i], float(1 + 10 * torch.rand(1, generator=generator)) * u[i], torch.zeros_like(u[i]), u[i]][kind]
     candidates = sorted(torch.randperm(count, generator=generator)[: max(2, count - seed % 2)].tolist())
     ratio = [1.5, 3.0, 10.0][seed % 3]
-    got = PeerCheck(ratio).judge(inner_products(u), candidates)
+    got = PeerCheck(ratio).judge(peer_statistics(u), candidates)
     assert set(got) == reference_peer_exclusions(u, candidates, ratio)
     assert set(got) <= set(candidates)
 
@@ -216,10 +320,10 @@ def test_fault_config_rounds_and_corruptions():
         ),
         (["--sync.kind=allreduce", "--sync.aggregate=median"], "pseudo-gradients of a round"),
         (["--preset=dilocox-lowrank", "--sync.trim_fraction=0.5"], "sync.trim_fraction"),
-        (["--preset=dilocox-lowrank", "--sync.guard_max_ratio=1"], "sync.guard_max_ratio"),
-        (["--preset=dilocox-lowrank", "--sync.guard_peer_ratio=0.5"], "sync.guard_peer_ratio"),
-        (["--preset=dilocox-lowrank", "--sync.guard_peer_ratio=inf"], "sync.guard_peer_ratio"),
-        (["--preset=dilocox-lowrank", "--sync.guard_max_bad_rounds=0"], "guard_max_bad_rounds"),
+        (["--preset=dilocox-lowrank", "--sync.guard.max_ratio=1"], "sync.guard.max_ratio"),
+        (["--preset=dilocox-lowrank", "--sync.guard.peer_ratio=0.5"], "sync.guard.peer_ratio"),
+        (["--preset=dilocox-lowrank", "--sync.guard.peer_ratio=inf"], "sync.guard.peer_ratio"),
+        (["--preset=dilocox-lowrank", "--sync.guard.max_bad_rounds=0"], "sync.guard.max_bad_rounds"),
         (["--preset=dilocox-lowrank", "--faults.kind=scale", "--faults.cluster=2"], "faults.cluster"),
         (["--preset=dilocox-lowrank", "--faults.kind=scale", "--faults.rounds=5-2"], "faults.rounds"),
         (["--preset=dilocox-lowrank", "--faults.kind=scale", "--faults.rounds=x"], "faults.rounds"),

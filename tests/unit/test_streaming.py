@@ -59,7 +59,7 @@ def test_sync_config_refuses_impossible_fragments(fields, message):
 def test_fragments_compose_with_elastic_runs_faults_and_time_rounds():
     for elastic, faults, round_mode in ((True, "none", "steps"), (False, "diverge", "time"), (True, "nan", "time")):
         cfg = Config()
-        cfg.sync.kind, cfg.sync.fragments, cfg.sync.round = "diloco", 2, round_mode
+        cfg.sync.kind, cfg.sync.fragments, cfg.sync.round.mode = "diloco", 2, round_mode
         cfg.topology.elastic, cfg.faults.kind = elastic, faults
         cfg.validate()
 

@@ -1,4 +1,4 @@
-"""`faults.slow_clusters`, `sync.round = time` and the decisions of the round clock, from given step times."""
+"""`faults.slow_clusters`, `sync.round.mode = time` and the decisions of the round clock, from given step times."""
 
 import tomllib
 
@@ -6,7 +6,7 @@ import pytest
 
 from dilocox.checkpoint import check_resume, write_meta
 from dilocox.config import load_config, to_dict, to_toml
-from dilocox.sync.config import SyncConfig
+from dilocox.sync.config import RoundConfig, SyncConfig
 from dilocox.sync.rounds import RoundClock, RoundReport, token_weighted_factor
 
 
@@ -36,13 +36,19 @@ def test_slow_clusters_from_a_toml_table_and_from_the_flag_forms(tmp_path):
         (["--faults.slow_clusters=1:0.5"], "a factor must be a number >= 1"),
         (["--faults.slow_clusters=1"], "is not a key:value pair"),
         (
-            ["--sync.round=time", "--sync.kind=allreduce"],
-            "sync.round = 'time' does not work with sync.kind = 'allreduce'",
+            ["--sync.round.mode=time", "--sync.kind=allreduce"],
+            "sync.round.mode = 'time' does not work with sync.kind = 'allreduce'",
         ),
-        (["--sync.round=time", "--sync.sync_delay=1", "--sync.fit_link=true"], "does not work with sync.fit_link"),
-        (["--sync.round=time", "--sync.sync_delay=1", "--sync.overlap_steps=2"], "sync.overlap_steps = 2"),
-        (["--sync.round=time", "--sync.aggregate=median"], "sync.aggregate = 'median'"),
-        (["--sync.round_seconds=2"], "set sync.round = time"),
+        (
+            ["--sync.round.mode=time", "--sync.sync_delay=1", "--sync.round.fit_link=true"],
+            "does not work with sync.round.fit_link",
+        ),
+        (["--sync.round.mode=time", "--sync.sync_delay=1", "--sync.overlap_steps=2"], "sync.overlap_steps = 2"),
+        (["--sync.round.mode=time", "--sync.aggregate=median"], "sync.aggregate = 'median'"),
+        (["--sync.round.seconds=2"], "set sync.round.mode = time"),
+        # a budget below H steps of 1 ms cuts every round to one step (20 steps to 11 with H = 10)
+        (["--sync.round.mode=time", "--sync.round.seconds=1e-9"], "use --sync.round.seconds=0.008 or more"),
+        (["--sync.round.mode=time", "--sync.round.seconds=0.0079"], "sync.round.seconds = 0.0079 is less than H = 8 steps"),
     ],
 )
 def test_impossible_slow_or_time_settings_are_refused_naming_the_field(flags, words):
@@ -52,13 +58,13 @@ def test_impossible_slow_or_time_settings_are_refused_naming_the_field(flags, wo
     assert words in str(error.value)
 
 
-def clock(**sync) -> RoundClock:
-    return RoundClock(SyncConfig(inner_steps=8, round="time", **sync), total_steps=20)
+def clock(seconds: float = 0.0) -> RoundClock:
+    return RoundClock(SyncConfig(inner_steps=8, round=RoundConfig(mode="time", seconds=seconds)), total_steps=20)
 
 
 def test_virtual_rounds_count_each_step_as_its_factor():
-    slow = RoundClock(SyncConfig(inner_steps=8, round="time"), total_steps=20, virtual_factor=2.0)
-    odd = RoundClock(SyncConfig(inner_steps=8, round="time"), total_steps=20, virtual_factor=3.0)
+    slow = RoundClock(SyncConfig(inner_steps=8, round=RoundConfig(mode="time")), total_steps=20, virtual_factor=2.0)
+    odd = RoundClock(SyncConfig(inner_steps=8, round=RoundConfig(mode="time")), total_steps=20, virtual_factor=3.0)
     assert slow.num_rounds == 3  # ceil(20 / 8): the last round has the budget of 4 steps
     assert [slow.nominal_steps(r) for r in (1, 2, 3)] == [8, 8, 4]
     assert slow.first_steps() == 4 and odd.first_steps() == 2  # floor(8 / 3)
@@ -68,10 +74,10 @@ def test_virtual_rounds_count_each_step_as_its_factor():
 
 
 def test_the_fractions_of_steps_carry_over_so_the_steps_average_the_budget():
-    odd = RoundClock(SyncConfig(inner_steps=8, round="time"), total_steps=80, virtual_factor=3.0)
+    odd = RoundClock(SyncConfig(inner_steps=8, round=RoundConfig(mode="time")), total_steps=80, virtual_factor=3.0)
     steps = [odd.first_steps()] + [odd.next_steps(r, last_step_s=0.0, reports=None, own_index=0) for r in range(2, 10)]
     assert steps == [2, 3, 3, 2, 3, 3, 2, 3, 3]  # 8 / 3 a round: 24 steps in 9 rounds
-    resumed = RoundClock(SyncConfig(inner_steps=8, round="time"), total_steps=80, virtual_factor=3.0)
+    resumed = RoundClock(SyncConfig(inner_steps=8, round=RoundConfig(mode="time")), total_steps=80, virtual_factor=3.0)
     resumed.load_state_dict(odd.state_dict())
     assert resumed.next_steps(10, last_step_s=0.0, reports=None, own_index=0) == odd.next_steps(
         10, last_step_s=0.0, reports=None, own_index=0
@@ -95,7 +101,7 @@ def test_measured_rounds_take_the_fastest_reported_step_time_as_the_budget():
 
 def test_a_fixed_budget_divides_by_the_latest_step_time():
     def steps(round_index: int, step_s: float) -> int:
-        return clock(round_seconds=1.2).next_steps(round_index, last_step_s=step_s, reports=None, own_index=0)
+        return clock(seconds=1.2).next_steps(round_index, last_step_s=step_s, reports=None, own_index=0)
 
     assert steps(2, 0.1) == 12  # more than H when the budget allows
     assert steps(2, 0.4) == 3
@@ -121,22 +127,22 @@ def test_the_weighted_factor_counts_the_clusters_kept():
 
 def test_a_checkpoint_resumes_only_into_the_round_mode_it_was_written_with(tmp_path):
     steps = load_config(None, ["--topology.num_clusters=3"])
-    time_rounds = load_config(None, ["--topology.num_clusters=3", "--sync.round=time"])
+    time_rounds = load_config(None, ["--topology.num_clusters=3", "--sync.round.mode=time"])
     for written, resumed, was, now in (
         (steps, time_rounds, "'steps'", "'time'"),
         (time_rounds, steps, "'time'", "'steps'"),
     ):
-        path = tmp_path / f"from_{written.sync.round}"
+        path = tmp_path / f"from_{written.sync.round.mode}"
         path.mkdir()
         write_meta(path, {"step": 8, "config": to_dict(written), "files": {"rank0.pt": {}}})
         check_resume(written, path)  # the same settings resume
-        with pytest.raises(ValueError, match=f"sync.round was {was} in the checkpoint, {now} now"):
+        with pytest.raises(ValueError, match=f"sync.round.mode was {was} in the checkpoint, {now} now"):
             check_resume(resumed, path)
     legacy = to_dict(steps)
-    del legacy["sync"]["round"]  # written before sync.round existed: step rounds
+    del legacy["sync"]["round"]  # written before sync.round.mode existed: step rounds
     path = tmp_path / "legacy"
     path.mkdir()
     write_meta(path, {"step": 8, "config": legacy, "files": {"rank0.pt": {}}})
     check_resume(steps, path)
-    with pytest.raises(ValueError, match="sync.round was 'steps'"):
+    with pytest.raises(ValueError, match="sync.round.mode was 'steps'"):
         check_resume(time_rounds, path)

@@ -134,8 +134,8 @@ def run_paper_regime(
         raise ValueError(f"--timing-repeats {timing_repeats} must be >= 1")
     configs = {run.name: load_config(spec.base, run_overrides(spec, run, quick)) for run in selected}
     for name, cfg in configs.items():
-        if cfg.sync.fit_link:
-            raise ValueError(f"run {name}: sync.fit_link changes H with the link; the paper regime needs it off")
+        if cfg.sync.round.fit_link:
+            raise ValueError(f"run {name}: sync.round.fit_link changes H with the link; the paper regime needs it off")
     steps = next(iter(configs.values())).train.steps
     reference = BenchRun(NO_COMM_RUN, ["--preset=diloco", f"--sync.inner_steps={steps}", "--checkpoint.interval=0"],
                          "no communication (each cluster alone)")  # fmt: skip

@@ -1,0 +1,57 @@
+"""The peer check under the `dilocox` preset (top-k int4 with error feedback, own_payload, local residual, drain), end
+to end: `dilocox train` on the debug config with 3 clusters of one rank each, real processes over gloo, 6 rounds and
+the drained residual (docs/design.md §4.5).
+
+- clean: nothing is left out, and the run ends at the same final loss, to the bit, as the run without the peer check;
+- cluster 2 sends x4, x9 or negated pseudo-gradients from round 2 on: it is left out of round 2 (the x4 payload is
+  2.5 x as long as its peers', which the check of norms at 3 x let in: nothing was left out of that run), and an
+  honest cluster never is. A sign flip is left out of every sync it lies in. A scaling liar is not: a cluster left
+  out heals (its grown residual is dropped, it restarts from phi), and its next payloads come out smaller than its
+  peers' for a few rounds (docs/design.md §4.5, what is and is not detected).
+"""
+
+import json
+
+import pytest
+
+from tests.e2e.helpers import DEBUG, dilocox, metrics
+
+pytestmark = pytest.mark.e2e
+
+COMMON = ("--preset=dilocox", "--topology.num_clusters=3", "--train.steps=60", "--network.bandwidth=unlimited",
+          "--checkpoint.interval=0", "--eval.interval=0", "--run.num_threads=1")  # fmt: skip
+LIES = {
+    "x4": ("--faults.kind=scale", "--faults.scale=4", "--faults.cluster=2"),
+    "x9": ("--faults.kind=scale", "--faults.scale=9", "--faults.cluster=2"),
+    "sign": ("--faults.kind=sign", "--faults.cluster=2"),
+}
+
+
+def train(run_dir, *flags) -> tuple[dict, list[tuple[int | None, int, str]]]:
+    """The run's summary and what each sync left out: (round, None for the drain; cluster; why)."""
+    result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", *COMMON, *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    left_out = [(e["round"], e["cluster"], e["why"]) for r in metrics(run_dir) for e in r.get("round_exclusions", [])]
+    assert summary["guard_excluded_updates"] == len(left_out)
+    return summary, left_out
+
+
+def test_a_clean_run_is_the_same_with_and_without_the_peer_check(tmp_path):
+    checked, left_out = train(tmp_path / "clean")
+    unchecked, _ = train(tmp_path / "unchecked", "--sync.guard.peers=false")
+    assert left_out == []
+    assert checked["final_eval_loss"] == unchecked["final_eval_loss"]
+
+
+@pytest.mark.parametrize("lie", LIES)
+def test_a_lying_cluster_of_three_is_left_out_under_the_dilocox_preset(tmp_path, lie):
+    _, left_out = train(tmp_path / lie, *LIES[lie])
+    assert {cluster for _, cluster, _ in left_out} == {2}, left_out  # never an honest cluster
+    rounds = [round_index for round_index, _, _ in left_out]
+    assert rounds[0] == 2, left_out
+    if lie == "sign":  # rounds 2..6, then its residual (negated too) in the drain
+        assert rounds == [2, 3, 4, 5, 6, None], left_out
+        assert all("points away from the others" in why for _, _, why in left_out)
+    else:  # for its size: more than 2 x the round's median norm or median |value| sent
+        assert all(" x the median " in why for _, _, why in left_out), left_out
