@@ -10,7 +10,6 @@ resumed run ends bit for bit where the straight one does; and the checkpoint's c
 `export`) is the whole model, as the replicated run's is.
 """
 
-import math
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,8 @@ import torch
 from dilocox.checkpoint import consolidated_model_state
 from dilocox.config import load_config
 from dilocox.trainer import Trainer, prepare_data
+from tests.distributed.test_dilocox_parallel import GROUP as PARALLEL_GROUP
+from tests.distributed.test_dilocox_parallel import int4_nbytes
 from tests.multiproc import run_ranks
 
 CORPUS = "corpus.txt"
@@ -44,7 +45,7 @@ COMMON = [
     "--metrics.progress=false",
 ]
 DELAYED = ["--sync.sync_delay=1", "--eval.interval=1"]  # phi != the live params mid-round: every step evaluates phi
-GROUP = 64
+GROUP = PARALLEL_GROUP  # the group size int4_nbytes counts with
 INT4 = ["--preset=dilocox", "--compression.kind=int4", f"--compression.group_size={GROUP}"]
 PER_STEP, MODES = ("allreduce", "cocktail"), ("replicate", "shard")
 VARIANTS = {
@@ -55,11 +56,6 @@ VARIANTS = {
     "shard-int4": ["--topology.dp_mode=shard", *INT4],
     **{f"{mode}-{kind}": [f"--topology.dp_mode={mode}", f"--preset={kind}"] for kind in PER_STEP for mode in MODES},
 }
-
-
-def int4_nbytes(numel: int) -> int:
-    """int4 payload of one tensor: an fp16 scale per group of GROUP values, two values per byte."""
-    return 2 * math.ceil(numel / GROUP) + math.ceil(numel / 2)
 
 
 def config(corpus: Path, *overrides: str):
