@@ -248,6 +248,11 @@ def load_hf_weights_(model: Decoder, directory: str | Path) -> None:
 # ------------------------------------------------------------------------------------------------ writing
 def hf_config(args: ModelArgs, *, eos_id: int, dtype: str = "float32") -> dict[str, Any]:
     """The config.json of `args` (`max_seq_len` becomes `max_position_embeddings`)."""
+    if args.style != "qwen":
+        raise ValueError(
+            f"a model of style {args.style!r} has no Qwen2/Llama layout to export to Hugging Face; read its checkpoint "
+            "with dilocox eval, or train a Qwen-style flavor to export"
+        )
     kind = architecture(args)
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[kind]],
