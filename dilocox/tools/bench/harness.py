@@ -15,7 +15,6 @@ run directories (`runs/`, `timed/`) and logs stay where they were made (`.gitign
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -81,7 +80,7 @@ def run_bench(
     per_workload = []
     for index, workload in enumerate(spec.workloads, 1):
         print(f"workload {index}/{len(spec.workloads)}: {workload.name}", flush=True)
-        one = _workload_spec(spec, workload)
+        one = spec.on_workload(workload)
         results = _run_setting(one, selected, out_dir / workload.name, quick=quick, seeds=seeds,
                                timing_repeats=timing_repeats, retime=retime, resume=resume)  # fmt: skip
         per_workload.append({"name": workload.name, "label": workload.label or workload.name, "results": results})
@@ -91,12 +90,6 @@ def run_bench(
     write_atomic(out_dir / "results.md", format_workloads_table(combined).encode())
     print(format_workloads_table(combined))
     return combined
-
-
-def _workload_spec(spec: BenchSpec, workload: BenchRun) -> BenchSpec:
-    """The bench on one workload: its overrides after the bench's, its results under the bench's name/workload."""
-    overrides = [*spec.overrides, *workload.overrides]
-    return dataclasses.replace(spec, name=f"{spec.name}/{workload.name}", overrides=overrides, workloads=[])
 
 
 def _run_setting(

@@ -18,7 +18,7 @@ workload's overrides after the bench's and before the run's (benchmarks/configs/
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dilocox.config import read_toml
@@ -75,6 +75,11 @@ class BenchSpec:
     """Runs of the baseline at other settings (e.g. inner learning rates): the table adds a column of gaps to the
     best of them, the one with the lowest mean eval loss among those with the most seeds, so every row is also
     compared with the baseline at its best rather than at one setting."""
+
+    def on_workload(self, workload: BenchRun) -> BenchSpec:
+        """The bench on one of its workloads: the workload's overrides after the bench's, named bench/workload."""
+        overrides = [*self.overrides, *workload.overrides]
+        return replace(self, name=f"{self.name}/{workload.name}", overrides=overrides, workloads=[])
 
 
 def load_bench(path: Path) -> BenchSpec:
