@@ -94,7 +94,7 @@ FIXED_VOCAB_FLAVORS: frozenset[str] = frozenset({"qwen1.5-0.5b", "qwen1.5-1.8b",
 
 
 def list_flavors() -> list[str]:
-    """Names of all flavors, smallest first."""
+    """Names of all flavors: the small Qwen-style ones smallest first, the GPT-2-style one, the Qwen1.5 shapes."""
     return list(FLAVORS)
 
 

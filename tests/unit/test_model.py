@@ -304,7 +304,7 @@ def test_model_args_fills_vocab_and_overrides_sequence_length():
 
 def test_model_args_errors_name_the_problem():
     with pytest.raises(
-        ValueError, match=r"model\.flavor = 'huge' is not a known flavor.*debug, tiny, small, medium, qwen1\.5-0\.5b"
+        ValueError, match=r"model\.flavor = 'huge' is not a known flavor.*debug, tiny, small, medium, gpt2-char, qwen1\.5-0\.5b"
     ):
         model_args("huge", vocab_size=100)
     with pytest.raises(ValueError, match=r"vocab_size=200000 does not fit .*'qwen1\.5-1\.8b'.*151936"):
