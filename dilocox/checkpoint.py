@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox.compress.config import SPARSE_KINDS
+from dilocox.data.corpus import PYTHON_DOCS
 from dilocox.config import Config, flat_settings, option_value
 from dilocox.fileio import write_atomic
 from dilocox.models import ModelArgs, model_args
@@ -561,7 +562,7 @@ def check_auto_resume(cfg: Config, path: Path) -> None:
 
 
 def _corpus(data_path: str) -> str:
-    return str(Path(data_path).expanduser().resolve()) if data_path else ""
+    return str(Path(data_path).expanduser().resolve()) if data_path and data_path != PYTHON_DOCS else data_path
 
 
 def _describe_corpus(data_path: str) -> str:

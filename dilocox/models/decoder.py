@@ -2,6 +2,8 @@
 
 The model is the one of Qwen1.5 (the family of the DiLoCoX paper's 107B model, arXiv 2506.21263): RMSNorm pre-norm
 blocks, rotary position embeddings, grouped-query attention with optional bias on q/k/v, and a SwiGLU feed-forward.
+`ModelArgs.style = "gpt2"` builds GPT-2's block instead (Radford et al. 2019): LayerNorm, learned absolute positions,
+multi-head attention with biases and a GELU feed-forward (the second workload of the gap protocol, docs/results.md).
 
 Two properties matter for the rest of dilocox:
 
@@ -27,6 +29,8 @@ from torch.utils.checkpoint import checkpoint
 # 1/sqrt(2 * num_layers) so that the residual stream's variance does not grow with depth (GPT-2 / Megatron practice).
 _RESIDUAL_PROJECTIONS = ("attention.wo", "feed_forward.w2")
 _INIT_STD = 0.02
+STYLES = ("qwen", "gpt2")
+"""`ModelArgs.style`: the block of Qwen1.5 (RMSNorm, RoPE, SwiGLU) or of GPT-2 (LayerNorm, learned positions, GELU)."""
 
 
 @dataclass
@@ -55,6 +59,9 @@ class ModelArgs:
     """Bias on the q, k and v projections, as in Qwen; Llama has none."""
     tie_embeddings: bool = False
     """Share the output projection's weight with the token embedding (only when a module holds both)."""
+    style: str = "qwen"
+    """qwen: RMSNorm, rotary positions, SwiGLU; gpt2: LayerNorm, learned positions (max_seq_len of them), GELU MLP
+    with biases, a bias on every attention projection (`qkv_bias` and `rope_theta` unused)."""
 
     @property
     def head_dim(self) -> int:
@@ -66,6 +73,8 @@ class ModelArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"model {name}={value!r} must be a positive integer")
+        if self.style not in STYLES:
+            raise ValueError(f"model style={self.style!r} is not one of: {', '.join(STYLES)}")
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
@@ -75,7 +84,7 @@ class ModelArgs:
                 f"model dim={self.dim} is not divisible by num_heads={self.num_heads}; choose a dim that is a "
                 "multiple of num_heads"
             )
-        if self.head_dim % 2 != 0:
+        if self.head_dim % 2 != 0 and self.style == "qwen":
             raise ValueError(
                 f"head_dim = dim / num_heads = {self.dim} / {self.num_heads} = {self.head_dim} is odd; rotary "
                 "embeddings rotate pairs of channels, so choose dim and num_heads that give an even head_dim"
@@ -147,17 +156,20 @@ class Attention(nn.Module):
         self.num_heads = args.num_heads
         self.num_kv_heads = args.num_kv_heads
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.num_heads * self.head_dim, bias=args.qkv_bias)
-        self.wk = nn.Linear(args.dim, args.num_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.wv = nn.Linear(args.dim, args.num_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.num_heads * self.head_dim, args.dim, bias=False)
+        self.rotary = args.style == "qwen"
+        bias = args.qkv_bias or not self.rotary
+        self.wq = nn.Linear(args.dim, args.num_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.num_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.num_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(args.num_heads * self.head_dim, args.dim, bias=not self.rotary)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape  # (batch, seq, dim)
         q = self.wq(x).view(batch, seq, self.num_heads, self.head_dim)  # (batch, seq, heads, head_dim)
         k = self.wk(x).view(batch, seq, self.num_kv_heads, self.head_dim)  # (batch, seq, kv_heads, head_dim)
         v = self.wv(x).view(batch, seq, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rotary:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (batch, heads or kv_heads, seq, head_dim)
         # enable_gqa lets each kv head serve num_heads / num_kv_heads query heads without materializing copies.
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
@@ -183,6 +195,27 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))  # hidden: (batch, seq, hidden_dim)
 
 
+class GeluFeedForward(nn.Module):
+    """GPT-2's feed-forward w2(gelu(w1 x)), with biases.
+
+    ffn = GeluFeedForward(dim=64, hidden_dim=256)
+    y = ffn(x)  # x, y: (batch, seq, 64)
+    """
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim)
+        self.w2 = nn.Linear(hidden_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))  # hidden: (batch, seq, hidden_dim)
+
+
+def build_norm(args: ModelArgs) -> nn.Module:
+    """The block's norm: RMSNorm (qwen) or LayerNorm with a bias (gpt2)."""
+    return RMSNorm(args.dim, eps=args.norm_eps) if args.style == "qwen" else nn.LayerNorm(args.dim, eps=args.norm_eps)
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then h + feed_forward(norm(h)).
 
@@ -193,10 +226,10 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = build_norm(args)
         self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.ffn_norm = build_norm(args)
+        self.feed_forward = (FeedForward if args.style == "qwen" else GeluFeedForward)(args.dim, args.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)  # (batch, seq, dim)
@@ -221,8 +254,12 @@ class Decoder(nn.Module):
         args.validate()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.pos_embeddings: nn.Embedding | None = (
+            nn.Embedding(args.max_seq_len, args.dim) if args.style == "gpt2" else None
+        )
+        """gpt2: learned absolute positions, held with tok_embeddings (the first pipeline stage)."""
         self.layers = nn.ModuleDict({str(index): TransformerBlock(args) for index in range(args.num_layers)})
-        self.norm: RMSNorm | None = RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm: nn.Module | None = build_norm(args)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self._tie_output()
         # torch.empty follows the ambient device, so under `torch.device("meta")` the tables take no memory.
@@ -255,6 +292,9 @@ class Decoder(nn.Module):
                     "tok_embeddings"
                 )
             h = self.tok_embeddings(x)  # (batch, seq, dim)
+            if self.pos_embeddings is not None:
+                self._check_length(x.shape[1])
+                h = h + self.pos_embeddings.weight[: x.shape[1]]  # (seq, dim) broadcast over the batch
         else:
             if x.dim() != 3 or x.shape[-1] != self.args.dim:
                 raise ValueError(
@@ -267,13 +307,16 @@ class Decoder(nn.Module):
         ):
             return self._blocks_and_head(h)
 
-    def _blocks_and_head(self, h: torch.Tensor) -> torch.Tensor:
-        seq = h.shape[1]
+    def _check_length(self, seq: int) -> None:
         if seq > self.args.max_seq_len:
             raise ValueError(
                 f"sequence length {seq} exceeds max_seq_len={self.args.max_seq_len}; shorten the sequences or "
                 "build the model with a larger max_seq_len"
             )
+
+    def _blocks_and_head(self, h: torch.Tensor) -> torch.Tensor:
+        seq = h.shape[1]
+        self._check_length(seq)
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]  # (seq, head_dim // 2)
         # Sorted by index so that a stage runs its layers in the order of the full model whatever their insertion.
         for _, layer in sorted(self.layers.items(), key=lambda item: int(item[0])):
@@ -294,7 +337,7 @@ class Decoder(nn.Module):
         """Initialize every parameter from (seed, its name) and recompute the rotary tables.
 
         Linear and embedding weights are normal(0, 0.02), the attention and feed-forward output projections
-        normal(0, 0.02 / sqrt(2 * num_layers)), norms 1 and biases 0. Each tensor is drawn from its own CPU
+        normal(0, 0.02 / sqrt(2 * num_layers)), norms 1 and biases 0 (learned positions are an embedding). Each tensor is drawn from its own CPU
         generator seeded with a hash of (seed, fully qualified name), so the result does not depend on which other
         modules exist, on the device, or on the parameter dtype. `seed=None` means 0.
         """
@@ -302,8 +345,10 @@ class Decoder(nn.Module):
         self._tie_output()
         residual_std = _INIT_STD / math.sqrt(2 * self.args.num_layers)
         for module_name, module in self.named_modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, RMSNorm | nn.LayerNorm):
                 module.weight.fill_(1.0)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
             elif isinstance(module, nn.Embedding):
                 _keyed_normal_(module.weight, seed=seed, key=f"{module_name}.weight", std=_INIT_STD)
             elif isinstance(module, nn.Linear):

@@ -29,6 +29,12 @@ FLAVORS: dict[str, ModelArgs] = {
     "medium": ModelArgs(
         dim=384, num_layers=16, num_heads=6, num_kv_heads=2, ffn_dim=1152, vocab_size=REFERENCE_VOCAB_SIZE
     ),
+    # 0.18M parameters at vocab 257 (one id per byte: a character model): GPT-2's block (LayerNorm, learned
+    # positions, GELU), the second workload of the gap protocol (docs/results.md).
+    "gpt2-char": ModelArgs(
+        dim=64, num_layers=3, num_heads=4, num_kv_heads=4, ffn_dim=256, vocab_size=REFERENCE_VOCAB_SIZE,
+        max_seq_len=256, norm_eps=1e-5, tie_embeddings=True, style="gpt2",
+    ),
     # The shapes of the released Qwen1.5 checkpoints (Hugging Face config.json of Qwen/Qwen1.5-*).
     "qwen1.5-0.5b": ModelArgs(
         dim=1024,
@@ -88,7 +94,7 @@ FIXED_VOCAB_FLAVORS: frozenset[str] = frozenset({"qwen1.5-0.5b", "qwen1.5-1.8b",
 
 
 def list_flavors() -> list[str]:
-    """Names of all flavors, smallest first."""
+    """Names of all flavors: the small Qwen-style ones smallest first, the GPT-2-style one, the Qwen1.5 shapes."""
     return list(FLAVORS)
 
 

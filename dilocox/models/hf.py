@@ -68,6 +68,11 @@ def hf_name(name: str) -> str:
 
 def architecture(args: ModelArgs) -> str:
     """`qwen2` for a decoder with q/k/v biases, else `llama` (whose only attention bias option also biases o)."""
+    if args.style != "qwen":
+        raise ValueError(
+            f"a model of style {args.style!r} has no Qwen2/Llama layout to export to Hugging Face; read its checkpoint "
+            "with dilocox eval, or train a Qwen-style flavor to export"
+        )
     return "qwen2" if args.qkv_bias else "llama"
 
 
@@ -300,12 +305,13 @@ def write_hf_model(directory: str | Path, state: dict[str, torch.Tensor], args: 
         from safetensors.torch import save_file
     except ImportError:
         raise ValueError(f"writing Hugging Face weights needs safetensors; {HF_EXTRA_HINT}") from None
+    config = hf_config(args, eos_id=eos_id)  # before anything is written: a model without the layout is refused
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # a tied pair shares one storage, which safetensors refuses: hf_tensors stores the embedding only
     save_file(hf_tensors(state, args), str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     (directory / WEIGHTS_FILE).chmod(0o644)  # safetensors creates it private, unlike every other file of a model
-    write_atomic(directory / CONFIG_FILE, (json.dumps(hf_config(args, eos_id=eos_id), indent=2) + "\n").encode())
+    write_atomic(directory / CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
 
 
 def hf_tokenizer_path(directory: str | Path) -> str:

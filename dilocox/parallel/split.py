@@ -41,10 +41,11 @@ def _costs(args: ModelArgs) -> _Costs:
     # (biases, norms) without allocating anything; remove_duplicate=False keeps a tied head's own count.
     with torch.device("meta"):
         model = Decoder(replace(args, num_layers=1))
-    counts = {"tok_embeddings": 0, "layers": 0, "norm": 0, "output": 0}
+    counts = {"tok_embeddings": 0, "pos_embeddings": 0, "layers": 0, "norm": 0, "output": 0}
     for name, param in model.named_parameters(remove_duplicate=False):
         counts[name.split(".", 1)[0]] += param.numel()
-    return _Costs(layer=counts["layers"], embedding=counts["tok_embeddings"], head=counts["norm"] + counts["output"])
+    embedding = counts["tok_embeddings"] + counts["pos_embeddings"]
+    return _Costs(layer=counts["layers"], embedding=embedding, head=counts["norm"] + counts["output"])
 
 
 def _check_num_stages(args: ModelArgs, num_stages: int) -> None:
@@ -234,6 +235,7 @@ def _stage_on_meta(args: ModelArgs, stage: int, num_stages: int) -> Decoder:
             del model.layers[str(index)]
     if stage != 0:
         model.tok_embeddings = None
+        model.pos_embeddings = None
     if stage != num_stages - 1:
         model.norm = None
         model.output = None

@@ -36,7 +36,7 @@ VARIANTS = {
                 merge="own_payload",
                 local_residual=True,
                 drain_residual=True,
-                outer=OuterConfig(lr=1.0, momentum=0.0),
+                outer=OuterConfig(lr=1.4, momentum=0.0),
             ),
             CompressionConfig(kind="topk_int4", density=0.05, feedback_decay=1.0),
         ),

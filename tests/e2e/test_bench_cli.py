@@ -63,6 +63,36 @@ def test_bench_quick_runs_every_run_per_seed_tabulates_and_pairs_the_gaps(tmp_pa
 
 
 @pytest.mark.slow
+def test_bench_quick_runs_every_run_on_every_workload_and_tabulates_each(tmp_path):
+    bench = tmp_path / "w.toml"
+    bench.write_text(
+        '[bench]\nname = "w"\n'
+        '[[workloads]]\nname = "docs"\noverrides = ["--data.path=builtin:python-docs"]\n'
+        '[[workloads]]\nname = "plays"\n'
+        '[[runs]]\nname = "allreduce"\noverrides = ["--preset=allreduce"]\n'
+        '[[runs]]\nname = "alone"\noverrides = ["--preset=allreduce", "--topology.num_clusters=1"]\n'
+    )
+    out = tmp_path / "bench"
+    result = dilocox("bench", bench, "--quick", "--out", out, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    combined = json.loads((out / "results.json").read_text())
+    assert [w["name"] for w in combined["workloads"]] == ["docs", "plays"]
+    for workload, corpus in (("docs", "builtin:python-docs"), ("plays", "")):
+        for run, clusters in (("allreduce", 2), ("alone", 1)):
+            summary = json.loads((out / workload / "runs" / run / "summary.json").read_text())
+            assert summary["num_clusters"] == clusters
+            assert f'path = "{corpus}"' in (out / workload / "runs" / run / "config.toml").read_text()
+        rows = {r["name"]: r for r in json.loads((out / workload / "results.json").read_text())["runs"]}
+        assert rows["alone"]["summary"]["tokens"] * 2 == rows["allreduce"]["summary"]["tokens"]  # 1/C of them
+    docs, plays = ({r["name"]: r for r in w["results"]["runs"]} for w in combined["workloads"])
+    assert docs["allreduce"]["final_eval_loss"] != plays["allreduce"]["final_eval_loss"]
+    table = (out / "results.md").read_text()
+    assert "| run | gap, docs | gap, plays | mean gap |" in table and table in result.stdout
+    mean = (docs["alone"]["gap_to_baseline_pct"] + plays["alone"]["gap_to_baseline_pct"]) / 2
+    assert f"{mean:+.2f}%" in table.splitlines()[3]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # the bench's own limits: about 3.5 minutes on 2 idle cores, more when they are shared
 def test_bench_quick_paper_regime_produces_a_complete_table(tmp_path):
     """Throughputs on the calibrated link follow from the calibration and the bytes the run itself reports; with

@@ -12,7 +12,7 @@ from dilocox.sync.config import OuterConfig, SyncConfig
 
 SPELLED_OUT = {
     # preset: the values its file set before they were auto (overlap, merge, local, drain, outer lr, checkpoint)
-    "dilocox": (7, "own_payload", True, True, 1.0, 96),
+    "dilocox": (7, "own_payload", True, True, 1.4, 96),
     "dilocox-lowrank": (0, "own_payload", True, True, 1.0, 100),
     "paper": (0, "keep_local", False, False, 0.7, 100),
     "diloco": (0, "keep_local", False, False, 0.7, 100),
@@ -72,7 +72,7 @@ def test_another_outer_optimizer_takes_its_own_learning_rate_not_the_presets_sgd
     assert load_config(None, ["--sync.outer.optimizer=adamw", "--sync.outer.lr=0.003"]).sync.outer.lr == 0.003
     assert load_config(None, ["--preset=diloco", "--sync.outer.optimizer=adamw"]).sync.outer.lr == 0.01
     # the preset's own optimizer keeps the preset's values
-    assert load_config(None, ["--sync.outer.optimizer=sgd"]).sync.outer.lr == 1.0
+    assert load_config(None, ["--sync.outer.optimizer=sgd"]).sync.outer.lr == 1.4
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from dilocox.tools.bench.paper_regime import (
 )
 from dilocox.tools.bench.results import collect, compare, kept_rows, train_loss_tail, write_results
 from dilocox.tools.bench.spec import load_bench, run_overrides
-from dilocox.tools.bench.table import format_table
+from dilocox.tools.bench.table import format_table, format_workloads_table
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -301,12 +301,13 @@ def test_every_run_of_every_shipped_bench_file_is_a_valid_config(path, quick):
     """What the e2e bench test no longer runs strategy by strategy: each run's `dilocox train` config validates."""
     spec = load_bench(path)
     assert spec.runs, f"{path.name} has no runs"
-    for run in spec.runs:
-        cfg = load_config(spec.base, run_overrides(spec, run, quick))
-        try:
-            cfg.validate()
-        except ValueError as exc:
-            raise AssertionError(f"{path.name} run {run.name}: {exc}") from None
+    for one in [spec.on_workload(workload) for workload in spec.workloads] or [spec]:
+        for run in one.runs:
+            cfg = load_config(one.base, run_overrides(one, run, quick))
+            try:
+                cfg.validate()
+            except ValueError as exc:
+                raise AssertionError(f"{path.name} ({one.name}) run {run.name}: {exc}") from None
 
 
 def test_a_rerun_keeps_the_rows_of_runs_without_a_run_directory(tmp_path, capsys):
@@ -519,3 +520,58 @@ def test_the_clusters_training_loss_over_the_last_tenth_and_its_paired_gap(tmp_p
     assert results["runs"][1]["train_gap_pct"] == pytest.approx(10.0)
     assert results["runs"][0]["train_gap_pct"] == 0
     assert "| +10.00 ± 0.00% | +10.00% |" in format_table(results)  # eval-loss gap, then the clusters'
+
+
+def test_workloads_run_every_run_on_each_and_the_table_gives_each_gap_and_their_mean(tmp_path):
+    path = tmp_path / "b.toml"
+    path.write_text(textwrap.dedent("""\
+        [bench]
+        name = "w"
+        overrides = ["--train.steps=40"]
+        [[workloads]]
+        name = "chars"
+        label = "a character model"
+        overrides = ["--model.flavor=gpt2-char", "--data.vocab_size=257", "--train.steps=80"]
+        [[workloads]]
+        name = "plays"
+        [[runs]]
+        name = "allreduce"
+        overrides = ["--preset=allreduce"]
+        [[runs]]
+        name = "dilocox"
+        overrides = ["--train.steps=20"]
+    """))
+    spec = load_bench(path)
+    chars, plays = (spec.on_workload(workload) for workload in spec.workloads)
+    assert chars.name == "w/chars" and chars.overrides == ["--train.steps=40", *spec.workloads[0].overrides]
+    assert plays.overrides == ["--train.steps=40"] and not chars.workloads
+    # the workload's overrides come after the bench's and before the run's
+    assert load_config(chars.base, run_overrides(chars, chars.runs[0], False)).train.steps == 80
+    assert load_config(chars.base, run_overrides(chars, chars.runs[1], False)).train.steps == 20
+    losses = {"chars": {"allreduce": [2.0, 2.0], "dilocox": [2.02, 2.04]},  # +1%, +2%
+              "plays": {"allreduce": [4.0, 4.0], "dilocox": [4.2, 4.16]}}  # +5%, +4%  # fmt: skip
+    per_workload = []
+    for one, workload in zip((chars, plays), spec.workloads, strict=True):
+        write_seeded_runs(tmp_path / workload.name / "runs", losses[workload.name])
+        results = {**collect(one, tmp_path / workload.name, ["allreduce", "dilocox"]), "date": "d"}
+        per_workload.append({"name": workload.name, "label": workload.label or workload.name, "results": results})
+    table = format_workloads_table({"bench": "w", "source": str(path), "baseline": "allreduce",
+                                    "workloads": per_workload})  # fmt: skip
+    assert "| run | gap, chars | gap, plays | mean gap |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| dilocox |"))
+    assert "+1.50 ± 0.71%" in row and "+4.50 ± 0.71%" in row and "| +3.00% |" in row
+    assert "`chars`: a character model" in table and "over 2 seeds" in table
+
+
+def test_workload_errors(tmp_path):
+    path = tmp_path / "b.toml"
+    runs = "[[runs]]\nname = 'allreduce'\n"
+    path.write_text("[bench]\n[[workloads]]\nname = 'a'\n[[workloads]]\nname = 'a'\n" + runs)
+    with pytest.raises(ValueError, match="workloads names repeat"):
+        load_bench(path)
+    path.write_text("[bench]\n[[workloads]]\noverrides = []\n" + runs)
+    with pytest.raises(ValueError, match=r"workloads\[0\] needs name"):
+        load_bench(path)
+    path.write_text("[bench]\nregime = 'paper'\n[[workloads]]\nname = 'a'\n" + runs)
+    with pytest.raises(ValueError, match="the paper regime times one setting"):
+        load_bench(path)

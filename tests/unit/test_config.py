@@ -24,7 +24,7 @@ def test_precedence_defaults_then_preset_then_file_then_flags(tmp_path):
     path = write(tmp_path, "[sync]\ninner_steps = 20\n[sync.outer]\nlr = 0.5\n[train]\nlr = 1e-3\n")
     cfg = load_config(path, ["--sync.inner_steps=10", "--train.steps", "77", "--run.overwrite"])
     assert cfg.sync.inner_steps == 10  # flag beats file
-    assert cfg.sync.outer.lr == 0.5  # file beats the preset (1.0)
+    assert cfg.sync.outer.lr == 0.5  # file beats the preset (1.4)
     assert cfg.train.lr == 1e-3
     assert cfg.train.steps == 77  # "--key value" form
     assert cfg.run.overwrite is True  # bare boolean flag

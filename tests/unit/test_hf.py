@@ -215,3 +215,10 @@ def test_hub_names_and_directories_without_tokenizer_json_are_refused(tmp_path):
         Tokenizer.from_file("Qwen/Qwen2-0.5B")
     with pytest.raises(ValueError, match="directory without tokenizer.json.*save_pretrained"):
         Tokenizer.from_file(tmp_path)
+
+
+def test_a_gpt2_style_model_is_not_exported_to_a_qwen_layout(tmp_path):
+    args = model_args("gpt2-char", vocab_size=257, max_seq_len=64)
+    with pytest.raises(ValueError, match="style 'gpt2' has no Qwen2/Llama layout.*dilocox eval"):
+        write_hf_model(tmp_path / "hf", Decoder(args).state_dict(), args, eos_id=256)
+    assert not (tmp_path / "hf").exists()

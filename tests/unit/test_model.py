@@ -32,6 +32,11 @@ def _debug_args(**overrides) -> ModelArgs:
 
 def _expected_num_params(args: ModelArgs) -> int:
     """Parameter count written out by hand from the architecture."""
+    if args.style == "gpt2":  # biases everywhere, two LayerNorm vectors per norm, learned positions
+        attention = 4 * args.dim * args.dim + 4 * args.dim
+        feed_forward = 2 * args.dim * args.ffn_dim + args.ffn_dim + args.dim
+        embeddings = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2) + args.max_seq_len * args.dim
+        return args.num_layers * (attention + feed_forward + 4 * args.dim) + embeddings + 2 * args.dim
     kv_dim = args.num_kv_heads * args.head_dim
     attention = 2 * args.dim * args.dim + 2 * args.dim * kv_dim + (args.dim + 2 * kv_dim if args.qkv_bias else 0)
     feed_forward = 3 * args.dim * args.ffn_dim
@@ -192,7 +197,7 @@ def _materialize_stage(args: ModelArgs, keep_layers: set[str], *, first: bool, l
         if key not in keep_layers:
             del stage.layers[key]
     if not first:
-        stage.tok_embeddings = None
+        stage.tok_embeddings, stage.pos_embeddings = None, None
     if not last:
         stage.norm, stage.output = None, None
     stage.to_empty(device="cpu")
@@ -200,9 +205,10 @@ def _materialize_stage(args: ModelArgs, keep_layers: set[str], *, first: bool, l
     return stage
 
 
+@pytest.mark.parametrize("style", ["qwen", "gpt2"])
 @pytest.mark.parametrize("tie_embeddings", [False, True])
-def test_pipeline_stages_get_full_model_weights_and_reproduce_its_logits(tie_embeddings):
-    args = _debug_args(num_layers=4, tie_embeddings=tie_embeddings)
+def test_pipeline_stages_get_full_model_weights_and_reproduce_its_logits(tie_embeddings, style):
+    args = _debug_args(num_layers=4, tie_embeddings=tie_embeddings, style=style)
     full = Decoder(args)
     full.init_weights(seed=21)
     first = _materialize_stage(args, {"0", "1"}, first=True, last=False, seed=21)
@@ -219,6 +225,46 @@ def test_pipeline_stages_get_full_model_weights_and_reproduce_its_logits(tie_emb
     assert torch.equal(last(hidden), full(tokens))
 
 
+def test_gpt2_style_computes_gpt2s_block_written_out_by_hand():
+    """LayerNorm pre-norm blocks, learned positions added to the token embedding, multi-head attention without
+    rotation and with biases, GELU (tanh) MLP, a tied head: the formulas of GPT-2, sharing no code with the model."""
+    args = model_args("gpt2-char", vocab_size=VOCAB, max_seq_len=32)
+    model = Decoder(args)
+    model.init_weights(seed=5)
+    with torch.no_grad():  # the init zeroes biases and sets LayerNorm to 1 / 0: give them values the formulas see
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+    tokens = torch.randint(0, VOCAB, (2, 20))
+    state = dict(model.named_parameters())
+
+    def layer_norm(x, prefix):
+        mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+        return (x - mean) / torch.sqrt(var + args.norm_eps) * state[f"{prefix}.weight"] + state[f"{prefix}.bias"]
+
+    def linear(x, prefix):
+        return x @ state[f"{prefix}.weight"].T + state[f"{prefix}.bias"]
+
+    h = state["tok_embeddings.weight"][tokens] + state["pos_embeddings.weight"][:20]
+    heads, head_dim = args.num_heads, args.dim // args.num_heads
+    for index in range(args.num_layers):
+        p = f"layers.{index}"
+        x = layer_norm(h, f"{p}.attention_norm")
+        q, k, v = (linear(x, f"{p}.attention.w{w}").view(2, 20, heads, head_dim).transpose(1, 2) for w in "qkv")
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(head_dim)
+        scores = scores.masked_fill(torch.triu(torch.ones(20, 20, dtype=torch.bool), diagonal=1), float("-inf"))
+        h = h + linear((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 20, args.dim), f"{p}.attention.wo")
+        x = layer_norm(h, f"{p}.ffn_norm")
+        inner = linear(x, f"{p}.feed_forward.w1")
+        gelu = 0.5 * inner * (1 + torch.tanh(math.sqrt(2 / math.pi) * (inner + 0.044715 * inner**3)))
+        h = h + linear(gelu, f"{p}.feed_forward.w2")
+    logits = layer_norm(h, "norm") @ state["tok_embeddings.weight"].T
+    assert args.tie_embeddings and model.output.weight is model.tok_embeddings.weight
+    torch.testing.assert_close(model(tokens), logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+
+
 def test_flavor_parameter_counts():
     # Written out once by hand: debug 2 x (12,416 attention + 36,864 ffn + 128 norms) + 2 x 131,072 + 64.
     assert count_parameters(FLAVORS["debug"]) == 361_024
@@ -226,6 +272,8 @@ def test_flavor_parameter_counts():
     assert count_parameters(FLAVORS["tiny"]) == 1_312_896
     for name in list_flavors():
         assert count_parameters(FLAVORS[name]) == _expected_num_params(FLAVORS[name]), name
+    # gpt2-char at vocab 257 (one id per byte): 3 x (16,640 + 33,088 + 256) + 257 x 64 + 256 x 64 + 128.
+    assert count_parameters(model_args("gpt2-char", vocab_size=257)) == 182_912
     assert 9e6 < count_parameters(FLAVORS["small"]) < 11e6
     assert 27e6 < count_parameters(FLAVORS["medium"]) < 33e6
     # A tied head counts once.
@@ -256,7 +304,7 @@ def test_model_args_fills_vocab_and_overrides_sequence_length():
 
 def test_model_args_errors_name_the_problem():
     with pytest.raises(
-        ValueError, match=r"model\.flavor = 'huge' is not a known flavor.*debug, tiny, small, medium, qwen1\.5-0\.5b"
+        ValueError, match=r"model\.flavor = 'huge' is not a known flavor.*debug, tiny, small, medium, gpt2-char, qwen1\.5-0\.5b"
     ):
         model_args("huge", vocab_size=100)
     with pytest.raises(ValueError, match=r"vocab_size=200000 does not fit .*'qwen1\.5-1\.8b'.*151936"):

@@ -44,9 +44,9 @@ def test_public_names_are_exported_and_lazy():
 @pytest.mark.parametrize(
     "kind, options, want",
     [
-        ("dilocox", {}, (1, "topk_int4", 1.0, 0.0)),  # the dilocox preset: what `dilocox train` runs
+        ("dilocox", {}, (1, "topk_int4", 1.4, 0.0)),  # the dilocox preset: what `dilocox train` runs
         ("diloco", {}, (0, "none", 0.7, 0.9)),  # the diloco preset: the field defaults
-        ("dilocox", {"sync_delay": 0, "compression": "int4", "outer_momentum": 0.5}, (0, "int4", 1.0, 0.5)),
+        ("dilocox", {"sync_delay": 0, "compression": "int4", "outer_momentum": 0.5}, (0, "int4", 1.4, 0.5)),
         ("diloco", {"compression": CompressionConfig(kind="lowrank_int4", rank=4)}, (0, "lowrank_int4", 0.7, 0.9)),
     ],
 )
@@ -163,7 +163,7 @@ def test_bad_arguments_name_the_argument_and_the_fix(options, words):
 
 def test_the_outer_optimizer_is_a_name_or_a_factory():
     """A name or a factory; the auto options follow it: no drain (it adds at an SGD's learning rate), AdamW's own
-    auto learning rate instead of the dilocox preset's plain-averaging 1.0."""
+    auto learning rate instead of the dilocox preset's SGD 1.4."""
     assert not build(outer_optimizer=torch.optim.Adam).sync_config.drain_residual
     auto = build(outer_optimizer="adamw")
     assert (auto.sync_config.outer.lr, auto.sync_config.drain_residual, auto.sync_config.local_residual) == (

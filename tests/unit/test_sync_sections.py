@@ -187,7 +187,7 @@ def test_print_config_writes_the_sub_sections_as_tables_and_an_old_flag_warns_on
     assert not set(OLD_SYNC_KEYS) & set(flat_settings(printed)) and "outer_lr" not in result.stdout
     help_text = cli("train", "--help", cwd=tmp_path).stdout
     outer = help_text.split("\n[sync.outer]\n", 1)[1].split("\n[sync.guard]\n", 1)[0]
-    assert "  --sync.outer.lr=FLOAT|auto  (1.0, preset dilocox)" in outer
+    assert "  --sync.outer.lr=FLOAT|auto  (1.4, preset dilocox)" in outer
     assert '\n[sync.round]\n  --sync.round.mode={steps,time}  ("steps")' in help_text
 
 

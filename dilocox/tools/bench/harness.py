@@ -15,15 +15,17 @@ run directories (`runs/`, `timed/`) and logs stay where they were made (`.gitign
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from dilocox.config import load_config
+from dilocox.fileio import write_atomic
 from dilocox.tools.bench.paper_regime import run_paper_regime
 from dilocox.tools.bench.results import collect, kept_rows, write_results
 from dilocox.tools.bench.runs import has_summary, train_seeds
-from dilocox.tools.bench.spec import REGIMES, load_bench
-from dilocox.tools.bench.table import format_table
+from dilocox.tools.bench.spec import REGIMES, BenchRun, BenchSpec, load_bench
+from dilocox.tools.bench.table import format_table, format_workloads_table
 
 BENCH_OUT = Path("runs") / "bench"
 """Where a bench writes by default: a folder per bench under the ignored `runs/`."""
@@ -72,6 +74,36 @@ def run_bench(
     selected = [r for r in spec.runs if not only or r.name in only]
     if only and len(selected) != len(only):
         raise ValueError(f"--only {only}: unknown run names; the bench has {[r.name for r in spec.runs]}")
+    if not spec.workloads:
+        return _run_setting(spec, selected, out_dir, quick=quick, seeds=seeds, timing_repeats=timing_repeats,
+                            retime=retime, resume=resume)  # fmt: skip
+    per_workload = []
+    for index, workload in enumerate(spec.workloads, 1):
+        print(f"workload {index}/{len(spec.workloads)}: {workload.name}", flush=True)
+        one = spec.on_workload(workload)
+        results = _run_setting(one, selected, out_dir / workload.name, quick=quick, seeds=seeds,
+                               timing_repeats=timing_repeats, retime=retime, resume=resume)  # fmt: skip
+        per_workload.append({"name": workload.name, "label": workload.label or workload.name, "results": results})
+    combined = {"bench": spec.name, "source": str(spec.source), "baseline": spec.baseline, "quick": quick,
+                "workloads": per_workload}  # fmt: skip
+    write_atomic(out_dir / "results.json", json.dumps(combined, indent=2).encode())
+    write_atomic(out_dir / "results.md", format_workloads_table(combined).encode())
+    print(format_workloads_table(combined))
+    return combined
+
+
+def _run_setting(
+    spec: BenchSpec,
+    selected: list[BenchRun],
+    out_dir: Path,
+    *,
+    quick: bool,
+    seeds: int,
+    timing_repeats: int | None,
+    retime: bool,
+    resume: bool,
+) -> dict[str, Any]:
+    """The runs of `selected` on the one setting of `spec`, into `out_dir`: its table, JSON and plots."""
     base_seed = load_config(spec.base, spec.overrides).run.seed
     if spec.regime == "paper":  # makes out_dir itself, after checking what --retime needs from it
         repeats = timing_repeats if timing_repeats is not None else 1 if quick else spec.timing_repeats

@@ -11,11 +11,14 @@ every run starts from what `dilocox train` runs with no --config (the default pr
     overrides = ["--preset=allreduce"]
 
     spec = load_bench(Path("benchmarks/configs/default.toml"))
+
+`[[workloads]]` tables (name, label, overrides), where a bench has them, run every run once per workload, each
+workload's overrides after the bench's and before the run's (benchmarks/configs/workloads.toml).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dilocox.config import read_toml
@@ -66,10 +69,17 @@ class BenchSpec:
     """"as-configured" (every run on the config's link) or "paper" (see `run_paper_regime`)."""
     timing_repeats: int = 1
     """Paper regime: how many times each timed run goes (interleaved; rows report the median)."""
+    workloads: list[BenchRun] = field(default_factory=list)
+    """The settings every run goes on, one after the other (their overrides come after the bench's); none: one."""
     tuned_baseline: list[str] = field(default_factory=list)
     """Runs of the baseline at other settings (e.g. inner learning rates): the table adds a column of gaps to the
     best of them, the one with the lowest mean eval loss among those with the most seeds, so every row is also
     compared with the baseline at its best rather than at one setting."""
+
+    def on_workload(self, workload: BenchRun) -> BenchSpec:
+        """The bench on one of its workloads: the workload's overrides after the bench's, named bench/workload."""
+        overrides = [*self.overrides, *workload.overrides]
+        return replace(self, name=f"{self.name}/{workload.name}", overrides=overrides, workloads=[])
 
 
 def load_bench(path: Path) -> BenchSpec:
@@ -80,18 +90,14 @@ def load_bench(path: Path) -> BenchSpec:
         raise ValueError(f"bench config {path}: needs a [bench] table (name, overrides, baseline; base optional)")
     keys = {"name", "base", "overrides", "baseline", "notes", "regime", "timing_repeats", "tuned_baseline"}
     unknown = set(bench) - keys
-    if unknown or set(data) - {"bench", "runs"}:
-        raise ValueError(f"bench config {path}: unknown keys {sorted(unknown | (set(data) - {'bench', 'runs'}))}")
-    runs = []
-    for index, run in enumerate(data.get("runs", [])):
-        if "name" not in run or set(run) - {"name", "overrides", "label"}:
-            raise ValueError(f"bench config {path}: runs[{index}] needs name (and only overrides, label)")
-        runs.append(BenchRun(run["name"], list(run.get("overrides", [])), run.get("label", "")))
+    if unknown or set(data) - {"bench", "runs", "workloads"}:
+        other = set(data) - {"bench", "runs", "workloads"}
+        raise ValueError(f"bench config {path}: unknown keys {sorted(unknown | other)}")
+    runs = _named_tables(path, data, "runs")
     if not runs:
         raise ValueError(f"bench config {path}: no [[runs]]")
     names = [r.name for r in runs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"bench config {path}: run names repeat: {names}")
+    workloads = _named_tables(path, data, "workloads")
     base = Path(bench["base"]) if "base" in bench else None
     if base is not None and not base.is_absolute():
         base = (path.parent / base) if (path.parent / base).is_file() else base
@@ -106,6 +112,7 @@ def load_bench(path: Path) -> BenchSpec:
         regime=bench.get("regime", "as-configured"),
         timing_repeats=bench.get("timing_repeats", 1),
         tuned_baseline=bench.get("tuned_baseline", []),
+        workloads=workloads,
     )
     if not isinstance(spec.timing_repeats, int) or isinstance(spec.timing_repeats, bool) or spec.timing_repeats < 1:
         raise ValueError(f"bench config {path}: timing_repeats = {spec.timing_repeats!r} must be an integer >= 1")
@@ -123,7 +130,23 @@ def load_bench(path: Path) -> BenchSpec:
             f"bench config {path}: tuned_baseline is a column of the link-off table; the {spec.regime} regime's table "
             "has none: compare the settings in a link-off bench (e.g. benchmarks/configs/paper_decomposition.toml)"
         )
+    if workloads and spec.regime != "as-configured":
+        raise ValueError(f"bench config {path}: [[workloads]] run link off, as configured; the {spec.regime} regime "
+                         "times one setting: give it a bench of its own")  # fmt: skip
     return spec
+
+
+def _named_tables(path: Path, data: dict, key: str) -> list[BenchRun]:
+    """The `[[runs]]` or `[[workloads]]` of a bench file: each a name, its overrides and a label; names unique."""
+    tables = []
+    for index, table in enumerate(data.get(key, [])):
+        if "name" not in table or set(table) - {"name", "overrides", "label"}:
+            raise ValueError(f"bench config {path}: {key}[{index}] needs name (and only overrides, label)")
+        tables.append(BenchRun(table["name"], list(table.get("overrides", [])), table.get("label", "")))
+    names = [table.name for table in tables]
+    if len(set(names)) != len(names):
+        raise ValueError(f"bench config {path}: {key} names repeat: {names}")
+    return tables
 
 
 QUICK_OVERLAP_STEPS = 2

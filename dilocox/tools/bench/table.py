@@ -212,3 +212,37 @@ def format_paper_table(results: dict[str, Any]) -> str:
     if results.get("notes"):
         footer.append(results["notes"])
     return "\n".join(lines + footer) + "\n"
+
+
+def format_workloads_table(combined: dict[str, Any]) -> str:
+    """The markdown table of a bench over several workloads: a row per run, its gap to the baseline on each
+    workload (paired seed by seed, as in each workload's own table, `WORKLOAD/results.md`), their mean and its
+    slow-link bytes against AllReduce's on each."""
+    workloads = combined["workloads"]
+    head = " | ".join(f"gap, {w['name']}" for w in workloads)
+    lines = [
+        f"| run | {head} | mean gap | bytes vs AllReduce |",
+        "| --- |" + " ---: |" * (len(workloads) + 2),
+    ]
+    rows_by_workload = [{row["name"]: row for row in w["results"]["runs"]} for w in workloads]
+    for name in rows_by_workload[0]:
+        rows = [rows.get(name) for rows in rows_by_workload]
+        cells = [
+            "-" if row is None else _gap_cell(row["gap_to_baseline_pct"], {**row, "baseline_name": combined["baseline"]})
+            for row in rows
+        ]
+        gaps = [row["gap_to_baseline_pct"] for row in rows if row is not None and row["gap_to_baseline_pct"] is not None]
+        mean = _pct_cell(sum(gaps) / len(gaps)) if len(gaps) == len(rows) else "-"
+        ratios = ", ".join("-" if row is None else _bytes_ratio_cell(row) for row in rows)
+        label = next(row["label"] for row in rows if row is not None)
+        lines.append(f"| {label} | {' | '.join(cells)} | {mean} | {ratios} |")
+    quick = " (quick)" if combined.get("quick") else ""
+    footer = ["", f"Bench `{combined['bench']}` ({combined['source']}){quick}, one table per workload in its folder:"]
+    for w in workloads:
+        s = w["results"]["runs"][0]["summary"] if w["results"]["runs"] else {}
+        footer.append(
+            f"- `{w['name']}`: {w['label']}; {s.get('flavor')} ({s.get('num_params', 0):,} params), "
+            f"{s.get('tokens', 0):,} tokens per run, {w['results']['date']}."
+        )
+    footer += _seeds_note(workloads[0]["results"])
+    return "\n".join(lines + footer) + "\n"
