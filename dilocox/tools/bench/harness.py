@@ -86,9 +86,10 @@ def run_bench(
         per_workload.append({"name": workload.name, "label": workload.label or workload.name, "results": results})
     combined = {"bench": spec.name, "source": str(spec.source), "baseline": spec.baseline, "quick": quick,
                 "workloads": per_workload}  # fmt: skip
+    table = format_workloads_table(combined)
     write_atomic(out_dir / "results.json", json.dumps(combined, indent=2).encode())
-    write_atomic(out_dir / "results.md", format_workloads_table(combined).encode())
-    print(format_workloads_table(combined))
+    write_atomic(out_dir / "results.md", table.encode())
+    print(table)
     return combined
 
 

@@ -89,10 +89,9 @@ def load_bench(path: Path) -> BenchSpec:
     if not isinstance(bench, dict):
         raise ValueError(f"bench config {path}: needs a [bench] table (name, overrides, baseline; base optional)")
     keys = {"name", "base", "overrides", "baseline", "notes", "regime", "timing_repeats", "tuned_baseline"}
-    unknown = set(bench) - keys
-    if unknown or set(data) - {"bench", "runs", "workloads"}:
-        other = set(data) - {"bench", "runs", "workloads"}
-        raise ValueError(f"bench config {path}: unknown keys {sorted(unknown | other)}")
+    unknown = (set(bench) - keys) | (set(data) - {"bench", "runs", "workloads"})
+    if unknown:
+        raise ValueError(f"bench config {path}: unknown keys {sorted(unknown)}")
     runs = _named_tables(path, data, "runs")
     if not runs:
         raise ValueError(f"bench config {path}: no [[runs]]")
