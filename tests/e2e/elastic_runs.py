@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dilocox.checkpoint import list_checkpoints
 from dilocox.metrics import read_metrics
-from tests.e2e.helpers import DEBUG, REPO
+from tests.e2e.helpers import DEBUG, REPO, default_sigint
 
 ELASTIC = [
     "--topology.elastic=true", "--preset=dilocox-lowrank", "--sync.merge=eager", "--sync.local_residual=false",
@@ -32,6 +32,7 @@ class Run:
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", "dilocox", "train", "--config", DEBUG, f"--run.out_dir={run_dir}", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
+            preexec_fn=default_sigint,  # the Ctrl+C test's signal must not be ignored under a CI script's `cmd &`
         )  # fmt: skip
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

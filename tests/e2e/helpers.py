@@ -142,11 +142,12 @@ def start_long_run(run_dir: Path, env: dict | None = None) -> subprocess.Popen:
         env=env,
         # as from a terminal: a shell's background job (a CI script's `cmd &`) would hand down SIGINT ignored, and
         # Python then never raises KeyboardInterrupt, so Ctrl+C could not be tested
-        preexec_fn=_default_sigint,
+        preexec_fn=default_sigint,
     )
 
 
-def _default_sigint() -> None:
+def default_sigint() -> None:
+    """In a child before exec: SIGINT as a terminal hands it down (a background job inherits it ignored)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
