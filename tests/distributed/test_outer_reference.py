@@ -1,4 +1,4 @@
-"""Blocking and delayed DiLoCo on 3 gloo ranks against a single-process simulation of the 3 clusters.
+"""Blocking, delayed and streamed DiLoCo on 3 gloo ranks against a single-process simulation of the 3 clusters.
 
 The reference below is the algorithm of DESIGN.md section 3 written out plainly, sharing no code with
 `dilocox.sync`: per cluster, H plain-SGD inner steps from the round start; pseudo-gradient = round start - params;
@@ -11,6 +11,19 @@ by the flush at the end. With `overlap_steps = k` > 0 the mean in flight is appl
 round instead: phi takes the outer step, every cluster's params move by what phi moved past its round start, and
 the round start becomes phi. The outer learning rate of update k (0-based, of K = 3) follows the schedule: linear
 warm-up over W updates, then constant or cosine down to lr x rho.
+
+`fragment_reference` adds Streaming DiLoCo's fragments and a lossy codec with error feedback, with H = 4 and outer SGD
+0.7 / Nesterov 0.9. The parameter tensors are 2 contiguous fragments (the first ends on the tensor border nearest half
+the values: the first layer's weight, then the rest); fragment f's rounds end at step (f + 1) H / 2 and every H steps
+after (fragment 0 first), and the last step ends every fragment's round. Each fragment has its own phi, momentum and
+round starts, and each cluster one codec per fragment, built with the run's seed (the same on every cluster and
+fragment), with its own residual r: a round sends decode(encode(r + g)) of its pseudo-gradient g and keeps
+r = (r + g) - decoded; phi takes the mean of what the clusters sent. A delayed round (`eager`, `lookahead`) starts as
+above at the fragment's own phi and momentum, its mean landing at the next boundary or k steps into the next round; a
+streamed round (`sync_delay = 0, overlap_steps = tau`) sends its pseudo-gradient tau steps before its boundary and, once
+phi took the mean there, the fragment's params become (1 - alpha) phi + alpha params and its next round starts at phi (a
+round too short for the launch is blocking). The codec is used as a black box (its encode and decode, tested on their
+own in tests/unit/test_codecs.py).
 """
 
 import math
@@ -18,6 +31,7 @@ import math
 import pytest
 import torch
 
+from dilocox.compress import CompressionConfig, build_codec
 from dilocox.config import load_config
 from dilocox.net.channel import WanChannel
 from dilocox.sync import build_sync
@@ -51,6 +65,24 @@ DEFAULTS = {
     "outer_min_lr_ratio": 0.1, "overlap_steps": 0,
 }  # fmt: skip
 NUM_UPDATES = math.ceil(STEPS / H)
+
+FRAGMENT_H, NUM_FRAGMENTS = 4, 2  # fragment 0's rounds end at steps 2, 6 and 7, fragment 1's at 4 and 7 (STEPS)
+RUN_SEED = 7  # run.seed: the seed of every codec, whose stochastic rounding draws from it
+INT4 = {"kind": "int4", "group_size": 8}
+TOPK_INT4 = {"kind": "topk_int4", "density": 0.25, "group_size": 8}  # per tensor 3 of 12 values, 1 of 3, 2 of 6, 1 of 2
+STREAMED = {"sync_delay": 0, "overlap_steps": 1, "alpha": 0.5}  # Streaming DiLoCo: launched 1 step before the boundary
+FRAGMENT_VARIANTS = {
+    # name: (the SyncConfig fields, the CompressionConfig fields) of each variant, error feedback on in every codec
+    "fragments-delayed-eager-int4": ({"sync_delay": 1, "merge": "eager"}, INT4),
+    "fragments-delayed-lookahead-topk_int4-overlap1": (
+        {"sync_delay": 1, "merge": "lookahead", "overlap_steps": 1}, TOPK_INT4),
+    "fragments-streamed-int4-stochastic": (STREAMED, INT4 | {"stochastic_rounding": True}),
+    "fragments-streamed-topk_int4": (STREAMED, TOPK_INT4),
+}  # fmt: skip
+FRAGMENT_DEFAULTS = {
+    "fragments": NUM_FRAGMENTS, "inner_steps": FRAGMENT_H, "merge": "keep_local", "overlap_steps": 0, "alpha": 0.0,
+    **OUTER,
+}  # fmt: skip
 
 
 def settings(name: str) -> dict:
@@ -157,6 +189,107 @@ def reference(sync_delay, merge, outer_lr, outer_momentum, nesterov, outer_lr_sc
     return trace
 
 
+def fragment_settings(name: str) -> tuple[dict, dict]:
+    sync, codec = FRAGMENT_VARIANTS[name]
+    return FRAGMENT_DEFAULTS | sync, codec
+
+
+def fragment_reference(sync_delay, merge, overlap_steps, alpha, outer_lr, outer_momentum, nesterov, fragments,
+                       inner_steps, codec, seed=RUN_SEED) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:  # fmt: skip
+    """(outer params, every cluster's params) after each step at which a fragment's round ended, and after the final
+    flush, with 2 fragments and `codec` (CompressionConfig fields) with error feedback."""
+    assert fragments == 2
+    models = [make_model() for _ in range(NUM_CLUSTERS)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=INNER_LR) for m in models]
+    shapes = [p.shape for p in models[0].parameters()]
+    numels = [s.numel() for s in shapes]
+    split = min(range(1, len(numels)), key=lambda e: abs(sum(numels[:e]) - sum(numels) / 2))  # the border nearest half
+    fragment_shapes = [shapes[:split], shapes[split:]]
+    sizes = [sum(numels[:split]), sum(numels[split:])]  # values of each fragment, in parameter order
+    phi = list(flat(models[0]).split(sizes))
+    buf = [None, None]
+    pending = [None, None]  # the mean in flight of each fragment
+    round_start = [list(phi) for _ in models]  # [cluster][fragment]
+    codecs = [[build_codec(CompressionConfig(**codec), seed=seed) for _ in sizes] for _ in models]
+    residual = [[torch.zeros(n) for n in sizes] for _ in models]  # [cluster][fragment], as the codecs
+    round_end = [max(1, (f + 1) * inner_steps // fragments) for f in range(fragments)]  # fragment 0 syncs first
+    last_boundary = [0, 0]
+
+    def params(c, f):
+        return flat(models[c]).split(sizes)[f]
+
+    def set_params(c, f, vector):
+        load(models[c], torch.cat([vector if k == f else params(c, k) for k in range(fragments)]))
+
+    def outer_step(f, g):
+        """Fragment f's phi and momentum after a step on g (Nesterov: phi - lr (g + m buf), buf = m buf + g)."""
+        new_buf = g.clone() if buf[f] is None else outer_momentum * buf[f] + g
+        direction = g + outer_momentum * new_buf if nesterov else new_buf
+        return phi[f] - outer_lr * direction, new_buf
+
+    def send(c, f, g):
+        """What cluster c's codec of fragment f sends of g (decoded): it encodes g plus its residual, keeps the loss."""
+        residual[c][f] = residual[c][f] + g
+        decoded = round_trip(codecs[c][f], residual[c][f], fragment_shapes[f])
+        residual[c][f] = residual[c][f] - decoded
+        return decoded
+
+    def launch(f, pseudo_grads):
+        pending[f] = sum(send(c, f, g) for c, g in enumerate(pseudo_grads)) / NUM_CLUSTERS
+
+    def land(f):
+        phi[f], buf[f] = outer_step(f, pending[f])
+        pending[f] = None
+
+    trace = []
+    for step in range(1, STEPS + 1):
+        for cluster, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+            inner_step(model, optimizer, cluster, step)
+        ended = False
+        for f in range(fragments):  # in fragment order
+            pseudo_grads = [round_start[c][f] - params(c, f) for c in range(NUM_CLUSTERS)]
+            if step == round_end[f] or step == STEPS:  # its boundary, or the end of training cuts its round short
+                ended = True
+                last_boundary[f], round_end[f] = step, step + inner_steps
+                if sync_delay == 0:
+                    if pending[f] is None:  # blocking: no launch before the boundary
+                        launch(f, pseudo_grads)
+                    land(f)
+                    for c in range(NUM_CLUSTERS):
+                        set_params(c, f, (1 - alpha) * phi[f] + alpha * params(c, f))
+                        round_start[c][f] = phi[f]
+                else:
+                    if pending[f] is not None:
+                        land(f)
+                    launch(f, pseudo_grads)
+                    for c, g in enumerate(pseudo_grads):
+                        estimate = {"eager": g / NUM_CLUSTERS, "lookahead": g}[merge]
+                        round_start[c][f] = outer_step(f, estimate)[0]  # phi and buf are not assigned
+                        set_params(c, f, round_start[c][f])
+            elif sync_delay == 0 and step == round_end[f] - overlap_steps:
+                launch(f, pseudo_grads)  # tau steps before the boundary: the round's progress so far
+            elif sync_delay == 1 and pending[f] is not None and step == last_boundary[f] + overlap_steps:
+                land(f)  # k steps into the round: each cluster keeps what it computed since the boundary
+                for c in range(NUM_CLUSTERS):
+                    set_params(c, f, params(c, f) + (phi[f] - round_start[c][f]))
+                    round_start[c][f] = phi[f]
+        if ended:
+            trace.append((torch.cat(phi), [flat(m) for m in models]))
+    for f in range(fragments):
+        if pending[f] is not None:
+            land(f)
+    for model in models:
+        load(model, torch.cat(phi))
+    trace.append((torch.cat(phi), [flat(m) for m in models]))
+    return trace
+
+
+def round_trip(codec, vector, shapes):
+    """What `codec` delivers of the flat `vector` (one tensor per shape, encoded and decoded), flat again."""
+    tensors = [part.view(s) for part, s in zip(vector.split([s.numel() for s in shapes]), shapes, strict=True)]
+    return torch.cat([t.reshape(-1) for t in codec.decode_list(codec.encode_list(tensors), shapes)])
+
+
 def sync_flags(settings: dict) -> list[str]:
     """`--sync.key=value` for each SyncConfig field of a variant."""
     return [f"--sync.{key}={str(v).lower() if isinstance(v, bool) else v}" for key, v in settings.items()]
@@ -187,9 +320,9 @@ def drive(groups, rank: int, flags: list[str], model: torch.nn.Module, step_fn=N
     return trace
 
 
-def assert_traces_match(got: list[list], want: list) -> None:
+def assert_traces_match(got: list[list], want: list, *, num_boundaries: int = 3) -> None:
     """Every cluster's `drive` trace (`got[cluster]`) equals the simulation's `want` to 1e-6, round by round."""
-    assert len(want) == 3 + 1  # rounds ending at steps 3, 6, 7, then the flush
+    assert len(want) == num_boundaries + 1  # by default rounds ending at steps 3, 6, 7, then the flush
     for cluster, trace in enumerate(got):
         assert len(trace) == len(want)
         for (outer_params, params), (want_phi, want_params) in zip(trace, want, strict=True):
@@ -200,7 +333,15 @@ def assert_traces_match(got: list[list], want: list) -> None:
 def _run(rank, world_size):
     groups = build_process_groups(Topology(NUM_CLUSTERS), rank)
     common = ["--sync.kind=diloco", f"--sync.inner_steps={H}", f"--train.steps={STEPS}"]
-    return {name: drive(groups, rank, common + sync_flags(settings(name)), make_model()) for name in VARIANTS}
+    traces = {name: drive(groups, rank, common + sync_flags(settings(name)), make_model()) for name in VARIANTS}
+    # each cluster fits its own random targets (inner_step): its updates need not agree with the others', so the
+    # peer check is off; the reference is the plain mean of what was sent
+    common = ["--sync.kind=diloco", f"--train.steps={STEPS}", f"--run.seed={RUN_SEED}", "--sync.guard.peers=false"]
+    for name in FRAGMENT_VARIANTS:
+        sync, codec = fragment_settings(name)
+        flags = common + sync_flags(sync) + [f"--compression.{key}={str(v).lower()}" for key, v in codec.items()]
+        traces[name] = drive(groups, rank, flags, make_model())
+    return traces
 
 
 @pytest.fixture(scope="module")
@@ -221,9 +362,27 @@ def test_outer_loop_matches_the_single_process_simulation(runs, variant):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("variant", list(FRAGMENT_VARIANTS))
+def test_fragments_with_a_lossy_codec_match_the_single_process_simulation(runs, variant):
+    sync, codec = fragment_settings(variant)
+    want = fragment_reference(**sync, codec=codec)
+    # boundaries at steps 2 (fragment 0), 4 (fragment 1), 6 (fragment 0) and 7 (both), then the flush
+    assert_traces_match([traces[variant] for traces in runs], want, num_boundaries=4)
+    assert (want[-1][0] - want[0][0]).abs().max() > 1e-2
+    assert (want[0][1][0] - want[0][1][1]).abs().max() > 1e-2  # the clusters' params differ between the syncs
+    # the premise: the codec loses something (fp32 gives another trajectory), and what it loses depends on its seed
+    # where it rounds stochastically
+    fp32 = fragment_reference(**sync, codec={"kind": "none"})
+    assert (want[-1][0] - fp32[-1][0]).abs().max() > 1e-3
+    if codec.get("stochastic_rounding"):
+        reseeded = fragment_reference(**sync, codec=codec, seed=RUN_SEED + 1)
+        assert (want[-1][0] - reseeded[-1][0]).abs().max() > 1e-4
+
+
+@pytest.mark.dist
 def test_every_cluster_holds_the_same_outer_params_under_every_merge_rule(runs):
     """phi (what `agreed_model()` evaluates) only ever takes the true averages: bit for bit equal on every cluster."""
-    for variant in VARIANTS:
+    for variant in [*VARIANTS, *FRAGMENT_VARIANTS]:
         for (phi_0, _), (phi_1, _), (phi_2, _) in zip(*(traces[variant] for traces in runs), strict=True):
             assert torch.equal(phi_0, phi_1) and torch.equal(phi_0, phi_2), variant
 
