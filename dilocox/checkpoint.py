@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from dilocox.compress.config import SPARSE_KINDS
-from dilocox.data.corpus import PYTHON_DOCS
 from dilocox.config import Config, flat_settings, option_value
+from dilocox.data.corpus import describe_corpus, same_corpus
 from dilocox.fileio import write_atomic
 from dilocox.models import ModelArgs, model_args
 from dilocox.net.json_gather import all_gather_json
@@ -548,10 +548,10 @@ def check_auto_resume(cfg: Config, path: Path) -> None:
     saved = meta.get("config")
     saved_path = saved.get("data", {}).get("path") if isinstance(saved, dict) else None
     new_start = "start the new run with another --run.out_dir, or replace that one with --run.overwrite=true"
-    if saved_path is not None and _corpus(saved_path) != _corpus(cfg.data.path):
+    if saved_path is not None and not same_corpus(saved_path, cfg.data.path):
         raise ValueError(
-            f"run.out_dir = {cfg.run.out_dir} holds another run, trained on data.path = {_describe_corpus(saved_path)} "
-            f"(checkpoint {Path(path).name}), not on {_describe_corpus(cfg.data.path)}: {new_start} "
+            f"run.out_dir = {cfg.run.out_dir} holds another run, trained on data.path = {describe_corpus(saved_path)} "
+            f"(checkpoint {Path(path).name}), not on {describe_corpus(cfg.data.path)}: {new_start} "
             "(--checkpoint.resume=latest continues that run on this data)"
         )
     if meta["step"] > cfg.train.steps:
@@ -559,14 +559,6 @@ def check_auto_resume(cfg: Config, path: Path) -> None:
             f"run.out_dir = {cfg.run.out_dir} holds a run at step {meta['step']} (checkpoint {Path(path).name}), past "
             f"train.steps = {cfg.train.steps}: to continue that run raise --train.steps; otherwise {new_start}"
         )
-
-
-def _corpus(data_path: str) -> str:
-    return str(Path(data_path).expanduser().resolve()) if data_path and data_path != PYTHON_DOCS else data_path
-
-
-def _describe_corpus(data_path: str) -> str:
-    return repr(data_path) if data_path else "'' (the built-in Shakespeare plays)"
 
 
 def check_resume_model(path: Path, args: ModelArgs, *, tokenizer_vocab: str, tokenizer_path: str) -> None:

