@@ -310,6 +310,23 @@ def test_every_run_of_every_shipped_bench_file_is_a_valid_config(path, quick):
                 raise AssertionError(f"{path.name} ({one.name}) run {run.name}: {exc}") from None
 
 
+def test_quick_keeps_a_runs_overlap_below_its_shortest_round(tmp_path):
+    """`--quick` trains H = 5: a run's overlap becomes 2, or 1 over its fragments, cut to 2 (rounds of 2, 3 steps)."""
+    path = tmp_path / "b.toml"
+    rows = {"blocking": [], "streamed": ["--sync.overlap_steps=15"], "auto": ["--sync.overlap_steps=auto"],
+            "fragments": ["--sync.fragments=4", "--sync.overlap_steps=4"], "one": ["--sync.fragments=1"]}  # fmt: skip
+    bench = "[bench]\nname = 'q'\noverrides = ['--preset=paper', '--sync.sync_delay=0']\nbaseline = 'blocking'\n"
+    path.write_text(bench + "".join(f"[[runs]]\nname = '{n}'\noverrides = {o!r}\n" for n, o in rows.items()))
+    spec = load_bench(path)
+    got = {}
+    for run in spec.runs:
+        cfg = load_config(spec.base, run_overrides(spec, run, True))
+        cfg.validate()
+        got[run.name] = (cfg.sync.fragments, cfg.sync.overlap_steps)
+    assert run_overrides(spec, spec.runs[3], False)[-2:] == ["--sync.fragments=4", "--sync.overlap_steps=4"]
+    assert got["streamed"][1] == 2 and got["fragments"] == (2, 1) and got["one"][0] == 1 and got["blocking"][1] == 0
+
+
 def test_a_rerun_keeps_the_rows_of_runs_without_a_run_directory(tmp_path, capsys):
     """`--only` on a fresh checkout: results.json is committed, runs/ is not. The other rows stay, paired again with
     the baseline's stored seeds; a row whose run changed since, or a results.json of another mode, is not kept."""

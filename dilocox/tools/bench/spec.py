@@ -149,14 +149,24 @@ def _named_tables(path: Path, data: dict, key: str) -> list[BenchRun]:
 
 
 QUICK_OVERLAP_STEPS = 2
-"""`--quick`'s `sync.overlap_steps` for a run that sets one: it must stay below the quick H of 5."""
+"""`--quick`'s `sync.overlap_steps` for a run that sets one: it must stay below the quick H of 5 (1 with fragments)."""
 
 
 def run_overrides(spec: BenchSpec, run: BenchRun, quick: bool) -> list[str]:
-    """The `dilocox train` overrides of one run: the bench's, then `--quick`'s, then the run's own (under `--quick`
-    a nonzero `sync.overlap_steps` the run sets becomes `QUICK_OVERLAP_STEPS`; an auto one follows the quick H)."""
+    """The `dilocox train` overrides of one run: the bench's, then `--quick`'s, then the run's own. Under `--quick`
+    a run's fragments become 2 (the quick H of 5 has room for no more), and a nonzero `sync.overlap_steps` it sets
+    becomes `QUICK_OVERLAP_STEPS`, or 1 with fragments (below their shortest round, 2 steps); an auto one follows."""
     flags = [*spec.overrides, *(QUICK_OVERRIDES if quick else []), *run.overrides]
-    set_overlap = [flag.partition("=")[2] for flag in flags if flag.startswith("--sync.overlap_steps=")]
-    if quick and set_overlap and set_overlap[-1] not in ("0", "auto"):
-        flags.append(f"--sync.overlap_steps={QUICK_OVERLAP_STEPS}")
+    if not quick:
+        return flags
+
+    def last(key: str) -> str | None:
+        values = [flag.partition("=")[2] for flag in flags if flag.startswith(f"--{key}=")]
+        return values[-1] if values else None
+
+    fragments = last("sync.fragments") not in (None, "1")
+    if fragments:
+        flags.append("--sync.fragments=2")
+    if last("sync.overlap_steps") not in (None, "0", "auto"):
+        flags.append(f"--sync.overlap_steps={1 if fragments else QUICK_OVERLAP_STEPS}")
     return flags
