@@ -64,7 +64,8 @@ class FaultConfig:
     cluster: int = 0
     """The misbehaving cluster (0-based)."""
     rounds: str = "2-"
-    """Outer rounds (1-based) in which it misbehaves: "3", "2-5", or "2-" for every round from the second."""
+    """Outer rounds (1-based) in which it misbehaves: "3", "2-5", "2-" for every round from the second, or a list of
+    these, "3,10-12,40-"."""
     scale: float = 1000.0
     """kind = scale: the factor."""
     slow_clusters: dict = field(default_factory=dict)
@@ -75,7 +76,7 @@ class FaultConfig:
     def validate(self, num_clusters: int | None = None) -> None:
         """Raise ValueError naming the first impossible setting of `[faults]` and how to fix it."""
         check_types("faults", self)  # also faults.kind, a choice
-        self.round_range()
+        self.round_ranges()
         if self.cluster < 0 or (num_clusters is not None and self.cluster >= num_clusters):
             limit = f" < topology.num_clusters = {num_clusters}" if num_clusters is not None else ""
             raise ValueError(f"faults.cluster = {self.cluster} must be >= 0{limit}")
@@ -107,20 +108,23 @@ class FaultConfig:
         """How many times slower than an unslowed cluster `cluster` is (1.0: not slowed)."""
         return self.slow_factors().get(cluster, 1.0)
 
-    def round_range(self) -> tuple[int, int | None]:
-        """(first, last) rounds of `rounds`, last None for open-ended."""
-        text = self.rounds.strip()
-        first, dash, last = text.partition("-")
-        try:
-            start = int(first)
-            end = (int(last) if last.strip() else None) if dash else start
-        except ValueError:
-            raise ValueError(
-                f"faults.rounds = {self.rounds!r} must be a round, a range or an open range, e.g. '3', '2-5', '2-'"
-            ) from None
-        if start < 1 or (end is not None and end < start):
-            raise ValueError(f"faults.rounds = {self.rounds!r}: rounds count from 1 and a range must not be empty")
-        return start, end
+    def round_ranges(self) -> list[tuple[int, int | None]]:
+        """(first, last) of each comma-separated part of `rounds`, last None for an open range."""
+        ranges = []
+        for part in self.rounds.split(","):
+            first, dash, last = part.strip().partition("-")
+            try:
+                start = int(first)
+                end = (int(last) if last.strip() else None) if dash else start
+            except ValueError:
+                raise ValueError(
+                    f"faults.rounds = {self.rounds!r} must be rounds, ranges or an open range, separated by commas, "
+                    "e.g. '3', '2-5', '2-' or '3,10-12,40-'"
+                ) from None
+            if start < 1 or (end is not None and end < start):
+                raise ValueError(f"faults.rounds = {self.rounds!r}: rounds count from 1 and a range must not be empty")
+            ranges.append((start, end))
+        return ranges
 
     @property
     def enabled(self) -> bool:
@@ -130,8 +134,7 @@ class FaultConfig:
         """Whether `cluster` misbehaves in outer round `round_index` (1-based)."""
         if not self.enabled or cluster != self.cluster:
             return False
-        start, end = self.round_range()
-        return start <= round_index and (end is None or round_index <= end)
+        return any(start <= round_index and (end is None or round_index <= end) for start, end in self.round_ranges())
 
     def corrupt(self, pseudo_grad: torch.Tensor, *, round_index: int) -> torch.Tensor:
         """What a lying cluster sends instead of `pseudo_grad` (a new tensor; `pseudo_grad` is not changed)."""

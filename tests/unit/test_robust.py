@@ -295,7 +295,12 @@ def test_fault_config_rounds_and_corruptions():
     faults.validate(num_clusters=4)
     assert [faults.active(cluster=2, round_index=r) for r in range(1, 6)] == [False, False, True, True, False]
     assert not faults.active(cluster=1, round_index=3)
-    assert FaultConfig(kind="sign", rounds="2-").round_range() == (2, None)
+    assert FaultConfig(kind="sign", rounds="2-").round_ranges() == [(2, None)]
+    scattered = FaultConfig(kind="sign", cluster=1, rounds="2, 5-6,9-")
+    assert [r for r in range(1, 12) if scattered.active(cluster=1, round_index=r)] == [2, 5, 6, 9, 10, 11]
+    for bad in ("", "2,", "0", "4-3", "2;5", "x"):
+        with pytest.raises(ValueError, match="faults.rounds"):
+            FaultConfig(kind="sign", rounds=bad).validate()
     g = torch.tensor([3.0, -4.0])
     assert torch.equal(faults.corrupt(g, round_index=3), 10 * g)
     assert torch.equal(FaultConfig(kind="sign").corrupt(g, round_index=1), -g)
