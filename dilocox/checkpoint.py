@@ -159,8 +159,8 @@ def save_checkpoint(
     name = _rank_file(rank)
     tmp = partial / f".{name}.tmp"
     try:
-        with open(tmp, "wb") as handle:  # through a Python file, a full disk is OSError(ENOSPC), not a zip error
-            torch.save(state, handle)
+        with open(tmp, "wb") as handle:
+            _save_to(state, handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, partial / name)
@@ -190,6 +190,36 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     _barrier(group)
     return final
+
+
+class _Writes:
+    """A file as `torch.save` writes to it, keeping the OSError a write raised."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _save_to(state: dict, handle) -> None:
+    """`torch.save` into `handle`; a write that failed (a disk that filled up mid-file, a file-size limit) raises its
+    OSError, which torch's zip writer would report as RuntimeError("unexpected pos ...")."""
+    writes = _Writes(handle)
+    try:
+        torch.save(state, writes)
+    except RuntimeError:
+        if writes.error is not None:
+            raise writes.error from None
+        raise
 
 
 class CheckpointNotWritten(ValueError):

@@ -1,6 +1,7 @@
-"""A checkpoint that one rank cannot write (its disk is full) stops every rank with the same line, on 2 real gloo
-ranks, and leaves the checkpoints before it as they were."""
+"""A checkpoint that one rank cannot write (its disk is full, or fills up in the middle of its file) stops every rank
+with the same line, on 2 real gloo ranks, and leaves the checkpoints before it as they were."""
 
+import resource
 from pathlib import Path
 
 import pytest
@@ -11,13 +12,15 @@ from dilocox.checkpoint import CheckpointNotWritten, list_checkpoints, save_chec
 from tests.multiproc import run_ranks
 
 
-def _worker(rank: int, world_size: int, run_dir: str) -> str:
+def _worker(rank: int, world_size: int, run_dir: str, mid_file: bool = False) -> str:
     def save(step: int) -> Path:
         state = {"w": torch.full((256, 256), float(rank))}
         return save_checkpoint(Path(run_dir), step, state, rank=rank, meta={"world_size": 2}, keep=3, group=None)
 
     save(10)
-    if rank == 1:  # only this rank's disk is full: what the kernel says then (/dev/full)
+    if rank == 1 and mid_file:  # the file can grow to 64 KB of its 256 KB: the kernel writes what fits, then fails
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    elif rank == 1:  # only this rank's disk is full: what the kernel says then (/dev/full)
         real_save = torch.save
 
         def onto_full_disk(obj, handle):
@@ -39,6 +42,19 @@ def test_a_rank_with_a_full_disk_stops_every_rank_with_one_line_and_no_partial(t
     root = tmp_path / "checkpoints"
     assert lines[0] == lines[1] and lines[0].startswith(
         f"the disk is full: checkpoint step 20 could not be written to {root}"
+    )
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000010"]
+    verify_checkpoint(list_checkpoints(tmp_path)[0])
+
+
+@pytest.mark.dist
+def test_a_file_cut_short_mid_write_stops_every_rank_with_its_os_error_and_no_partial(tmp_path):
+    """A short write (a disk that fills up mid-file; here a file-size limit: Python ignores SIGXFSZ, so the write
+    fails with EFBIG) is the OS error it is, not torch's "unexpected pos" crash that left the partial directory."""
+    lines = run_ranks(_worker, 2, args=(str(tmp_path), True))
+    root = tmp_path / "checkpoints"
+    assert lines[0] == lines[1] and lines[0].startswith(
+        f"checkpoint step 20 could not be written to {root} (File too large;"
     )
     assert sorted(p.name for p in root.iterdir()) == ["step_00000010"]
     verify_checkpoint(list_checkpoints(tmp_path)[0])
