@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from dilocox import forkserver
-from dilocox.checkpoint import elastic_resume_paths
+from dilocox.checkpoint import CheckpointNotWritten, elastic_resume_paths
 from dilocox.config import Config, from_dict, to_dict
 from dilocox.elastic.lighthouse import lighthouse_timeouts, lighthouse_url, start_lighthouse
 from dilocox.launch.processes import (
@@ -401,6 +401,11 @@ def _elastic_rank_main(
             trainer.train()
         finally:
             trainer.close()
+    except CheckpointNotWritten as exc:  # this machine's disk, not the run's settings: the cluster alone fails
+        if local_rank == 0:  # and is started again; it heals from a live peer and its next checkpoint tries again
+            print(f"dilocox: elastic: cluster {cluster}: {exc}", flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     except ValueError as exc:  # a user error, or fewer clusters than sync.min_clusters (ElasticError)
         report_user_error(store, rank, str(exc))
         sys.stdout.flush()

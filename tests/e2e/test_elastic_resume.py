@@ -1,10 +1,12 @@
 """Elastic runs on disk (docs/design.md §10.1): every cluster's checkpoints, a run killed entirely that resumes from
-disk, a bad Lighthouse URL, a stopped cluster named and recorded, a machine that starts late."""
+disk, a cluster whose disk fills, a bad Lighthouse URL, a stopped cluster named and recorded, a machine that starts
+late."""
 
 import contextlib
 import json
 import os
 import re
+import resource
 import shlex
 import shutil
 import signal
@@ -151,6 +153,32 @@ def test_ctrl_c_stops_every_cluster_with_the_command_that_resumes_the_run(tmp_pa
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"dilocox: resuming from {command.group(2)} (checkpoint.resume = auto" in resumed.stdout
     assert all(r["step"] == 30 for r in records_of(tmp_path / "run").values())
+
+
+@pytest.mark.timeout(300)
+def test_a_cluster_that_cannot_write_its_checkpoint_restarts_alone_and_the_run_goes_on(tmp_path, start_run):
+    """Cluster 1's machine lets a file grow to 64 KB only (a real kernel limit, as a disk that fills up: a checkpoint
+    is ~5 MB): its step-10 checkpoint fails, the cluster alone stops and is started again (without the limit), heals
+    from cluster 0 and writes the later checkpoints; cluster 0 never stops."""
+    run = start_run("run", *ON_DISK)
+    deadline = time.monotonic() + 120
+    while 1 not in run.pids():
+        assert run.proc.poll() is None and time.monotonic() < deadline, run.output
+        time.sleep(0.02)
+    for pid in run.ranks_of(1):
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (64 << 10, resource.prlimit(pid, resource.RLIMIT_FSIZE)[1]))
+    assert run.finish() == 0, run.output
+    root = tmp_path / "run" / "checkpoints" / "cluster1"
+    assert f"dilocox: elastic: cluster 1: checkpoint step 10 could not be written to {root} (File too large;" in (
+        run.output
+    )
+    assert len(run.pids()[0]) == 1 and len(run.pids()[1]) == 2  # cluster 0 ran through, cluster 1 started twice
+    assert "cluster1/step_00000010" not in checkpoints_of(tmp_path / "run")
+    assert "cluster1/step_00000030" in checkpoints_of(tmp_path / "run")
+    assert not [p for p in root.iterdir() if p.name.endswith(".partial")]
+    records = records_of(tmp_path / "run")
+    assert all(r["step"] == 30 for r in records.values())
+    assert records[0]["outer_params_sha256"] == records[1]["outer_params_sha256"]
 
 
 @pytest.mark.timeout(300)
