@@ -64,8 +64,7 @@ class FaultConfig:
     cluster: int = 0
     """The misbehaving cluster (0-based)."""
     rounds: str = "2-"
-    """Outer rounds (1-based) in which it misbehaves: "3", "2-5", "2-" for every round from the second, or a list of
-    these, "3,10-12,40-"."""
+    """Outer rounds (1-based) in which it misbehaves: "3", "2-5", "2-" (every round from the 2nd) or "3,10-12,40-"."""
     scale: float = 1000.0
     """kind = scale: the factor."""
     slow_clusters: dict = field(default_factory=dict)
