@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dilocox.config import read_toml
+from dilocox.config import parse_overrides, read_toml
 
 MIN_STEADY_STEPS = 48
 """The paper regime: the fewest steps the steady window of an outer-loop run spans (whole rounds): one 12-step
@@ -159,14 +159,10 @@ def run_overrides(spec: BenchSpec, run: BenchRun, quick: bool) -> list[str]:
     flags = [*spec.overrides, *(QUICK_OVERRIDES if quick else []), *run.overrides]
     if not quick:
         return flags
-
-    def last(key: str) -> str | None:
-        values = [flag.partition("=")[2] for flag in flags if flag.startswith(f"--{key}=")]
-        return values[-1] if values else None
-
-    fragments = last("sync.fragments") not in (None, "1")
+    given = dict(parse_overrides(flags))  # each option's last value
+    fragments = given.get("sync.fragments", "1") != "1"
     if fragments:
         flags.append("--sync.fragments=2")
-    if last("sync.overlap_steps") not in (None, "0", "auto"):
+    if given.get("sync.overlap_steps", "0") not in ("0", "auto"):
         flags.append(f"--sync.overlap_steps={1 if fragments else QUICK_OVERLAP_STEPS}")
     return flags
