@@ -143,7 +143,11 @@ class Quorum:
     clusters: tuple[int, ...]
     """The member clusters, in group rank order."""
     group: dist.ProcessGroup
-    """This round's slow-link group (gloo), one rank per member cluster."""
+    """This round's slow-link group (gloo), one rank per member cluster: the payloads, on the channel's thread."""
+    control: dist.ProcessGroup
+    """The same members' group for the small agreements of a boundary (reports, confirmations), on the trainer's
+    thread. gloo pairs the collectives of a group in the order each member calls them, so two threads calling on one
+    group could pair a report with a payload still in flight (another fragment's) on one member and not another."""
     healed: bool
     """This cluster's state was just replaced by a live peer's (it joined late or restarted)."""
 
@@ -169,7 +173,22 @@ def _reconfigurable_gloo(timeout: datetime.timedelta, host: str, *, connect_time
         members: tuple[int, ...] = ()
         quorum_id: int = -1
 
+        control: dist.ProcessGroup | None = None
+        """`Quorum.control`, built with the payloads' group of each quorum and dropped with it."""
+
         def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
+            self.control = self._gloo(dist.PrefixStore("control", store), rank, world_size)
+            return self._gloo(store, rank, world_size)
+
+        def abort(self, errored: bool = True) -> None:
+            self.control = None  # its sockets close with the last reference, as the payloads' group's
+            super().abort(errored)
+
+        def shutdown(self) -> None:
+            self.control = None
+            super().shutdown()
+
+        def _gloo(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
             # torchft's ProcessGroupGloo._create_pg with the gloo device given: listening on `host`
             options = dist.ProcessGroupGloo._Options()
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_address(host)[1])]
@@ -399,7 +418,7 @@ class ElasticMembership:
         """Return once every member of `quorum` has its state (one 1-element all-reduce over its group, bounded by
         network.timeout): torchft stops serving a cluster's state when it commits, so a cluster that members heal
         from in its first quorum commits only after they have read it."""
-        confirm(group=quorum.group, timeout=self.timeout)
+        confirm(group=quorum.control, timeout=self.timeout)
 
     def progress(self) -> dict[str, int]:
         """torchft's step (boundaries committed) and batches committed: what a checkpoint records of the membership."""
@@ -454,7 +473,14 @@ class ElasticMembership:
         members = self.group.members
         if check:
             self._check(members)
-        return Quorum(quorum_id=self.group.quorum_id, clusters=members, group=self.group.parent, healed=self._healed)
+        assert self.group.control is not None
+        return Quorum(
+            quorum_id=self.group.quorum_id,
+            clusters=members,
+            group=self.group.parent,
+            control=self.group.control,
+            healed=self._healed,
+        )
 
     def _check(self, members: tuple[int, ...]) -> None:
         if len(members) < self.min_clusters:

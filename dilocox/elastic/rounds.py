@@ -342,7 +342,7 @@ class ElasticRounds:
             )
             branch, diverged = Branch.FAILED, []
             try:
-                reports = exchange_reports(mine, group=quorum.group, timeout=control)
+                reports = exchange_reports(mine, group=quorum.control, timeout=control)
             except RuntimeError as error:
                 failure = error
             else:
@@ -392,7 +392,7 @@ class ElasticRounds:
         if any(report.restart_missing for report in reports):
             return Branch.MEET_AGAIN
         if diverged:
-            return Branch.REJOIN if quorum.group.rank() in diverged else Branch.FAILED
+            return Branch.REJOIN if quorum.control.rank() in diverged else Branch.FAILED
         verdict = delayed_update_verdict(
             num_holding=sum(report.holding for report in reports),
             num_not_ok=sum(not report.ok for report in reports),
@@ -428,7 +428,7 @@ class ElasticRounds:
         # again: the next boundary's digests tell them apart (`_branch`).
         failure: RuntimeError | None = None
         try:
-            confirm(group=quorum.group, timeout=self.membership.control_timeout)
+            confirm(group=quorum.control, timeout=self.membership.control_timeout)
         except RuntimeError as error:
             failure = error
         if self.vote.any_failed(failure):
@@ -453,7 +453,7 @@ class ElasticRounds:
         others = [quorum.clusters[rank] for rank, report in enumerate(reports) if report.config != mine.config]
         if others:
             described = exchange_settings(
-                self.membership.shared_settings, group=quorum.group, timeout=self.membership.control_timeout
+                self.membership.shared_settings, group=quorum.control, timeout=self.membership.control_timeout
             )
             differences = describe_differences(described, noun="cluster", numbers=quorum.clusters)
             raise ElasticError(

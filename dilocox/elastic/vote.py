@@ -6,7 +6,7 @@ outer params are not the agreed ones is found by their digests (`outer_digest`, 
 cluster, each settling its own stage, then take the same way at every step (`ClusterVote`: the most severe `Branch`
 any of them saw).
 
-    reports = exchange_reports(mine, group=quorum.group, timeout=control)
+    reports = exchange_reports(mine, group=quorum.control, timeout=control)
     verdict = delayed_update_verdict(num_holding=..., num_not_ok=...)   # apply, redo or nothing
     branch = ClusterVote(membership.cluster_group).most_severe(Branch.REDO)
 """

@@ -153,6 +153,7 @@ class Member:
         self.shared_settings: dict = {"train.lr": 0.002}
         self.stall_watch = None
         self._group: dist.ProcessGroup | None = None
+        self._control: dist.ProcessGroup | None = None
         self._group_id = -1
 
     def start_round(self, *, check: bool = True) -> Quorum:
@@ -160,11 +161,14 @@ class Member:
         if quorum_id != self._group_id:
             rank = clusters.index(self.cluster)
             self._group = make_group(self.lighthouse.store, f"q{quorum_id}", rank, len(clusters), self.group_timeout)
+            self._control = make_group(self.lighthouse.store, f"c{quorum_id}", rank, len(clusters), self.group_timeout)
             self._group_id = quorum_id
         if heal is not None:
             self.load_state_dict(heal)
             self.step, self.heals = max_step, self.heals + 1
-        return Quorum(quorum_id=quorum_id, clusters=clusters, group=self._group, healed=heal is not None)
+        return Quorum(
+            quorum_id=quorum_id, clusters=clusters, group=self._group, control=self._control, healed=heal is not None
+        )
 
     def join(self) -> Quorum:
         quorum = self.start_round()
@@ -179,7 +183,7 @@ class Member:
     def fail(self, error: Exception) -> None:
         self.failures += 1
         self.commit_failures += 1
-        self._group, self._group_id = None, -1  # torchft's abort: its reference to the group goes
+        self._group, self._control, self._group_id = None, None, -1  # torchft's abort: its references go
 
     def restarts_in_progress(self) -> dict[int, bool]:
         return self.restarts()
@@ -443,7 +447,9 @@ def test_a_member_whose_transfer_failed_keeps_no_reference_to_the_group():
     a, b = Cluster(0, lighthouse), Cluster(1, lighthouse, group_timeout=datetime.timedelta(seconds=0.5))
     join_all([a, b])
     group = weakref.ref(b.member._group)
-    b.rounds.quorum = Quorum(quorum_id=1, clusters=(0, 1), group=b.member._group, healed=False)
+    b.rounds.quorum = Quorum(
+        quorum_id=1, clusters=(0, 1), group=b.member._group, control=b.member._control, healed=False
+    )
     transfer = b.sync.channel.launch_all_reduce(torch.zeros(3), op="sum", account=False)
     with pytest.raises(RuntimeError) as failed:  # a never takes part: b's transfer times out
         transfer.wait()

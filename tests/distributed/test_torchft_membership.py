@@ -197,8 +197,9 @@ def test_torchfts_servers_and_the_slow_link_group_listen_on_the_clusters_address
         grown = set(listening_sockets(os.getpid())) - before
         manager_port = int(membership.manager._manager.address().rsplit(":", 1)[1])
         heal_port = membership.manager._checkpoint_transport._server.server_address[1]
-        # the Lighthouse, the store, the manager server, the heal server and the round's gloo group
-        assert {manager_port, heal_port} <= {port for _, port in grown} and len(grown) == 5, grown
+        # the Lighthouse, the store, the manager server, the heal server and the round's two gloo groups (payloads,
+        # control)
+        assert {manager_port, heal_port} <= {port for _, port in grown} and len(grown) == 6, grown
         assert {address for address, _ in grown} == {host}, grown
         assert membership.manager._checkpoint_transport.metadata().startswith(f"http://{bind_string(host, heal_port)}/")
     finally:
