@@ -113,6 +113,8 @@ class WanChannel:
             self.world_size, self.group_rank = dist.get_world_size(group), dist.get_rank(group)
             if self.group_rank < 0:
                 raise ValueError("this rank is not a member of the WanChannel's group: pass its own cluster_group")
+        self.clusters: tuple[int, ...] = tuple(range(self.world_size))
+        """The cluster of each group rank (an elastic round's members, `rebind`)."""
         self.staging = HostStaging()  # device payloads cross through pinned host buffers on a side stream
         self.communicator = Communicator(self.account, self.staging)
         """The thread that runs the collectives, in launch order."""
@@ -220,11 +222,12 @@ class WanChannel:
         `identity` names the group in the tags of authenticated payloads (an elastic round's quorum id and member
         clusters); needed with `auth`. A new identity is a new group, whose members all number their exchanges from
         0, so a payload replayed from another round's group, or from another position in it, does not verify.
-        `clusters`: the cluster of each group rank, for messages."""
+        `clusters`: the cluster of each group rank (`clusters`; default: rank r is cluster r)."""
         if self.seal is not None and identity is None:
             raise ValueError("an authenticated WanChannel changes its group only with the group's identity")
         self.group = group
         self.world_size, self.group_rank = group.size(), group.rank()
+        self.clusters = tuple(clusters) or tuple(range(self.world_size))
         self._group_ranks = ()
         new_group = identity is not None and tuple(identity) != self._identity
         if new_group:

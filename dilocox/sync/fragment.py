@@ -228,6 +228,8 @@ class FragmentState:
         gathers = isinstance(reducer, GatherReducer | LaneReducer)  # judges every cluster's update on its own
         self._update_guard = reducer.guard if gathers else None
         """The gather reduction's own guard (its norm history), None for the summing reductions."""
+        self._peer_check = reducer.peers if gathers else None
+        """The gather reduction's peer check (which clusters just healed), None without one."""
         self.guard = RoundGuard(
             max_ratio=cfg.guard.max_ratio,
             max_bad_rounds=cfg.guard.max_bad_rounds,
@@ -807,15 +809,27 @@ class FragmentState:
         self.round_start = self.outer_params.clone()
 
     def guard_snapshot(self) -> dict[str, Any]:
-        """The guard's history: this rank's `RoundGuard` and the gather reduction's norm history (what an elastic
-        redo of a sync rolls back to before judging it again)."""
-        reducer = None if self._update_guard is None else self._update_guard.state_dict()
-        return {"sync": self.guard.state_dict(), "reducer": reducer}
+        """The guard's history: this rank's `RoundGuard` and the gather reduction's judges' (what an elastic redo of a
+        sync rolls back to before judging it again)."""
+        return {"sync": self.guard.state_dict(), **self._judges_state()}
 
     def restore_guard(self, snapshot: dict[str, Any]) -> None:
         self.guard.load_state_dict(snapshot["sync"])
-        if self._update_guard is not None and snapshot["reducer"] is not None:
-            self._update_guard.load_state_dict(snapshot["reducer"])
+        self._load_judges_state(snapshot)
+
+    def _judges_state(self) -> dict[str, Any]:
+        """The gather reduction's judges' history, the same on every cluster: the norms the guard accepted, the
+        clusters the peer check counts as just healed."""
+        return {
+            "reducer": None if self._update_guard is None else self._update_guard.state_dict(),
+            "peers": None if self._peer_check is None else self._peer_check.state_dict(),
+        }
+
+    def _load_judges_state(self, state: dict[str, Any]) -> None:
+        if self._update_guard is not None and state.get("reducer") is not None:
+            self._update_guard.load_state_dict(state["reducer"])
+        if self._peer_check is not None and state.get("peers") is not None:
+            self._peer_check.load_state_dict(state["peers"])
 
 
 def num_outer_updates(total_steps: int | None, first_round_end: int, inner_steps: int) -> int | None:

@@ -384,6 +384,8 @@ class LaneReducer:
         }
         if self.guard is not None:
             state["guard"] = self.guard.state_dict()
+        if self.peers is not None:
+            state["peers"] = self.peers.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -399,6 +401,8 @@ class LaneReducer:
         self.holds_back = bool(state["holds_back"])
         if self.guard is not None and "guard" in state:
             self.guard.load_state_dict(state["guard"])
+        if self.peers is not None and "peers" in state:
+            self.peers.load_state_dict(state["peers"])
 
 
 def build_lane_reducer(

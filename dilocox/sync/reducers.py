@@ -465,18 +465,23 @@ class GatherReducer(CodecReducer):
             peers=self.peers,
             dp_group=self.dp_group if self.shard_group is None else self.shard_group,
             pp_group=self.pp_group,
+            clusters=self.channel.clusters,
         )
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self.guard is not None:
             state["guard"] = self.guard.state_dict()
+        if self.peers is not None:
+            state["peers"] = self.peers.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.guard is not None and "guard" in state:  # a state saved without the guard has no history
             self.guard.load_state_dict(state["guard"])
+        if self.peers is not None and "peers" in state:
+            self.peers.load_state_dict(state["peers"])
 
 
 def judge_updates(
@@ -487,12 +492,13 @@ def judge_updates(
     peers: PeerCheck | None,
     dp_group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None,
+    clusters: Sequence[int] | None = None,
 ) -> dict[int, str]:
     """The clusters left out of a gathered mean and why, from this rank's slice of every cluster's update (None:
     nothing usable arrived): missing updates always; with a `guard` also non-finite and outsized ones, and with `peers`
     those that stand out among the rest. What is left out is the same on every rank of the cluster
     (`agree_in_cluster`): a cluster one rank's slice finds bad is left out of every slice of every stage, and the peer
-    check judges the whole updates."""
+    check judges the whole updates. `clusters`: the cluster of each update (`PeerCheck.judge`)."""
     if guard is None:
         return {index: "no usable update arrived" for index, u in enumerate(updates) if u is None}
     verdicts = guard.judge(updates)
@@ -505,8 +511,9 @@ def judge_updates(
         for v, flag in zip(verdicts, flags, strict=True)
     ]
     excluded = {index: v for index, v in enumerate(verdicts) if v is not None}
-    if stats is not None and peers is not None:
-        excluded.update(peers.judge(stats, [i for i in range(len(updates)) if i not in excluded]))
+    if peers is not None:
+        candidates = [i for i in range(len(updates)) if i not in excluded]
+        excluded.update(peers.judge(stats, candidates, clusters=clusters or range(len(updates))))
     return excluded
 
 

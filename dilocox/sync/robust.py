@@ -43,6 +43,13 @@ DIRECTION_MARGIN = 0.05
 """`PeerCheck`: two updates disagree when their cosine on the values both sent is at or below minus this. Honest
 clusters' lowest was -0.03 (docs/design.md §4.5), a sign-flipped update's -0.26 or lower; noise is near 0."""
 
+FRESH_ROUNDS = 20
+"""`PeerCheck`: rounds after a cluster's update was missing or left out (it abstained, was down, or healed) in which
+its sizes do not count in the round's reference. It restarted from phi without its error-feedback residual, and a
+top-k payload without the residual its peers carry is a fraction of theirs until its own builds up again, in about
+1/density rounds (20 at the dilocox preset's 5%): counted in the median, two such clusters made an honest third one
+look 2.5 x outsized."""
+
 GRAM_CHUNK = 1 << 18
 """Values per chunk of `inner_products`: bounds its scratch memory to (clusters x this) float64."""
 
@@ -129,8 +136,13 @@ class PeerCheck:
       Updates that are noise to each other (the residuals of a dense int4 codec, drained at the end: cosines of
       either sign near 0) agree.
     Both tests run on all n updates at once (the direction test on those the size tests kept); with fewer than 3
-    updates nothing is judged. The input is `peer_statistics` of the whole updates (summed over the shards of a
-    sharded update), so the decision depends only on it: the same statistics give the same verdicts.
+    updates nothing is judged. In the size tests' median, a cluster that just healed (`fresh`: its update was missing
+    or left out in one of the last `FRESH_ROUNDS` rounds) counts at the largest size of the others (unless all just
+    healed): it healed without its residual, and its smaller payloads would lower the median below its peers'; its own
+    size is still judged. `fresh` is kept by cluster id across the rounds, the same on every cluster: it follows from
+    the verdicts. The input is `peer_statistics` of
+    the whole updates (summed over the shards of a sharded update), so the decision depends only on it and `fresh`:
+    the same statistics and history give the same verdicts.
 
     Weighted payloads: where every cluster's payload is its update times a weight all clusters know (clusters of
     different dp averaged by lanes: C dp_c / sum(dp)), `scales` holds those weights and the sizes are compared divided
@@ -150,10 +162,34 @@ class PeerCheck:
         """The weight each cluster's payload was multiplied by (None: 1 for every cluster)."""
         self.sizes = sizes
         """Whether the size tests run (False: weights unknown to the receivers)."""
+        self.fresh: dict[int, int] = {}
+        """Cluster -> rounds left in which its sizes do not count in the reference (`FRESH_ROUNDS`)."""
 
-    def judge(self, stats: torch.Tensor, candidates: Sequence[int]) -> dict[int, str]:
+    def judge(
+        self, stats: torch.Tensor | None, candidates: Sequence[int], *, clusters: Sequence[int] | None = None
+    ) -> dict[int, str]:
         """The `candidates` (rows of the (C, 2C + MAGNITUDE_BINS) float64 `peer_statistics`, all of finite updates) to
-        leave out, and why."""
+        leave out, and why. `clusters`: the cluster of each row (default: row r is cluster r); `stats` None: fewer
+        than 3 updates, nothing to judge (the round still counts for `fresh`)."""
+        count = len(clusters) if clusters is not None else 0 if stats is None else stats.shape[0]
+        clusters = list(clusters) if clusters is not None else list(range(count))
+        excluded = {} if stats is None else self._judge(stats, candidates, clusters)
+        for row, cluster in enumerate(clusters):
+            if row not in candidates or row in excluded:
+                self.fresh[cluster] = FRESH_ROUNDS
+            elif self.fresh.get(cluster, 0) > 1:
+                self.fresh[cluster] -= 1
+            else:
+                self.fresh.pop(cluster, None)
+        return excluded
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fresh": {str(cluster): rounds for cluster, rounds in self.fresh.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.fresh = {int(cluster): int(rounds) for cluster, rounds in state.get("fresh", {}).items()}
+
+    def _judge(self, stats: torch.Tensor, candidates: Sequence[int], clusters: Sequence[int]) -> dict[int, str]:
         if len(candidates) < PEER_MIN_UPDATES:
             return {}
         count = stats.shape[0]
@@ -162,13 +198,17 @@ class PeerCheck:
         norms = {i: math.sqrt(max(gram[i][i], 0.0)) / scales[i] for i in candidates}
         magnitudes = {i: median_magnitude(stats[i, 2 * count :].tolist()) / scales[i] for i in candidates}
         excluded: dict[int, str] = {}
+        settled = [i for i in candidates if clusters[i] not in self.fresh]
+        among = f"this round's {len(candidates)} updates"
+        if 0 < len(settled) < len(candidates):
+            among += ", those of clusters that just healed counted at the largest of the others'"
         for what, sizes in (("norm", norms), ("median |value| sent", magnitudes)) if self.sizes else ():
-            median = _median(list(sizes.values()))
+            top = max((sizes[i] for i in settled), default=0.0)
+            median = _median([sizes[i] if not settled or i in settled else top for i in candidates])
             for i in candidates:
                 if i not in excluded and median > 0 and sizes[i] > self.max_ratio * median:
                     excluded[i] = (
-                        f"{what} {sizes[i]:.3g} is {sizes[i] / median:.1f} x the median {median:.3g} of this round's "
-                        f"{len(candidates)} updates"
+                        f"{what} {sizes[i]:.3g} is {sizes[i] / median:.1f} x the median {median:.3g} of {among}"
                     )
         kept = [i for i in candidates if i not in excluded]
         if len(kept) < PEER_MIN_UPDATES:

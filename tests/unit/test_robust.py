@@ -9,6 +9,7 @@ import torch
 from dilocox.config import load_config
 from dilocox.sync.faults import FaultConfig
 from dilocox.sync.robust import (
+    FRESH_ROUNDS,
     MAGNITUDE_BITS,
     PeerCheck,
     UpdateGuard,
@@ -216,6 +217,39 @@ def test_peer_check_leaves_out_a_sparse_update_scaled_below_the_ratio_in_norm_by
     excluded = peers.judge(stats, [0, 1, 2])
     assert list(excluded) == [2] and "median |value| sent" in excluded[2]
     assert set(excluded) == reference_peer_exclusions([u[0], u[1], liar], [0, 1, 2], 2.0)
+
+
+def healed(update: torch.Tensor) -> torch.Tensor:
+    """What the same cluster sends once it healed: its residual dropped, no long values."""
+    out = update.clone()
+    out[out.abs() > 5] /= 20
+    return out
+
+
+def test_peer_check_leaves_clusters_that_just_healed_out_of_the_size_median_but_still_judges_them():
+    u = sparse_updates(3, seed=11)
+    fresh = [u[0], healed(u[1]), healed(u[2])]  # clusters 1 and 2 restarted: no residual yet
+    stats = peer_statistics(fresh)
+    assert math.sqrt(stats[0, 0]) > 3 * math.sqrt(stats[1, 1])
+    # counted in the median, the two healed clusters make the honest cluster 0 look outsized
+    assert list(PeerCheck(max_ratio=2.0).judge(stats, [0, 1, 2])) == [0]
+    peers = PeerCheck(max_ratio=2.0)
+    assert peers.judge(None, [0], clusters=[0, 1, 2]) == {}  # the round they were down: 1 and 2 sent nothing
+    assert peers.fresh == {1: FRESH_ROUNDS, 2: FRESH_ROUNDS}
+    assert peers.judge(stats, [0, 1, 2]) == {}  # they count at cluster 0's size: the median is its own
+    # a healed liar is still judged against the median of those that did not heal
+    liar = peer_statistics([u[0], healed(u[1]), 4 * healed(u[2])])
+    excluded = peers.judge(liar, [0, 1, 2])
+    assert list(excluded) == [2] and "just healed counted at the largest of the others'" in excluded[2]
+    assert peers.fresh == {1: FRESH_ROUNDS - 2, 2: FRESH_ROUNDS}  # left out again: fresh again
+    for _ in range(FRESH_ROUNDS):  # rounds in which every update counts: the healed clusters count again
+        peers.judge(peer_statistics(u), [0, 1, 2])
+    assert peers.fresh == {}
+    # kept by cluster id (an elastic round's members), and through a checkpoint or a heal
+    peers.judge(None, [0], clusters=[0, 2, 5])
+    restored = PeerCheck(max_ratio=2.0)
+    restored.load_state_dict(peers.state_dict())
+    assert restored.fresh == {2: FRESH_ROUNDS, 5: FRESH_ROUNDS}
 
 
 def test_peer_check_compares_weighted_payloads_per_unit_of_weight_and_without_sizes_where_weights_are_unknown():
