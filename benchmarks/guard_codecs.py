@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,11 @@ def run(codec: str, lie: str, seed: int) -> dict:
         done = subprocess.run(
             [sys.executable, "-m", "dilocox", "train", *args], cwd=REPO, capture_output=True, text=True, timeout=900
         )
+        command = "python -m dilocox train " + " ".join(a for a in args if not a.startswith("--run.out_dir"))
+        diverged = re.search(r"training diverged on rank \d+ \(cluster \d+\) at step (\d+)", done.stderr)
+        if done.returncode == 2 and diverged:  # eval.divergence_ratio stopped it: a result, not a failure
+            return {"codec": codec, "lie": lie, "seed": seed, "final_eval_loss": None,
+                    "stopped_at_step": int(diverged.group(1)), "command": command}  # fmt: skip
         if done.returncode != 0:
             raise SystemExit(f"{codec} {lie} seed {seed} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         summary = json.loads((Path(tmp) / "run" / "summary.json").read_text())
@@ -57,7 +63,7 @@ def run(codec: str, lie: str, seed: int) -> dict:
         "excluded": summary["guard_excluded_updates"],
         "excluded_liar": sum(e["cluster"] == 2 for e in rounds),
         "excluded_honest": sum(e["cluster"] != 2 for e in rounds),
-        "command": "python -m dilocox train " + " ".join(a for a in args if not a.startswith("--run.out_dir")),
+        "command": command,
     }
 
 
@@ -72,6 +78,11 @@ def table(results: list[dict]) -> str:
     for codec in CODECS:
         for lie in LIES:
             rows = [r for r in results if r["codec"] == codec and r["lie"] == lie]
+            stopped = [r for r in rows if r["final_eval_loss"] is None]
+            rows = [r for r in rows if r["final_eval_loss"] is not None]
+            if stopped:  # the divergence check (eval.divergence_ratio) stopped these runs
+                steps = ", ".join(f"seed {r['seed']} at step {r['stopped_at_step']}" for r in stopped)
+                lines.append(f"| {codec} | {lie} | {len(stopped)} | stopped: diverged ({steps}) | - | - | - |")
             if not rows:
                 continue
             gaps = [

@@ -222,7 +222,7 @@ class WanChannel:
         `identity` names the group in the tags of authenticated payloads (an elastic round's quorum id and member
         clusters); needed with `auth`. A new identity is a new group, whose members all number their exchanges from
         0, so a payload replayed from another round's group, or from another position in it, does not verify.
-        `clusters`: the cluster of each group rank (`clusters`; default: rank r is cluster r)."""
+        `clusters`: the cluster of each group rank, kept in `self.clusters` (default: rank r is cluster r)."""
         if self.seal is not None and identity is None:
             raise ValueError("an authenticated WanChannel changes its group only with the group's identity")
         self.group = group

@@ -45,10 +45,10 @@ clusters' lowest was -0.03 (docs/design.md §4.5), a sign-flipped update's -0.26
 
 FRESH_ROUNDS = 20
 """`PeerCheck`: rounds after a cluster's update was missing or left out (it abstained, was down, or healed) in which
-its sizes do not count in the round's reference. It restarted from phi without its error-feedback residual, and a
-top-k payload without the residual its peers carry is a fraction of theirs until its own builds up again, in about
-1/density rounds (20 at the dilocox preset's 5%): counted in the median, two such clusters made an honest third one
-look 2.5 x outsized."""
+its sizes count in the round's median at the largest of the others'. It restarted from phi without its error-feedback
+residual, and a top-k payload without the residual its peers carry is a fraction of theirs until its own builds up
+again, in about 1/density rounds (20 at the dilocox preset's 5%): counted as they were, two such clusters made an
+honest third one look 2.5 x outsized."""
 
 GRAM_CHUNK = 1 << 18
 """Values per chunk of `inner_products`: bounds its scratch memory to (clusters x this) float64."""
@@ -140,9 +140,8 @@ class PeerCheck:
     or left out in one of the last `FRESH_ROUNDS` rounds) counts at the largest size of the others (unless all just
     healed): it healed without its residual, and its smaller payloads would lower the median below its peers'; its own
     size is still judged. `fresh` is kept by cluster id across the rounds, the same on every cluster: it follows from
-    the verdicts. The input is `peer_statistics` of
-    the whole updates (summed over the shards of a sharded update), so the decision depends only on it and `fresh`:
-    the same statistics and history give the same verdicts.
+    the verdicts. The input is `peer_statistics` of the whole updates (summed over the shards of a sharded update), so
+    the decision depends only on it and `fresh`: the same statistics and history give the same verdicts.
 
     Weighted payloads: where every cluster's payload is its update times a weight all clusters know (clusters of
     different dp averaged by lanes: C dp_c / sum(dp)), `scales` holds those weights and the sizes are compared divided
