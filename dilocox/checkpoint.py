@@ -22,7 +22,7 @@ of its own ranks (files named by the rank inside the cluster, `world_size` = its
 meta.json) into `checkpoints/cluster{c}/`, pruned to `checkpoint.keep` there; `list_checkpoints` lists every cluster's,
 and at equal steps the lowest cluster's counts as the newest (`latest`, `dilocox eval`, `dilocox export`).
 
-    save_checkpoint(run_dir, step, state, rank=rank, meta=meta, keep=2)
+    save_checkpoint(run_dir, step, state, rank=rank, meta=meta, keep=2, keep_every=1000)  # + one per 1000 steps
     path = find_checkpoint(run_dir, "latest")      # verified: meta.json and every rank file
     state = load_rank_state(path, rank)            # verifies meta.json and this rank's file, then loads it
     model = consolidated_model_state(path, agreed=True)   # the whole model, from every stage's file
@@ -134,10 +134,11 @@ def save_checkpoint(
     rank: int,
     meta: dict[str, Any],
     keep: int,
+    keep_every: int = 0,
     group: dist.ProcessGroup | None = None,
     cluster: int | None = None,
 ) -> Path:
-    """Collectively save this rank's `state` as checkpoint `step`; rank 0 finalizes it and prunes old ones.
+    """Collectively save this rank's `state` as checkpoint `step`; rank 0 finalizes it and prunes old ones (`prune`).
     `cluster`: an elastic run's cluster, whose ranks (`rank` counted inside it, `group` its world) write into
     `checkpoint_root(run_dir, cluster)`. A write that fails on any rank (a full disk, checked first against the last
     checkpoint's size) raises `CheckpointNotWritten` on every rank after the partial directory is removed: the
@@ -184,12 +185,23 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.replace(partial, final)
         _fsync(root)
-        # Only checkpoints that verify count towards `keep`, so pruning never deletes the last good one.
-        good = [c for c in _complete_in(root) if c == final or _verifies(c, full=False)]
-        for old in good[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(root, keep=keep, keep_every=keep_every, saved=final)
     _barrier(group)
     return final
+
+
+def prune(root: Path, *, keep: int, keep_every: int = 0, saved: Path | None = None) -> None:
+    """Delete the checkpoints of `root` but the newest `keep` and, with `keep_every`, the first one at or after each
+    multiple of that many steps (the long-term tier: it stays the first of its span, so it is kept for good). Only
+    checkpoints that verify count, so pruning never deletes the last good one (`saved`, just written, counts as
+    verified)."""
+    good = [c for c in _complete_in(root) if c == saved or _verifies(c, full=False)]
+    tier: dict[int, Path] = {}
+    for checkpoint in good if keep_every else ():
+        tier.setdefault(checkpoint_step(checkpoint) // keep_every, checkpoint)
+    for old in good[:-keep]:
+        if old not in tier.values():
+            shutil.rmtree(old, ignore_errors=True)
 
 
 class _Writes:

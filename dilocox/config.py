@@ -270,7 +270,9 @@ class CheckpointConfig:
     interval: int | Auto = "auto"
     """Save a checkpoint every this many steps and at the end (0: only then); auto: H's largest multiple <= 100"""
     keep: int = 2
-    """Keep the newest this many checkpoints; older ones are deleted."""
+    """Keep the newest this many checkpoints; older ones are deleted (but those keep_every keeps)."""
+    keep_every: int = 0
+    """Also keep the first checkpoint at or after every multiple of this many steps, for good (0: none)."""
     resume: str = "auto"
     """auto: the newest verified checkpoint of run.out_dir if any, else start; latest; a checkpoint dir; "": never."""
 
@@ -351,6 +353,7 @@ class Config:
         check_positive("data", self.data, "vocab_size")
         check_positive("metrics", self.metrics, "log_interval")
         check_positive("checkpoint", self.checkpoint, "keep")
+        check_non_negative("checkpoint", self.checkpoint, "keep_every")
         check_non_negative("eval", self.eval, "interval", "max_batches", "final_max_batches")
         if self.eval.divergence_ratio != 0 and not self.eval.divergence_ratio > 1:
             raise ValueError(

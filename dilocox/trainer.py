@@ -497,6 +497,7 @@ class Trainer:
             rank=self.checkpoint_rank,
             meta=self.checkpoint_meta(),
             keep=self.cfg.checkpoint.keep,
+            keep_every=self.cfg.checkpoint.keep_every,
             cluster=self.coords.cluster if self.elastic else None,  # elastic: each cluster its own, §10.1
         )
 

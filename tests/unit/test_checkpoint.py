@@ -13,6 +13,7 @@ import torch
 from dilocox.checkpoint import (
     CheckpointNotWritten,
     CorruptCheckpoint,
+    checkpoint_step,
     elastic_resume_paths,
     find_checkpoint,
     find_step,
@@ -25,9 +26,9 @@ from dilocox.checkpoint import (
 )
 
 
-def save(run_dir, step, keep=5):
+def save(run_dir, step, keep=5, keep_every=0):
     state = {"model": {"w": torch.full((64, 64), float(step))}, "step": step}
-    return save_checkpoint(run_dir, step, state, rank=0, meta={"world_size": 1}, keep=keep)
+    return save_checkpoint(run_dir, step, state, rank=0, meta={"world_size": 1}, keep=keep, keep_every=keep_every)
 
 
 def flip_a_bit(file):
@@ -83,6 +84,20 @@ def test_retention_never_deletes_the_last_good_checkpoint(tmp_path):
     # keep = 1 counts good checkpoints only: 20 was pruned by 30, the corrupt 10 is not counted nor deleted
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000010", "step_00000030"]
     assert find_checkpoint(tmp_path, "latest").name == "step_00000030"
+
+
+def test_keep_every_keeps_the_first_checkpoint_of_every_span_for_good_and_the_newest_as_keep_says(tmp_path):
+    # checkpoints at round boundaries that are not multiples of keep_every (H = 12): the first at or after each
+    # multiple of 50 stays (12 for 0-49, 60, 108, 156), plus the newest 2
+    for step in range(12, 204, 12):
+        save(tmp_path, step, keep=2, keep_every=50)
+    kept = [checkpoint_step(p) for p in list_checkpoints(tmp_path)]
+    assert kept == [12, 60, 108, 156, 180, 192]
+    save(tmp_path, 204, keep=2, keep_every=50)  # 204 starts the span 200-249: it and the newest 2 stay
+    assert [checkpoint_step(p) for p in list_checkpoints(tmp_path)] == [12, 60, 108, 156, 192, 204]
+    # a resume that turns the tier off prunes the old spans down to keep, as before
+    save(tmp_path, 216, keep=2)
+    assert [checkpoint_step(p) for p in list_checkpoints(tmp_path)] == [204, 216]
 
 
 def rewrite_meta(path, edit):
