@@ -410,6 +410,7 @@ class GatherReducer(CodecReducer):
         max_numel = self.codec.max_nbytes_list(self.slice.shapes)  # every cluster encodes a slice of these shapes
         transfer = self.channel.launch_all_gather(payload.data, max_numel=max_numel, account=account)
         own_index = self.channel.group_rank
+        senders = self.channel.clusters  # of the group it was launched over: an elastic channel may move on first
         # Filled by finish() and shared with the PendingMean rather than reached through it: a closure over the
         # PendingMean that holds it would be a reference cycle, which keeps the round's tensors alive until the
         # cyclic garbage collector runs, and their memory fragments the heap meanwhile.
@@ -436,7 +437,7 @@ class GatherReducer(CodecReducer):
                         malformed[index] = f"malformed payload: {error}"
                 updates.append(self._flat(decoded, flat.device))
             excluded.clear()
-            excluded.update(self._judge(updates, flat.device))
+            excluded.update(self._judge(updates, flat.device, senders))
             excluded.update(malformed)  # the precise reason where the guard only saw nothing usable
             accepted = [u for index, u in enumerate(updates) if u is not None and index not in excluded]
             if self.guard is not None:
@@ -457,7 +458,9 @@ class GatherReducer(CodecReducer):
             return torch.zeros(0, dtype=torch.float32, device=device)
         return torch.cat([d.reshape(-1) for d in decoded]).to(device)
 
-    def _judge(self, updates: list[torch.Tensor | None], device: torch.device) -> dict[int, str]:
+    def _judge(
+        self, updates: list[torch.Tensor | None], device: torch.device, clusters: Sequence[int]
+    ) -> dict[int, str]:
         return judge_updates(
             updates,
             device,
@@ -465,7 +468,7 @@ class GatherReducer(CodecReducer):
             peers=self.peers,
             dp_group=self.dp_group if self.shard_group is None else self.shard_group,
             pp_group=self.pp_group,
-            clusters=self.channel.clusters,
+            clusters=clusters,
         )
 
     def state_dict(self) -> dict[str, Any]:

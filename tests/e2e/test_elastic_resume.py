@@ -226,14 +226,24 @@ def test_a_bad_or_unreachable_lighthouse_url_fails_with_one_line_and_nothing_wri
     assert not (tmp_path / "run").exists()
 
 
+# the dilocox preset as it is, in 2 fragments: a fragment's sync launched over the 3 clusters is judged by the peer
+# check after the other fragment moved the channel to the quorum without the stopped cluster
+AS_DEFAULT = [
+    "--preset=dilocox",
+    "--sync.fragments=2",
+    *[f for f in ELASTIC if not f.startswith(("--preset", "--sync."))],
+]
+
+
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("setting", [ELASTIC, AS_DEFAULT], ids=["lowrank", "default_fragments"])
 def test_a_stopped_cluster_is_named_left_out_and_the_run_finishes_with_the_change_recorded_and_plotted(
-    tmp_path, start_run
+    tmp_path, start_run, setting
 ):
     # SIGSTOP freezes every thread of cluster 2, its heartbeat to the Lighthouse too: the others name it within
     # network.stall_timeout (5 s, far below network.timeout = 60 s), in the round's transfer if it froze there, or at
     # the next round's quorum, and go on without it; SIGCONT: it finds itself behind, and heals or is stopped
-    flags = [*ELASTIC, "--topology.num_clusters=3", "--train.steps=40", "--sync.inner_steps=10"]
+    flags = [*setting, "--topology.num_clusters=3", "--train.steps=40", "--sync.inner_steps=10"]
     run = start_run("stopped", *flags)
     run.wait_for_step(15)
     victim = run.pid_of(2)
@@ -246,6 +256,7 @@ def test_a_stopped_cluster_is_named_left_out_and_the_run_finishes_with_the_chang
     finally:
         os.kill(victim, signal.SIGCONT)
     assert run.finish() == 0, "the run failed"
+    assert len(run.pids()[0]) == len(run.pids()[1]) == 1, run.output  # the others went on: neither stopped
     records = read_metrics(tmp_path / "stopped")
     events = [r for r in records if r.get("event") == "elastic"]
     first = events[0]
