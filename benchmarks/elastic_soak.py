@@ -1,13 +1,16 @@
 """Elastic failure soak: one long elastic run of the real CLI, broken again and again; not in the default suite.
 
-    python benchmarks/elastic_soak.py                    # 3 clusters x pp 2, 4,000 steps, >= 50 failures
-    python benchmarks/elastic_soak.py --steps 300 --failures 6 --out /tmp/esoak --skip-clean   # a quicker look
+    python benchmarks/elastic_soak.py                    # 3 clusters x pp 2, 9,600 steps, >= 200 failures
+    python benchmarks/elastic_soak.py --steps 480 --failures 8 --out /tmp/esoak --skip-clean   # a quicker look
 
-One `dilocox train` launcher (configs/debug.toml, `topology.elastic = true`, the dilocox-lowrank preset with the
-flags elastic runs need, 3 clusters of 2 pipeline stages each, H = 10, a checkpoint every round, link off,
-`network.heartbeat = 0.5s`, `network.stall_timeout = 5s`) meets at a `dilocox lighthouse` that this script runs on a
-fixed port. While it trains, this script injects failures at seeded random times, one at a time (the next one once
-the last victim is back in training), the kinds in a seeded shuffled cycle so that each kind recurs:
+One `dilocox train` launcher (configs/debug.toml, `topology.elastic = true`, the `dilocox` preset as users run it
+with its syncs in 2 streaming fragments, 3 clusters of 2 pipeline stages each, the preset's H = 12, a checkpoint
+every round, link off, `network.heartbeat = 0.5s`, `network.stall_timeout = 5s`) meets at a `dilocox lighthouse` that
+this script runs on a fixed port. Cluster `--liar` (2) lies in a seeded tenth of the rounds (`--liar-kind`, sign:
+it sends its update negated, `faults.rounds`): each such round is a failure of kind `liar`, which every cluster must
+leave out of that round's sync of every fragment, and no honest update may be left out. While it trains, this script
+injects the other failures at seeded random times, one at a time (the next one once the last victim is back in
+training), the kinds in a seeded shuffled cycle so that each kind recurs:
 
 - `kill_rank`: SIGKILL one rank of a cluster (its launcher stops the cluster's other ranks and restarts all);
 - `kill_cluster`: SIGKILL every rank of a cluster;
@@ -17,29 +20,40 @@ the last victim is back in training), the kinds in a seeded shuffled cycle so th
 - `kill_in_checkpoint`: SIGKILL a rank of a cluster as soon as a checkpoint's partial directory appears in its
   `checkpoints/cluster{c}/` (every cluster checkpoints its own ranks; when a save is too quick to be seen, 60 s
   later);
+- `disk_full`: the kernel lets the ranks of a cluster other than 0 grow a file to 64 KiB only (RLIMIT_FSIZE, as a
+  disk that fills up; cluster 0 also appends the run's metrics, which would hit the limit before its checkpoint
+  does): its next checkpoint cannot be written, the cluster alone stops and is started again without the limit,
+  heals from a live peer and trains on (timed from the launcher's "could not be written" line);
 - `lighthouse` (once, half way): SIGKILL the Lighthouse. Every launcher then stops its clusters with one line and
   the command that resumes the run; this script starts the Lighthouse again on the same address and runs that same
   command, which resumes every cluster from its newest checkpoint.
 
 Measured per failure: the time from the failure to the victim's `rejoined` line (back in training), and the step it
-rejoined at; for the Lighthouse, the time to the resumed run's first logged step and the step it resumed from. At the
-end: every cluster's outer params (the digests of `elastic/cluster{c}.json`) must be identical, every checkpoint
-must verify, the run must finish, and its final eval loss is compared with the same run without failures
-(`--skip-clean` leaves that out): at its end, and at the step where that run has done as much counted work (the
-share of cluster-rounds whose update counted: a failed cluster loses its round, and abstains from the one it rejoins
-at), interpolated on its evaluations every 100 steps. Writes results.json (every failure, every check) and
-results.md to `--out` (default benchmarks/results/elastic_soak/); exits 1 when a check failed.
+rejoined at; for the Lighthouse, the time to the resumed run's first logged step and the step it resumed from; for a
+lie, whether every fragment's sync of that round left it out (read from cluster 0's `round_exclusions`; a lie sent
+while cluster 0 was down is not seen, one in a round the liar missed is not sent; a lie that passed is counted, not
+a failed check: its cost shows in the final loss). At the end: every cluster's outer params (the digests of
+`elastic/cluster{c}.json`) must be identical, no honest cluster's update may have been left out, every checkpoint
+must verify, the run must finish, and its final eval loss is compared with the same run without failures (no liar
+either; `--skip-clean` leaves that out): at its end, and at the step where that run has done as much counted work
+(the share of cluster-rounds whose update counted: a failed cluster loses its round, a lie is left out, and a
+restarted cluster abstains from the round it rejoins at), interpolated on its evaluations every 96 steps (each
+on the same 32 held-out batches as the final one, so that the two compare). Writes
+results.json (every failure, every check) and results.md to `--out` (default benchmarks/results/elastic_soak/); exits
+1 when a check failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
 import random
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -51,22 +65,35 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = ("kill_rank", "kill_cluster", "stop", "kill_in_heal", "kill_in_checkpoint")
+KINDS = ("kill_rank", "kill_cluster", "stop", "kill_in_heal", "kill_in_checkpoint", "disk_full")
 STALL_TIMEOUT_S = 5.0
+H = 12  # the dilocox preset's (configs/debug.toml sets 10)
+FILE_LIMIT = 64 << 10  # disk_full: bytes a file of the victim's ranks may grow to (a checkpoint is ~2 MB)
 
 
-def flags(args: argparse.Namespace, out_dir: Path, lighthouse: str) -> list[str]:
+def flags(args: argparse.Namespace, out_dir: Path, lighthouse: str, *, liar: bool) -> list[str]:
+    lies = ["--faults.kind=" + args.liar_kind, f"--faults.cluster={args.liar}", f"--faults.rounds={lie_list(args)}"]
     return [
         "--config", str(ROOT / "configs" / "debug.toml"), f"--run.out_dir={out_dir}",
-        "--topology.elastic=true", "--preset=dilocox-lowrank", "--sync.merge=eager", "--sync.local_residual=false",
-        "--sync.drain_residual=false", f"--topology.num_clusters={args.clusters}",
-        f"--topology.pp_degree={args.pp}", f"--train.steps={args.steps}", "--sync.inner_steps=10",
-        "--topology.max_cluster_restarts=100000", "--checkpoint.interval=10", "--checkpoint.keep=2",
+        "--topology.elastic=true", "--preset=dilocox", "--sync.fragments=2", f"--sync.inner_steps={H}",
+        f"--topology.num_clusters={args.clusters}", f"--topology.pp_degree={args.pp}", f"--train.steps={args.steps}",
+        "--topology.max_cluster_restarts=100000", f"--checkpoint.interval={H}", "--checkpoint.keep=2",
         "--network.bandwidth=unlimited", "--network.latency=0", "--network.heartbeat=0.5s",
-        f"--network.stall_timeout={STALL_TIMEOUT_S:g}s", "--network.timeout=120s", "--eval.interval=100",
-        "--eval.max_batches=8", "--eval.final_max_batches=32", "--metrics.log_interval=10", "--metrics.progress=false",
-        f"--network.lighthouse={lighthouse}",
+        f"--network.stall_timeout={STALL_TIMEOUT_S:g}s", "--network.timeout=120s", f"--eval.interval={8 * H}",
+        "--eval.max_batches=32", "--eval.final_max_batches=32", "--metrics.log_interval=12", "--metrics.progress=false",
+        f"--network.lighthouse={lighthouse}", *(lies if liar else []),
     ]  # fmt: skip
+
+
+def lie_rounds(args: argparse.Namespace) -> list[int]:
+    """The rounds in which cluster `args.liar` lies: a seeded tenth of them (none of the first 2, where the guard has
+    no history yet, nor of the last 2)."""
+    rounds = range(2, args.steps // H - 2)
+    return sorted(random.Random(args.seed + 1).sample(rounds, len(rounds) // 10))
+
+
+def lie_list(args: argparse.Namespace) -> str:
+    return ",".join(str(r) for r in lie_rounds(args))
 
 
 def free_port() -> int:
@@ -203,6 +230,17 @@ def inject(kind: str, cluster: int, launcher: Launcher, run_dir: Path, rng: rand
         seen = wait_for(lambda: root.is_dir() and any(p.suffix == ".partial" for p in root.iterdir()), 60, launcher)
         signal_all([rng.choice(pids)], signal.SIGKILL)
         record["inside_save"] = seen
+    elif kind == "disk_full":
+        count = len(launcher.lines)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)[1]
+                resource.prlimit(pid, resource.RLIMIT_FSIZE, (FILE_LIMIT, hard))
+        said = f"dilocox: elastic: cluster {cluster}: checkpoint step "
+        refused = lambda: next((at for at, line in launcher.lines[count:] if line.startswith(said)), None)  # noqa: E731
+        record["refused"] = wait_for(lambda: refused() is not None, 120, launcher)
+        record["at"] = refused() or time.monotonic()
+        return record
     record["at"] = time.monotonic()
     return record
 
@@ -237,7 +275,7 @@ def recovered(launcher: Launcher, cluster: int, since: float) -> tuple[float, in
 
 
 def soak(args: argparse.Namespace, run_dir: Path, lighthouse: Lighthouse) -> tuple[list[dict], int]:
-    command = [sys.executable, "-m", "dilocox", "train", *flags(args, run_dir, lighthouse.url)]
+    command = [sys.executable, "-m", "dilocox", "train", *flags(args, run_dir, lighthouse.url, liar=True)]
     log = run_dir.parent / f"{run_dir.name}.log"
     launcher = Launcher(command, log)
     rng = random.Random(args.seed)
@@ -246,7 +284,7 @@ def soak(args: argparse.Namespace, run_dir: Path, lighthouse: Lighthouse) -> tup
     lighthouse_at = args.failures // 2
     if not wait_for(lambda: launcher.step() >= 20, 300, launcher):
         raise RuntimeError(f"the soak run did not reach step 20: see {log}")
-    while launcher.running() and len(failures) < args.failures and launcher.step() < args.steps - 60:
+    while launcher.running() and len(failures) < args.failures and launcher.step() < args.steps - 5 * H:
         time.sleep(rng.uniform(args.min_gap, args.max_gap))
         if len(failures) == lighthouse_at and not args.keep_lighthouse:
             record, launcher = lighthouse_failure(launcher, lighthouse, command, log)
@@ -257,7 +295,7 @@ def soak(args: argparse.Namespace, run_dir: Path, lighthouse: Lighthouse) -> tup
             cycle = list(KINDS)
             rng.shuffle(cycle)
         kind = cycle.pop()
-        cluster = rng.randrange(args.clusters)
+        cluster = rng.randrange(1 if kind == "disk_full" else 0, args.clusters)
         record = inject(kind, cluster, launcher, run_dir, rng)
         since = record.pop("at")
         back = recovered(launcher, cluster, since)
@@ -268,6 +306,41 @@ def soak(args: argparse.Namespace, run_dir: Path, lighthouse: Lighthouse) -> tup
         failures.append(record)
         print(f"[{len(failures)}] {json.dumps(record)}", flush=True)
     return failures, launcher.finish(timeout=1800)
+
+
+def lies(args: argparse.Namespace, run_dir: Path, failures: list[dict]) -> tuple[list[dict], list[dict]]:
+    """A `liar` failure per lying round: how many of its fragment syncs left the liar out, as cluster 0's
+    `round_exclusions` say, and `status`: "left out" (every fragment's), "not seen" (fewer, within 2 rounds of a
+    failure of the liar or of cluster 0: the liar sent no lie, or abstained, or cluster 0 did not record the round)
+    or "passed" (a lie that reached the model). Also every verdict against another update: an honest cluster's, or the
+    liar's in a round it did not lie in (what a lie withheld goes out in its later payloads); a cluster that sent none
+    (it just healed) is no verdict."""
+    from dilocox.metrics import read_metrics
+
+    lying = lie_rounds(args)
+    fragments: dict[int, set[int]] = {}
+    wrong = []
+    for record in read_metrics(run_dir):
+        for entry in record.get("round_exclusions", []):
+            if entry["round"] is None or entry["why"].startswith("it sent none"):  # the drain; an abstention
+                continue
+            if entry["cluster"] == args.liar and entry["round"] in lying:
+                fragments.setdefault(entry["round"], set()).add(record.get("round_fragment", 0))
+            else:
+                wrong.append({"step": record["step"], "round": entry["round"], "cluster": entry["cluster"]})
+    # steps in which the liar or cluster 0 was down, rejoining, or resumed
+    troubled = [
+        (f["step"], f.get("rejoined_at_step") or f.get("resumed_at_step") or args.steps)
+        for f in failures
+        if f["cluster"] in (0, args.liar, None)
+    ]
+    found = []
+    for r in lying:
+        near = any(first - 2 * H <= r * H <= last + 2 * H for first, last in troubled)
+        count = len(fragments.get(r, ()))
+        status = "left out" if count == 2 else "not seen" if near else "passed"
+        found.append({"kind": "liar", "cluster": args.liar, "round": r, "left_out_syncs": count, "status": status})
+    return found, wrong
 
 
 def checks(args: argparse.Namespace, run_dir: Path, failures: list[dict], code: int) -> dict[str, bool]:
@@ -295,11 +368,17 @@ def checks(args: argparse.Namespace, run_dir: Path, failures: list[dict], code: 
 
 
 def write_results(
-    out: Path, args: argparse.Namespace, failures: list[dict], checked: dict, losses: dict, events: dict[str, int]
+    out: Path,
+    args: argparse.Namespace,
+    failures: list[dict],
+    wrong: list[dict],
+    checked: dict,
+    losses: dict,
+    events: dict[str, int],
 ) -> None:
     recoveries = [f["recovery_s"] for f in failures if "recovery_s" in f]
     by_kind = {}
-    for kind in [*KINDS, "lighthouse"]:
+    for kind in [*KINDS, "lighthouse", "liar"]:
         times = [f["recovery_s"] for f in failures if f["kind"] == kind and "recovery_s" in f]
         by_kind[kind] = {
             "count": sum(f["kind"] == kind for f in failures),
@@ -312,6 +391,7 @@ def write_results(
         "command": " ".join(["python benchmarks/elastic_soak.py", *sys.argv[1:]]),
         "settings": vars(args) | {"out": str(args.out)},
         "failures": failures,
+        "left_out_but_no_lie": wrong,
         "recovery_s": {
             "median": statistics.median(recoveries) if recoveries else None,
             "max": max(recoveries) if recoveries else None,
@@ -326,8 +406,10 @@ def write_results(
     lines = [
         f"# Elastic failure soak ({result['date']}, {result['machine']})",
         "",
-        f"`{result['command']}`: {args.clusters} clusters x pp {args.pp}, {args.steps} steps, H = 10, debug model, "
-        f"{len(failures)} failures.",
+        f"`{result['command']}`: the dilocox preset in 2 fragments, {args.clusters} clusters x pp {args.pp}, "
+        f"{args.steps} steps, H = {H}, debug model, {len(failures)} failures (cluster {args.liar} lying by "
+        f"`{args.liar_kind}` in {by_kind['liar']['count']} rounds; a lie has no recovery time: the cluster heals in "
+        "place from the agreed parameters).",
         "",
         "| failure | count | recovery median (s) | max (s) |",
         "|---|---:|---:|---:|",
@@ -339,8 +421,22 @@ def write_results(
     overall = result["recovery_s"]
     if overall["median"] is not None:
         lines.append(f"| all | {len(failures)} | {overall['median']:.1f} | {overall['max']:.1f} |")
+    statuses = [f["status"] for f in failures if f["kind"] == "liar"]
+    lines += [
+        "",
+        "Lies: " + ", ".join(f"{statuses.count(s)} {s}" for s in ("left out", "not seen", "passed")) + " (a lie that "
+        "passed went into the mean; what it cost is in the final loss below)",
+    ]
+    honest = sum(w["cluster"] != args.liar for w in wrong)
+    lines += [
+        f"Other updates left out: {honest} of honest clusters, {len(wrong) - honest} of the liar between its lies"
+    ]
     lines += ["", "| final eval loss | value |", "|---|---:|"]
-    lines += [f"| {name} | {value:.4f} |" for name, value in losses.items() if value is not None]
+    lines += [
+        f"| {name} | {value if isinstance(value, int) else f'{value:.4f}'} |"
+        for name, value in losses.items()
+        if value is not None
+    ]
     lines += ["", f"`elastic` records in metrics.jsonl (written by cluster 0): {events or 'none'}"]
     lines += ["", "| check | passed |", "|---|---|"]
     lines += [f"| {name} | {'yes' if ok else '**no**'} |" for name, ok in checked.items()]
@@ -358,15 +454,17 @@ def membership_records(run_dir: Path) -> dict[str, int]:
     return counts
 
 
-def counted_work(run_dir: Path, clusters: int) -> float:
-    """The share of the run's cluster-rounds whose update counted, as cluster 0 saw its rounds: a round settled
-    without a cluster (it was down) or with its update left out (it had just healed and abstains) lost that
-    cluster's round. Rounds cluster 0 missed while it was down itself are not in its records."""
+def counted_work(run_dir: Path, clusters: int) -> tuple[float, int, int]:
+    """The share of the run's cluster-rounds whose update counted, as cluster 0 saw its rounds (each fragment's sync
+    of a round apart), with the cluster-rounds lost and in all: a round settled without a cluster (it was down) or
+    with its update left out (a lie, or it had just healed and abstains) lost that cluster's round. Rounds cluster 0
+    missed while it was down itself are not in its records."""
     from dilocox.metrics import read_metrics
 
     rounds = [r for r in read_metrics(run_dir) if r.get("round_clusters") is not None and "loss" in r]
     lost = sum(clusters - len(r["round_clusters"]) + r.get("round_excluded", 0) for r in rounds)
-    return 1.0 - lost / (clusters * len(rounds)) if rounds else 1.0
+    total = clusters * len(rounds)
+    return (1.0 - lost / total if rounds else 1.0), lost, total
 
 
 def loss_at_step(run_dir: Path, step: float) -> float | None:
@@ -389,10 +487,12 @@ def final_loss(run_dir: Path) -> float | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--steps", type=int, default=9600)
     parser.add_argument("--clusters", type=int, default=3)
     parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--failures", type=int, default=55)
+    parser.add_argument("--failures", type=int, default=140, help="failures injected (the lies come on top)")
+    parser.add_argument("--liar", type=int, default=2, help="the cluster that lies in a tenth of the rounds")
+    parser.add_argument("--liar-kind", default="sign", help="its faults.kind (sign, scale, random)")
     parser.add_argument("--min-gap", type=float, default=0.5, help="seconds between a recovery and the next failure")
     parser.add_argument("--max-gap", type=float, default=2.5)
     parser.add_argument("--seed", type=int, default=0)
@@ -406,16 +506,22 @@ def main() -> int:
     try:
         losses: dict[str, float | None] = {}
         if not args.skip_clean:
-            command = [sys.executable, "-m", "dilocox", "train", *flags(args, work / "clean", lighthouse.url)]
+            clean_flags = flags(args, work / "clean", lighthouse.url, liar=False)
+            command = [sys.executable, "-m", "dilocox", "train", *clean_flags]
             clean = Launcher(command, work / "clean.log")
             if clean.finish(timeout=3600) != 0:
                 raise RuntimeError(f"the fault-free run failed: see {work / 'clean.log'}")
             losses["without failures"] = final_loss(work / "clean")
         failures, code = soak(args, work / "soak", lighthouse)
+        lied, wrong = lies(args, work / "soak", failures)
+        failures += lied
         losses["with failures"] = final_loss(work / "soak")
         checked = checks(args, work / "soak", failures, code)
+        checked["no honest cluster's update was left out"] = not [w for w in wrong if w["cluster"] != args.liar]
+        share, lost, syncs = counted_work(work / "soak", args.clusters)
+        losses["cluster-round syncs lost (failed, left out or abstained)"] = lost
+        losses["cluster-round syncs in the run (as cluster 0 recorded them)"] = syncs
         if losses.get("without failures") and losses.get("with failures"):
-            share = counted_work(work / "soak", args.clusters)
             losses["counted work (share of cluster-rounds)"] = share
             losses["without failures, at the same counted work"] = loss_at_step(work / "clean", share * args.steps)
             gap = losses["with failures"] / losses["without failures"] - 1
@@ -427,7 +533,7 @@ def main() -> int:
                 )
     finally:
         lighthouse.stop()
-    write_results(args.out, args, failures, checked, losses, membership_records(work / "soak"))
+    write_results(args.out, args, failures, wrong, checked, losses, membership_records(work / "soak"))
     print((args.out / "results.md").read_text())
     if all(checked.values()):
         shutil.rmtree(work, ignore_errors=True)

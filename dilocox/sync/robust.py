@@ -137,11 +137,12 @@ class PeerCheck:
       either sign near 0) agree.
     Both tests run on all n updates at once (the direction test on those the size tests kept); with fewer than 3
     updates nothing is judged. In the size tests' median, a cluster that just healed (`fresh`: its update was missing
-    or left out in one of the last `FRESH_ROUNDS` rounds) counts at the largest size of the others (unless all just
-    healed): it healed without its residual, and its smaller payloads would lower the median below its peers'; its own
-    size is still judged. `fresh` is kept by cluster id across the rounds, the same on every cluster: it follows from
-    the verdicts. The input is `peer_statistics` of the whole updates (summed over the shards of a sharded update), so
-    the decision depends only on it and `fresh`: the same statistics and history give the same verdicts.
+    or left out in one of the last `FRESH_ROUNDS` rounds) counts at the largest size of those that did not (where every
+    one did, of those that healed longest ago): it healed without its residual, and its smaller payloads would lower
+    the median below its peers'; its own size is still judged. `fresh` is kept by cluster id across the rounds, the
+    same on every cluster: it follows from the verdicts. The input is `peer_statistics` of the whole updates (summed
+    over the shards of a sharded update), so the decision depends only on it and `fresh`: the same statistics and
+    history give the same verdicts.
 
     Weighted payloads: where every cluster's payload is its update times a weight all clusters know (clusters of
     different dp averaged by lanes: C dp_c / sum(dp)), `scales` holds those weights and the sizes are compared divided
@@ -197,13 +198,16 @@ class PeerCheck:
         norms = {i: math.sqrt(max(gram[i][i], 0.0)) / scales[i] for i in candidates}
         magnitudes = {i: median_magnitude(stats[i, 2 * count :].tolist()) / scales[i] for i in candidates}
         excluded: dict[int, str] = {}
-        settled = [i for i in candidates if clusters[i] not in self.fresh]
+        # the reference: the clusters that healed longest ago (all but those that just healed, or where every one did,
+        # the one furthest from its heal); the others count at the largest of theirs
+        least = min(self.fresh.get(clusters[i], 0) for i in candidates)
+        settled = [i for i in candidates if self.fresh.get(clusters[i], 0) == least]
         among = f"this round's {len(candidates)} updates"
-        if 0 < len(settled) < len(candidates):
-            among += ", those of clusters that just healed counted at the largest of the others'"
+        if len(settled) < len(candidates):
+            among += ", those of clusters that healed later counted at the largest of the others'"
         for what, sizes in (("norm", norms), ("median |value| sent", magnitudes)) if self.sizes else ():
-            top = max((sizes[i] for i in settled), default=0.0)
-            median = _median([sizes[i] if not settled or i in settled else top for i in candidates])
+            top = max(sizes[i] for i in settled)
+            median = _median([sizes[i] if i in settled else top for i in candidates])
             for i in candidates:
                 if i not in excluded and median > 0 and sizes[i] > self.max_ratio * median:
                     excluded[i] = (

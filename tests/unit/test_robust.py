@@ -240,8 +240,15 @@ def test_peer_check_leaves_clusters_that_just_healed_out_of_the_size_median_but_
     # a healed liar is still judged against the median of those that did not heal
     liar = peer_statistics([u[0], healed(u[1]), 4 * healed(u[2])])
     excluded = peers.judge(liar, [0, 1, 2])
-    assert list(excluded) == [2] and "just healed counted at the largest of the others'" in excluded[2]
+    assert list(excluded) == [2] and "healed later counted at the largest of the others'" in excluded[2]
     assert peers.fresh == {1: FRESH_ROUNDS - 2, 2: FRESH_ROUNDS}  # left out again: fresh again
+    # every one healed (a run whose clusters keep failing): the one that healed longest ago is the reference, and a
+    # cluster is not left out for being further from its heal than the others
+    every = PeerCheck(max_ratio=2.0)
+    every.judge(None, [], clusters=[0, 1, 2])  # all three restarted
+    every.judge(None, [0], clusters=[0, 1, 2])  # 1 and 2 once more, a round later
+    assert every.judge(stats, [0, 1, 2]) == {}
+    assert list(PeerCheck(max_ratio=2.0).judge(stats, [0, 1, 2])) == [0]
     for _ in range(FRESH_ROUNDS):  # rounds in which every update counts: the healed clusters count again
         peers.judge(peer_statistics(u), [0, 1, 2])
     assert peers.fresh == {}
