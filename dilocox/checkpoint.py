@@ -194,14 +194,18 @@ def prune(root: Path, *, keep: int, keep_every: int = 0, saved: Path | None = No
     """Delete the checkpoints of `root` but the newest `keep` and, with `keep_every`, the first one at or after each
     multiple of that many steps (the long-term tier: it stays the first of its span, so it is kept for good). Only
     checkpoints that verify count, so pruning never deletes the last good one (`saved`, just written, counts as
-    verified)."""
+    verified). Called by the one rank that saves into `root`, after its save: any other hidden `.step_*` directory
+    there is what a killed save or pruning left, and goes too."""
     good = [c for c in _complete_in(root) if c == saved or _verifies(c, full=False)]
     tier: dict[int, Path] = {}
     for checkpoint in good if keep_every else ():
         tier.setdefault(checkpoint_step(checkpoint) // keep_every, checkpoint)
     for old in good[:-keep]:
         if old not in tier.values():
-            shutil.rmtree(old, ignore_errors=True)
+            # hidden first: a kill midway through deleting it leaves no checkpoint that looks complete
+            os.replace(old, old.with_name(f".{old.name}.deleting"))
+    for stale in root.glob(".step_*"):  # what a kill left of a save (`.partial`) or of this pruning (`.deleting`)
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 class _Writes:

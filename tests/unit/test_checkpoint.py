@@ -100,6 +100,26 @@ def test_keep_every_keeps_the_first_checkpoint_of_every_span_for_good_and_the_ne
     assert [checkpoint_step(p) for p in list_checkpoints(tmp_path)] == [204, 216]
 
 
+def test_a_kill_while_pruning_leaves_no_checkpoint_that_looks_complete_and_the_next_save_clears_it(
+    tmp_path, monkeypatch
+):
+    save(tmp_path, 10, keep=1)
+    root = tmp_path / "checkpoints"
+    (root / ".step_00000015.partial").mkdir()  # a save killed midway
+    killed = RuntimeError("killed while deleting")
+
+    def kill(path, ignore_errors=False):
+        raise killed
+
+    monkeypatch.setattr("dilocox.checkpoint.shutil.rmtree", kill)
+    with pytest.raises(RuntimeError):
+        save(tmp_path, 20, keep=1)  # prunes 10, and is killed deleting it
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000020"]  # 10 is hidden, not half there
+    monkeypatch.undo()
+    save(tmp_path, 30, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000030"]  # what the kills left is gone
+
+
 def rewrite_meta(path, edit):
     """Apply `edit` to the JSON of `path`/meta.json and write it back as it is (no new digest)."""
     meta = json.loads((path / "meta.json").read_text())
