@@ -163,7 +163,7 @@ class PeerCheck:
         self.sizes = sizes
         """Whether the size tests run (False: weights unknown to the receivers)."""
         self.fresh: dict[int, int] = {}
-        """Cluster -> rounds left in which its sizes do not count in the reference (`FRESH_ROUNDS`)."""
+        """Cluster -> rounds left in which it counts as just healed (`FRESH_ROUNDS`)."""
 
     def judge(
         self, stats: torch.Tensor | None, candidates: Sequence[int], *, clusters: Sequence[int] | None = None
