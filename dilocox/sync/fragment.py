@@ -45,7 +45,7 @@ from dilocox.sync.merge import InFlight, build_merge_rule
 from dilocox.sync.outer_optimizer import OuterOptimizer, OuterOptimizerFactory, outer_lr_schedule
 from dilocox.sync.reducer_factory import build_reducer
 from dilocox.sync.reducers import GatherReducer, PendingMean, Reducer
-from dilocox.sync.robust import RoundGuard
+from dilocox.sync.robust import RoundGuard, judges_state, load_judges_state
 from dilocox.sync.rounds import RoundReport, token_weighted_factor
 
 if TYPE_CHECKING:
@@ -811,25 +811,11 @@ class FragmentState:
     def guard_snapshot(self) -> dict[str, Any]:
         """The guard's history: this rank's `RoundGuard` and the gather reduction's judges' (what an elastic redo of a
         sync rolls back to before judging it again)."""
-        return {"sync": self.guard.state_dict(), **self._judges_state()}
+        return {"sync": self.guard.state_dict(), **judges_state(self._update_guard, self._peer_check)}
 
     def restore_guard(self, snapshot: dict[str, Any]) -> None:
         self.guard.load_state_dict(snapshot["sync"])
-        self._load_judges_state(snapshot)
-
-    def _judges_state(self) -> dict[str, Any]:
-        """The gather reduction's judges' history, the same on every cluster: the norms the guard accepted, the
-        clusters the peer check counts as just healed."""
-        return {
-            "reducer": None if self._update_guard is None else self._update_guard.state_dict(),
-            "peers": None if self._peer_check is None else self._peer_check.state_dict(),
-        }
-
-    def _load_judges_state(self, state: dict[str, Any]) -> None:
-        if self._update_guard is not None and state.get("reducer") is not None:
-            self._update_guard.load_state_dict(state["reducer"])
-        if self._peer_check is not None and state.get("peers") is not None:
-            self._peer_check.load_state_dict(state["peers"])
+        load_judges_state(self._update_guard, self._peer_check, snapshot)
 
 
 def num_outer_updates(total_steps: int | None, first_round_end: int, inner_steps: int) -> int | None:

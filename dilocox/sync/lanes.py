@@ -35,7 +35,7 @@ from dilocox.net.channel import WanChannel, Wire
 from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.sync.base import CodecCost
 from dilocox.sync.reducers import PendingMean, _offsets, gather_slices_, judge_updates, param_aligned_bounds
-from dilocox.sync.robust import PeerCheck, UpdateGuard, aggregate
+from dilocox.sync.robust import PeerCheck, UpdateGuard, aggregate, judges_state, load_judges_state
 from dilocox.topology import Topology
 
 _LENGTH_BYTES = 8  # one int64 payload length per lane in the header step
@@ -374,19 +374,15 @@ class LaneReducer:
         return total
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
+        return {
             "lanes": {
                 lane: {"codec": self.codecs[lane].state_dict(), "feedback": self.feedbacks[lane].state_dict()}
                 for lane in self.layout.lanes
             },
             "num_lanes": self.layout.num_lanes,
             "holds_back": self.holds_back,
+            **judges_state(self.guard, self.peers),
         }
-        if self.guard is not None:
-            state["guard"] = self.guard.state_dict()
-        if self.peers is not None:
-            state["peers"] = self.peers.state_dict()
-        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("num_lanes") != self.layout.num_lanes or set(state.get("lanes", {})) != set(self.layout.lanes):
@@ -399,10 +395,7 @@ class LaneReducer:
             self.codecs[lane].load_state_dict(lane_state["codec"])
             self.feedbacks[lane].load_state_dict(lane_state["feedback"])
         self.holds_back = bool(state["holds_back"])
-        if self.guard is not None and "guard" in state:
-            self.guard.load_state_dict(state["guard"])
-        if self.peers is not None and "peers" in state:
-            self.peers.load_state_dict(state["peers"])
+        load_judges_state(self.guard, self.peers, state)
 
 
 def build_lane_reducer(

@@ -34,7 +34,15 @@ import torch.distributed as dist
 from dilocox.compress import Codec, ErrorFeedback, Payload
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.sync.base import CodecCost, shard_bounds
-from dilocox.sync.robust import PEER_MIN_UPDATES, PeerCheck, UpdateGuard, aggregate, peer_statistics
+from dilocox.sync.robust import (
+    PEER_MIN_UPDATES,
+    PeerCheck,
+    UpdateGuard,
+    aggregate,
+    judges_state,
+    load_judges_state,
+    peer_statistics,
+)
 from dilocox.topology import group_size
 
 
@@ -472,19 +480,11 @@ class GatherReducer(CodecReducer):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        if self.guard is not None:
-            state["guard"] = self.guard.state_dict()
-        if self.peers is not None:
-            state["peers"] = self.peers.state_dict()
-        return state
+        return {**super().state_dict(), **judges_state(self.guard, self.peers)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        if self.guard is not None and "guard" in state:  # a state saved without the guard has no history
-            self.guard.load_state_dict(state["guard"])
-        if self.peers is not None and "peers" in state:
-            self.peers.load_state_dict(state["peers"])
+        load_judges_state(self.guard, self.peers, state)
 
 
 def judge_updates(

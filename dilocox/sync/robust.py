@@ -170,9 +170,9 @@ class PeerCheck:
     ) -> dict[int, str]:
         """The `candidates` (rows of the (C, 2C + MAGNITUDE_BINS) float64 `peer_statistics`, all of finite updates) to
         leave out, and why. `clusters`: the cluster of each row (default: row r is cluster r); `stats` None: fewer
-        than 3 updates, nothing to judge (the round still counts for `fresh`)."""
-        count = len(clusters) if clusters is not None else 0 if stats is None else stats.shape[0]
-        clusters = list(clusters) if clusters is not None else list(range(count))
+        than 3 updates, nothing to judge, and `clusters` given (the round still counts for `fresh`)."""
+        if clusters is None:
+            clusters = range(len(stats))
         excluded = {} if stats is None else self._judge(stats, candidates, clusters)
         for row, cluster in enumerate(clusters):
             if row not in candidates or row in excluded:
@@ -231,6 +231,25 @@ class PeerCheck:
         if 2 * len(away) < len(kept):  # those that agree are a majority: otherwise nothing can be told apart
             excluded.update(away)
         return excluded
+
+
+def judges_state(guard: UpdateGuard | None, peers: PeerCheck | None) -> dict[str, Any]:
+    """The history of a gather reduction's judges, the same on every cluster: the norms `guard` accepted ("guard")
+    and the clusters `peers` counts as just healed ("peers"), for those it has."""
+    state: dict[str, Any] = {}
+    if guard is not None:
+        state["guard"] = guard.state_dict()
+    if peers is not None:
+        state["peers"] = peers.state_dict()
+    return state
+
+
+def load_judges_state(guard: UpdateGuard | None, peers: PeerCheck | None, state: dict[str, Any]) -> None:
+    """Take `judges_state`; a judge the state has no history of (saved without it) keeps its own."""
+    if guard is not None and state.get("guard") is not None:
+        guard.load_state_dict(state["guard"])
+    if peers is not None and state.get("peers") is not None:
+        peers.load_state_dict(state["peers"])
 
 
 def _shared_cosine(product: float, square_i: float, square_j: float) -> float:
