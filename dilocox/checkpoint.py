@@ -11,11 +11,14 @@ Layout of `RUN_DIR/checkpoints/`:
 
 Every rank writes its file into the `.partial` directory (fsync'd) with a small digest file beside it, all ranks
 meet at a barrier, and rank 0 moves the digests into meta.json, renames the directory into place and fsyncs the
-directories, so a checkpoint that looks complete always is. Every read goes through `verify_checkpoint`: meta.json
-must match its digest and list the rank files, and each rank file read must have the size and sha256 listed.
-`latest` skips a corrupt checkpoint (one line says which and why) for the newest one that verifies; a named one that
-fails is a one-line error. Multi-machine runs need `run.out_dir` on storage that every node sees (as torchrun jobs
-usually have).
+directories, so a checkpoint that looks complete always is. `start_checkpoint` (checkpoint.async_save) does the same
+in a thread per rank, from a host copy of the state, while training goes on: rank 0's thread finalizes once every
+rank's digest file is there (a rank whose write failed leaves its line instead), and `PendingSave.wait`, before the
+next save, makes every rank report a failed write as a foreground save does. Every read goes through
+`verify_checkpoint`: meta.json must match its digest and list the rank files, and each rank file read must have the
+size and sha256 listed. `latest` skips a corrupt checkpoint (one line says which and why) for the newest one that
+verifies; a named one that fails is a one-line error. Multi-machine runs need `run.out_dir` on storage that every node
+sees (as torchrun jobs usually have).
 
 An elastic run (docs/design.md §10.1) has one torch.distributed world per cluster, so each cluster writes a checkpoint
 of its own ranks (files named by the rank inside the cluster, `world_size` = its dp x pp ranks, `elastic_cluster` in
@@ -23,6 +26,8 @@ meta.json) into `checkpoints/cluster{c}/`, pruned to `checkpoint.keep` there; `l
 and at equal steps the lowest cluster's counts as the newest (`latest`, `dilocox eval`, `dilocox export`).
 
     save_checkpoint(run_dir, step, state, rank=rank, meta=meta, keep=2, keep_every=1000)  # + one per 1000 steps
+    pending = start_checkpoint(run_dir, step, state, rank=rank, meta=meta, keep=2)  # returns at once
+    pending.wait()                                 # before the next save: raises a write that failed on any rank
     path = find_checkpoint(run_dir, "latest")      # verified: meta.json and every rank file
     state = load_rank_state(path, rank)            # verifies meta.json and this rank's file, then loads it
     model = consolidated_model_state(path, agreed=True)   # the whole model, from every stage's file
@@ -30,6 +35,7 @@ and at equal steps the lowest cluster's counts as the newest (`latest`, `dilocox
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import errno
 import hashlib
@@ -37,6 +43,8 @@ import json
 import os
 import shutil
 import sys
+import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -144,6 +152,77 @@ def save_checkpoint(
     checkpoint's size) raises `CheckpointNotWritten` on every rank after the partial directory is removed: the
     checkpoints before it stay as they were."""
     root = checkpoint_root(run_dir, cluster)
+    final, partial = _begin(root, step, rank, group)
+    _stop_if_any_failed(_write_rank(partial, rank, state, step), partial, rank, group)
+    error = _finalize(partial, final, step, meta, keep, keep_every) if rank == 0 else None
+    _stop_if_any_failed(error, partial, rank, group)
+    _barrier(group)
+    return final
+
+
+class PendingSave:
+    """A checkpoint this rank writes in a thread of its own (`start_checkpoint`): training goes on meanwhile."""
+
+    def __init__(self, final: Path, partial: Path, rank: int, group: dist.ProcessGroup | None, work) -> None:
+        self.path, self._partial, self._rank, self._group = final, partial, rank, group
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="dilocox-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            self._error = work()
+        except BaseException as exc:  # noqa: BLE001 - reported by `wait` on the training thread
+            self._error = f"checkpoint {self.path} could not be written ({exc.__class__.__name__}: {exc})"
+
+    def wait(self) -> Path:
+        """Collectively: wait until every rank's thread is done and the checkpoint is complete; a write that failed
+        on any rank raises `CheckpointNotWritten` on every rank (its partial directory removed)."""
+        self._thread.join()
+        _stop_if_any_failed(self._error, self._partial, self._rank, self._group)
+        _barrier(group=self._group)
+        return self.path
+
+
+def start_checkpoint(
+    run_dir: Path,
+    step: int,
+    state: dict[str, Any],
+    *,
+    rank: int,
+    meta: dict[str, Any],
+    keep: int,
+    keep_every: int = 0,
+    group: dist.ProcessGroup | None = None,
+    cluster: int | None = None,
+    timeout_s: float = 600.0,
+) -> PendingSave:
+    """`save_checkpoint` in the background: collectively make the partial directory, copy `state` to host memory
+    (what training changes next is not in it), and hand the writing to a thread; rank 0's thread finalizes the
+    checkpoint once every rank's file and digest are there (no collective off the training thread: it watches the
+    directory, which every rank of a run shares), or gives up after `timeout_s`. The checkpoint counts from then on,
+    as a `save_checkpoint`'s does; `PendingSave.wait`, before the next save, reports a write that failed."""
+    root = checkpoint_root(run_dir, cluster)
+    final, partial = _begin(root, step, rank, group)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    snapshot = _host_copy(state)
+
+    def work() -> str | None:
+        error = _write_rank(partial, rank, snapshot, step)
+        if error is not None:
+            write_atomic(partial / f".{_rank_file(rank)}{FAILED_SUFFIX}", error.encode())
+            return error
+        if rank != 0:
+            return None
+        error = _await_ranks(partial, world, step, timeout_s)
+        return error if error is not None else _finalize(partial, final, step, meta, keep, keep_every)
+
+    return PendingSave(final, partial, rank, group, work)
+
+
+def _begin(root: Path, step: int, rank: int, group: dist.ProcessGroup | None) -> tuple[Path, Path]:
+    """Collectively: rank 0 makes checkpoint `step`'s empty partial directory in `root` (after checking for space);
+    returns (the checkpoint's final path, its partial path)."""
     final = _step_dir(root, step)
     partial = root / f".{final.name}.partial"
     error = None
@@ -157,6 +236,11 @@ def save_checkpoint(
         except OSError as exc:
             error = _not_written(step, root, exc)
     _stop_if_any_failed(error, partial, rank, group)
+    return final, partial
+
+
+def _write_rank(partial: Path, rank: int, state: dict[str, Any], step: int) -> str | None:
+    """Write this rank's file (fsync'd) and its digest beside it; the line to stop with if that failed."""
     name = _rank_file(rank)
     tmp = partial / f".{name}.tmp"
     try:
@@ -167,27 +251,66 @@ def save_checkpoint(
         os.replace(tmp, partial / name)
         write_atomic(partial / (name + DIGEST_SUFFIX), json.dumps(_digest(partial / name)).encode())
     except OSError as exc:
-        error = _not_written(step, root, exc)
-    _stop_if_any_failed(error, partial, rank, group)
-    if rank == 0:
-        try:
-            digests = sorted(partial.glob("*" + DIGEST_SUFFIX))
-            files = {d.name.removesuffix(DIGEST_SUFFIX): json.loads(d.read_text()) for d in digests}
-            write_meta(partial, {"step": step, **meta, "files": files})
-            for d in digests:
-                d.unlink()
-            _fsync(partial)
-        except OSError as exc:
-            error = _not_written(step, root, exc)
-    _stop_if_any_failed(error, partial, rank, group)
-    if rank == 0:
-        if final.exists():  # the same step saved again after a resume: replace it whole
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        _fsync(root)
-        prune(root, keep=keep, keep_every=keep_every, saved=final)
-    _barrier(group)
-    return final
+        return _not_written(step, partial.parent, exc)
+    return None
+
+
+def _finalize(partial: Path, final: Path, step: int, meta: dict[str, Any], keep: int, keep_every: int) -> str | None:
+    """Rank 0, once every rank's file is written: move the digests into meta.json, put the checkpoint in place
+    (replacing one of the same step, saved again after a resume) and prune; the line to stop with if that failed."""
+    root = partial.parent
+    try:
+        digests = sorted(partial.glob("*" + DIGEST_SUFFIX))
+        files = {d.name.removesuffix(DIGEST_SUFFIX): json.loads(d.read_text()) for d in digests}
+        write_meta(partial, {"step": step, **meta, "files": files})
+        for d in digests:
+            d.unlink()
+        _fsync(partial)
+    except OSError as exc:
+        return _not_written(step, root, exc)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    _fsync(root)
+    prune(root, keep=keep, keep_every=keep_every, saved=final)
+    return None
+
+
+FAILED_SUFFIX = ".failed"
+"""A background write that failed leaves its line in `.rank_XXXXX.pt.failed` in the partial directory: rank 0's
+thread, waiting for every rank's digest, stops at it."""
+
+
+def _await_ranks(partial: Path, world: int, step: int, timeout_s: float) -> str | None:
+    """Rank 0's thread: wait until `world` rank digests are in `partial`; the line to stop with if a rank's write
+    failed (its `.failed` line) or not all were there within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        failed = sorted(partial.glob("*" + FAILED_SUFFIX))
+        if failed:
+            return failed[0].read_text()
+        written = len(list(partial.glob("*" + DIGEST_SUFFIX)))
+        if written == world:
+            return None
+        if time.monotonic() > deadline:
+            return (
+                f"checkpoint step {step} was not written: {world - written} of {world} ranks had not written their "
+                f"file to {partial} after {timeout_s:.0f} s (a rank stopped, or the directory is not on storage every "
+                "rank shares); the earlier checkpoints are intact"
+            )
+        time.sleep(0.02)
+
+
+def _host_copy(state: Any) -> Any:
+    """`state` with every tensor copied to host memory and every container copied: what a save in the background
+    writes, whatever training does to the originals meanwhile."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {key: _host_copy(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_host_copy(value) for value in state)
+    return copy.deepcopy(state)
 
 
 def prune(root: Path, *, keep: int, keep_every: int = 0, saved: Path | None = None) -> None:

@@ -275,6 +275,8 @@ class CheckpointConfig:
     """Also keep the first checkpoint at or after every multiple of this many steps, for good (0: none)."""
     resume: str = "auto"
     """auto: the newest verified checkpoint of run.out_dir if any, else start; latest; a checkpoint dir; "": never."""
+    async_save: bool = False
+    """Write checkpoints in a thread while training goes on (it waits for a host copy of the state); not the last."""
 
 
 @dataclass

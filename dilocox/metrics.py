@@ -325,6 +325,9 @@ class RunSummary:
     dp_degrees: list[int] | None = None
     """Each cluster's data-parallel degree where they differ (topology.clusters; `dp_degree` is then the largest);
     None for clusters of one shape."""
+    checkpoint_s: float = 0.0
+    """Seconds rank 0's training waited for checkpoints in its last process (with checkpoint.async_save: copying the
+    state and the previous save; 0 in summaries written before it was recorded)."""
 
     def write(self, run_dir: Path) -> None:
         data = {k: _clean(v) for k, v in dataclasses.asdict(self).items()}

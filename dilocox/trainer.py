@@ -24,12 +24,14 @@ import torch.distributed as dist
 
 from dilocox.agreement import run_settings, settings_fingerprint
 from dilocox.checkpoint import (
+    PendingSave,
     check_resume,
     list_checkpoints,
     load_rank_state,
     run_identity,
     save_checkpoint,
     saved_outer_params,
+    start_checkpoint,
 )
 from dilocox.config import Config, to_dict
 from dilocox.data import ShardedTokenStream, TokenData, is_prepared_dir, iter_eval_batches, prepare_tokens
@@ -375,6 +377,9 @@ class Trainer:
         """The progress whose learning rate the last inner step used (its step; with time rounds the run's)."""
         self.train_s = 0.0
         """Seconds of this rank's inner steps across resumes (no evaluation, checkpoint or wait at a boundary)."""
+        self.checkpoint_s = 0.0
+        """Seconds training waited for checkpoints in this process (a copy and the previous one, with async_save)."""
+        self.pending_save: PendingSave | None = None  # a checkpoint written in the background (async_save)
         self.round_stats: RoundStats | None = None  # what the sync waited for at the last step cost, if anything
         self._tokenizer_vocab: str | None = None  # Tokenizer.vocab_fingerprint, read at the first checkpoint
         self.resumed_from: Path | None = None  # the checkpoint this process loaded, if any
@@ -483,23 +488,34 @@ class Trainer:
             self.membership.resume_progress(state["trainer"]["torchft"])
         self.resumed_from = path
 
-    def save(self) -> Path | None:
+    def save(self, *, last: bool = False) -> Path:
         """Checkpoint this rank (collective); a rank with non-finite parameters stops the run instead, so no
-        checkpoint of a diverged model is ever written and the good ones stay."""
+        checkpoint of a diverged model is ever written and the good ones stay. With `checkpoint.async_save` it is
+        written in the background, after the previous one is complete, but for the `last` of the run."""
+        started = time.perf_counter()
         bad = [name for name, p in self.model.named_parameters() if not torch.isfinite(local_shard(p)).all()]
         if bad:
             self._diverged(f"non-finite parameters ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
-        self._last_checkpoint_step = self._checkpoint_position()
-        return save_checkpoint(
-            self.run_dir,
-            self._last_checkpoint_step,  # time rounds: the round's nominal step, the same on every cluster
-            self.state_dict(),
-            rank=self.checkpoint_rank,
-            meta=self.checkpoint_meta(),
-            keep=self.cfg.checkpoint.keep,
-            keep_every=self.cfg.checkpoint.keep_every,
-            cluster=self.coords.cluster if self.elastic else None,  # elastic: each cluster its own, §10.1
-        )
+        if self.pending_save is not None:
+            pending, self.pending_save = self.pending_save, None
+            pending.wait()
+        self._last_checkpoint_step = step = self._checkpoint_position()  # time rounds: the round's nominal step
+        where = {
+            "rank": self.checkpoint_rank,
+            "meta": self.checkpoint_meta(),
+            "keep": self.cfg.checkpoint.keep,
+            "keep_every": self.cfg.checkpoint.keep_every,
+            "cluster": self.coords.cluster if self.elastic else None,  # elastic: each cluster its own, §10.1
+        }
+        if self.cfg.checkpoint.async_save and not last:
+            self.pending_save = start_checkpoint(
+                self.run_dir, step, self.state_dict(), timeout_s=self.cfg.network.timeout_s, **where
+            )
+            path = self.pending_save.path
+        else:
+            path = save_checkpoint(self.run_dir, step, self.state_dict(), **where)
+        self.checkpoint_s += time.perf_counter() - started
+        return path
 
     def _diverged(self, what: str, fix: str = "lower train.lr or set train.grad_clip > 0") -> None:
         newest = list_checkpoints(self.run_dir)
@@ -631,7 +647,7 @@ class Trainer:
                     self.round_stats = self.sync.after_inner_step(self.step)
                 if self.step >= cfg.train.steps:  # joined at the last boundary: no step left, but the end is its own
                     self.round_stats = self.sync.flush() or self.round_stats
-                    path = self.save()
+                    path = self.save(last=True)
                     if logger is not None:
                         logger.print(f"checkpoint saved: {path}")
             while not self._finished():
@@ -678,9 +694,9 @@ class Trainer:
                 if eval_loss is not None:  # logged above; stopped before a checkpoint of it
                     self._check_eval_loss(eval_loss)
                 if boundary and (self._checkpoint_due(cfg.checkpoint.interval) or last):
-                    path = self.save()
+                    path = self.save(last=last)
                     if logger is not None:
-                        logger.print(f"checkpoint saved: {path}")
+                        logger.print(f"checkpoint {'being written' if self.pending_save else 'saved'}: {path}")
             wall_s = self.elapsed_before + self._elapsed()
             if self.membership is not None:
                 self._write_membership_record(joined)
@@ -867,6 +883,7 @@ class Trainer:
             dp_degree=c.topology.dp_degree,
             pp_degree=c.topology.pp_degree,
             dp_degrees=None if self.topology.uniform else list(self.topology.dp_degrees),
+            checkpoint_s=self.checkpoint_s,
             bandwidth=c.network.bandwidth,
             latency=c.network.latency,
             checkpoint=str(checkpoints[-1]) if checkpoints else None,

@@ -25,9 +25,10 @@ from dilocox.metrics import SUMMARY_FILE
 from dilocox.runlock import LOCK_FILE, RunLock
 
 RECORD_ONLY = ("run.out_dir", "run.overwrite", "checkpoint.interval", "checkpoint.resume", "checkpoint.keep",
-               "checkpoint.keep_every", "eval.interval", "eval.max_batches", "eval.final_max_batches", "eval.local",
-               "network.advertise_host", "network.lighthouse", "metrics.progress", "metrics.log_interval",
-               "metrics.tensorboard", "metrics.wandb", "sync.min_clusters")  # fmt: skip
+               "checkpoint.keep_every", "checkpoint.async_save", "eval.interval", "eval.max_batches",
+               "eval.final_max_batches", "eval.local", "network.advertise_host", "network.lighthouse",
+               "metrics.progress", "metrics.log_interval", "metrics.tensorboard", "metrics.wandb",
+               "sync.min_clusters")  # fmt: skip
 """Settings that change where a run is recorded, how often it is saved, how it is watched and how few clusters it
 goes on with, never what it trains: a run started again with another value of these is the same run."""
 

@@ -1,5 +1,6 @@
 """A checkpoint that one rank cannot write (its disk is full, or fills up in the middle of its file) stops every rank
-with the same line, on 2 real gloo ranks, and leaves the checkpoints before it as they were."""
+with the same line, on 2 real gloo ranks, and leaves the checkpoints before it as they were; a checkpoint written in
+the background (checkpoint.async_save) holds the state of its step and reports a failed write the same way."""
 
 import resource
 from pathlib import Path
@@ -8,7 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dilocox.checkpoint import CheckpointNotWritten, list_checkpoints, save_checkpoint, verify_checkpoint
+from dilocox.checkpoint import (
+    CheckpointNotWritten,
+    list_checkpoints,
+    load_rank_state,
+    save_checkpoint,
+    start_checkpoint,
+    verify_checkpoint,
+)
 from tests.multiproc import run_ranks
 
 
@@ -57,4 +65,53 @@ def test_a_file_cut_short_mid_write_stops_every_rank_with_its_os_error_and_no_pa
         f"checkpoint step 20 could not be written to {root} (File too large;"
     )
     assert sorted(p.name for p in root.iterdir()) == ["step_00000010"]
+    verify_checkpoint(list_checkpoints(tmp_path)[0])
+
+
+def _background_worker(rank: int, world_size: int, run_dir: str, fail: bool) -> dict:
+    """Checkpoint 10 saved in the foreground, then 20 in the background while this rank changes its state in place
+    (training goes on); with `fail`, rank 1's background write lands on a full disk."""
+    weights = torch.full((256, 256), float(rank))
+    save_checkpoint(Path(run_dir), 10, {"w": weights}, rank=rank, meta={"world_size": 2}, keep=3)
+    if fail and rank == 1:
+        real_save = torch.save
+
+        def onto_full_disk(obj, handle):
+            with open("/dev/full", "wb") as full:
+                real_save(obj, full)
+
+        torch.save = onto_full_disk
+    pending = start_checkpoint(Path(run_dir), 20, {"w": weights, "step": [20]}, rank=rank, meta={"world_size": 2},
+                               keep=3)  # fmt: skip
+    weights.add_(100.0)  # the next inner steps, while the thread writes
+    if rank == 0:  # rank 0's thread completes the checkpoint by itself: no collective of the training thread
+        pending._thread.join()
+    dist.barrier()
+    complete = [p.name for p in list_checkpoints(Path(run_dir))]
+    try:
+        path = pending.wait()
+    except CheckpointNotWritten as exc:
+        return {"complete": complete, "error": str(exc)}
+    return {"complete": complete, "state": load_rank_state(path, rank)}
+
+
+@pytest.mark.dist
+def test_a_background_save_writes_the_state_of_its_step_and_completes_without_the_training_thread(tmp_path):
+    results = run_ranks(_background_worker, 2, args=(str(tmp_path), False))
+    for rank, result in enumerate(results):
+        assert result["complete"] == ["step_00000010", "step_00000020"]
+        assert torch.equal(result["state"]["w"], torch.full((256, 256), float(rank)))  # not the +100 after it
+        assert result["state"]["step"] == [20]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000010", "step_00000020"]
+    verify_checkpoint(list_checkpoints(tmp_path)[-1])
+
+
+@pytest.mark.dist
+def test_a_background_save_that_fails_on_one_rank_stops_every_rank_at_the_next_wait_with_its_line(tmp_path):
+    results = run_ranks(_background_worker, 2, args=(str(tmp_path), True))
+    root = tmp_path / "checkpoints"
+    assert [r["complete"] for r in results] == [["step_00000010"]] * 2  # rank 0's thread did not complete it
+    assert results[0]["error"] == results[1]["error"]
+    assert results[0]["error"].startswith(f"the disk is full: checkpoint step 20 could not be written to {root}")
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000010"]  # no partial directory left
     verify_checkpoint(list_checkpoints(tmp_path)[0])
