@@ -45,12 +45,18 @@ from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.net.watchdog import JobStore, Watchdog
 from dilocox.optim import MuonAdamW, inner_state_bytes, split_muon_parameters
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
-from dilocox.parallel.fsdp import load_local_optimizer_state_, load_local_state_, local_state, shard_stage
+from dilocox.parallel.fsdp import (
+    load_local_optimizer_state_,
+    load_local_state_,
+    local_state,
+    replicate_stage,
+    shard_stage,
+)
 from dilocox.parallel.pipeline import mean_token_cross_entropy
 from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync
 from dilocox.sync.lanes import LaneLayout, lane_allreduce_bytes_per_step
 from dilocox.sync.robust import GuardError
-from dilocox.topology import Topology, build_process_groups, local_shard
+from dilocox.topology import Topology, build_process_groups, group_size, local_shard
 
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 """The autocast dtype of each `train.dtype` (fp32: no autocast)."""
@@ -297,11 +303,16 @@ class Trainer:
         configure_compute(self.model, cfg)
         self.sharded = cfg.topology.dp_mode == "shard"
         """The cluster's dp ranks hold this stage as FSDP2 shards (`dilocox.parallel.fsdp`), not as replicas."""
+        stage = self.model  # what the pipeline runs: the stage, or its DDP wrapper (the same parameters and names)
         if self.sharded:
             shard_stage(self.model, self.groups.dp_group)
+        elif group_size(self.groups.dp_group) > 1:
+            stage = replicate_stage(self.model, self.groups.dp_group)
+        self.dp_reduced = stage is not self.model
+        """The replicas' gradients are averaged by DDP during the backward, not by the sync after it."""
         self.num_params = count_parameters(self.model_args)
         self.runner = PipelineRunner(
-            self.model,
+            stage,
             stage_index=self.coords.pp,
             num_stages=self.num_stages,
             pp_group=self.groups.pp_group,
@@ -345,6 +356,7 @@ class Trainer:
             lanes=self.lanes,
             tokens_per_step=self.cluster_tokens_per_step,
             sharded=self.sharded,
+            dp_reduced=self.dp_reduced,
         )
         self.time_rounds = cfg.sync.has_outer_loop and cfg.sync.round.mode == "time"
         """Every cluster trains for the same time budget per round; the run is ceil(train.steps / H) rounds."""

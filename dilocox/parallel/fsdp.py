@@ -1,4 +1,5 @@
-"""`topology.dp_mode = "shard"`: a cluster's dp ranks hold a stage as FSDP2 shards (`fully_shard`), as torchtitan does.
+"""A cluster's dp ranks and their stage: FSDP2 shards (`topology.dp_mode = "shard"`, `fully_shard`, as torchtitan
+does) or DDP replicas (`replicate`, the default: `replicate_stage`).
 
 With pipelining, the sharded stage module is what `PipelineStage` runs (torchtitan's order): the schedule
 reduce-scatters the gradients once, after the last microbatch's backward.
@@ -40,6 +41,26 @@ def shard_stage(model: nn.Module, dp_group: dist.ProcessGroup) -> None:
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
+
+
+def replicate_stage(model: nn.Module, dp_group: dist.ProcessGroup) -> nn.Module:
+    """`topology.dp_mode = "replicate"` with more than one replica: `model` in `DistributedDataParallel` over
+    `dp_group`, whose gradient all-reduce runs bucket by bucket during the backward. The pipeline runs the wrapper
+    (torch.distributed.pipelining reduces once, after the last microbatch's backward); `model` stays the stage for
+    its state, the optimizers and the outer sync (the same parameters under the same names). DDP's first backward
+    reduces one bucket; from the second on, buckets in the order the gradients arrive (the first of 1 MiB), each
+    all-reduced as soon as it is full. The gradients are views into the buckets (no second copy of them), and buffers
+    are not synced at every forward: they are the same on every replica (the rotary tables)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = next(model.parameters()).device
+    return DistributedDataParallel(
+        model,
+        device_ids=[device] if device.type == "cuda" else None,
+        process_group=dp_group,
+        forward_sync_buffers=False,
+        gradient_as_bucket_view=True,
+    )
 
 
 def local_state(state: Any) -> Any:

@@ -46,6 +46,7 @@ def build_sync(
     lanes: LaneLayout | None = None,
     tokens_per_step: int = 1,
     sharded: bool = False,
+    dp_reduced: bool = False,
 ) -> SyncStrategy:
     """The strategy named by `sync.kind`, over this rank's parameters. The outer-loop kinds get the public
     `OuterSync` around `DiLoCoSync`, so `dilocox train` and a user's own loop (docs/api.md) run one object;
@@ -53,16 +54,19 @@ def build_sync(
     the stages agree on what the guard leaves out; `lanes`: clusters of different data-parallel degree (outer-loop
     kinds only, docs/design.md §2.1); `tokens_per_step` (this cluster's, per inner step) weighs the clusters'
     updates by their tokens under `sync.round.mode = time`; `sharded`: `params` are FSDP shards over `dp_group`
-    (`topology.dp_mode = shard`): each rank syncs its own shard."""
+    (`topology.dp_mode = shard`): each rank syncs its own shard; `dp_reduced`: the gradients of a replicated stage
+    arrive averaged over `dp_group` already (the trainer's DDP stage, `dilocox.parallel.fsdp.replicate_stage`)."""
     from dilocox.sync.allreduce import AllReduceSync
     from dilocox.sync.cocktail import CocktailSync
     from dilocox.sync.outer import OuterSync
 
     replicas = None if sharded else dp_group  # FSDP averaged a sharded stage's gradients over dp_group
     if cfg.sync.kind == "allreduce":
-        return AllReduceSync(params, channel=channel, dp_group=replicas)
+        return AllReduceSync(params, channel=channel, dp_group=replicas, dp_reduced=dp_reduced)
     if cfg.sync.kind == "cocktail":
-        return CocktailSync(params, cfg.cocktail, channel=channel, dp_group=replicas, seed=cfg.run.seed)
+        return CocktailSync(
+            params, cfg.cocktail, channel=channel, dp_group=replicas, seed=cfg.run.seed, dp_reduced=dp_reduced
+        )
     return OuterSync.from_configs(
         params,
         cfg.sync,
@@ -78,4 +82,5 @@ def build_sync(
         lanes=lanes,
         tokens_per_step=tokens_per_step,
         sharded=sharded,
+        dp_reduced=dp_reduced,
     )

@@ -23,15 +23,21 @@ class AllReduceSync(StepRounds):
 
     name = "allreduce"
 
-    def __init__(self, params, *, channel: WanChannel, dp_group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, params, *, channel: WanChannel, dp_group: dist.ProcessGroup | None, dp_reduced: bool = False
+    ) -> None:
+        """`dp_reduced`: the gradients arrive averaged over `dp_group` already (the trainer's DDP stage)."""
         self.flat = FlatParams(params)
         self.numel = self.flat.numel
         self.dp_group = dp_group
+        self.dp_reduced = dp_reduced
         self.reducer = DenseReducer(self.numel, channel=channel, dp_group=dp_group)
         self.warnings: list[str] = []
 
     def reduce_gradients(self) -> None:
-        grads = dp_mean_(self.flat.gather_grads(), self.dp_group)
+        grads = self.flat.gather_grads()
+        if not self.dp_reduced:
+            dp_mean_(grads, self.dp_group)
         self.flat.scatter_grads(self.reducer.launch(grads).wait())
 
     def after_inner_step(self, step: int, *, step_s: float = 0.0) -> RoundStats | None:

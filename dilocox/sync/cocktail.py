@@ -49,12 +49,15 @@ class CocktailSync(StepRounds):
         channel: WanChannel,
         dp_group: dist.ProcessGroup | None,
         seed: int = 0,
+        dp_reduced: bool = False,
     ) -> None:
+        """`dp_reduced`: the gradients arrive averaged over `dp_group` already (the trainer's DDP stage)."""
         self.codec = SparseInt4Codec(cfg, seed=seed)  # validates the [cocktail] options
         self.flat = FlatParams(params)
         self.numel = self.flat.numel
         self.channel = channel
         self.dp_group = dp_group
+        self.dp_reduced = dp_reduced
         dp_size = group_size(dp_group)
         self.bounds = [shard_bounds(self.flat.numel, dp_size, i) for i in range(dp_size)]  # every replica's shard
         self.shard_start, self.shard_end = self.bounds[dist.get_rank(dp_group) if dp_size > 1 else 0]
@@ -75,7 +78,9 @@ class CocktailSync(StepRounds):
 
     # ---------------------------------------------------------------------------------------------- protocol
     def reduce_gradients(self) -> None:
-        grads = dp_mean_(self.flat.gather_grads(), self.dp_group)  # (numel,), identical on the dp replicas
+        grads = self.flat.gather_grads()  # (numel,)
+        if not self.dp_reduced:
+            dp_mean_(grads, self.dp_group)  # identical on the dp replicas
         if self.num_clusters == 1:
             self.flat.scatter_grads(grads)
             return

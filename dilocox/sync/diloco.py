@@ -88,13 +88,15 @@ class DiLoCoSync:
         round_tokens: int | None = None,
         weigh_tokens: bool = False,
         sharded: bool = False,
+        dp_reduced: bool = False,
     ) -> None:
         """`sharded`: `params` are FSDP shards over `dp_group` (topology.dp_mode = shard): FSDP's reduce-scatter
         already averaged the gradients over it, and this rank's shard is all it sends over the slow link (a replicated
-        stage's rank sends its slice of the stage and all-gathers the others'). `lanes`: clusters of different
-        data-parallel degree (docs/design.md §2.1). `tokens_per_step`: the tokens this cluster trains on per inner
-        step; `round_tokens`: n_ref, the nominal tokens of one round, the same on
-        every cluster (default H x one replica's tokens per step); `weigh_tokens`: weigh the clusters by their tokens
+        stage's rank sends its slice of the stage and all-gathers the others'). `dp_reduced`: the replicated stage's
+        gradients arrive averaged over `dp_group` already (the trainer's DDP stage): `reduce_gradients` does nothing.
+        `lanes`: clusters of different data-parallel degree (docs/design.md §2.1). `tokens_per_step`: the tokens this
+        cluster trains on per inner step; `round_tokens`: n_ref, the nominal tokens of one round, the same on every
+        cluster (default H x one replica's tokens per step); `weigh_tokens`: weigh the clusters by their tokens
         also with `sync.round.mode = "steps"`."""
         compression = compression or CompressionConfig()
         cfg = cfg.resolved(compression)  # its auto options, by their rules
@@ -106,7 +108,9 @@ class DiLoCoSync:
         self.flat = FlatParams(params)
         self.numel = self.flat.numel
         self.dp_group = None if sharded else dp_group
-        """The replicas whose gradients `reduce_gradients` averages and over which the reducers slice the stage."""
+        """The replicas over which the reducers slice the stage."""
+        self.averages_dp = self.dp_group is not None and not dp_reduced
+        """Whether `reduce_gradients` averages the gradients over `dp_group` (no one did before it)."""
         self.total_steps = total_steps
         self.time_rounds = cfg.round.mode == "time"
         if self.time_rounds and not total_steps:
@@ -239,7 +243,7 @@ class DiLoCoSync:
 
     # ---------------------------------------------------------------------------------------------- protocol
     def reduce_gradients(self) -> None:
-        if self.dp_group is not None:  # a sharded stage's gradients were averaged by FSDP's reduce-scatter
+        if self.averages_dp:
             self.flat.scatter_grads(dp_mean_(self.flat.gather_grads(), self.dp_group))
 
     def is_round_boundary(self, step: int) -> bool:

@@ -184,6 +184,7 @@ class OuterSync:
         round_tokens: int | None = None,
         weigh_tokens: bool = False,
         sharded: bool = False,
+        dp_reduced: bool = False,
     ) -> OuterSync:
         """Around a `channel` the caller owns (and closes), with the config dataclasses: the trainer's path
         (`build_sync`), and the one to `sync.round.fit_link` or `sync.outer.state_device`. Nothing is hooked or
@@ -196,7 +197,8 @@ class OuterSync:
         pseudo-gradient is weighted by its tokens (`LaneLayout.cluster_weight`). `tokens_per_step`, `round_tokens`
         and `weigh_tokens` set the token-weighted average of time rounds (`DiLoCoSync`): this cluster's tokens per
         inner step, the nominal tokens of a round (the same on every cluster), and whether to weigh also with step
-        rounds. `sharded`: `params` are FSDP shards over `dp_group` (topology.dp_mode = shard, `DiLoCoSync`)."""
+        rounds. `sharded`: `params` are FSDP shards over `dp_group` (topology.dp_mode = shard, `DiLoCoSync`);
+        `dp_reduced`: the gradients arrive averaged over `dp_group` already (DDP)."""
         if sync.kind not in OUTER_LOOP_KINDS:
             raise ValueError(f"OuterSync needs sync.kind = diloco or dilocox, not {sync.kind!r}")
         compression = compression or CompressionConfig()
@@ -229,6 +231,7 @@ class OuterSync:
             round_tokens=round_tokens,
             weigh_tokens=weigh_tokens,
             sharded=sharded,
+            dp_reduced=dp_reduced,
         )
         return self
 
@@ -253,6 +256,7 @@ class OuterSync:
         round_tokens: int | None = None,
         weigh_tokens: bool = False,
         sharded: bool = False,
+        dp_reduced: bool = False,
     ) -> None:
         self.diloco = DiLoCoSync(
             params,
@@ -271,6 +275,7 @@ class OuterSync:
             round_tokens=round_tokens,
             weigh_tokens=weigh_tokens,
             sharded=sharded,
+            dp_reduced=dp_reduced,
         )
         """The implementation this facade drives (docs/design.md §3): the stage's fragments' rounds."""
         self.inner_optimizer = inner_optimizer
