@@ -20,6 +20,17 @@ from dilocox.checkpoint import (
 from tests.multiproc import run_ranks
 
 
+def _disk_full() -> None:
+    """This rank's disk is full from now on: what the kernel says then (/dev/full) to every `torch.save`."""
+    real_save = torch.save
+
+    def onto_full_disk(obj, handle):
+        with open("/dev/full", "wb") as full:
+            real_save(obj, full)
+
+    torch.save = onto_full_disk
+
+
 def _worker(rank: int, world_size: int, run_dir: str, mid_file: bool = False) -> str:
     def save(step: int) -> Path:
         state = {"w": torch.full((256, 256), float(rank))}
@@ -28,14 +39,8 @@ def _worker(rank: int, world_size: int, run_dir: str, mid_file: bool = False) ->
     save(10)
     if rank == 1 and mid_file:  # the file can grow to 64 KB of its 256 KB: the kernel writes what fits, then fails
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-    elif rank == 1:  # only this rank's disk is full: what the kernel says then (/dev/full)
-        real_save = torch.save
-
-        def onto_full_disk(obj, handle):
-            with open("/dev/full", "wb") as full:
-                real_save(obj, full)
-
-        torch.save = onto_full_disk
+    elif rank == 1:  # only this rank's disk is full
+        _disk_full()
     try:
         save(20)
     except CheckpointNotWritten as exc:
@@ -74,13 +79,7 @@ def _background_worker(rank: int, world_size: int, run_dir: str, fail: bool) -> 
     weights = torch.full((256, 256), float(rank))
     save_checkpoint(Path(run_dir), 10, {"w": weights}, rank=rank, meta={"world_size": 2}, keep=3)
     if fail and rank == 1:
-        real_save = torch.save
-
-        def onto_full_disk(obj, handle):
-            with open("/dev/full", "wb") as full:
-                real_save(obj, full)
-
-        torch.save = onto_full_disk
+        _disk_full()
     pending = start_checkpoint(Path(run_dir), 20, {"w": weights, "step": [20]}, rank=rank, meta={"world_size": 2},
                                keep=3)  # fmt: skip
     weights.add_(100.0)  # the next inner steps, while the thread writes
