@@ -282,9 +282,6 @@ ROWS: tuple[Row, ...] = (
         "dp hold different parts of each tensor and share no lanes",
         "topology.dp_mode = replicate; topology.clusters = []",
         "--topology.clusters=dp2,dp1 --topology.dp_mode=shard"),
-    Row(SHARDED, ELASTIC, "a cluster's heal and resume from a peer are not yet run with sharded stages",
-        "topology.dp_mode = replicate; topology.elastic = false",
-        "--topology.dp_degree=2 --topology.dp_mode=shard --topology.elastic=true"),
     # the run directory
     Row(RESUME_ONE, OVERWRITE, "resuming keeps the run directory that overwriting replaces",
         "run.overwrite = false; checkpoint.resume = auto", "--checkpoint.resume=latest --run.overwrite=true"),

@@ -752,10 +752,12 @@ class Trainer:
 
         outer = saved_outer_params(self.sync.state_dict()).detach().cpu().contiguous()  # type: ignore[union-attr]
         stage_sha256 = hashlib.sha256(outer.numpy().tobytes()).hexdigest()
-        if self.num_stages > 1:  # the cluster's world is gloo whatever the fast groups' backend: every stage's digest
-            by_stage = dict(all_gather_json([self.coords.pp, stage_sha256], group=dist.group.WORLD, max_bytes=1024))
-            stages = [by_stage[stage] for stage in range(self.num_stages)]
-            stage_sha256 = hashlib.sha256(" ".join(stages).encode()).hexdigest()
+        if self.num_stages > 1 or self.sharded:  # the cluster's world is gloo whatever the fast groups' backend
+            # every stage's digest, and of a sharded stage every dp rank's (its shard): in (stage, shard) order
+            part = [self.coords.pp, self.coords.dp if self.sharded else 0]
+            gathered = all_gather_json([part, stage_sha256], group=dist.group.WORLD, max_bytes=1024)
+            parts = {tuple(key): sha for key, sha in gathered}
+            stage_sha256 = hashlib.sha256(" ".join(parts[key] for key in sorted(parts)).encode()).hexdigest()
         if self.coords.dp != 0 or self.coords.pp != 0:  # one record per cluster
             return
         status = self.sync.status()
@@ -763,7 +765,7 @@ class Trainer:
             "cluster": self.coords.cluster,
             "step": self.step,
             "outer_step": status.outer_step,
-            # one stage: its outer params' bytes; several: the digest of the stages' digests, in stage order
+            # one unsharded stage: its outer params' bytes; else the digest of the stages' (shards') digests, in order
             "outer_params_sha256": stage_sha256,
             "healed_from_peer": joined is not None,
             "rejoined_at_step": None if joined is None else joined[0],

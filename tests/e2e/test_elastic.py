@@ -189,10 +189,15 @@ def test_when_the_lighthouse_dies_the_launcher_stops_its_clusters_with_one_line(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("shape", ["--topology.pp_degree=2", "--topology.dp_degree=2"], ids=["pp2", "dp2"])
+@pytest.mark.parametrize(
+    "shape",
+    [["--topology.pp_degree=2"], ["--topology.dp_degree=2"], ["--topology.dp_degree=2", "--topology.dp_mode=shard"]],
+    ids=["pp2", "dp2", "dp2_shard"],
+)
 def test_clusters_of_several_ranks_without_faults_are_bit_identical_to_the_static_run(tmp_path, start_run, shape):
-    # each rank settles its stage's (and replica's) slice with the same rank of the other cluster, as in a static run
-    flags = ["--topology.num_clusters=2", shape, "--train.steps=20", "--sync.inner_steps=5"]
+    # each rank settles its stage's (and replica's) slice, or its shard, with the same rank of the other cluster, as
+    # in a static run
+    flags = ["--topology.num_clusters=2", *shape, "--train.steps=20", "--sync.inner_steps=5"]
     static_flags = [flag for flag in ELASTIC if not flag.startswith(("--topology.elastic", "--network."))]
     static = start_run("static", *static_flags, *flags)
     assert static.finish() == 0, "the static run failed"

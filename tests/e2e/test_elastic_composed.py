@@ -1,9 +1,9 @@
 """Elastic runs of the setting users run, composed with the features that arrived after elasticity: the `dilocox`
 preset as it is (the one-step delay with each average landing 7 steps into the next round, top-k int4, the
 own_payload merge, the local and drained residual), with its syncs in 2 streaming fragments (over 2 pipeline
-stages) or in rounds of time with a cluster twice as slow. Without failures the elastic run is bit-identical to the static one; with a cluster
-killed mid-run, every fragment of the restarted cluster heals from a live peer and all end on the same outer
-parameters."""
+stages), in rounds of time with a cluster twice as slow, or over clusters of sharded stages. Without failures the
+elastic run is bit-identical to the static one; with a cluster killed mid-run, every fragment (and every shard) of the
+restarted cluster heals from a live peer and all end on the same outer parameters."""
 
 import json
 import os
@@ -70,6 +70,27 @@ def test_a_killed_cluster_heals_every_fragment_under_the_preset(tmp_path, start_
     records = records_of(tmp_path / "killed")
     assert sorted(records) == [0, 1, 2] and all(r["step"] == STEPS for r in records.values())
     assert len({r["outer_params_sha256"] for r in records.values()}) == 1, records  # every fragment, bit for bit
+    assert records[2]["healed_from_peer"] and not records[0]["healed_from_peer"]
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_rank_of_a_sharded_cluster_restarts_it_and_every_shard_heals_under_the_preset(tmp_path, start_run):
+    """3 elastic clusters of 2 ranks that each hold half of every tensor (topology.dp_mode = shard, FSDP2): killing
+    cluster 2's second rank restarts that cluster, each of its ranks heals its own shard from the same rank of a live
+    peer, and every cluster ends on the same outer parameters (the record's digest covers both shards)."""
+    sharded = ["--topology.num_clusters=3", "--topology.dp_degree=2", "--topology.dp_mode=shard"]
+    run = start_run("sharded", *COMPOSED, *ELASTIC, *sharded)
+    run.wait_for_step(15)
+    first_start = run.ranks_of(2)
+    assert len(first_start) == 2
+    os.kill(first_start[1], signal.SIGKILL)
+    assert run.finish() == 0, "the killed run failed"
+    out = run.output
+    assert "dilocox: elastic: cluster 2 failed (exit code -9); starting it again" in out
+    assert re.search(r"dilocox: elastic: cluster 2 rejoined at step \d+ .*healed from a live peer", out)
+    records = records_of(tmp_path / "sharded")
+    assert sorted(records) == [0, 1, 2] and all(r["step"] == STEPS for r in records.values())
+    assert len({r["outer_params_sha256"] for r in records.values()}) == 1, records
     assert records[2]["healed_from_peer"] and not records[0]["healed_from_peer"]
 
 
