@@ -413,6 +413,7 @@ class Trainer:
             lighthouse=cfg.network.lighthouse,
             store_addr=cluster_store[0],
             store_port=cluster_store[1],
+            host=cfg.network.listen_host,  # this rank's machine: under torchrun, not always the store's
             rank_in_cluster=self.rank % (t.dp_degree * t.pp_degree),  # the launcher numbers ranks cluster by cluster
             ranks_per_cluster=t.dp_degree * t.pp_degree,
             timeout=timeout,

@@ -263,6 +263,7 @@ class ElasticMembership:
         lighthouse: str,
         store_addr: str,
         store_port: int,
+        host: str | None = None,
         rank_in_cluster: int,
         ranks_per_cluster: int,
         timeout: datetime.timedelta,
@@ -297,9 +298,10 @@ class ElasticMembership:
         self._state_dict = state_dict
         self._load_state_dict = load_state_dict
         connect = datetime.timedelta(seconds=stall_timeout_s) if stall_timeout_s else None
-        self.group = _reconfigurable_gloo(timeout, store_addr, connect_timeout=connect)
-        heal_transport = _heal_transport(timeout, store_addr, heal_max_bytes)
-        with _torchft_servers_on(store_addr):  # the address other machines reach this one at (or the loopback)
+        host = host or store_addr  # this rank's address, which may be another machine's than its cluster's store
+        self.group = _reconfigurable_gloo(timeout, host, connect_timeout=connect)
+        heal_transport = _heal_transport(timeout, host, heal_max_bytes)
+        with _torchft_servers_on(host):  # the address other machines reach this one at (or the loopback)
             self.manager = Manager(
                 pg=self.group,
                 load_state_dict=self._heal,
@@ -315,7 +317,7 @@ class ElasticMembership:
                 store_port=store_port,
                 lighthouse_addr=lighthouse,
                 replica_id=f"cluster{cluster}",
-                hostname=url_host(store_addr),  # where other machines reach it (network.advertise_host), in a URL
+                hostname=url_host(host),  # where other machines reach it (network.advertise_host), in a URL
                 init_sync=False,  # every cluster builds the same initial model from run.seed
                 checkpoint_transport=heal_transport,
             )

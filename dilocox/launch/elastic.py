@@ -383,19 +383,46 @@ def _elastic_rank_main(
     timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
     store = dist.TCPStore(advertise_host, port, ranks_per_cluster, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=local_rank, world_size=ranks_per_cluster, timeout=timeout)
-    rank = cluster * ranks_per_cluster + local_rank
+    code = run_cluster_rank(
+        cfg, cluster, local_rank, (advertise_host, port), restarted=restarted, resume=resume, board=board, store=store
+    )
+    if code == 0:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(code)  # torchft's threads (its manager server, the checkpoint server) must not hold the exit
+
+
+def run_cluster_rank(
+    cfg: Config,
+    cluster: int,
+    local_rank: int,
+    cluster_store: tuple[str, int],
+    *,
+    restarted: bool,
+    resume: str,
+    board: ClusterBoard | None = None,
+    store: dist.Store | None = None,
+) -> int:
+    """Train as rank `local_rank` of `cluster` of an elastic run, in a default group of that cluster's ranks, and
+    return the exit code: 0, `EXIT_USER_ERROR` (a user error, or fewer clusters than sync.min_clusters), 1 (this
+    machine could not write its checkpoint: the cluster is started again and heals from a live peer) or
+    `EXIT_NO_PEER`. `cluster_store`: where the cluster's torchft Manager meets. Under this machine's launcher,
+    `board` tells it how the cluster is doing and a user error is left in its `store`; under torchrun (neither)
+    the rank prints its line, and torchrun starts the cluster's job again."""
     from dilocox.elastic.membership import NoLivePeer
     from dilocox.trainer import Trainer
 
+    rank = cluster * cfg.topology.dp_degree * cfg.topology.pp_degree + local_rank
     try:
-        trainer = Trainer(cfg, rank=rank, run_dir=Path(cfg.run.out_dir), cluster_store=(advertise_host, port))
+        trainer = Trainer(cfg, rank=rank, run_dir=Path(cfg.run.out_dir), cluster_store=cluster_store)
         if resume:  # this cluster's own checkpoint: it presents that step, and clusters without one heal from it
             trainer.resume(Path(resume))
-        if restarted:
-            trainer.on_joining = lambda: board.set(cluster, ClusterStatus.REJOINING)
-        trainer.on_joined = lambda: board.set(cluster, ClusterStatus.JOINED)
+        if board is not None:
+            if restarted:
+                trainer.on_joining = lambda: board.set(cluster, ClusterStatus.REJOINING)
+            trainer.on_joined = lambda: board.set(cluster, ClusterStatus.JOINED)
         if trainer.membership is not None:
-            trainer.membership.restarts = board.restarts_in_progress
+            trainer.membership.restarts = None if board is None else board.restarts_in_progress
             trainer.membership.restarted = restarted
         try:
             trainer.train()
@@ -404,16 +431,17 @@ def _elastic_rank_main(
     except CheckpointNotWritten as exc:  # this machine's disk, not the run's settings: the cluster alone fails
         if local_rank == 0:  # and is started again; it heals from a live peer and its next checkpoint tries again
             print(f"dilocox: elastic: cluster {cluster}: {exc}", flush=True)
-        sys.stdout.flush()
-        os._exit(1)
+        return 1
     except ValueError as exc:  # a user error, or fewer clusters than sync.min_clusters (ElasticError)
-        report_user_error(store, rank, str(exc))
-        sys.stdout.flush()
-        os._exit(EXIT_USER_ERROR)
+        if store is not None:
+            report_user_error(store, rank, str(exc))
+        else:
+            print(f"dilocox: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     except NoLivePeer as exc:  # a restart with nobody left to heal from: lost, not started again
-        board.report(cluster, ClusterStatus.NO_LIVE_PEER, str(exc), store=store)
-        sys.stdout.flush()
-        os._exit(EXIT_NO_PEER)
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # torchft's threads (its manager server, the checkpoint server) must not hold the exit
+        if board is not None:
+            board.report(cluster, ClusterStatus.NO_LIVE_PEER, str(exc), store=store)
+        else:
+            print(f"dilocox: elastic: {exc}; it is stopped", file=sys.stderr, flush=True)
+        return EXIT_NO_PEER
+    return 0

@@ -37,13 +37,10 @@ from dilocox.trainer import eval_batch_tokens, model_shape, prepare_data
 def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Path | None]:
     """Every check that can fail on user input, before anything is written or any rank starts. `world_size` is
     torchrun's; without it this machine starts every rank (`check_local_ranks`)."""
-    if world_size is not None and cfg.topology.elastic:
-        raise ValueError(
-            "topology.elastic = true is started by `dilocox train` on each machine, not by torchrun (it starts that "
-            "machine's clusters, topology.local_clusters, and starts dead ones again); under torchrun leave "
-            "topology.elastic off"
-        )
-    cfg.validate(world_size)
+    elastic_job = world_size is not None and cfg.topology.elastic
+    cfg.validate(None if elastic_job else world_size)
+    if elastic_job:
+        check_elastic_job(cfg, world_size)
     cores = os.cpu_count() or 1
     if cfg.run.num_threads > cores:  # torch cannot start that many (100,000 crashed every rank)
         raise ValueError(
@@ -84,6 +81,26 @@ def preflight(cfg: Config, world_size: int | None = None) -> tuple[TokenData, Pa
         for warning in data_warnings(cfg, data):
             print(warning, file=sys.stderr, flush=True)
     return data, resume
+
+
+def check_elastic_job(cfg: Config, world_size: int) -> None:
+    """An elastic run under torchrun: each torchrun job is one cluster (`topology.local_clusters` names it), of
+    dp x pp ranks on any number of nodes, and torchrun starts it again when a rank dies (`--max-restarts`)."""
+    t = cfg.topology
+    example = "torchrun --nnodes N --nproc-per-node M ... -m dilocox train --topology.local_clusters=C"
+    clusters = t.launched_clusters() if t.local_clusters.strip() else ()
+    if len(clusters) != 1:
+        raise ValueError(
+            f"topology.local_clusters = {t.local_clusters!r}: under torchrun an elastic run's job is one cluster; "
+            f"name it, e.g. `{example}` with C in 0..{t.num_clusters - 1} (docs/guides/elastic.md)"
+        )
+    ranks = t.dp_degree * t.pp_degree
+    if world_size != ranks:
+        raise ValueError(
+            f"torchrun started {world_size} ranks for cluster {clusters[0]}, which has topology.dp_degree x "
+            f"pp_degree = {t.dp_degree} x {t.pp_degree} = {ranks}; start {ranks} ranks in its job "
+            "(--nnodes x --nproc-per-node)"
+        )
 
 
 _RANK_START_BYTES = 200 << 20

@@ -15,11 +15,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dilocox.agreement import check_same_settings
+from dilocox.checkpoint import elastic_resume_paths
 from dilocox.config import Config
+from dilocox.launch.elastic import run_cluster_rank
 from dilocox.launch.preflight import preflight
 from dilocox.launch.processes import EXIT_INTERRUPTED, EXIT_USER_ERROR, run_rank
 from dilocox.launch.rundir import prepare_run_dir
 from dilocox.net.json_gather import all_gather_json
+from dilocox.net.listen import serve_store
 from dilocox.net.watchdog import EXIT_STALLED, JobStore, run_was_stopped
 from dilocox.runlock import RunLock
 
@@ -34,6 +37,10 @@ def launch_torchrun(cfg: Config) -> int:
     timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
     # the rendezvous init_process_group would do itself, kept so the watchdog can use the same store
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    # torchrun's agent keeps its store for its lifetime: a start after a failure (--max-restarts) must not read the
+    # dead start's keys, or gloo connects to the dead ranks' addresses
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"dilocox/start_{restart}", store)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     job_store = _torchrun_job_store(store)
     lock = None
@@ -46,11 +53,14 @@ def launch_torchrun(cfg: Config) -> int:
             return EXIT_USER_ERROR
         error = None
         data = resume = None
+        # an elastic cluster's job started again by torchrun: its directory stays as the first start left it (it
+        # heals from a live peer; a cluster that writes the run's metrics goes on writing them)
+        healing = cfg.topology.elastic and restart != "0" and (Path(cfg.run.out_dir) / "config.toml").is_file()
         try:
-            if rank == 0:
+            if rank == 0 and not healing:
                 RunLock.ensure_free(Path(cfg.run.out_dir))
             data, resume = preflight(cfg, world_size)
-            if rank == 0:
+            if rank == 0 and not healing:
                 lock = prepare_run_dir(cfg, data, resume)
         except ValueError as exc:
             error = str(exc)
@@ -62,6 +72,19 @@ def launch_torchrun(cfg: Config) -> int:
             if rank == 0:
                 print(f"dilocox: error: {first}", file=sys.stderr)
             return EXIT_USER_ERROR
+        if cfg.topology.elastic:
+            if lock is not None:  # held while the directory is made: torchrun starts the job again in it, on any node
+                lock.release()
+                lock = None
+            try:
+                code = _run_elastic_cluster(cfg, rank, resume)
+            except BaseException:  # the exit below must not wait for torchft's threads either
+                traceback.print_exc()
+                print(f"dilocox: rank {rank} failed; torchrun starts its cluster again", file=sys.stderr)
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)  # torchft's threads (its manager server, the checkpoint server) must not hold the exit
         run_rank(cfg, rank, Path(cfg.run.out_dir), resume, data, job_store=job_store)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
@@ -84,11 +107,32 @@ def launch_torchrun(cfg: Config) -> int:
     return 0
 
 
+def _run_elastic_cluster(cfg: Config, rank: int, resume: Path | None) -> int:
+    """This job is one cluster of an elastic run (`preflight.check_elastic_job`): its ranks, on any number of nodes,
+    are the cluster's world. Rank 0 serves the store where the cluster's torchft Manager meets, fresh at every start
+    of the job (a restart must not meet its dead processes' keys); each rank advertises its own node's address
+    (network.advertise_host). The first start loads the cluster's checkpoint of the step the run resumes from, if
+    it has one; a start after a failure (torchrun --max-restarts) heals from a live peer."""
+    (cluster,) = cfg.topology.launched_clusters()
+    timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
+    host = cfg.network.listen_host
+    manager_store = serve_store(host, timeout) if rank == 0 else None
+    where = all_gather_json(
+        None if manager_store is None else [host, manager_store.port], group=dist.group.WORLD, max_bytes=512
+    )[0]
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    own = None
+    if resume is not None and not restarted:
+        own = elastic_resume_paths(Path(cfg.run.out_dir), resume, [cluster]).get(cluster)
+    return run_cluster_rank(
+        cfg, cluster, rank, (where[0], int(where[1])), restarted=restarted, resume="" if own is None else str(own)
+    )
+
+
 def _torchrun_job_store(store: dist.Store) -> JobStore:
-    """torchrun's store as the watchdog names it: served by its agent on the first node (c10d rendezvous) or by
-    rank 0 itself (static rendezvous); a restart inside the job gets keys of its own."""
+    """torchrun's store (`store`: this start's keys of it) as the watchdog names it: served by its agent on the first
+    node (c10d rendezvous) or by rank 0 itself (static rendezvous)."""
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     host = "torchrun's agent on the first node" if agent else "rank 0"
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return JobStore(store, f"the job's store at {where} (served by {host})", namespace=f"dilocox/watchdog/{restart}")
+    return JobStore(store, f"the job's store at {where} (served by {host})")

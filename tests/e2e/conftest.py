@@ -17,11 +17,16 @@ def start_run(request, tmp_path):
     runs: dict[str, Run] = {}
 
     def start(
-        name: str, *flags: str, env: dict | None = None, run_dir: Path | None = None, prefix: tuple[str, ...] = ()
+        name: str,
+        *flags: str,
+        env: dict | None = None,
+        run_dir: Path | None = None,
+        prefix: tuple[str, ...] = (),
+        torchrun: tuple[str, ...] | None = None,
     ) -> Run:
         """`run_dir`: another run's directory (a run resumed there), by default tmp_path/NAME; `prefix`: what the
-        command runs under (e.g. `ip netns exec NS`)."""
-        runs[name] = Run(run_dir or tmp_path / name, *flags, env=env, prefix=prefix)
+        command runs under (e.g. `ip netns exec NS`); `torchrun`: the arguments of a torchrun agent that starts it."""
+        runs[name] = Run(run_dir or tmp_path / name, *flags, env=env, prefix=prefix, torchrun=torchrun)
         return runs[name]
 
     yield start

@@ -27,10 +27,21 @@ ELASTIC = [
 class Run:
     """`dilocox train` in a subprocess, its output read as it comes (the launcher prints each cluster's pid)."""
 
-    def __init__(self, run_dir: Path, *flags: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *flags: str,
+        env: dict | None = None,
+        prefix: tuple[str, ...] = (),
+        torchrun: tuple[str, ...] | None = None,
+    ) -> None:
+        """`torchrun`: run `dilocox train` as the workers of a torchrun agent started with these arguments."""
         self.run_dir = run_dir
+        launcher = ["-m", "dilocox"]
+        if torchrun is not None:
+            launcher = ["-m", "torch.distributed.run", *torchrun, *launcher]
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "dilocox", "train", "--config", DEBUG, f"--run.out_dir={run_dir}", *flags],
+            [*prefix, sys.executable, *launcher, "train", "--config", DEBUG, f"--run.out_dir={run_dir}", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
             preexec_fn=default_sigint,  # the Ctrl+C test's signal must not be ignored under a CI script's `cmd &`
         )  # fmt: skip

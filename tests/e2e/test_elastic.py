@@ -15,6 +15,7 @@ from tests.e2e.elastic_runs import ELASTIC, checkpoints_of, records_of
 from tests.e2e.helpers import (
     LOOPBACK,
     REPO,
+    child_pids,
     descendant_pids,
     listening_sockets,
     non_loopback_interface,
@@ -276,3 +277,56 @@ def test_hosts_in_network_namespaces_heal_a_killed_host_across_a_shaped_link(tmp
     # values) left one of the live hosts through it: that host sent about that much more than the other
     assert all(sent > 0 for sent in shaped_bytes), shaped_bytes
     assert abs(shaped_bytes[0] - shaped_bytes[1]) > 0.8 * 4 * 164_416, shaped_bytes
+
+
+@pytest.mark.timeout(300)
+def test_a_cluster_spread_over_two_hosts_by_torchrun_heals_a_killed_rank_across_a_shaped_link(tmp_path, start_run):
+    # Three "hosts", each a network namespace behind its own veth capped at 1 Gbit/s: cluster 0 is started by
+    # `dilocox train` on host 0 (with the Lighthouse); cluster 1 is one torchrun job of 2 nodes, hosts 1 and 2, one
+    # rank each, so its own data-parallel all-reduce crosses the shaped link. Killing its rank on host 2 makes
+    # torchrun start the job again on both hosts (--max-restarts), and the cluster heals from cluster 0. Cluster 0
+    # trains almost 800 steps after the kill, about twice what it trains while the restart takes place (both share
+    # this machine's cores).
+    reason = namespaces.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"real network namespaces and tc shaping are not available here: {reason}")
+    steps = 800
+    with namespaces.shaped_network(3) as net:
+        for command in namespaces.shape_commands(net, 125e6):  # 1 Gbit/s uplinks
+            namespaces.run_command(command)
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": namespaces.CLUSTER_IFNAME, "PYTHONPATH": str(REPO)}
+        host = [("ip", "netns", "exec", net.cluster_ns(index)) for index in range(3)]
+        lighthouse, url = run_lighthouse(
+            f"{net.cluster_addr(0)}:0", heartbeat="0.5s", stall_timeout="5s", prefix=host[0], env=env, cwd=REPO
+        )
+        try:
+            flags = [*ELASTIC, "--topology.num_clusters=2", "--topology.dp_degree=2", f"--train.steps={steps}",
+                     "--sync.inner_steps=10", "--network.bandwidth=unlimited",
+                     f"--network.lighthouse={url}"]  # fmt: skip
+            live = start_run("cluster0", *flags, "--topology.local_clusters=0",
+                             f"--network.advertise_host={net.cluster_addr(0)}", env=env, prefix=host[0])  # fmt: skip
+            job = ["--nnodes=2", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-id=cluster1",
+                   f"--rdzv-endpoint={net.cluster_addr(1)}:29400"]  # fmt: skip
+            nodes = [  # host 1 serves the rendezvous (torchrun cannot tell its own address inside a namespace)
+                start_run(f"node{node}", *flags, "--topology.local_clusters=1",
+                          f"--network.advertise_host={net.cluster_addr(1 + node)}", env=env, prefix=host[1 + node],
+                          run_dir=tmp_path / "cluster1", torchrun=(*job, f"--local-addr={net.cluster_addr(1 + node)}",
+                                                                   f"--rdzv-conf=is_host={node == 0}"))
+                for node in range(2)
+            ]  # fmt: skip
+            live.wait_for_step(15)
+            (worker,) = child_pids(nodes[1].proc.pid)  # torchrun's one worker on host 2
+            os.kill(worker, signal.SIGKILL)
+            assert [run.finish(timeout=240) for run in (live, *nodes)] == [0, 0, 0]
+            shaped_bytes = [namespaces.qdisc_counters(net, index)["qdisc_bytes"] for index in range(3)]
+        finally:
+            lighthouse.terminate()
+            lighthouse.wait(timeout=20)
+    assert re.search(r"dilocox: elastic: cluster 1 left at step \d+", live.output)
+    assert re.search(r"dilocox: elastic: cluster 1 rejoined at step \d+: .*healed from a live peer", live.output)
+    records = {0: records_of(tmp_path / "cluster0")[0], 1: records_of(tmp_path / "cluster1")[1]}
+    assert records[0]["outer_params_sha256"] == records[1]["outer_params_sha256"], records  # bit-identical
+    assert records[1]["healed_from_peer"] and all(r["step"] == steps for r in records.values())
+    # cluster 1's ranks all-reduce their gradients across the shaped link at every step they train together: half
+    # the debug model's 164,416 fp32 gradients at least leave each of its hosts through its uplink at each one
+    assert min(shaped_bytes[1:]) > 50 * 4 * 164_416 / 2, shaped_bytes

@@ -1,3 +1,4 @@
+import re
 import tomllib
 from pathlib import Path
 
@@ -299,3 +300,24 @@ def test_the_shared_fingerprint_sees_what_clusters_must_share_and_ignores_what_m
                     "--model.flavor=small", "--data.val_fraction=0.1", "--topology.num_clusters=3"]:  # fmt: skip
         assert load_config(None, [*ELASTIC, differs]).shared_fingerprint() != base.shared_fingerprint(), differs
     assert 0 <= base.shared_fingerprint() < 2**63  # it travels in an int64 tensor
+
+
+@pytest.mark.parametrize(
+    ("local", "shape", "world", "message"),
+    [
+        ("", [], 1, "under torchrun an elastic run's job is one cluster; name it"),
+        ("0,1", [], 1, "under torchrun an elastic run's job is one cluster; name it"),
+        ("2", ["--topology.dp_degree=2"], 4, "torchrun started 4 ranks for cluster 2, which has topology.dp_degree x"),
+        ("2", ["--topology.dp_degree=2", "--topology.pp_degree=2"], 4, None),
+    ],
+)
+def test_an_elastic_torchrun_job_is_one_named_cluster_of_its_ranks(local, shape, world, message):
+    from dilocox.launch.preflight import check_elastic_job
+
+    cfg = load_config(None, [*ELASTIC, *ACROSS, *shape, f"--topology.local_clusters={local}"])
+    cfg.validate()
+    if message is None:
+        check_elastic_job(cfg, world)
+        return
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_elastic_job(cfg, world)
