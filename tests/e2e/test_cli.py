@@ -492,30 +492,29 @@ def test_a_cluster_that_diverges_heals_and_the_run_finishes(tmp_path):
 def test_a_cluster_that_sends_sign_flipped_updates_is_left_out_of_every_round_it_lies_in(tmp_path):
     """faults.kind = sign: cluster 2 of 3 sends its pseudo-gradients negated from round 2 on. Its norm is normal, so
     only the peer check sees it (it points away from both others): one guard line per round, each round's metrics
-    name it, and the summary counts the exclusions."""
+    name it, and the summary counts the exclusions. Without the drained residual: drained residuals are noise to each
+    other (their cosines near 0), so whether a negated one points away depends on the CPU's float rounding."""
     run_dir = tmp_path / "sign"
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={run_dir}", "--preset=dilocox-lowrank",
                      "--topology.num_clusters=3", "--faults.kind=sign", "--faults.cluster=2",
-                     "--checkpoint.interval=0")  # fmt: skip
+                     "--sync.drain_residual=false", "--checkpoint.interval=0")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("guard:") and "left out" in line]
     assert [line.split(" (")[0] for line in lines] == [
-        *(f"guard: round {round_index}: cluster 2's update left out" for round_index in (2, 3, 4)),
-        "guard: drain: cluster 2's update left out",  # its residual, negated too
+        f"guard: round {round_index}: cluster 2's update left out" for round_index in (2, 3, 4)
     ]
     assert all("(it points away from the others" in line for line in lines)
     rounds = [r for r in metrics(run_dir) if "round_excluded" in r]
-    # step 20: round 1's sync; step 30: round 2's; step 40: round 3's, then the final flush's round 4 and the drained
-    # residual (round null), which is negated too
+    # step 20: round 1's sync; step 30: round 2's; step 40: round 3's, then the final flush's round 4
     assert [[(e["round"], e["cluster"]) for e in r.get("round_exclusions", [])] for r in rounds] == [
         [],
         [(2, 2)],
-        [(3, 2), (4, 2), (None, 2)],
+        [(3, 2), (4, 2)],
     ]
-    assert [r["round_excluded"] for r in rounds] == [0, 1, 3]
+    assert [r["round_excluded"] for r in rounds] == [0, 1, 2]
     assert all("points away" in e["why"] for r in rounds for e in r.get("round_exclusions", []))
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["guard_excluded_updates"] == len(lines) == 4 and summary["guard_skipped_rounds"] == 0
+    assert summary["guard_excluded_updates"] == len(lines) == 3 and summary["guard_skipped_rounds"] == 0
 
 
 def test_an_outer_adamw_trains_from_the_cli_and_the_drain_it_cannot_take_is_refused_in_one_line(tmp_path):

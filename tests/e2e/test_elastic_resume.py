@@ -301,3 +301,43 @@ def test_a_resumed_run_waits_for_a_machine_that_starts_after_the_join_timeout(tm
     records = {**records_of(tmp_path / "first"), **{2: records_of(tmp_path / "machine_b")[2]}}
     assert all(r["step"] == 50 for r in records.values())
     assert len({r["outer_params_sha256"] for r in records.values()}) == 1, records
+
+
+@pytest.mark.timeout(300)
+def test_clusters_run_as_torchrun_jobs_killed_entirely_resume_from_disk_as_the_uninterrupted_run(
+    tmp_path, start_run, lighthouse
+):
+    """Each of 2 clusters is its own torchrun job meeting at one Lighthouse: both jobs killed after their step-10
+    checkpoints, the two commands started again with that step resume each cluster from its own checkpoint, and both
+    end on the outer parameters of the run that was not interrupted."""
+    steps = 200
+    flags = [*[f for f in ON_DISK if not f.startswith("--train.steps")], f"--train.steps={steps}",
+             f"--network.lighthouse={lighthouse}", "--network.advertise_host=127.0.0.1"]  # fmt: skip
+
+    def jobs(name: str, run_dir: Path, resume: list[Path] | None = None) -> list[Run]:
+        return [
+            start_run(f"{name}{c}", *flags, f"--topology.local_clusters={c}",
+                      *([f"--checkpoint.resume={resume[c]}"] if resume else []), run_dir=run_dir / f"c{c}",
+                      torchrun=("--standalone", "--nproc-per-node=1", "--max-restarts=0"))
+            for c in (0, 1)
+        ]  # fmt: skip
+
+    assert [job.finish() for job in jobs("clean", tmp_path / "clean")] == [0, 0], "the clean run failed"
+    clean = {c: records_of(tmp_path / "clean" / f"c{c}")[c] for c in (0, 1)}
+    killed = jobs("killed", tmp_path / "killed")
+    first = [tmp_path / "killed" / f"c{c}" / "checkpoints" / f"cluster{c}" / "step_00000010" for c in (0, 1)]
+    _wait_for(killed[0], *first)
+    pids = [pid for job in killed for pid in (job.proc.pid, *descendant_pids(job.proc.pid))]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for job in killed:
+        job.finish()
+    assert not wait_until_gone(pids), "processes of the killed jobs are still alive"
+    resumed = jobs("resumed", tmp_path / "killed", first)  # a later checkpoint of one cluster may be complete
+    assert [job.finish() for job in resumed] == [0, 0], "the resumed run failed"
+    records = {c: records_of(tmp_path / "killed" / f"c{c}")[c] for c in (0, 1)}
+    for c in (0, 1):
+        assert f"dilocox: resuming from {first[c]}" in resumed[c].output
+        assert records[c]["resumed_from_checkpoint"] == str(first[c]) and not records[c]["healed_from_peer"]
+        assert records[c]["outer_params_sha256"] == clean[c]["outer_params_sha256"], (records, clean)
