@@ -652,6 +652,29 @@ def _incompatible(path: Path, name: str, old: Any, new: Any) -> ValueError:
     )
 
 
+def reshape_refusal(cfg: Config, saved: dict[str, Any]) -> str | None:
+    """Why a checkpoint whose config is `saved` (a flat dict of settings) cannot resume at this run's
+    topology.dp_degree, in words; None when it can (the other fields are compared as for any resume)."""
+    t = cfg.topology
+    fix = f"resume with --topology.dp_degree={saved.get('topology.dp_degree')} or start a new run directory"
+    if t.elastic or saved.get("topology.elastic"):
+        return f"an elastic run's clusters resume at the dp degree they were saved with; {fix}"
+    if t.clusters or saved.get("topology.clusters"):
+        return f"clusters of different dp degrees (topology.clusters) resume at the degrees they were saved with; {fix}"
+    if t.dp_mode == "shard" or saved.get("topology.dp_mode") == "shard":
+        return f"a sharded stage (topology.dp_mode = shard) resumes at the dp degree it was saved with; {fix}"
+    if cfg.sync.has_outer_loop and cfg.sync.round.mode != "steps":
+        return f"time rounds (sync.round.mode = time) resume at the dp degree they were saved with; {fix}"
+    if cfg.sync.kind == "cocktail":
+        return f"sync.kind = cocktail resumes at the dp degree it was saved with; {fix}"
+    if cfg.sync.has_outer_loop and cfg.compression.kind != "none" and cfg.compression.reduction != "gather":
+        return (
+            f"compression.reduction = {cfg.compression.reduction} keeps state shared over a stage's replicas, which "
+            f"does not follow a new dp degree; {fix}"
+        )
+    return None
+
+
 def check_resume(cfg: Config, path: Path) -> None:
     """Refuse, in one line naming the field, to resume a checkpoint whose config differs from this run's in a field
     the saved state depends on (`resume_fields`), or that is past the last step. Reads meta.json only."""
@@ -673,6 +696,11 @@ def check_resume(cfg: Config, path: Path) -> None:
         for name in resume_fields(cfg, saved):
             new = option_value(cfg, name)
             old = saved_settings.get(name, _LEGACY_VALUES.get(name, new))  # a field newer than the file
+            if old != new and name == "topology.dp_degree":  # each rank builds its state from the saved replicas'
+                problem = reshape_refusal(cfg, saved_settings)
+                if problem is None:
+                    continue
+                raise ValueError(f"cannot resume {path}: topology.dp_degree was {old} in it, {new} now: {problem}")
             if old != new:
                 raise _incompatible(path, name, old, new)
     else:  # written before meta.json held the config

@@ -214,9 +214,9 @@ class TopologyConfig:
     elastic: bool = False
     """Clusters may fail and rejoin: each is its own world, torchft's quorum decides every round's members (§10.1)."""
     max_cluster_restarts: int = 3
-    """elastic: times this launcher starts a cluster whose processes died again (it heals from a live peer)."""
+    """elastic: times this launcher starts a dead cluster again, to heal from a peer (torchrun: --max-restarts)."""
     local_clusters: str = ""
-    """elastic, several machines: the clusters this machine starts, e.g. "0,1" or "2-3"; "" = all (one machine)."""
+    """elastic, several machines: the clusters this machine starts, e.g. "0,1" or "2-3" (torchrun: the job's one)."""
 
     def shape(self) -> tuple[tuple[int, ...], int]:
         """(each cluster's data-parallel degree, the pipeline degree): from `clusters`, else C times dp_degree."""

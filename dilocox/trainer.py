@@ -28,6 +28,8 @@ from dilocox.checkpoint import (
     check_resume,
     list_checkpoints,
     load_rank_state,
+    meta_topology,
+    read_meta,
     run_identity,
     save_checkpoint,
     saved_outer_params,
@@ -53,6 +55,7 @@ from dilocox.parallel.fsdp import (
     shard_stage,
 )
 from dilocox.parallel.pipeline import mean_token_cross_entropy
+from dilocox.reshape import reshaped_rank_state
 from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync
 from dilocox.sync.lanes import LaneLayout, lane_allreduce_bytes_per_step
 from dilocox.sync.robust import GuardError
@@ -495,7 +498,10 @@ class Trainer:
 
     def resume(self, path: Path) -> None:
         check_resume(self.cfg, path)
-        state = load_rank_state(path, self.checkpoint_rank)
+        if meta_topology(read_meta(path)).dp_degree != self.topology.dp_degree:  # `check_resume` allowed it
+            state = reshaped_rank_state(path, self)
+        else:
+            state = load_rank_state(path, self.checkpoint_rank)
         self.load_state_dict(state)
         if self.membership is not None:  # the others heal from this cluster's step, not the reverse
             self.membership.resume_progress(state["trainer"]["torchft"])

@@ -688,9 +688,10 @@ class FragmentState:
             )
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> tuple[torch.Tensor, bool] | None:
+    def load_state_dict(self, state: dict[str, Any]) -> tuple[torch.Tensor, bool | None] | None:
         """Load `state_dict()`; returns the sync that was in flight (what this rank sent, and whether to count its
-        bytes again), which the caller sends again once every fragment is loaded (`relaunch`)."""
+        bytes again; or, None, the decoded update to encode and send), which the caller sends again once every
+        fragment is loaded (`relaunch`)."""
         missing = [key for key in STATE_KEYS if key not in state]
         if missing:
             raise ValueError(
@@ -736,6 +737,8 @@ class FragmentState:
         # Every rank resumes from the same step and loads in the same order, so the re-sends pair up across
         # clusters. The link counters (restored first) hold the transfer exactly when it had arrived on this rank.
         self.pending = None
+        if state.get("pending_decoded") is not None:  # resumed at another dp degree (`dilocox.reshape`): encoded anew
+            return state["pending_decoded"].to(self.outer_params.device), None
         if state["pending_sent"] is None:
             return None
         counted = state["pending_seq"] < self.stage.channel.num_transfers
@@ -760,13 +763,16 @@ class FragmentState:
             pending.report, pending.report_sent = report, sent_report
         return pending
 
-    def relaunch(self, flight: tuple[torch.Tensor, bool]) -> None:
+    def relaunch(self, flight: tuple[torch.Tensor, bool | None]) -> None:
         """Send again the sync a checkpoint saved in flight (`load_state_dict`'s return), its report first."""
         report = None
         if self._report_flight is not None:  # sent again first, as it was first sent
             sent, account = self._report_flight
             report = self.stage.channel.launch_all_gather(sent, account=account)
-        self.pending = self.reducer.relaunch(flight[0], account=flight[1])
+        if flight[1] is None:
+            self.pending = self.reducer.launch(flight[0])
+        else:
+            self.pending = self.reducer.relaunch(flight[0], account=flight[1])
         if report is not None:
             self.pending.report, self.pending.report_sent = report, self._report_flight[0]  # type: ignore[index]
         self._report_flight = None

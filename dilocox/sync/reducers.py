@@ -255,15 +255,22 @@ class ReplicaSlice:
     """(start, end) in the flat vector of each tensor of this replica."""
     shapes: list[torch.Size]
     """Their shapes."""
+    indices: list[int]
+    """Their positions among all the tensors."""
 
     @classmethod
     def of(cls, shapes: Sequence[torch.Size], dp_group: dist.ProcessGroup | None) -> ReplicaSlice:
+        return cls.at(shapes, group_size(dp_group), _dp_rank(dp_group))
+
+    @classmethod
+    def at(cls, shapes: Sequence[torch.Size], num_replicas: int, index: int) -> ReplicaSlice:
+        """Replica `index`'s slice among `num_replicas` (a checkpoint resumed at another dp degree cuts its own)."""
         numels = [shape.numel() for shape in shapes]
-        bounds = param_aligned_bounds(numels, group_size(dp_group))
-        start, end = bounds[_dp_rank(dp_group)]
+        bounds = param_aligned_bounds(numels, num_replicas)
+        start, end = bounds[index]
         offsets = _offsets(numels)
         mine = [i for i in range(len(shapes)) if start <= offsets[i] and offsets[i + 1] <= end]
-        return cls(bounds, [(offsets[i], offsets[i + 1]) for i in mine], [shapes[i] for i in mine])
+        return cls(bounds, [(offsets[i], offsets[i + 1]) for i in mine], [shapes[i] for i in mine], mine)
 
     @property
     def numel(self) -> int:

@@ -34,8 +34,13 @@ def base_run(tmp_path_factory):
             "compression.kind was 'none' in the checkpoint, 'int4' now; resume with --compression.kind=none",
         ),
         (
-            ["--topology.dp_degree=2"],
-            "topology.dp_degree was 1 in the checkpoint, 2 now; resume with --topology.dp_degree=1",
+            ["--topology.num_clusters=3"],
+            "topology.num_clusters was 2 in the checkpoint, 3 now; resume with --topology.num_clusters=2",
+        ),
+        (
+            ["--topology.dp_degree=2", "--topology.dp_mode=shard"],
+            "topology.dp_degree was 1 in it, 2 now: a sharded stage (topology.dp_mode = shard) resumes at the dp "
+            "degree it was saved with; resume with --topology.dp_degree=1",
         ),
         (
             ["--sync.inner_steps=5"],
@@ -43,7 +48,7 @@ def base_run(tmp_path_factory):
         ),
         (["--data.path={corpus}"], "its tokenizer maps ids to other tokens than this run's (512 ids in the checkpoint"),
     ],
-    ids=["vocab", "seq_len", "codec", "topology", "inner_steps", "tokenizer"],
+    ids=["vocab", "seq_len", "codec", "topology", "sharded_dp", "inner_steps", "tokenizer"],
 )
 def test_an_incompatible_resume_is_one_line_naming_the_field(base_run, tmp_path, args, message):
     """The launcher's checks (`preflight`), in this process: what `dilocox train` prints after `dilocox: error:`
