@@ -661,8 +661,6 @@ def reshape_refusal(cfg: Config, saved: dict[str, Any]) -> str | None:
         return f"an elastic run's clusters resume at the dp degree they were saved with; {fix}"
     if t.clusters or saved.get("topology.clusters"):
         return f"clusters of different dp degrees (topology.clusters) resume at the degrees they were saved with; {fix}"
-    if t.dp_mode == "shard" or saved.get("topology.dp_mode") == "shard":
-        return f"a sharded stage (topology.dp_mode = shard) resumes at the dp degree it was saved with; {fix}"
     if cfg.sync.has_outer_loop and cfg.sync.round.mode != "steps":
         return f"time rounds (sync.round.mode = time) resume at the dp degree they were saved with; {fix}"
     if cfg.sync.kind == "cocktail":

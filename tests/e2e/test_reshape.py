@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from dilocox.checkpoint import load_rank_state, saved_outer_params
+from dilocox.checkpoint import consolidated_model_state, load_rank_state, saved_outer_params
 from tests.e2e.helpers import DEBUG, dilocox
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -28,9 +28,18 @@ def _phi(run_dir, step, rank):
     return saved_outer_params(load_rank_state(_checkpoint(run_dir, step), rank)["sync"])
 
 
-@pytest.fixture(scope="module", params=[["--compression.kind=none"], []], ids=["fp32", "topk_int4"])
+def _agreed(run_dir, step):
+    """Cluster 0's agreed model of a checkpoint, its shards put together."""
+    return consolidated_model_state(_checkpoint(run_dir, step), agreed=True)[0]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[["--compression.kind=none"], [], ["--compression.kind=none", "--topology.dp_mode=shard"]],
+    ids=["fp32", "topk_int4", "fp32_sharded"],
+)
 def dp2_run(request, tmp_path_factory):
-    """40 steps of 2 clusters of 2 replicas (4 sequences each), checkpoints every round."""
+    """40 steps of 2 clusters of 2 replicas (4 sequences each; or 2 FSDP2 shards), checkpoints every round."""
     run_dir = tmp_path_factory.mktemp("reshape") / "dp2"
     result = dilocox("train", *RUN, *request.param, "--topology.dp_degree=2", "--train.micro_batch_size=4",
                      f"--run.out_dir={run_dir}", timeout=300)  # fmt: skip
@@ -43,8 +52,9 @@ def dp2_run(request, tmp_path_factory):
 def test_a_dp2_checkpoint_resumes_at_another_dp_with_what_it_holds(dp2_run, tmp_path, dp):
     """Resumed at step 20 with the same 8 sequences a cluster: the sync launched at step 20 lands at step 27 and is
     applied at 30, so the step-30 checkpoint's agreed model depends only on the step-20 checkpoint. Uncompressed it
-    equals the uninterrupted run's bit for bit, on every replica; with top-k int4 every replica re-encodes its new
-    slice of the decoded update, so it differs by what the codec holds back of it, and stays close."""
+    equals the uninterrupted run's bit for bit, on every replica (sharded: put together from the new shards); with
+    top-k int4 every replica re-encodes its new slice of the decoded update, so it differs by what the codec holds
+    back of it, and stays close."""
     run_dir, codec = dp2_run
     resumed = tmp_path / "resumed"
     shutil.copytree(run_dir, resumed)
@@ -53,14 +63,19 @@ def test_a_dp2_checkpoint_resumes_at_another_dp_with_what_it_holds(dp2_run, tmp_
                      timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"(topology.dp_degree: 2 -> {dp}; train.micro_batch_size: 4 -> {8 // dp})" in result.stdout
-    reference = _phi(run_dir, 30, 0)
-    replicas = [_phi(resumed, 30, replica) for replica in range(dp)]  # cluster 0's replicas, one stage
-    assert all(torch.equal(replica, replicas[0]) for replica in replicas)
-    if codec:  # top-k int4: the same update re-cut into other slices
-        change = (replicas[0] - _phi(run_dir, 20, 0)).norm()
-        assert (replicas[0] - reference).norm() < 0.5 * change
+    if "--topology.dp_mode=shard" in codec:  # each rank holds its rows of phi: compared put together
+        reference, reshaped = _agreed(run_dir, 30), _agreed(resumed, 30)
+        assert reference.keys() == reshaped.keys()
+        assert all(torch.equal(reference[key], reshaped[key]) for key in reference)
     else:
-        assert torch.equal(replicas[0], reference)
+        reference = _phi(run_dir, 30, 0)
+        replicas = [_phi(resumed, 30, replica) for replica in range(dp)]  # cluster 0's replicas, one stage
+        assert all(torch.equal(replica, replicas[0]) for replica in replicas)
+        if codec:  # top-k int4: the same update re-cut into other slices
+            change = (replicas[0] - _phi(run_dir, 20, 0)).norm()
+            assert (replicas[0] - reference).norm() < 0.5 * change
+        else:
+            assert torch.equal(replicas[0], reference)
     uninterrupted, reshaped = (json.loads((d / "summary.json").read_text()) for d in (run_dir, resumed))
     assert reshaped["final_eval_loss"] < reshaped["initial_eval_loss"] - 0.25  # it goes on learning
     assert abs(reshaped["final_eval_loss"] - uninterrupted["final_eval_loss"]) < 0.05 * uninterrupted["final_eval_loss"]

@@ -38,9 +38,9 @@ def base_run(tmp_path_factory):
             "topology.num_clusters was 2 in the checkpoint, 3 now; resume with --topology.num_clusters=2",
         ),
         (
-            ["--topology.dp_degree=2", "--topology.dp_mode=shard"],
-            "topology.dp_degree was 1 in it, 2 now: a sharded stage (topology.dp_mode = shard) resumes at the dp "
-            "degree it was saved with; resume with --topology.dp_degree=1",
+            ["--topology.dp_degree=2", "--sync.round.mode=time"],
+            "topology.dp_degree was 1 in it, 2 now: time rounds (sync.round.mode = time) resume at the dp degree they "
+            "were saved with; resume with --topology.dp_degree=1",
         ),
         (
             ["--sync.inner_steps=5"],
@@ -48,7 +48,7 @@ def base_run(tmp_path_factory):
         ),
         (["--data.path={corpus}"], "its tokenizer maps ids to other tokens than this run's (512 ids in the checkpoint"),
     ],
-    ids=["vocab", "seq_len", "codec", "topology", "sharded_dp", "inner_steps", "tokenizer"],
+    ids=["vocab", "seq_len", "codec", "topology", "time_rounds_dp", "inner_steps", "tokenizer"],
 )
 def test_an_incompatible_resume_is_one_line_naming_the_field(base_run, tmp_path, args, message):
     """The launcher's checks (`preflight`), in this process: what `dilocox train` prints after `dilocox: error:`

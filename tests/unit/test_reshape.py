@@ -1,37 +1,47 @@
-"""The pieces of a resume at another dp degree (dilocox/reshape.py) that need no processes: the residuals of whole
-tensors redistributed over new slices, the link counters merged, and the settings that keep the saved degree."""
+"""The pieces of a resume at another dp degree (dilocox/reshape.py) that need no processes: what each replica holds
+of a fragment's tensors put together and cut anew, the link counters merged, and the settings that keep the saved
+degree."""
 
 import pytest
 import torch
 
 from dilocox.checkpoint import reshape_refusal
 from dilocox.config import load_config
-from dilocox.reshape import _merged_counters, _replica_tensors, _tensors_of_replicas
+from dilocox.reshape import _Layout, _merged_counters
 
 SHAPES = [torch.Size(s) for s in ([64, 32], [32], [128, 32], [32, 32], [7], [512])]
 
 
-def _feedbacks(full: list[torch.Tensor], dp: int) -> list[dict]:
-    """The error-feedback states `dp` replicas save: each its slice's residuals, keyed by position."""
-    return [
-        {"enabled": True, "residuals": {str(i): full[t] for i, t in enumerate(_replica_tensors(SHAPES, dp, index))}}
-        for index in range(dp)
-    ]
-
-
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded"])
 @pytest.mark.parametrize(("old", "new"), [(2, 4), (2, 1), (3, 2), (4, 3)])
-def test_every_tensors_residual_reaches_the_new_replica_whose_slice_holds_it(old, new):
+def test_every_piece_of_every_tensor_reaches_the_new_replica_that_holds_it(old, new, sharded):
+    """The pieces each replica holds (whole tensors of its slice, or its dim-0 rows of every tensor as FSDP2 cuts
+    them) at `old` replicas put together, cut for `new` replicas and put together again: the same tensors."""
     full = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate(SHAPES)]
-    gathered = _tensors_of_replicas(_feedbacks(full, old), SHAPES, old)
-    assert all(torch.equal(a, b) for a, b in zip(gathered, full, strict=True))
-    slices = [_replica_tensors(SHAPES, new, index) for index in range(new)]
-    assert sorted(t for tensors in slices for t in tensors) == list(range(len(SHAPES)))  # each tensor once
-    again = _tensors_of_replicas(_feedbacks(gathered, new), SHAPES, new)
-    assert all(torch.equal(a, b) for a, b in zip(again, full, strict=True))
+    there, back = _Layout(old, new, 0, sharded=sharded), _Layout(new, old, 0, sharded=sharded)
+    for slices in (True, False):
+        parts = [(there.slice_parts if slices else there.flat_parts)(SHAPES, old, d) for d in range(old)]
+        held = [[full[t][a:b] for t, a, b in replica] for replica in parts]
+        whole = there.assemble(SHAPES, held, slices)
+        assert all(torch.equal(a, b) for a, b in zip(whole, full, strict=True))
+        cut = [_Layout(old, new, d, sharded=sharded).mine(SHAPES, whole, slices) for d in range(new)]
+        again = back.assemble(SHAPES, cut, slices)
+        assert all(torch.equal(a, b) for a, b in zip(again, full, strict=True))
+    if sharded:  # FSDP2's cut: ceil(rows / D) rows each, the last short or empty
+        assert [there.flat_parts(SHAPES, 3, d)[4] for d in range(3)] == [(4, 0, 3), (4, 3, 6), (4, 6, 7)]
+    else:  # each tensor on exactly one replica
+        counts = [t for d in range(new) for t, _, _ in there.slice_parts(SHAPES, new, d)]
+        assert sorted(counts) == list(range(len(SHAPES)))
 
 
-def test_nothing_held_back_yet_stays_nothing():
-    assert _tensors_of_replicas([{"enabled": True, "residuals": {}}] * 2, SHAPES, 2) is None
+def test_a_sharded_flat_vector_is_recut_for_the_new_replicas():
+    layout = _Layout(2, 3, 1, sharded=True)
+    full = [
+        torch.arange(shape.numel(), dtype=torch.float32).reshape(shape) + 1000 * t for t, shape in enumerate(SHAPES)
+    ]
+    flats = [torch.cat([full[t][a:b].reshape(-1) for t, a, b in layout.flat_parts(SHAPES, 2, d)]) for d in range(2)]
+    mine = layout.reshard_flat(SHAPES, flats)
+    assert torch.equal(mine, torch.cat([full[t][a:b].reshape(-1) for t, a, b in layout.flat_parts(SHAPES, 3, 1)]))
 
 
 def test_the_link_counters_keep_the_runs_totals_and_the_collectives_numbering():
@@ -55,7 +65,7 @@ def test_the_link_counters_keep_the_runs_totals_and_the_collectives_numbering():
         (["--compression.kind=none"], None),
         (["--preset=allreduce"], None),
         (["--topology.elastic=true"], "an elastic run's clusters resume at the dp degree they were saved with"),
-        (["--topology.dp_mode=shard"], "a sharded stage (topology.dp_mode = shard) resumes at the dp degree"),
+        (["--topology.dp_mode=shard"], None),
         (["--sync.round.mode=time", "--sync.overlap_steps=0"], "time rounds (sync.round.mode = time) resume"),
         (["--preset=cocktail"], "sync.kind = cocktail resumes at the dp degree it was saved with"),
         (
