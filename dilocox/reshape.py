@@ -38,8 +38,8 @@ from dilocox.checkpoint import load_rank_state, meta_topology, read_meta
 from dilocox.compress.payload import Payload
 from dilocox.sync.reducers import ReplicaSlice
 
-_SHARED_KEYS = ("outer_params", "outer_optimizer", "round_start", "outer_step", "inner_steps", "round_end")
-"""A fragment's state that is the same on every replica of a replicated stage."""
+_SHARED_KEYS = ("outer_params", "round_start")
+"""A fragment's tensors that are the same on every replica of a replicated stage (the outer step writes them)."""
 
 
 def reshaped_rank_state(path: Path, trainer: Any) -> dict[str, Any]:
@@ -52,14 +52,10 @@ def reshaped_rank_state(path: Path, trainer: Any) -> dict[str, Any]:
     states = [load_rank_state(path, saved_topology.rank_of(coords.cluster, d, coords.pp)) for d in range(old_dp)]
     first = states[0]
     model, inner = first["model"], first["inner_optimizer"]
-    if trainer.sharded:
-        rows = _Rows(old_dp, new_dp, coords.dp)
-        current = trainer.model.state_dict()
-        model = {
-            key: rows.reshard([s["model"][key] for s in states]) if hasattr(value, "to_local") else model[key]
-            for key, value in current.items()
-        }
-        inner = _resharded_optimizer([s["inner_optimizer"] for s in states], trainer.inner_optimizer, rows)
+    if trainer.sharded:  # the DTensors' rows cut again; the rest (buffers) is the same on every replica
+        sharded = [key for key, value in trainer.model.state_dict().items() if hasattr(value, "to_local")]
+        model = {**model, **{key: _reshard([s["model"][key] for s in states], new_dp, coords.dp) for key in sharded}}
+        inner = _resharded_optimizer([s["inner_optimizer"] for s in states], trainer.inner_optimizer, new_dp, coords.dp)
     return {
         "model": model,
         "inner_optimizer": inner,
@@ -71,27 +67,22 @@ def reshaped_rank_state(path: Path, trainer: Any) -> dict[str, Any]:
     }
 
 
-class _Rows:
-    """Dim-0 shards as FSDP2 cuts them (`torch.chunk`: ceil(n / D) rows each, the last ones short or empty), at the
-    saved degree and at this run's, for this rank (`index`)."""
-
-    def __init__(self, old_dp: int, new_dp: int, index: int) -> None:
-        self.old_dp, self.new_dp, self.index = old_dp, new_dp, index
-
-    @staticmethod
-    def span(rows: int, dp: int, index: int) -> tuple[int, int]:
-        chunk = -(-rows // dp)
-        start = min(index * chunk, rows)
-        return start, min(start + chunk, rows)
-
-    def reshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's shard of the tensor whose saved shards (in dp order) are `shards`."""
-        whole = torch.cat(shards)
-        start, end = self.span(whole.shape[0], self.new_dp, self.index)
-        return whole[start:end].clone()
+def _span(rows: int, dp: int, index: int) -> tuple[int, int]:
+    """The dim-0 rows replica `index` of `dp` holds of a tensor of `rows` rows, as FSDP2 cuts it (`torch.chunk`:
+    ceil(rows / dp) each, the last ones short or empty)."""
+    chunk = -(-rows // dp)
+    start = min(index * chunk, rows)
+    return start, min(start + chunk, rows)
 
 
-def _resharded_optimizer(saved: list[dict[str, Any]], optimizer: Any, rows: _Rows) -> dict[str, Any]:
+def _reshard(shards: list[torch.Tensor], dp: int, index: int) -> torch.Tensor:
+    """Replica `index`'s shard, of `dp`, of the tensor whose saved shards (in dp order) are `shards`."""
+    whole = torch.cat(shards)
+    start, end = _span(whole.shape[0], dp, index)
+    return whole[start:end].clone()
+
+
+def _resharded_optimizer(saved: list[dict[str, Any]], optimizer: Any, dp: int, index: int) -> dict[str, Any]:
     """An inner optimizer's `local_state` for this rank: the state tensors of sharded parameters (those of dim >= 1,
     as `load_local_optimizer_state_` reads them) resharded, the rest (step counts) replica 0's."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -99,7 +90,7 @@ def _resharded_optimizer(saved: list[dict[str, Any]], optimizer: Any, rows: _Row
     for key, entry in saved[0]["state"].items():
         sharded = hasattr(params[int(key)], "to_local")
         state[key] = {
-            name: rows.reshard([s["state"][key][name] for s in saved])
+            name: _reshard([s["state"][key][name] for s in saved], dp, index)
             if sharded and isinstance(value, torch.Tensor) and value.dim() > 0
             else value
             for name, value in entry.items()
@@ -130,7 +121,7 @@ class _Layout:
     def flat_parts(self, shapes: list[torch.Size], dp: int, index: int) -> list[tuple[int, int, int]]:
         if not self.sharded:
             return [(t, 0, shape[0]) for t, shape in enumerate(shapes)]
-        return [(t, *_Rows.span(shape[0], dp, index)) for t, shape in enumerate(shapes)]
+        return [(t, *_span(shape[0], dp, index)) for t, shape in enumerate(shapes)]
 
     def slice_parts(self, shapes: list[torch.Size], dp: int, index: int) -> list[tuple[int, int, int]]:
         if self.sharded:

@@ -36,13 +36,12 @@ def launch_torchrun(cfg: Config) -> int:
     """Run as the rank torchrun assigned; rank 0 sets up the run directory and tells the others if it failed."""
     timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
     # the rendezvous init_process_group would do itself, kept so the watchdog can use the same store
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    # torchrun's agent keeps its store for its lifetime: a start after a failure (--max-restarts) must not read the
-    # dead start's keys, or gloo connects to the dead ranks' addresses
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"dilocox/start_{restart}", store)
+    agent_store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    start, starts_store = _start_number(agent_store, rank, timeout)  # rank 0 keeps serving `starts_store`
+    store = dist.PrefixStore(f"dilocox/start_{start}", agent_store)  # keys of this start of the job alone
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     job_store = _torchrun_job_store(store)
+    restarted = start > 1
     lock = None
     try:
         try:  # each node was started with its own command line: compare before anything is written
@@ -55,7 +54,7 @@ def launch_torchrun(cfg: Config) -> int:
         data = resume = None
         # an elastic cluster's job started again by torchrun: its directory stays as the first start left it (it
         # heals from a live peer; a cluster that writes the run's metrics goes on writing them)
-        healing = cfg.topology.elastic and restart != "0" and (Path(cfg.run.out_dir) / "config.toml").is_file()
+        healing = cfg.topology.elastic and restarted and (Path(cfg.run.out_dir) / "config.toml").is_file()
         try:
             if rank == 0 and not healing:
                 RunLock.ensure_free(Path(cfg.run.out_dir))
@@ -77,7 +76,7 @@ def launch_torchrun(cfg: Config) -> int:
                 lock.release()
                 lock = None
             try:
-                code = _run_elastic_cluster(cfg, rank, resume)
+                code = _run_elastic_cluster(cfg, rank, resume, restarted=restarted)
             except BaseException:  # the exit below must not wait for torchft's threads either
                 traceback.print_exc()
                 print(f"dilocox: rank {rank} failed; torchrun starts its cluster again", file=sys.stderr)
@@ -107,7 +106,7 @@ def launch_torchrun(cfg: Config) -> int:
     return 0
 
 
-def _run_elastic_cluster(cfg: Config, rank: int, resume: Path | None) -> int:
+def _run_elastic_cluster(cfg: Config, rank: int, resume: Path | None, *, restarted: bool) -> int:
     """This job is one cluster of an elastic run (`preflight.check_elastic_job`): its ranks, on any number of nodes,
     are the cluster's world. Rank 0 serves the store where the cluster's torchft Manager meets, fresh at every start
     of the job (a restart must not meet its dead processes' keys); each rank advertises its own node's address
@@ -120,13 +119,47 @@ def _run_elastic_cluster(cfg: Config, rank: int, resume: Path | None) -> int:
     where = all_gather_json(
         None if manager_store is None else [host, manager_store.port], group=dist.group.WORLD, max_bytes=512
     )[0]
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     own = None
     if resume is not None and not restarted:
         own = elastic_resume_paths(Path(cfg.run.out_dir), resume, [cluster]).get(cluster)
     return run_cluster_rank(
         cfg, cluster, rank, (where[0], int(where[1])), restarted=restarted, resume="" if own is None else str(own)
     )
+
+
+_START_KEY = "dilocox/start"
+"""In torchrun's store: how many times rank 0 started (more than once: torchrun started the job again), and where
+rank 0 serves the store that tells the other ranks that number."""
+
+
+def _start_number(agent_store: dist.Store, rank: int, timeout: datetime.timedelta) -> tuple[int, dist.Store]:
+    """Which start of the job this is (1, then 2 after torchrun starts it again), the same on every rank, and the
+    store that told it. torchrun's agent keeps its store for its lifetime, so a start after a failure (--max-restarts)
+    that used its keys would read the dead start's, and gloo would connect to the dead ranks (torch 2.13's own
+    `init_process_group` fails so after a multi-node restart); TORCHELASTIC_RESTART_COUNT cannot name the start, since
+    an agent whose workers were still healthy starts them again without counting. Rank 0 counts its starts in the
+    agent's store and serves the number from a store of its own, whose port it leaves there. Every rank of a start
+    has exited before torchrun starts the next, so a rank that reads the dead start's port finds nothing there and
+    reads again."""
+    import time
+
+    host = os.environ["MASTER_ADDR"]
+    if rank == 0:
+        server = serve_store(host, timeout)
+        number = agent_store.add(f"{_START_KEY}/count", 1)
+        server.set("start", str(number))
+        agent_store.set(f"{_START_KEY}/port", str(server.port))
+        return number, server
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        port = int(agent_store.get(f"{_START_KEY}/port"))
+        try:
+            client = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=2))
+            return int(client.get("start")), client
+        except (RuntimeError, dist.DistError):  # the dead start's port: rank 0 of this one has not written its own
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _torchrun_job_store(store: dist.Store) -> JobStore:

@@ -1,6 +1,7 @@
 """Elastic clusters as a user meets them (docs/design.md §10.1): kill -9 one cluster's process mid-run; the others go
 on, the launcher starts it again, it heals from a live peer and ends bit-identical to them."""
 
+import contextlib
 import json
 import os
 import re
@@ -235,38 +236,47 @@ def test_killing_one_rank_of_a_cluster_restarts_the_whole_cluster_which_heals_ev
     assert records[2]["healed_from_peer"] and not records[0]["healed_from_peer"]
 
 
+@contextlib.contextmanager
+def _shaped_hosts(bytes_per_s: float):
+    """Three "hosts", each a network namespace whose only way out is a veth capped at `bytes_per_s` by tc tbf (the
+    linkcheck tool's network), with a Lighthouse on host 0: (the network, the ranks' environment, each host's command
+    prefix, the Lighthouse's URL). Skips where namespaces and tc are not available."""
+    reason = namespaces.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"real network namespaces and tc shaping are not available here: {reason}")
+    with namespaces.shaped_network(3) as net:
+        for command in namespaces.shape_commands(net, bytes_per_s):
+            namespaces.run_command(command)
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": namespaces.CLUSTER_IFNAME, "PYTHONPATH": str(REPO)}
+        host = [("ip", "netns", "exec", net.cluster_ns(index)) for index in range(3)]
+        lighthouse, url = run_lighthouse(
+            f"{net.cluster_addr(0)}:0", heartbeat="0.5s", stall_timeout="5s", prefix=host[0], env=env, cwd=REPO
+        )
+        try:
+            yield net, env, host, url
+        finally:
+            lighthouse.terminate()
+            lighthouse.wait(timeout=20)
+
+
 @pytest.mark.timeout(300)
 def test_hosts_in_network_namespaces_heal_a_killed_host_across_a_shaped_link(tmp_path, start_run):
     # Three "hosts": each a network namespace whose only way out is a veth capped at 100 Mbit/s by tc tbf (the
     # linkcheck tool's network), each running its own launcher for its one cluster; the Lighthouse runs on host 0.
     # Killing host 2's cluster: its launcher starts it again and it heals from a live peer across the shaped link.
-    reason = namespaces.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"real network namespaces and tc shaping are not available here: {reason}")
     steps = 40
-    with namespaces.shaped_network(3) as net:
-        for command in namespaces.shape_commands(net, 12.5e6):  # 100 Mbit/s uplinks
-            namespaces.run_command(command)
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": namespaces.CLUSTER_IFNAME, "PYTHONPATH": str(REPO)}
-        host = [("ip", "netns", "exec", net.cluster_ns(cluster)) for cluster in range(3)]
-        lighthouse, url = run_lighthouse(
-            f"{net.cluster_addr(0)}:0", heartbeat="0.5s", stall_timeout="5s", prefix=host[0], env=env, cwd=REPO
-        )
-        try:
-            flags = [*ELASTIC, "--topology.num_clusters=3", f"--train.steps={steps}", "--sync.inner_steps=10",
-                     "--network.bandwidth=unlimited", f"--network.lighthouse={url}"]  # fmt: skip
-            runs = [
-                start_run(f"host{cluster}", *flags, f"--topology.local_clusters={cluster}",
-                          f"--network.advertise_host={net.cluster_addr(cluster)}", env=env, prefix=host[cluster])
-                for cluster in range(3)
-            ]  # fmt: skip
-            runs[0].wait_for_step(15)
-            os.kill(runs[2].pid_of(2), signal.SIGKILL)
-            assert [run.finish() for run in runs] == [0, 0, 0]
-            shaped_bytes = [namespaces.qdisc_counters(net, cluster)["qdisc_bytes"] for cluster in range(3)]
-        finally:
-            lighthouse.terminate()
-            lighthouse.wait(timeout=20)
+    with _shaped_hosts(12.5e6) as (net, env, host, url):  # 100 Mbit/s uplinks
+        flags = [*ELASTIC, "--topology.num_clusters=3", f"--train.steps={steps}", "--sync.inner_steps=10",
+                 "--network.bandwidth=unlimited", f"--network.lighthouse={url}"]  # fmt: skip
+        runs = [
+            start_run(f"host{cluster}", *flags, f"--topology.local_clusters={cluster}",
+                      f"--network.advertise_host={net.cluster_addr(cluster)}", env=env, prefix=host[cluster])
+            for cluster in range(3)
+        ]  # fmt: skip
+        runs[0].wait_for_step(15)
+        os.kill(runs[2].pid_of(2), signal.SIGKILL)
+        assert [run.finish() for run in runs] == [0, 0, 0]
+        shaped_bytes = [namespaces.qdisc_counters(net, cluster)["qdisc_bytes"] for cluster in range(3)]
     out = runs[2].output
     assert "dilocox: elastic: cluster 2 failed" in out and "start 2)" in out
     assert re.search(r"dilocox: elastic: cluster 2 rejoined at step \d+ .*healed from a live peer", out)
@@ -284,44 +294,30 @@ def test_a_cluster_spread_over_two_hosts_by_torchrun_heals_a_killed_rank_across_
     # Three "hosts", each a network namespace behind its own veth capped at 1 Gbit/s: cluster 0 is started by
     # `dilocox train` on host 0 (with the Lighthouse); cluster 1 is one torchrun job of 2 nodes, hosts 1 and 2, one
     # rank each, so its own data-parallel all-reduce crosses the shaped link. Killing its rank on host 2 makes
-    # torchrun start the job again on both hosts (--max-restarts), and the cluster heals from cluster 0. Cluster 0
+    # torchrun start the job again on both hosts (--max-restarts 3, as the launcher's topology.max_cluster_restarts: a
+    # loaded machine may make the cluster miss a heartbeat later), and the cluster heals from cluster 0. Cluster 0
     # trains almost 800 steps after the kill, about twice what it trains while the restart takes place (both share
     # this machine's cores).
-    reason = namespaces.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"real network namespaces and tc shaping are not available here: {reason}")
     steps = 800
-    with namespaces.shaped_network(3) as net:
-        for command in namespaces.shape_commands(net, 125e6):  # 1 Gbit/s uplinks
-            namespaces.run_command(command)
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": namespaces.CLUSTER_IFNAME, "PYTHONPATH": str(REPO)}
-        host = [("ip", "netns", "exec", net.cluster_ns(index)) for index in range(3)]
-        lighthouse, url = run_lighthouse(
-            f"{net.cluster_addr(0)}:0", heartbeat="0.5s", stall_timeout="5s", prefix=host[0], env=env, cwd=REPO
-        )
-        try:
-            flags = [*ELASTIC, "--topology.num_clusters=2", "--topology.dp_degree=2", f"--train.steps={steps}",
-                     "--sync.inner_steps=10", "--network.bandwidth=unlimited",
-                     f"--network.lighthouse={url}"]  # fmt: skip
-            live = start_run("cluster0", *flags, "--topology.local_clusters=0",
-                             f"--network.advertise_host={net.cluster_addr(0)}", env=env, prefix=host[0])  # fmt: skip
-            job = ["--nnodes=2", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-id=cluster1",
-                   f"--rdzv-endpoint={net.cluster_addr(1)}:29400"]  # fmt: skip
-            nodes = [  # host 1 serves the rendezvous (torchrun cannot tell its own address inside a namespace)
-                start_run(f"node{node}", *flags, "--topology.local_clusters=1",
-                          f"--network.advertise_host={net.cluster_addr(1 + node)}", env=env, prefix=host[1 + node],
-                          run_dir=tmp_path / "cluster1", torchrun=(*job, f"--local-addr={net.cluster_addr(1 + node)}",
-                                                                   f"--rdzv-conf=is_host={node == 0}"))
-                for node in range(2)
-            ]  # fmt: skip
-            live.wait_for_step(15)
-            (worker,) = child_pids(nodes[1].proc.pid)  # torchrun's one worker on host 2
-            os.kill(worker, signal.SIGKILL)
-            assert [run.finish(timeout=240) for run in (live, *nodes)] == [0, 0, 0]
-            shaped_bytes = [namespaces.qdisc_counters(net, index)["qdisc_bytes"] for index in range(3)]
-        finally:
-            lighthouse.terminate()
-            lighthouse.wait(timeout=20)
+    with _shaped_hosts(125e6) as (net, env, host, url):  # 1 Gbit/s uplinks
+        flags = [*ELASTIC, "--topology.num_clusters=2", "--topology.dp_degree=2", f"--train.steps={steps}",
+                 "--sync.inner_steps=10", "--network.bandwidth=unlimited", f"--network.lighthouse={url}"]  # fmt: skip
+        live = start_run("cluster0", *flags, "--topology.local_clusters=0",
+                         f"--network.advertise_host={net.cluster_addr(0)}", env=env, prefix=host[0])  # fmt: skip
+        job = ["--nnodes=2", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d", "--rdzv-id=cluster1",
+               f"--rdzv-endpoint={net.cluster_addr(1)}:29400"]  # fmt: skip
+        nodes = [  # host 1 serves the rendezvous (torchrun cannot tell its own address inside a namespace)
+            start_run(f"node{node}", *flags, "--topology.local_clusters=1",
+                      f"--network.advertise_host={net.cluster_addr(1 + node)}", env=env, prefix=host[1 + node],
+                      run_dir=tmp_path / "cluster1", torchrun=(*job, f"--local-addr={net.cluster_addr(1 + node)}",
+                                                               f"--rdzv-conf=is_host={node == 0}"))
+            for node in range(2)
+        ]  # fmt: skip
+        live.wait_for_step(15)
+        (worker,) = child_pids(nodes[1].proc.pid)  # torchrun's one worker on host 2
+        os.kill(worker, signal.SIGKILL)
+        assert [run.finish(timeout=240) for run in (live, *nodes)] == [0, 0, 0]
+        shaped_bytes = [namespaces.qdisc_counters(net, index)["qdisc_bytes"] for index in range(3)]
     assert re.search(r"dilocox: elastic: cluster 1 left at step \d+", live.output)
     assert re.search(r"dilocox: elastic: cluster 1 rejoined at step \d+: .*healed from a live peer", live.output)
     records = {0: records_of(tmp_path / "cluster0")[0], 1: records_of(tmp_path / "cluster1")[1]}

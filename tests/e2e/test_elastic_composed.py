@@ -59,38 +59,29 @@ def test_the_preset_elastic_without_failures_is_bit_identical_to_the_static_run(
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_cluster_heals_every_fragment_under_the_preset(tmp_path, start_run):
-    run = start_run("killed", *COMPOSED, "--sync.fragments=2", *ELASTIC, "--topology.num_clusters=3")
-    run.wait_for_step(16)  # mid-round: fragment 0 lands 7 steps after its boundaries at 6, 18, 30
-    os.kill(run.pid_of(2), signal.SIGKILL)
-    assert run.finish() == 0, "the killed run failed"
-    out = run.output
-    assert "dilocox: elastic: cluster 2 failed" in out
-    assert re.search(r"dilocox: elastic: cluster 2 rejoined at step \d+ .*healed from a live peer", out)
-    records = records_of(tmp_path / "killed")
-    assert sorted(records) == [0, 1, 2] and all(r["step"] == STEPS for r in records.values())
-    assert len({r["outer_params_sha256"] for r in records.values()}) == 1, records  # every fragment, bit for bit
-    assert records[2]["healed_from_peer"] and not records[0]["healed_from_peer"]
-
-
-@pytest.mark.timeout(300)
-def test_a_killed_rank_of_a_sharded_cluster_restarts_it_and_every_shard_heals_under_the_preset(tmp_path, start_run):
-    """3 elastic clusters of 2 ranks that each hold half of every tensor (topology.dp_mode = shard, FSDP2): killing
-    cluster 2's second rank restarts that cluster, each of its ranks heals its own shard from the same rank of a live
-    peer, and every cluster ends on the same outer parameters (the record's digest covers both shards)."""
-    sharded = ["--topology.num_clusters=3", "--topology.dp_degree=2", "--topology.dp_mode=shard"]
-    run = start_run("sharded", *COMPOSED, *ELASTIC, *sharded)
-    run.wait_for_step(15)
-    first_start = run.ranks_of(2)
-    assert len(first_start) == 2
-    os.kill(first_start[1], signal.SIGKILL)
+@pytest.mark.parametrize(
+    ("shape", "kill_at"),
+    [
+        (["--sync.fragments=2"], 16),  # mid-round: fragment 0 lands 7 steps after its boundaries at 6, 18, 30
+        (["--topology.dp_degree=2", "--topology.dp_mode=shard"], 15),
+    ],
+    ids=["fragments", "sharded"],
+)
+def test_a_killed_rank_restarts_its_cluster_which_heals_every_fragment_and_shard(tmp_path, start_run, shape, kill_at):
+    """3 elastic clusters under the preset, the last rank of cluster 2 killed: its cluster restarts and heals from a
+    live peer, and every cluster ends on the same outer parameters. In 2 fragments, every fragment heals; in clusters
+    of 2 ranks that each hold half of every tensor (topology.dp_mode = shard, FSDP2), each rank heals its own shard
+    from the same rank of a live peer (the record's digest covers both shards)."""
+    run = start_run("killed", *COMPOSED, *ELASTIC, "--topology.num_clusters=3", *shape)
+    run.wait_for_step(kill_at)
+    os.kill(run.ranks_of(2)[-1], signal.SIGKILL)
     assert run.finish() == 0, "the killed run failed"
     out = run.output
     assert "dilocox: elastic: cluster 2 failed (exit code -9); starting it again" in out
     assert re.search(r"dilocox: elastic: cluster 2 rejoined at step \d+ .*healed from a live peer", out)
-    records = records_of(tmp_path / "sharded")
+    records = records_of(tmp_path / "killed")
     assert sorted(records) == [0, 1, 2] and all(r["step"] == STEPS for r in records.values())
-    assert len({r["outer_params_sha256"] for r in records.values()}) == 1, records
+    assert len({r["outer_params_sha256"] for r in records.values()}) == 1, records  # bit for bit
     assert records[2]["healed_from_peer"] and not records[0]["healed_from_peer"]
 
 
