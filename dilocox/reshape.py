@@ -39,7 +39,8 @@ from dilocox.compress.payload import Payload
 from dilocox.sync.reducers import ReplicaSlice
 
 _SHARED_KEYS = ("outer_params", "round_start")
-"""A fragment's tensors that are the same on every replica of a replicated stage (the outer step writes them)."""
+"""A fragment's flat tensors that the outer step writes: the same on every replica of a replicated stage, each
+replica's rows of a sharded one."""
 
 
 def reshaped_rank_state(path: Path, trainer: Any) -> dict[str, Any]:
@@ -166,7 +167,7 @@ def _reshaped_fragment(old: list[dict[str, Any]], fragment: Any, layout: _Layout
         for key in _SHARED_KEYS:
             if isinstance(old[0][key], torch.Tensor) and not all(torch.equal(old[0][key], o[key]) for o in old[1:]):
                 raise ValueError(f"the checkpoint's replicas of one stage hold different {key}: it is damaged")
-    for key in ("outer_params", "round_start"):
+    for key in _SHARED_KEYS:
         state[key] = layout.reshard_flat(shapes, [o[key] for o in old])
     state["outer_optimizer"] = _reshaped_outer(old, shapes, layout)
     state["guard"] = _fresh_guard(old[0]["guard"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def launch_torchrun(cfg: Config) -> int:
     timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
     # the rendezvous init_process_group would do itself, kept so the watchdog can use the same store
     agent_store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    start, starts_store = _start_number(agent_store, rank, timeout)  # rank 0 keeps serving `starts_store`
+    start, start_store = _start_number(agent_store, rank, timeout)  # rank 0 serves it while the job runs
     store = dist.PrefixStore(f"dilocox/start_{start}", agent_store)  # keys of this start of the job alone
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     job_store = _torchrun_job_store(store)
@@ -76,7 +77,7 @@ def launch_torchrun(cfg: Config) -> int:
                 lock.release()
                 lock = None
             try:
-                code = _run_elastic_cluster(cfg, rank, resume, restarted=restarted)
+                code = _run_elastic_cluster(cfg, rank, resume, start_store, restarted=restarted)
             except BaseException:  # the exit below must not wait for torchft's threads either
                 traceback.print_exc()
                 print(f"dilocox: rank {rank} failed; torchrun starts its cluster again", file=sys.stderr)
@@ -106,25 +107,21 @@ def launch_torchrun(cfg: Config) -> int:
     return 0
 
 
-def _run_elastic_cluster(cfg: Config, rank: int, resume: Path | None, *, restarted: bool) -> int:
+def _run_elastic_cluster(
+    cfg: Config, rank: int, resume: Path | None, start_store: dist.TCPStore, *, restarted: bool
+) -> int:
     """This job is one cluster of an elastic run (`preflight.check_elastic_job`): its ranks, on any number of nodes,
-    are the cluster's world. Rank 0 serves the store where the cluster's torchft Manager meets, fresh at every start
-    of the job (a restart must not meet its dead processes' keys); each rank advertises its own node's address
-    (network.advertise_host). The first start loads the cluster's checkpoint of the step the run resumes from, if
-    it has one; a start after a failure (torchrun --max-restarts) heals from a live peer."""
+    are the cluster's world. The cluster's torchft Managers meet at the store rank 0 serves for this start of the job
+    (`_start_number`: fresh at every start, so a restart does not meet its dead processes' keys); each rank
+    advertises its own node's address (network.advertise_host). The first start loads the cluster's checkpoint of
+    the step the run resumes from, if it has one; a start after a failure (torchrun --max-restarts) heals from a
+    live peer."""
     (cluster,) = cfg.topology.launched_clusters()
-    timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
-    host = cfg.network.listen_host
-    manager_store = serve_store(host, timeout) if rank == 0 else None
-    where = all_gather_json(
-        None if manager_store is None else [host, manager_store.port], group=dist.group.WORLD, max_bytes=512
-    )[0]
     own = None
     if resume is not None and not restarted:
         own = elastic_resume_paths(Path(cfg.run.out_dir), resume, [cluster]).get(cluster)
-    return run_cluster_rank(
-        cfg, cluster, rank, (where[0], int(where[1])), restarted=restarted, resume="" if own is None else str(own)
-    )
+    where = (os.environ["MASTER_ADDR"], start_store.port)
+    return run_cluster_rank(cfg, cluster, rank, where, restarted=restarted, resume="" if own is None else str(own))
 
 
 _START_KEY = "dilocox/start"
@@ -132,17 +129,16 @@ _START_KEY = "dilocox/start"
 rank 0 serves the store that tells the other ranks that number."""
 
 
-def _start_number(agent_store: dist.Store, rank: int, timeout: datetime.timedelta) -> tuple[int, dist.Store]:
+def _start_number(agent_store: dist.Store, rank: int, timeout: datetime.timedelta) -> tuple[int, dist.TCPStore]:
     """Which start of the job this is (1, then 2 after torchrun starts it again), the same on every rank, and the
-    store that told it. torchrun's agent keeps its store for its lifetime, so a start after a failure (--max-restarts)
-    that used its keys would read the dead start's, and gloo would connect to the dead ranks (torch 2.13's own
-    `init_process_group` fails so after a multi-node restart); TORCHELASTIC_RESTART_COUNT cannot name the start, since
-    an agent whose workers were still healthy starts them again without counting. Rank 0 counts its starts in the
-    agent's store and serves the number from a store of its own, whose port it leaves there. Every rank of a start
-    has exited before torchrun starts the next, so a rank that reads the dead start's port finds nothing there and
-    reads again."""
-    import time
+    store that told it, which only this start's ranks use (an elastic cluster's torchft Managers meet there).
 
+    torchrun's agent keeps its store for its lifetime, so a start after a failure (--max-restarts) that used its keys
+    would read the dead start's, and gloo would connect to the dead ranks (torch 2.13's own `init_process_group`
+    fails so after a multi-node restart); TORCHELASTIC_RESTART_COUNT cannot name the start, since an agent whose
+    workers were still healthy starts them again without counting. Rank 0 counts its starts in the agent's store and
+    serves the number from a store of its own, whose port it leaves there. Every rank of a start has exited before
+    torchrun starts the next, so a rank that reads the dead start's port finds nothing there and reads again."""
     host = os.environ["MASTER_ADDR"]
     if rank == 0:
         server = serve_store(host, timeout)
