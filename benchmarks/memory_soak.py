@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from soak import rank_pids  # noqa: E402  (the rank processes below a launcher, rank 0 first)
 
+from dilocox.checkpoint import load_rank_state, read_meta  # noqa: E402
+
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)")
 PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 
@@ -129,8 +131,9 @@ def checkpoint_sizes(run_dir: Path, seen: dict[int, dict[str, dict[str, int]]]) 
             continue
         try:
             sizes = {}
-            for file in sorted(path.glob("rank_*.pt")):
-                state = torch.load(file, map_location="cpu", weights_only=False)
+            for rank in range(read_meta(path)["world_size"]):
+                file = path / f"__{rank}_0.distcp"  # what the rank wrote (docs/design.md, checkpoints)
+                state = load_rank_state(path, rank)
                 sizes[file.name] = {"file": file.stat().st_size, "policy": _tensor_bytes(_find(state, "policy"))}
             seen[step] = sizes
         except (OSError, RuntimeError, EOFError):  # pruned while read

@@ -65,6 +65,8 @@ from typing import Any
 
 import torch
 
+from dilocox.checkpoint import load_rank_state
+
 ROOT = Path(__file__).resolve().parent.parent
 FORMAT = 1
 """Version of the snapshot file's layout."""
@@ -324,9 +326,8 @@ def observe(run_dir: Path) -> dict[str, Any]:
         meta = json.loads((last / "meta.json").read_text())
         fields["checkpoint.step"] = meta.get("step")
         fields["checkpoint.tokenizer_vocab"] = meta.get("tokenizer_vocab")
-        for file in sorted(last.glob("rank_*.pt")):
-            rank = int(file.stem.removeprefix("rank_"))
-            state = torch.load(file, map_location="cpu", weights_only=True)
+        for rank in range(meta.get("world_size", 1)):
+            state = load_rank_state(last, rank)
             channel = state.get("channel") or {}
             fields[f"rank{rank}.channel"] = {k: v for k, v in sorted(channel.items()) if not is_timing(k)}
             fields[f"rank{rank}.model"] = state_digest(state.get("model"))

@@ -270,9 +270,10 @@ def audit_checkpoints(run_dir: Path, corrupted_on_purpose: set[str]) -> tuple[li
 
 
 def flip_bit(run_dir: Path, rng: random.Random) -> str:
-    """Flip one seeded bit of one rank file of the newest complete checkpoint; returns what was flipped."""
+    """Flip one seeded bit of one file of the newest complete checkpoint (a rank's or DCP's index); returns what was
+    flipped."""
     newest = list_checkpoints(run_dir)[-1]
-    file = rng.choice(sorted(newest.glob("rank_*.pt")))
+    file = rng.choice(sorted([*newest.glob("*.distcp"), newest / ".metadata"]))
     offset = rng.randrange(file.stat().st_size)
     bit = rng.randrange(8)
     with open(file, "r+b") as f:

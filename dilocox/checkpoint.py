@@ -1,24 +1,28 @@
-"""Checkpoints at round boundaries: one `torch.save` file per rank, made complete atomically, and verified on read.
+"""Checkpoints at round boundaries: one `torch.distributed.checkpoint` (DCP) checkpoint of every rank's state, made
+complete atomically, and verified on read.
 
 Layout of `RUN_DIR/checkpoints/`:
 
     step_00000100/          a complete checkpoint (it has meta.json)
-        rank_00000.pt       model, inner optimizer, sync state (outer params, outer optimizer, reducer),
-        rank_00001.pt       data position, RNG states and channel counters of that rank
-        meta.json           step, world size, topology, config, every rank file's size and sha256 (`files`), and its
+        .metadata           DCP's index of the tensors below (`dilocox/rank_state.py`)
+        __0_0.distcp        what rank 0 wrote: its model, inner optimizer, sync state (outer params, outer optimizer,
+        __1_0.distcp        reducer), data position, RNG states and channel counters; a replicated stage's model and
+                            inner optimizer once for all its replicas (DCP spreads those over them)
+        meta.json           step, world size, topology, config, every file's size and sha256 (`files`), and its
                             own `digest`: the sha256 of the canonical JSON of everything else in it; written last
     .step_00000200.partial  a checkpoint being written; never read, removed by the next save
 
-Every rank writes its file into the `.partial` directory (fsync'd) with a small digest file beside it, all ranks
-meet at a barrier, and rank 0 moves the digests into meta.json, renames the directory into place and fsyncs the
-directories, so a checkpoint that looks complete always is. `start_checkpoint` (checkpoint.async_save) does the same
-in a thread per rank, from a host copy of the state, while training goes on: rank 0's thread finalizes once every
-rank's digest file is there (a rank whose write failed leaves its line instead), and `PendingSave.wait`, before the
-next save, makes every rank report a failed write as a foreground save does. Every read goes through
-`verify_checkpoint`: meta.json must match its digest and list the rank files, and each rank file read must have the
-size and sha256 listed. `latest` skips a corrupt checkpoint (one line says which and why) for the newest one that
-verifies; a named one that fails is a one-line error. Multi-machine runs need `run.out_dir` on storage that every node
-sees (as torchrun jobs usually have).
+Every rank writes its file into the `.partial` directory with `dcp.save` (fsync'd, over the checkpoint's own gloo
+group) and a small digest file beside it (rank 0 one for DCP's index too), all ranks meet at a barrier, and rank 0
+moves the digests into meta.json, renames the directory into place and fsyncs the directories, so a checkpoint that
+looks complete always is. `start_checkpoint` (checkpoint.async_save) does the same in a thread per rank, from a host
+copy of the state, while training goes on: rank 0's thread finalizes once every rank's digest files are there (a rank
+whose write failed leaves its line instead), and `PendingSave.wait`, before the next save, makes every rank report a
+failed write as a foreground save does. Every read goes through `verify_checkpoint`: meta.json must match its digest
+and list the files, and each file read must have the size and sha256 listed. A checkpoint written before DCP (one
+`rank_XXXXX.pt` per rank, meta.json without `format`) is still read. `latest` skips a corrupt checkpoint (one line
+says which and why) for the newest one that verifies; a named one that fails is a one-line error. Multi-machine runs
+need `run.out_dir` on storage that every node sees (as torchrun jobs usually have).
 
 An elastic run (docs/design.md §10.1) has one torch.distributed world per cluster, so each cluster writes a checkpoint
 of its own ranks (files named by the rank inside the cluster, `world_size` = its dp x pp ranks, `elastic_cluster` in
@@ -29,12 +33,13 @@ and at equal steps the lowest cluster's counts as the newest (`latest`, `dilocox
     pending = start_checkpoint(run_dir, step, state, rank=rank, meta=meta, keep=2)  # returns at once
     pending.wait()                                 # before the next save: raises a write that failed on any rank
     path = find_checkpoint(run_dir, "latest")      # verified: meta.json and every rank file
-    state = load_rank_state(path, rank)            # verifies meta.json and this rank's file, then loads it
+    state = load_rank_state(path, rank)            # verifies meta.json and the files it reads, then loads them
     model = consolidated_model_state(path, agreed=True)   # the whole model, from every stage's file
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import errno
@@ -45,12 +50,17 @@ import shutil
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from dilocox.compress.config import SPARSE_KINDS
 from dilocox.config import Config, flat_settings, option_value
@@ -58,12 +68,15 @@ from dilocox.data.corpus import describe_corpus, same_corpus
 from dilocox.fileio import write_atomic
 from dilocox.models import ModelArgs, model_args
 from dilocox.net.json_gather import all_gather_json
+from dilocox.rank_state import DCP_METADATA, checkpoint_items, load_state
 from dilocox.topology import Topology
 
 CHECKPOINT_DIR = "checkpoints"
 META = "meta.json"
 DIGEST_SUFFIX = ".digest.json"
-"""A rank file's size and sha256, written beside it in the `.partial` directory and moved into meta.json."""
+"""A file's size and sha256, written beside it in the `.partial` directory and moved into meta.json."""
+FORMAT = "dcp"
+"""meta.json's `format`: the files are one DCP checkpoint (absent: one `torch.save` file per rank, read only)."""
 
 
 META_DIGEST = "digest"
@@ -86,6 +99,7 @@ def _corrupt(path: Path, problem: str, fix: str = RESUME_FIX) -> CorruptCheckpoi
 
 
 def _rank_file(rank: int) -> str:
+    """A rank's file in a checkpoint written before DCP."""
     return f"rank_{rank:05d}.pt"
 
 
@@ -145,15 +159,17 @@ def save_checkpoint(
     keep_every: int = 0,
     group: dist.ProcessGroup | None = None,
     cluster: int | None = None,
+    shared: str | None = None,
 ) -> Path:
     """Collectively save this rank's `state` as checkpoint `step`; rank 0 finalizes it and prunes old ones (`prune`).
     `cluster`: an elastic run's cluster, whose ranks (`rank` counted inside it, `group` its world) write into
-    `checkpoint_root(run_dir, cluster)`. A write that fails on any rank (a full disk, checked first against the last
-    checkpoint's size) raises `CheckpointNotWritten` on every rank after the partial directory is removed: the
-    checkpoints before it stay as they were."""
+    `checkpoint_root(run_dir, cluster)`. `shared`: the key under which this rank's model and inner optimizer are the
+    same as its replicas' (a replicated stage's, `rank_state.checkpoint_items`). A write that fails on any rank (a
+    full disk, checked first against the last checkpoint's size) raises `CheckpointNotWritten` on every rank after the
+    partial directory is removed: the checkpoints before it stay as they were."""
     root = checkpoint_root(run_dir, cluster)
     final, partial = _begin(root, step, rank, group)
-    _stop_if_any_failed(_write_rank(partial, rank, state, step), partial, rank, group)
+    _stop_if_any_failed(_write_rank(partial, rank, state, step, group, shared), partial, rank, group)
     error = _finalize(partial, final, step, meta, keep, keep_every) if rank == 0 else None
     _stop_if_any_failed(error, partial, rank, group)
     _barrier(group)
@@ -195,22 +211,26 @@ def start_checkpoint(
     keep_every: int = 0,
     group: dist.ProcessGroup | None = None,
     cluster: int | None = None,
+    shared: str | None = None,
     timeout_s: float = 600.0,
 ) -> PendingSave:
     """`save_checkpoint` in the background: collectively make the partial directory, copy `state` to host memory
     (what training changes next is not in it), and hand the writing to a thread; rank 0's thread finalizes the
-    checkpoint once every rank's file and digest are there (no collective off the training thread: it watches the
-    directory, which every rank of a run shares), or gives up after `timeout_s`. The checkpoint counts from then on,
+    checkpoint once every rank's file and digest are there (it watches the directory, which every rank of a run
+    shares), or gives up after `timeout_s`. The thread's `dcp.save` is collective over `group`, which must be a group
+    of its own (no other collective on it until `PendingSave.wait`). The checkpoint counts from then on,
     as a `save_checkpoint`'s does; `PendingSave.wait`, before the next save, reports a write that failed."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world > 1 and group in (None, dist.group.WORLD):
+        raise ValueError("start_checkpoint needs a process group of its own (dist.new_group(backend='gloo'))")
     root = checkpoint_root(run_dir, cluster)
     final, partial = _begin(root, step, rank, group)
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
     snapshot = _host_copy(state)
 
     def work() -> str | None:
-        error = _write_rank(partial, rank, snapshot, step)
+        error = _write_rank(partial, rank, snapshot, step, group, shared)
         if error is not None:
-            write_atomic(partial / f".{_rank_file(rank)}{FAILED_SUFFIX}", error.encode())
+            write_atomic(partial / f".rank{rank}{FAILED_SUFFIX}", error.encode())
             return error
         if rank != 0:
             return None
@@ -239,20 +259,69 @@ def _begin(root: Path, step: int, rank: int, group: dist.ProcessGroup | None) ->
     return final, partial
 
 
-def _write_rank(partial: Path, rank: int, state: dict[str, Any], step: int) -> str | None:
-    """Write this rank's file (fsync'd) and its digest beside it; the line to stop with if that failed."""
-    name = _rank_file(rank)
-    tmp = partial / f".{name}.tmp"
+def _write_rank(
+    partial: Path, rank: int, state: dict[str, Any], step: int, group: dist.ProcessGroup | None, shared: str | None
+) -> str | None:
+    """Collectively over `group`: write this rank's share of the DCP checkpoint (fsync'd) and a digest beside each file
+    it wrote (rank 0: DCP's index too); the line to stop with if that failed on any rank."""
+    alone = not dist.is_initialized()
     try:
-        with open(tmp, "wb") as handle:
-            _save_to(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, partial / name)
-        write_atomic(partial / (name + DIGEST_SUFFIX), json.dumps(_digest(partial / name)).encode())
+        items = checkpoint_items(state, rank=rank, shared=shared)
+    except Exception as exc:  # noqa: BLE001 - still take part in the collective save below, then stop with this
+        items, local = {}, f"checkpoint step {step} could not be written ({exc.__class__.__name__}: {exc})"
+    else:
+        local = None
+    writer = FileSystemWriter(partial, sync_files=True)
+    writer.fs = files = _Files()
+    try:
+        with warnings.catch_warnings():  # a single process without a process group saves alone, as intended
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.save(items, storage_writer=writer, process_group=group, no_dist=alone)
+        mine = sorted(partial.glob(f"__{0 if alone else dist.get_rank(group)}_*.distcp"))
+        if local is not None:
+            return local
+        for file in mine + ([partial / DCP_METADATA] if rank == 0 else []):
+            write_atomic(file.with_name(file.name + DIGEST_SUFFIX), json.dumps(_digest(file)).encode())
     except OSError as exc:
         return _not_written(step, partial.parent, exc)
-    return None
+    except CheckpointException as exc:  # every rank gets every rank's failure: each reports its own
+        failure = exc.failures.get(0 if alone else dist.get_rank(group))
+        if failure is None:  # another rank's: its line stops every rank (`_stop_if_any_failed`, `_await_ranks`)
+            return local
+        cause = files.error or failure[0]  # torch's zip writer reports a failed write as "unexpected pos"
+        if isinstance(cause, OSError):
+            return _not_written(step, partial.parent, cause)
+        return f"checkpoint step {step} could not be written ({cause.__class__.__name__}: {_first_line(cause)})"
+    return local
+
+
+class _Files(FileSystem):
+    """The file system DCP writes a checkpoint through, keeping the OSError of a write that failed (a full disk, a
+    file-size limit), which torch's zip writer would report as RuntimeError("unexpected pos ...")."""
+
+    error: OSError | None = None
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            yield _Writes(stream, self)
+
+
+class _Writes:
+    """A file as DCP's writer uses it, reporting a write's OSError to its `_Files`."""
+
+    def __init__(self, handle, files: _Files) -> None:
+        self._handle, self._files = handle, files
+
+    def write(self, data) -> int:
+        try:
+            return self._handle.write(data)
+        except OSError as exc:
+            self._files.error = self._files.error or exc
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._handle, name)
 
 
 def _finalize(partial: Path, final: Path, step: int, meta: dict[str, Any], keep: int, keep_every: int) -> str | None:
@@ -262,7 +331,7 @@ def _finalize(partial: Path, final: Path, step: int, meta: dict[str, Any], keep:
     try:
         digests = sorted(partial.glob("*" + DIGEST_SUFFIX))
         files = {d.name.removesuffix(DIGEST_SUFFIX): json.loads(d.read_text()) for d in digests}
-        write_meta(partial, {"step": step, **meta, "files": files})
+        write_meta(partial, {"step": step, **meta, "format": FORMAT, "files": files})
         for d in digests:
             d.unlink()
         _fsync(partial)
@@ -277,20 +346,20 @@ def _finalize(partial: Path, final: Path, step: int, meta: dict[str, Any], keep:
 
 
 FAILED_SUFFIX = ".failed"
-"""A background write that failed leaves its line in `.rank_XXXXX.pt.failed` in the partial directory: rank 0's
-thread, waiting for every rank's digest, stops at it."""
+"""A background write that failed leaves its line in `.rankR.failed` in the partial directory: rank 0's thread,
+waiting for every rank's digest, stops at it."""
 
 
 def _await_ranks(partial: Path, world: int, step: int, timeout_s: float) -> str | None:
-    """Rank 0's thread: wait until `world` rank digests are in `partial`; the line to stop with if a rank's write
-    failed (its `.failed` line) or not all were there within `timeout_s`."""
+    """Rank 0's thread: wait until the digests of `world` rank files (and DCP's index) are in `partial`; the line to
+    stop with if a rank's write failed (its `.failed` line) or not all were there within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         failed = sorted(partial.glob("*" + FAILED_SUFFIX))
         if failed:
             return failed[0].read_text()
-        written = len(list(partial.glob("*" + DIGEST_SUFFIX)))
-        if written == world:
+        written = len(list(partial.glob("*.distcp" + DIGEST_SUFFIX)))
+        if written == world and (partial / (DCP_METADATA + DIGEST_SUFFIX)).is_file():
             return None
         if time.monotonic() > deadline:
             return (
@@ -329,36 +398,6 @@ def prune(root: Path, *, keep: int, keep_every: int = 0, saved: Path | None = No
             os.replace(old, old.with_name(f".{old.name}.deleting"))
     for stale in root.glob(".step_*"):  # what a kill left of a save (`.partial`) or of this pruning (`.deleting`)
         shutil.rmtree(stale, ignore_errors=True)
-
-
-class _Writes:
-    """A file as `torch.save` writes to it, keeping the OSError a write raised."""
-
-    def __init__(self, handle) -> None:
-        self.handle = handle
-        self.error: OSError | None = None
-
-    def write(self, data) -> int:
-        try:
-            return self.handle.write(data)
-        except OSError as exc:
-            self.error = exc
-            raise
-
-    def flush(self) -> None:
-        self.handle.flush()
-
-
-def _save_to(state: dict, handle) -> None:
-    """`torch.save` into `handle`; a write that failed (a disk that filled up mid-file, a file-size limit) raises its
-    OSError, which torch's zip writer would report as RuntimeError("unexpected pos ...")."""
-    writes = _Writes(handle)
-    try:
-        torch.save(state, writes)
-    except RuntimeError:
-        if writes.error is not None:
-            raise writes.error from None
-        raise
 
 
 class CheckpointNotWritten(ValueError):
@@ -492,10 +531,10 @@ def verify_checkpoint(
 ) -> dict[str, Any]:
     """The meta.json of checkpoint `path`, once it verifies: every reader of a checkpoint goes through here.
 
-    meta.json must be a JSON object that matches its own digest (`write_meta`) and lists the checkpoint's rank files
-    (`files`: name -> size and sha256, one per rank of `world_size`); then each rank file named in `files` (every one
-    listed when None, none for `()`) must have the listed size and, with `full`, the listed sha256 (`full=False`
-    reads no rank file). Raises `CorruptCheckpoint`, one line naming the file, what is wrong and `fix`.
+    meta.json must be a JSON object that matches its own digest (`write_meta`) and lists the checkpoint's files
+    (`files`: name -> size and sha256, one per rank of `world_size` and DCP's index); then each file named in `files`
+    (every one listed when None, none for `()`) must have the listed size and, with `full`, the listed sha256
+    (`full=False` reads no file). Raises `CorruptCheckpoint`, one line naming the file, what is wrong and `fix`.
 
     A meta.json without a digest (written before meta.json had one) is accepted with its rank files verified; a full
     verification (`files=None`, `full`) says once per process that meta.json itself could not be checked."""
@@ -513,8 +552,9 @@ def verify_checkpoint(
     if not isinstance(listed, dict) or not listed:
         raise _corrupt(path, f"{META} lists no rank files (its `files` entry is missing or empty)", fix)
     world_size = meta.get("world_size")
-    if isinstance(world_size, int) and len(listed) != world_size:
-        raise _corrupt(path, f"{META} lists {len(listed)} rank files for a world of {world_size}", fix)
+    index = int(meta.get("format") == FORMAT)  # DCP's `.metadata` beside the rank files
+    if isinstance(world_size, int) and len(listed) != world_size + index:
+        raise _corrupt(path, f"{META} lists {len(listed) - index} rank files for a world of {world_size}", fix)
     for name in sorted(listed if files is None else files):
         want = listed.get(name)
         if not isinstance(want, dict) or Path(name).name != name:
@@ -551,19 +591,44 @@ def read_meta(path: Path) -> dict[str, Any]:
     return verify_checkpoint(path, ())
 
 
-def load_rank_state(path: Path, rank: int) -> dict[str, Any]:
-    """The state of `rank` in checkpoint `path`, after verifying meta.json and that rank's file."""
+def load_rank_state(path: Path, rank: int, *, wanted=lambda at: True) -> dict[str, Any]:
+    """The state of `rank` in checkpoint `path`, after verifying meta.json and the files it reads. With `wanted`
+    (DCP checkpoints), a tensor whose path in the state (a tuple of keys) it refuses is not read: None."""
+    path = Path(path)
+    if read_meta(path).get("format") != FORMAT:
+        return _load_rank_file(path, rank)
+    checked: set[str] = set()
+
+    def verify(files: Iterable[str]) -> None:  # each file once: the skeleton and the tensors are mostly in one
+        verify_checkpoint(path, set(files) - checked)
+        checked.update(files)
+
+    try:
+        return load_state(path, rank, verify=verify, wanted=wanted)
+    except KeyError:
+        raise ValueError(
+            f"checkpoint {path} has no state for rank {rank}: was it written by a different topology?"
+        ) from None
+    except (CorruptCheckpoint, ValueError):
+        raise
+    except (Exception, CheckpointException) as exc:  # files that verified but do not read: written by hand
+        raise _corrupt(path, f"its files cannot be read ({exc.__class__.__name__}: {_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [""])[0][:120]
+
+
+def _load_rank_file(path: Path, rank: int, *, mmap: bool = False) -> dict[str, Any]:
+    """A rank's state in a checkpoint written before DCP: its `torch.save` file."""
     name = _rank_file(rank)
-    if not (Path(path) / name).is_file():
+    if not (path / name).is_file():
         raise ValueError(f"checkpoint {path} has no state for rank {rank}: was it written by a different topology?")
     verify_checkpoint(path, [name])
-    file = Path(path) / name
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        return torch.load(path / name, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # a file that verified but does not unpickle: another torch, or written by hand
-        raise _corrupt(
-            path, f"{name} cannot be read ({exc.__class__.__name__}: {str(exc).splitlines()[0][:120]})"
-        ) from None
+        raise _corrupt(path, f"{name} cannot be read ({exc.__class__.__name__}: {_first_line(exc)})") from None
 
 
 def run_identity(cfg: Config) -> dict[str, Any]:
@@ -824,21 +889,22 @@ def consolidated_model_state(path: Path, *, agreed: bool) -> tuple[dict[str, tor
     outer step, while the local weights of a checkpoint inside training may be one cluster's (a delayed sync with
     merge = keep_local). After the last step both are the same. Returns (state, True when outer params were used).
     """
+    path = Path(path)
     meta = read_meta(path)
     topology = meta_topology(meta)
     # a sharded stage (topology.dp_mode = shard): every dp rank of cluster 0 holds a dim-0 shard of each tensor
     sharded = meta.get("config", {}).get("topology", {}).get("dp_mode") == "shard"
     replicas = range(topology.dp_degrees[0] if sharded else 1)
-    stages = [[_rank_file(topology.rank_of(0, dp, stage)) for dp in replicas] for stage in range(topology.pp_degree)]
-    verify_checkpoint(path, [name for names in stages for name in names])  # the files read below: sizes, sha256
+    stages = [[topology.rank_of(0, dp, stage) for dp in replicas] for stage in range(topology.pp_degree)]
     state: dict[str, torch.Tensor] = {}
     used_outer = False
-    for names in stages:
+    for ranks in stages:
         shards = []
-        for name in names:
-            file = Path(path) / name
-            # mmap: the optimizer states next to the model and outer params are not copied into memory
-            rank_state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        for rank in ranks:
+            if meta.get("format") == FORMAT:  # the model and the outer params only, not the optimizer states
+                rank_state = load_rank_state(path, rank, wanted=_model_or_outer)
+            else:  # mmap: the optimizer states next to the model and outer params are not copied into memory
+                rank_state = _load_rank_file(path, rank, mmap=True)
             stage_state = dict(rank_state["model"])
             outer = saved_outer_params(rank_state["sync"]) if agreed else None
             if outer is not None:
@@ -847,6 +913,10 @@ def consolidated_model_state(path: Path, *, agreed: bool) -> tuple[dict[str, tor
             shards.append(stage_state)
         state.update({key: torch.cat([shard[key] for shard in shards]) for key in shards[0]})
     return state, used_outer
+
+
+def _model_or_outer(at: tuple) -> bool:
+    return at[0] == "model" or (at[0] == "sync" and at[-1] == "outer_params")
 
 
 def _scatter_flat_(stage_state: dict[str, torch.Tensor], flat: torch.Tensor) -> None:

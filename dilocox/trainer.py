@@ -291,6 +291,8 @@ class Trainer:
             intra_backend=intra_cluster_backend(self.device),
             timeout=datetime.timedelta(seconds=cfg.network.timeout_s),
         )
+        # checkpoints' DCP collectives, which a background save runs beside training's (gloo: host tensors)
+        self.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.network.timeout_s))
         self.watchdog: Watchdog | None = None
         if job_store is not None and cfg.network.stall_timeout_s > 0:
             dist.barrier()  # one start line: a rank that started watching earlier does not count the others' wait
@@ -525,6 +527,9 @@ class Trainer:
             "keep": self.cfg.checkpoint.keep,
             "keep_every": self.cfg.checkpoint.keep_every,
             "cluster": self.coords.cluster if self.elastic else None,  # elastic: each cluster its own, §10.1
+            "group": self.checkpoint_group,
+            # a replicated stage's model and inner optimizer: written once for all its replicas
+            "shared": None if self.sharded else f"cluster{self.coords.cluster}/stage{self.coords.pp}",
         }
         if self.cfg.checkpoint.async_save and not last:
             self.pending_save = start_checkpoint(

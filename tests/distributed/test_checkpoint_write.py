@@ -2,12 +2,14 @@
 with the same line, on 2 real gloo ranks, and leaves the checkpoints before it as they were; a checkpoint written in
 the background (checkpoint.async_save) holds the state of its step and reports a failed write the same way."""
 
+import contextlib
 import resource
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from dilocox.checkpoint import (
     CheckpointNotWritten,
@@ -21,14 +23,15 @@ from tests.multiproc import run_ranks
 
 
 def _disk_full() -> None:
-    """This rank's disk is full from now on: what the kernel says then (/dev/full) to every `torch.save`."""
-    real_save = torch.save
+    """This rank's disk is full from now on: every file DCP writes goes to /dev/full, whose writes fail with ENOSPC
+    as a full disk's do."""
 
-    def onto_full_disk(obj, handle):
-        with open("/dev/full", "wb") as full:
-            real_save(obj, full)
+    @contextlib.contextmanager
+    def onto_full_disk(self, path, mode):
+        with open("/dev/full", mode) as full:
+            yield full
 
-    torch.save = onto_full_disk
+    FileSystem.create_stream = onto_full_disk
 
 
 def _worker(rank: int, world_size: int, run_dir: str, mid_file: bool = False) -> str:
@@ -77,11 +80,12 @@ def _background_worker(rank: int, world_size: int, run_dir: str, fail: bool) -> 
     """Checkpoint 10 saved in the foreground, then 20 in the background while this rank changes its state in place
     (training goes on); with `fail`, rank 1's background write lands on a full disk."""
     weights = torch.full((256, 256), float(rank))
-    save_checkpoint(Path(run_dir), 10, {"w": weights}, rank=rank, meta={"world_size": 2}, keep=3)
+    group = dist.new_group(backend="gloo")  # the checkpoints' own: the thread's collectives run beside training's
+    save_checkpoint(Path(run_dir), 10, {"w": weights}, rank=rank, meta={"world_size": 2}, keep=3, group=group)
     if fail and rank == 1:
         _disk_full()
     pending = start_checkpoint(Path(run_dir), 20, {"w": weights, "step": [20]}, rank=rank, meta={"world_size": 2},
-                               keep=3)  # fmt: skip
+                               keep=3, group=group)  # fmt: skip
     weights.add_(100.0)  # the next inner steps, while the thread writes
     if rank == 0:  # rank 0's thread completes the checkpoint by itself: no collective of the training thread
         pending._thread.join()
@@ -114,3 +118,34 @@ def test_a_background_save_that_fails_on_one_rank_stops_every_rank_at_the_next_w
     assert results[0]["error"].startswith(f"the disk is full: checkpoint step 20 could not be written to {root}")
     assert sorted(p.name for p in root.iterdir()) == ["step_00000010"]  # no partial directory left
     verify_checkpoint(list_checkpoints(tmp_path)[0])
+
+
+def _replicas_worker(rank: int, world_size: int, run_dir: str, shared: bool) -> dict:
+    """Two replicas of one stage: the same model and inner optimizer, each its own slice of the sync's state."""
+    state = {
+        "model": {"w": torch.full((256, 256), 7.0)},
+        "inner_optimizer": {"state": {0: {"exp_avg": torch.full((256, 256), 3.0)}}, "param_groups": [{"params": [0]}]},
+        "sync": {"residual": torch.full((16,), float(rank))},
+    }
+    group = dist.new_group(backend="gloo")
+    path = save_checkpoint(Path(run_dir), 10, state, rank=rank, meta={"world_size": 2}, keep=1, group=group,
+                           shared="cluster0/stage0" if shared else None)  # fmt: skip
+    dist.barrier()
+    return {"state": load_rank_state(path, rank), "bytes": sum(f.stat().st_size for f in path.glob("*.distcp"))}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("shared", [True, False], ids=["replicated", "own"])
+def test_a_replicated_stage_is_written_once_and_every_replica_loads_its_whole_state(tmp_path, shared):
+    """DCP writes a key that several ranks hold once: the replicas' model and inner optimizer (2 x 256 KiB) take one
+    copy's bytes under the stage's key, two under the ranks' own."""
+    results = run_ranks(_replicas_worker, 2, args=(str(tmp_path), shared))
+    one_copy = 2 * 256 * 256 * 4
+    for rank, result in enumerate(results):
+        state = result["state"]
+        assert torch.equal(state["model"]["w"], torch.full((256, 256), 7.0))
+        assert torch.equal(state["inner_optimizer"]["state"][0]["exp_avg"], torch.full((256, 256), 3.0))
+        assert state["inner_optimizer"]["param_groups"] == [{"params": [0]}]
+        assert torch.equal(state["sync"]["residual"], torch.full((16,), float(rank)))
+    written = results[0]["bytes"]
+    assert one_copy < written < 1.1 * one_copy if shared else 2 * one_copy < written < 2.2 * one_copy

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from dilocox.checkpoint import list_checkpoints, verify_checkpoint
+from dilocox.checkpoint import list_checkpoints, load_rank_state, read_meta, verify_checkpoint
 from dilocox.models import Decoder, model_args
 from dilocox.optim import split_muon_parameters
 from tests.e2e.helpers import (
@@ -153,14 +153,14 @@ def test_a_corrupt_checkpoint_falls_back_and_a_diverged_run_writes_none(debug_ru
     run_dir, _ = debug_run
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)
-    newest = copy / "checkpoints" / "step_00000040" / "rank_00001.pt"
+    newest = copy / "checkpoints" / "step_00000040" / "__1_0.distcp"  # what rank 1 wrote
     data = bytearray(newest.read_bytes())
     data[len(data) // 3] ^= 0x10
     newest.write_bytes(bytes(data))
     result = dilocox("train", "--config", DEBUG, f"--run.out_dir={copy}", "--checkpoint.resume=latest",
                      "--checkpoint.keep=5")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "skipping corrupt checkpoint" in result.stderr and "rank_00001.pt does not match its sha256" in result.stderr
+    assert "skipping corrupt checkpoint" in result.stderr and "__1_0.distcp does not match its sha256" in result.stderr
     assert metrics(copy)[-1]["loss"] == metrics(run_dir)[-1]["loss"]  # resumed at step 20, not from the bad 40
 
     # Without the guard the first non-finite loss stops the run.
@@ -180,9 +180,10 @@ def test_a_corrupt_checkpoint_falls_back_and_a_diverged_run_writes_none(debug_ru
     assert result.stdout.count("restarts round") >= 2
     (line,) = [x for x in result.stderr.splitlines() if x.startswith("dilocox: error:")]
     assert "own update was non-finite" in line and "3 rounds in a row" in line
-    for rank_file in (guarded / "checkpoints").glob("step_*/rank_*.pt"):
-        state = torch.load(rank_file, weights_only=True)
-        assert all(torch.isfinite(t).all() for t in state["model"].values()), rank_file
+    for path in (guarded / "checkpoints").glob("step_*"):
+        for rank in range(read_meta(path)["world_size"]):
+            state = load_rank_state(path, rank)
+            assert all(torch.isfinite(t).all() for t in state["model"].values()), (path, rank)
 
 
 def test_a_run_whose_eval_loss_climbs_stops_in_one_line_before_a_checkpoint_of_it(tmp_path):
@@ -334,7 +335,7 @@ def test_adaptive_codec_state_stays_bounded_over_rounds_and_a_late_resume_is_exa
     assert result.returncode == 0, result.stderr[-3000:]
     policies = {}
     for step in (4, 8):
-        state = torch.load(straight / "checkpoints" / f"step_{step:08d}" / "rank_00000.pt", weights_only=False)
+        state = load_rank_state(straight / "checkpoints" / f"step_{step:08d}", 0)
         policies[step] = state["sync"]["fragments"][0]["reducer"]["codec"]["policy"]
         assert policies[step]["history"][:, 0].tolist() == [step - 2, step - 1]  # 0-based rounds: the last two
     num_matrices = policies[4]["matrix_ranks"].shape[-1]
@@ -528,7 +529,7 @@ def test_an_outer_adamw_trains_from_the_cli_and_the_drain_it_cannot_take_is_refu
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.5
     last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-    states = [torch.load(path, weights_only=True)["sync"]["fragments"][0] for path in sorted(last.glob("rank_*.pt"))]
+    states = [load_rank_state(last, rank)["sync"]["fragments"][0] for rank in range(read_meta(last)["world_size"])]
     assert len(states) == 2 and torch.equal(states[0]["outer_params"], states[1]["outer_params"])
     assert {"exp_avg", "exp_avg_sq"} <= set(states[0]["outer_optimizer"]["state"][0])
     refused = tmp_path / "refused"

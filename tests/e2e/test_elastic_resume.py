@@ -47,7 +47,7 @@ def test_every_elastic_cluster_writes_checkpoints_that_verify_are_pruned_and_tha
     ]  # fmt: skip
     for path in list_checkpoints(run_dir):
         meta = verify_checkpoint(path)  # every rank file listed, for a world of the cluster's dp x pp ranks
-        assert meta["world_size"] == 1 and sorted(meta["files"]) == ["rank_00000.pt"]
+        assert meta["world_size"] == 1 and sorted(meta["files"]) == [".metadata", "__0_0.distcp"]
         assert meta["elastic_cluster"] == int(path.parent.name.removeprefix("cluster"))
 
     loss = json.loads((run_dir / "summary.json").read_text())["final_eval_loss"]

@@ -54,21 +54,21 @@ def refused(capsys, *args) -> str:
 def test_a_flipped_bit_in_a_rank_file_is_refused_by_export_and_eval(finished_run, tmp_path, capsys, rank):
     run_dir = copy_of(finished_run, tmp_path)
     newest = run_dir / "checkpoints" / "step_00000020"
-    file = newest / f"rank_{rank:05d}.pt"
+    file = newest / f"__{rank}_0.distcp"  # what rank `rank` wrote
     data = bytearray(file.read_bytes())
     data[len(data) // 2] ^= 0x01
     file.write_bytes(bytes(data))
     out = tmp_path / "hf"
     err = refused(capsys, "export", run_dir, "--out", out)
     assert err == (
-        f"dilocox: error: checkpoint {newest} is corrupt: rank_{rank:05d}.pt does not match its sha256 (bit rot or a "
+        f"dilocox: error: checkpoint {newest} is corrupt: __{rank}_0.distcp does not match its sha256 (bit rot or a "
         "partial overwrite); pass --step with another of its steps (10)\n"
     )
     assert not out.exists() and not list(tmp_path.glob(".hf.partial"))
     assert refused(capsys, "eval", run_dir, "--max-batches", 1) == err  # the newest, as export: never an older one
     assert refused(capsys, "eval", run_dir, "--step", 20, "--max-batches", 1) == err
     err = refused(capsys, "eval", run_dir, "--checkpoint", newest, "--max-batches", 1)
-    assert f"checkpoint {newest} is corrupt: rank_{rank:05d}.pt does not match its sha256" in err
+    assert f"checkpoint {newest} is corrupt: __{rank}_0.distcp does not match its sha256" in err
     assert main(["export", str(run_dir), "--out", str(out), "--step", "10"]) == 0  # the good one still exports
     assert (out / "model.safetensors").is_file()
     assert main(["eval", str(run_dir), "--step", "10", "--max-batches", "1", "--json"]) == 0  # and is scored

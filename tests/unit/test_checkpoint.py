@@ -2,6 +2,7 @@
 checkpoint skipped for `latest` and refused by name in one line, and retention that never deletes the last good
 checkpoint."""
 
+import contextlib
 import hashlib
 import json
 import re
@@ -9,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from dilocox.checkpoint import (
     CheckpointNotWritten,
@@ -31,6 +33,10 @@ def save(run_dir, step, keep=5, keep_every=0):
     return save_checkpoint(run_dir, step, state, rank=0, meta={"world_size": 1}, keep=keep, keep_every=keep_every)
 
 
+DATA = "__0_0.distcp"
+"""What rank 0 writes into a DCP checkpoint; `.metadata` beside it is DCP's index."""
+
+
 def flip_a_bit(file):
     data = bytearray(file.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -40,12 +46,44 @@ def flip_a_bit(file):
 def test_meta_records_size_and_sha256_and_nothing_else_is_left(tmp_path):
     path = save(tmp_path, 10)
     meta = json.loads((path / "meta.json").read_text())
-    file = path / "rank_00000.pt"
-    assert meta["files"]["rank_00000.pt"]["bytes"] == file.stat().st_size
-    assert meta["files"]["rank_00000.pt"]["sha256"] == hashlib.sha256(file.read_bytes()).hexdigest()
-    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "rank_00000.pt"]  # digests moved into meta
+    assert meta["format"] == "dcp" and sorted(meta["files"]) == [".metadata", DATA]
+    for name in (".metadata", DATA):
+        file = path / name
+        assert meta["files"][name]["bytes"] == file.stat().st_size
+        assert meta["files"][name]["sha256"] == hashlib.sha256(file.read_bytes()).hexdigest()
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", DATA, "meta.json"]  # digests moved into meta
     verify_checkpoint(path)
+    state = load_rank_state(path, 0)
+    assert state["step"] == 10 and torch.equal(state["model"]["w"], torch.full((64, 64), 10.0))
+
+
+def test_a_checkpoint_written_before_dcp_still_loads_verified(tmp_path):
+    """One `torch.save` file per rank and a meta.json without `format`: read as it was written."""
+    path = tmp_path / "checkpoints" / "step_00000010"
+    path.mkdir(parents=True)
+    torch.save({"model": {"w": torch.ones(3)}, "step": 10}, path / "rank_00000.pt")
+    data = (path / "rank_00000.pt").read_bytes()
+    files = {"rank_00000.pt": {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+    write_meta(path, {"step": 10, "world_size": 1, "files": files})
+    assert find_checkpoint(tmp_path, "latest") == path
     assert load_rank_state(path, 0)["step"] == 10
+    flip_a_bit(path / "rank_00000.pt")
+    with pytest.raises(CorruptCheckpoint, match="rank_00000.pt does not match its sha256"):
+        load_rank_state(path, 0)
+
+
+def test_an_index_that_would_run_code_is_refused_even_when_its_digest_is_rewritten(tmp_path):
+    """DCP's `.metadata` is a pickle: it is read with nothing but DCP's own classes, so one that names any other
+    global (here `os.system`) is a corrupt checkpoint, not code run, whoever rewrote meta.json to match it."""
+    path = save(tmp_path, 10)
+    (path / ".metadata").write_bytes(b"cos\nsystem\n(S'touch " + str(tmp_path / "owned").encode() + b"'\ntR.")
+    meta = read_meta(path)
+    meta["files"][".metadata"] = {"bytes": (path / ".metadata").stat().st_size,
+                                  "sha256": hashlib.sha256((path / ".metadata").read_bytes()).hexdigest()}  # fmt: skip
+    write_meta(path, meta)  # with a digest that matches
+    with pytest.raises(CorruptCheckpoint, match="its files cannot be read .UnpicklingError: os.system is not part"):
+        load_rank_state(path, 0)
+    assert not (tmp_path / "owned").exists()
 
 
 @pytest.mark.parametrize(
@@ -60,7 +98,7 @@ def test_meta_records_size_and_sha256_and_nothing_else_is_left(tmp_path):
 )
 def test_latest_skips_a_corrupt_checkpoint_and_a_named_one_is_refused(tmp_path, capsys, damage, why):
     good, bad = save(tmp_path, 10), save(tmp_path, 20)
-    damage(bad / "rank_00000.pt")
+    damage(bad / DATA)
     assert find_checkpoint(tmp_path, "latest") == good
     warning = capsys.readouterr().err
     assert warning.count("\n") == 1 and str(bad) in warning and why in warning
@@ -71,14 +109,14 @@ def test_latest_skips_a_corrupt_checkpoint_and_a_named_one_is_refused(tmp_path, 
 
 
 def test_every_checkpoint_corrupt_is_one_error(tmp_path):
-    flip_a_bit(save(tmp_path, 10) / "rank_00000.pt")
+    flip_a_bit(save(tmp_path, 10) / DATA)
     with pytest.raises(CorruptCheckpoint, match="every checkpoint"):
         find_checkpoint(tmp_path, "latest")
 
 
 def test_retention_never_deletes_the_last_good_checkpoint(tmp_path):
     save(tmp_path, 10, keep=1)
-    (tmp_path / "checkpoints" / "step_00000010" / "rank_00000.pt").write_bytes(b"short")  # corrupt, kept as evidence
+    (tmp_path / "checkpoints" / "step_00000010" / DATA).write_bytes(b"short")  # corrupt, kept as evidence
     save(tmp_path, 20, keep=1)
     save(tmp_path, 30, keep=1)
     # keep = 1 counts good checkpoints only: 20 was pruned by 30, the corrupt 10 is not counted nor deleted
@@ -191,25 +229,27 @@ def test_a_checkpoint_saved_before_meta_had_a_digest_loads_with_its_files_verifi
     warning = capsys.readouterr().err
     assert warning.count("\n") == 1 and "meta.json has no digest" in warning  # once per checkpoint and process
     assert load_rank_state(path, 0)["step"] == 10
-    flip_a_bit(path / "rank_00000.pt")
-    with pytest.raises(CorruptCheckpoint, match="rank_00000.pt does not match its sha256"):
+    flip_a_bit(path / DATA)
+    with pytest.raises(CorruptCheckpoint, match=f"{DATA} does not match its sha256"):
         load_rank_state(path, 0)
     with pytest.raises(CorruptCheckpoint, match="every checkpoint"):
         find_checkpoint(tmp_path, "latest")
 
 
-def test_a_reader_verifies_the_rank_file_it_reads(tmp_path):
-    """load_rank_state checks the sha256 of the one rank file it reads; a full verification checks them all."""
+def test_a_reader_verifies_the_files_it_reads(tmp_path):
+    """load_rank_state checks the sha256 of the index and of the files that hold its rank's tensors; a full
+    verification checks them all."""
     path = save(tmp_path, 10)
     meta = json.loads((path / "meta.json").read_text())
-    (path / "rank_00001.pt").write_bytes(b"x" * 10)
-    meta["files"]["rank_00001.pt"] = {"bytes": 10, "sha256": "0" * 64}
+    (path / "__1_0.distcp").write_bytes(b"x" * 10)
+    meta["files"]["__1_0.distcp"] = {"bytes": 10, "sha256": "0" * 64}
     meta["world_size"] = 2
     write_meta(path, meta)
     assert load_rank_state(path, 0)["step"] == 10
-    for read in (lambda: load_rank_state(path, 1), lambda: verify_checkpoint(path)):
-        with pytest.raises(CorruptCheckpoint, match="rank_00001.pt does not match its sha256"):
-            read()
+    with pytest.raises(CorruptCheckpoint, match="__1_0.distcp does not match its sha256"):
+        verify_checkpoint(path)
+    with pytest.raises(ValueError, match="has no state for rank 1: was it written by a different topology"):
+        load_rank_state(path, 1)
 
 
 # ---------------------------------------------------------------------------------------------- resume compatibility
@@ -361,7 +401,7 @@ def test_an_elastic_resume_loads_each_clusters_own_checkpoint_of_the_step_and_sk
     save_cluster(tmp_path, 20, 0)
     save_cluster(tmp_path, 20, 1)
     chosen = tmp_path / "checkpoints" / "cluster0" / "step_00000020"
-    flip_a_bit(tmp_path / "checkpoints" / "cluster1" / "step_00000020" / "rank_00000.pt")
+    flip_a_bit(tmp_path / "checkpoints" / "cluster1" / "step_00000020" / DATA)
     # cluster 1's is corrupt and cluster 2 has none of step 20: both heal from cluster 0
     assert elastic_resume_paths(tmp_path, chosen, [0, 1, 2]) == {0: chosen}
     assert "cluster 1 heals from a peer, not from" in capsys.readouterr().err
@@ -389,13 +429,13 @@ def test_a_static_runs_checkpoint_is_not_resumed_as_an_elastic_run_in_one_line(t
 
 def test_a_full_disk_during_a_save_is_one_line_with_the_free_space_and_leaves_no_partial(tmp_path, monkeypatch):
     earlier = [save(tmp_path, 10), save(tmp_path, 20)]
-    real_save = torch.save
 
-    def save_onto_a_full_disk(obj, handle):  # what the kernel says when the disk is full: /dev/full
-        with open("/dev/full", "wb") as full:
-            real_save(obj, full)
+    @contextlib.contextmanager
+    def onto_a_full_disk(self, path, mode):  # what the kernel says when the disk is full: /dev/full
+        with open("/dev/full", mode) as full:
+            yield full
 
-    monkeypatch.setattr(torch, "save", save_onto_a_full_disk)
+    monkeypatch.setattr(FileSystem, "create_stream", onto_a_full_disk)
     with pytest.raises(CheckpointNotWritten) as caught:
         save(tmp_path, 30)
     message = str(caught.value)

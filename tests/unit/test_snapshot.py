@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from dilocox.checkpoint import save_checkpoint
+
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("snapshot_benchmark", REPO / "benchmarks" / "snapshot.py")
 snapshot = importlib.util.module_from_spec(_spec)
@@ -45,10 +47,8 @@ def _write_run(run_dir: Path, *, timing: float, loss: float = 5.5, state: dict |
     summary = {"final_eval_loss": 5.75, "outer_steps": 1, "wall_s": 3.0 * timing, "hidden_comm_fraction": timing,
                "run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoints" / "step_00000002")}  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(summary))
-    checkpoint = run_dir / "checkpoints" / "step_00000002"
-    checkpoint.mkdir(parents=True)
-    (checkpoint / "meta.json").write_text(json.dumps({"step": 2, "tokenizer_vocab": "abc"}))
-    torch.save(state if state is not None else _rank_state(elapsed_s=timing), checkpoint / "rank_00000.pt")
+    state = state if state is not None else _rank_state(elapsed_s=timing)
+    save_checkpoint(run_dir, 2, state, rank=0, meta={"world_size": 1, "tokenizer_vocab": "abc"}, keep=1)
 
 
 def test_two_runs_that_differ_only_in_timing_and_paths_record_the_same_fields(tmp_path):
