@@ -2,6 +2,7 @@
 
     python benchmarks/checkpoint_async.py                    # medium flavor, 2 clusters, 60 steps, a save every 10
     python benchmarks/checkpoint_async.py --flavor small --repeats 3 --out benchmarks/results/checkpoint_async
+    python benchmarks/checkpoint_async.py --flavor small --dp 4 --repeats 1 --steps 20   # 2 clusters of 4 replicas
 
 Each trial is a real `dilocox train` run (configs/debug.toml with `--model.flavor`, no evaluation in the loop, the slow
 link not emulated) in a fresh run directory, alternating `checkpoint.async_save = false` and `true`, so that both modes
@@ -32,6 +33,7 @@ def trial(work: Path, name: str, args: argparse.Namespace, background: bool) -> 
     result = subprocess.run(
         [sys.executable, "-m", "dilocox", "train", "--config", str(REPO / "configs" / "debug.toml"),
          f"--run.out_dir={run_dir}", f"--model.flavor={args.flavor}", f"--train.steps={args.steps}",
+         f"--topology.dp_degree={args.dp}",
          f"--checkpoint.interval={args.interval}", f"--checkpoint.keep={args.steps // args.interval}",
          f"--checkpoint.async_save={str(background).lower()}", "--eval.interval=0", "--eval.final_max_batches=1",
          "--network.bandwidth=unlimited", "--network.latency=0", "--metrics.progress=false"],
@@ -60,6 +62,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--interval", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dp", type=int, default=1, help="replicas per cluster (topology.dp_degree)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = []
@@ -94,7 +97,7 @@ def main() -> None:
     lines = [
         "# Checkpoints written in the foreground and in the background",
         "",
-        f"`{record['command']}` ({record['date']}, {record['machine']}; 2 clusters of 1 rank, CPU, gloo).",
+        f"`{record['command']}` ({record['date']}, {record['machine']}; 2 clusters of {args.dp} rank(s), CPU, gloo).",
         "",
         "| mode | saves | MB per checkpoint | training waited (s) | per save (s) | wall (s) |",
         "|---|---:|---:|---:|---:|---:|",

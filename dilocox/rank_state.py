@@ -5,9 +5,9 @@ flat keys, so each tensor goes under a key of its path and the rest of the tree,
 `torch.save`d into a uint8 tensor of its own (`rank{r}/skeleton`): everything in the checkpoint is a tensor, read
 back with `weights_only=True`, and the nested dict comes back as it was (tuples, int keys, tied tensors).
 
-The model and inner optimizer of a replicated stage are the same on every replica of it, so they go under the
-stage's key (`shared`, e.g. `cluster0/stage1/model/...`), which DCP writes once for all replicas. A sharded stage's
-tensors are each rank's own shards and go under its rank. On disk:
+The model, inner optimizer and outer state of a replicated stage are the same on every replica of it (`replicated`),
+so they go under the stage's key (`shared`, e.g. `cluster0/stage1/model/...`), which DCP writes once for all replicas.
+A sharded stage's tensors are each rank's own shards and go under its rank. On disk:
 
     .metadata          DCP's index: every key's shape, dtype and place (file, offset, length); written last
     __0_0.distcp       what rank 0 of the writing group wrote (its own keys and its share of the shared ones)
@@ -32,8 +32,19 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 DCP_METADATA = ".metadata"
-SHARED = ("model", "inner_optimizer")
-"""The parts of a rank's state that are the same on every replica of a replicated stage."""
+_FRAGMENT_SHARED = ("outer_params", "round_start", "outer_optimizer")
+
+
+def replicated(path: tuple) -> bool:
+    """Whether the tensor at `path` of a rank's state is the same on every replica of a replicated stage: the model and
+    the inner optimizer (every replica applies the same mean gradient), and each fragment's phi, round start and outer
+    optimizer (the outer step applies the cluster's mean on every replica alike; `reshape.py` takes replica 0's). The
+    rest is each replica's own: its error feedback and share of a sync in flight, data position, RNG, counters."""
+    if path[0] in ("model", "inner_optimizer"):
+        return True
+    return path[:2] == ("sync", "fragments") and len(path) > 3 and path[3] in _FRAGMENT_SHARED
+
+
 _TENSOR = "\0tensor "
 """A skeleton's placeholder for a tensor: this prefix, then the tensor's key."""
 
@@ -43,8 +54,8 @@ def skeleton_key(rank: int) -> str:
 
 
 def checkpoint_items(state: dict[str, Any], *, rank: int, shared: str | None) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s `state` as DCP items: each tensor under `rank{r}/<path>` (or `shared/<path>` for the parts of
-    `SHARED`), and the tree without its tensors under `skeleton_key(rank)`. A tensor that appears twice (a tied
+    """Rank `rank`'s `state` as DCP items: each tensor under `rank{r}/<path>` (or `shared/<path>` where `replicated`),
+    and the tree without its tensors under `skeleton_key(rank)`. A tensor that appears twice (a tied
     embedding and head) is stored once and comes back as one tensor."""
     items: dict[str, torch.Tensor] = {}
     seen: dict[tuple, str] = {}
@@ -59,7 +70,7 @@ def checkpoint_items(state: dict[str, Any], *, rank: int, shared: str | None) ->
                 value.dtype,
             )
             if view not in seen:
-                owner = shared if shared is not None and path[0] in SHARED else f"rank{rank}"
+                owner = shared if shared is not None and replicated(path) else f"rank{rank}"
                 seen[view] = "/".join((owner, *map(str, path)))
                 items[seen[view]] = value
             return _TENSOR + seen[view]

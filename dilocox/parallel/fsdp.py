@@ -14,7 +14,8 @@ as the replicated stage's rank d exchanges slice d; nothing gathers the whole st
     state = local_state(model.state_dict())       # a checkpoint's tensors: this rank's shards
     load_local_state_(model.state_dict(), state)
 
-Checkpoints hold each rank's shards in its own file; `consolidated_model_state` concatenates the dp ranks' shards.
+Checkpoints hold each rank's shards under its own keys; `consolidated_model_state` concatenates the dp ranks'
+shards.
 """
 
 from __future__ import annotations

@@ -121,11 +121,12 @@ def test_a_background_save_that_fails_on_one_rank_stops_every_rank_at_the_next_w
 
 
 def _replicas_worker(rank: int, world_size: int, run_dir: str, shared: bool) -> dict:
-    """Two replicas of one stage: the same model and inner optimizer, each its own slice of the sync's state."""
+    """Two replicas of one stage: the same model, inner optimizer and outer state, each its own residual."""
+    outer = {"outer_params": torch.full((128, 256), 5.0), "residual": torch.full((16,), float(rank))}
     state = {
         "model": {"w": torch.full((256, 256), 7.0)},
         "inner_optimizer": {"state": {0: {"exp_avg": torch.full((256, 256), 3.0)}}, "param_groups": [{"params": [0]}]},
-        "sync": {"residual": torch.full((16,), float(rank))},
+        "sync": {"fragments": [outer]},
     }
     group = dist.new_group(backend="gloo")
     path = save_checkpoint(Path(run_dir), 10, state, rank=rank, meta={"world_size": 2}, keep=1, group=group,
@@ -137,15 +138,17 @@ def _replicas_worker(rank: int, world_size: int, run_dir: str, shared: bool) -> 
 @pytest.mark.dist
 @pytest.mark.parametrize("shared", [True, False], ids=["replicated", "own"])
 def test_a_replicated_stage_is_written_once_and_every_replica_loads_its_whole_state(tmp_path, shared):
-    """DCP writes a key that several ranks hold once: the replicas' model and inner optimizer (2 x 256 KiB) take one
-    copy's bytes under the stage's key, two under the ranks' own."""
+    """DCP writes a key that several ranks hold once: the replicas' model, inner optimizer and phi (2.5 x 256 KiB)
+    take one copy's bytes under the stage's key, two under the ranks' own."""
     results = run_ranks(_replicas_worker, 2, args=(str(tmp_path), shared))
-    one_copy = 2 * 256 * 256 * 4
+    one_copy = 5 * 128 * 256 * 4
     for rank, result in enumerate(results):
         state = result["state"]
         assert torch.equal(state["model"]["w"], torch.full((256, 256), 7.0))
         assert torch.equal(state["inner_optimizer"]["state"][0]["exp_avg"], torch.full((256, 256), 3.0))
         assert state["inner_optimizer"]["param_groups"] == [{"params": [0]}]
-        assert torch.equal(state["sync"]["residual"], torch.full((16,), float(rank)))
+        (fragment,) = state["sync"]["fragments"]
+        assert torch.equal(fragment["outer_params"], torch.full((128, 256), 5.0))
+        assert torch.equal(fragment["residual"], torch.full((16,), float(rank)))
     written = results[0]["bytes"]
     assert one_copy < written < 1.1 * one_copy if shared else 2 * one_copy < written < 2.2 * one_copy

@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dilocox.checkpoint import (
     CheckpointNotWritten,
@@ -55,6 +56,16 @@ def test_meta_records_size_and_sha256_and_nothing_else_is_left(tmp_path):
     verify_checkpoint(path)
     state = load_rank_state(path, 0)
     assert state["step"] == 10 and torch.equal(state["model"]["w"], torch.full((64, 64), 10.0))
+
+
+def test_pytorchs_own_dcp_tools_read_a_checkpoint(tmp_path):
+    """`dcp_to_torch_save` (torch.distributed.checkpoint.format_utils) turns one into a torch.save file of every
+    tensor under its path, as any DCP checkpoint."""
+    path = save(tmp_path, 10)
+    dcp_to_torch_save(path, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    assert sorted(whole) == ["rank0/model/w", "rank0/skeleton"]
+    assert torch.equal(whole["rank0/model/w"], torch.full((64, 64), 10.0))
 
 
 def test_a_checkpoint_written_before_dcp_still_loads_verified(tmp_path):
