@@ -275,9 +275,6 @@ ROWS: tuple[Row, ...] = (
         "sync.round.fit_link = false; topology.clusters = []",
         "--topology.clusters=dp2,dp1 --sync.round.fit_link=true"),
     # stages sharded over a cluster's dp ranks (FSDP2)
-    Row(SHARDED, MUON, "Muon orthogonalizes whole matrices, and a rank holds a shard of rows of each",
-        "train.optimizer = adamw; topology.dp_mode = replicate",
-        "--topology.dp_degree=2 --topology.dp_mode=shard --train.optimizer=muon"),
     Row(SHARDED, MIXED_DP, "each cluster cuts its shards by its own dp degree, so the ranks of clusters of different "
         "dp hold different parts of each tensor and share no lanes",
         "topology.dp_mode = replicate; topology.clusters = []",

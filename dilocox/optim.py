@@ -71,7 +71,8 @@ class MuonAdamW(torch.optim.Optimizer):
         muon_params, adamw_params = list(muon_params), list(adamw_params)
         if not muon_params:
             raise ValueError("MuonAdamW got no matrices for Muon; optimize these parameters with AdamW alone")
-        self.muon = torch.optim.Muon(
+        sharded = any(hasattr(p, "to_local") for p in muon_params)  # FSDP2's DTensors: topology.dp_mode = shard
+        self.muon = (ShardedMuon if sharded else torch.optim.Muon)(
             [{"params": muon_params}],
             lr=muon_lr,
             weight_decay=weight_decay,
@@ -117,6 +118,45 @@ class MuonAdamW(torch.optim.Optimizer):
         """Load a `state_dict()` of a MuonAdamW over parameters of the same shapes, in the same order."""
         super().load_state_dict(state_dict)
         self._share_groups_and_state()
+
+
+class ShardedMuon(torch.optim.Muon):
+    """`torch.optim.Muon` over matrices sharded by rows (FSDP2's `DTensor`s, `topology.dp_mode = shard`): the same
+    step as on the whole matrix. Momentum is elementwise and stays sharded; each step gathers a matrix's update once
+    (`full_tensor`, one all-gather over the dp ranks), orthogonalizes the whole matrix with torch's Newton-Schulz, as
+    every replica of a replicated stage does, and applies this rank's rows of the result. (Left to DTensor, the
+    iteration's matmuls would all-reduce partial products about 11 times per matrix and round in another order.)"""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201 (torch.optim.Optimizer's signature)
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr = group["lr"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(param.grad, 1 - group["momentum"])
+                update = param.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                whole = _zeropower_via_newtonschulz(
+                    update.full_tensor(), group["ns_coefficients"], group["ns_steps"], group["eps"]
+                )
+                mine = param.to_local()
+                rows = -(-param.shape[0] // param.device_mesh.size())  # FSDP2's cut: torch.chunk's rows per rank
+                start = min(param.device_mesh.get_local_rank() * rows, param.shape[0])
+                mine.mul_(1 - lr * group["weight_decay"])
+                mine.add_(
+                    whole[start : start + mine.shape[0]], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape)
+                )
+        return loss
 
 
 def inner_state_bytes(optimizer: torch.optim.Optimizer) -> int:

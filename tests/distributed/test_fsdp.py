@@ -54,6 +54,7 @@ VARIANTS = {
     "replicate-delayed": ["--topology.dp_mode=replicate", *DELAYED],
     "shard-delayed": ["--topology.dp_mode=shard", *DELAYED],
     "shard-int4": ["--topology.dp_mode=shard", *INT4],
+    **{f"{mode}-muon": [f"--topology.dp_mode={mode}", "--train.optimizer=muon"] for mode in MODES},
     **{f"{mode}-{kind}": [f"--topology.dp_mode={mode}", f"--preset={kind}"] for kind in PER_STEP for mode in MODES},
 }
 
@@ -246,3 +247,51 @@ def test_the_consolidated_model_of_a_shard_checkpoint_is_the_whole_stage(runs):
     for name, tensor in replicated.items():
         assert whole[name].shape == tensor.shape, name
         torch.testing.assert_close(whole[name], tensor, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.dist
+def test_muon_steps_sharded_matrices_as_whole_ones_with_half_the_inner_state(runs):
+    results, _ = runs
+    for replicated, sharded in zip(results["replicate-muon"], results["shard-muon"], strict=True):
+        assert sharded["losses"] == pytest.approx(replicated["losses"], rel=1e-5, abs=1e-6)
+        assert sharded["bytes"] == replicated["bytes"]
+        for key in ("params", "grads", "inner_state", "outer_state", "total"):
+            assert 2 * sharded["memory"][key] == replicated["memory"][key], key
+    assert results["shard-muon"][0]["losses"][1:] != pytest.approx(results["shard"][0]["losses"][1:], rel=1e-3)
+
+
+def _muon_steps(rank, world_size, rows):
+    """3 steps of `ShardedMuon` on a matrix of `rows` x 64 sharded over 2 ranks, and of torch's Muon on the whole."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from dilocox.optim import MUON_LR_CONVENTION, ShardedMuon
+
+    torch.manual_seed(0)
+    sharded, whole = torch.nn.Linear(64, rows, bias=False), torch.nn.Linear(64, rows, bias=False)
+    whole.load_state_dict(sharded.state_dict())
+    mesh = DeviceMesh.from_group(torch.distributed.group.WORLD, "cpu")
+    fully_shard(sharded, mesh=mesh)
+    options = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": MUON_LR_CONVENTION}
+    optimizer, reference = ShardedMuon(sharded.parameters(), **options), torch.optim.Muon(whole.parameters(), **options)
+    gathers = []
+    for step in range(3):
+        grad = torch.randn(rows, 64, generator=torch.Generator().manual_seed(step))
+        sharded.weight.grad = distribute_tensor(grad, mesh, [Shard(0)])
+        whole.weight.grad = grad
+        with CommDebugMode() as comm:
+            optimizer.step()
+        reference.step()
+        gathers.append(comm.get_total_counts())
+    return {"equal": torch.equal(sharded.weight.full_tensor(), whole.weight), "collectives": gathers}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("rows", [96, 97], ids=["even", "uneven"])
+def test_sharded_muon_gathers_each_update_once_and_equals_muon_on_the_whole_matrix(rows):
+    """The momentum stays sharded; one all-gather of the update, Newton-Schulz on the whole matrix, this rank's rows
+    of it: bit for bit torch's Muon on the unsharded matrix, with FSDP2's uneven cut too (49 + 48 rows)."""
+    for result in run_ranks(_muon_steps, 2, args=(rows,)):
+        assert result == {"equal": True, "collectives": [1, 1, 1]}
