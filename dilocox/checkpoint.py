@@ -722,8 +722,6 @@ def reshape_refusal(cfg: Config, saved: dict[str, Any]) -> str | None:
     topology.dp_degree, in words; None when it can (the other fields are compared as for any resume)."""
     t = cfg.topology
     fix = f"resume with --topology.dp_degree={saved.get('topology.dp_degree')} or start a new run directory"
-    if t.elastic or saved.get("topology.elastic"):
-        return f"an elastic run's clusters resume at the dp degree they were saved with; {fix}"
     if t.clusters or saved.get("topology.clusters"):
         return f"clusters of different dp degrees (topology.clusters) resume at the degrees they were saved with; {fix}"
     if cfg.sync.has_outer_loop and cfg.sync.round.mode != "steps":

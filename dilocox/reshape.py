@@ -22,8 +22,10 @@ start and the outer optimizer's state. What each replica holds of its own is red
 - **The link counters**: replica d' takes the sum of the saved replicas d with d mod D' = d', so the run's totals
   carry over; **the RNG**: replica d' mod D's.
 
-Elastic runs, clusters of different dp, time rounds, cocktail and the reductions that keep state shared over
-replicas (`scalable`, lanes) resume at the degree they were saved with (`checkpoint.reshape_refusal` says so in one
+An elastic run's clusters each build their ranks' states from their own checkpoint (`checkpoints/cluster{c}/`,
+ranks numbered inside the cluster); a cluster without one heals from a peer at the new degree, as at any resume.
+Clusters of different dp, time rounds, cocktail and the reductions that keep state shared over replicas
+(`scalable`, lanes) resume at the degree they were saved with (`checkpoint.reshape_refusal` says so in one
 line, before anything is written).
 """
 
@@ -50,7 +52,9 @@ def reshaped_rank_state(path: Path, trainer: Any) -> dict[str, Any]:
     saved_topology = meta_topology(read_meta(path))
     coords = trainer.coords
     old_dp, new_dp = saved_topology.dp_degree, trainer.topology.dp_degree
-    states = [load_rank_state(path, saved_topology.rank_of(coords.cluster, d, coords.pp)) for d in range(old_dp)]
+    per_cluster = old_dp * saved_topology.pp_degree  # an elastic cluster's checkpoint numbers its own ranks
+    ranks = [saved_topology.rank_of(coords.cluster, d, coords.pp) for d in range(old_dp)]
+    states = [load_rank_state(path, rank % per_cluster if trainer.elastic else rank) for rank in ranks]
     first = states[0]
     model, inner = first["model"], first["inner_optimizer"]
     if trainer.sharded:  # the DTensors' rows cut again; the rest (buffers) is the same on every replica

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from dilocox.checkpoint import consolidated_model_state, load_rank_state, saved_outer_params
+from dilocox.checkpoint import consolidated_model_state, load_rank_state, read_meta, saved_outer_params
 from tests.e2e.helpers import DEBUG, dilocox
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -79,3 +79,28 @@ def test_a_dp2_checkpoint_resumes_at_another_dp_with_what_it_holds(dp2_run, tmp_
     uninterrupted, reshaped = (json.loads((d / "summary.json").read_text()) for d in (run_dir, resumed))
     assert reshaped["final_eval_loss"] < reshaped["initial_eval_loss"] - 0.25  # it goes on learning
     assert abs(reshaped["final_eval_loss"] - uninterrupted["final_eval_loss"]) < 0.05 * uninterrupted["final_eval_loss"]
+
+
+@pytest.mark.timeout(600)
+def test_an_elastic_runs_clusters_each_resume_at_another_dp_from_their_own_checkpoint(tmp_path):
+    """Each elastic cluster writes its own checkpoint, its ranks numbered inside it; resumed at dp 1, each builds its
+    rank from its own two replicas' files. Uncompressed, both clusters' step-30 phi is the uninterrupted run's bit for
+    bit (the sync launched at step 20 lands at 27), and the run goes on learning."""
+    elastic = [*RUN, "--compression.kind=none", "--topology.elastic=true"]
+    run_dir, resumed = tmp_path / "dp2", tmp_path / "resumed"
+    result = dilocox("train", *elastic, "--topology.dp_degree=2", "--train.micro_batch_size=4",
+                     f"--run.out_dir={run_dir}", timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    shutil.copytree(run_dir, resumed)
+    chosen = resumed / "checkpoints" / "cluster0" / "step_00000020"
+    result = dilocox("train", *elastic, "--topology.dp_degree=1", "--train.micro_batch_size=8",
+                     f"--run.out_dir={resumed}", f"--checkpoint.resume={chosen}", timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(topology.dp_degree: 2 -> 1; train.micro_batch_size: 4 -> 8)" in result.stdout
+    for cluster in (0, 1):
+        old, new = (d / "checkpoints" / f"cluster{cluster}" / "step_00000030" for d in (run_dir, resumed))
+        assert read_meta(old)["world_size"] == 2 and read_meta(new)["world_size"] == 1
+        phi_old, phi_new = (saved_outer_params(load_rank_state(path, 0)["sync"]) for path in (old, new))
+        assert torch.equal(phi_new, phi_old)
+    reshaped = json.loads((resumed / "summary.json").read_text())
+    assert reshaped["final_eval_loss"] < reshaped["initial_eval_loss"] - 0.25

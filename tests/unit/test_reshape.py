@@ -64,7 +64,7 @@ def test_the_link_counters_keep_the_runs_totals_and_the_collectives_numbering():
         ([], None),
         (["--compression.kind=none"], None),
         (["--preset=allreduce"], None),
-        (["--topology.elastic=true"], "an elastic run's clusters resume at the dp degree they were saved with"),
+        (["--topology.elastic=true"], None),
         (["--topology.dp_mode=shard"], None),
         (["--sync.round.mode=time", "--sync.overlap_steps=0"], "time rounds (sync.round.mode = time) resume"),
         (["--preset=cocktail"], "sync.kind = cocktail resumes at the dp degree it was saved with"),
