@@ -6,8 +6,8 @@ Layout of `RUN_DIR/checkpoints/`:
     step_00000100/          a complete checkpoint (it has meta.json)
         .metadata           DCP's index of the tensors below (`dilocox/rank_state.py`)
         __0_0.distcp        what rank 0 wrote: its model, inner optimizer, sync state (outer params, outer optimizer,
-        __1_0.distcp        reducer), data position, RNG states and channel counters; a replicated stage's model and
-                            inner optimizer once for all its replicas (DCP spreads those over them)
+        __1_0.distcp        reducer), data position, RNG states and channel counters; a replicated stage's model,
+                            inner optimizer and outer state once for all its replicas (DCP spreads those over them)
         meta.json           step, world size, topology, config, every file's size and sha256 (`files`), and its
                             own `digest`: the sha256 of the canonical JSON of everything else in it; written last
     .step_00000200.partial  a checkpoint being written; never read, removed by the next save
@@ -163,10 +163,10 @@ def save_checkpoint(
 ) -> Path:
     """Collectively save this rank's `state` as checkpoint `step`; rank 0 finalizes it and prunes old ones (`prune`).
     `cluster`: an elastic run's cluster, whose ranks (`rank` counted inside it, `group` its world) write into
-    `checkpoint_root(run_dir, cluster)`. `shared`: the key under which this rank's model and inner optimizer are the
-    same as its replicas' (a replicated stage's, `rank_state.checkpoint_items`). A write that fails on any rank (a
-    full disk, checked first against the last checkpoint's size) raises `CheckpointNotWritten` on every rank after the
-    partial directory is removed: the checkpoints before it stay as they were."""
+    `checkpoint_root(run_dir, cluster)`. `shared`: the key under which what a replicated stage holds alike on every
+    replica is written once (`rank_state.replicated`: model, inner optimizer, outer state). A write that fails on any
+    rank (a full disk, checked first against the last checkpoint's size) raises `CheckpointNotWritten` on every rank
+    after the partial directory is removed: the checkpoints before it stay as they were."""
     root = checkpoint_root(run_dir, cluster)
     final, partial = _begin(root, step, rank, group)
     _stop_if_any_failed(_write_rank(partial, rank, state, step, group, shared), partial, rank, group)

@@ -285,14 +285,15 @@ class Trainer:
             torch.cuda.set_device(self.device)
         self.elastic = cfg.topology.elastic
         """Each cluster is its own world; the slow link is torchft's group of the round (docs/design.md §10.1)."""
+        timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
         self.groups = build_process_groups(
             Topology(1, cfg.topology.dp_degree, cfg.topology.pp_degree) if self.elastic else self.topology,
             rank % self.ranks_per_cluster if self.elastic else rank,
             intra_backend=intra_cluster_backend(self.device),
-            timeout=datetime.timedelta(seconds=cfg.network.timeout_s),
+            timeout=timeout,
         )
         # checkpoints' DCP collectives, which a background save runs beside training's (gloo: host tensors)
-        self.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.network.timeout_s))
+        self.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
         self.watchdog: Watchdog | None = None
         if job_store is not None and cfg.network.stall_timeout_s > 0:
             dist.barrier()  # one start line: a rank that started watching earlier does not count the others' wait
@@ -528,7 +529,7 @@ class Trainer:
             "keep_every": self.cfg.checkpoint.keep_every,
             "cluster": self.coords.cluster if self.elastic else None,  # elastic: each cluster its own, §10.1
             "group": self.checkpoint_group,
-            # a replicated stage's model and inner optimizer: written once for all its replicas
+            # what a replicated stage holds alike on every replica (rank_state.replicated): written once
             "shared": None if self.sharded else f"cluster{self.coords.cluster}/stage{self.coords.pp}",
         }
         if self.cfg.checkpoint.async_save and not last:
