@@ -131,10 +131,8 @@ class ShardedMuon(torch.optim.Muon):
     def step(self, closure=None):  # noqa: ANN001, ANN201 (torch.optim.Optimizer's signature)
         from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        if closure is not None:  # MuonAdamW.step evaluates it once, for both optimizers
+            raise ValueError("ShardedMuon steps on the gradients already there; pass the closure to MuonAdamW.step")
         for group in self.param_groups:
             lr = group["lr"]
             for param in group["params"]:
@@ -156,7 +154,7 @@ class ShardedMuon(torch.optim.Muon):
                 mine.add_(
                     whole[start : start + mine.shape[0]], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape)
                 )
-        return loss
+        return None
 
 
 def inner_state_bytes(optimizer: torch.optim.Optimizer) -> int:
