@@ -62,6 +62,7 @@ def checkpoint_items(state: dict[str, Any], *, rank: int, shared: str | None) ->
 
     def walk(value: Any, path: tuple) -> Any:
         if isinstance(value, torch.Tensor):
+            # the same view of the same storage is the same tensor (empty tensors all share address 0: each its own)
             view = (
                 value.untyped_storage().data_ptr(),
                 value.storage_offset(),
@@ -69,6 +70,7 @@ def checkpoint_items(state: dict[str, Any], *, rank: int, shared: str | None) ->
                 value.stride(),
                 value.dtype,
             )
+            view = view if value.numel() else (id(value),)
             if view not in seen:
                 owner = shared if shared is not None and replicated(path) else f"rank{rank}"
                 seen[view] = "/".join((owner, *map(str, path)))
