@@ -717,21 +717,28 @@ def _incompatible(path: Path, name: str, old: Any, new: Any) -> ValueError:
     )
 
 
-def reshape_refusal(cfg: Config, saved: dict[str, Any]) -> str | None:
-    """Why a checkpoint whose config is `saved` (a flat dict of settings) cannot resume at this run's
-    topology.dp_degree, in words; None when it can (the other fields are compared as for any resume)."""
+def reshape_refusal(cfg: Config, saved: dict[str, Any], name: str = "topology.dp_degree") -> str | None:
+    """Why a checkpoint whose config is `saved` (a flat dict of settings) cannot resume at this run's `name`
+    (topology.dp_degree or topology.pp_degree), in words; None when it can (the other fields are compared as for any
+    resume)."""
     t = cfg.topology
-    fix = f"resume with --topology.dp_degree={saved.get('topology.dp_degree')} or start a new run directory"
+    degree = "dp degree" if name == "topology.dp_degree" else "pp degree"
+    fix = f"resume with --{name}={saved.get(name)} or start a new run directory"
     if t.clusters or saved.get("topology.clusters"):
         return f"clusters of different dp degrees (topology.clusters) resume at the degrees they were saved with; {fix}"
     if cfg.sync.has_outer_loop and cfg.sync.round.mode != "steps":
-        return f"time rounds (sync.round.mode = time) resume at the dp degree they were saved with; {fix}"
+        return f"time rounds (sync.round.mode = time) resume at the {degree} they were saved with; {fix}"
     if cfg.sync.kind == "cocktail":
-        return f"sync.kind = cocktail resumes at the dp degree it was saved with; {fix}"
+        return f"sync.kind = cocktail resumes at the {degree} it was saved with; {fix}"
     if cfg.sync.has_outer_loop and cfg.compression.kind != "none" and cfg.compression.reduction != "gather":
         return (
             f"compression.reduction = {cfg.compression.reduction} keeps state shared over a stage's replicas, which "
-            f"does not follow a new dp degree; {fix}"
+            f"does not follow a new {degree}; {fix}"
+        )
+    if name == "topology.pp_degree" and cfg.sync.has_outer_loop and cfg.sync.fragments > 1:
+        return (
+            f"sync.fragments = {cfg.sync.fragments} cuts each stage's tensors into fragments whose rounds are "
+            f"staggered, which other stages cannot be put together from; {fix}"
         )
     return None
 
@@ -757,11 +764,11 @@ def check_resume(cfg: Config, path: Path) -> None:
         for name in resume_fields(cfg, saved):
             new = option_value(cfg, name)
             old = saved_settings.get(name, _LEGACY_VALUES.get(name, new))  # a field newer than the file
-            if old != new and name == "topology.dp_degree":  # each rank builds its state from the saved replicas'
-                problem = reshape_refusal(cfg, saved_settings)
+            if old != new and name in ("topology.dp_degree", "topology.pp_degree"):  # rebuilt from the saved ranks
+                problem = reshape_refusal(cfg, saved_settings, name)
                 if problem is None:
                     continue
-                raise ValueError(f"cannot resume {path}: topology.dp_degree was {old} in it, {new} now: {problem}")
+                raise ValueError(f"cannot resume {path}: {name} was {old} in it, {new} now: {problem}")
             if old != new:
                 raise _incompatible(path, name, old, new)
     else:  # written before meta.json held the config

@@ -1,5 +1,8 @@
-"""A checkpoint resumed at another data-parallel degree (`topology.dp_degree`): each rank of the new shape builds its
-state from the saved ranks of its cluster and stage, D of them at the saved degree, for D' replicas now.
+"""A checkpoint resumed at another data-parallel or pipeline degree (`topology.dp_degree`, `topology.pp_degree`):
+each rank of the new shape builds its state from the saved ranks of its cluster, D of them per saved stage, for D'
+replicas now. At the same pp degree it reads its own stage's; at another, every saved stage that holds some of its
+tensors: parameter names are the full model's in every stage (`parallel/split.py`), so each tensor's state is found
+by name, and a saved stage's inner optimizer order and flat layout are rebuilt on the meta device.
 
     state = reshaped_rank_state(path, trainer)   # this rank's state, as `load_rank_state` gives a saved one
 
@@ -15,22 +18,26 @@ start and the outer optimizer's state. What each replica holds of its own is red
   phi). A codec's payloads of the D old slices are decoded into the cluster's update, and each new replica encodes
   its slice of it again and sends it, through its error feedback: what the codec holds back of it stays in the
   residual, so the update is neither lost nor sent twice, only re-cut.
-- **The codec**: replica d' takes the generator of saved replica d' mod D; low-rank warm starts start cold.
+- **The codec**: replica d' takes the generator of saved replica d' mod D; low-rank warm starts start cold. At
+  another pp degree (other tensors than any saved codec's) it starts as at the run's start.
 - **The guard's norm history** (of one replica's slice) starts afresh: the next round's median is its reference.
 - **The data position**: each replica's stream goes on at the same share of its epoch, over the new deal of windows
   (C x D' shards instead of C x D).
-- **The link counters**: replica d' takes the sum of the saved replicas d with d mod D' = d', so the run's totals
-  carry over; **the RNG**: replica d' mod D's.
+- **The link counters**: replica d' takes the sum of the saved replicas d with d mod D' = d' (at another pp degree,
+  of the saved stages whose first tensor it now holds, so each is counted once), so the run's totals carry over, to
+  within the one sync in flight at the checkpoint when stages are put together; **the RNG**: replica d' mod D's.
 
 An elastic run's clusters each build their ranks' states from their own checkpoint (`checkpoints/cluster{c}/`,
 ranks numbered inside the cluster); a cluster without one heals from a peer at the new degree, as at any resume.
 Clusters of different dp, time rounds, cocktail and the reductions that keep state shared over replicas
-(`scalable`, lanes) resume at the degree they were saved with (`checkpoint.reshape_refusal` says so in one
-line, before anything is written).
+(`scalable`, lanes) resume at the degrees they were saved with, and `sync.fragments > 1` at its pp degree (its
+fragments' rounds are staggered per stage) (`checkpoint.reshape_refusal` says so in one line, before anything is
+written).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +45,7 @@ import torch
 
 from dilocox.checkpoint import load_rank_state, meta_topology, read_meta
 from dilocox.compress.payload import Payload
+from dilocox.parallel.split import stage_on_meta
 from dilocox.sync.reducers import ReplicaSlice
 
 _SHARED_KEYS = ("outer_params", "round_start")
@@ -47,27 +55,45 @@ replica's rows of a sharded one."""
 
 def reshaped_rank_state(path: Path, trainer: Any) -> dict[str, Any]:
     """The state of the resuming `trainer`'s rank (its coords, topology, model, optimizers, sync, data stream and
-    config), built from the saved ranks of its cluster and stage at the checkpoint's dp degree (module docstring).
-    Verifies each file it reads, as `load_rank_state` does."""
+    config), built from the saved ranks of its cluster: those of its stage at the checkpoint's dp degree, or at
+    another pp degree every saved stage that holds some of its tensors (module docstring). Verifies each file it
+    reads, as `load_rank_state` does."""
     saved_topology = meta_topology(read_meta(path))
-    coords = trainer.coords
-    old_dp, new_dp = saved_topology.dp_degree, trainer.topology.dp_degree
-    per_cluster = old_dp * saved_topology.pp_degree  # an elastic cluster's checkpoint numbers its own ranks
-    ranks = [saved_topology.rank_of(coords.cluster, d, coords.pp) for d in range(old_dp)]
-    states = [load_rank_state(path, rank % per_cluster if trainer.elastic else rank) for rank in ranks]
-    first = states[0]
-    model, inner = first["model"], first["inner_optimizer"]
-    if trainer.sharded:  # the DTensors' rows cut again; the rest (buffers) is the same on every replica
-        sharded = [key for key, value in trainer.model.state_dict().items() if hasattr(value, "to_local")]
-        model = {**model, **{key: _reshard([s["model"][key] for s in states], new_dp, coords.dp) for key in sharded}}
-        inner = _resharded_optimizer([s["inner_optimizer"] for s in states], trainer.inner_optimizer, new_dp, coords.dp)
+    coords, args = trainer.coords, trainer.model_shape
+    old_dp, new_dp, old_pp = saved_topology.dp_degree, trainer.topology.dp_degree, saved_topology.pp_degree
+    names = {id(param): name for name, param in trainer.model.named_parameters()}
+    own = [names[id(param)] for param in trainer.model.parameters()]
+    saved = {
+        stage: [name for name, _ in stage_on_meta(args, stage, old_pp).named_parameters()] for stage in range(old_pp)
+    }
+    stages = [stage for stage in range(old_pp) if set(saved[stage]) & set(own)]  # in pipeline order
+    per_cluster = old_dp * old_pp  # an elastic cluster's checkpoint numbers its own ranks
+    ranks = {stage: [saved_topology.rank_of(coords.cluster, d, stage) for d in range(old_dp)] for stage in stages}
+    states = {s: [load_rank_state(path, r % per_cluster if trainer.elastic else r) for r in ranks[s]] for s in stages}
+    first = states[stages[0]][0]  # the round, data position and trainer counters: the same on every saved rank
+    model: dict[str, Any] = {}
+    for key, value in trainer.model.state_dict().items():
+        stage = next((s for s in stages if key in states[s][0]["model"]), None)
+        if stage is None:
+            raise ValueError(f"the checkpoint {path} holds no {key} for this rank's stage: it is damaged")
+        shards = [state["model"][key] for state in states[stage]]  # a DTensor's rows cut again; buffers alike
+        model[key] = _reshard(shards, new_dp, coords.dp) if hasattr(value, "to_local") else shards[0]
+    # the first tensor of a saved stage says which new stage counts its link bytes: each is counted once
+    counted = [stage for stage in stages if saved[stage][0] in own]
     return {
         "model": model,
-        "inner_optimizer": inner,
-        "sync": reshaped_sync_state([s["sync"] for s in states], trainer, new_dp=new_dp),
+        "inner_optimizer": _inner_state(
+            trainer, {s: [x["inner_optimizer"] for x in states[s]] for s in stages}, old_pp
+        ),
+        "sync": reshaped_sync_state({s: [x["sync"] for x in states[s]] for s in stages}, trainer, saved, counted),
         "data": _reshaped_position(first["data"], trainer, saved_topology),
-        "channel": _merged_counters([s["channel"] for s in states], coords.dp, new_dp),
-        "rng": states[coords.dp % old_dp]["rng"],
+        "channel": _merged_counters(
+            [x["channel"] for x in states[stages[0]]],
+            [[x["channel"] for x in states[s]] for s in counted],
+            coords.dp,
+            new_dp,
+        ),
+        "rng": states[stages[0]][coords.dp % old_dp]["rng"],
         "trainer": first["trainer"],
     }
 
@@ -87,32 +113,87 @@ def _reshard(shards: list[torch.Tensor], dp: int, index: int) -> torch.Tensor:
     return whole[start:end].clone()
 
 
-def _resharded_optimizer(saved: list[dict[str, Any]], optimizer: Any, dp: int, index: int) -> dict[str, Any]:
-    """An inner optimizer's `local_state` for this rank: the state tensors of sharded parameters (those of dim >= 1,
-    as `load_local_optimizer_state_` reads them) resharded, the rest (step counts) replica 0's."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+def _inner_state(trainer: Any, saved: dict[int, list[dict[str, Any]]], old_pp: int) -> dict[str, Any]:
+    """The inner optimizer's `local_state` for this rank: each of its parameters' state from the saved stage and
+    index that held it (a saved stage's optimizer order, rebuilt on the meta device), the tensors of sharded
+    parameters (dim >= 1, as `load_local_optimizer_state_` reads them) resharded; the groups' settings the saved
+    ones, their parameters this stage's."""
+    from dilocox.trainer import build_inner_optimizer  # the trainer imports this module
+
+    where: dict[str, tuple[int, int]] = {}
+    for stage in saved:
+        module = stage_on_meta(trainer.model_shape, stage, old_pp)
+        names = {id(param): name for name, param in module.named_parameters()}
+        order = [
+            names[id(p)] for group in build_inner_optimizer(trainer.cfg, module).param_groups for p in group["params"]
+        ]
+        where.update({name: (stage, index) for index, name in enumerate(order)})
+    names = {id(param): name for name, param in trainer.model.named_parameters()}
+    optimizer, dp, index = trainer.inner_optimizer, trainer.topology.dp_degree, trainer.coords.dp
     state: dict[Any, Any] = {}
-    for key, entry in saved[0]["state"].items():
-        sharded = hasattr(params[int(key)], "to_local")
-        state[key] = {
-            name: _reshard([s["state"][key][name] for s in saved], dp, index)
+    for new, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        stage, old = where[names[id(param)]]
+        replicas = [s["state"] for s in saved[stage]]
+        if old not in replicas[0]:  # a parameter that has not stepped yet
+            continue
+        sharded = hasattr(param, "to_local")
+        state[new] = {
+            name: _reshard([r[old][name] for r in replicas], dp, index)
             if sharded and isinstance(value, torch.Tensor) and value.dim() > 0
             else value
-            for name, value in entry.items()
+            for name, value in replicas[0][old].items()
         }
-    return {**saved[0], "state": state}
+    groups = next(iter(saved.values()))[0]["param_groups"]
+    mine = optimizer.state_dict()["param_groups"]
+    return {"state": state, "param_groups": [{**g, "params": m["params"]} for g, m in zip(groups, mine, strict=True)]}
 
 
-def reshaped_sync_state(saved: list[dict[str, Any]], trainer: Any, *, new_dp: int) -> dict[str, Any]:
-    """The outer sync's state of this replica (of `new_dp`) from the saved replicas' (`saved`, in dp order)."""
-    if "fragments" not in saved[0]:  # a strategy without an outer loop (allreduce): nothing per replica
-        return saved[0]
+@dataclass
+class _SavedFragment:
+    """A saved stage's fragment: its tensors' names and whole shapes, and each saved replica's state of it."""
+
+    names: list[str]
+    shapes: list[torch.Size]
+    replicas: list[dict[str, Any]]
+
+
+def reshaped_sync_state(
+    saved: dict[int, list[dict[str, Any]]], trainer: Any, names: dict[int, list[str]], counted: list[int]
+) -> dict[str, Any]:
+    """The outer sync's state of this rank from the saved stages' (`saved[stage]`: its replicas' in dp order;
+    `names[stage]`: the parameters of every saved stage in order), its link counters from the stages `counted`."""
+    stages = list(saved)
+    base = saved[stages[0]][0]
+    if "fragments" not in base:  # a strategy without an outer loop (allreduce): nothing per replica
+        return base
+    coords, new_dp = trainer.coords, trainer.topology.dp_degree
+    layout = _Layout(len(saved[stages[0]]), new_dp, coords.dp, sharded=trainer.sharded)
+    own = {id(param): name for name, param in trainer.model.named_parameters()}
     fragments = trainer.sync.diloco.fragments  # type: ignore[union-attr]
-    layout = _Layout(len(saved), new_dp, trainer.coords.dp, sharded=trainer.sharded)
-    per_fragment = zip(fragments, zip(*(s["fragments"] for s in saved), strict=True), strict=True)
-    states = [_reshaped_fragment(list(old), fragment, layout) for fragment, old in per_fragment]
-    channel = _merged_counters([s["channel"] for s in saved], trainer.coords.dp, new_dp)
-    return {**saved[0], "fragments": states, "channel": channel}
+    same_stage = [names[s] for s in stages] == [[own[id(p)] for p in trainer.model.parameters()]]
+    shapes = {}  # every saved stage's tensors' whole shapes (a DTensor's shape is its global one)
+    for stage in stages:
+        module = stage_on_meta(trainer.model_shape, stage, len(names))
+        shapes.update({name: torch.Size(param.shape) for name, param in module.named_parameters()})
+    if same_stage:  # fragment k from saved fragment k
+        olds = [[_SavedFragment(*_named(f, own, shapes), [x["fragments"][k] for x in saved[stages[0]]])]
+                for k, f in enumerate(fragments)]  # fmt: skip
+    else:  # another pp degree, one fragment a stage: every saved stage that holds some of this stage's tensors
+        olds = [[_SavedFragment(names[s], [shapes[n] for n in names[s]], [x["fragments"][0] for x in saved[s]])
+                 for s in stages]]  # fmt: skip
+    states = [
+        _reshaped_fragment(old, fragment, _named(fragment, own, shapes)[0], layout, same_stage=same_stage)
+        for old, fragment in zip(olds, fragments, strict=True)
+    ]
+    channels = [[x["channel"] for x in saved[stage]] for stage in counted]
+    channel = _merged_counters([x["channel"] for x in saved[stages[0]]], channels, coords.dp, new_dp)
+    return {**base, "fragments": states, "channel": channel}
+
+
+def _named(fragment: Any, names: dict[int, str], shapes: dict[str, torch.Size]) -> tuple[list[str], list[torch.Size]]:
+    """A live fragment's tensors' names and whole shapes, in its flat order."""
+    order = [names[id(param)] for param in fragment.flat.params]
+    return order, [shapes.get(name, torch.Size(p.shape)) for name, p in zip(order, fragment.flat.params, strict=True)]
 
 
 class _Layout:
@@ -164,62 +245,87 @@ class _Layout:
         return torch.cat([piece.reshape(-1) for piece in self.mine(shapes, whole, slices=False)])
 
 
-def _reshaped_fragment(old: list[dict[str, Any]], fragment: Any, layout: _Layout) -> dict[str, Any]:
+def _reshaped_fragment(
+    old: list[_SavedFragment], fragment: Any, names: list[str], layout: _Layout, *, same_stage: bool
+) -> dict[str, Any]:
+    """This rank's state of `fragment` (its tensors `names`) from the saved fragments `old` that hold them: every
+    flat vector, residual and sync in flight put together by tensor from the saved replicas' pieces, then cut for
+    this rank (module docstring)."""
     shapes = [torch.Size(p.shape) for p in fragment.flat.params]  # whole tensors (a DTensor's shape is its global one)
-    state = dict(old[0])  # the round counters: the same on every replica
+    base = old[0].replicas[0]
+    state = dict(base)  # the round counters: the same on every replica and stage
     if not layout.sharded:  # what the outer step wrote: alike on every replica, or the file is not this run's
-        for key in _SHARED_KEYS:
-            if isinstance(old[0][key], torch.Tensor) and not all(torch.equal(old[0][key], o[key]) for o in old[1:]):
-                raise ValueError(f"the checkpoint's replicas of one stage hold different {key}: it is damaged")
+        for saved in old:
+            for key in _SHARED_KEYS:
+                first = saved.replicas[0][key]
+                if isinstance(first, torch.Tensor) and not all(torch.equal(first, o[key]) for o in saved.replicas[1:]):
+                    raise ValueError(f"the checkpoint's replicas of one stage hold different {key}: it is damaged")
+
+    def by_tensor(pieces_of, slices: bool) -> list[torch.Tensor]:
+        """This fragment's whole tensors from every saved replica's pieces (of its slice, or of its flat vector)."""
+        whole: dict[str, torch.Tensor] = {}
+        for saved in old:
+            pieces = [pieces_of(saved, d, o) for d, o in enumerate(saved.replicas)]
+            whole.update(zip(saved.names, layout.assemble(saved.shapes, pieces, slices), strict=True))
+        return [whole[name] for name in names]
+
+    def flat(get) -> torch.Tensor:
+        """This rank's flat vector of the fragment from the flat vector `get` of each saved replica's state."""
+        whole = by_tensor(lambda saved, d, o: layout.split_flat(saved.shapes, get(o), d), slices=False)
+        return torch.cat([piece.reshape(-1) for piece in layout.mine(shapes, whole, slices=False)])
+
     for key in _SHARED_KEYS:
-        state[key] = layout.reshard_flat(shapes, [o[key] for o in old])
-    state["outer_optimizer"] = _reshaped_outer(old, shapes, layout)
-    state["guard"] = _fresh_guard(old[0]["guard"])
-    if old[0]["reduction"] == "gather":
-        reducer = dict(old[0]["reducer"])
+        state[key] = flat(lambda o, key=key: o[key])
+    outer, numel = base["outer_optimizer"], base["outer_params"].numel()
+    state["outer_optimizer"] = {  # its tensors over the flat vector (momentum, moments) put together and cut again
+        **outer,
+        "state": {
+            k: {
+                name: flat(lambda o, k=k, name=name: o["outer_optimizer"]["state"][k][name])
+                if isinstance(value, torch.Tensor) and value.numel() == numel
+                else value
+                for name, value in entry.items()
+            }
+            for k, entry in outer["state"].items()
+        },
+    }
+    state["guard"] = _fresh_guard(base["guard"])
+    if base["reduction"] == "gather":
+        reducer = dict(base["reducer"])
         feedback = dict(reducer["feedback"])
-        if any(o["reducer"]["feedback"]["residuals"] for o in old):
-            pieces = [_residual_pieces(o["reducer"]["feedback"], shapes, layout, d) for d, o in enumerate(old)]
-            whole = layout.assemble(shapes, pieces, slices=True)
+        if any(o["reducer"]["feedback"]["residuals"] for saved in old for o in saved.replicas):
+            whole = by_tensor(lambda saved, d, o: _residual_pieces(o["reducer"]["feedback"], saved, layout, d), True)
             feedback["residuals"] = {str(i): r for i, r in enumerate(layout.mine(shapes, whole, slices=True))}
-        codec = dict(old[layout.index % layout.old_dp]["reducer"]["codec"])
-        if "warm_starts" in codec:
-            codec["warm_starts"] = {}
+        if same_stage:  # the generator of saved replica d' mod D; low-rank warm starts start cold
+            codec = dict(old[0].replicas[layout.index % layout.old_dp]["reducer"]["codec"])
+            if "warm_starts" in codec:
+                codec["warm_starts"] = {}
+        else:  # other tensors than any saved codec's: it starts as at the run's start
+            codec = _codec_of(fragment).state_dict()
         reducer.update(feedback=feedback, codec=codec)
         if "guard" in reducer:
             reducer["guard"] = {"history": []}
         state["reducer"] = reducer
-        if old[0]["pending_sent"] is not None:  # every replica's payload, decoded: the cluster's update
-            whole = layout.assemble(shapes, [_decoded(o, fragment, shapes, layout, d) for d, o in enumerate(old)], True)
+        if base["pending_sent"] is not None:  # every replica's payload, decoded: the cluster's update
+            whole = by_tensor(lambda saved, d, o: _decoded(o, fragment, saved.shapes, layout, d), slices=True)
             state["pending_decoded"] = torch.cat([p.reshape(-1) for p in layout.mine(shapes, whole, slices=False)])
             state["pending_sent"] = None
-    elif old[0]["reduction"] == "dense":
-        if old[0]["pending_sent"] is not None:  # the whole pseudo-gradient (a sharded stage: each replica's rows)
-            state["pending_sent"] = layout.reshard_flat(shapes, [o["pending_sent"] for o in old])
+    elif base["reduction"] == "dense":
+        if base["pending_sent"] is not None:  # the whole pseudo-gradient (a sharded stage: each replica's rows)
+            state["pending_sent"] = flat(lambda o: o["pending_sent"])
     else:
-        raise ValueError(f"the {old[0]['reduction']!r} reduction cannot resume at another dp degree")
+        raise ValueError(f"the {base['reduction']!r} reduction cannot resume at another dp or pp degree")
     return state
 
 
-def _reshaped_outer(old: list[dict[str, Any]], shapes: list[torch.Size], layout: _Layout) -> dict[str, Any]:
-    """The outer optimizer's state: its tensors over the fragment's flat vector (momentum, moments) resharded."""
-    saved = old[0]["outer_optimizer"]
-    if not layout.sharded:
-        return saved
-    state = {
-        key: {
-            name: layout.reshard_flat(shapes, [o["outer_optimizer"]["state"][key][name] for o in old])
-            if isinstance(value, torch.Tensor) and value.numel() == old[0]["outer_params"].numel()
-            else value
-            for name, value in entry.items()
-        }
-        for key, entry in saved["state"].items()
-    }
-    return {**saved, "state": state}
+def _codec_of(fragment: Any) -> Any:
+    reducer = fragment.reducer
+    return getattr(reducer, "reducer", reducer).codec  # under a FaultyReducer: the one it wraps
 
 
-def _residual_pieces(feedback: dict[str, Any], shapes: list[torch.Size], layout: _Layout, index: int):
+def _residual_pieces(feedback: dict[str, Any], saved: _SavedFragment, layout: _Layout, index: int):
     """Saved replica `index`'s residuals, one per piece of its slice (zeros where it holds none yet)."""
+    shapes = saved.shapes
     parts = layout.slice_parts(shapes, layout.old_dp, index)
     saved = feedback["residuals"]
     return [saved[str(i)] if saved else torch.zeros(s) for i, s in enumerate(layout.piece_shapes(shapes, parts))]
@@ -228,8 +334,7 @@ def _residual_pieces(feedback: dict[str, Any], shapes: list[torch.Size], layout:
 def _decoded(state: dict[str, Any], fragment: Any, shapes: list[torch.Size], layout: _Layout, index: int):
     """What saved replica `index`'s payload of the sync in flight decodes to, one tensor per piece of its slice
     (zeros for an empty slice or an abstention, which sends nothing of this cluster's)."""
-    reducer = fragment.reducer
-    codec = getattr(reducer, "reducer", reducer).codec  # under a FaultyReducer: the one it wraps
+    codec = _codec_of(fragment)
     pieces = layout.piece_shapes(shapes, layout.slice_parts(shapes, layout.old_dp, index))
     sent = state["pending_sent"]
     if not pieces or not sent.numel():
@@ -248,7 +353,7 @@ def _reshaped_position(data: dict[str, Any], trainer: Any, saved_topology: Any) 
     from dilocox.data import ShardedTokenStream
 
     cfg, stream = trainer.cfg, trainer.stream
-    rank = saved_topology.rank_of(trainer.coords.cluster, 0, trainer.coords.pp)
+    rank = saved_topology.rank_of(trainer.coords.cluster, 0, 0)  # every stage of a pipeline reads the same data
     old = ShardedTokenStream(
         trainer.data.train,
         seq_len=cfg.train.seq_len,
@@ -263,12 +368,15 @@ def _reshaped_position(data: dict[str, Any], trainer: Any, saved_topology: Any) 
     return {**data, "epoch": epoch, "index": index}
 
 
-def _merged_counters(channels: list[dict[str, Any]], index: int, new_dp: int) -> dict[str, Any]:
-    """Replica `index`'s link counters: the sum of the saved replicas' d with d mod `new_dp` = `index` (the
-    collectives' numbering, the same on every replica, from replica 0; the peak in flight, the largest)."""
-    mine = [channel for d, channel in enumerate(channels) if d % new_dp == index]
+def _merged_counters(
+    numbering: list[dict[str, Any]], counted: list[list[dict[str, Any]]], index: int, new_dp: int
+) -> dict[str, Any]:
+    """Replica `index`'s link counters: the sum over the saved stages `counted` (each a list of its replicas') of
+    their replicas d with d mod `new_dp` = `index`; the collectives' numbering, which the sync in flight refers to,
+    from `numbering`'s replica 0 (the same on every replica); the peak in flight, the largest."""
+    mine = [channel for stage in counted for d, channel in enumerate(stage) if d % new_dp == index]
     merged: dict[str, Any] = {}
-    for key, value in channels[0].items():
+    for key, value in numbering[0].items():
         if key in ("num_transfers", "num_launched"):
             merged[key] = value
         elif key.startswith("peak"):

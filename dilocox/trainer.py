@@ -501,7 +501,8 @@ class Trainer:
 
     def resume(self, path: Path) -> None:
         check_resume(self.cfg, path)
-        if meta_topology(read_meta(path)).dp_degree != self.topology.dp_degree:  # `check_resume` allowed it
+        saved = meta_topology(read_meta(path))
+        if (saved.dp_degree, saved.pp_degree) != (self.topology.dp_degree, self.topology.pp_degree):  # allowed
             state = reshaped_rank_state(path, self)
         else:
             state = load_rank_state(path, self.checkpoint_rank)

@@ -216,13 +216,13 @@ def build_stage(
     of the final norm and head unless the last stage), then materialized on `device` and initialized from (seed,
     parameter name): parameter names stay those of the full model, so checkpoints and parity tests match by name.
     """
-    model = _stage_on_meta(args, stage, num_stages)
+    model = stage_on_meta(args, stage, num_stages)
     model.to_empty(device=device)
     model.init_weights(seed)
     return model
 
 
-def _stage_on_meta(args: ModelArgs, stage: int, num_stages: int) -> Decoder:
+def stage_on_meta(args: ModelArgs, stage: int, num_stages: int) -> Decoder:
     """Stage `stage` of the decoder on the meta device: its modules and shapes, no storage."""
     check_split(args, num_stages)
     if not isinstance(stage, int) or not 0 <= stage < num_stages:
@@ -245,6 +245,6 @@ def _stage_on_meta(args: ModelArgs, stage: int, num_stages: int) -> Decoder:
 def stage_tensor_counts(args: ModelArgs, num_stages: int) -> list[int]:
     """Trainable parameter tensors of each stage (what `sync.fragments` splits), counted on the meta device."""
     return [
-        sum(p.requires_grad for p in _stage_on_meta(args, stage, num_stages).parameters())
+        sum(p.requires_grad for p in stage_on_meta(args, stage, num_stages).parameters())
         for stage in range(num_stages)
     ]

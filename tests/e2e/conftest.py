@@ -40,11 +40,14 @@ def start_run(request, tmp_path):
 
 
 @pytest.fixture
-def lighthouse_proc(tmp_path):
+def lighthouse_proc(request, tmp_path):
     """`dilocox lighthouse` in a subprocess, with the heartbeat and stall timeout of ELASTIC: (its URL, process).
-    Quiet by default: none of torchft's per-quorum INFO lines, while the clusters of the test meet there."""
+    Quiet by default: none of torchft's per-quorum INFO lines, while the clusters of the test meet there. A test whose
+    rounds must keep every cluster however loaded the machine is passes a longer heartbeat (indirect parametrize): a
+    cluster is left out after 2 heartbeats of silence."""
     log = tmp_path / "lighthouse.stderr"
-    proc, url = run_lighthouse("127.0.0.1:0", heartbeat="0.5s", stall_timeout="5s", cwd=REPO, log=log)
+    heartbeat = getattr(request, "param", "0.5s")
+    proc, url = run_lighthouse("127.0.0.1:0", heartbeat=heartbeat, stall_timeout="5s", cwd=REPO, log=log)
     try:
         yield url, proc
     finally:

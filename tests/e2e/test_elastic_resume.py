@@ -304,6 +304,7 @@ def test_a_resumed_run_waits_for_a_machine_that_starts_after_the_join_timeout(tm
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("lighthouse_proc", ["2s"], indirect=True)  # a loaded machine's pause must not drop a cluster
 def test_clusters_run_as_torchrun_jobs_killed_entirely_resume_from_disk_as_the_uninterrupted_run(
     tmp_path, start_run, lighthouse
 ):

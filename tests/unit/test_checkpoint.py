@@ -291,12 +291,20 @@ def test_resume_compares_the_fields_the_saved_state_depends_on(tmp_path):
             "--sync.outer.nesterov=false",
             "sync.outer.nesterov was true in the checkpoint, false now; resume with --sync.outer.nesterov=true",
         ),
-        ("--topology.pp_degree=2", "topology.pp_degree was 1 in the checkpoint, 2 now"),
         ("--data.split_seed=0", "data.split_seed was -1 in the checkpoint, 0 now; resume with --data.split_seed=-1"),
     ]:
         cfg = load_config(None, ["--preset=dilocox-lowrank", "--compression.kind=lowrank_int4", flag])
         with pytest.raises(ValueError, match=f"^cannot resume {path}: {message}"):
             check_resume(cfg, path)
+    # another pp degree is rebuilt from the saved stages (dilocox/reshape.py), but not with staggered fragments
+    check_resume(
+        load_config(None, ["--preset=dilocox-lowrank", "--compression.kind=lowrank_int4", "--topology.pp_degree=2"]),
+        path,
+    )
+    cfg = load_config(None, ["--preset=dilocox-lowrank", "--compression.kind=lowrank_int4", "--topology.pp_degree=2",
+                             "--sync.fragments=2"])  # fmt: skip
+    with pytest.raises(ValueError, match=f"^cannot resume {path}: topology.pp_degree was 1 in it, 2 now: sync.frag"):
+        check_resume(cfg, path)
     # the top-k codec's own settings are compared when it is the codec, and only then
     lowrank = ["--preset=dilocox-lowrank", "--compression.kind=lowrank_int4"]
     check_resume(load_config(None, [*lowrank, "--compression.density=0.5"]), path)

@@ -49,11 +49,11 @@ def test_the_link_counters_keep_the_runs_totals_and_the_collectives_numbering():
         {"bytes_sent": 100 + d, "link_busy_s": 1.5, "num_transfers": 12, "num_launched": 30, "peak_in_flight_bytes": d}
         for d in range(2)
     ]
-    merged = [_merged_counters(saved, index, 1) for index in range(1)]
+    merged = [_merged_counters(saved, [saved], index, 1) for index in range(1)]
     assert merged == [
         {"bytes_sent": 201, "link_busy_s": 3.0, "num_transfers": 12, "num_launched": 30, "peak_in_flight_bytes": 1}
     ]
-    wider = [_merged_counters(saved, index, 4) for index in range(4)]
+    wider = [_merged_counters(saved, [saved], index, 4) for index in range(4)]
     assert sum(c["bytes_sent"] for c in wider) == 201 and [c["bytes_sent"] for c in wider] == [100, 101, 0, 0]
     assert {c["num_transfers"] for c in wider} == {12} and {c["num_launched"] for c in wider} == {30}
 
