@@ -15,11 +15,15 @@ This module never imports torch.distributed.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from dilocox.topology import local_shard
+
+if TYPE_CHECKING:
+    from dilocox.config import Config
 
 MUON_LR_CONVENTION = "match_rms_adamw"
 """`torch.optim.Muon`'s `adjust_lr_fn`: each matrix's step is scaled by 0.2 x sqrt(max(rows, cols)), so that its RMS
@@ -155,6 +159,35 @@ class ShardedMuon(torch.optim.Muon):
                     whole[start : start + mine.shape[0]], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape)
                 )
         return None
+
+
+def build_inner_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    """`train.optimizer` over the stage's parameters: AdamW (norms and biases not decayed), plain SGD, or Muon on
+    the blocks' matrices with AdamW on the rest (`MuonAdamW`, split per stage by `split_muon_parameters`)."""
+    t = cfg.train
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=t.lr)
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    if t.optimizer == "muon":
+        muon, adamw = split_muon_parameters(model)
+        return MuonAdamW(
+            [p for _, p in muon],
+            [p for _, p in adamw],
+            lr=t.lr,
+            muon_lr=t.muon_lr,
+            weight_decay=t.weight_decay,
+            betas=(t.beta1, t.beta2),
+            muon_momentum=t.muon_momentum,
+            fused=True if on_gpu else None,
+        )
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms and biases are not decayed
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        fused=True if on_gpu else None,  # one kernel for all parameters on CUDA; the default (foreach) elsewhere
+    )
 
 
 def inner_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -45,6 +45,7 @@ import torch
 
 from dilocox.checkpoint import load_rank_state, meta_topology, read_meta
 from dilocox.compress.payload import Payload
+from dilocox.optim import build_inner_optimizer
 from dilocox.parallel.split import stage_on_meta
 from dilocox.sync.reducers import ReplicaSlice
 
@@ -118,8 +119,6 @@ def _inner_state(trainer: Any, saved: dict[int, list[dict[str, Any]]], old_pp: i
     index that held it (a saved stage's optimizer order, rebuilt on the meta device), the tensors of sharded
     parameters (dim >= 1, as `load_local_optimizer_state_` reads them) resharded; the groups' settings the saved
     ones, their parameters this stage's."""
-    from dilocox.trainer import build_inner_optimizer  # the trainer imports this module
-
     where: dict[str, tuple[int, int]] = {}
     for stage in saved:
         module = stage_on_meta(trainer.model_shape, stage, old_pp)

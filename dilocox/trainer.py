@@ -45,7 +45,7 @@ from dilocox.net.channel import WanChannel
 from dilocox.net.json_gather import all_gather_json
 from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.net.watchdog import JobStore, Watchdog
-from dilocox.optim import MuonAdamW, inner_state_bytes, split_muon_parameters
+from dilocox.optim import MuonAdamW, build_inner_optimizer, inner_state_bytes
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
 from dilocox.parallel.fsdp import (
     load_local_optimizer_state_,
@@ -193,35 +193,6 @@ def set_inner_lr(optimizer: torch.optim.Optimizer, cfg: Config, step: float) -> 
         muon_lr = lr_at(cfg, step, peak=cfg.train.muon_lr)
         for group in optimizer.muon.param_groups:
             group["lr"] = muon_lr
-
-
-def build_inner_optimizer(cfg: Config, model: Decoder) -> torch.optim.Optimizer:
-    """`train.optimizer` over the stage's parameters: AdamW (norms and biases not decayed), plain SGD, or Muon on
-    the blocks' matrices with AdamW on the rest (`MuonAdamW`, split per stage by `split_muon_parameters`)."""
-    t = cfg.train
-    if t.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=t.lr)
-    on_gpu = next(model.parameters()).device.type == "cuda"
-    if t.optimizer == "muon":
-        muon, adamw = split_muon_parameters(model)
-        return MuonAdamW(
-            [p for _, p in muon],
-            [p for _, p in adamw],
-            lr=t.lr,
-            muon_lr=t.muon_lr,
-            weight_decay=t.weight_decay,
-            betas=(t.beta1, t.beta2),
-            muon_momentum=t.muon_momentum,
-            fused=True if on_gpu else None,
-        )
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms and biases are not decayed
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=t.lr,
-        betas=(t.beta1, t.beta2),
-        fused=True if on_gpu else None,  # one kernel for all parameters on CUDA; the default (foreach) elsewhere
-    )
 
 
 @torch.no_grad()

@@ -58,14 +58,17 @@ class Run:
         """Every process the launcher started, by cluster, in the order they were started."""
         started: dict[int, list[int]] = {}
         for line in list(self.lines):
-            found = re.match(r"dilocox: elastic: cluster (\d+) started \(pid (\d+)", line)
+            found = re.search(r"dilocox: elastic: cluster (\d+) started \(pid (\d+)", line)
             if found:
                 started.setdefault(int(found.group(1)), []).append(int(found.group(2)))
         return started
 
     def ranks_of(self, cluster: int) -> list[int]:
         """The pids of every rank of `cluster`'s last start, in rank order."""
-        found = [re.match(rf"dilocox: elastic: cluster {cluster} started \(pid ([\d ]+),", line) for line in self.lines]
+        # searched, not matched: a rank's progress line may still lack its newline when the launcher prints
+        found = [
+            re.search(rf"dilocox: elastic: cluster {cluster} started \(pid ([\d ]+),", line) for line in self.lines
+        ]
         starts = [match.group(1).split() for match in found if match]
         assert starts, f"cluster {cluster} has no pid line:\n{self.output}"
         return [int(pid) for pid in starts[-1]]
