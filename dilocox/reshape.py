@@ -64,10 +64,10 @@ def reshaped_rank_state(path: Path, trainer: Any) -> dict[str, Any]:
     old_dp, new_dp, old_pp = saved_topology.dp_degree, trainer.topology.dp_degree, saved_topology.pp_degree
     names = {id(param): name for name, param in trainer.model.named_parameters()}
     own = [names[id(param)] for param in trainer.model.parameters()]
-    saved = {
-        stage: [name for name, _ in stage_on_meta(args, stage, old_pp).named_parameters()] for stage in range(old_pp)
-    }
+    modules = {stage: stage_on_meta(args, stage, old_pp) for stage in range(old_pp)}  # the saved stages' layouts
+    saved = {stage: [name for name, _ in module.named_parameters()] for stage, module in modules.items()}
     stages = [stage for stage in range(old_pp) if set(saved[stage]) & set(own)]  # in pipeline order
+    modules = {stage: modules[stage] for stage in stages}
     per_cluster = old_dp * old_pp  # an elastic cluster's checkpoint numbers its own ranks
     ranks = {stage: [saved_topology.rank_of(coords.cluster, d, stage) for d in range(old_dp)] for stage in stages}
     states = {s: [load_rank_state(path, r % per_cluster if trainer.elastic else r) for r in ranks[s]] for s in stages}
@@ -84,9 +84,11 @@ def reshaped_rank_state(path: Path, trainer: Any) -> dict[str, Any]:
     return {
         "model": model,
         "inner_optimizer": _inner_state(
-            trainer, {s: [x["inner_optimizer"] for x in states[s]] for s in stages}, old_pp
+            trainer, {s: [x["inner_optimizer"] for x in states[s]] for s in stages}, modules, names
         ),
-        "sync": reshaped_sync_state({s: [x["sync"] for x in states[s]] for s in stages}, trainer, saved, counted),
+        "sync": reshaped_sync_state(
+            {s: [x["sync"] for x in states[s]] for s in stages}, trainer, modules, names, counted
+        ),
         "data": _reshaped_position(first["data"], trainer, saved_topology),
         "channel": _merged_counters(
             [x["channel"] for x in states[stages[0]]],
@@ -114,20 +116,20 @@ def _reshard(shards: list[torch.Tensor], dp: int, index: int) -> torch.Tensor:
     return whole[start:end].clone()
 
 
-def _inner_state(trainer: Any, saved: dict[int, list[dict[str, Any]]], old_pp: int) -> dict[str, Any]:
-    """The inner optimizer's `local_state` for this rank: each of its parameters' state from the saved stage and
-    index that held it (a saved stage's optimizer order, rebuilt on the meta device), the tensors of sharded
-    parameters (dim >= 1, as `load_local_optimizer_state_` reads them) resharded; the groups' settings the saved
-    ones, their parameters this stage's."""
+def _inner_state(
+    trainer: Any, saved: dict[int, list[dict[str, Any]]], modules: dict[int, Any], names: dict[int, str]
+) -> dict[str, Any]:
+    """The inner optimizer's `local_state` for this rank (`names`: its parameters' names by id): each of its
+    parameters' state from the saved stage and index that held it (a saved stage's optimizer order, rebuilt over its
+    meta-device module in `modules`), the tensors of sharded parameters (dim >= 1, as `load_local_optimizer_state_`
+    reads them) resharded; the groups' settings the saved ones, their parameters this stage's."""
     where: dict[str, tuple[int, int]] = {}
-    for stage in saved:
-        module = stage_on_meta(trainer.model_shape, stage, old_pp)
-        names = {id(param): name for name, param in module.named_parameters()}
+    for stage, module in modules.items():
+        held = {id(param): name for name, param in module.named_parameters()}
         order = [
-            names[id(p)] for group in build_inner_optimizer(trainer.cfg, module).param_groups for p in group["params"]
+            held[id(p)] for group in build_inner_optimizer(trainer.cfg, module).param_groups for p in group["params"]
         ]
         where.update({name: (stage, index) for index, name in enumerate(order)})
-    names = {id(param): name for name, param in trainer.model.named_parameters()}
     optimizer, dp, index = trainer.inner_optimizer, trainer.topology.dp_degree, trainer.coords.dp
     state: dict[Any, Any] = {}
     for new, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
@@ -157,23 +159,26 @@ class _SavedFragment:
 
 
 def reshaped_sync_state(
-    saved: dict[int, list[dict[str, Any]]], trainer: Any, names: dict[int, list[str]], counted: list[int]
+    saved: dict[int, list[dict[str, Any]]],
+    trainer: Any,
+    modules: dict[int, Any],
+    own: dict[int, str],
+    counted: list[int],
 ) -> dict[str, Any]:
     """The outer sync's state of this rank from the saved stages' (`saved[stage]`: its replicas' in dp order;
-    `names[stage]`: the parameters of every saved stage in order), its link counters from the stages `counted`."""
+    `modules[stage]`: its meta-device module; `own`: this rank's parameters' names by id), its link counters from
+    the stages `counted`."""
     stages = list(saved)
     base = saved[stages[0]][0]
     if "fragments" not in base:  # a strategy without an outer loop (allreduce): nothing per replica
         return base
     coords, new_dp = trainer.coords, trainer.topology.dp_degree
     layout = _Layout(len(saved[stages[0]]), new_dp, coords.dp, sharded=trainer.sharded)
-    own = {id(param): name for name, param in trainer.model.named_parameters()}
     fragments = trainer.sync.diloco.fragments  # type: ignore[union-attr]
-    same_stage = [names[s] for s in stages] == [[own[id(p)] for p in trainer.model.parameters()]]
-    shapes = {}  # every saved stage's tensors' whole shapes (a DTensor's shape is its global one)
-    for stage in stages:
-        module = stage_on_meta(trainer.model_shape, stage, len(names))
-        shapes.update({name: torch.Size(param.shape) for name, param in module.named_parameters()})
+    names = {stage: [name for name, _ in module.named_parameters()] for stage, module in modules.items()}
+    same_stage = list(names.values()) == [[own[id(p)] for p in trainer.model.parameters()]]
+    # every saved stage's tensors' whole shapes (a DTensor's shape is its global one)
+    shapes = {name: torch.Size(p.shape) for module in modules.values() for name, p in module.named_parameters()}
     if same_stage:  # fragment k from saved fragment k
         olds = [[_SavedFragment(*_named(f, own, shapes), [x["fragments"][k] for x in saved[stages[0]]])]
                 for k, f in enumerate(fragments)]  # fmt: skip
@@ -192,7 +197,7 @@ def reshaped_sync_state(
 def _named(fragment: Any, names: dict[int, str], shapes: dict[str, torch.Size]) -> tuple[list[str], list[torch.Size]]:
     """A live fragment's tensors' names and whole shapes, in its flat order."""
     order = [names[id(param)] for param in fragment.flat.params]
-    return order, [shapes.get(name, torch.Size(p.shape)) for name, p in zip(order, fragment.flat.params, strict=True)]
+    return order, [shapes[name] for name in order]
 
 
 class _Layout:
