@@ -21,7 +21,7 @@ import datetime
 import io
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,17 @@ def shared_settings() -> str:
     """The settings every machine of an elastic run must give the same values, in words."""
     sections = ", ".join(f"[{name}]" for name in SHARED_SECTIONS)
     return f"{sections} and run.seed, except {', '.join(MACHINE_LOCAL_SETTINGS)}"
+
+
+def returning_by_heartbeat(
+    ages: Mapping[int, float], *, skip: Collection[int], beating_s: float, window_s: float
+) -> dict[int, bool]:
+    """The clusters a live one waits for at the end of training that no launcher of its machine starts again (a
+    torchrun job's, or another machine's launcher's): each cluster of `ages` (seconds since its last Lighthouse
+    heartbeat) outside `skip` that beat less than `window_s` ago (network.timeout: one that died shortly before the
+    end may be on its way back), with whether it beats now (within `beating_s`, the Lighthouse's 2 x
+    network.heartbeat: it is back and asks to join, or it is still in the run)."""
+    return {cluster: age < beating_s for cluster, age in ages.items() if cluster not in skip and age < window_s}
 
 
 class NoLivePeer(RuntimeError):
@@ -327,6 +338,10 @@ class ElasticMembership:
         """The clusters its launcher is starting again and that have not joined the run yet, each with whether it
         has asked to join (set by the launcher; None: nobody restarts clusters). The end of training waits for
         them (`wait_for_restarts`, `restarts_in_progress`)."""
+        self.launched_here: Collection[int] = (cluster,)
+        """This cluster and the others its machine's launcher starts (set by the launcher), whose restarts `restarts`
+        reports; every other cluster's return is judged from its Lighthouse heartbeats (`returning`)."""
+        self.heartbeat_s = heartbeat_s
         self.config_fingerprint = config_fingerprint
         """`agreement.settings_fingerprint` of `shared_settings`, compared at every boundary."""
         self.shared_settings = shared_settings or {}
@@ -437,33 +452,48 @@ class ElasticMembership:
         """The clusters being started again that have not joined yet: {cluster: whether it asked to join}."""
         return {} if self.restarts is None else self.restarts()
 
+    def returning(self) -> dict[int, bool]:
+        """The clusters the end of training waits for, each with whether it is back (asked to join, or beats): this
+        launcher's restarts in progress (`restarts_in_progress`), and every other cluster whose Lighthouse heartbeat
+        stopped less than network.timeout ago (`returning_by_heartbeat`): its torchrun job, or its machine's
+        launcher, may be starting it again, and nothing else tells this machine. A cluster still in the run beats
+        and is back."""
+        back = returning_by_heartbeat(
+            self.stall_watch.heartbeat_ages(),
+            skip=self.launched_here,
+            beating_s=2 * self.heartbeat_s,
+            window_s=self.timeout.total_seconds(),
+        )
+        return back | self.restarts_in_progress()
+
     def wait_for_restarts(self) -> None:
-        """At the end of training, before the last quorum: wait, up to network.timeout, until every cluster that the
-        launcher is starting again has asked to join, so that it heals in that quorum and every cluster ends with
-        the same outer params. Mid-run a restarted cluster simply joins at the next boundary; at the end there is no
-        next boundary, and whether it got in would depend on how long its start took. The condition only ever
-        becomes true (a cluster that asked stays asked; one the launcher gives up on leaves the list), so every
-        live cluster leaves the wait for the same quorum; past the bound the run ends without it (its launcher
-        stops it with one line). A restart that asks just after that quorum formed is met in a new one
-        (`ElasticRounds`: every member reports a restart missing from its quorum)."""
-        starting = [cluster for cluster, asked in self.restarts_in_progress().items() if not asked]
+        """At the end of training, before the last quorum: wait, up to network.timeout, until every cluster that may
+        come back (`returning`: started again by a launcher or torchrun) has asked to join, so that it heals in
+        that quorum and every cluster ends with the same outer params. Mid-run a restarted cluster simply joins at
+        the next boundary; at the end there is no next boundary, and whether it got in would depend on how long
+        its start took. The condition only ever becomes true (a cluster that asked stays asked; one the launcher
+        gives up on leaves the list, and so does one silent for network.timeout), so every live cluster leaves the
+        wait for the same quorum; past the bound the run ends without it (its launcher stops it with one line, a
+        torchrun job's restart finds no live peer). A restart that asks just after that quorum formed is met in a
+        new one (`ElasticRounds`: every member reports a restart missing from its quorum)."""
+        starting = [cluster for cluster, back in sorted(self.returning().items()) if not back]
         if not starting:
             return
         print(
-            f"dilocox: elastic: cluster {self.cluster} waits for restarted clusters {starting} before the last sync"
-            f" (up to network.timeout = {self.timeout.total_seconds():.0f}s)",
+            f"dilocox: elastic: cluster {self.cluster} waits for clusters {starting}, started again or silent for "
+            f"less than network.timeout = {self.timeout.total_seconds():.0f}s, before the last sync",
             flush=True,
         )
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while starting := [cluster for cluster, asked in self.restarts_in_progress().items() if not asked]:
+        while starting := [cluster for cluster, back in sorted(self.returning().items()) if not back]:
             if time.monotonic() > deadline:
                 print(
-                    f"dilocox: elastic: restarted clusters {starting} did not come within network.timeout = "
+                    f"dilocox: elastic: clusters {starting} did not come back within network.timeout = "
                     f"{self.timeout.total_seconds():.0f}s; cluster {self.cluster} ends the run without them",
                     flush=True,
                 )
                 return
-            time.sleep(0.05)
+            time.sleep(0.1)
 
     def start_round(self, *, check: bool = True) -> Quorum:
         """Meet the live clusters at this round boundary (a late one heals here); refuse to go on below

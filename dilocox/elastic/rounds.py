@@ -355,6 +355,7 @@ class ElasticRounds:
                 # A cluster died so close to the end that its restart was marked after this quorum formed, or the
                 # restart asked to join just after it: meet again with it (not a failure, nothing was sent).
                 quorum = None
+                time.sleep(0.1)  # a restart that beats may take seconds to ask: no busy loop of quorums meanwhile
                 continue
             if branch is Branch.REJOIN:
                 raise RejoinRequired(
@@ -464,7 +465,7 @@ class ElasticRounds:
             )
 
     def _restart_missing(self, quorum: Quorum) -> bool:
-        return any(cluster not in quorum.clusters for cluster in self.membership.restarts_in_progress())
+        return any(cluster not in quorum.clusters for cluster in self.membership.returning())
 
     def _wait(
         self,

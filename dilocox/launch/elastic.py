@@ -422,7 +422,9 @@ def run_cluster_rank(
                 trainer.on_joining = lambda: board.set(cluster, ClusterStatus.REJOINING)
             trainer.on_joined = lambda: board.set(cluster, ClusterStatus.JOINED)
         if trainer.membership is not None:
-            trainer.membership.restarts = None if board is None else board.restarts_in_progress
+            if board is not None:
+                trainer.membership.restarts = board.restarts_in_progress
+                trainer.membership.launched_here = cfg.topology.launched_clusters()
             trainer.membership.restarted = restarted
         try:
             trainer.train()

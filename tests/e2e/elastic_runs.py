@@ -88,6 +88,14 @@ class Run:
             time.sleep(0.05)
         raise AssertionError(f"step {step} not reached within {timeout:.0f} s")
 
+    def wait_for_line(self, text: str, timeout: float = 120) -> None:
+        """Return once the run printed a line holding `text`, the run still going."""
+        deadline = time.time() + timeout
+        while not any(text in line for line in list(self.lines)):
+            assert self.proc.poll() is None, f"the run ended without printing {text!r}"
+            assert time.time() < deadline, f"{text!r} not printed within {timeout:.0f} s"
+            time.sleep(0.05)
+
     def finish(self, timeout: float = 150) -> int:
         code = self.proc.wait(timeout=timeout)
         self._reader.join(timeout=10)

@@ -289,6 +289,32 @@ def test_hosts_in_network_namespaces_heal_a_killed_host_across_a_shaped_link(tmp
     assert abs(shaped_bytes[0] - shaped_bytes[1]) > 0.8 * 4 * 164_416, shaped_bytes
 
 
+@pytest.mark.timeout(240)
+def test_the_end_of_the_run_waits_for_a_torchrun_job_starting_its_cluster_again(tmp_path, start_run, lighthouse):
+    # Cluster 1 is a torchrun job; nothing tells cluster 0's launcher when torchrun starts it again. Its rank is
+    # stopped (SIGSTOP) at step 20: cluster 0 names it stalled, trains on alone to the end, and there waits for it,
+    # silent for less than network.timeout. Only then is the stopped rank killed: torchrun starts the job again,
+    # the restart heals from cluster 0 in the last quorum, and both end on the same outer params (before, cluster 0
+    # finished at once and the restart found no live peer: exit 5).
+    steps = 60
+    flags = [*ELASTIC, "--topology.num_clusters=2", f"--train.steps={steps}", "--sync.inner_steps=10",
+             f"--network.lighthouse={lighthouse}", "--network.advertise_host=127.0.0.1", "--network.timeout=120s"]  # fmt: skip
+    live = start_run("cluster0", *flags, "--topology.local_clusters=0")
+    job = start_run("cluster1", *flags, "--topology.local_clusters=1",
+                    torchrun=("--standalone", "--nproc-per-node=1", "--max-restarts=1"))  # fmt: skip
+    live.wait_for_step(20)
+    (worker,) = child_pids(job.proc.pid)
+    os.kill(worker, signal.SIGSTOP)
+    live.wait_for_line("cluster 0 waits for clusters [1], started again or silent")
+    assert job.proc.poll() is None
+    os.kill(worker, signal.SIGKILL)
+    assert [run.finish(timeout=180) for run in (live, job)] == [0, 0]
+    assert re.search(rf"dilocox: elastic: cluster 1 rejoined at step {steps}: .*healed from a live peer", live.output)
+    records = {0: records_of(tmp_path / "cluster0")[0], 1: records_of(tmp_path / "cluster1")[1]}
+    assert records[0]["outer_params_sha256"] == records[1]["outer_params_sha256"], records  # bit-identical
+    assert records[1]["healed_from_peer"] and all(r["step"] == steps for r in records.values())
+
+
 @pytest.mark.timeout(300)
 def test_a_cluster_spread_over_two_hosts_by_torchrun_heals_a_killed_rank_across_a_shaped_link(tmp_path, start_run):
     # Three "hosts", each a network namespace behind its own veth capped at 1 Gbit/s: cluster 0 is started by

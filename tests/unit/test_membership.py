@@ -2,6 +2,7 @@
 
 import datetime
 import http.server
+import itertools
 import json
 import logging
 import re
@@ -20,8 +21,8 @@ from dilocox.elastic.lighthouse import (
     probe_lighthouse,
     start_lighthouse,
 )
-from dilocox.elastic.membership import ElasticError, ElasticMembership
-from dilocox.elastic.stall import cluster_ages
+from dilocox.elastic.membership import ElasticError, ElasticMembership, returning_by_heartbeat
+from dilocox.elastic.stall import StallWatch, cluster_ages
 from dilocox.elastic.vote import APPLY, NOTHING, REDO, delayed_update_verdict, diverged_members, outer_digest
 
 
@@ -69,20 +70,50 @@ def test_the_launcher_reads_which_clusters_ended_the_run_from_the_first_record(t
     assert _last_round_clusters(tmp_path, 1) == (0, 1)
 
 
+def _ended_membership(restarts, beats, *, launched_here=(0,), timeout_s=0.3) -> ElasticMembership:
+    """A membership at the end of training (the wait needs no torchft Manager): its launcher's `restarts` and the
+    Lighthouse's heartbeat ages `beats()` (by replica id), network.heartbeat 0.5 s."""
+    membership = ElasticMembership.__new__(ElasticMembership)
+    membership.cluster, membership.timeout = 0, datetime.timedelta(seconds=timeout_s)
+    membership.restarts, membership.launched_here, membership.heartbeat_s = restarts, launched_here, 0.5
+    membership.stall_watch = StallWatch(ages=beats, stall_timeout_s=0.0, poll_s=0.5)
+    return membership
+
+
 def test_the_end_of_training_waits_for_a_restart_to_ask_and_gives_up_after_network_timeout(capsys):
-    membership = ElasticMembership.__new__(ElasticMembership)  # the wait needs no torchft Manager
-    membership.cluster, membership.timeout = 0, datetime.timedelta(seconds=0.3)
     asked = iter([{2: False}, {2: False}, {2: False}, {2: True}])
-    membership.restarts = lambda: next(asked)
-    membership.wait_for_restarts()
-    assert "cluster 0 waits for restarted clusters [2] before the last sync" in capsys.readouterr().out
+    _ended_membership(lambda: next(asked), dict, launched_here=(0, 2)).wait_for_restarts()
+    assert "cluster 0 waits for clusters [2], started again or silent" in capsys.readouterr().out
 
-    membership.restarts = lambda: {2: False}  # never asks
-    membership.wait_for_restarts()
-    assert "restarted clusters [2] did not come within network.timeout" in capsys.readouterr().out
+    _ended_membership(lambda: {2: False}, dict, launched_here=(0, 2)).wait_for_restarts()  # never asks
+    assert "clusters [2] did not come back within network.timeout" in capsys.readouterr().out
 
-    membership.restarts = None  # no launcher restarts clusters: nothing to wait for
+    _ended_membership(None, dict).wait_for_restarts()  # nobody restarts clusters, and none is silent: no wait
+    assert capsys.readouterr().out == ""
+
+
+def test_a_cluster_no_launcher_here_restarts_is_waited_for_from_its_silence_until_it_beats_again(capsys):
+    # cluster 1 is a torchrun job's (or another machine's): its heartbeat stopped 3 s ago; its restart beats under a
+    # new replica id from the third look on. Cluster 2 beats (it is in the run), cluster 3 went silent long ago.
+    silent = {"cluster0:a": 0.1, "cluster1:a": 3.0, "cluster2:a": 0.2, "cluster3:a": 90.0}
+    looks = itertools.chain([silent, silent], itertools.repeat({**silent, "cluster1:b": 0.1}))
+    membership = _ended_membership(None, lambda: next(looks), timeout_s=60)
     membership.wait_for_restarts()
+    assert "cluster 0 waits for clusters [1], started again or silent" in capsys.readouterr().out
+    assert membership.returning() == {1: True, 2: True}  # back; cluster 3 is not waited for, nor this cluster
+
+    # past network.timeout of silence the restart is not waited for; a cluster of this machine's launcher is judged
+    # by the launcher alone (it knows whether it starts it again)
+    assert returning_by_heartbeat({1: 61.0, 2: 3.0}, skip=(0,), beating_s=1.0, window_s=60.0) == {2: False}
+    assert returning_by_heartbeat({1: 3.0, 2: 3.0}, skip=(0, 2), beating_s=1.0, window_s=60.0) == {1: False}
+    membership = _ended_membership(lambda: {}, lambda: silent, launched_here=(0, 1), timeout_s=60)
+    assert membership.returning() == {2: True}
+
+    # a Lighthouse that does not answer holds nothing up
+    def unreachable():
+        raise OSError("connection refused")
+
+    _ended_membership(None, unreachable).wait_for_restarts()
     assert capsys.readouterr().out == ""
 
 
