@@ -205,8 +205,6 @@ ROWS: tuple[Row, ...] = (
     Row(TIME_ROUNDS, OVERLAP, "clusters do different numbers of steps in a time round, so a landing a fixed number of "
         "steps in has no meaning",
         "sync.overlap_steps = 0; sync.round.mode = steps", "--sync.round.mode=time --sync.overlap_steps=3"),
-    Row(TIME_ROUNDS, ROBUST, "the clusters' updates are weighted by their tokens, which only the mean can do",
-        "sync.aggregate = mean; sync.round.mode = steps", "--sync.round.mode=time --sync.aggregate=median"),
     Row(ROUND_SECONDS, STEP_ROUNDS, "it is the budget of a time round",
         "sync.round.mode = time; sync.round.seconds = 0", "--sync.round.seconds=2"),
     # what a reduction that sums in transit cannot do

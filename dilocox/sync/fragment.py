@@ -518,7 +518,7 @@ class FragmentState:
         avg = pending.wait()
         if reports is not None:  # the token-weighted mean of the pre-scaled pseudo-gradients
             factor, weight_sum = token_weighted_factor(
-                reports, excluded=pending.excluded, round_tokens=stage.round_tokens
+                reports, excluded=pending.excluded, round_tokens=stage.round_tokens, robust=cfg.aggregate != "mean"
             )
             avg.mul_(factor)
             self.reports = reports

@@ -24,6 +24,7 @@ finishes its decay.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,17 +166,23 @@ class RoundClock:
 
 
 def token_weighted_factor(
-    reports: list[RoundReport | None], *, excluded: dict[int, str], round_tokens: int
+    reports: list[RoundReport | None], *, excluded: dict[int, str], round_tokens: int, robust: bool = False
 ) -> tuple[float, float]:
     """(factor, weight sum): a reducer's mean of pre-scaled pseudo-gradients (n_c / n_ref x delta_c) times `factor`
     is the token-weighted mean sum_c n_c delta_c / sum_c n_c over the clusters it kept. The mean divided by the
     clusters it kept (C, or with the gather reduction C less the excluded), so factor = kept x n_ref / sum n_c.
     A cluster whose report did not arrive (its tag did not verify) counts one nominal round. The weight sum is
-    sum_c n_c / n_ref (0: nothing to average, factor 0)."""
+    sum_c n_c / n_ref (0: nothing to average, factor 0).
+
+    `robust` (a robust `sync.aggregate` of the pre-scaled updates): the weight sum is
+    kept x the median weight, so factor = 1 / median weight: the statistic of the updates each scaled by its
+    cluster's tokens against the median cluster's. Equal tokens give the plain statistic of the updates; a cluster
+    that reports far more tokens than it trained on scales only its own update, which the statistic leaves out,
+    where in a sum it would shrink every other cluster's share."""
     kept = [index for index in range(len(reports)) if index not in excluded]
     weights = [
         1.0 if reports[index] is None else reports[index].tokens / round_tokens  # type: ignore[union-attr]
         for index in kept
     ]
-    total = sum(weights)
+    total = len(weights) * statistics.median(weights) if robust and weights else sum(weights)
     return (len(kept) / total if total > 0 else 0.0), total

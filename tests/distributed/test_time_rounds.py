@@ -58,11 +58,13 @@ def _drive(rank, world_size, compression: list[str]):
         step += 1
         inner_step(model, optimizer, rank, step, sync)
         theta = flat(model).clone()  # before the sync of a round that ends here
+        phi_before = sync.outer_params.clone()
         stats = sync.after_inner_step(step)
         if sync.status().boundary:
             rounds.append(
                 {
                     "theta": theta,
+                    "phi_before": phi_before,
                     "phi": sync.outer_params.clone(),
                     "cluster_steps": stats.cluster_steps,
                     "cluster_tokens": stats.cluster_tokens,
@@ -109,6 +111,23 @@ def test_time_rounds_weigh_each_cluster_by_its_tokens(compression, tolerance):
             report = ring_all_gather_bytes([8 * REPORT_FIELDS] * NUM_CLUSTERS, rank)[0]
             payload = ring_all_reduce_bytes(result["numel"], 4, NUM_CLUSTERS, rank)[0]
             assert result["bytes_sent"] == 2 * (report + payload)
+
+
+@pytest.mark.dist
+def test_a_robust_aggregate_of_time_rounds_takes_the_median_of_the_updates_scaled_by_their_tokens():
+    """sync.aggregate = median: phi moves by the coordinate-wise median of the clusters' updates each times n_c over the
+    median cluster's tokens (`token_weighted_factor`), here the median of (delta_0, delta_1, delta_2 / 2)."""
+    compression = ["--compression.kind=fp16", "--compression.reduction=gather", "--compression.error_feedback=false"]
+    results = run_ranks(_drive, world_size=NUM_CLUSTERS, args=([*compression, "--sync.aggregate=median"],))
+    scales = torch.tensor(WANT_STEPS, dtype=torch.float64)[:, None] / 8
+    for index in range(2):
+        phi_before = results[0]["rounds"][index]["phi_before"].double()
+        deltas = torch.stack([phi_before - results[c]["rounds"][index]["theta"].double() for c in range(NUM_CLUSTERS)])
+        want = phi_before - (scales * deltas).median(dim=0).values
+        mean = phi_before - (scales * deltas).sum(0) / scales.sum()
+        assert (want - mean).abs().max() > 1e-2  # the median is not the weighted mean here
+        for result in results:  # every cluster holds the same phi
+            torch.testing.assert_close(result["rounds"][index]["phi"].double(), want, rtol=0, atol=5e-4)
 
 
 def _fragments(rank, world_size):

@@ -198,11 +198,11 @@ def test_print_config_of_the_default_preset_is_the_preset_file_over_the_field_de
     )  # the values the preset file wrote out before they were auto
     # a combination that cannot work is one line and exit 2, before anything is printed; it is the real one: the
     # preset's auto overlap does not complain about time rounds
-    bad = cli("train", "--print-config", "--sync.round.mode=time", "--sync.aggregate=median", cwd=tmp_path)
+    bad = cli("train", "--print-config", "--sync.round.mode=time", "--sync.round.fit_link=true", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1
     assert bad.stderr.startswith(
-        "dilocox: error: sync.round.mode = 'time' does not work with sync.aggregate = 'median': the clusters' updates "
-        "are weighted by their tokens"
+        "dilocox: error: sync.round.mode = 'time' does not work with sync.round.fit_link = true: a time round's length "
+        "is its budget"
     )
 
 

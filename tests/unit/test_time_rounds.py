@@ -44,7 +44,6 @@ def test_slow_clusters_from_a_toml_table_and_from_the_flag_forms(tmp_path):
             "does not work with sync.round.fit_link",
         ),
         (["--sync.round.mode=time", "--sync.sync_delay=1", "--sync.overlap_steps=2"], "sync.overlap_steps = 2"),
-        (["--sync.round.mode=time", "--sync.aggregate=median"], "sync.aggregate = 'median'"),
         (["--sync.round.seconds=2"], "set sync.round.mode = time"),
         # a budget below H steps of 1 ms cuts every round to one step (20 steps to 11 with H = 10)
         (["--sync.round.mode=time", "--sync.round.seconds=1e-9"], "use --sync.round.seconds=0.008 or more"),
@@ -123,6 +122,19 @@ def test_the_weighted_factor_counts_the_clusters_kept():
     assert token_weighted_factor(reports, excluded={1: "outsized"}, round_tokens=800) == (2 / 1.5, 1.5)
     assert token_weighted_factor([RoundReport(8, 0, 1.0)] * 2, excluded={}, round_tokens=800) == (0.0, 0.0)
     assert token_weighted_factor([None, reports[2]], excluded={}, round_tokens=800) == (2 / 1.5, 1.5)
+
+
+def test_a_robust_aggregate_scales_the_updates_by_the_median_clusters_tokens():
+    reports = [RoundReport(8, 800, 1.0), RoundReport(8, 800, 1.0), RoundReport(4, 400, 2.0)]
+    # the statistic of (n_c / n_ref) delta_c over 3, divided by the median weight 1: the slow cluster's update at half
+    assert token_weighted_factor(reports, excluded={}, round_tokens=800, robust=True) == (1.0, 3.0)
+    # equal tokens: the plain statistic of the updates, whatever the round's nominal tokens
+    assert token_weighted_factor(reports[2:] * 3, excluded={}, round_tokens=800, robust=True) == (2.0, 1.5)
+    # a cluster that claims 1000 rounds' tokens moves the divisor of no one (in a mean: every share / 335)
+    liar = [*reports[:2], RoundReport(8, 800_000, 1.0)]
+    assert token_weighted_factor(liar, excluded={}, round_tokens=800, robust=True) == (1.0, 3.0)
+    assert token_weighted_factor(liar, excluded={}, round_tokens=800)[0] == 3 / 1002
+    assert token_weighted_factor(liar, excluded={2: "outsized"}, round_tokens=800, robust=True) == (1.0, 2.0)
 
 
 def test_a_checkpoint_resumes_only_into_the_round_mode_it_was_written_with(tmp_path):
