@@ -213,7 +213,7 @@ class SyncConfig:
     local_residual: bool | Auto = "auto"
     """Keep 1/C of the codec's error-feedback residual in the cluster's parameters; auto: see merge's rule"""
     drain_residual: bool | Auto = "auto"
-    """After the last step send what every codec holds back, dense int4; auto: as local_residual, with an outer sgd"""
+    """After the last step send what every codec holds back, dense int4; auto: as local_residual, sgd, aggregate mean"""
     fragments: int = 1
     """Streaming DiLoCo: sync the stage as this many parameter fragments at staggered steps (1: all at once)."""
     aggregate: Aggregate = "mean"
@@ -253,8 +253,8 @@ class SyncConfig:
             cfg.outer.lr = OUTER_LR.get(cfg.outer.optimizer, OUTER_LR["sgd"])  # an unknown name: validate() says so
         if cfg.local_residual == AUTO:
             cfg.local_residual = keeps
-        if cfg.drain_residual == AUTO:
-            cfg.drain_residual = keeps and cfg.outer.optimizer == "sgd"
+        if cfg.drain_residual == AUTO:  # a robust statistic of the residuals hurt (docs/results.md, robust aggregates)
+            cfg.drain_residual = keeps and cfg.outer.optimizer == "sgd" and cfg.aggregate == "mean"
         if cfg.merge == AUTO:  # eager beat keep_local by 1.3 points with plain averaging (docs/results.md)
             momentum = cfg.outer.optimizer == "sgd" and cfg.outer.momentum > 0
             cfg.merge = "keep_local" if not delayed or momentum else "own_payload" if keeps else "eager"

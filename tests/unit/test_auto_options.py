@@ -75,6 +75,16 @@ def test_another_outer_optimizer_takes_its_own_learning_rate_not_the_presets_sgd
     assert load_config(None, ["--sync.outer.optimizer=sgd"]).sync.outer.lr == 1.4
 
 
+@pytest.mark.parametrize("aggregate", ["median", "trimmed_mean", "norm_clip"])
+def test_a_robust_aggregate_drains_no_residual_unless_asked(aggregate):
+    robust = load_config(None, [f"--sync.aggregate={aggregate}"])
+    robust.validate()
+    assert (robust.sync.drain_residual, robust.sync.local_residual, robust.sync.merge) == (False, True, "own_payload")
+    asked = load_config(None, [f"--sync.aggregate={aggregate}", "--sync.drain_residual=true"])
+    asked.validate()
+    assert asked.sync.drain_residual is True
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
