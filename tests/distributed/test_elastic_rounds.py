@@ -188,6 +188,9 @@ class Member:
     def restarts_in_progress(self) -> dict[int, bool]:
         return self.restarts()
 
+    def returning(self) -> dict[int, bool]:  # no Lighthouse heartbeats here: the restarts the test marks
+        return self.restarts()
+
     def wait_for_restarts(self) -> None:
         while not all(self.restarts().values()):
             threading.Event().wait(0.01)
