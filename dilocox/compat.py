@@ -269,9 +269,6 @@ ROWS: tuple[Row, ...] = (
     Row(MIXED_DP, SCALABLE, "its lanes are averaged by the gather reduction",
         "compression.reduction = gather; topology.clusters = []",
         "--topology.clusters=dp2,dp1 --compression.kind=int4 --compression.reduction=scalable"),
-    Row(MIXED_DP, FIT_LINK, "each cluster has its own share of the link",
-        "sync.round.fit_link = false; topology.clusters = []",
-        "--topology.clusters=dp2,dp1 --sync.round.fit_link=true"),
     # stages sharded over a cluster's dp ranks (FSDP2)
     Row(SHARDED, MIXED_DP, "each cluster cuts its shards by its own dp degree, so the ranks of clusters of different "
         "dp hold different parts of each tensor and share no lanes",

@@ -2,6 +2,8 @@
 against payload sizes worked out by hand, its mean against a reference computed here, and the token-weighted outer
 average of DiLoCo over clusters of dp 2, 1 and 1."""
 
+import math
+
 import pytest
 import torch
 
@@ -11,8 +13,10 @@ from dilocox.net.auth import TAG_BYTES, PayloadAuth
 from dilocox.net.channel import WanChannel
 from dilocox.net.sealing import ChunkSealer
 from dilocox.sync import build_sync
+from dilocox.sync.config import FIT_HEADROOM
 from dilocox.sync.lanes import LaneLayout, LaneReducer
 from dilocox.topology import Topology, build_process_groups
+from tests.distributed.resume import simulated
 from tests.multiproc import run_ranks
 
 DP_DEGREES = (2, 1, 1)  # ranks 0, 1: cluster 0; rank 2: cluster 1; rank 3: cluster 2
@@ -243,6 +247,53 @@ def test_clusters_of_different_dp_compose_with_time_rounds_fragments_robust_aggr
         assert torch.equal(start, phi)
         torch.testing.assert_close(outer_params, want, rtol=0, atol=1e-5)
         torch.testing.assert_close(params, want, rtol=0, atol=1e-5)
+
+
+def _fit_link(rank, world_size):
+    """Clusters of dp 2, 1 and 1 under the delay on an emulated link (virtual seconds, `simulated`) with
+    sync.round.fit_link: a replica of cluster 0 sends one lane, those of clusters 1 and 2 both, so each rank's sync
+    takes its own link time; returns the rounds (step, H, link seconds of its sync), phi and the H the run ended
+    with."""
+    topo = Topology.of_clusters(DP_DEGREES)
+    groups = build_process_groups(topo, rank)
+    coords = topo.coords(rank)
+    cfg = load_config(None, ["--sync.kind=diloco", "--sync.inner_steps=2", "--sync.sync_delay=1",
+                             "--sync.round.fit_link=true", "--sync.outer.lr=1", "--sync.outer.momentum=0",
+                             "--sync.guard.peers=false", "--compression.kind=none", "--train.steps=40",
+                             "--topology.clusters=dp2,dp1,dp1"])  # fmt: skip
+    cfg.validate(world_size=world_size)
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+    channel = simulated(lambda clock: WanChannel(groups.cluster_group, bandwidth=8000, latency_s=0.0, clock=clock))
+    sync = build_sync(cfg, params, channel=channel, dp_group=groups.dp_group,
+                      lanes=LaneLayout(topo, coords.cluster, coords.dp))  # fmt: skip
+    rounds = []
+    for step in range(1, 41):
+        channel.clock.sleep(0.0625)
+        with torch.no_grad():
+            params[0].add_(0.01 * (coords.cluster + 1))  # each cluster moves its own way
+        stats = sync.after_inner_step(step)
+        if stats is not None:
+            rounds.append((step, stats.inner_steps, stats.link_s))
+    sync.flush()
+    channel.close()
+    return rounds, sync.outer_params.clone(), sync.status().inner_steps
+
+
+@pytest.mark.dist
+def test_clusters_of_different_dp_fit_h_to_the_link_together():
+    results = run_ranks(_fit_link, sum(DP_DEGREES))
+    # the first sync's link time: a replica of cluster 0 sends one lane (128 or 120 values), the others both
+    link_s = [rounds[0][2] for rounds, _, _ in results]
+    assert max(link_s[:2]) < link_s[2] == link_s[3], link_s
+    # every rank takes the H that the slowest sync wants: ceil(1.1 x its link time / 0.0625 s a step)
+    wants = [math.ceil(FIT_HEADROOM * s / 0.0625) for s in link_s]
+    assert max(wants[:2]) < wants[2] == 5
+    steps = [(step, h) for step, h, _ in results[0][0]]
+    assert steps == [(4, 2), (9, 5), (14, 5), (19, 5), (24, 5), (29, 5), (34, 5), (39, 5), (40, 1)]
+    for rounds, phi, final_h in results:  # every rank ends its rounds at the same steps, on the same phi
+        assert [(step, h) for step, h, _ in rounds] == steps and final_h == 5
+        assert torch.equal(phi, results[0][1])
 
 
 def _empty_lane(rank, world_size):
