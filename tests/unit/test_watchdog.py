@@ -133,6 +133,14 @@ time.sleep(600)
 """
 
 
+def _wait_until_stopped(pid: int) -> None:
+    """Return once process `pid` is stopped (state T in /proc), a SIGSTOP sent to it delivered."""
+    deadline = time.monotonic() + 60
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.005)
+
+
 def test_a_frozen_store_host_is_reported_and_the_watchdog_does_not_hang():
     """A TCPStore client waits for ever on a frozen server: every heartbeat still returns (its store calls are
     bounded), and the silence, counted on the test's clock from the last answer, is reported."""
@@ -156,6 +164,7 @@ def test_a_frozen_store_host_is_reported_and_the_watchdog_does_not_hang():
             _heartbeat(clock, [dog], outcome)
         assert outcome.calls == {} and dog._last_answer == clock()
         os.kill(host.pid, signal.SIGSTOP)
+        _wait_until_stopped(host.pid)  # the signal is delivered later on a loaded machine: one more store call may pass
         frozen_at = clock()
         for _ in range(100):
             _heartbeat(clock, [dog], outcome)
