@@ -241,11 +241,8 @@ class _Layout:
         sizes = [s.numel() for s in self.piece_shapes(shapes, self.flat_parts(shapes, self.old_dp, index))]
         return list(torch.split(flat.reshape(-1), sizes))
 
-    def reshard_flat(self, shapes: list[torch.Size], flats: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's flat vector of the fragment from the saved replicas' (a sharded stage; replicated ones agree)."""
-        if not self.sharded:
-            return flats[0]
-        whole = self.assemble(shapes, [self.split_flat(shapes, f, d) for d, f in enumerate(flats)], slices=False)
+    def mine_flat(self, shapes: list[torch.Size], whole: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's flat vector of the whole tensors: its pieces of them, in order."""
         return torch.cat([piece.reshape(-1) for piece in self.mine(shapes, whole, slices=False)])
 
 
@@ -276,7 +273,7 @@ def _reshaped_fragment(
     def flat(get) -> torch.Tensor:
         """This rank's flat vector of the fragment from the flat vector `get` of each saved replica's state."""
         whole = by_tensor(lambda saved, d, o: layout.split_flat(saved.shapes, get(o), d), slices=False)
-        return torch.cat([piece.reshape(-1) for piece in layout.mine(shapes, whole, slices=False)])
+        return layout.mine_flat(shapes, whole)
 
     for key in _SHARED_KEYS:
         state[key] = flat(lambda o, key=key: o[key])
@@ -312,7 +309,7 @@ def _reshaped_fragment(
         state["reducer"] = reducer
         if base["pending_sent"] is not None:  # every replica's payload, decoded: the cluster's update
             whole = by_tensor(lambda saved, d, o: _decoded(o, fragment, saved.shapes, layout, d), slices=True)
-            state["pending_decoded"] = torch.cat([p.reshape(-1) for p in layout.mine(shapes, whole, slices=False)])
+            state["pending_decoded"] = layout.mine_flat(shapes, whole)
             state["pending_sent"] = None
     elif base["reduction"] == "dense":
         if base["pending_sent"] is not None:  # the whole pseudo-gradient (a sharded stage: each replica's rows)
@@ -331,8 +328,9 @@ def _residual_pieces(feedback: dict[str, Any], saved: _SavedFragment, layout: _L
     """Saved replica `index`'s residuals, one per piece of its slice (zeros where it holds none yet)."""
     shapes = saved.shapes
     parts = layout.slice_parts(shapes, layout.old_dp, index)
-    saved = feedback["residuals"]
-    return [saved[str(i)] if saved else torch.zeros(s) for i, s in enumerate(layout.piece_shapes(shapes, parts))]
+    residuals = feedback["residuals"]
+    pieces = layout.piece_shapes(shapes, parts)
+    return [residuals[str(i)] if residuals else torch.zeros(s) for i, s in enumerate(pieces)]
 
 
 def _decoded(state: dict[str, Any], fragment: Any, shapes: list[torch.Size], layout: _Layout, index: int):

@@ -298,7 +298,8 @@ def test_the_end_of_the_run_waits_for_a_torchrun_job_starting_its_cluster_again(
     # finished at once and the restart found no live peer: exit 5).
     steps = 60
     flags = [*ELASTIC, "--topology.num_clusters=2", f"--train.steps={steps}", "--sync.inner_steps=10",
-             f"--network.lighthouse={lighthouse}", "--network.advertise_host=127.0.0.1", "--network.timeout=120s"]  # fmt: skip
+             f"--network.lighthouse={lighthouse}", "--network.advertise_host=127.0.0.1",
+             "--network.timeout=120s"]  # fmt: skip
     live = start_run("cluster0", *flags, "--topology.local_clusters=0")
     job = start_run("cluster1", *flags, "--topology.local_clusters=1",
                     torchrun=("--standalone", "--nproc-per-node=1", "--max-restarts=1"))  # fmt: skip

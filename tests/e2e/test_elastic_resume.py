@@ -290,9 +290,7 @@ def test_a_resumed_run_waits_for_a_machine_that_starts_after_the_join_timeout(tm
     # a finished run continued for 20 more steps: asked for (--checkpoint.resume=latest), never found by auto
     more = ["--train.steps=50", "--checkpoint.resume=latest"]
     a = start_run("machine_a", *flags, *more, "--topology.local_clusters=0-1", run_dir=tmp_path / "first")
-    deadline = time.time() + 60
-    while not any("cluster 1 started" in line for line in a.lines) and time.time() < deadline:
-        time.sleep(0.1)
+    a.wait_for_line("cluster 1 started", timeout=60)
     time.sleep(8)
     b = start_run("machine_b", *flags, *more, "--topology.local_clusters=2", run_dir=tmp_path / "machine_b")
     assert (a.finish(), b.finish()) == (0, 0), "a launcher failed"

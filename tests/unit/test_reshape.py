@@ -40,7 +40,8 @@ def test_a_sharded_flat_vector_is_recut_for_the_new_replicas():
         torch.arange(shape.numel(), dtype=torch.float32).reshape(shape) + 1000 * t for t, shape in enumerate(SHAPES)
     ]
     flats = [torch.cat([full[t][a:b].reshape(-1) for t, a, b in layout.flat_parts(SHAPES, 2, d)]) for d in range(2)]
-    mine = layout.reshard_flat(SHAPES, flats)
+    whole = layout.assemble(SHAPES, [layout.split_flat(SHAPES, f, d) for d, f in enumerate(flats)], slices=False)
+    mine = layout.mine_flat(SHAPES, whole)
     assert torch.equal(mine, torch.cat([full[t][a:b].reshape(-1) for t, a, b in layout.flat_parts(SHAPES, 3, 1)]))
 
 
