@@ -1,12 +1,14 @@
 """The peer check against one lying cluster of three, per codec (docs/design.md §4.5; docs/results.md has the table).
 
 For each seed and codec: a clean run and one run per lie (cluster 2 sends its pseudo-gradient x4, x9 or negated from
-round 2 on), the dilocox preset on the debug config (3 clusters, 120 steps, H = 10, the default merge rule), the link
-not emulated. The gap of a lying run is taken against the clean run of the same seed and codec (paired). Runs one
-`dilocox train` at a time and keeps every finished run in results.json: an interrupted sweep goes on where it stopped.
+round 2 on), the dilocox preset on the debug config (3 clusters, 120 steps or `--steps`, H = 10, the default merge
+rule), the link not emulated. The gap of a lying run is taken against the clean run of the same seed and codec (paired).
+Runs one `dilocox train` at a time and keeps every finished run in results.json: an interrupted sweep goes on where it
+stopped.
 
     python benchmarks/guard_codecs.py                                  # every codec, seeds 0-2
     python benchmarks/guard_codecs.py --codecs topk_int4 --seeds 0 1 2
+    python benchmarks/guard_codecs.py --codecs topk_int4 --steps 60 --out benchmarks/results/guard_codecs_60
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ COMMON = [
     "--config=configs/debug.toml",
     "--preset=dilocox",
     "--topology.num_clusters=3",
-    "--train.steps=120",
     "--network.bandwidth=unlimited",
 ]
 
 
-def run(codec: str, lie: str, seed: int) -> dict:
+def run(codec: str, lie: str, seed: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        args = [*COMMON, f"--compression.kind={codec}", f"--run.seed={seed}", f"--run.out_dir={tmp}/run", *LIES[lie]]
+        args = [*COMMON, f"--train.steps={steps}", f"--compression.kind={codec}", f"--run.seed={seed}",
+                f"--run.out_dir={tmp}/run", *LIES[lie]]  # fmt: skip
         done = subprocess.run(
             [sys.executable, "-m", "dilocox", "train", *args], cwd=REPO, capture_output=True, text=True, timeout=900
         )
@@ -70,8 +72,8 @@ def run(codec: str, lie: str, seed: int) -> dict:
 def table(results: list[dict]) -> str:
     """Per codec and lie: the paired gap to the clean run (mean +- sd over seeds) and what was left out."""
     lines = [
-        "| codec | lie | seeds | final eval loss (mean) | gap to clean, paired (mean +- sd) | liar left out (of 12 "
-        "syncs) | honest left out |",
+        "| codec | lie | seeds | final eval loss (mean) | gap to clean, paired (mean +- sd) | liar left out (syncs) | "
+        "honest left out |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     by_key = {(r["codec"], r["lie"], r["seed"]): r for r in results}
@@ -100,20 +102,21 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write(results: list[dict]) -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+def write(results: list[dict], out: Path, steps: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     text = (
         "# The peer check per codec: one lying cluster of three\n\n"
-        "`python benchmarks/guard_codecs.py`: the dilocox preset on configs/debug.toml, 3 clusters, 120 steps, H = 10 "
-        "(11 rounds, then the drained residual: 12 syncs), the link not emulated; cluster 2 lies from round 2 on. Gap: "
-        "final eval loss over the clean run's of the same seed and codec. Left out: per seed, the syncs (rounds and "
-        "the drain) that left the liar out, and those that left out an honest cluster. `none` averages by an "
+        f"`python benchmarks/guard_codecs.py --steps {steps}`: the dilocox preset on configs/debug.toml, 3 clusters, "
+        f"{steps} steps, H = 10 ({steps // 10 - 1} rounds, then the drained residual: {steps // 10} syncs), the link "
+        "not emulated; cluster 2 lies from round 2 on. Gap: final eval loss over the clean run's of the same seed and "
+        "codec. Left out: per seed, the syncs (rounds and the drain) that left the liar out, and those that left out "
+        "an honest cluster. `none` averages by an "
         "all-reduce: no receiver sees one cluster's update, so the peer check cannot run (docs/design.md §4.5).\n\n"
         + table(results)
         + "\n\nEvery command: results.json.\n"
     )
-    (OUT / "results.md").write_text(text)
+    (out / "results.md").write_text(text)
 
 
 def main() -> None:
@@ -121,8 +124,10 @@ def main() -> None:
     parser.add_argument("--codecs", nargs="+", default=CODECS, choices=CODECS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--lies", nargs="+", default=list(LIES), choices=list(LIES))
+    parser.add_argument("--steps", type=int, default=120, help="training steps of every run (H = 10)")
+    parser.add_argument("--out", type=Path, default=OUT, help="where results.json and results.md go")
     args = parser.parse_args()
-    path = OUT / "results.json"
+    path = args.out / "results.json"
     results = json.loads(path.read_text()) if path.is_file() else []
     done = {(r["codec"], r["lie"], r["seed"]) for r in results}
     for codec in args.codecs:
@@ -130,10 +135,10 @@ def main() -> None:
             for lie in args.lies:
                 if (codec, lie, seed) in done:
                     continue
-                results.append(run(codec, lie, seed))
-                write(results)
+                results.append(run(codec, lie, seed, args.steps))
+                write(results, args.out, args.steps)
                 print(json.dumps(results[-1]), flush=True)
-    write(results)
+    write(results, args.out, args.steps)
 
 
 if __name__ == "__main__":

@@ -294,6 +294,7 @@ def _reshaped_fragment(
     if base["reduction"] == "gather":
         reducer = dict(base["reducer"])
         feedback = dict(reducer["feedback"])
+        feedback.pop("before", None)  # not re-cut: should the sync in flight be left out, every residual is forgotten
         if any(o["reducer"]["feedback"]["residuals"] for saved in old for o in saved.replicas):
             whole = by_tensor(lambda saved, d, o: _residual_pieces(o["reducer"]["feedback"], saved, layout, d), True)
             feedback["residuals"] = {str(i): r for i, r in enumerate(layout.mine(shapes, whole, slices=True))}

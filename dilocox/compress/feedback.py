@@ -34,13 +34,17 @@ class ErrorFeedback:
         feedback.keep([c - s for c, s in zip(corrected, sent)])
     """
 
-    def __init__(self, enabled: bool = True, decay: float = 1.0) -> None:
+    def __init__(self, enabled: bool = True, decay: float = 1.0, *, undoable: bool = False) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"compression.feedback_decay = {decay!r} must be in (0, 1]; 1 keeps every residual whole")
         self.enabled = enabled
         self.decay = float(decay)
         self.residuals: list[torch.Tensor] | None = None
         """fp32, one per tensor, shaped like the inputs; None until the first round."""
+        self.undoable = undoable
+        """Whether `compress` keeps the residuals it started from (one more copy), so that `undo` can return to them."""
+        self.before: list[torch.Tensor] | None = None
+        """With `undoable`: the residuals before the last `compress` ([] when there were none); None when not known."""
 
     def compress(self, codec: Codec, tensors: Sequence[torch.Tensor]) -> tuple[Payload, list[torch.Tensor]]:
         """Encode `tensors` (plus the residuals) with `codec`; return the payload and its local decoding (fp32)."""
@@ -51,6 +55,8 @@ class ErrorFeedback:
             return payload, codec.decode_list(payload, shapes)
         self._check_shapes(shapes)
         self._move_to(tensors)
+        if self.undoable:
+            self.before = [] if self.residuals is None else [residual.clone() for residual in self.residuals]
         if self.residuals is None:
             self.residuals = [tensor.detach().to(torch.float32, copy=True) for tensor in tensors]
         else:
@@ -97,8 +103,9 @@ class ErrorFeedback:
         self.residuals[index] = residual.to(torch.float32)
 
     def state_bytes(self, numel: int) -> int:
-        """Bytes of the residuals for inputs of `numel` values in all, counted before the first round too."""
-        return 4 * numel if self.enabled else 0
+        """Bytes of the residuals (twice with `undoable`) for inputs of `numel` values in all, counted before the first
+        round too."""
+        return (8 if self.undoable else 4) * numel if self.enabled else 0
 
     def _move_to(self, tensors: Sequence[torch.Tensor]) -> None:
         """Residuals live where the inputs do (a checkpoint loads them on the CPU; training may run on a GPU)."""
@@ -119,13 +126,26 @@ class ErrorFeedback:
     def reset(self) -> None:
         """Forget the residuals (e.g. after the parameters were replaced)."""
         self.residuals = None
+        self.before = None
+
+    def undo(self) -> None:
+        """Return to the residuals held before the last `compress`: what it took in is dropped, what earlier rounds
+        held back is still owed (the others left this cluster's update out). Where those are not known (not
+        `undoable`, or a checkpoint saved without them), forget every residual, as `reset` does."""
+        self.residuals = self.before or None
+        self.before = None
 
     def state_dict(self) -> dict[str, Any]:
         # Residuals keyed by index so that torch.distributed.checkpoint sees a flat dict of tensors.
         residuals = {} if self.residuals is None else {str(i): r for i, r in enumerate(self.residuals)}
-        return {"enabled": self.enabled, "residuals": residuals}
+        state: dict[str, Any] = {"enabled": self.enabled, "residuals": residuals}
+        if self.before is not None:  # an encoding that may still be undone (its sync is in flight)
+            state["before"] = {str(i): r for i, r in enumerate(self.before)}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.enabled = bool(state["enabled"])
         residuals = state["residuals"]
         self.residuals = [residuals[str(i)].clone() for i in range(len(residuals))] if residuals else None
+        before = state.get("before")
+        self.before = None if before is None else [before[str(i)].clone() for i in range(len(before))]

@@ -208,6 +208,9 @@ class FaultyReducer:
     def heal(self) -> None:
         self.reducer.heal()
 
+    def forget_last(self) -> None:
+        self.reducer.forget_last()
+
     def current_rank(self) -> int | None:
         return self.reducer.current_rank()
 

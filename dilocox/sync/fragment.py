@@ -185,7 +185,8 @@ class FragmentState:
     (`agreed_model`). `sync.local_residual` (a codec with error feedback): wherever a round starts, or restarts when
     an average lands, it starts lower by this cluster's share (1/C) of what its codec holds back. With `sync.guard`
     (docs/design.md §4.5) a cluster whose own pseudo-gradient is non-finite abstains and heals; the gather reduction
-    leaves out every non-finite or outsized update; a cluster left out heals too.
+    leaves out every non-finite or outsized update; a cluster left out takes phi and drops that round's update from its
+    error feedback (`_drop_if_left_out`).
     """
 
     def __init__(
@@ -299,14 +300,14 @@ class FragmentState:
                 self.reducer.heal()
             self.prepare_sync(pseudo_grad, abstain=abstain, report=report, step=step)
             landed = self.perform_sync(round_steps=round_steps, round_index=round_index)
-            heal = abstain or (landed is not None and landed.left_out)
+            heal = self._drop_if_left_out(landed) or abstain
             self._mix(heal)
         else:
             landed = self.perform_sync(round_steps=round_steps, round_index=round_index - 1)
             if landed is not None and cfg.round.fit_link:
                 self._fit_inner_steps(landed.stats, round_steps)
-            heal = abstain or (landed is not None and landed.left_out)
-            if heal:  # before this round's encoding: what the bad round left in the residuals is not sent again
+            heal = self._drop_if_left_out(landed) or abstain
+            if abstain:  # before this round's encoding: what the bad round left in the residuals is not sent again
                 self.reducer.heal()
             # what the last encodings held back is read before this one takes it in
             held_before = self.reducer.held_back(self.stage.state_device) if self._reads_held_back() else None
@@ -342,8 +343,7 @@ class FragmentState:
         landed = self.perform_sync(round_steps=step - self.last_boundary, round_index=self.outer_step)
         if landed is None:  # elastic: no member of the quorum holds a share of it
             return None
-        if landed.left_out:
-            self.reducer.heal()
+        if self._drop_if_left_out(landed):
             if self.cfg.guard.enabled:
                 self.guard.heal(cluster=self.cluster, round_index=self.outer_step, why="the others left its update out")
             start = self.outer_params.clone()
@@ -359,13 +359,24 @@ class FragmentState:
         newcomer, own_bad = self._launch_flags
         round_index = self.outer_step + 1
         landed = self.perform_sync(round_steps=step - self._launched_at, round_index=round_index)
-        heal = newcomer or own_bad or (landed is not None and landed.left_out)
-        if heal:  # what the round left in the residuals is not sent again
+        heal = self._drop_if_left_out(landed) or newcomer or own_bad
+        if newcomer or own_bad:  # what the round left in the residuals is not sent again
             self.reducer.heal()
         self._mix(heal)
         self._count_heal(newcomer, own_bad, heal, round_index)
         self._boundary_passed(step)
         return None if landed is None else landed.stats
+
+    def _drop_if_left_out(self, landed: Landed | None) -> bool:
+        """Whether the others left out the update this cluster sent in the sync that just `landed`; if so its error
+        feedback returns to what it held before that encoding (`Reducer.forget_last`): the round's update is
+        dropped, as the others dropped it, and what earlier rounds held back is still owed. One bad round costs that
+        round, and the cluster's next payloads carry long residual values as its peers' do (with none they would
+        be a fraction of its peers' for rounds, and a scaling liar's would pass: docs/design.md §4.5)."""
+        if landed is None or not landed.left_out:
+            return False
+        self.reducer.forget_last()
+        return True
 
     def _mix(self, heal: bool) -> None:
         """Once an average landed in the round that launched it: the next round starts at phi (less this cluster's

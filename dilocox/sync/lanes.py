@@ -183,7 +183,7 @@ class LaneReducer:
         self.codecs = {lane: build_codec(cfg, seed=seed + _LANE_SEED_STRIDE * lane) for lane in layout.lanes}
         """One codec per lane this rank owns, seeded by the lane: the same seed on every cluster."""
         self.feedbacks = {
-            lane: ErrorFeedback(enabled=cfg.error_feedback and not dense, decay=cfg.feedback_decay)
+            lane: ErrorFeedback(enabled=cfg.error_feedback and not dense, decay=cfg.feedback_decay, undoable=True)
             for lane in layout.lanes
         }
         self.holds_back = False
@@ -342,6 +342,11 @@ class LaneReducer:
         for feedback in self.feedbacks.values():
             feedback.reset()
         self.holds_back = False
+
+    def forget_last(self) -> None:
+        for feedback in self.feedbacks.values():
+            feedback.undo()
+        self.holds_back = any(feedback.residuals is not None for feedback in self.feedbacks.values())
 
     def current_rank(self) -> int | None:
         return self._first_codec().current_rank()

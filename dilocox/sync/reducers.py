@@ -99,6 +99,10 @@ class Reducer(Protocol):
         """This cluster's update went bad and its parameters were reset to the agreed ones: forget what its bad
         rounds left in the reducer's own state (error-feedback residuals)."""
 
+    def forget_last(self) -> None:
+        """The others left out the update this cluster launched last: its error feedback returns to what it held
+        before that encoding (`ErrorFeedback.undo`)."""
+
     def current_rank(self) -> int | None:
         """The low-rank codec's rank of the next encoding (adaptive: the last chosen), None for other codecs."""
 
@@ -199,6 +203,9 @@ class DenseReducer:
     def heal(self) -> None:
         pass
 
+    def forget_last(self) -> None:
+        pass
+
     def current_rank(self) -> int | None:
         return None
 
@@ -286,6 +293,9 @@ class CodecReducer:
     """What every compressed reducer owns: its codec, this replica's whole-tensor slice and its error feedback."""
 
     name: str
+    undoable = False
+    """Whether its error feedback keeps what it held before each encoding (a reduction that can leave this cluster's
+    update out: `forget_last` returns to it instead of forgetting every residual)."""
 
     def __init__(
         self,
@@ -301,7 +311,7 @@ class CodecReducer:
         self.codec = codec
         self.numel = sum(shape.numel() for shape in shapes)
         self.slice = ReplicaSlice.of(shapes, dp_group)
-        self.feedback = ErrorFeedback(enabled=error_feedback, decay=feedback_decay)
+        self.feedback = ErrorFeedback(enabled=error_feedback, decay=feedback_decay, undoable=self.undoable)
         self.channel = channel
         self.dp_group = dp_group
         self.seed = seed  # shared by every cluster (the scalable path's common warm starts)
@@ -314,6 +324,9 @@ class CodecReducer:
 
     def heal(self) -> None:
         self.feedback.reset()
+
+    def forget_last(self) -> None:
+        self.feedback.undo()
 
     def held_back(self, device: torch.device) -> torch.Tensor | None:
         """The replicas' residuals, all-gathered over the fast dp_group into one vector (a no-op at dp 1)."""
@@ -350,6 +363,7 @@ class GatherReducer(CodecReducer):
     `pp_group`, and the rest is averaged by `aggregate` (mean, or a robust statistic against lying clusters)."""
 
     name = "gather"
+    undoable = True
 
     def __init__(
         self,

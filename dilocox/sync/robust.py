@@ -44,11 +44,12 @@ DIRECTION_MARGIN = 0.05
 clusters' lowest was -0.03 (docs/design.md §4.5), a sign-flipped update's -0.26 or lower; noise is near 0."""
 
 FRESH_ROUNDS = 20
-"""`PeerCheck`: rounds after a cluster's update was missing or left out (it abstained, was down, or healed) in which
-its sizes count in the round's median at the largest of the others'. It restarted from phi without its error-feedback
-residual, and a top-k payload without the residual its peers carry is a fraction of theirs until its own builds up
-again, in about 1/density rounds (20 at the dilocox preset's 5%): counted as they were, two such clusters made an
-honest third one look 2.5 x outsized."""
+"""`PeerCheck`: rounds after a cluster's update was missing or left out by `UpdateGuard` (it abstained, was down, or
+restarted) in which its sizes count in the round's median at the largest of the others'. It restarted from phi without
+its error-feedback residual (a cluster the peer check leaves out keeps it: `ErrorFeedback.undo`), and a top-k payload
+without the residual its peers carry is a fraction of theirs until its own builds up again, in about 1/density rounds
+(20 at the dilocox preset's 5%): counted as they were, two such clusters made an honest third one look 2.5 x
+outsized."""
 
 GRAM_CHUNK = 1 << 18
 """Values per chunk of `inner_products`: bounds its scratch memory to (clusters x this) float64."""
@@ -136,13 +137,13 @@ class PeerCheck:
       Updates that are noise to each other (the residuals of a dense int4 codec, drained at the end: cosines of
       either sign near 0) agree.
     Both tests run on all n updates at once (the direction test on those the size tests kept); with fewer than 3
-    updates nothing is judged. In the size tests' median, a cluster that just healed (`fresh`: its update was missing
-    or left out in one of the last `FRESH_ROUNDS` rounds) counts at the largest size of those that did not (where every
-    one did, of those that healed longest ago): it healed without its residual, and its smaller payloads would lower
-    the median below its peers'; its own size is still judged. `fresh` is kept by cluster id across the rounds, the
-    same on every cluster: it follows from the verdicts. The input is `peer_statistics` of the whole updates (summed
-    over the shards of a sharded update), so the decision depends only on it and `fresh`: the same statistics and
-    history give the same verdicts.
+    updates nothing is judged. In the size tests' median, a cluster that just healed (`fresh`: its update was not a
+    candidate, missing or left out by `UpdateGuard`, in one of the last `FRESH_ROUNDS` rounds) counts at the largest
+    size of those that did not (where every one did, of those that healed longest ago): it healed without its residual,
+    and its smaller payloads would lower the median below its peers'; its own size is still judged. `fresh` is kept by
+    cluster id across the rounds, the same on every cluster: it follows from the verdicts. The input is
+    `peer_statistics` of the whole updates (summed over the shards of a sharded update), so the decision depends only on
+    it and `fresh`: the same statistics and history give the same verdicts.
 
     Weighted payloads: where every cluster's payload is its update times a weight all clusters know (clusters of
     different dp averaged by lanes: C dp_c / sum(dp)), `scales` holds those weights and the sizes are compared divided
@@ -175,7 +176,7 @@ class PeerCheck:
             clusters = range(len(stats))
         excluded = {} if stats is None else self._judge(stats, candidates, clusters)
         for row, cluster in enumerate(clusters):
-            if row not in candidates or row in excluded:
+            if row not in candidates:
                 self.fresh[cluster] = FRESH_ROUNDS
             elif self.fresh.get(cluster, 0) > 1:
                 self.fresh[cluster] -= 1

@@ -4,10 +4,11 @@ the drained residual (docs/design.md §4.5).
 
 - clean: nothing is left out, and the run ends at the same final loss, to the bit, as the run without the peer check;
 - cluster 2 sends x4, x9 or negated pseudo-gradients from round 2 on: it is left out of round 2 (the x4 payload is
-  2.5 x as long as its peers', which the check of norms at 3 x let in: nothing was left out of that run), and an
-  honest cluster never is. A sign flip is left out of every sync it lies in. A scaling liar is not: a cluster left
-  out heals (its grown residual is dropped, it restarts from phi), and its next payloads come out smaller than its
-  peers' for a few rounds (docs/design.md §4.5, what is and is not detected).
+  2.4 x as long as its peers', which the check of norms at 3 x let in: nothing was left out of that run), for its
+  size or for its direction, and an honest cluster never is. It is not left out of every round it lies in: a
+  cluster left out keeps the residual its last accepted round left (ErrorFeedback.undo), and where that outweighs
+  the round's lie the payload passes (docs/design.md §4.5, what is and is not detected; the loss it costs per codec,
+  3 seeds: benchmarks/results/guard_codecs/).
 """
 
 import json
@@ -49,9 +50,8 @@ def test_a_lying_cluster_of_three_is_left_out_under_the_dilocox_preset(tmp_path,
     _, left_out = train(tmp_path / lie, *LIES[lie])
     assert {cluster for _, cluster, _ in left_out} == {2}, left_out  # never an honest cluster
     rounds = [round_index for round_index, _, _ in left_out]
-    assert rounds[0] == 2, left_out
-    if lie == "sign":  # rounds 2..6, then its residual (negated too) in the drain
-        assert rounds == [2, 3, 4, 5, 6, None], left_out
+    assert rounds[0] == 2 and len(rounds) >= 2, left_out
+    if lie == "sign":  # for its direction
         assert all("points away from the others" in why for _, _, why in left_out)
     else:  # for its size: more than 2 x the round's median norm or median |value| sent
         assert all(" x the median " in why for _, _, why in left_out), left_out

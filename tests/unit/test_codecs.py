@@ -763,6 +763,33 @@ def test_error_feedback_state_and_pass_through():
     assert all(torch.equal(a, b) for a, b in zip(decoded, codec.decode_list(payload, shapes), strict=True))
 
 
+def test_error_feedback_undo_returns_to_the_residuals_before_the_last_encoding_and_survives_a_checkpoint():
+    shapes = [(12, 10), (10,)]
+    rounds = [random_list(shapes, seed=40 + index) for index in range(3)]
+    codec = build_codec("topk_int4", density=0.1)
+    feedback = ErrorFeedback(undoable=True)
+    feedback.compress(codec, rounds[0])
+    feedback.undo()  # the first encoding left out: nothing was held back before it
+    assert feedback.residuals is None
+    feedback.compress(codec, rounds[0])
+    after_first = [r.clone() for r in feedback.residuals]
+    feedback.compress(codec, [4 * t for t in rounds[1]])  # a lie, left out: back to what the first round left
+    restored = ErrorFeedback(undoable=True)
+    restored.load_state_dict(copy.deepcopy(feedback.state_dict()))  # a checkpoint while its sync is in flight
+    for undone in (feedback, restored):
+        undone.undo()
+        assert all(torch.equal(a, b) for a, b in zip(undone.residuals, after_first, strict=True))
+    # the next encoding is the one that round 1 alone would have led to, bit for bit
+    straight = ErrorFeedback()
+    straight.compress(codec, rounds[0])
+    expected, _ = straight.compress(codec, rounds[2])
+    assert torch.equal(feedback.compress(codec, rounds[2])[0].data, expected.data)
+    assert feedback.state_bytes(130) == 2 * straight.state_bytes(130)  # the copy it keeps to undo
+    # not undoable (or resumed without the copy): undo forgets every residual, as reset does
+    straight.undo()
+    assert straight.residuals is None
+
+
 # --------------------------------------------------------------------------------------------------------- adaptive
 
 
