@@ -265,6 +265,13 @@ def _teacher_batch(cluster: int, step: int) -> tuple[torch.Tensor, torch.Tensor]
     return x, torch.tanh(x @ teacher) + 0.2 * torch.randn(32, 8, generator=generator)
 
 
+def _teacher_step(model: torch.nn.Module, inner: torch.optim.Optimizer, cluster: int, step: int) -> None:
+    x, y = _teacher_batch(cluster, step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    inner.step()
+    inner.zero_grad()
+
+
 SCENARIOS = [  # (fault of cluster 3, sync.aggregate, sync.guard.enabled, allowed loss above the clean run)
     (None, "mean", True, 0.0),
     ("nan", "mean", True, 0.02),
@@ -309,10 +316,7 @@ def _train_one(rank, fault, aggregate, guard, *, scale=1000.0, peers=True, round
     finite = True
     records = []  # the round_* keys each synced round adds to metrics.jsonl
     for step in range(1, ROUNDS * H + 1):
-        x, y = _teacher_batch(rank, step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        inner.step()
-        inner.zero_grad()
+        _teacher_step(model, inner, rank, step)
         stats = sync.after_inner_step(step)
         if stats is not None:
             records.append(stats.to_record())
@@ -429,10 +433,7 @@ def _left_out_feedback(rank, world_size, sync_delay):
     feedback = sync.diloco.fragments[0].reducer.reducer.feedback  # under the FaultyReducer of every cluster
     held, started_from, left_out = [], [], [[] for _ in range(ROUNDS)]  # per boundary
     for step in range(1, ROUNDS * H + 1):
-        x, y = _teacher_batch(rank, step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        inner.step()
-        inner.zero_grad()
+        _teacher_step(model, inner, rank, step)
         stats = sync.after_inner_step(step)
         if stats is not None:  # delayed: it lands overlap_steps into the next round, before that round's boundary
             left_out[(step - 1) // H] += [e["cluster"] for e in stats.to_record().get("round_exclusions", [])]
