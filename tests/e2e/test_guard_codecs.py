@@ -55,3 +55,18 @@ def test_a_lying_cluster_of_three_is_left_out_under_the_dilocox_preset(tmp_path,
         assert all("points away from the others" in why for _, _, why in left_out)
     else:  # for its size: more than 2 x the round's median norm or median |value| sent
         assert all(" x the median " in why for _, _, why in left_out), left_out
+
+
+def test_a_run_resumed_while_a_left_out_sync_is_in_flight_ends_as_the_uninterrupted_run(tmp_path):
+    """The x4 liar's round-2 sync is launched at step 20 and lands, left out, 7 steps into round 3: a checkpoint of
+    step 20 holds the residuals its error feedback returns to (`ErrorFeedback.undo`), so the resumed run takes the
+    same verdicts and ends on the same loss, to the bit."""
+    flags = (*LIES["x4"], "--checkpoint.interval=20", "--checkpoint.keep=5")
+    straight, left_out = train(tmp_path / "straight", *flags)
+    assert left_out[0][:2] == (2, 2)
+    resumed, resumed_left_out = train(
+        tmp_path / "resumed", *flags, f"--checkpoint.resume={tmp_path / 'straight' / 'checkpoints' / 'step_00000020'}"
+    )
+    assert resumed_left_out == left_out[len(left_out) - len(resumed_left_out) :] and resumed_left_out
+    assert resumed_left_out[0][0] == 2  # the sync in flight at the checkpoint
+    assert resumed["final_eval_loss"] == straight["final_eval_loss"]
