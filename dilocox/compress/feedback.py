@@ -56,7 +56,7 @@ class ErrorFeedback:
         self._check_shapes(shapes)
         self._move_to(tensors)
         if self.undoable:
-            self.before = [] if self.residuals is None else [residual.clone() for residual in self.residuals]
+            self.before = self._copy_of_residuals()
         if self.residuals is None:
             self.residuals = [tensor.detach().to(torch.float32, copy=True) for tensor in tensors]
         else:
@@ -106,6 +106,18 @@ class ErrorFeedback:
         """Bytes of the residuals (twice with `undoable`) for inputs of `numel` values in all, counted before the first
         round too."""
         return (8 if self.undoable else 4) * numel if self.enabled else 0
+
+    def _copy_of_residuals(self) -> list[torch.Tensor]:
+        """The residuals as they are ([] before the first round), for `undo`: written into the last round's copy where
+        it is still there (that round was not undone) and on their device, as the residuals are updated in place."""
+        residuals, before = self.residuals, self.before
+        if residuals is None:
+            return []
+        if not before or before[0].device != residuals[0].device:  # undone, or loaded where the residuals were not
+            return [residual.clone() for residual in residuals]
+        for kept, residual in zip(before, residuals, strict=True):  # the same shapes: copies of earlier residuals
+            kept.copy_(residual)
+        return before
 
     def _move_to(self, tensors: Sequence[torch.Tensor]) -> None:
         """Residuals live where the inputs do (a checkpoint loads them on the CPU; training may run on a GPU)."""
