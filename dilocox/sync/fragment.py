@@ -230,7 +230,7 @@ class FragmentState:
         self._update_guard = reducer.guard if gathers else None
         """The gather reduction's own guard (its norm history), None for the summing reductions."""
         self._peer_check = reducer.peers if gathers else None
-        """The gather reduction's peer check (which clusters just healed), None without one."""
+        """The gather reduction's peer check (which clusters just healed, which it left out), None without one."""
         self.guard = RoundGuard(
             max_ratio=cfg.guard.max_ratio,
             max_bad_rounds=cfg.guard.max_bad_rounds,
@@ -622,10 +622,12 @@ class FragmentState:
     def _drain(self) -> RoundStats | None:
         """`sync.drain_residual`: send every cluster's held-back residual (`Reducer.held_back`) dense, in int4 or in
         the 2 or 1 bits of a codec whose values are that narrow (`drain_config`), and subtract its mean times the outer
-        learning rate from phi, without a momentum step (the residual is progress already made, not a direction to
-        keep going); the codec then holds nothing back. One payload of 4.25 (2.25, 1.25) bits per value per cluster,
-        waited for at the end: nothing is left to compute behind it. Returns what it waited for (round None), or None
-        before any round ended."""
+        learning rate, at most 1, from phi, without a momentum step: the residual is progress already made, not a
+        direction to keep going, so it is averaged in but never extrapolated (at the `dilocox` preset's outer lr 1.4
+        it cost short runs 0.27 to 0.37 nats: docs/results.md). A cluster the rounds' peer check left out is left out
+        of the drain too (`PeerCheck.distrusts`). The codec then holds nothing back. One payload of 4.25 (2.25, 1.25)
+        bits per value per cluster, waited for at the end: nothing is left to compute behind it. Returns what it
+        waited for (round None), or None before any round ended."""
         stage = self.stage
         held_back = self.reducer.held_back(stage.state_device)
         elastic = stage.elastic
@@ -635,6 +637,8 @@ class FragmentState:
             held_back = torch.zeros(self.numel, device=stage.state_device)
         width = drain_config(stage.compression)
         drain = stage.build_reducer(width, self.flat.shapes)
+        if self._peer_check is not None:  # a cluster caught in a round sends its residual, and nobody takes it
+            drain.peers.distrusts = frozenset(self._peer_check.left_out)
         if elastic is not None:
             elastic.before_launch(self)
         with stage.channel.off_peak():  # a one-off transfer at the end: the peak in flight is the rounds'
@@ -651,7 +655,7 @@ class FragmentState:
         if stage.weighted:  # the residuals are in weighted units: their sum over the last landed sum of weights
             avg.mul_((self.num_clusters - len(pending.excluded)) / self.divisor)
         if not stats.skipped:
-            self.outer_params.sub_(avg, alpha=self.outer.lr)
+            self.outer_params.sub_(avg, alpha=min(self.outer.lr, 1.0))
         self.reducer.heal()  # sent: nothing is held back any more
         self.stage.warnings.append(
             f"drain: sent the held-back residual ({width.kind}, {stats.bytes_sent:,} bytes from this rank, "

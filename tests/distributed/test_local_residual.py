@@ -14,7 +14,8 @@ h / C, h = d r (what its next encoding will add), in its parameters:
   phi - h / C (h after the in-flight round's encoding), and its parameters move by what that point moved past the
   old round start; the final flush sets every cluster to phi.
 With drain_residual the final flush then also sends every cluster's h = d r dense in int4 (the int4 codec, no error
-feedback), and phi takes the mean of what arrives times the outer learning rate, with no momentum step.
+feedback), and phi takes the mean of what arrives times the outer learning rate, at most 1 (averaged in, never
+extrapolated), with no momentum step.
 """
 
 import pytest
@@ -71,6 +72,14 @@ VARIANTS = {
         **NESTEROV,
     },
     "delayed-own_payload-off": {"sync_delay": 1, "merge": "own_payload", "local_residual": False, **AVERAGING},
+    # the dilocox preset's outer lr: the rounds step 1.4 x the mean, the drain only 1 x
+    "delayed-own_payload-lr1.4-drain": {
+        "sync_delay": 1,
+        "merge": "own_payload",
+        "drain_residual": True,
+        "outer_lr": 1.4,
+        "outer_momentum": 0.0,
+    },
 }
 DEFAULTS = {"merge": "keep_local", "overlap_steps": 0, "local_residual": True, "drain_residual": False}
 DRAIN_CODEC = CompressionConfig(kind="int4", error_feedback=False)
@@ -155,7 +164,7 @@ def reference(sync_delay, merge, outer_lr, outer_momentum, overlap_steps, local_
         phi, buf = outer_step(phi, buf, pending)
     if drain_residual:
         drain = build_codec(DRAIN_CODEC)
-        phi = phi - outer_lr * sum(round_trip(drain, DECAY * r, shapes) for r in residuals) / NUM_CLUSTERS
+        phi = phi - min(outer_lr, 1.0) * sum(round_trip(drain, DECAY * r, shapes) for r in residuals) / NUM_CLUSTERS
     for model in models:
         load(model, phi)
     trace.append((phi.clone(), [flat(m) for m in models]))

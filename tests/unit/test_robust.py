@@ -9,6 +9,7 @@ import torch
 from dilocox.config import load_config
 from dilocox.sync.faults import FaultConfig
 from dilocox.sync.robust import (
+    DISTRUSTED,
     FRESH_ROUNDS,
     MAGNITUDE_BITS,
     PeerCheck,
@@ -286,6 +287,27 @@ def test_peer_check_leaves_out_a_long_or_a_sign_flipped_update_of_three():
     assert list(flipped) == [2] and "points away from the others" in flipped[2]
     # below the ratio, a scaled update stays in (docs/design.md §4.5: what is not detected)
     assert peers.judge(peer_statistics([2.5 * u[0], u[1], u[2]]), [0, 1, 2]) == {}
+
+
+def test_the_drains_check_leaves_out_every_cluster_the_rounds_check_left_out_whatever_it_sends():
+    rounds = PeerCheck(max_ratio=2.0)
+    u = honest_updates(4, seed=5)
+    assert rounds.judge(peer_statistics(u), [0, 1, 2, 3], clusters=[0, 1, 2, 7]) == {}
+    assert list(rounds.judge(peer_statistics([u[0], u[1], u[2], 4 * u[3]]), [0, 1, 2, 3], clusters=[0, 1, 2, 7])) == [3]
+    assert rounds.judge(peer_statistics(u), [0, 1, 2, 3], clusters=[0, 1, 2, 7]) == {}  # honest again: it passes
+    assert rounds.left_out == {7}  # by cluster id (an elastic round's members), through a checkpoint or a heal
+    restored = PeerCheck(max_ratio=2.0)
+    restored.load_state_dict(rounds.state_dict())
+    assert restored.left_out == {7}
+    assert PeerCheck(max_ratio=2.0).judge(peer_statistics(u), [0, 1, 2, 3], clusters=[0, 1, 2, 7]) == {}
+    drain = PeerCheck(max_ratio=2.0)
+    drain.distrusts = frozenset(restored.left_out)
+    # the same honest residuals: cluster 7 is left out for what the rounds saw, the others are judged among themselves
+    assert drain.judge(peer_statistics(u), [0, 1, 2, 3], clusters=[0, 1, 2, 7]) == {3: DISTRUSTED}
+    liar = drain.judge(peer_statistics([u[0], u[1], -u[2], u[3]]), [0, 1, 2, 3], clusters=[0, 1, 2, 7])
+    assert liar[3] == DISTRUSTED and "points away" in liar[2] and len(liar) == 2
+    # with fewer than 3 updates nothing is compared, but what is distrusted is still left out
+    assert drain.judge(None, [0, 1], clusters=[0, 7]) == {1: DISTRUSTED}
 
 
 def test_peer_check_judges_nothing_with_fewer_than_three_updates():
