@@ -1,10 +1,10 @@
 """The peer check against one lying cluster of three, per codec (docs/design.md §4.5; docs/results.md has the table).
 
 For each seed and codec: a clean run and one run per lie (cluster 2 sends its pseudo-gradient x4, x9 or negated from
-round 2 on), the dilocox preset on the debug config (3 clusters, 120 steps or `--steps`, H = 10, the default merge
-rule), the link not emulated. The gap of a lying run is taken against the clean run of the same seed and codec (paired).
-Runs one `dilocox train` at a time and keeps every finished run in results.json: an interrupted sweep goes on where it
-stopped.
+round 2 on, or x1000, which every check leaves out: the cost of losing its data), the dilocox preset on the debug
+config (3 clusters, 120 steps or `--steps`, H = 10, the default merge rule), the link not emulated. The gap of a
+lying run is taken against the clean run of the same seed and codec (paired). Runs one `dilocox train` at a time
+and keeps every finished run in results.json: an interrupted sweep goes on where it stopped.
 
     python benchmarks/guard_codecs.py                                  # every codec, seeds 0-2
     python benchmarks/guard_codecs.py --codecs topk_int4 --seeds 0 1 2
@@ -30,6 +30,7 @@ LIES = {
     "x4": ["--faults.kind=scale", "--faults.scale=4", "--faults.cluster=2"],
     "x9": ["--faults.kind=scale", "--faults.scale=9", "--faults.cluster=2"],
     "sign": ["--faults.kind=sign", "--faults.cluster=2"],
+    "x1000": ["--faults.kind=scale", "--faults.scale=1000", "--faults.cluster=2"],  # out of every sync: the floor
 }
 COMMON = [
     "--config=configs/debug.toml",
@@ -109,10 +110,11 @@ def write(results: list[dict], out: Path, steps: int) -> None:
         "# The peer check per codec: one lying cluster of three\n\n"
         f"`python benchmarks/guard_codecs.py --steps {steps}`: the dilocox preset on configs/debug.toml, 3 clusters, "
         f"{steps} steps, H = 10 ({steps // 10 - 1} rounds, then the drained residual: {steps // 10} syncs), the link "
-        "not emulated; cluster 2 lies from round 2 on. Gap: final eval loss over the clean run's of the same seed and "
-        "codec. Left out: per seed, the syncs (rounds and the drain) that left the liar out, and those that left out "
-        "an honest cluster. `none` averages by an "
-        "all-reduce: no receiver sees one cluster's update, so the peer check cannot run (docs/design.md §4.5).\n\n"
+        "not emulated; cluster 2 lies from round 2 on. x1000 is a lie every check catches: its gap is what losing "
+        "cluster 2's data from round 2 on costs, the floor of the other lies'. Gap: final eval loss over the clean "
+        "run's of the same seed and codec. Left out: per seed, the syncs (rounds and the drain) that left the liar "
+        "out, and those that left out an honest cluster. `none` averages by an all-reduce: no receiver sees one "
+        "cluster's update, so the peer check cannot run (docs/design.md §4.5).\n\n"
         + table(results)
         + "\n\nEvery command: results.json.\n"
     )

@@ -484,6 +484,16 @@ class Config:
                 f"note: checkpoint.interval = {interval} is not a multiple of sync.inner_steps = {h}: checkpoints are "
                 f"taken at the first round boundary at or after each multiple of {interval} (and at the end)"
             )
+        from dilocox.compat import sums_in_transit  # here: compat reads this module's Config
+
+        guard = self.sync.guard
+        if guard.enabled and guard.peers and self.topology.num_clusters >= 3 and sums_in_transit(self):
+            notes.append(
+                f"note: compression.kind = {self.compression.kind} with compression.reduction = "
+                f"{self.compression.reduction} sums the clusters' updates in transit, so the peer check "
+                "(sync.guard.peers) cannot compare them and a finite lie from one cluster passes; where clusters "
+                "are not trusted use a codec with compression.reduction = gather, e.g. --compression.kind=int4"
+            )
         return notes
 
 

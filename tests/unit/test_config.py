@@ -177,6 +177,22 @@ def test_checkpoint_interval_off_the_round_grid_is_a_note_not_an_error():
     assert load_config(None, ["--sync.round.fit_link=true", "--checkpoint.interval=75"]).notes() == []
 
 
+def test_a_reduction_that_sums_in_transit_says_once_that_the_peer_check_cannot_run():
+    """The all-reduce of compression.kind = none (and the scalable reduction) delivers only the clusters' sum: with
+    3 or more clusters the peer check the guard would run has nothing to compare, and the user is told at the start."""
+    summed = load_config(None, ["--topology.num_clusters=3", "--compression.kind=none"])
+    [note] = summed.notes()
+    assert "compression.kind = none" in note and "the peer check (sync.guard.peers) cannot compare them" in note
+    scalable = ["--topology.num_clusters=3", "--compression.kind=int4", "--compression.reduction=scalable"]
+    assert len(load_config(None, scalable).notes()) == 1
+    for quiet in (
+        ["--topology.num_clusters=3"],  # the dilocox preset: top-k, gathered, judged
+        ["--topology.num_clusters=2", "--compression.kind=none"],  # 2 clusters: no peer check to miss
+        ["--topology.num_clusters=3", "--compression.kind=none", "--sync.guard.peers=false"],  # asked for none
+    ):
+        assert load_config(None, quiet).notes() == [], quiet
+
+
 def test_warmup_default_shrinks_for_short_runs_but_an_explicit_value_is_kept(tmp_path):
     assert load_config(None, []).train.warmup_steps == 9  # the default run: 96 steps, a tenth of them
     assert load_config(None, ["--train.steps=400"]).train.warmup_steps == 20
