@@ -160,7 +160,6 @@ NO_ADVERTISE = _flag("network.advertise_host", lambda v: not v, '""')
 LOCAL_CLUSTERS = _flag("topology.local_clusters", lambda v: bool(v.strip()), "a list")
 SOME_HERE = Feature("topology.local_clusters", "some of the clusters", lambda cfg: cfg.topology.elastic
                     and len(cfg.topology.launched_clusters()) < cfg.topology.num_clusters)
-SHARDED = _flag("topology.dp_mode", lambda v: v == "shard", "shard")
 MUON = _flag("train.optimizer", lambda v: v == "muon", "muon")
 RESUME_ONE = _flag("checkpoint.resume", lambda v: v not in ("", "auto"), "latest, or a checkpoint")
 OVERWRITE = _flag("run.overwrite", bool, "true")
@@ -269,11 +268,6 @@ ROWS: tuple[Row, ...] = (
     Row(MIXED_DP, SCALABLE, "its lanes are averaged by the gather reduction",
         "compression.reduction = gather; topology.clusters = []",
         "--topology.clusters=dp2,dp1 --compression.kind=int4 --compression.reduction=scalable"),
-    # stages sharded over a cluster's dp ranks (FSDP2)
-    Row(SHARDED, MIXED_DP, "each cluster cuts its shards by its own dp degree, so the ranks of clusters of different "
-        "dp hold different parts of each tensor and share no lanes",
-        "topology.dp_mode = replicate; topology.clusters = []",
-        "--topology.clusters=dp2,dp1 --topology.dp_mode=shard"),
     # the run directory
     Row(RESUME_ONE, OVERWRITE, "resuming keeps the run directory that overwriting replaces",
         "run.overwrite = false; checkpoint.resume = auto", "--checkpoint.resume=latest --run.overwrite=true"),

@@ -168,7 +168,7 @@ class DiLoCoSync:
                 "pass total_steps (the trainer passes train.steps), or use 'constant'"
             )
         factory = outer_optimizer if outer_optimizer is not None else outer_optimizer_factory(cfg)
-        bounds = fragment_bounds(self.flat.numels, cfg.fragments)
+        bounds = fragment_bounds([shape.numel() for shape in self.flat.full_shapes], cfg.fragments)  # shard or not
         self.bounds = bounds
         """(first, end) parameter indices of every fragment."""
         self.fragments: list[FragmentState] = []
