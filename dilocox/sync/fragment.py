@@ -168,9 +168,7 @@ class StageParts:
         if self.lanes is not None:
             shapes = flat.shapes if self.shard_group is None else flat.full_shapes  # a sharded stage: its whole tensors
             return build_lane_reducer(compression, shapes, layout=self.lanes, **common, shard_group=self.shard_group)
-        return build_reducer(
-            compression, flat.shapes, **common, shard_group=self.shard_group, elastic=self.elastic_run
-        )
+        return build_reducer(compression, flat.shapes, **common, shard_group=self.shard_group, elastic=self.elastic_run)
 
 
 class Landed(NamedTuple):
