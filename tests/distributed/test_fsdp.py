@@ -122,21 +122,26 @@ PIPELINE_VARIANTS = {
 }
 
 
-def _pipeline_runs(rank, world_size, data, root):
-    out = {name: _one_run(config(root / CORPUS, *o), rank, data, root / name) for name, o in PIPELINE_VARIANTS.items()}
-    checkpoint = root / "shard-pp" / "checkpoints" / f"step_{2 * H:08d}"
-    resumed = config(root / CORPUS, *PIPELINE_VARIANTS["shard-pp"])
-    out["resumed-pp"] = _one_run(resumed, rank, data, root / "resumed-pp", checkpoint)
+def _variant_runs(rank, world_size, data, root, variants, sharded):
+    """Every run of `variants`, then `sharded` again, resumed from its checkpoint of round 2 ("resumed-" + its name)."""
+    out = {name: _one_run(config(root / CORPUS, *o), rank, data, root / name) for name, o in variants.items()}
+    checkpoint = root / sharded / "checkpoints" / f"step_{2 * H:08d}"
+    resumed = config(root / CORPUS, *variants[sharded])
+    out[f"resumed-{sharded}"] = _one_run(resumed, rank, data, root / f"resumed-{sharded}", checkpoint)
     return out
+
+
+def _run_variants(root, world_size, variants, sharded, *flags):
+    """`_variant_runs` on `world_size` gloo ranks: each run's results by name, one per rank."""
+    data = prepare_data(config(root / CORPUS, *flags))
+    ranks = run_ranks(_variant_runs, world_size, args=(data, root, variants, sharded))
+    return {name: [rank[name] for rank in ranks] for name in ranks[0]}
 
 
 @pytest.fixture(scope="module")
 def pipeline_runs(runs):
     """2 clusters x dp 2 x pp 2: 8 ranks, each stage sharded over its cluster's 2 dp ranks under the 1F1B schedule."""
-    _, root = runs
-    data = prepare_data(config(root / CORPUS))
-    ranks = run_ranks(_pipeline_runs, 8, args=(data, root))
-    return {name: [rank[name] for rank in ranks] for name in (*PIPELINE_VARIANTS, "resumed-pp")}
+    return _run_variants(runs[1], 8, PIPELINE_VARIANTS, "shard-pp")
 
 
 @pytest.mark.dist
@@ -305,21 +310,10 @@ MIXED_VARIANTS = {
 }
 
 
-def _mixed_runs(rank, world_size, data, root):
-    out = {name: _one_run(config(root / CORPUS, *o), rank, data, root / name) for name, o in MIXED_VARIANTS.items()}
-    checkpoint = root / "mixed-shard" / "checkpoints" / f"step_{2 * H:08d}"
-    resumed = config(root / CORPUS, *MIXED_VARIANTS["mixed-shard"])
-    out["mixed-resumed"] = _one_run(resumed, rank, data, root / "mixed-resumed", checkpoint)
-    return out
-
-
 @pytest.fixture(scope="module")
 def mixed_runs(runs):
     """Clusters of dp 2 and dp 1 (3 ranks): the dp-2 cluster's stage sharded over its 2 ranks, or replicated."""
-    _, root = runs
-    data = prepare_data(config(root / CORPUS, "--topology.clusters=dp2,dp1"))
-    ranks = run_ranks(_mixed_runs, 3, args=(data, root))
-    return {name: [rank[name] for rank in ranks] for name in (*MIXED_VARIANTS, "mixed-resumed")}
+    return _run_variants(runs[1], 3, MIXED_VARIANTS, "mixed-shard", "--topology.clusters=dp2,dp1")
 
 
 @pytest.mark.dist
@@ -328,7 +322,7 @@ def test_a_sharded_cluster_exchanges_lanes_with_a_cluster_of_another_dp_as_a_rep
     replicas own to the dp-1 cluster, and keep their rows of the mean: the replicated run's losses on every rank, the
     same bytes on the slow link; a run resumed from round 2 ends bit for bit where the straight one does."""
     for replicated, sharded, resumed in zip(
-        mixed_runs["mixed-replicate"], mixed_runs["mixed-shard"], mixed_runs["mixed-resumed"], strict=True
+        mixed_runs["mixed-replicate"], mixed_runs["mixed-shard"], mixed_runs["resumed-mixed-shard"], strict=True
     ):
         assert sharded["coords"] == replicated["coords"]
         assert sharded["losses"] == pytest.approx(replicated["losses"], rel=1e-5, abs=1e-6)
