@@ -118,6 +118,10 @@ ALPHA = _flag("sync.alpha", lambda v: v > 0, "> 0")
 FIT_LINK = _flag("sync.round.fit_link", bool, "true")
 FRAGMENTS = _flag("sync.fragments", lambda v: v > 1, "> 1")
 TIME_ROUNDS = _flag("sync.round.mode", lambda v: v == "time", "time")
+OVERLAPPED_TIME_ROUNDS = Feature(
+    "sync.overlap_steps", "> 0 with sync.round.mode = time", lambda cfg: cfg.sync.round.mode == "time" and
+    cfg.sync.overlap_steps > 0, lambda cfg: f"sync.overlap_steps = {cfg.sync.overlap_steps} with time rounds",
+)
 STEP_ROUNDS = _flag("sync.round.mode", lambda v: v == "steps", "steps")
 ROUND_SECONDS = _flag("sync.round.seconds", lambda v: v > 0, "> 0")
 ROBUST = _flag("sync.aggregate", lambda v: v != "mean", "trimmed_mean, median, norm_clip")
@@ -160,7 +164,6 @@ NO_ADVERTISE = _flag("network.advertise_host", lambda v: not v, '""')
 LOCAL_CLUSTERS = _flag("topology.local_clusters", lambda v: bool(v.strip()), "a list")
 SOME_HERE = Feature("topology.local_clusters", "some of the clusters", lambda cfg: cfg.topology.elastic
                     and len(cfg.topology.launched_clusters()) < cfg.topology.num_clusters)
-SHARDED = _flag("topology.dp_mode", lambda v: v == "shard", "shard")
 MUON = _flag("train.optimizer", lambda v: v == "muon", "muon")
 RESUME_ONE = _flag("checkpoint.resume", lambda v: v not in ("", "auto"), "latest, or a checkpoint")
 OVERWRITE = _flag("run.overwrite", bool, "true")
@@ -202,9 +205,6 @@ ROWS: tuple[Row, ...] = (
     # time rounds
     Row(TIME_ROUNDS, FIT_LINK, "a time round's length is its budget; fit_link sizes H itself",
         "sync.round.fit_link = false; sync.round.mode = steps", "--sync.round.mode=time --sync.round.fit_link=true"),
-    Row(TIME_ROUNDS, OVERLAP, "clusters do different numbers of steps in a time round, so a landing a fixed number of "
-        "steps in has no meaning",
-        "sync.overlap_steps = 0; sync.round.mode = steps", "--sync.round.mode=time --sync.overlap_steps=3"),
     Row(ROUND_SECONDS, STEP_ROUNDS, "it is the budget of a time round",
         "sync.round.mode = time; sync.round.seconds = 0", "--sync.round.seconds=2"),
     # what a reduction that sums in transit cannot do
@@ -242,6 +242,9 @@ ROWS: tuple[Row, ...] = (
     Row(FIT_LINK, ELASTIC, "each cluster would size H from its own link and end its rounds at other steps than its "
         "peers, while every quorum meets at one round boundary",
         "sync.round.fit_link = false; topology.elastic = false", "--topology.elastic=true --sync.round.fit_link=true"),
+    Row(OVERLAPPED_TIME_ROUNDS, ELASTIC, "an elastic run's clusters meet at every landing or early launch, and a "
+        "cluster whose time round has one step has none in it", "sync.overlap_steps = 0; topology.elastic = false",
+        "--topology.elastic=true --sync.round.mode=time --sync.overlap_steps=3"),
     Row(SCALABLE, ELASTIC, "its shared warm starts are state every cluster keeps alike, which a cluster healed from a "
         "peer does not receive",
         "compression.reduction = gather; topology.elastic = false",
@@ -269,11 +272,6 @@ ROWS: tuple[Row, ...] = (
     Row(MIXED_DP, SCALABLE, "its lanes are averaged by the gather reduction",
         "compression.reduction = gather; topology.clusters = []",
         "--topology.clusters=dp2,dp1 --compression.kind=int4 --compression.reduction=scalable"),
-    # stages sharded over a cluster's dp ranks (FSDP2)
-    Row(SHARDED, MIXED_DP, "each cluster cuts its shards by its own dp degree, so the ranks of clusters of different "
-        "dp hold different parts of each tensor and share no lanes",
-        "topology.dp_mode = replicate; topology.clusters = []",
-        "--topology.clusters=dp2,dp1 --topology.dp_mode=shard"),
     # the run directory
     Row(RESUME_ONE, OVERWRITE, "resuming keeps the run directory that overwriting replaces",
         "run.overwrite = false; checkpoint.resume = auto", "--checkpoint.resume=latest --run.overwrite=true"),

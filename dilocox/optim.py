@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from dilocox.topology import local_shard
+from dilocox.topology import fsdp_rows, local_shard
 
 if TYPE_CHECKING:
     from dilocox.config import Config
@@ -152,8 +152,7 @@ class ShardedMuon(torch.optim.Muon):
                     update.full_tensor(), group["ns_coefficients"], group["ns_steps"], group["eps"]
                 )
                 mine = param.to_local()
-                rows = -(-param.shape[0] // param.device_mesh.size())  # FSDP2's cut: torch.chunk's rows per rank
-                start = min(param.device_mesh.get_local_rank() * rows, param.shape[0])
+                start, _ = fsdp_rows(param.shape[0], param.device_mesh.size(), param.device_mesh.get_local_rank())
                 mine.mul_(1 - lr * group["weight_decay"])
                 mine.add_(
                     whole[start : start + mine.shape[0]], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape)

@@ -48,6 +48,7 @@ from dilocox.compress.payload import Payload
 from dilocox.optim import build_inner_optimizer
 from dilocox.parallel.split import stage_on_meta
 from dilocox.sync.reducers import ReplicaSlice
+from dilocox.topology import fsdp_rows
 
 _SHARED_KEYS = ("outer_params", "round_start")
 """A fragment's flat tensors that the outer step writes: the same on every replica of a replicated stage, each
@@ -101,18 +102,10 @@ def reshaped_rank_state(path: Path, trainer: Any) -> dict[str, Any]:
     }
 
 
-def _span(rows: int, dp: int, index: int) -> tuple[int, int]:
-    """The dim-0 rows replica `index` of `dp` holds of a tensor of `rows` rows, as FSDP2 cuts it (`torch.chunk`:
-    ceil(rows / dp) each, the last ones short or empty)."""
-    chunk = -(-rows // dp)
-    start = min(index * chunk, rows)
-    return start, min(start + chunk, rows)
-
-
 def _reshard(shards: list[torch.Tensor], dp: int, index: int) -> torch.Tensor:
     """Replica `index`'s shard, of `dp`, of the tensor whose saved shards (in dp order) are `shards`."""
     whole = torch.cat(shards)
-    start, end = _span(whole.shape[0], dp, index)
+    start, end = fsdp_rows(whole.shape[0], dp, index)
     return whole[start:end].clone()
 
 
@@ -211,7 +204,7 @@ class _Layout:
     def flat_parts(self, shapes: list[torch.Size], dp: int, index: int) -> list[tuple[int, int, int]]:
         if not self.sharded:
             return [(t, 0, shape[0]) for t, shape in enumerate(shapes)]
-        return [(t, *_span(shape[0], dp, index)) for t, shape in enumerate(shapes)]
+        return [(t, *fsdp_rows(shape[0], dp, index)) for t, shape in enumerate(shapes)]
 
     def slice_parts(self, shapes: list[torch.Size], dp: int, index: int) -> list[tuple[int, int, int]]:
         if self.sharded:

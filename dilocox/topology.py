@@ -50,6 +50,14 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def fsdp_rows(rows: int, dp: int, index: int) -> tuple[int, int]:
+    """The dim-0 rows (start, end) that replica `index` of `dp` holds of a tensor of `rows` rows, as FSDP2 cuts it
+    (`torch.chunk`: ceil(rows / dp) each, the last ones short or empty)."""
+    chunk = -(-rows // dp)
+    start = min(index * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
 def parse_cluster_shapes(shapes: Sequence[str], *, pp_degree: int) -> tuple[tuple[int, ...], int]:
     """`topology.clusters` -> (each cluster's data-parallel degree, the common pipeline degree).
 

@@ -284,6 +284,8 @@ class FlatParams:
         self.params: list[torch.nn.Parameter] = [p for p in params if p.requires_grad]
         self.numels = [local_shard(p).numel() for p in self.params]
         self.shapes = [local_shard(p).shape for p in self.params]
+        self.full_shapes = [p.shape for p in self.params]
+        """Every tensor's shape before it was sharded (`shapes` where nothing is)."""
         self.numel = sum(self.numels)
 
     def gather_data(self) -> torch.Tensor:

@@ -168,7 +168,7 @@ class DiLoCoSync:
                 "pass total_steps (the trainer passes train.steps), or use 'constant'"
             )
         factory = outer_optimizer if outer_optimizer is not None else outer_optimizer_factory(cfg)
-        bounds = fragment_bounds(self.flat.numels, cfg.fragments)
+        bounds = fragment_bounds([shape.numel() for shape in self.flat.full_shapes], cfg.fragments)  # shard or not
         self.bounds = bounds
         """(first, end) parameter indices of every fragment."""
         self.fragments: list[FragmentState] = []
@@ -234,12 +234,22 @@ class DiLoCoSync:
         cfg = self.cfg
         if self._ends_here(fragment, step):
             return "end"
-        k = cfg.overlap_steps
+        k = self._overlap(fragment)
         if not k:
             return None
         if cfg.sync_delay == 0:
             return "launch" if step == fragment.round_end - k and step > fragment.last_boundary else None
         return "land" if fragment.outer_step > 0 and step == fragment.last_boundary + k else None
+
+    def _overlap(self, fragment: FragmentState) -> int:
+        """`sync.overlap_steps`; with time rounds the same share of this cluster's round in progress, whose steps
+        the clock chose (k x its steps / H, at least 1 and short of the round): every cluster lands, or launches, the
+        same share of the round's time in, as its steps of the round take the same time."""
+        k = self.cfg.overlap_steps
+        if not k or self.clock is None:
+            return k
+        steps = fragment.inner_steps
+        return min(max(1, math.floor(k * steps / self.cfg.inner_steps + 0.5)), steps - 1)
 
     # ---------------------------------------------------------------------------------------------- protocol
     def reduce_gradients(self) -> None:

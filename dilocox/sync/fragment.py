@@ -152,8 +152,8 @@ class StageParts:
         dp): the merge rules then take its share in the average as weight x pseudo_grad / sum of weights."""
         return self.weighted or self.cluster_weight != 1.0
 
-    def build_reducer(self, compression: CompressionConfig, shapes: Sequence[torch.Size]) -> Reducer:
-        """A reducer of `compression` over tensors of `shapes`, on the stage's channel, with the guard and the
+    def build_reducer(self, compression: CompressionConfig, flat: FlatParams) -> Reducer:
+        """A reducer of `compression` over the tensors of `flat`, on the stage's channel, with the guard and the
         aggregate of `[sync]`: a fragment's rounds' and its drain's."""
         common: dict[str, Any] = dict(
             channel=self.channel,
@@ -166,8 +166,9 @@ class StageParts:
         )
         common.update(aggregate=self.cfg.aggregate, trim_fraction=self.cfg.trim_fraction)
         if self.lanes is not None:
-            return build_lane_reducer(compression, shapes, layout=self.lanes, **common)
-        return build_reducer(compression, shapes, **common, shard_group=self.shard_group, elastic=self.elastic_run)
+            shapes = flat.shapes if self.shard_group is None else flat.full_shapes  # a sharded stage: its whole tensors
+            return build_lane_reducer(compression, shapes, layout=self.lanes, **common, shard_group=self.shard_group)
+        return build_reducer(compression, flat.shapes, **common, shard_group=self.shard_group, elastic=self.elastic_run)
 
 
 class Landed(NamedTuple):
@@ -225,7 +226,7 @@ class FragmentState:
         """The outer optimizer of phi (`sync.outer.optimizer`, or the factory passed in) and its lr schedule."""
         self.merge = build_merge_rule(cfg.merge)
         """Where a round starts while the last round's average is in flight (`sync.merge`, delayed syncs only)."""
-        reducer = stage.build_reducer(stage.compression, self.flat.shapes)
+        reducer = stage.build_reducer(stage.compression, self.flat)
         gathers = isinstance(reducer, GatherReducer | LaneReducer)  # judges every cluster's update on its own
         self._update_guard = reducer.guard if gathers else None
         """The gather reduction's own guard (its norm history), None for the summing reductions."""
@@ -636,7 +637,7 @@ class FragmentState:
         if held_back is None:  # elastic: healed at a boundary, nothing of its own held back; every member sends
             held_back = torch.zeros(self.numel, device=stage.state_device)
         width = drain_config(stage.compression)
-        drain = stage.build_reducer(width, self.flat.shapes)
+        drain = stage.build_reducer(width, self.flat)
         if self._peer_check is not None:  # a cluster caught in a round sends its residual, and nobody takes it
             drain.peers.distrusts = frozenset(self._peer_check.left_out)
         if elastic is not None:

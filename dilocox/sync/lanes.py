@@ -10,6 +10,10 @@ the payloads of the lanes that peer owns, never to a rank of its own cluster. Ea
 averages each of its lanes over the clusters (the gather reduction: exact for any codec, a cluster that sent nothing
 is left out), then the replicas of the cluster all-gather their lanes' means over the fast dp_group.
 
+A stage sharded over its cluster's dp ranks (`topology.dp_mode = shard`, FSDP2's dim-0 shards) joins the same
+exchange as a replicated one: the shards' pseudo-gradient is all-gathered over the fast dp_group into the whole stage
+(`ShardCut`), its lanes go out as above, and each rank keeps its own rows of the mean.
+
 Bytes, exactly as the channel counts them: a rank sends each of its lanes' payloads to the C - 1 other clusters and
 receives the C - 1 other clusters' payloads of each of its lanes; the payloads' lengths go first, 8 bytes per lane
 and peer, counted as control bytes.
@@ -36,7 +40,7 @@ from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.sync.base import CodecCost
 from dilocox.sync.reducers import PendingMean, _offsets, gather_slices_, judge_updates, param_aligned_bounds
 from dilocox.sync.robust import PeerCheck, UpdateGuard, aggregate, judges_state, load_judges_state
-from dilocox.topology import Topology
+from dilocox.topology import Topology, fsdp_rows, group_size
 
 _LENGTH_BYTES = 8  # one int64 payload length per lane in the header step
 _LANE_SEED_STRIDE = 7919  # lane l's codec is seeded run.seed + 7919 l on every cluster
@@ -111,6 +115,62 @@ def lane_allreduce_bytes_per_step(layout: LaneLayout, numels: Sequence[int]) -> 
     return ring_all_reduce_bytes(owned, 4, layout.num_clusters, layout.cluster)[0]
 
 
+@dataclass(frozen=True)
+class ShardCut:
+    """Where this rank's FSDP2 shards lie in its stage: the dim-0 rows `fsdp_rows` gives replica `index` of `size`
+    of every tensor of `shapes` (whole, before sharding), over the cluster's dp ranks `group`."""
+
+    shapes: tuple[torch.Size, ...]
+    group: dist.ProcessGroup | None
+
+    @property
+    def size(self) -> int:
+        return group_size(self.group)
+
+    @property
+    def index(self) -> int:
+        return dist.get_rank(self.group) if self.size > 1 else 0
+
+    @property
+    def numel(self) -> int:
+        """Values of this rank's shards."""
+        return sum(end - start for start, end in self.spans(self.index))
+
+    def spans(self, index: int) -> list[tuple[int, int]]:
+        """(start, end) in the whole stage's flat vector of every tensor's rows that replica `index` holds."""
+        spans, offset = [], 0
+        for shape in self.shapes:
+            row = shape[1:].numel()
+            start, end = fsdp_rows(shape[0], self.size, index)
+            spans.append((offset + start * row, offset + end * row))
+            offset += shape.numel()
+        return spans
+
+    def mine(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's shards of the whole stage's flat vector, as one flat vector (a new tensor)."""
+        return torch.cat([whole[start:end] for start, end in self.spans(self.index)])
+
+    def whole(self, mine: torch.Tensor) -> torch.Tensor:
+        """The whole stage's flat vector from every rank's `mine`, all-gathered over the fast dp ranks."""
+        size = self.size
+        numel = sum(shape.numel() for shape in self.shapes)
+        if size == 1:
+            return mine.clone()
+        every = [self.spans(index) for index in range(size)]
+        width = max(sum(end - start for start, end in spans) for spans in every)  # gloo gathers equal sizes only
+        padded = torch.zeros(width, dtype=mine.dtype, device=mine.device)
+        padded[: mine.numel()] = mine
+        parts = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(parts, padded, group=self.group)
+        whole = torch.empty(numel, dtype=mine.dtype, device=mine.device)
+        for spans, part in zip(every, parts, strict=True):
+            taken = 0
+            for start, end in spans:
+                whole[start:end] = part[taken : taken + end - start]
+                taken += end - start
+        return whole
+
+
 class LaneReducer:
     """The gather reduction of a stage's pseudo-gradient among clusters of different data-parallel degree, lane by
     lane over the stage group (module docstring). Implements the `Reducer` protocol of `dilocox.sync.reducers`, so
@@ -119,7 +179,8 @@ class LaneReducer:
     `channel` is this rank's channel over the stage group; `dp_group` the cluster's replicas of this stage, over which
     the lanes' means are all-gathered; `pp_group` the cluster's pipeline, over which (with `dp_group`) the guard's
     verdicts are agreed. A cluster that abstains sends empty payloads and is left out of the mean, as is one the guard
-    leaves out (`sync.guard`, docs/design.md §4.5)."""
+    leaves out (`sync.guard`, docs/design.md §4.5). `shard`: the stage is sharded over `dp_group` (`shapes` are then
+    its tensors' whole shapes): this rank takes and gives its shards' flat vector."""
 
     name = "lanes"
 
@@ -137,6 +198,7 @@ class LaneReducer:
         peers: PeerCheck | None = None,
         aggregate: str = "mean",
         trim_fraction: float = 0.25,
+        shard: ShardCut | None = None,
     ) -> None:
         cfg.validate()
         if peers is not None and guard is None:
@@ -150,6 +212,7 @@ class LaneReducer:
                 "ProcessGroups.cluster_group"
             )
         self.layout = layout
+        self.shard = shard
         self.shapes = [torch.Size(shape) for shape in shapes]
         numels = [shape.numel() for shape in self.shapes]
         self.numel = sum(numels)
@@ -205,6 +268,8 @@ class LaneReducer:
 
     # ---------------------------------------------------------------------------------------------- protocol
     def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        if self.shard is not None:
+            pseudo_grad = self.shard.whole(pseudo_grad)
         encode_from = time.perf_counter()
         payloads: dict[int, Payload] = {}
         decoded: dict[int, list[torch.Tensor]] = {}
@@ -222,7 +287,7 @@ class LaneReducer:
         # Empty payloads: no real payload of a lane with tensors is empty, so the receivers leave this cluster out.
         # The residuals are kept: they hold what earlier (finite) rounds lost.
         payloads = {lane: _empty(pseudo_grad.device) for lane in self.layout.lanes}
-        return self._start(torch.zeros_like(pseudo_grad), payloads, None, codec_s=0.0)
+        return self._start(torch.zeros(self.numel, device=pseudo_grad.device), payloads, None, codec_s=0.0)
 
     def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
         """Send again what `PendingMean.sent` saved: each lane's payload length (int64), then the payloads."""
@@ -336,7 +401,13 @@ class LaneReducer:
                 return torch.zeros(self.slice_numel, dtype=torch.float32, device=device)
             return aggregate(accepted, self.how, trim_fraction=self.trim_fraction)
 
-        return PendingMean(flat, self.bounds, finish, transfer, self.dp_group, sent=sent, cost=cost, excluded=excluded)
+        kept = dict(sent=sent, cost=cost, excluded=excluded)
+        pending = PendingMean(flat, self.bounds, finish, transfer, self.dp_group, **kept)
+        if self.shard is None:
+            return pending
+        shard = self.shard  # the whole mean on every replica of the cluster, of which this rank keeps its rows
+        mine = torch.empty(shard.numel, device=device)
+        return PendingMean(mine, [(0, mine.numel())], lambda: shard.mine(pending.wait()), transfer, None, **kept)
 
     def heal(self) -> None:
         for feedback in self.feedbacks.values():
@@ -369,7 +440,8 @@ class LaneReducer:
             for view, residual in zip(self._lane_views(flat, lane), feedback.residuals, strict=True):
                 view.copy_(residual)
         start, end = self.bounds[self.layout.dp]
-        return gather_slices_(flat, flat[start:end].clone(), self.bounds, self.dp_group).mul_(feedbacks[0].decay)
+        held = gather_slices_(flat, flat[start:end].clone(), self.bounds, self.dp_group).mul_(feedbacks[0].decay)
+        return held if self.shard is None else self.shard.mine(held)
 
     def state_bytes(self) -> int:
         total = 0
@@ -417,10 +489,12 @@ def build_lane_reducer(
     peer_sizes: bool = True,
     aggregate: str = "mean",
     trim_fraction: float = 0.25,
+    shard_group: dist.ProcessGroup | None = None,
 ) -> LaneReducer:
     """The lane reducer of `compression` (any codec; `compression.reduction` gather) with the guard and the aggregate
     of `[sync]`. With the plain mean every cluster's payload is weighted by its replicas (`LaneLayout.cluster_weight`):
-    the peer check compares the sizes per unit of weight."""
+    the peer check compares the sizes per unit of weight. `shard_group`: the stage is sharded over it (`shapes` whole,
+    `dp_group` None)."""
     if cfg.kind != "none" and cfg.reduction == "scalable":
         raise ValueError(
             "compression.reduction = scalable needs clusters of one shape; clusters of different data-parallel "
@@ -431,7 +505,7 @@ def build_lane_reducer(
         shapes,
         layout=layout,
         channel=channel,
-        dp_group=dp_group,
+        dp_group=dp_group if shard_group is None else shard_group,
         pp_group=pp_group,
         seed=seed,
         guard=UpdateGuard(guard_max_ratio) if guard_max_ratio is not None else None,
@@ -444,6 +518,7 @@ def build_lane_reducer(
         else None,
         aggregate=aggregate,
         trim_fraction=trim_fraction,
+        shard=None if shard_group is None else ShardCut(tuple(shapes), shard_group),
     )
 
 

@@ -122,21 +122,26 @@ PIPELINE_VARIANTS = {
 }
 
 
-def _pipeline_runs(rank, world_size, data, root):
-    out = {name: _one_run(config(root / CORPUS, *o), rank, data, root / name) for name, o in PIPELINE_VARIANTS.items()}
-    checkpoint = root / "shard-pp" / "checkpoints" / f"step_{2 * H:08d}"
-    resumed = config(root / CORPUS, *PIPELINE_VARIANTS["shard-pp"])
-    out["resumed-pp"] = _one_run(resumed, rank, data, root / "resumed-pp", checkpoint)
+def _variant_runs(rank, world_size, data, root, variants, sharded):
+    """Every run of `variants`, then `sharded` again, resumed from its checkpoint of round 2 ("resumed-" + its name)."""
+    out = {name: _one_run(config(root / CORPUS, *o), rank, data, root / name) for name, o in variants.items()}
+    checkpoint = root / sharded / "checkpoints" / f"step_{2 * H:08d}"
+    resumed = config(root / CORPUS, *variants[sharded])
+    out[f"resumed-{sharded}"] = _one_run(resumed, rank, data, root / f"resumed-{sharded}", checkpoint)
     return out
+
+
+def _run_variants(root, world_size, variants, sharded, *flags):
+    """`_variant_runs` on `world_size` gloo ranks: each run's results by name, one per rank."""
+    data = prepare_data(config(root / CORPUS, *flags))
+    ranks = run_ranks(_variant_runs, world_size, args=(data, root, variants, sharded))
+    return {name: [rank[name] for rank in ranks] for name in ranks[0]}
 
 
 @pytest.fixture(scope="module")
 def pipeline_runs(runs):
     """2 clusters x dp 2 x pp 2: 8 ranks, each stage sharded over its cluster's 2 dp ranks under the 1F1B schedule."""
-    _, root = runs
-    data = prepare_data(config(root / CORPUS))
-    ranks = run_ranks(_pipeline_runs, 8, args=(data, root))
-    return {name: [rank[name] for rank in ranks] for name in (*PIPELINE_VARIANTS, "resumed-pp")}
+    return _run_variants(runs[1], 8, PIPELINE_VARIANTS, "shard-pp")
 
 
 @pytest.mark.dist
@@ -295,3 +300,58 @@ def test_sharded_muon_gathers_each_update_once_and_equals_muon_on_the_whole_matr
     of it: bit for bit torch's Muon on the unsharded matrix, with FSDP2's uneven cut too (49 + 48 rows)."""
     for result in run_ranks(_muon_steps, 2, args=(rows,)):
         assert result == {"equal": True, "collectives": [1, 1, 1]}
+
+
+MIXED = ["--topology.clusters=dp2,dp1", *INT4, *DELAYED]  # the dilocox preset's merge and residuals, dense int4
+MIXED_VARIANTS = {
+    "mixed-replicate": ["--topology.dp_mode=replicate", *MIXED],
+    "mixed-shard": ["--topology.dp_mode=shard", *MIXED],
+    "mixed-shard-topk": ["--topology.dp_mode=shard", "--topology.clusters=dp2,dp1", "--preset=dilocox", *DELAYED],
+}
+
+
+@pytest.fixture(scope="module")
+def mixed_runs(runs):
+    """Clusters of dp 2 and dp 1 (3 ranks): the dp-2 cluster's stage sharded over its 2 ranks, or replicated."""
+    return _run_variants(runs[1], 3, MIXED_VARIANTS, "mixed-shard", "--topology.clusters=dp2,dp1")
+
+
+@pytest.mark.dist
+def test_a_sharded_cluster_exchanges_lanes_with_a_cluster_of_another_dp_as_a_replicated_one_does(mixed_runs):
+    """The dp-2 cluster's ranks all-gather their shards' pseudo-gradient over the fast link, send the lanes their
+    replicas own to the dp-1 cluster, and keep their rows of the mean: the replicated run's losses on every rank, the
+    same bytes on the slow link; a run resumed from round 2 ends bit for bit where the straight one does."""
+    for replicated, sharded, resumed in zip(
+        mixed_runs["mixed-replicate"], mixed_runs["mixed-shard"], mixed_runs["resumed-mixed-shard"], strict=True
+    ):
+        assert sharded["coords"] == replicated["coords"]
+        assert sharded["losses"] == pytest.approx(replicated["losses"], rel=1e-5, abs=1e-6)
+        assert sharded["losses"][-1] < sharded["losses"][0] - 0.1  # it trained
+        assert sharded["bytes"] == replicated["bytes"]
+        assert sharded["bytes"][0] > 0
+        assert resumed["losses"] == sharded["losses"][2 * H :]
+        assert torch.equal(resumed["outer"], sharded["outer"])
+        assert resumed["bytes"] == sharded["bytes"]
+    sharded, replicated = mixed_runs["mixed-shard"][0], mixed_runs["mixed-replicate"][0]  # rank 0 evaluates phi
+    assert sharded["eval_loss"] == pytest.approx(replicated["eval_loss"], rel=1e-5)
+    replicated_phi = mixed_runs["mixed-replicate"][2]["outer"]  # cluster 1 (dp 1): the whole stage
+    sharded_phi = mixed_runs["mixed-shard"][2]["outer"]
+    torch.testing.assert_close(sharded_phi, replicated_phi, rtol=1e-4, atol=1e-5)  # an int4 level or two apart
+    assert torch.equal(_whole_stage(mixed_runs["mixed-shard"][:2]), sharded_phi)  # one phi in every cluster
+
+
+@pytest.mark.dist
+def test_the_default_codec_runs_sharded_beside_a_cluster_of_another_dp(mixed_runs):
+    """The dilocox preset (top-k int4 with error feedback, the drain at the end): every cluster ends on one phi."""
+    runs = mixed_runs["mixed-shard-topk"]
+    whole = runs[2]["outer"]  # the dp-1 cluster's
+    assert runs[0]["losses"][-1] < runs[0]["losses"][0] - 0.1
+    assert runs[0]["eval_loss"] == runs[1]["eval_loss"]  # the sharded cluster's ranks evaluate phi together
+    assert torch.equal(_whole_stage(runs[:2]), whole)
+
+
+def _whole_stage(runs) -> torch.Tensor:
+    """The whole stage's flat phi rebuilt from the dp-2 cluster's two shards (each the concatenation of its dim-0 rows
+    of every tensor, `shards` values of each): tensor by tensor, rank 0's rows then rank 1's."""
+    pieces = [run["outer"].split(run["shards"]) for run in runs]
+    return torch.cat([piece for tensor in zip(*pieces, strict=True) for piece in tensor])

@@ -175,3 +175,49 @@ def test_time_rounds_with_fragments_weigh_each_fragments_round_by_its_tokens():
         for result in results:
             assert list(result["landings"][index]["tokens"]) == want_tokens
             torch.testing.assert_close(result["landings"][index]["phi"][part].double(), weighted, rtol=0, atol=1e-6)
+
+
+def _overlapped(rank, world_size, flags):
+    """Time rounds with an overlap of 4 of H = 8 steps: every step's parameters and each landing's step and phi."""
+    model, channel, sync, optimizer = _time_rounds(rank, world_size, ["--sync.overlap_steps=4", *flags])
+    thetas, landings, step = {0: flat(model).clone()}, [], 0
+    while not sync.status().done:
+        step += 1
+        inner_step(model, optimizer, rank, step, sync)
+        thetas[step] = flat(model).clone()  # before the sync of this step
+        if sync.after_inner_step(step) is not None:
+            landings.append({"step": step, "phi": sync.outer_params.clone()})
+    sync.flush()
+    channel.close()
+    return {"thetas": thetas, "landings": landings}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "delay, launched, landed",
+    [
+        (0, [[4, 4, 2]], [[8, 8, 4]]),  # streamed: launched 4 (cluster 2: 2) steps before the boundary, lands there
+        (1, [[8, 8, 4]], [[12, 12, 6]]),  # delayed: launched at the boundary, lands 4 (cluster 2: 2) steps in
+    ],
+    ids=["streamed", "delayed"],
+)
+def test_time_rounds_land_an_overlapped_sync_the_same_share_of_each_clusters_round_in(delay, launched, landed):
+    """overlap_steps = 4 of H = 8 is half a round: 4 steps of the clusters that do 8 a round, 2 of the one that does 4
+    (`DiLoCoSync._overlap`). Plain averaging (lr 1, no momentum, alpha 0 / the eager merge): phi after the first
+    landing is the token-weighted mean of the clusters' parameters at their own launch steps, weighted by the steps
+    each trained before it."""
+    flags = [f"--sync.sync_delay={delay}", "--sync.alpha=0"] if delay == 0 else ["--sync.sync_delay=1"]
+    results = run_ranks(_overlapped, world_size=NUM_CLUSTERS, args=(flags,))
+    want = _weighted_mean(results, launched[0])
+    for rank, result in enumerate(results):
+        assert result["landings"][0]["step"] == landed[0][rank]
+        torch.testing.assert_close(result["landings"][0]["phi"].double(), want, rtol=0, atol=1e-6)
+    # an overlap of 4 steps whatever the round would have left cluster 2 (4 steps a round) no launch before its
+    # boundary (its parameters after step 4 in the mean), and no landing inside its next round (at step 8)
+    if delay == 0:
+        assert (_weighted_mean(results, [4, 4, 4]) - want).abs().max() > 1e-3
+
+
+def _weighted_mean(results, steps: list[int]) -> torch.Tensor:
+    """sum_c n_c theta_c / sum_c n_c with theta_c cluster c's parameters after its step n_c of the first round."""
+    return sum(n * r["thetas"][n].double() for n, r in zip(steps, results, strict=True)) / sum(steps)
