@@ -119,8 +119,9 @@ FIT_LINK = _flag("sync.round.fit_link", bool, "true")
 FRAGMENTS = _flag("sync.fragments", lambda v: v > 1, "> 1")
 TIME_ROUNDS = _flag("sync.round.mode", lambda v: v == "time", "time")
 OVERLAPPED_TIME_ROUNDS = Feature(
-    "sync.overlap_steps", "> 0 with sync.round.mode = time", lambda cfg: cfg.sync.round.mode == "time" and
-    cfg.sync.overlap_steps > 0, lambda cfg: f"sync.overlap_steps = {cfg.sync.overlap_steps} with time rounds",
+    "sync.overlap_steps", "> 0 with sync.round.mode = time",
+    lambda cfg: cfg.sync.round.mode == "time" and cfg.sync.overlap_steps > 0,
+    lambda cfg: f"sync.overlap_steps = {cfg.sync.overlap_steps} with time rounds",
 )
 STEP_ROUNDS = _flag("sync.round.mode", lambda v: v == "steps", "steps")
 ROUND_SECONDS = _flag("sync.round.seconds", lambda v: v > 0, "> 0")
