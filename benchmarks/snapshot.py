@@ -19,8 +19,10 @@ From the run's files it keeps, per run:
 - `rankN.channel` (the slow-link counters of rank N's last checkpoint: bytes sent, received, control bytes,
   transfers), `rankN.model`, `rankN.outer_params` (sha256 of the local model and of the agreed outer params) and
   `rankN.state` (sha256 of every tensor and setting of the rank's checkpoint: optimizer states, residuals, a sync in
-  flight, RNG, data position), `checkpoints` (the step directories left) and, for elastic runs, `elastic.clusterK`
-  (each cluster's record, with the sha256 of its outer params).
+  flight, RNG, data position), `checkpoints` (the step directories left) and, for elastic runs (whose ranks are
+  cluster 0's, from `checkpoints/cluster0/`), `rankN.torchft` (torchft's step counters, apart from `rankN.state` so
+  that the static twin's state compares) and `elastic.clusterK` (each cluster's record, with the sha256 of its outer
+  params).
 
 Left out because they measure time, not behaviour: every key that ends in `_s` (tokens_per_s, elapsed_s, link busy
 and exposed time, round compute time, wall time: `is_timing`) and `hidden_comm_fraction`; also the paths `run_dir`
@@ -319,7 +321,9 @@ def observe(run_dir: Path) -> dict[str, Any]:
     for key, value in sorted(summary.items()):
         if not is_timing(key) and key not in PATH_KEYS:
             fields[f"summary.{key}"] = value
-    checkpoints = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / "meta.json").is_file())
+    root = run_dir / "checkpoints"
+    root = root / "cluster0" if (root / "cluster0").is_dir() else root  # an elastic run: cluster 0's world's ranks
+    checkpoints = sorted(p for p in root.glob("step_*") if (p / "meta.json").is_file())
     fields["checkpoints"] = [p.name for p in checkpoints]
     if checkpoints:
         last = checkpoints[-1]
@@ -328,6 +332,9 @@ def observe(run_dir: Path) -> dict[str, Any]:
         fields["checkpoint.tokenizer_vocab"] = meta.get("tokenizer_vocab")
         for rank in range(meta.get("world_size", 1)):
             state = load_rank_state(last, rank)
+            torchft = (state.get("trainer") or {}).pop("torchft", None)  # an elastic run's own: apart, for the twin
+            if torchft is not None:
+                fields[f"rank{rank}.torchft"] = torchft
             channel = state.get("channel") or {}
             fields[f"rank{rank}.channel"] = {k: v for k, v in sorted(channel.items()) if not is_timing(k)}
             fields[f"rank{rank}.model"] = state_digest(state.get("model"))
