@@ -26,6 +26,7 @@ and peer, counted as control bytes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -152,21 +153,13 @@ class ShardCut:
 
     def whole(self, mine: torch.Tensor) -> torch.Tensor:
         """The whole stage's flat vector from every rank's `mine`, all-gathered over the fast dp ranks."""
-        size = self.size
-        numel = sum(shape.numel() for shape in self.shapes)
-        if size == 1:
-            return mine.clone()
-        every = [self.spans(index) for index in range(size)]
-        width = max(sum(end - start for start, end in spans) for spans in every)  # gloo gathers equal sizes only
-        padded = torch.zeros(width, dtype=mine.dtype, device=mine.device)
-        padded[: mine.numel()] = mine
-        parts = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(parts, padded, group=self.group)
-        whole = torch.empty(numel, dtype=mine.dtype, device=mine.device)
-        for spans, part in zip(every, parts, strict=True):
-            taken = 0
+        every = [self.spans(index) for index in range(self.size)]
+        starts = list(itertools.accumulate((sum(end - start for start, end in s) for s in every), initial=0))
+        by_rank = gather_slices_(mine.new_empty(starts[-1]), mine, list(itertools.pairwise(starts)), self.group)
+        whole = torch.empty_like(by_rank)
+        for spans, taken in zip(every, starts[:-1], strict=True):  # each rank's rows, tensor by tensor, to their places
             for start, end in spans:
-                whole[start:end] = part[taken : taken + end - start]
+                whole[start:end] = by_rank[taken : taken + end - start]
                 taken += end - start
         return whole
 
