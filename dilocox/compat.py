@@ -246,10 +246,6 @@ ROWS: tuple[Row, ...] = (
     Row(OVERLAPPED_TIME_ROUNDS, ELASTIC, "an elastic run's clusters meet at every landing or early launch, and a "
         "cluster whose time round has one step has none in it", "sync.overlap_steps = 0; topology.elastic = false",
         "--topology.elastic=true --sync.round.mode=time --sync.overlap_steps=3"),
-    Row(SCALABLE, ELASTIC, "its shared warm starts are state every cluster keeps alike, which a cluster healed from a "
-        "peer does not receive",
-        "compression.reduction = gather; topology.elastic = false",
-        "--topology.elastic=true --compression.kind=int4 --compression.reduction=scalable"),
     # options that only an elastic run reads
     Row(SOME_CLUSTERS, STATIC, "a run goes on without some clusters only when it is elastic",
         "sync.min_clusters = auto; topology.elastic = true", "--topology.num_clusters=3 --sync.min_clusters=2"),

@@ -56,7 +56,7 @@ def build_reducer(
     if cfg.reduction == "scalable":  # validate() allows only the kinds these two average
         low_rank = isinstance(codec, LowRankCodec)
         reducer: type[CodecReducer] = ScalableLowRankReducer if low_rank else ScalableElementwiseReducer
-        return reducer(codec, shapes, **common)
+        return reducer(codec, shapes, **common, counted=elastic)
     gather = GatherReducer(
         codec,
         shapes,

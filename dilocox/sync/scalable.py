@@ -26,6 +26,12 @@ by half an int4 step of the mean and does not accumulate (an fp32 or fp16 factor
 Bytes per rank r for one average of chunks of s_j bytes: all-to-all sends sum(s) - s_r and receives (C-1) s_r;
 the ring all-gather sends sum(s) - s_(r+1) and receives sum(s) - s_r (`chunk_nbytes` gives s).
 
+Elastic runs (`counted`): every chunk of the all-to-all ends with one fp32 count of its sender (1, or 0 for a cluster
+that abstains: new to the round), and chunk j's owner divides by the senders it counted instead of C, so an abstaining
+cluster is left out of the mean as the gather reduction leaves it out (4 bytes more per chunk). The chunks are cut
+for the world of the launch; `sent` starts with that world, and a sync sent again over a quorum of another size (an
+elastic redo, a resume) is encoded again from its input for the new one.
+
     reducer = ScalableLowRankReducer(codec, flat.shapes, error_feedback=True, channel=channel, dp_group=dp_group)
     pending = reducer.launch(pseudo_grad)
     avg_pseudo_grad = pending.wait()
@@ -41,12 +47,14 @@ from typing import Any
 import torch
 
 from dilocox.compress import Int4Format, LowRankCodec, ValueFormat
-from dilocox.compress.codecs import Codec, as_matrix, sent_dense
+from dilocox.compress.codecs import CastFormat, Codec, as_matrix, sent_dense
 from dilocox.compress.lowrank import orthonormalize
 from dilocox.compress.payload import ByteReader, tensor_bytes
 from dilocox.net.channel import Wire
 from dilocox.sync.base import CodecCost, shard_bounds
 from dilocox.sync.reducers import CodecReducer, PendingMean
+
+_HEADER_BYTES = 16  # `sent` opens with (world, sender) as two int64
 
 
 @dataclass(frozen=True)
@@ -104,19 +112,30 @@ def _nearest(fmt: ValueFormat) -> ValueFormat:
     return fmt
 
 
-def _average_sections(wire: Wire, chunks: list[torch.Tensor], sections: Sequence[Section]) -> list[torch.Tensor]:
-    """Average over the clusters the vectors whose encoded chunks are `chunks`; every cluster gets the same result."""
+def _count_section(world: int) -> Section:
+    """One fp32 value in every chunk: 1 from a cluster that sends its update, 0 from one that abstains."""
+    return Section(world, CastFormat(torch.float32))
+
+
+def _average_sections(
+    wire: Wire, chunks: list[torch.Tensor], sections: Sequence[Section], *, counted: bool = False
+) -> list[torch.Tensor]:
+    """Average over the clusters the vectors whose encoded chunks are `chunks`; every cluster gets the same result.
+    `counted`: the last section is `_count_section`, and the mean is over the clusters it counts (the others'
+    sections are returned)."""
     world, rank = wire.world_size, wire.rank
     sizes = chunk_nbytes(sections, world)
     mine = wire.all_to_all(chunks, [sizes[rank]] * world)  # chunk `rank` of every cluster
     decoded = [_decode_chunk(data, sections, world, rank) for data in mine]
-    means = [torch.stack([d[k] for d in decoded]).sum(0).div_(world) for k in range(len(sections))]
+    senders = float(sum(float(d[-1].sum()) for d in decoded)) if counted else world
+    sections = sections[:-1] if counted else sections
+    means = [torch.stack([d[k] for d in decoded]).sum(0).div_(max(senders, 1)) for k in range(len(sections))]
     requant = [Section(s.numel, _nearest(s.fmt)) for s in sections]
     reduced = torch.cat(
         [s.fmt.encode_runs([mean]) for s, mean in zip(requant, means, strict=True) if mean.numel()]
         or [torch.empty(0, dtype=torch.uint8, device=chunks[0].device if chunks else None)]
     )
-    gathered = wire.all_gather(reduced, sizes)
+    gathered = wire.all_gather(reduced, chunk_nbytes(requant, world))
     parts = [_decode_chunk(data, requant, world, j) for j, data in enumerate(gathered)]
     return [torch.cat([part[k] for part in parts]) for k in range(len(sections))]
 
@@ -160,6 +179,12 @@ class _ScalableReducer(CodecReducer):
 
     name = "scalable"
 
+    def __init__(self, codec: Codec, shapes: Sequence[torch.Size], *, counted: bool = False, **options: Any) -> None:
+        super().__init__(codec, shapes, **options)
+        self.counted = counted
+        """Elastic runs: the chunks carry their senders' count, so an abstaining cluster is left out of the mean
+        (module docstring)."""
+
     def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
         """Add the residuals to this replica's slice, encode what goes first (on the trainer's thread: the codec's
         RNG may round stochastically) and start the program on the communicator thread."""
@@ -170,26 +195,56 @@ class _ScalableReducer(CodecReducer):
         return self._start(pseudo_grad, sent, codec_s=time.perf_counter() - encode_from, account=True)
 
     def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
-        return self._start(torch.zeros(self.numel, device=sent.device), sent, codec_s=0.0, account=account)
+        world, sender = (int(v) for v in sent[:_HEADER_BYTES].view(torch.int64))
+        zeros = torch.zeros(self.numel, device=sent.device)
+        if not sender:  # an abstention (counted): abstains again
+            sent = self._encode(zeros[: self.slice.numel], sender=False)
+        elif world != self.channel.world_size:  # another quorum's size: its chunks are cut again, from the same input
+            sent = self._encode(self._input_of(sent[_HEADER_BYTES:], world))
+        return self._start(zeros, sent, codec_s=0.0, account=account)
 
     def abstain(self, pseudo_grad: torch.Tensor) -> PendingMean:
-        return self.launch(torch.zeros_like(pseudo_grad))  # sends only the (finite) residuals of earlier rounds
+        if not self.counted:  # sends only the (finite) residuals of earlier rounds, counted as this cluster's update
+            return self.launch(torch.zeros_like(pseudo_grad))
+        zeros = pseudo_grad.new_zeros(self.slice.numel)  # counted 0: left out; the residuals wait for its next round
+        return self._start(torch.zeros_like(pseudo_grad), self._encode(zeros, sender=False), codec_s=0.0, account=True)
 
     def _split(self, u: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(u, [shape.numel() for shape in self.slice.shapes]))
 
-    def _encode(self, u: torch.Tensor) -> torch.Tensor:
-        """What this rank sends (saved by a checkpoint in flight); keeps the residuals known at launch."""
+    def _counts(self, world: int, sender: bool, like: torch.Tensor) -> list[torch.Tensor]:
+        """The values of `_count_section` when counted (none otherwise)."""
+        return [torch.full((world,), float(sender), device=like.device)] if self.counted else []
+
+    def _with_count(self, sections: list[Section], world: int) -> list[Section]:
+        return [*sections, _count_section(world)] if self.counted else sections
+
+    def _header(self, world: int, sender: bool, like: torch.Tensor) -> torch.Tensor:
+        return tensor_bytes(torch.tensor([world, int(sender)], dtype=torch.int64, device=like.device))
+
+    def _encode(self, u: torch.Tensor, *, sender: bool = True) -> torch.Tensor:
+        """What this rank sends for the slice's input `u` (saved by a checkpoint in flight): the header, then the
+        chunks for the channel's world; a sender keeps the residuals known at launch, an abstention (`sender`
+        False, `u` zeros) keeps its residuals as they are."""
+        raise NotImplementedError
+
+    def _input_of(self, body: torch.Tensor, world: int) -> torch.Tensor:
+        """The input `u` that `body` (`sent` after its header) was encoded from for `world` clusters."""
         raise NotImplementedError
 
     def _program(
-        self, sent: torch.Tensor
+        self, body: torch.Tensor, world: int, sender: bool
     ) -> tuple[Callable[[Wire], dict[str, Any]], Callable[[dict[str, Any]], torch.Tensor], int]:
         """(the program run on the communicator thread, the finishing step on the trainer's, payload bytes)."""
         raise NotImplementedError
 
     def _start(self, flat: torch.Tensor, sent: torch.Tensor, *, codec_s: float, account: bool) -> PendingMean:
-        program, assemble, payload_bytes = self._program(sent)
+        world, sender = (int(v) for v in sent[:_HEADER_BYTES].view(torch.int64))
+        if world != self.channel.world_size:
+            raise ValueError(
+                f"a scalable sync in flight was encoded for {world} clusters and is sent over {self.channel.world_size}"
+            )
+        program, assemble, payload_bytes = self._program(sent[_HEADER_BYTES:], world, bool(sender))
         cost = CodecCost(payload_bytes=payload_bytes, dense_bytes=4 * self.slice.numel, codec_s=codec_s)
         transfer = self.channel.launch_program(program, kind="scalable_mean", account=account, device=sent.device)
 
@@ -202,9 +257,18 @@ class _ScalableReducer(CodecReducer):
 
         return PendingMean(flat, self.slice.bounds, finish, transfer, self.dp_group, sent=sent, cost=cost)
 
-    def _own_decoding(self, sections: Sequence[Section], chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _chunks(self, body: torch.Tensor, sections: Sequence[Section], world: int) -> list[torch.Tensor]:
+        """`body`'s chunks, checked against their sizes (a checkpoint of other settings does not fit)."""
+        sizes = chunk_nbytes(sections, world)
+        if body.numel() != sum(sizes):
+            raise ValueError(
+                f"a scalable sync in flight of {body.numel()} bytes does not fit chunks of {sum(sizes)} bytes for "
+                f"{world} clusters: it was saved with other settings or by another version of dilocox"
+            )
+        return list(torch.split(body, sizes))
+
+    def _own_decoding(self, sections: Sequence[Section], chunks: list[torch.Tensor], world: int) -> list[torch.Tensor]:
         """This rank's own decoding of the first step's chunks, one vector per section."""
-        world = self.channel.world_size
         return [
             torch.cat(parts) if parts else chunks[0].new_zeros(0, dtype=torch.float32)
             for parts in zip(*[_decode_chunk(c, sections, world, j) for j, c in enumerate(chunks)], strict=True)
@@ -214,28 +278,35 @@ class _ScalableReducer(CodecReducer):
 class ScalableElementwiseReducer(_ScalableReducer):
     """fp16, bf16 or int4: the slice is averaged in one `_average_sections` (module docstring)."""
 
-    def _sections(self) -> list[Section]:
-        return [Section(self.slice.numel, self.codec.value_format)]  # type: ignore[attr-defined]
+    def _sections(self, world: int) -> list[Section]:
+        return self._with_count([Section(self.slice.numel, self.codec.value_format)], world)  # type: ignore[attr-defined]
 
-    def _encode(self, u: torch.Tensor) -> torch.Tensor:
-        sections = self._sections()
-        chunks = _encode_chunks([u], sections, self.channel.world_size)
-        if self.feedback.enabled:
-            (local,) = self._own_decoding(sections, chunks)
+    def _encode(self, u: torch.Tensor, *, sender: bool = True) -> torch.Tensor:
+        world = self.channel.world_size
+        sections = self._sections(world)
+        chunks = _encode_chunks([u, *self._counts(world, sender, u)], sections, world)
+        if self.feedback.enabled and sender:
+            local = self._own_decoding(sections, chunks, world)[0]
             residuals = self._split(u - local)
             self.feedback.keep([r.view(s) for r, s in zip(residuals, self.slice.shapes, strict=True)])
-        return torch.cat(chunks)
+        return torch.cat([self._header(world, sender, u), *chunks])
 
-    def _program(self, sent: torch.Tensor):
-        sections = self._sections()
-        sizes = chunk_nbytes(sections, self.channel.world_size)
-        chunks = list(torch.split(sent, sizes))
+    def _input_of(self, body: torch.Tensor, world: int) -> torch.Tensor:
+        """What was sent, plus what its encoding lost (the residuals it kept): the input itself."""
+        sections = self._sections(world)
+        local = self._own_decoding(sections, self._chunks(body, sections, world), world)[0]
+        residuals = self.feedback.residuals if self.feedback.enabled else None
+        return local if residuals is None else local + torch.cat([r.reshape(-1) for r in residuals]).to(local)
+
+    def _program(self, body: torch.Tensor, world: int, sender: bool):
+        sections = self._sections(world)
+        chunks = self._chunks(body, sections, world)
 
         def program(wire: Wire) -> dict[str, Any]:
-            (mean,) = _average_sections(wire, chunks, sections)
+            (mean,) = _average_sections(wire, chunks, sections, counted=self.counted)
             return {"mean": mean, "compute_s": 0.0}  # decoding is part of the link steps
 
-        return program, lambda out: out["mean"], sum(sizes)
+        return program, lambda out: out["mean"], body.numel()
 
 
 class ScalableLowRankReducer(_ScalableReducer):
@@ -261,32 +332,38 @@ class ScalableLowRankReducer(_ScalableReducer):
                 plan.ranks[index] = rank
         return plan
 
-    def _sections_first(self) -> list[Section]:
-        """[P factors + dense matrices] in the factor format, [small tensors] in the small format."""
+    def _sections_first(self, world: int) -> list[Section]:
+        """[P factors + dense matrices] in the factor format, [small tensors] in the small format (and the count)."""
         codec: LowRankCodec = self.codec  # type: ignore[assignment]
         plan = self.plan
-        return [
-            Section(plan.p_numel + sum(plan.numels(plan.dense)), codec.factor_format),
-            Section(sum(plan.numels(plan.small)), codec.small_format),
-        ]
+        return self._with_count(
+            [
+                Section(plan.p_numel + sum(plan.numels(plan.dense)), codec.factor_format),
+                Section(sum(plan.numels(plan.small)), codec.small_format),
+            ],
+            world,
+        )
 
-    def _sections_second(self) -> list[Section]:
+    def _sections_second(self, world: int) -> list[Section]:
         codec: LowRankCodec = self.codec  # type: ignore[assignment]
-        return [Section(self.plan.q_numel, codec.factor_format)]
+        return self._with_count([Section(self.plan.q_numel, _nearest(codec.factor_format))], world)
 
     def _warm_start(self, index: int, cols: int, rank: int) -> torch.Tensor:
-        """The shared right factor of tensor `index`: seeded the same on every cluster, then the averaged Q."""
+        """The shared right factor of tensor `index`: seeded the same on every cluster, then the averaged Q. A
+        cluster that joins an elastic run starts without it, and needs none: it abstains (its factors are zeros)
+        until its first landing, which sets the same averaged Q on every member."""
         q = self.warm_starts.get(index)
         if q is None or q.shape != (cols, rank) or not bool(torch.isfinite(q).all()) or float(q.norm()) == 0.0:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
             q = torch.randn(cols, rank, generator=generator)  # drawn on the CPU: the same on every cluster and device
         return q
 
-    def _encode(self, u: torch.Tensor) -> torch.Tensor:
+    def _encode(self, u: torch.Tensor, *, sender: bool = True) -> torch.Tensor:
         """The input u itself rides in front of the first step's chunks (the second step needs it, and a resumed
         run must be able to run both steps again). Residuals: the parts sent as they are (dense matrices, small
         tensors) get theirs now, low-rank tensors when the sync finishes (`_assemble`)."""
-        plan, sections = self.plan, self._sections_first()
+        world = self.channel.world_size
+        plan, sections = self.plan, self._sections_first(world)
         tensors = self._split(u)
         factors = [
             as_matrix(tensors[i].view(plan.shapes[i])) @ self._warm_start(i, plan.cols(i), plan.ranks[i]).to(u)
@@ -298,25 +375,28 @@ class ScalableLowRankReducer(_ScalableReducer):
             torch.cat([f.reshape(-1) for f in factors] + dense) if factors or dense else u.new_zeros(0),
             torch.cat(small) if small else u.new_zeros(0),
         ]
-        chunks = _encode_chunks(values, sections, self.channel.world_size)
-        if self.feedback.enabled:
+        chunks = _encode_chunks([*values, *self._counts(world, sender, u)], sections, world)
+        if self.feedback.enabled and sender:
             residuals = [torch.zeros_like(t) for t in tensors]
-            for index, decoded in plan.sent_whole(self._own_decoding(sections, chunks)):
+            for index, decoded in plan.sent_whole(self._own_decoding(sections, chunks, world)[:2]):
                 residuals[index] = tensors[index] - decoded
             self.feedback.keep([r.view(s) for r, s in zip(residuals, plan.shapes, strict=True)])
-        return torch.cat([tensor_bytes(u), *chunks])
+        return torch.cat([self._header(world, sender, u), tensor_bytes(u), *chunks])
 
-    def _program(self, sent: torch.Tensor):
-        plan, world = self.plan, self.channel.world_size
-        first_sections, second_sections = self._sections_first(), self._sections_second()
-        first_sizes = chunk_nbytes(first_sections, world)
-        u, first = sent[: 4 * self.slice.numel].view(torch.float32), sent[4 * self.slice.numel :]
-        chunks = list(torch.split(first, first_sizes))
+    def _input_of(self, body: torch.Tensor, world: int) -> torch.Tensor:
+        return body[: 4 * self.slice.numel].view(torch.float32)
+
+    def _program(self, body: torch.Tensor, world: int, sender: bool):
+        plan = self.plan
+        first_sections, second_sections = self._sections_first(world), self._sections_second(world)
+        u = self._input_of(body, world)
+        chunks = self._chunks(body[4 * self.slice.numel :], first_sections, world)
+        counted = self.counted
 
         def program(wire: Wire) -> dict[str, Any]:
             compute_from = time.perf_counter()
             t0 = time.perf_counter()
-            first_mean = _average_sections(wire, chunks, first_sections)
+            first_mean = _average_sections(wire, chunks, first_sections, counted=counted)
             wire_s = time.perf_counter() - t0
             tensors = self._split(u)
             offset, bases = 0, {}
@@ -327,11 +407,10 @@ class ScalableLowRankReducer(_ScalableReducer):
                 offset += length
             own_q = [(bases[i].T @ as_matrix(tensors[i].view(plan.shapes[i]))).T for i in plan.lowrank]  # (n, r)
             q_vector = torch.cat([q.reshape(-1) for q in own_q]) if own_q else u.new_zeros(0)
-            second_format = [Section(s.numel, _nearest(s.fmt)) for s in second_sections]
-            q_chunks = _encode_chunks([q_vector], second_format, world)
-            own_q_decoded = torch.cat([_decode_chunk(c, second_format, world, j)[0] for j, c in enumerate(q_chunks)])
+            q_chunks = _encode_chunks([q_vector, *self._counts(world, sender, u)], second_sections, world)
+            own_q_decoded = torch.cat([_decode_chunk(c, second_sections, world, j)[0] for j, c in enumerate(q_chunks)])
             t0 = time.perf_counter()
-            (mean_q,) = _average_sections(wire, q_chunks, second_format)
+            (mean_q,) = _average_sections(wire, q_chunks, second_sections, counted=counted)
             wire_s += time.perf_counter() - t0
             return {
                 "first": first_mean,
@@ -341,11 +420,12 @@ class ScalableLowRankReducer(_ScalableReducer):
                 "compute_s": time.perf_counter() - compute_from - wire_s,
             }
 
-        payload_bytes = sum(first_sizes) + sum(chunk_nbytes(second_sections, world))
-        return program, lambda out: self._assemble(out, u), payload_bytes
+        payload_bytes = sum(c.numel() for c in chunks) + sum(chunk_nbytes(second_sections, world))
+        return program, lambda out: self._assemble(out, u, sender), payload_bytes
 
-    def _assemble(self, out: dict[str, Any], u: torch.Tensor) -> torch.Tensor:
-        """The averaged slice, the new warm starts, and the low-rank residuals."""
+    def _assemble(self, out: dict[str, Any], u: torch.Tensor, sender: bool) -> torch.Tensor:
+        """The averaged slice, the new warm starts, and the low-rank residuals (a cluster that abstained keeps its
+        own)."""
         plan = self.plan
         tensors = self._split(u)
         result = [u.new_zeros(s.numel()) for s in plan.shapes]
@@ -361,7 +441,8 @@ class ScalableLowRankReducer(_ScalableReducer):
             basis = out["bases"][i]  # (m, r)
             result[i] = (basis @ mean_q.T).reshape(-1)
             self.warm_starts[i] = mean_q.clone()
-            self.feedback.keep_one(i, (tensors[i] - (basis @ own_q.T).reshape(-1)).view(plan.shapes[i]))
+            if sender:
+                self.feedback.keep_one(i, (tensors[i] - (basis @ own_q.T).reshape(-1)).view(plan.shapes[i]))
         return torch.cat(result) if result else u.new_zeros(0)
 
     def state_bytes(self) -> int:

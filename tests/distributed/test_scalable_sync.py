@@ -161,3 +161,52 @@ def test_delayed_scalable_sync_agrees_across_clusters_and_resumes_exactly():
         assert torch.equal(straight[0], results[0][0][0])  # the three clusters end with the same parameters
         assert torch.equal(straight[0], resumed[0])
         assert straight[1] == resumed[1]
+
+
+def _quorums(rank, world_size, kind):
+    """Elastic runs (counted): cluster 2 abstains from round 0; then every cluster launches round 1 over the three,
+    and clusters 0 and 1 send it again over a quorum of the two of them (an elastic redo)."""
+    codec = build_codec(kind, rank=2, group_size=8)
+    cls = ScalableElementwiseReducer if kind == "int4" else ScalableLowRankReducer
+    pair = torch.distributed.new_group([0, 1])
+    x = [inputs(rank, r) if kind == "int4" else low_rank_inputs(rank, r, 2) for r in range(2)]
+    with WanChannel(torch.distributed.group.WORLD, bandwidth=None, latency_s=0.0) as channel:
+        reducer = cls(codec, SHAPES, error_feedback=True, channel=channel, dp_group=None, counted=True)
+        abstained = reducer.abstain(x[0]) if rank == 2 else reducer.launch(x[0])
+        first = abstained.wait().clone()
+        held = torch.cat([r.reshape(-1) for r in reducer.feedback.residuals]) if rank < 2 else None
+        u = x[1] + held if rank < 2 else None  # the second round's codec input
+        pending = reducer.launch(x[1])
+        pending.wait()
+        if rank == 2:
+            return first, None, None, None
+        channel.rebind(pair)
+        again = reducer.relaunch(pending.sent, account=True)
+        second = again.wait().clone()
+        # what the new encoding sent, plus what it left in the residuals, is the input: nothing lost to the re-cut
+        restored = reducer._input_of(again.sent[16:], 2)
+        return first, second, u, restored
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["int4", "lowrank"])
+def test_counted_means_leave_an_abstainer_out_and_a_redo_over_fewer_clusters_cuts_its_chunks_again(kind):
+    results = run_ranks(_quorums, 3, args=(kind,))
+    make = inputs if kind == "int4" else lambda c, r: low_rank_inputs(c, r, 2)
+    exact_first = torch.stack([make(c, 0) for c in (0, 1)]).mean(0)  # cluster 2 left out, not counted as zeros
+    assert all(torch.equal(result[0], results[0][0]) for result in results)
+    if kind == "lowrank":  # rank-2 inputs sharing their column space: exact
+        torch.testing.assert_close(results[0][0], exact_first, rtol=1e-5, atol=1e-5)
+    else:  # two int4 roundings
+        bound = max(make(c, 0).abs().max() for c in (0, 1)) / 14 + exact_first.abs().max() / 14 + 1e-2
+        assert (results[0][0] - exact_first).abs().max() <= bound
+        assert (results[0][0] - exact_first * 2 / 3).abs().max() > bound  # an abstainer counted as zeros is off
+    exact_second = torch.stack([results[c][2] for c in (0, 1)]).mean(0)
+    assert torch.equal(results[0][1], results[1][1])
+    if kind == "lowrank":
+        torch.testing.assert_close(results[0][1], exact_second, rtol=1e-5, atol=1e-4)
+    else:
+        bound = max(results[c][2].abs().max() for c in (0, 1)) / 14 + exact_second.abs().max() / 14 + 1e-2
+        assert (results[0][1] - exact_second).abs().max() <= bound
+    for c in (0, 1):
+        torch.testing.assert_close(results[c][3], results[c][2], rtol=0, atol=1e-5)

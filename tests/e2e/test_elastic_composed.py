@@ -64,14 +64,18 @@ def test_the_preset_elastic_without_failures_is_bit_identical_to_the_static_run(
     [
         (["--sync.fragments=2"], 16),  # mid-round: fragment 0 lands 7 steps after its boundaries at 6, 18, 30
         (["--topology.dp_degree=2", "--topology.dp_mode=shard"], 15),
+        # the scalable reduction of shared low-rank factors: the survivors' shares cut again for a quorum of two,
+        # the restart counted out of the mean while it abstains
+        (["--compression.kind=lowrank_int4", "--compression.reduction=scalable"], 16),
     ],
-    ids=["fragments", "sharded"],
+    ids=["fragments", "sharded", "scalable"],
 )
 def test_a_killed_rank_restarts_its_cluster_which_heals_every_fragment_and_shard(tmp_path, start_run, shape, kill_at):
     """3 elastic clusters under the preset, the last rank of cluster 2 killed: its cluster restarts and heals from a
     live peer, and every cluster ends on the same outer parameters. In 2 fragments, every fragment heals; in clusters
     of 2 ranks that each hold half of every tensor (topology.dp_mode = shard, FSDP2), each rank heals its own shard
-    from the same rank of a live peer (the record's digest covers both shards)."""
+    from the same rank of a live peer (the record's digest covers both shards); under the scalable reduction, every
+    cluster decodes the same chunks whatever the quorum's size."""
     run = start_run("killed", *COMPOSED, *ELASTIC, "--topology.num_clusters=3", *shape)
     run.wait_for_step(kill_at)
     os.kill(run.ranks_of(2)[-1], signal.SIGKILL)
