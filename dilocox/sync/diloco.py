@@ -368,16 +368,22 @@ class DiLoCoSync:
         events = [(fragment, what) for fragment, what in events if what is not None]
         if not events:
             return None
-        newcomer = self.elastic.open_boundary(step) if self.elastic is not None else False
+        # An elastic run's clusters meet once per step with events, and with time rounds once per event: a cluster
+        # whose round has fewer steps than fragments ends several at one step, which its peers end at several.
+        meetings = [[event] for event in events] if self.elastic is not None and self.time_rounds else [events]
         landed: list[RoundStats] = []
         ended = [False] * len(self.fragments)
-        for fragment, what in events:
-            stats = self._run(fragment, what, step, newcomer=newcomer)
-            if stats is not None:
-                landed.append(stats)
-            ended[self.fragments.index(fragment)] = what == "end" or (what == "land" and self.cfg.sync_delay == 0)
-        if self.elastic is not None:
-            self.elastic.commit()
+        newcomer = False
+        for meeting in meetings:
+            if self.elastic is not None:
+                newcomer = self.elastic.open_boundary(step) or newcomer  # healed here: it trained none of them
+            for fragment, what in meeting:
+                stats = self._run(fragment, what, step, newcomer=newcomer)
+                if stats is not None:
+                    landed.append(stats)
+                ended[self.fragments.index(fragment)] = what == "end" or (what == "land" and self.cfg.sync_delay == 0)
+            if self.elastic is not None:
+                self.elastic.commit()
         if self.cfg.guard.enabled and any(ended) and len(self.fragments) > 1:
             self._restart_non_finite(ended)
         if len(self.fragments) > 1 and (self.done if self.clock is not None else step == self.total_steps):
@@ -441,15 +447,24 @@ class DiLoCoSync:
             if not just_ended and not bool(torch.isfinite(fragment.flat.gather_data()).all()):
                 fragment.restart_round()
 
+    def in_progress(self, fragment: FragmentState, step: int) -> bool:
+        """Whether `fragment` has a round in progress at `step` that a flush ends (`end_round`): one with steps since
+        its boundary, and with time rounds once every round ended, each fragment but the last, whose round the clock
+        began mid-round. A cluster whose last round had fewer steps than fragments ended some of them at its last
+        step: their rounds in progress have no steps, and it still ends them with its peers (weighing 0 tokens), so
+        that every cluster sends the same syncs."""
+        return fragment.last_boundary < step or (self.done and fragment is not self.last_fragment)
+
     def end_round(self, step: int) -> RoundStats | None:
-        """End the round in progress of every fragment that has steps in it (a flush before `total_steps`)."""
+        """End the round in progress of every fragment that has one (`in_progress`: a flush before `total_steps`,
+        or the end of time rounds)."""
         if self.elastic is not None:
             newcomer = self.elastic.open_boundary(step)
         else:
             newcomer = False
         landed = []
         for fragment in self.fragments:
-            if fragment.last_boundary < step:
+            if self.in_progress(fragment, step):
                 stats = self._run(fragment, "end", step, newcomer=newcomer)
                 if stats is not None:
                     landed.append(stats)

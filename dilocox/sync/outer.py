@@ -346,7 +346,7 @@ class OuterSync:
         every cluster holds the same parameters, the outer params. Training may go on from there. Returns what the
         last sync waited for cost, or None if nothing was pending."""
         stats = None
-        if self.num_steps > self.diloco.last_boundary:
+        if any(self.diloco.in_progress(fragment, self.num_steps) for fragment in self.diloco.fragments):
             stats = self.diloco.end_round(self.num_steps)
             self._reset_if_healed()
         stats = self.diloco.flush() or stats

@@ -221,3 +221,35 @@ def test_time_rounds_land_an_overlapped_sync_the_same_share_of_each_clusters_rou
 def _weighted_mean(results, steps: list[int]) -> torch.Tensor:
     """sum_c n_c theta_c / sum_c n_c with theta_c cluster c's parameters after its step n_c of the first round."""
     return sum(n * r["thetas"][n].double() for n, r in zip(steps, results, strict=True)) / sum(steps)
+
+
+def _one_step_rounds(rank, world_size):
+    """Time rounds with 2 fragments and cluster 2 eight times as slow: one step a round, at which both its fragments'
+    rounds end. The run's parameters and phi at the end."""
+    model, channel, sync, optimizer = _time_rounds(
+        rank, world_size, ["--sync.fragments=2", "--faults.slow_clusters=2:8.0"]
+    )
+    step = 0
+    while not sync.status().done:
+        step += 1
+        inner_step(model, optimizer, rank, step, sync)
+        sync.after_inner_step(step)
+    theta = flat(model).clone()
+    sync.flush()
+    channel.close()
+    return {"steps": step, "theta": theta, "phi": sync.outer_params.clone(), "bounds": sync.diloco.bounds}
+
+
+@pytest.mark.dist
+def test_time_rounds_with_more_fragments_than_a_clusters_steps_end_together():
+    """The run ends after the clock's last round, with fragment 0 in a round the clock began halfway through the last
+    one: 4 steps on clusters 0 and 1, none on cluster 2 (its one step a round ended both fragments). Every cluster still
+    ends that round, cluster 2 weighing 0 tokens, and all end on one phi: fragment 0's the mean of the others'."""
+    results = run_ranks(_one_step_rounds, world_size=NUM_CLUSTERS)
+    assert [result["steps"] for result in results] == [16, 16, 2]
+    assert all(torch.equal(result["phi"], results[0]["phi"]) for result in results)
+    numels = [p.numel() for p in make_model().parameters()]
+    first, end = results[0]["bounds"][0]
+    part = slice(sum(numels[:first]), sum(numels[:end]))
+    want = (results[0]["theta"][part].double() + results[1]["theta"][part].double()) / 2
+    torch.testing.assert_close(results[0]["phi"][part].double(), want, rtol=0, atol=1e-6)

@@ -41,8 +41,17 @@ ELASTIC = ["--topology.elastic=true", "--network.heartbeat=0.5s", "--network.sta
             "--faults.slow_mode=virtual",
             "--sync.overlap_steps=0",
         ],
+        # cluster 1 thirteen times as slow: one step a round, at which both fragments' rounds end (its peers end
+        # them 6 steps apart); at the end its peers' fragment 0 is 6 steps into a round, its own has none
+        [
+            "--sync.round.mode=time",
+            "--faults.slow_clusters=1:13.0",
+            "--faults.slow_mode=virtual",
+            "--sync.overlap_steps=0",
+            "--sync.fragments=2",
+        ],
     ],
-    ids=["fragments", "time_rounds"],
+    ids=["fragments", "time_rounds", "one_step_time_rounds"],
 )
 def test_the_preset_elastic_without_failures_is_bit_identical_to_the_static_run(tmp_path, start_run, flags):
     static = start_run("static", *COMPOSED, *flags, "--topology.num_clusters=2")
