@@ -167,7 +167,9 @@ class StageParts:
         common.update(aggregate=self.cfg.aggregate, trim_fraction=self.cfg.trim_fraction)
         if self.lanes is not None:
             shapes = flat.shapes if self.shard_group is None else flat.full_shapes  # a sharded stage: its whole tensors
-            return build_lane_reducer(compression, shapes, layout=self.lanes, **common, shard_group=self.shard_group)
+            return build_lane_reducer(
+                compression, shapes, layout=self.lanes, **common, shard_group=self.shard_group, scaled=not self.weighted
+            )
         return build_reducer(compression, flat.shapes, **common, shard_group=self.shard_group, elastic=self.elastic_run)
 
 

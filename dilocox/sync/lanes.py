@@ -192,6 +192,7 @@ class LaneReducer:
         aggregate: str = "mean",
         trim_fraction: float = 0.25,
         shard: ShardCut | None = None,
+        scaled: bool = False,
     ) -> None:
         cfg.validate()
         if peers is not None and guard is None:
@@ -234,6 +235,9 @@ class LaneReducer:
         """How each lane's accepted updates are averaged (`sync.aggregate`; a robust one gives every cluster one vote,
         its payload not weighted by its replicas)."""
         self.trim_fraction = trim_fraction
+        self.scaled = scaled
+        """The payloads are the pseudo-gradients times `LaneLayout.cluster_weights` (the plain mean, not weighted by
+        tokens): with some clusters left out, the mean of the others is taken over their own weights."""
         self.empty_reason = "it sent none: its own was non-finite"
         dense = cfg.kind == "none"  # the fp32 identity codec: nothing to hold back
         self.codecs = {lane: build_codec(cfg, seed=seed + _LANE_SEED_STRIDE * lane) for lane in layout.lanes}
@@ -392,7 +396,14 @@ class LaneReducer:
             cost.codec_s += time.perf_counter() - decode_from
             if not accepted:  # nothing usable: the outer step gets a zero update (DiLoCoSync counts the round)
                 return torch.zeros(self.slice_numel, dtype=torch.float32, device=device)
-            return aggregate(accepted, self.how, trim_fraction=self.trim_fraction)
+            mean = aggregate(accepted, self.how, trim_fraction=self.trim_fraction)
+            if self.scaled and len(accepted) < layout.num_clusters:  # weights C dp_c / sum(dp) of all, summing to C
+                degrees = layout.topology.dp_degrees
+                kept = sum(dp for c, dp in enumerate(degrees) if updates[c] is not None and c not in excluded)
+                mean.mul_(
+                    len(accepted) * sum(degrees) / (layout.num_clusters * kept)
+                )  # sum_kept dp_c d_c / sum_kept dp_c
+            return mean
 
         kept = dict(sent=sent, cost=cost, excluded=excluded)
         pending = PendingMean(flat, self.bounds, finish, transfer, self.dp_group, **kept)
@@ -483,11 +494,12 @@ def build_lane_reducer(
     aggregate: str = "mean",
     trim_fraction: float = 0.25,
     shard_group: dist.ProcessGroup | None = None,
+    scaled: bool = True,
 ) -> LaneReducer:
     """The lane reducer of `compression` (any codec; `compression.reduction` gather) with the guard and the aggregate
-    of `[sync]`. With the plain mean every cluster's payload is weighted by its replicas (`LaneLayout.cluster_weight`):
-    the peer check compares the sizes per unit of weight. `shard_group`: the stage is sharded over it (`shapes` whole,
-    `dp_group` None)."""
+    of `[sync]`. With the plain mean every cluster's payload is weighted by its replicas (`LaneLayout.cluster_weight`;
+    `scaled` False: token-weighted syncs, scaled by tokens instead): the peer check compares the sizes per unit of
+    weight. `shard_group`: the stage is sharded over it (`shapes` whole, `dp_group` None)."""
     if cfg.kind != "none" and cfg.reduction == "scalable":
         raise ValueError(
             "compression.reduction = scalable needs clusters of one shape; clusters of different data-parallel "
@@ -512,6 +524,7 @@ def build_lane_reducer(
         aggregate=aggregate,
         trim_fraction=trim_fraction,
         shard=None if shard_group is None else ShardCut(tuple(shapes), shard_group),
+        scaled=scaled and aggregate == "mean",
     )
 
 

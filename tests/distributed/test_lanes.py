@@ -229,8 +229,10 @@ def _composed(rank, world_size, flags):
             ),
             (2, 1, 1),
         ),
+        # cluster 2's round goes non-finite: it abstains, and the others' mean is weighted by their dp alone
+        (("--faults.kind=nan", "--faults.cluster=2", "--faults.rounds=1"), (2, 1, 0)),
     ],
-    ids=["time_rounds", "fragments", "median", "lying_cluster"],
+    ids=["time_rounds", "fragments", "median", "lying_cluster", "abstaining_cluster"],
 )
 def test_clusters_of_different_dp_compose_with_time_rounds_fragments_robust_aggregates_and_faults(flags, weights):
     results = run_ranks(_composed, sum(DP_DEGREES), args=(flags,))
