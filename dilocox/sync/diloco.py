@@ -222,10 +222,11 @@ class DiLoCoSync:
         return round_first + max(1, ((k + 1) * round_steps) // num_fragments)
 
     def _ends_here(self, fragment: FragmentState, step: int) -> bool:
-        """Whether `fragment`'s round ends at `step`: its boundary, or with step rounds the run's last step (time
-        rounds end the run after their rounds, at whatever step each cluster is)."""
+        """Whether `fragment`'s round ends at `step`: its boundary (once: a cluster that heals between two meetings of
+        one step takes a state in which the first one's fragment ended there), or with step rounds the run's last step
+        (time rounds end the run after their rounds, at whatever step each cluster is)."""
         if step == fragment.round_end:
-            return True
+            return fragment.last_boundary < step
         return not self.time_rounds and step == self.total_steps and fragment.last_boundary < step
 
     def _event(self, fragment: FragmentState, step: int) -> str | None:
