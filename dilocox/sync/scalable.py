@@ -57,6 +57,15 @@ from dilocox.sync.reducers import CodecReducer, PendingMean
 _HEADER_BYTES = 16  # `sent` opens with (world, sender) as two int64
 
 
+def _header(world: int, sender: bool, device: torch.device) -> torch.Tensor:
+    return tensor_bytes(torch.tensor([world, int(sender)], dtype=torch.int64, device=device))
+
+
+def _read_header(sent: torch.Tensor) -> tuple[int, bool]:
+    world, sender = (int(v) for v in sent[:_HEADER_BYTES].view(torch.int64))
+    return world, bool(sender)
+
+
 @dataclass(frozen=True)
 class Section:
     """A vector averaged in one format: chunk j of it travels as `fmt.nbytes(len_j)` bytes."""
@@ -195,7 +204,7 @@ class _ScalableReducer(CodecReducer):
         return self._start(pseudo_grad, sent, codec_s=time.perf_counter() - encode_from, account=True)
 
     def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
-        world, sender = (int(v) for v in sent[:_HEADER_BYTES].view(torch.int64))
+        world, sender = _read_header(sent)
         zeros = torch.zeros(self.numel, device=sent.device)
         if not sender:  # an abstention (counted): abstains again
             sent = self._encode(zeros[: self.slice.numel], sender=False)
@@ -219,9 +228,6 @@ class _ScalableReducer(CodecReducer):
     def _with_count(self, sections: list[Section], world: int) -> list[Section]:
         return [*sections, _count_section(world)] if self.counted else sections
 
-    def _header(self, world: int, sender: bool, like: torch.Tensor) -> torch.Tensor:
-        return tensor_bytes(torch.tensor([world, int(sender)], dtype=torch.int64, device=like.device))
-
     def _encode(self, u: torch.Tensor, *, sender: bool = True) -> torch.Tensor:
         """What this rank sends for the slice's input `u` (saved by a checkpoint in flight): the header, then the
         chunks for the channel's world; a sender keeps the residuals known at launch, an abstention (`sender`
@@ -239,12 +245,12 @@ class _ScalableReducer(CodecReducer):
         raise NotImplementedError
 
     def _start(self, flat: torch.Tensor, sent: torch.Tensor, *, codec_s: float, account: bool) -> PendingMean:
-        world, sender = (int(v) for v in sent[:_HEADER_BYTES].view(torch.int64))
+        world, sender = _read_header(sent)
         if world != self.channel.world_size:
             raise ValueError(
                 f"a scalable sync in flight was encoded for {world} clusters and is sent over {self.channel.world_size}"
             )
-        program, assemble, payload_bytes = self._program(sent[_HEADER_BYTES:], world, bool(sender))
+        program, assemble, payload_bytes = self._program(sent[_HEADER_BYTES:], world, sender)
         cost = CodecCost(payload_bytes=payload_bytes, dense_bytes=4 * self.slice.numel, codec_s=codec_s)
         transfer = self.channel.launch_program(program, kind="scalable_mean", account=account, device=sent.device)
 
@@ -289,7 +295,7 @@ class ScalableElementwiseReducer(_ScalableReducer):
             local = self._own_decoding(sections, chunks, world)[0]
             residuals = self._split(u - local)
             self.feedback.keep([r.view(s) for r, s in zip(residuals, self.slice.shapes, strict=True)])
-        return torch.cat([self._header(world, sender, u), *chunks])
+        return torch.cat([_header(world, sender, u.device), *chunks])
 
     def _input_of(self, body: torch.Tensor, world: int) -> torch.Tensor:
         """What was sent, plus what its encoding lost (the residuals it kept): the input itself."""
@@ -381,7 +387,7 @@ class ScalableLowRankReducer(_ScalableReducer):
             for index, decoded in plan.sent_whole(self._own_decoding(sections, chunks, world)[:2]):
                 residuals[index] = tensors[index] - decoded
             self.feedback.keep([r.view(s) for r, s in zip(residuals, plan.shapes, strict=True)])
-        return torch.cat([self._header(world, sender, u), tensor_bytes(u), *chunks])
+        return torch.cat([_header(world, sender, u.device), tensor_bytes(u), *chunks])
 
     def _input_of(self, body: torch.Tensor, world: int) -> torch.Tensor:
         return body[: 4 * self.slice.numel].view(torch.float32)
