@@ -229,18 +229,25 @@ class DiLoCoSync:
             return fragment.last_boundary < step
         return not self.time_rounds and step == self.total_steps and fragment.last_boundary < step
 
-    def _event(self, fragment: FragmentState, step: int) -> str | None:
-        """What `fragment` does at `step`: "end" (its boundary), "launch" (a streamed sync, overlap_steps before the
-        boundary), "land" (a delayed sync, overlap_steps into the round), or None."""
+    def _events(self, fragment: FragmentState, step: int) -> list[str]:
+        """What `fragment` does at `step`, in order: "end" (its boundary), "launch" (a streamed sync, overlap_steps
+        before the boundary), "land" (a delayed sync, overlap_steps into the round). A time round of one step has no
+        step inside it: its streamed sync launches, or its delayed one lands, at that step just before the end, as
+        every other cluster's does some steps before its own."""
         cfg = self.cfg
         if self._ends_here(fragment, step):
-            return "end"
+            if cfg.overlap_steps and self.clock is not None and fragment.inner_steps == 1:
+                if cfg.sync_delay == 0:
+                    return ["launch", "end"]
+                if fragment.outer_step > 0:
+                    return ["land", "end"]
+            return ["end"]
         k = self._overlap(fragment)
         if not k:
-            return None
+            return []
         if cfg.sync_delay == 0:
-            return "launch" if step == fragment.round_end - k and step > fragment.last_boundary else None
-        return "land" if fragment.outer_step > 0 and step == fragment.last_boundary + k else None
+            return ["launch"] if step == fragment.round_end - k and step > fragment.last_boundary else []
+        return ["land"] if fragment.outer_step > 0 and step == fragment.last_boundary + k else []
 
     def _overlap(self, fragment: FragmentState) -> int:
         """`sync.overlap_steps`; with time rounds the same share of this cluster's round in progress, whose steps
@@ -365,8 +372,7 @@ class DiLoCoSync:
             if faults is not None and step == fragment.last_boundary + 1:
                 if faults.diverges(cluster=self.stage.cluster_id, round_index=fragment.outer_step + 1):
                     fragment.flat.scatter_data(torch.full((fragment.numel,), float("nan")))  # this round diverges
-        events = [(fragment, self._event(fragment, step)) for fragment in self.fragments]
-        events = [(fragment, what) for fragment, what in events if what is not None]
+        events = [(fragment, what) for fragment in self.fragments for what in self._events(fragment, step)]
         if not events:
             return None
         # An elastic run's clusters meet once per step with events, and with time rounds once per event: a cluster

@@ -253,3 +253,26 @@ def test_time_rounds_with_more_fragments_than_a_clusters_steps_end_together():
     part = slice(sum(numels[:first]), sum(numels[:end]))
     want = (results[0]["theta"][part].double() + results[1]["theta"][part].double()) / 2
     torch.testing.assert_close(results[0]["phi"][part].double(), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "delay, launched, landed",
+    [
+        (0, [4, 4, 1], [8, 8, 1]),  # streamed: cluster 2 launches at its one step, and lands at once
+        (1, [8, 8, 1], [12, 12, 2]),  # delayed: cluster 2 lands at its next round's one step, before that round's end
+    ],
+    ids=["streamed", "delayed"],
+)
+def test_a_time_round_of_one_step_launches_or_lands_its_overlapped_sync_at_that_step(delay, launched, landed):
+    """Cluster 2 eight times as slow does one step a round, which has no step inside it for an overlap: its sync
+    launches (streamed) or lands (delayed) at that step, just before the round ends (as its own events, at which an
+    elastic run meets: tests/e2e/test_elastic_composed.py). phi after the first landing is the token-weighted mean of
+    the clusters' parameters at their launch steps."""
+    flags = [f"--sync.sync_delay={delay}", "--faults.slow_clusters=2:8.0"]
+    flags += ["--sync.alpha=0"] if delay == 0 else []
+    results = run_ranks(_overlapped, world_size=NUM_CLUSTERS, args=(flags,))
+    want = _weighted_mean(results, launched)
+    for rank, result in enumerate(results):
+        assert result["landings"][0]["step"] == landed[rank]
+        torch.testing.assert_close(result["landings"][0]["phi"].double(), want, rtol=0, atol=1e-6)

@@ -50,8 +50,16 @@ ELASTIC = ["--topology.elastic=true", "--network.heartbeat=0.5s", "--network.sta
             "--sync.overlap_steps=0",
             "--sync.fragments=2",
         ],
+        # the preset's overlap of 7 steps under time rounds: 7 of cluster 0's 12 steps, and cluster 1's one step a
+        # round lands the last round's sync before it ends the round, each its own meeting
+        [
+            "--sync.round.mode=time",
+            "--faults.slow_clusters=1:13.0",
+            "--faults.slow_mode=virtual",
+            "--sync.overlap_steps=7",
+        ],
     ],
-    ids=["fragments", "time_rounds", "one_step_time_rounds"],
+    ids=["fragments", "time_rounds", "one_step_time_rounds", "overlapped_time_rounds"],
 )
 def test_the_preset_elastic_without_failures_is_bit_identical_to_the_static_run(tmp_path, start_run, flags):
     static = start_run("static", *COMPOSED, *flags, "--topology.num_clusters=2")

@@ -44,8 +44,8 @@ def test_slow_clusters_from_a_toml_table_and_from_the_flag_forms(tmp_path):
             "does not work with sync.round.fit_link",
         ),
         (
-            ["--sync.round.mode=time", "--sync.sync_delay=1", "--sync.overlap_steps=2", "--topology.elastic=true"],
-            "sync.overlap_steps = 2 with time rounds does not work with topology.elastic = true",
+            ["--sync.round.mode=time", "--sync.overlap_steps=2", "--sync.fragments=2", "--topology.elastic=true"],
+            "sync.overlap_steps = 2 with time rounds of 2 fragments does not work with topology.elastic = true",
         ),
         (["--sync.round.seconds=2"], "set sync.round.mode = time"),
         # a budget below H steps of 1 ms cuts every round to one step (20 steps to 11 with H = 10)
