@@ -86,9 +86,9 @@ def sums_in_transit(cfg: Config) -> bool:
     """The outer sync's reduction adds the clusters' values on the wire (the dense fp32 all-reduce of
     `compression.kind = none`, or `compression.reduction = scalable`), so no receiver sees one cluster's update: it
     cannot check a sender's tag or aggregate robustly. The gather reduction of a codec delivers every update, and so
-    does the lane exchange of clusters of different data-parallel degrees, whatever the codec."""
-    summed = cfg.compression.kind == "none" or cfg.compression.reduction == "scalable"
-    return cfg.sync.has_outer_loop and summed and not mixed_dp(cfg)
+    does the lane exchange of clusters of different data-parallel degrees with `compression.kind = none`."""
+    scalable = cfg.compression.kind != "none" and cfg.compression.reduction == "scalable"
+    return cfg.sync.has_outer_loop and (scalable or (cfg.compression.kind == "none" and not mixed_dp(cfg)))
 
 
 def mixed_dp(cfg: Config) -> bool:
@@ -142,6 +142,11 @@ SUMMED = Feature("compression.kind", "none, or compression.reduction = scalable"
                  else "compression.reduction = 'scalable'")
 SCALABLE = Feature("compression.reduction", "scalable (with a codec)",
                    lambda cfg: cfg.compression.kind != "none" and cfg.compression.reduction == "scalable")
+SCALABLE_LOWRANK = Feature("compression.kind", "lowrank, lowrank_int4 with compression.reduction = scalable",
+                           lambda cfg: cfg.compression.reduction == "scalable"
+                           and cfg.compression.kind in ("lowrank", "lowrank_int4"),
+                           lambda cfg: f"compression.kind = {cfg.compression.kind!r} with compression.reduction = "
+                           "'scalable'")
 UNSCALABLE_CODEC = Feature("compression.kind", ", ".join(k for k in CODEC_KINDS if k not in ("none", *SCALABLE_KINDS)),
                            lambda cfg: cfg.compression.kind not in ("none", *SCALABLE_KINDS))
 """Codecs whose payloads the scalable reduction cannot sum (`SCALABLE_KINDS` can): each cluster chooses its own rank
@@ -267,9 +272,10 @@ ROWS: tuple[Row, ...] = (
     Row(MIXED_DP, ELASTIC, "torchft's replica groups pair each rank with the same rank of every other cluster, and "
         "the lanes of clusters of different dp are exchanged between ranks of other positions",
         "topology.clusters = []; topology.elastic = false", "--topology.clusters=dp2,dp1 --topology.elastic=true"),
-    Row(MIXED_DP, SCALABLE, "its lanes are averaged by the gather reduction",
-        "compression.reduction = gather; topology.clusters = []",
-        "--topology.clusters=dp2,dp1 --compression.kind=int4 --compression.reduction=scalable"),
+    Row(MIXED_DP, SCALABLE_LOWRANK, "the lanes are averaged value by value, and low-rank factors need one group of "
+        "every cluster's replica of a stage, which clusters of different dp do not have",
+        "compression.kind = int4; compression.reduction = gather; topology.clusters = []",
+        "--topology.clusters=dp2,dp1 --compression.kind=lowrank_int4 --compression.reduction=scalable"),
     # the run directory
     Row(RESUME_ONE, OVERWRITE, "resuming keeps the run directory that overwriting replaces",
         "run.overwrite = false; checkpoint.resume = auto", "--checkpoint.resume=latest --run.overwrite=true"),

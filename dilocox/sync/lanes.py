@@ -41,9 +41,12 @@ from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.sync.base import CodecCost
 from dilocox.sync.reducers import PendingMean, _offsets, gather_slices_, judge_updates, param_aligned_bounds
 from dilocox.sync.robust import PeerCheck, UpdateGuard, aggregate, judges_state, load_judges_state
+from dilocox.sync.scalable import Section, _decode_chunk, _encode_chunks, _nearest, chunk_nbytes
 from dilocox.topology import Topology, fsdp_rows, group_size
 
 _LENGTH_BYTES = 8  # one int64 payload length per lane in the header step
+ELEMENTWISE_KINDS = ("fp16", "bf16", "int4")
+"""The codecs whose lanes the scalable reduction averages (`ScalableLaneReducer`): each value on its own."""
 _LANE_SEED_STRIDE = 7919  # lane l's codec is seeded run.seed + 7919 l on every cluster
 
 
@@ -405,12 +408,16 @@ class LaneReducer:
                 )  # sum_kept dp_c d_c / sum_kept dp_c
             return mean
 
-        kept = dict(sent=sent, cost=cost, excluded=excluded)
+        return self._pending(flat, finish, transfer, sent=sent, cost=cost, excluded=excluded)
+
+    def _pending(self, flat: torch.Tensor, finish: Any, transfer: Any, **kept: Any) -> PendingMean:
+        """The mean of this rank's lanes (`finish`), all-gathered over the cluster's replicas; a sharded rank keeps
+        its rows of it."""
         pending = PendingMean(flat, self.bounds, finish, transfer, self.dp_group, **kept)
         if self.shard is None:
             return pending
         shard = self.shard  # the whole mean on every replica of the cluster, of which this rank keeps its rows
-        mine = torch.empty(shard.numel, device=device)
+        mine = torch.empty(shard.numel, device=flat.device)
         return PendingMean(mine, [(0, mine.numel())], lambda: shard.mine(pending.wait()), transfer, None, **kept)
 
     def heal(self) -> None:
@@ -479,6 +486,113 @@ class LaneReducer:
         load_judges_state(self.guard, self.peers, state)
 
 
+class ScalableLaneReducer(LaneReducer):
+    """The scalable reduction of the lanes (`compression.reduction = scalable`, an elementwise codec: fp16, bf16,
+    int4; docs/design.md §2.1): each lane's vector is cut into C chunks, chunk c of every cluster's goes to the lane's
+    owner in cluster c, which averages the C versions and encodes the mean again, and the means go back to the lane's
+    other owners (the two steps of `dilocox.sync.scalable`, for every lane at once: two exchanges over the stage
+    group). A rank sends about 2 (C - 1) / C of its lanes' payload, against C - 1 payloads for the gather. The
+    clusters' updates are summed in transit: no guard of its own (the guard judges the mean) and no robust aggregate."""
+
+    name = "scalable_lanes"
+
+    def __init__(self, cfg: CompressionConfig, shapes: Sequence[torch.Size], **options: Any) -> None:
+        super().__init__(cfg, shapes, **options)
+        self.sections = {
+            lane: Section(end - start, self.codecs[lane].value_format)  # type: ignore[attr-defined]
+            for lane, (start, end) in enumerate(self.lane_bounds)
+            if lane in self.layout.lanes and self.lane_tensors[lane]
+        }
+        """The lanes this rank owns that hold tensors, each averaged in its codec's format."""
+        self.sizes = {
+            lane: chunk_nbytes([section], self.layout.num_clusters) for lane, section in self.sections.items()
+        }
+        """Bytes of each chunk c of each of those lanes."""
+
+    def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        if self.shard is not None:
+            pseudo_grad = self.shard.whole(pseudo_grad)
+        encode_from, num_clusters = time.perf_counter(), self.layout.num_clusters
+        chunks = []
+        for lane, section in self.sections.items():
+            feedback = self.feedbacks[lane]
+            views = self._lane_views(pseudo_grad, lane)
+            u = torch.cat([t.reshape(-1) for t in feedback.corrected(views)])
+            encoded = _encode_chunks([u], [section], num_clusters)
+            if feedback.enabled:
+                sent = torch.cat([_decode_chunk(c, [section], num_clusters, j)[0] for j, c in enumerate(encoded)])
+                lost = torch.split(u - sent, [v.numel() for v in views])
+                feedback.keep([r.view(v.shape) for r, v in zip(lost, views, strict=True)])
+            chunks += encoded
+        self.holds_back = True
+        sent = _concat(chunks, pseudo_grad.device)
+        return self._start_sums(
+            torch.zeros(self.numel, device=sent.device), sent, codec_s=time.perf_counter() - encode_from
+        )
+
+    def abstain(self, pseudo_grad: torch.Tensor) -> PendingMean:
+        return self.launch(torch.zeros_like(pseudo_grad))  # the (finite) residuals of earlier rounds, as the others
+
+    def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
+        return self._start_sums(torch.zeros(self.numel, device=sent.device), sent, codec_s=0.0, account=account)
+
+    def _start_sums(
+        self, flat: torch.Tensor, sent: torch.Tensor, *, codec_s: float, account: bool = True
+    ) -> PendingMean:
+        layout, world, device = self.layout, self.channel.world_size, sent.device
+        num_clusters, me = layout.num_clusters, layout.cluster
+        lanes, sizes, sections = list(self.sections), self.sizes, self.sections
+        if sent.numel() != sum(sum(sizes[lane]) for lane in lanes):
+            raise ValueError("a scalable lane sync in flight does not fit this rank's lanes: resume with its settings")
+        parts = torch.split(sent, [sum(sizes[lane]) for lane in lanes])
+        chunks = {lane: list(torch.split(part, sizes[lane])) for lane, part in zip(lanes, parts, strict=True)}
+        shared = [[lane for lane in layout.shared_lanes(peer) if lane in chunks] for peer in range(world)]
+        cluster_of = [layout.replica_of(peer)[0] for peer in range(world)]
+
+        def exchange(wire: Wire, pick: Any, expect: Any) -> dict[int, dict[int, torch.Tensor]]:
+            """One step over the stage group: each peer gets `pick(lane, peer)` of every lane both own, and sent
+            `expect(lane, peer)` bytes of each; what arrived, by lane and by the sender's cluster."""
+            send = [_concat([pick(lane, peer) for lane in shared[peer]], device) for peer in range(world)]
+            lengths = [[expect(lane, peer) for lane in shared[peer]] for peer in range(world)]
+            arrived = wire.all_to_all(send, [sum(n) for n in lengths], skip_empty=False)
+            by_cluster: dict[int, dict[int, torch.Tensor]] = {lane: {} for lane in lanes}
+            for peer, part in enumerate(arrived):
+                for lane, data in zip(shared[peer], torch.split(part, lengths[peer]), strict=True):
+                    by_cluster[lane][cluster_of[peer]] = data
+            return by_cluster
+
+        def program(wire: Wire) -> dict[int, torch.Tensor]:
+            # 1. chunk c of each lane to the lane's owner in cluster c: here, chunk `me` of every cluster's
+            versions = exchange(
+                wire, lambda lane, peer: chunks[lane][cluster_of[peer]], lambda lane, _: sizes[lane][me]
+            )
+            reduced = {}
+            for lane in lanes:
+                own = [chunks[lane][me] if c == me else versions[lane][c] for c in range(num_clusters)]
+                decoded = [_decode_chunk(data, [sections[lane]], num_clusters, me)[0] for data in own]
+                mean = torch.stack(decoded).sum(0).div_(num_clusters)
+                fmt = _nearest(sections[lane].fmt)  # round to nearest: the same bytes on every cluster
+                reduced[lane] = fmt.encode_runs([mean]) if mean.numel() else _empty(device).data
+            # 2. the mean of chunk `me` back to the lane's owners in the other clusters, theirs here
+            means = exchange(wire, lambda lane, _: reduced[lane], lambda lane, peer: sizes[lane][cluster_of[peer]])
+            out = {}
+            for lane in lanes:
+                requant = [Section(sections[lane].numel, _nearest(sections[lane].fmt))]
+                own = [reduced[lane] if c == me else means[lane][c] for c in range(num_clusters)]
+                out[lane] = torch.cat([_decode_chunk(data, requant, num_clusters, c)[0] for c, data in enumerate(own)])
+            return out
+
+        transfer = self.channel.launch_program(program, kind="scalable_lanes", account=account, device=device)
+        cost = CodecCost(payload_bytes=sent.numel(), dense_bytes=4 * self.slice_numel, codec_s=codec_s)
+
+        def finish() -> torch.Tensor:
+            means = transfer.wait()
+            zero = torch.zeros(0, device=device)
+            return torch.cat([means.get(lane, zero) for lane in layout.lanes]) if layout.lanes else zero
+
+        return self._pending(flat, finish, transfer, sent=sent, cost=cost)
+
+
 def build_lane_reducer(
     cfg: CompressionConfig,
     shapes: Sequence[torch.Size],
@@ -501,9 +615,21 @@ def build_lane_reducer(
     `scaled` False: token-weighted syncs, scaled by tokens instead): the peer check compares the sizes per unit of
     weight. `shard_group`: the stage is sharded over it (`shapes` whole, `dp_group` None)."""
     if cfg.kind != "none" and cfg.reduction == "scalable":
-        raise ValueError(
-            "compression.reduction = scalable needs clusters of one shape; clusters of different data-parallel "
-            "degrees average by lanes: use compression.reduction = gather"
+        if cfg.kind not in ELEMENTWISE_KINDS:
+            raise ValueError(
+                f"compression.reduction = scalable averages the lanes of clusters of different data-parallel degrees "
+                f"in an elementwise codec ({', '.join(ELEMENTWISE_KINDS)}), not {cfg.kind!r}: use one of those, or "
+                "compression.reduction = gather"
+            )
+        return ScalableLaneReducer(
+            dataclasses.replace(cfg),
+            shapes,
+            layout=layout,
+            channel=channel,
+            dp_group=dp_group if shard_group is None else shard_group,
+            pp_group=pp_group,
+            seed=seed,
+            shard=None if shard_group is None else ShardCut(tuple(shapes), shard_group),
         )
     return LaneReducer(
         dataclasses.replace(cfg),

@@ -14,7 +14,7 @@ from dilocox.net.channel import WanChannel
 from dilocox.net.sealing import ChunkSealer
 from dilocox.sync import build_sync
 from dilocox.sync.config import FIT_HEADROOM
-from dilocox.sync.lanes import LaneLayout, LaneReducer
+from dilocox.sync.lanes import LaneLayout, LaneReducer, build_lane_reducer
 from dilocox.topology import Topology, build_process_groups
 from tests.distributed.resume import simulated
 from tests.multiproc import run_ranks
@@ -394,3 +394,46 @@ def test_authenticated_lanes_carry_a_tag_per_payload_and_a_corrupted_cluster_is_
         assert list(excluded) == [1] and "tag does not verify" in excluded[1], rank
         assert rejected == (1 if rank == 3 else 0), rank
         torch.testing.assert_close(mean2, _decoded_mean([0, 2], 1), rtol=0, atol=1e-6)
+
+
+def _scalable(rank, world_size, kind):
+    """The scalable reduction of the lanes over clusters of dp 2, 1 and 1: the mean, the bytes, and the same bytes
+    sent again by a resumed run."""
+    topo = Topology.of_clusters(DP_DEGREES)
+    groups = build_process_groups(topo, rank)
+    coords = topo.coords(rank)
+    layout = LaneLayout(topo, coords.cluster, coords.dp)
+    shapes = [torch.Size(s) for s in SHAPES]
+    cfg = CompressionConfig(kind=kind, group_size=16, reduction="scalable")
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+    reducer = build_lane_reducer(cfg, shapes, layout=layout, channel=channel, dp_group=groups.dp_group)
+    pending = reducer.launch(pseudo_grad(coords.cluster))
+    mean = pending.wait().clone()
+    counters = (channel.bytes_sent, channel.bytes_recv)
+    resent = reducer.relaunch(pending.sent, account=False).wait().clone()
+    channel.close()
+    return mean, counters, resent, pending.cost.payload_bytes
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("kind", "nbytes"), [("fp16", lambda n: 2 * n), ("int4", None)])
+def test_the_scalable_lane_mean_is_the_mean_over_clusters_and_each_rank_sends_two_chunks_a_peer(kind, nbytes):
+    """Chunk c (of 3) of each lane goes to the lane's owner in cluster c and its mean comes back: per lane a rank
+    sends the other clusters' chunks and its mean chunk twice, and receives as much."""
+    results = run_ranks(_scalable, sum(DP_DEGREES), args=(kind,))
+    want = sum(pseudo_grad(c) for c in range(3)) / 3
+    # fp16: two roundings; int4: half a step of each input's group absmax / 7, then of the mean's
+    bound = max(pseudo_grad(c).abs().max() for c in range(3)) / 14 + want.abs().max() / 14
+    tolerance = 2e-3 if kind == "fp16" else float(bound)
+    if nbytes is None:  # int4 in groups of 16 of each chunk: 2 bytes of scale a group, half a byte a value
+        nbytes = lambda n: 2 * math.ceil(n / 16) + math.ceil(n / 2)  # noqa: E731
+    for rank, (mean, (sent, recv), resent, payload) in enumerate(results):
+        assert torch.equal(mean, results[0][0])  # every replica of every cluster holds the same mean
+        torch.testing.assert_close(mean, want, rtol=0, atol=tolerance)
+        assert torch.equal(resent, mean)
+        me = CLUSTER_OF_RANK[rank]
+        chunks = {lane: [nbytes(n) for n in (43, 43, 42)[:3]] if lane == 0 else [nbytes(n) for n in (40, 40, 40)]
+                  for lane in LANES_OF_RANK[rank]}  # fmt: skip
+        want_bytes = sum(sum(s for c, s in enumerate(sizes) if c != me) + 2 * sizes[me] for sizes in chunks.values())
+        assert sent == recv == want_bytes, rank
+        assert payload == sum(sum(sizes) for sizes in chunks.values())

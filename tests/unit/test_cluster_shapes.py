@@ -73,7 +73,7 @@ def test_clusters_set_the_global_degrees_over_the_files_and_refuse_a_contradicti
         "--topology.num_clusters=3": "topology.num_clusters = 3 contradicts",
         "--topology.dp_degree=1": "topology.dp_degree = 1 contradicts",
         "--topology.elastic=true": "degrees. does not work with topology.elastic = true",
-        "--compression.kind=int4 --compression.reduction=scalable": "does not work with compression.reduction = 'sc",
+        "--compression.kind=lowrank_int4 --compression.reduction=scalable": "does not work with compression.kind = 'l",
     }
     for flags, message in cases.items():
         cfg = load_config("configs/debug.toml", ["--preset=diloco", "--topology.clusters=dp2,dp1", *flags.split()])
