@@ -400,12 +400,11 @@ class LaneReducer:
             if not accepted:  # nothing usable: the outer step gets a zero update (DiLoCoSync counts the round)
                 return torch.zeros(self.slice_numel, dtype=torch.float32, device=device)
             mean = aggregate(accepted, self.how, trim_fraction=self.trim_fraction)
-            if self.scaled and len(accepted) < layout.num_clusters:  # weights C dp_c / sum(dp) of all, summing to C
+            if self.scaled and len(accepted) < layout.num_clusters:
+                # the weights C dp_c / sum(dp) sum to C over all clusters: sum_kept dp_c d_c / sum_kept dp_c
                 degrees = layout.topology.dp_degrees
                 kept = sum(dp for c, dp in enumerate(degrees) if updates[c] is not None and c not in excluded)
-                mean.mul_(
-                    len(accepted) * sum(degrees) / (layout.num_clusters * kept)
-                )  # sum_kept dp_c d_c / sum_kept dp_c
+                mean.mul_(len(accepted) * sum(degrees) / (layout.num_clusters * kept))
             return mean
 
         return self._pending(flat, finish, transfer, sent=sent, cost=cost, excluded=excluded)
@@ -508,6 +507,8 @@ class ScalableLaneReducer(LaneReducer):
             lane: chunk_nbytes([section], self.layout.num_clusters) for lane, section in self.sections.items()
         }
         """Bytes of each chunk c of each of those lanes."""
+        for feedback in self.feedbacks.values():
+            feedback.undoable = False  # no cluster's update is left out of a sum: nothing to undo
 
     def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
         if self.shard is not None:
