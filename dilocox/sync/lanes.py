@@ -611,10 +611,19 @@ def build_lane_reducer(
     shard_group: dist.ProcessGroup | None = None,
     scaled: bool = True,
 ) -> LaneReducer:
-    """The lane reducer of `compression` (any codec; `compression.reduction` gather) with the guard and the aggregate
-    of `[sync]`. With the plain mean every cluster's payload is weighted by its replicas (`LaneLayout.cluster_weight`;
-    `scaled` False: token-weighted syncs, scaled by tokens instead): the peer check compares the sizes per unit of
-    weight. `shard_group`: the stage is sharded over it (`shapes` whole, `dp_group` None)."""
+    """The lane reducer of `compression` with the guard and the aggregate of `[sync]`: the gather of any codec, or
+    the scalable reduction of an elementwise one (`ScalableLaneReducer`). With the plain mean every cluster's payload
+    is weighted by its replicas (`LaneLayout.cluster_weight`; `scaled` False: token-weighted syncs, scaled by tokens
+    instead): the peer check compares the sizes per unit of weight. `shard_group`: the stage is sharded over it
+    (`shapes` whole, `dp_group` None)."""
+    common: dict[str, Any] = dict(
+        layout=layout,
+        channel=channel,
+        dp_group=dp_group if shard_group is None else shard_group,
+        pp_group=pp_group,
+        seed=seed,
+        shard=None if shard_group is None else ShardCut(tuple(shapes), shard_group),
+    )
     if cfg.kind != "none" and cfg.reduction == "scalable":
         if cfg.kind not in ELEMENTWISE_KINDS:
             raise ValueError(
@@ -622,24 +631,11 @@ def build_lane_reducer(
                 f"in an elementwise codec ({', '.join(ELEMENTWISE_KINDS)}), not {cfg.kind!r}: use one of those, or "
                 "compression.reduction = gather"
             )
-        return ScalableLaneReducer(
-            dataclasses.replace(cfg),
-            shapes,
-            layout=layout,
-            channel=channel,
-            dp_group=dp_group if shard_group is None else shard_group,
-            pp_group=pp_group,
-            seed=seed,
-            shard=None if shard_group is None else ShardCut(tuple(shapes), shard_group),
-        )
+        return ScalableLaneReducer(dataclasses.replace(cfg), shapes, **common)
     return LaneReducer(
         dataclasses.replace(cfg),
         shapes,
-        layout=layout,
-        channel=channel,
-        dp_group=dp_group if shard_group is None else shard_group,
-        pp_group=pp_group,
-        seed=seed,
+        **common,
         guard=UpdateGuard(guard_max_ratio) if guard_max_ratio is not None else None,
         peers=PeerCheck(
             peer_max_ratio,
@@ -650,7 +646,6 @@ def build_lane_reducer(
         else None,
         aggregate=aggregate,
         trim_fraction=trim_fraction,
-        shard=None if shard_group is None else ShardCut(tuple(shapes), shard_group),
         scaled=scaled and aggregate == "mean",
     )
 
