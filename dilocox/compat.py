@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dilocox.compress.config import CODEC_KINDS, SCALABLE_KINDS
+from dilocox.compress.config import CODEC_KINDS, ELEMENTWISE_SCALABLE_KINDS, SCALABLE_KINDS
 from dilocox.sync.config import holds_back
 
 Config = Any
@@ -144,7 +144,7 @@ SCALABLE = Feature("compression.reduction", "scalable (with a codec)",
                    lambda cfg: cfg.compression.kind != "none" and cfg.compression.reduction == "scalable")
 SCALABLE_LOWRANK = Feature("compression.kind", "lowrank, lowrank_int4 with compression.reduction = scalable",
                            lambda cfg: cfg.compression.reduction == "scalable"
-                           and cfg.compression.kind in ("lowrank", "lowrank_int4"),
+                           and cfg.compression.kind in set(SCALABLE_KINDS) - set(ELEMENTWISE_SCALABLE_KINDS),
                            lambda cfg: f"compression.kind = {cfg.compression.kind!r} with compression.reduction = "
                            "'scalable'")
 UNSCALABLE_CODEC = Feature("compression.kind", ", ".join(k for k in CODEC_KINDS if k not in ("none", *SCALABLE_KINDS)),

@@ -36,17 +36,16 @@ import torch
 import torch.distributed as dist
 
 from dilocox.compress import Codec, CompressionConfig, ErrorFeedback, Payload, build_codec
+from dilocox.compress.config import ELEMENTWISE_SCALABLE_KINDS
 from dilocox.net.channel import WanChannel, Wire
 from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.sync.base import CodecCost
 from dilocox.sync.reducers import PendingMean, _offsets, gather_slices_, judge_updates, param_aligned_bounds
 from dilocox.sync.robust import PeerCheck, UpdateGuard, aggregate, judges_state, load_judges_state
-from dilocox.sync.scalable import Section, _decode_chunk, _encode_chunks, _nearest, chunk_nbytes
+from dilocox.sync.scalable import Section, _decode_chunks, _encode_chunks, _mean_chunk, chunk_nbytes
 from dilocox.topology import Topology, fsdp_rows, group_size
 
 _LENGTH_BYTES = 8  # one int64 payload length per lane in the header step
-ELEMENTWISE_KINDS = ("fp16", "bf16", "int4")
-"""The codecs whose lanes the scalable reduction averages (`ScalableLaneReducer`): each value on its own."""
 _LANE_SEED_STRIDE = 7919  # lane l's codec is seeded run.seed + 7919 l on every cluster
 
 
@@ -521,7 +520,7 @@ class ScalableLaneReducer(LaneReducer):
             u = torch.cat([t.reshape(-1) for t in feedback.corrected(views)])
             encoded = _encode_chunks([u], [section], num_clusters)
             if feedback.enabled:
-                sent = torch.cat([_decode_chunk(c, [section], num_clusters, j)[0] for j, c in enumerate(encoded)])
+                sent = _decode_chunks(encoded, [section], num_clusters)[0]
                 lost = torch.split(u - sent, [v.numel() for v in views])
                 feedback.keep([r.view(v.shape) for r, v in zip(lost, views, strict=True)])
             chunks += encoded
@@ -567,29 +566,28 @@ class ScalableLaneReducer(LaneReducer):
             versions = exchange(
                 wire, lambda lane, peer: chunks[lane][cluster_of[peer]], lambda lane, _: sizes[lane][me]
             )
-            reduced = {}
+            reduced, requant = {}, {}
             for lane in lanes:
                 own = [chunks[lane][me] if c == me else versions[lane][c] for c in range(num_clusters)]
-                decoded = [_decode_chunk(data, [sections[lane]], num_clusters, me)[0] for data in own]
-                mean = torch.stack(decoded).sum(0).div_(num_clusters)
-                fmt = _nearest(sections[lane].fmt)  # round to nearest: the same bytes on every cluster
-                reduced[lane] = fmt.encode_runs([mean]) if mean.numel() else _empty(device).data
+                reduced[lane], requant[lane] = _mean_chunk(own, [sections[lane]], num_clusters, me)
             # 2. the mean of chunk `me` back to the lane's owners in the other clusters, theirs here
             means = exchange(wire, lambda lane, _: reduced[lane], lambda lane, peer: sizes[lane][cluster_of[peer]])
-            out = {}
-            for lane in lanes:
-                requant = [Section(sections[lane].numel, _nearest(sections[lane].fmt))]
-                own = [reduced[lane] if c == me else means[lane][c] for c in range(num_clusters)]
-                out[lane] = torch.cat([_decode_chunk(data, requant, num_clusters, c)[0] for c, data in enumerate(own)])
-            return out
+            return {
+                lane: _decode_chunks(
+                    [reduced[lane] if c == me else means[lane][c] for c in range(num_clusters)],
+                    requant[lane],
+                    num_clusters,
+                )[0]
+                for lane in lanes
+            }
 
         transfer = self.channel.launch_program(program, kind="scalable_lanes", account=account, device=device)
         cost = CodecCost(payload_bytes=sent.numel(), dense_bytes=4 * self.slice_numel, codec_s=codec_s)
 
         def finish() -> torch.Tensor:
             means = transfer.wait()
-            zero = torch.zeros(0, device=device)
-            return torch.cat([means.get(lane, zero) for lane in layout.lanes]) if layout.lanes else zero
+            zero = torch.zeros(0, device=device)  # a lane without tensors
+            return torch.cat([means.get(lane, zero) for lane in layout.lanes])
 
         return self._pending(flat, finish, transfer, sent=sent, cost=cost)
 
@@ -625,11 +623,11 @@ def build_lane_reducer(
         shard=None if shard_group is None else ShardCut(tuple(shapes), shard_group),
     )
     if cfg.kind != "none" and cfg.reduction == "scalable":
-        if cfg.kind not in ELEMENTWISE_KINDS:
+        if cfg.kind not in ELEMENTWISE_SCALABLE_KINDS:
             raise ValueError(
-                f"compression.reduction = scalable averages the lanes of clusters of different data-parallel degrees "
-                f"in an elementwise codec ({', '.join(ELEMENTWISE_KINDS)}), not {cfg.kind!r}: use one of those, or "
-                "compression.reduction = gather"
+                "compression.reduction = scalable averages the lanes of clusters of different data-parallel degrees "
+                f"in an elementwise codec ({', '.join(ELEMENTWISE_SCALABLE_KINDS)}), not {cfg.kind!r}: use one of "
+                "those, or compression.reduction = gather"
             )
         return ScalableLaneReducer(dataclasses.replace(cfg), shapes, **common)
     return LaneReducer(

@@ -113,6 +113,12 @@ def _decode_chunk(data: torch.Tensor, sections: Sequence[Section], world: int, i
     return out
 
 
+def _decode_chunks(chunks: Sequence[torch.Tensor], sections: Sequence[Section], world: int) -> list[torch.Tensor]:
+    """Chunk j of every section from `chunks[j]`, for j in range(world) -> every section's whole vector (fp32)."""
+    parts = [_decode_chunk(data, sections, world, j) for j, data in enumerate(chunks)]
+    return [torch.cat([part[k] for part in parts]) for k in range(len(sections))]
+
+
 def _nearest(fmt: ValueFormat) -> ValueFormat:
     """The format without stochastic rounding: re-quantization on the communicator thread must not draw from the
     codec's generator, which the trainer's thread uses (and must be the same bytes on a resumed run)."""
@@ -135,18 +141,27 @@ def _average_sections(
     world, rank = wire.world_size, wire.rank
     sizes = chunk_nbytes(sections, world)
     mine = wire.all_to_all(chunks, [sizes[rank]] * world)  # chunk `rank` of every cluster
-    decoded = [_decode_chunk(data, sections, world, rank) for data in mine]
+    reduced, requant = _mean_chunk(mine, sections, world, rank, counted=counted)
+    gathered = wire.all_gather(reduced, chunk_nbytes(requant, world))
+    return _decode_chunks(gathered, requant, world)
+
+
+def _mean_chunk(
+    arrived: Sequence[torch.Tensor], sections: Sequence[Section], world: int, index: int, *, counted: bool = False
+) -> tuple[torch.Tensor, list[Section]]:
+    """Chunk `index` of every cluster's vectors (`arrived`, one payload each) -> their mean, encoded again rounded to
+    nearest (the same bytes on every cluster), and the sections it is written in. `counted`: the last section is
+    `_count_section`, the mean is over the clusters it counts, and the count is not written again."""
+    decoded = [_decode_chunk(data, sections, world, index) for data in arrived]
     senders = float(sum(float(d[-1].sum()) for d in decoded)) if counted else world
     sections = sections[:-1] if counted else sections
     means = [torch.stack([d[k] for d in decoded]).sum(0).div_(max(senders, 1)) for k in range(len(sections))]
     requant = [Section(s.numel, _nearest(s.fmt)) for s in sections]
     reduced = torch.cat(
         [s.fmt.encode_runs([mean]) for s, mean in zip(requant, means, strict=True) if mean.numel()]
-        or [torch.empty(0, dtype=torch.uint8, device=chunks[0].device if chunks else None)]
+        or [torch.empty(0, dtype=torch.uint8, device=arrived[0].device if arrived else None)]
     )
-    gathered = wire.all_gather(reduced, chunk_nbytes(requant, world))
-    parts = [_decode_chunk(data, requant, world, j) for j, data in enumerate(gathered)]
-    return [torch.cat([part[k] for part in parts]) for k in range(len(sections))]
+    return reduced, requant
 
 
 @dataclass
@@ -273,13 +288,6 @@ class _ScalableReducer(CodecReducer):
             )
         return list(torch.split(body, sizes))
 
-    def _own_decoding(self, sections: Sequence[Section], chunks: list[torch.Tensor], world: int) -> list[torch.Tensor]:
-        """This rank's own decoding of the first step's chunks, one vector per section."""
-        return [
-            torch.cat(parts) if parts else chunks[0].new_zeros(0, dtype=torch.float32)
-            for parts in zip(*[_decode_chunk(c, sections, world, j) for j, c in enumerate(chunks)], strict=True)
-        ]
-
 
 class ScalableElementwiseReducer(_ScalableReducer):
     """fp16, bf16 or int4: the slice is averaged in one `_average_sections` (module docstring)."""
@@ -292,7 +300,7 @@ class ScalableElementwiseReducer(_ScalableReducer):
         sections = self._sections(world)
         chunks = _encode_chunks([u, *self._counts(world, sender, u)], sections, world)
         if self.feedback.enabled and sender:
-            local = self._own_decoding(sections, chunks, world)[0]
+            local = _decode_chunks(chunks, sections, world)[0]
             residuals = self._split(u - local)
             self.feedback.keep([r.view(s) for r, s in zip(residuals, self.slice.shapes, strict=True)])
         return torch.cat([_header(world, sender, u.device), *chunks])
@@ -300,7 +308,7 @@ class ScalableElementwiseReducer(_ScalableReducer):
     def _input_of(self, body: torch.Tensor, world: int) -> torch.Tensor:
         """What was sent, plus what its encoding lost (the residuals it kept): the input itself."""
         sections = self._sections(world)
-        local = self._own_decoding(sections, self._chunks(body, sections, world), world)[0]
+        local = _decode_chunks(self._chunks(body, sections, world), sections, world)[0]
         residuals = self.feedback.residuals if self.feedback.enabled else None
         return local if residuals is None else local + torch.cat([r.reshape(-1) for r in residuals]).to(local)
 
@@ -384,7 +392,7 @@ class ScalableLowRankReducer(_ScalableReducer):
         chunks = _encode_chunks([*values, *self._counts(world, sender, u)], sections, world)
         if self.feedback.enabled and sender:
             residuals = [torch.zeros_like(t) for t in tensors]
-            for index, decoded in plan.sent_whole(self._own_decoding(sections, chunks, world)[:2]):
+            for index, decoded in plan.sent_whole(_decode_chunks(chunks, sections, world)[:2]):
                 residuals[index] = tensors[index] - decoded
             self.feedback.keep([r.view(s) for r, s in zip(residuals, plan.shapes, strict=True)])
         return torch.cat([_header(world, sender, u.device), tensor_bytes(u), *chunks])
@@ -414,7 +422,7 @@ class ScalableLowRankReducer(_ScalableReducer):
             own_q = [(bases[i].T @ as_matrix(tensors[i].view(plan.shapes[i]))).T for i in plan.lowrank]  # (n, r)
             q_vector = torch.cat([q.reshape(-1) for q in own_q]) if own_q else u.new_zeros(0)
             q_chunks = _encode_chunks([q_vector, *self._counts(world, sender, u)], second_sections, world)
-            own_q_decoded = torch.cat([_decode_chunk(c, second_sections, world, j)[0] for j, c in enumerate(q_chunks)])
+            own_q_decoded = _decode_chunks(q_chunks, second_sections, world)[0]
             t0 = time.perf_counter()
             (mean_q,) = _average_sections(wire, q_chunks, second_sections, counted=counted)
             wire_s += time.perf_counter() - t0
