@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dilocox.compress.config import CODEC_KINDS, ELEMENTWISE_SCALABLE_KINDS, SCALABLE_KINDS
+from dilocox.compress.config import CODEC_KINDS, SCALABLE_KINDS
 from dilocox.sync.config import holds_back
 
 Config = Any
@@ -142,11 +142,6 @@ SUMMED = Feature("compression.kind", "none, or compression.reduction = scalable"
                  else "compression.reduction = 'scalable'")
 SCALABLE = Feature("compression.reduction", "scalable (with a codec)",
                    lambda cfg: cfg.compression.kind != "none" and cfg.compression.reduction == "scalable")
-SCALABLE_LOWRANK = Feature("compression.kind", "lowrank, lowrank_int4 with compression.reduction = scalable",
-                           lambda cfg: cfg.compression.reduction == "scalable"
-                           and cfg.compression.kind in set(SCALABLE_KINDS) - set(ELEMENTWISE_SCALABLE_KINDS),
-                           lambda cfg: f"compression.kind = {cfg.compression.kind!r} with compression.reduction = "
-                           "'scalable'")
 UNSCALABLE_CODEC = Feature("compression.kind", ", ".join(k for k in CODEC_KINDS if k not in ("none", *SCALABLE_KINDS)),
                            lambda cfg: cfg.compression.kind not in ("none", *SCALABLE_KINDS))
 """Codecs whose payloads the scalable reduction cannot sum (`SCALABLE_KINDS` can): each cluster chooses its own rank
@@ -272,10 +267,6 @@ ROWS: tuple[Row, ...] = (
     Row(MIXED_DP, ELASTIC, "torchft's replica groups pair each rank with the same rank of every other cluster, and "
         "the lanes of clusters of different dp are exchanged between ranks of other positions",
         "topology.clusters = []; topology.elastic = false", "--topology.clusters=dp2,dp1 --topology.elastic=true"),
-    Row(MIXED_DP, SCALABLE_LOWRANK, "the lanes are averaged value by value, and low-rank factors need one group of "
-        "every cluster's replica of a stage, which clusters of different dp do not have",
-        "compression.kind = int4; compression.reduction = gather; topology.clusters = []",
-        "--topology.clusters=dp2,dp1 --compression.kind=lowrank_int4 --compression.reduction=scalable"),
     # the run directory
     Row(RESUME_ONE, OVERWRITE, "resuming keeps the run directory that overwriting replaces",
         "run.overwrite = false; checkpoint.resume = auto", "--checkpoint.resume=latest --run.overwrite=true"),

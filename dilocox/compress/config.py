@@ -61,9 +61,7 @@ SPECTRUM_SOURCES: tuple[str, ...] = get_args(SpectrumSource)
 Reduction = Literal["gather", "scalable"]
 """Averaging of payloads over clusters: gather ((C-1) x payload per rank, any codec) or scalable (~2 x payload)."""
 REDUCTIONS: tuple[str, ...] = get_args(Reduction)
-ELEMENTWISE_SCALABLE_KINDS = ("fp16", "bf16", "int4")
-"""The scalable codecs that average value by value (also the lanes of clusters of different dp)."""
-SCALABLE_KINDS = (*ELEMENTWISE_SCALABLE_KINDS, "lowrank", "lowrank_int4")
+SCALABLE_KINDS = ("fp16", "bf16", "int4", "lowrank", "lowrank_int4")
 """The codecs the scalable reduction can average (one rank that every cluster agrees on beforehand)."""
 MAX_RANK = (1 << 16) - 1
 """The largest rank the low-rank payload's 2-byte (uint16) rank header can carry."""

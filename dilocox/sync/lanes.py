@@ -35,14 +35,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dilocox.compress import Codec, CompressionConfig, ErrorFeedback, Payload, build_codec
-from dilocox.compress.config import ELEMENTWISE_SCALABLE_KINDS
+from dilocox.compress import Codec, CompressionConfig, ErrorFeedback, LowRankCodec, Payload, build_codec
+from dilocox.compress.payload import tensor_bytes
 from dilocox.net.channel import WanChannel, Wire
 from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.sync.base import CodecCost
 from dilocox.sync.reducers import PendingMean, _offsets, gather_slices_, judge_updates, param_aligned_bounds
 from dilocox.sync.robust import PeerCheck, UpdateGuard, aggregate, judges_state, load_judges_state
-from dilocox.sync.scalable import Section, _decode_chunks, _encode_chunks, _mean_chunk, chunk_nbytes
+from dilocox.sync.scalable import (
+    LowRankPlan,
+    Section,
+    _decode_chunks,
+    _encode_chunks,
+    _mean_chunk,
+    chunk_nbytes,
+)
 from dilocox.topology import Topology, fsdp_rows, group_size
 
 _LENGTH_BYTES = 8  # one int64 payload length per lane in the header step
@@ -485,47 +492,71 @@ class LaneReducer:
 
 
 class ScalableLaneReducer(LaneReducer):
-    """The scalable reduction of the lanes (`compression.reduction = scalable`, an elementwise codec: fp16, bf16,
-    int4; docs/design.md §2.1): each lane's vector is cut into C chunks, chunk c of every cluster's goes to the lane's
-    owner in cluster c, which averages the C versions and encodes the mean again, and the means go back to the lane's
-    other owners (the two steps of `dilocox.sync.scalable`, for every lane at once: two exchanges over the stage
-    group). A rank sends about 2 (C - 1) / C of its lanes' payload, against C - 1 payloads for the gather. The
-    clusters' updates are summed in transit: no guard of its own (the guard judges the mean) and no robust aggregate."""
+    """The scalable reduction of the lanes (`compression.reduction = scalable`; docs/design.md §2.1): each lane's
+    vector is cut into C chunks, chunk c of every cluster's goes to the lane's owner in cluster c, which averages the C
+    versions and encodes the mean again, and the means go back to the lane's other owners (the two steps of
+    `dilocox.sync.scalable`, for every lane at once: two exchanges over the stage group). An elementwise codec (fp16,
+    bf16, int4) averages each lane so once; a low-rank one (lowrank, lowrank_int4) twice, each lane's P factors and
+    then its Q factors with its own shared warm starts (`LowRankPlan`). A rank sends about 2 (C - 1) / C of its
+    lanes' payload per average, against C - 1 payloads for the gather. The clusters' updates are summed in transit:
+    no guard of its own (the guard judges the mean) and no robust aggregate."""
 
     name = "scalable_lanes"
 
-    def __init__(self, cfg: CompressionConfig, shapes: Sequence[torch.Size], **options: Any) -> None:
-        super().__init__(cfg, shapes, **options)
-        self.sections = {
-            lane: Section(end - start, self.codecs[lane].value_format)  # type: ignore[attr-defined]
-            for lane, (start, end) in enumerate(self.lane_bounds)
-            if lane in self.layout.lanes and self.lane_tensors[lane]
-        }
-        """The lanes this rank owns that hold tensors, each averaged in its codec's format."""
-        self.sizes = {
-            lane: chunk_nbytes([section], self.layout.num_clusters) for lane, section in self.sections.items()
-        }
-        """Bytes of each chunk c of each of those lanes."""
+    def __init__(self, cfg: CompressionConfig, shapes: Sequence[torch.Size], *, seed: int = 0, **options: Any) -> None:
+        super().__init__(cfg, shapes, seed=seed, **options)
+        self.seed = seed
+        owned = [lane for lane in self.layout.lanes if self.lane_tensors[lane]]
+        codecs: dict[int, Any] = self.codecs
+        self.plans: dict[int, LowRankPlan] | None = None
+        """Low-rank codecs: how each lane this rank owns that holds tensors is split into factors and parts sent whole
+        (None: an elementwise codec)."""
+        self.sections: dict[int, list[Section]]
+        """The sections of the first (or only) average of each lane this rank owns that holds tensors."""
+        if isinstance(self._first_codec(), LowRankCodec):
+            self.plans = {lane: LowRankPlan.of(self._lane_shapes(lane), codecs[lane].rank) for lane in owned}
+            self.sections = {lane: plan.sections_first(codecs[lane]) for lane, plan in self.plans.items()}
+        else:
+            self.sections = {lane: [Section(self._lane_numel(lane), codecs[lane].value_format)] for lane in owned}
+        self.warm_starts: dict[int, dict[int, torch.Tensor]] = {lane: {} for lane in owned}
+        """Low-rank codecs: each lane's shared right factors (n, r) by tensor index, the averaged Q of its last sync."""
         for feedback in self.feedbacks.values():
             feedback.undoable = False  # no cluster's update is left out of a sum: nothing to undo
+
+    def _lane_numel(self, lane: int) -> int:
+        return self.lane_bounds[lane][1] - self.lane_bounds[lane][0]
+
+    def _sent_sizes(self) -> list[int]:
+        """Bytes of each lane's part of `sent`: its first chunks, after its input (fp32) with a low-rank codec."""
+        front, clusters = 0 if self.plans is None else 4, self.layout.num_clusters
+        return [front * self._lane_numel(lane) + sum(chunk_nbytes(s, clusters)) for lane, s in self.sections.items()]
 
     def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
         if self.shard is not None:
             pseudo_grad = self.shard.whole(pseudo_grad)
         encode_from, num_clusters = time.perf_counter(), self.layout.num_clusters
-        chunks = []
-        for lane, section in self.sections.items():
+        parts = []
+        for lane, sections in self.sections.items():
             feedback = self.feedbacks[lane]
             views = self._lane_views(pseudo_grad, lane)
             u = torch.cat([t.reshape(-1) for t in feedback.corrected(views)])
-            encoded = _encode_chunks([u], [section], num_clusters)
-            if feedback.enabled:
-                sent = _decode_chunks(encoded, [section], num_clusters)[0]
-                lost = torch.split(u - sent, [v.numel() for v in views])
-                feedback.keep([r.view(v.shape) for r, v in zip(lost, views, strict=True)])
-            chunks += encoded
+            if self.plans is None:
+                encoded = _encode_chunks([u], sections, num_clusters)
+                if feedback.enabled:
+                    lost = torch.split(
+                        u - _decode_chunks(encoded, sections, num_clusters)[0], [v.numel() for v in views]
+                    )
+                    feedback.keep([r.view(v.shape) for r, v in zip(lost, views, strict=True)])
+                parts += encoded
+                continue
+            plan = self.plans[lane]  # the input rides in front: the second average needs it, and so does a resume
+            values = plan.first_values(u, self.warm_starts[lane], self.seed + _LANE_SEED_STRIDE * lane)
+            encoded = _encode_chunks(values, sections, num_clusters)
+            if feedback.enabled:  # the parts sent whole; the factors' loss is known when the sync finishes
+                feedback.keep(plan.whole_residuals(u, _decode_chunks(encoded, sections, num_clusters)))
+            parts += [tensor_bytes(u), *encoded]
         self.holds_back = True
-        sent = _concat(chunks, pseudo_grad.device)
+        sent = _concat(parts, pseudo_grad.device)
         return self._start_sums(
             torch.zeros(self.numel, device=sent.device), sent, codec_s=time.perf_counter() - encode_from
         )
@@ -541,19 +572,29 @@ class ScalableLaneReducer(LaneReducer):
     ) -> PendingMean:
         layout, world, device = self.layout, self.channel.world_size, sent.device
         num_clusters, me = layout.num_clusters, layout.cluster
-        lanes, sizes, sections = list(self.sections), self.sizes, self.sections
-        if sent.numel() != sum(sum(sizes[lane]) for lane in lanes):
+        lanes, plans = list(self.sections), self.plans
+        sent_sizes = self._sent_sizes()
+        if sent.numel() != sum(sent_sizes):
             raise ValueError("a scalable lane sync in flight does not fit this rank's lanes: resume with its settings")
-        parts = torch.split(sent, [sum(sizes[lane]) for lane in lanes])
-        chunks = {lane: list(torch.split(part, sizes[lane])) for lane, part in zip(lanes, parts, strict=True)}
-        shared = [[lane for lane in layout.shared_lanes(peer) if lane in chunks] for peer in range(world)]
+        inputs: dict[int, torch.Tensor] = {}
+        first: dict[int, list[torch.Tensor]] = {}
+        for lane, part in zip(lanes, torch.split(sent, sent_sizes), strict=True):
+            if plans is not None:
+                numel = self._lane_numel(lane)
+                inputs[lane], part = part[: 4 * numel].view(torch.float32), part[4 * numel :]
+            first[lane] = list(torch.split(part, chunk_nbytes(self.sections[lane], num_clusters)))
+        shared = [[lane for lane in layout.shared_lanes(peer) if lane in first] for peer in range(world)]
         cluster_of = [layout.replica_of(peer)[0] for peer in range(world)]
+        codecs: dict[int, Any] = self.codecs
+        second = {lane: [plans[lane].section_second(codecs[lane])] for lane in lanes} if plans is not None else {}
+        payload_bytes = sum(
+            sum(chunk_nbytes(s, num_clusters)) for group in (self.sections, second) for s in group.values()
+        )
 
-        def exchange(wire: Wire, pick: Any, expect: Any) -> dict[int, dict[int, torch.Tensor]]:
+        def exchange(wire: Wire, pick: Any, lengths: list[list[int]]) -> dict[int, dict[int, torch.Tensor]]:
             """One step over the stage group: each peer gets `pick(lane, peer)` of every lane both own, and sent
-            `expect(lane, peer)` bytes of each; what arrived, by lane and by the sender's cluster."""
+            `lengths[peer]` bytes of them; what arrived, by lane and by the sender's cluster."""
             send = [_concat([pick(lane, peer) for lane in shared[peer]], device) for peer in range(world)]
-            lengths = [[expect(lane, peer) for lane in shared[peer]] for peer in range(world)]
             arrived = wire.all_to_all(send, [sum(n) for n in lengths], skip_empty=False)
             by_cluster: dict[int, dict[int, torch.Tensor]] = {lane: {} for lane in lanes}
             for peer, part in enumerate(arrived):
@@ -561,35 +602,69 @@ class ScalableLaneReducer(LaneReducer):
                     by_cluster[lane][cluster_of[peer]] = data
             return by_cluster
 
-        def program(wire: Wire) -> dict[int, torch.Tensor]:
+        def lanes_mean(
+            wire: Wire, chunks: dict[int, list[torch.Tensor]], sections: dict[int, list[Section]]
+        ) -> dict[int, list[torch.Tensor]]:
+            """Every lane's mean over the clusters of the vectors (one per section) whose chunks are `chunks`."""
+            sizes = {lane: chunk_nbytes(sections[lane], num_clusters) for lane in lanes}
             # 1. chunk c of each lane to the lane's owner in cluster c: here, chunk `me` of every cluster's
-            versions = exchange(
-                wire, lambda lane, peer: chunks[lane][cluster_of[peer]], lambda lane, _: sizes[lane][me]
-            )
+            mine = [[sizes[lane][me] for lane in shared[peer]] for peer in range(world)]
+            versions = exchange(wire, lambda lane, peer: chunks[lane][cluster_of[peer]], mine)
             reduced, requant = {}, {}
             for lane in lanes:
                 own = [chunks[lane][me] if c == me else versions[lane][c] for c in range(num_clusters)]
-                reduced[lane], requant[lane] = _mean_chunk(own, [sections[lane]], num_clusters, me)
+                reduced[lane], requant[lane] = _mean_chunk(own, sections[lane], num_clusters, me)
             # 2. the mean of chunk `me` back to the lane's owners in the other clusters, theirs here
-            means = exchange(wire, lambda lane, _: reduced[lane], lambda lane, peer: sizes[lane][cluster_of[peer]])
+            theirs = [[sizes[lane][cluster_of[peer]] for lane in shared[peer]] for peer in range(world)]
+            means = exchange(wire, lambda lane, _: reduced[lane], theirs)
             return {
                 lane: _decode_chunks(
                     [reduced[lane] if c == me else means[lane][c] for c in range(num_clusters)],
                     requant[lane],
                     num_clusters,
-                )[0]
+                )
                 for lane in lanes
             }
 
+        def program(wire: Wire) -> dict[int, Any]:
+            means = lanes_mean(wire, first, self.sections)
+            if plans is None:
+                return {lane: mean[0] for lane, mean in means.items()}
+            bases, q_chunks, own_q = {}, {}, {}
+            for lane in lanes:
+                bases[lane], q = plans[lane].own_q(inputs[lane], means[lane][0])
+                q_chunks[lane] = _encode_chunks([q], second[lane], num_clusters)
+                own_q[lane] = _decode_chunks(q_chunks[lane], second[lane], num_clusters)[0]
+            mean_q = lanes_mean(wire, q_chunks, second)
+            return {lane: (means[lane], bases[lane], mean_q[lane][0], own_q[lane]) for lane in lanes}
+
         transfer = self.channel.launch_program(program, kind="scalable_lanes", account=account, device=device)
-        cost = CodecCost(payload_bytes=sent.numel(), dense_bytes=4 * self.slice_numel, codec_s=codec_s)
+        cost = CodecCost(payload_bytes=payload_bytes, dense_bytes=4 * self.slice_numel, codec_s=codec_s)
 
         def finish() -> torch.Tensor:
-            means = transfer.wait()
+            out = transfer.wait()
             zero = torch.zeros(0, device=device)  # a lane without tensors
-            return torch.cat([means.get(lane, zero) for lane in layout.lanes])
+            if plans is not None:
+                for lane in lanes:
+                    out[lane], warm, lost = plans[lane].assemble(inputs[lane], *out[lane])
+                    self.warm_starts[lane].update(warm)
+                    for index, residual in lost.items():
+                        self.feedbacks[lane].keep_one(index, residual)
+            return torch.cat([out.get(lane, zero) for lane in layout.lanes])
 
         return self._pending(flat, finish, transfer, sent=sent, cost=cost)
+
+    def state_bytes(self) -> int:
+        return super().state_bytes() + sum(4 * q.numel() for warm in self.warm_starts.values() for q in warm.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        warm = {lane: {str(i): q.clone() for i, q in each.items()} for lane, each in self.warm_starts.items()}
+        return {**super().state_dict(), "warm_starts": warm}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        saved = state.get("warm_starts", {})
+        self.warm_starts = {lane: {int(i): q.clone() for i, q in saved.get(lane, {}).items()} for lane in self.sections}
 
 
 def build_lane_reducer(
@@ -622,13 +697,7 @@ def build_lane_reducer(
         seed=seed,
         shard=None if shard_group is None else ShardCut(tuple(shapes), shard_group),
     )
-    if cfg.kind != "none" and cfg.reduction == "scalable":
-        if cfg.kind not in ELEMENTWISE_SCALABLE_KINDS:
-            raise ValueError(
-                "compression.reduction = scalable averages the lanes of clusters of different data-parallel degrees "
-                f"in an elementwise codec ({', '.join(ELEMENTWISE_SCALABLE_KINDS)}), not {cfg.kind!r}: use one of "
-                "those, or compression.reduction = gather"
-            )
+    if cfg.kind != "none" and cfg.reduction == "scalable":  # validate() allows only the kinds it averages
         return ScalableLaneReducer(dataclasses.replace(cfg), shapes, **common)
     return LaneReducer(
         dataclasses.replace(cfg),

@@ -165,14 +165,31 @@ def _mean_chunk(
 
 
 @dataclass
-class _Plan:
-    """How this rank's slice is split for the low-rank path: which tensors go low-rank, dense, or small."""
+class LowRankPlan:
+    """How a vector of tensors is split for the low-rank path: which tensors go low-rank, dense, or small; and the
+    steps of PowerSGD's shared factors over it (module docstring), which the scalable lanes take lane by lane."""
 
     shapes: list[torch.Size]
     lowrank: list[int]  # tensor indices sent as factors
     dense: list[int]  # matrices sent whole in the factor format
     small: list[int]  # 0-D / 1-D tensors in the small format
     ranks: dict[int, int]
+
+    @classmethod
+    def of(cls, shapes: Sequence[torch.Size], rank: int) -> LowRankPlan:
+        plan = cls(list(shapes), [], [], [], {})
+        for index, shape in enumerate(plan.shapes):
+            if len(shape) <= 1:
+                plan.small.append(index)
+                continue
+            rows, cols = shape[0], shape.numel() // shape[0]
+            matrix_rank = min(rank, rows, cols)
+            if sent_dense(matrix_rank, rows, cols):
+                plan.dense.append(index)
+            else:
+                plan.lowrank.append(index)
+                plan.ranks[index] = matrix_rank
+        return plan
 
     def cols(self, index: int) -> int:
         """n of tensor `index` seen as the matrix (shape[0], numel / shape[0])."""
@@ -191,11 +208,97 @@ class _Plan:
         """Values of all right factors Q (n, r): the second step's section."""
         return sum(self.cols(i) * self.ranks[i] for i in self.lowrank)
 
+    def sections_first(self, codec: LowRankCodec) -> list[Section]:
+        """[P factors + dense matrices] in the factor format, [small tensors] in the small format."""
+        return [
+            Section(self.p_numel + sum(self.numels(self.dense)), codec.factor_format),
+            Section(sum(self.numels(self.small)), codec.small_format),
+        ]
+
+    def section_second(self, codec: LowRankCodec) -> Section:
+        """[Q factors], re-encoded as a mean is (rounded to nearest)."""
+        return Section(self.q_numel, _nearest(codec.factor_format))
+
+    def split(self, u: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.split(u, [shape.numel() for shape in self.shapes]))
+
+    def warm_start(self, warm_starts: dict[int, torch.Tensor], seed: int, index: int) -> torch.Tensor:
+        """The shared right factor of tensor `index`: seeded the same on every cluster, then the averaged Q
+        (`warm_starts`). A cluster that joins an elastic run starts without it, and needs none: it abstains (its
+        factors are zeros) until its first landing, which sets the same averaged Q on every member."""
+        q, shape = warm_starts.get(index), (self.cols(index), self.ranks[index])
+        if q is None or q.shape != shape or not bool(torch.isfinite(q).all()) or float(q.norm()) == 0.0:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+            q = torch.randn(*shape, generator=generator)  # drawn on the CPU: the same on every cluster and device
+        return q
+
+    def first_values(self, u: torch.Tensor, warm_starts: dict[int, torch.Tensor], seed: int) -> list[torch.Tensor]:
+        """The values of the first step's two sections for the input `u`: P = M Q of every low-rank tensor (Q its
+        shared warm start) and the dense matrices, then the small tensors."""
+        tensors = self.split(u)
+        factors = [
+            as_matrix(tensors[i].view(self.shapes[i])) @ self.warm_start(warm_starts, seed, i).to(u)
+            for i in self.lowrank
+        ]
+        dense = [tensors[i] for i in self.dense]
+        small = [tensors[i] for i in self.small]
+        return [
+            torch.cat([f.reshape(-1) for f in factors] + dense) if factors or dense else u.new_zeros(0),
+            torch.cat(small) if small else u.new_zeros(0),
+        ]
+
     def sent_whole(self, first: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
         """(index, values) of the dense matrices and small tensors in the first step's two sections."""
         factor, small = first
         parts = list(zip(self.dense, factor[self.p_numel :].split(self.numels(self.dense)), strict=True))
         return parts + list(zip(self.small, small.split(self.numels(self.small)), strict=True))
+
+    def whole_residuals(self, u: torch.Tensor, first: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What the encoding of the parts sent whole lost (zeros for the low-rank tensors, known at the end)."""
+        tensors = self.split(u)
+        residuals = [torch.zeros_like(t) for t in tensors]
+        for index, decoded in self.sent_whole(first):
+            residuals[index] = tensors[index] - decoded
+        return [r.view(s) for r, s in zip(residuals, self.shapes, strict=True)]
+
+    def own_q(self, u: torch.Tensor, mean_p: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """The averaged P orthonormalized into each tensor's basis P^ (the same on every cluster), and this input's
+        Q = M^T P^ of every low-rank tensor, as one vector."""
+        tensors = self.split(u)
+        offset, bases = 0, {}
+        for i in self.lowrank:
+            rows = self.shapes[i][0]
+            length = rows * self.ranks[i]
+            bases[i] = orthonormalize(mean_p[offset : offset + length].view(rows, self.ranks[i]))
+            offset += length
+        own = [(bases[i].T @ as_matrix(tensors[i].view(self.shapes[i]))).T for i in self.lowrank]  # (n, r)
+        return bases, torch.cat([q.reshape(-1) for q in own]) if own else u.new_zeros(0)
+
+    def assemble(
+        self,
+        u: torch.Tensor,
+        first: list[torch.Tensor],
+        bases: dict[int, torch.Tensor],
+        mean_q: torch.Tensor,
+        own_q: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """(the mean, P^ mean(Q)^T of every low-rank tensor and the parts sent whole; the next warm starts, the
+        averaged Q; what this input's factors lost, u - P^ Q^T, per low-rank tensor)."""
+        tensors = self.split(u)
+        result = [u.new_zeros(s.numel()) for s in self.shapes]
+        for index, values in self.sent_whole(first):
+            result[index] = values
+        offset, warm, lost = 0, {}, {}
+        for i in self.lowrank:
+            cols = self.cols(i)
+            length = cols * self.ranks[i]
+            mean = mean_q[offset : offset + length].view(cols, self.ranks[i])
+            own = own_q[offset : offset + length].view(cols, self.ranks[i])
+            offset += length
+            result[i] = (bases[i] @ mean.T).reshape(-1)
+            warm[i] = mean.clone()
+            lost[i] = (tensors[i] - (bases[i] @ own.T).reshape(-1)).view(self.shapes[i])
+        return (torch.cat(result) if result else u.new_zeros(0)), warm, lost
 
 
 class _ScalableReducer(CodecReducer):
@@ -328,73 +431,25 @@ class ScalableLowRankReducer(_ScalableReducer):
 
     def __init__(self, codec: Codec, shapes: Sequence[torch.Size], **options: Any) -> None:
         super().__init__(codec, shapes, **options)
-        self.plan = self._make_plan()
+        self.plan = LowRankPlan.of(self.slice.shapes, self.codec.rank)  # type: ignore[attr-defined]
         self.warm_starts: dict[int, torch.Tensor] = {}  # shared (n, r) per low-rank tensor index
 
-    def _make_plan(self) -> _Plan:
-        plan = _Plan(list(self.slice.shapes), [], [], [], {})
-        for index, shape in enumerate(plan.shapes):
-            if len(shape) <= 1:
-                plan.small.append(index)
-                continue
-            rows, cols = shape[0], shape.numel() // shape[0]
-            rank = min(self.codec.rank, rows, cols)  # type: ignore[attr-defined]
-            if sent_dense(rank, rows, cols):
-                plan.dense.append(index)
-            else:
-                plan.lowrank.append(index)
-                plan.ranks[index] = rank
-        return plan
-
     def _sections_first(self, world: int) -> list[Section]:
-        """[P factors + dense matrices] in the factor format, [small tensors] in the small format (and the count)."""
-        codec: LowRankCodec = self.codec  # type: ignore[assignment]
-        plan = self.plan
-        return self._with_count(
-            [
-                Section(plan.p_numel + sum(plan.numels(plan.dense)), codec.factor_format),
-                Section(sum(plan.numels(plan.small)), codec.small_format),
-            ],
-            world,
-        )
+        return self._with_count(self.plan.sections_first(self.codec), world)  # type: ignore[arg-type]
 
     def _sections_second(self, world: int) -> list[Section]:
-        codec: LowRankCodec = self.codec  # type: ignore[assignment]
-        return self._with_count([Section(self.plan.q_numel, _nearest(codec.factor_format))], world)
-
-    def _warm_start(self, index: int, cols: int, rank: int) -> torch.Tensor:
-        """The shared right factor of tensor `index`: seeded the same on every cluster, then the averaged Q. A
-        cluster that joins an elastic run starts without it, and needs none: it abstains (its factors are zeros)
-        until its first landing, which sets the same averaged Q on every member."""
-        q = self.warm_starts.get(index)
-        if q is None or q.shape != (cols, rank) or not bool(torch.isfinite(q).all()) or float(q.norm()) == 0.0:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-            q = torch.randn(cols, rank, generator=generator)  # drawn on the CPU: the same on every cluster and device
-        return q
+        return self._with_count([self.plan.section_second(self.codec)], world)  # type: ignore[arg-type]
 
     def _encode(self, u: torch.Tensor, *, sender: bool = True) -> torch.Tensor:
         """The input u itself rides in front of the first step's chunks (the second step needs it, and a resumed
         run must be able to run both steps again). Residuals: the parts sent as they are (dense matrices, small
         tensors) get theirs now, low-rank tensors when the sync finishes (`_assemble`)."""
         world = self.channel.world_size
-        plan, sections = self.plan, self._sections_first(world)
-        tensors = self._split(u)
-        factors = [
-            as_matrix(tensors[i].view(plan.shapes[i])) @ self._warm_start(i, plan.cols(i), plan.ranks[i]).to(u)
-            for i in plan.lowrank
-        ]
-        dense = [tensors[i] for i in plan.dense]
-        small = [tensors[i] for i in plan.small]
-        values = [
-            torch.cat([f.reshape(-1) for f in factors] + dense) if factors or dense else u.new_zeros(0),
-            torch.cat(small) if small else u.new_zeros(0),
-        ]
+        sections = self._sections_first(world)
+        values = self.plan.first_values(u, self.warm_starts, self.seed)
         chunks = _encode_chunks([*values, *self._counts(world, sender, u)], sections, world)
         if self.feedback.enabled and sender:
-            residuals = [torch.zeros_like(t) for t in tensors]
-            for index, decoded in plan.sent_whole(_decode_chunks(chunks, sections, world)[:2]):
-                residuals[index] = tensors[index] - decoded
-            self.feedback.keep([r.view(s) for r, s in zip(residuals, plan.shapes, strict=True)])
+            self.feedback.keep(self.plan.whole_residuals(u, _decode_chunks(chunks, sections, world)[:2]))
         return torch.cat([_header(world, sender, u.device), tensor_bytes(u), *chunks])
 
     def _input_of(self, body: torch.Tensor, world: int) -> torch.Tensor:
@@ -412,15 +467,7 @@ class ScalableLowRankReducer(_ScalableReducer):
             t0 = time.perf_counter()
             first_mean = _average_sections(wire, chunks, first_sections, counted=counted)
             wire_s = time.perf_counter() - t0
-            tensors = self._split(u)
-            offset, bases = 0, {}
-            for i in plan.lowrank:
-                rows = plan.shapes[i][0]
-                length = rows * plan.ranks[i]
-                bases[i] = orthonormalize(first_mean[0][offset : offset + length].view(rows, plan.ranks[i]))
-                offset += length
-            own_q = [(bases[i].T @ as_matrix(tensors[i].view(plan.shapes[i]))).T for i in plan.lowrank]  # (n, r)
-            q_vector = torch.cat([q.reshape(-1) for q in own_q]) if own_q else u.new_zeros(0)
+            bases, q_vector = plan.own_q(u, first_mean[0])
             q_chunks = _encode_chunks([q_vector, *self._counts(world, sender, u)], second_sections, world)
             own_q_decoded = _decode_chunks(q_chunks, second_sections, world)[0]
             t0 = time.perf_counter()
@@ -440,24 +487,12 @@ class ScalableLowRankReducer(_ScalableReducer):
     def _assemble(self, out: dict[str, Any], u: torch.Tensor, sender: bool) -> torch.Tensor:
         """The averaged slice, the new warm starts, and the low-rank residuals (a cluster that abstained keeps its
         own)."""
-        plan = self.plan
-        tensors = self._split(u)
-        result = [u.new_zeros(s.numel()) for s in plan.shapes]
-        for index, values in plan.sent_whole(out["first"]):
-            result[index] = values
-        offset = 0
-        for i in plan.lowrank:
-            cols = plan.cols(i)
-            length = cols * plan.ranks[i]
-            mean_q = out["mean_q"][offset : offset + length].view(cols, plan.ranks[i])
-            own_q = out["own_q"][offset : offset + length].view(cols, plan.ranks[i])
-            offset += length
-            basis = out["bases"][i]  # (m, r)
-            result[i] = (basis @ mean_q.T).reshape(-1)
-            self.warm_starts[i] = mean_q.clone()
-            if sender:
-                self.feedback.keep_one(i, (tensors[i] - (basis @ own_q.T).reshape(-1)).view(plan.shapes[i]))
-        return torch.cat(result) if result else u.new_zeros(0)
+        mean, warm, lost = self.plan.assemble(u, out["first"], out["bases"], out["mean_q"], out["own_q"])
+        self.warm_starts.update(warm)
+        if sender:
+            for index, residual in lost.items():
+                self.feedback.keep_one(index, residual)
+        return mean
 
     def state_bytes(self) -> int:
         return super().state_bytes() + sum(q.numel() * 4 for q in self.warm_starts.values())

@@ -437,3 +437,94 @@ def test_the_scalable_lane_mean_is_the_mean_over_clusters_and_each_rank_sends_tw
         want_bytes = sum(sum(s for c, s in enumerate(sizes) if c != me) + 2 * sizes[me] for sizes in chunks.values())
         assert sent == recv == want_bytes, rank
         assert payload == sum(sum(sizes) for sizes in chunks.values())
+
+
+LOWRANK = CompressionConfig(kind="lowrank", rank=2, reduction="scalable")  # fp32 factors and small tensors
+# Per lane, the first average carries P = M Q (rank 2) and the small tensors, the second Q = M^T P^, each cut into 3
+# chunks of fp32 values (the first ones one longer). Lane 0, the (8, 16) matrix: P 16 values (6, 5, 5), Q 32 (11, 11,
+# 10). Lane 1: P of the (12, 8) matrix 24 values and the (16,) and (8,) tensors 24 (8, 8, 8 each), Q 16 (6, 5, 5).
+LOWRANK_CHUNKS = {0: ([24, 20, 20], [44, 44, 40]), 1: ([64, 64, 64], [24, 20, 20])}
+
+
+def _lowrank_reference(inputs: list[torch.Tensor], lane: int, warm: dict[int, torch.Tensor]) -> tuple:
+    """PowerSGD's shared-factor mean of one lane over the clusters' `inputs`, by hand: (mean, next warm starts, each
+    cluster's residual)."""
+    from dilocox.compress.lowrank import orthonormalize
+
+    parts = [lane_tensors(u, lane) for u in inputs]
+    mean, residuals, next_warm = [], [[] for _ in inputs], {}
+    for index, shape in enumerate(SHAPES[:1] if lane == 0 else SHAPES[1:]):
+        if len(shape) == 1:
+            mean.append(sum(p[index] for p in parts) / len(parts))
+            for r in residuals:
+                r.append(torch.zeros(shape))
+            continue
+        seed = 7919 * lane * 1_000_003 + index  # run seed 0: lane l's seed is 7919 l
+        q = warm.get(index, torch.randn(shape[1], 2, generator=torch.Generator().manual_seed(seed)))
+        basis = orthonormalize(sum(p[index] @ q for p in parts) / len(parts))
+        own_q = [p[index].T @ basis for p in parts]
+        next_warm[index] = sum(own_q) / len(parts)
+        mean.append(basis @ next_warm[index].T)
+        for r, p, oq in zip(residuals, parts, own_q, strict=True):
+            r.append(p[index] - basis @ oq.T)
+    flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
+    return flat(mean), next_warm, [flat(r) for r in residuals]
+
+
+def _scalable_lowrank(rank, world_size):
+    """Two rounds of the low-rank scalable reduction of the lanes over clusters of dp 2, 1 and 1, a third replica of
+    it resumed from the state after round 1, and the bytes of round 1."""
+    topo = Topology.of_clusters(DP_DEGREES)
+    groups = build_process_groups(topo, rank)
+    coords = topo.coords(rank)
+    layout = LaneLayout(topo, coords.cluster, coords.dp)
+    shapes = [torch.Size(s) for s in SHAPES]
+    channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
+    reducer = build_lane_reducer(LOWRANK, shapes, layout=layout, channel=channel, dp_group=groups.dp_group)
+    pending = reducer.launch(pseudo_grad(coords.cluster))
+    first = pending.wait().clone()
+    counters = (channel.bytes_sent, channel.bytes_recv, pending.cost.payload_bytes)
+    resent = reducer.relaunch(pending.sent, account=False).wait().clone()
+    state = reducer.state_dict()
+    second = reducer.launch(pseudo_grad(coords.cluster, 1)).wait().clone()
+    resumed = build_lane_reducer(LOWRANK, shapes, layout=layout, channel=channel, dp_group=groups.dp_group)
+    resumed.load_state_dict(state)
+    again = resumed.launch(pseudo_grad(coords.cluster, 1)).wait().clone()
+    channel.close()
+    return first, second, again, resent, counters
+
+
+@pytest.mark.dist
+def test_the_lowrank_scalable_lane_mean_is_powersgds_shared_factor_mean_lane_by_lane():
+    """Each lane's P factors are averaged like an elementwise lane, orthonormalized alike everywhere, then its Q
+    factors: the mean equals PowerSGD's computed here by hand, round 2 starts from round 1's averaged Q and adds what
+    round 1's factors lost, a reducer resumed from round 1's state gives round 2 bit for bit, and each rank sends per
+    lane and average the other clusters' chunks and its mean chunk twice."""
+    results = run_ranks(_scalable_lowrank, sum(DP_DEGREES))
+    want_first, want_second, warm, residuals = [], [], {}, {}
+    for lane in (0, 1):
+        inputs = [torch.cat([t.reshape(-1) for t in lane_tensors(pseudo_grad(c), lane)]) for c in range(3)]
+        mean, warm[lane], residuals[lane] = _lowrank_reference([_padded(u, lane) for u in inputs], lane, {})
+        want_first.append(mean)
+        second_inputs = [
+            _padded(torch.cat([t.reshape(-1) for t in lane_tensors(pseudo_grad(c, 1), lane)]) + residuals[lane][c], lane)
+            for c in range(3)
+        ]
+        want_second.append(_lowrank_reference(second_inputs, lane, warm[lane])[0])
+    want_first, want_second = torch.cat(want_first), torch.cat(want_second)
+    for rank, (first, second, again, resent, (sent, recv, payload)) in enumerate(results):
+        assert torch.equal(first, results[0][0]) and torch.equal(second, results[0][1]), rank  # one mean everywhere
+        torch.testing.assert_close(first, want_first, rtol=0, atol=1e-5)
+        torch.testing.assert_close(second, want_second, rtol=0, atol=1e-5)
+        assert torch.equal(again, second) and torch.equal(resent, first), rank
+        me = CLUSTER_OF_RANK[rank]
+        steps = [sizes for lane in LANES_OF_RANK[rank] for sizes in LOWRANK_CHUNKS[lane]]
+        assert sent == recv == sum(sum(s) - s[me] + 2 * s[me] for s in steps), rank
+        assert payload == sum(sum(s) for s in steps), rank
+
+
+def _padded(u: torch.Tensor, lane: int) -> torch.Tensor:
+    """A lane's vector as the whole stage's (`lane_tensors` reads the lane's tensors from it)."""
+    whole = torch.zeros(248)
+    whole[(0 if lane == 0 else 128) : (128 if lane == 0 else 248)] = u
+    return whole
