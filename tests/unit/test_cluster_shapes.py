@@ -73,12 +73,15 @@ def test_clusters_set_the_global_degrees_over_the_files_and_refuse_a_contradicti
         "--topology.num_clusters=3": "topology.num_clusters = 3 contradicts",
         "--topology.dp_degree=1": "topology.dp_degree = 1 contradicts",
         "--topology.elastic=true": "degrees. does not work with topology.elastic = true",
-        "--compression.kind=lowrank_int4 --compression.reduction=scalable": "does not work with compression.kind = 'l",
     }
     for flags, message in cases.items():
         cfg = load_config("configs/debug.toml", ["--preset=diloco", "--topology.clusters=dp2,dp1", *flags.split()])
         with pytest.raises(ValueError, match=message):
             cfg.validate()
+    # the scalable reduction of every codec it can sum averages lanes, the low-rank ones too
+    for kind in ("int4", "lowrank_int4"):
+        flags = ["--topology.clusters=dp2,dp1", f"--compression.kind={kind}", "--compression.reduction=scalable"]
+        load_config("configs/debug.toml", ["--preset=diloco", *flags]).validate(world_size=3)
     # an empty entry is refused: `,,` is not an ordinary run, nor `dp2,,dp1` two clusters; nothing given is none
     for flag in ("--topology.clusters=,,", "--topology.clusters=dp2,,dp1", "--topology.clusters=dp2,dp1,"):
         with pytest.raises(ValueError, match=r"topology.clusters = '[dp21,]*' has an empty entry; separate the"):
