@@ -39,12 +39,12 @@ from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, RoundStats
 from dilocox.sync.config import SyncConfig
 from dilocox.sync.faults import FaultConfig, FaultyReducer
-from dilocox.sync.lanes import LaneLayout, LaneReducer, ScalableLaneReducer, build_lane_reducer
+from dilocox.sync.lanes import LaneLayout, build_lane_reducer
 from dilocox.sync.link_fit import fit_inner_steps, fit_link_warning, slow_link_advice
 from dilocox.sync.merge import InFlight, build_merge_rule
 from dilocox.sync.outer_optimizer import OuterOptimizer, OuterOptimizerFactory, outer_lr_schedule
 from dilocox.sync.reducer_factory import build_reducer
-from dilocox.sync.reducers import GatherReducer, PendingMean, Reducer
+from dilocox.sync.reducers import PendingMean, Reducer
 from dilocox.sync.robust import RoundGuard, judges_state, load_judges_state
 from dilocox.sync.rounds import RoundReport, token_weighted_factor
 
@@ -229,8 +229,7 @@ class FragmentState:
         self.merge = build_merge_rule(cfg.merge)
         """Where a round starts while the last round's average is in flight (`sync.merge`, delayed syncs only)."""
         reducer = stage.build_reducer(stage.compression, self.flat)
-        # judges every cluster's update on its own (the scalable lanes sum them in transit)
-        gathers = isinstance(reducer, GatherReducer | LaneReducer) and not isinstance(reducer, ScalableLaneReducer)
+        gathers = reducer.judges_each
         self._update_guard = reducer.guard if gathers else None
         """The gather reduction's own guard (its norm history), None for the summing reductions."""
         self._peer_check = reducer.peers if gathers else None

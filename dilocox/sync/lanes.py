@@ -185,6 +185,7 @@ class LaneReducer:
     its tensors' whole shapes): this rank takes and gives its shards' flat vector."""
 
     name = "lanes"
+    judges_each = True
 
     def __init__(
         self,
@@ -502,6 +503,7 @@ class ScalableLaneReducer(LaneReducer):
     no guard of its own (the guard judges the mean) and no robust aggregate."""
 
     name = "scalable_lanes"
+    judges_each = False
 
     def __init__(self, cfg: CompressionConfig, shapes: Sequence[torch.Size], *, seed: int = 0, **options: Any) -> None:
         super().__init__(cfg, shapes, seed=seed, **options)

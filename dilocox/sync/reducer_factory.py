@@ -37,10 +37,11 @@ def build_reducer(
     """The reducer of `compression.kind` and `compression.reduction` over tensors of `shapes` (validated here).
 
     `guard_max_ratio` (None: no guard), `peer_max_ratio` (None: no peer check) and `aggregate` are
-    `sync.guard.max_ratio`, `sync.guard.peer_ratio` (`peer_sizes`: `PeerCheck.sizes`) and `sync.aggregate`: only the gather reduction judges and
-    robustly averages the clusters' updates one by one (`SyncConfig` refuses a robust aggregate with the others;
-    their guard is the check of the mean in `DiLoCoSync`). `pp_group` (the cluster's pipeline) and `shard_group` (a
-    sharded stage's dp ranks) make its stages and shards agree on what the guard leaves out."""
+    `sync.guard.max_ratio`, `sync.guard.peer_ratio` (`peer_sizes`: `PeerCheck.sizes`) and `sync.aggregate`: only the
+    gather reduction judges and robustly averages the clusters' updates one by one (`judges_each`; `SyncConfig`
+    refuses a robust aggregate with the others; their guard is the check of the mean in `DiLoCoSync`). `pp_group`
+    (the cluster's pipeline) and `shard_group` (a sharded stage's dp ranks) make its stages and shards agree on what
+    the guard leaves out."""
     cfg.validate()
     if cfg.kind == "none":
         numel = sum(shape.numel() for shape in shapes)

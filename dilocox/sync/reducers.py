@@ -82,6 +82,9 @@ class Reducer(Protocol):
 
     name: str
     """dense, gather or scalable: a checkpoint resumes only into the reducer that wrote it."""
+    judges_each: bool
+    """Whether every cluster's update arrives on its own, so that the reducer's guard judges each one (the gather
+    reductions); a reduction that sums them in transit leaves the guard the mean."""
 
     def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
         """Start averaging `pseudo_grad` (numel,), identical on the cluster's dp replicas; it is not modified."""
@@ -154,6 +157,7 @@ class DenseReducer:
     Also the gradient mean of the AllReduce baseline, every step. No state between rounds."""
 
     name = "dense"
+    judges_each = False
 
     def __init__(
         self, numel: int, *, channel: WanChannel, dp_group: dist.ProcessGroup | None, counted: bool = False
@@ -363,6 +367,7 @@ class GatherReducer(CodecReducer):
     `pp_group`, and the rest is averaged by `aggregate` (mean, or a robust statistic against lying clusters)."""
 
     name = "gather"
+    judges_each = True
     undoable = True
 
     def __init__(

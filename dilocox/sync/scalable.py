@@ -305,6 +305,7 @@ class _ScalableReducer(CodecReducer):
     """What both scalable reducers share: launch/relaunch around a program of link steps."""
 
     name = "scalable"
+    judges_each = False
 
     def __init__(self, codec: Codec, shapes: Sequence[torch.Size], *, counted: bool = False, **options: Any) -> None:
         super().__init__(codec, shapes, **options)
