@@ -118,11 +118,6 @@ ALPHA = _flag("sync.alpha", lambda v: v > 0, "> 0")
 FIT_LINK = _flag("sync.round.fit_link", bool, "true")
 FRAGMENTS = _flag("sync.fragments", lambda v: v > 1, "> 1")
 TIME_ROUNDS = _flag("sync.round.mode", lambda v: v == "time", "time")
-OVERLAPPED_TIME_FRAGMENTS = Feature(
-    "sync.overlap_steps", "> 0 with sync.round.mode = time and sync.fragments > 1",
-    lambda cfg: cfg.sync.round.mode == "time" and cfg.sync.overlap_steps > 0 and cfg.sync.fragments > 1,
-    lambda cfg: f"sync.overlap_steps = {cfg.sync.overlap_steps} with time rounds of {cfg.sync.fragments} fragments",
-)
 STEP_ROUNDS = _flag("sync.round.mode", lambda v: v == "steps", "steps")
 ROUND_SECONDS = _flag("sync.round.seconds", lambda v: v > 0, "> 0")
 ROBUST = _flag("sync.aggregate", lambda v: v != "mean", "trimmed_mean, median, norm_clip")
@@ -243,10 +238,6 @@ ROWS: tuple[Row, ...] = (
     Row(FIT_LINK, ELASTIC, "each cluster would size H from its own link and end its rounds at other steps than its "
         "peers, while every quorum meets at one round boundary",
         "sync.round.fit_link = false; topology.elastic = false", "--topology.elastic=true --sync.round.fit_link=true"),
-    Row(OVERLAPPED_TIME_FRAGMENTS, ELASTIC, "an elastic run's clusters meet at every launch, landing and boundary in "
-        "one order, and the fragments' events, each rounded from a cluster's own steps of the round, may come in "
-        "another order on another cluster", "sync.overlap_steps = 0; sync.fragments = 1; topology.elastic = false",
-        "--topology.elastic=true --sync.round.mode=time --sync.overlap_steps=3 --sync.fragments=2"),
     # options that only an elastic run reads
     Row(SOME_CLUSTERS, STATIC, "a run goes on without some clusters only when it is elastic",
         "sync.min_clusters = auto; topology.elastic = true", "--topology.num_clusters=3 --sync.min_clusters=2"),

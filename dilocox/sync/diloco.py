@@ -27,6 +27,7 @@ import dataclasses
 import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -249,6 +250,45 @@ class DiLoCoSync:
             return ["launch"] if step == fragment.round_end - k and step > fragment.last_boundary else []
         return ["land"] if fragment.outer_step > 0 and step == fragment.last_boundary + k else []
 
+    def _planned_events(self, step: int) -> list[tuple[FragmentState, str]]:
+        """Time rounds of several fragments with an overlap: what the fragments do at `step`, in the order of their
+        shares of the clock's round, which is the same on every cluster.
+
+        Fragment k's boundary is (k + 1) H / N into the round, its streamed launch overlap_steps before it, its
+        delayed landing overlap_steps after it (the last fragment's in the next round); each share p of H is placed
+        at max(1, floor(p x steps / H)) of this cluster's steps of the round, as the boundaries are
+        (`_fragment_end`). One rounding keeps the events in the order of their shares on a cluster of any speed
+        (events that fall on one step run in that order), so an elastic run's clusters meet at them in one order;
+        rounded from each fragment's own boundary, a landing could come before a boundary on one cluster and after
+        it on another. A cluster healed between two meetings of a step skips what its peer's state says is done."""
+        cfg, last = self.cfg, self.last_fragment
+        H, N, tau = cfg.inner_steps, len(self.fragments), cfg.overlap_steps  # tau < H / N (SyncConfig)
+        first, steps = last.last_boundary, last.inner_steps  # the clock's round in progress
+        planned = []
+        for k in range(N):
+            end = Fraction((k + 1) * H, N)
+            planned.append((end, k, "end"))
+            if cfg.sync_delay == 0:
+                planned.append((end - tau, k, "launch"))
+            else:
+                planned.append((end + tau if end + tau <= H else end + tau - H, k, "land"))
+        others_hold = self.elastic.others_hold if self.elastic is not None else set()
+        events: list[tuple[FragmentState, str]] = []
+        for share, k, what in sorted(planned):
+            fragment = self.fragments[k]
+            if first + max(1, math.floor(share * steps / H)) != step:
+                continue
+            if what == "end":
+                due = fragment.last_boundary < step
+            elif what == "launch":
+                due = fragment.pending is None
+            else:  # the sync in flight: launched at this step's boundary, or held here or by the peers
+                ended = (fragment, "end") in events
+                due = ended or (fragment.outer_step > 0 and (fragment.pending is not None or k in others_hold))
+            if due:
+                events.append((fragment, what))
+        return events
+
     def _overlap(self, fragment: FragmentState) -> int:
         """`sync.overlap_steps`; with time rounds the same share of this cluster's round in progress, whose steps
         the clock chose (k x its steps / H, at least 1 and short of the round): every cluster lands, or launches, the
@@ -372,7 +412,10 @@ class DiLoCoSync:
             if faults is not None and step == fragment.last_boundary + 1:
                 if faults.diverges(cluster=self.stage.cluster_id, round_index=fragment.outer_step + 1):
                     fragment.flat.scatter_data(torch.full((fragment.numel,), float("nan")))  # this round diverges
-        events = [(fragment, what) for fragment in self.fragments for what in self._events(fragment, step)]
+        if self.clock is not None and self.cfg.overlap_steps and len(self.fragments) > 1:
+            events = self._planned_events(step)
+        else:
+            events = [(fragment, what) for fragment in self.fragments for what in self._events(fragment, step)]
         if not events:
             return None
         # An elastic run's clusters meet once per step with events, and with time rounds once per event: a cluster

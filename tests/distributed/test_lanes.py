@@ -503,14 +503,10 @@ def test_the_lowrank_scalable_lane_mean_is_powersgds_shared_factor_mean_lane_by_
     results = run_ranks(_scalable_lowrank, sum(DP_DEGREES))
     want_first, want_second, warm, residuals = [], [], {}, {}
     for lane in (0, 1):
-        inputs = [torch.cat([t.reshape(-1) for t in lane_tensors(pseudo_grad(c), lane)]) for c in range(3)]
-        mean, warm[lane], residuals[lane] = _lowrank_reference([_padded(u, lane) for u in inputs], lane, {})
+        mean, warm[lane], residuals[lane] = _lowrank_reference([pseudo_grad(c) for c in range(3)], lane, {})
         want_first.append(mean)
-        second_inputs = [
-            _padded(torch.cat([t.reshape(-1) for t in lane_tensors(pseudo_grad(c, 1), lane)]) + residuals[lane][c], lane)
-            for c in range(3)
-        ]
-        want_second.append(_lowrank_reference(second_inputs, lane, warm[lane])[0])
+        second = [pseudo_grad(c, 1) + _padded(residuals[lane][c], lane) for c in range(3)]  # with round 1's residual
+        want_second.append(_lowrank_reference(second, lane, warm[lane])[0])
     want_first, want_second = torch.cat(want_first), torch.cat(want_second)
     for rank, (first, second, again, resent, (sent, recv, payload)) in enumerate(results):
         assert torch.equal(first, results[0][0]) and torch.equal(second, results[0][1]), rank  # one mean everywhere
@@ -524,7 +520,7 @@ def test_the_lowrank_scalable_lane_mean_is_powersgds_shared_factor_mean_lane_by_
 
 
 def _padded(u: torch.Tensor, lane: int) -> torch.Tensor:
-    """A lane's vector as the whole stage's (`lane_tensors` reads the lane's tensors from it)."""
+    """A lane's vector in its place in the whole stage's, zeros elsewhere."""
     whole = torch.zeros(248)
     whole[(0 if lane == 0 else 128) : (128 if lane == 0 else 248)] = u
     return whole

@@ -276,3 +276,60 @@ def test_a_time_round_of_one_step_launches_or_lands_its_overlapped_sync_at_that_
     for rank, result in enumerate(results):
         assert result["landings"][0]["step"] == landed[rank]
         torch.testing.assert_close(result["landings"][0]["phi"].double(), want, rtol=0, atol=1e-6)
+
+
+def _event_order(rank, world_size, flags):
+    """Time rounds of 2 fragments with an overlap of 3 of H = 8, cluster 2 four times as slow (2 steps a round): every
+    event this cluster ran, as (step, fragment, what), and phi at the end."""
+    model, channel, sync, optimizer = _time_rounds(
+        rank, world_size, ["--sync.fragments=2", "--sync.overlap_steps=3", "--faults.slow_clusters=2:4.0", *flags]
+    )
+    diloco, events = sync.diloco, []
+    run = diloco._run
+
+    def logged(fragment, what, step, *, newcomer):
+        events.append((step, diloco.fragments.index(fragment), what))
+        return run(fragment, what, step, newcomer=newcomer)
+
+    diloco._run = logged
+    step = 0
+    while not sync.status().done:
+        step += 1
+        inner_step(model, optimizer, rank, step, sync)
+        sync.after_inner_step(step)
+    sync.flush()
+    channel.close()
+    return {"events": events, "phi": sync.outer_params.clone()}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "delay, want, slow_steps",
+    [
+        # streamed: fragment k launches 3 of H = 8 before its boundary at 4 (k + 1); cluster 2's 2 steps a round
+        # put both launches and fragment 0's boundary on its first step (shares 1, 4, 5 of 8), in that order
+        (0, [(1, 0, "launch"), (4, 0, "end"), (5, 1, "launch"), (8, 1, "end")], [1, 1, 1, 2, 3, 3, 3, 4, 4]),
+        # delayed: fragment k lands 3 after its boundary, the last fragment's in the next round (share 3 of 8, before
+        # fragment 0's boundary at 4; on cluster 2 both on one step, which rounded from each boundary came the other
+        # way round)
+        (1, [(4, 0, "end"), (7, 0, "land"), (8, 1, "end")], [1, 1, 2, 3, 3, 3, 4, 4]),
+    ],
+    ids=["streamed", "delayed"],
+)
+def test_time_rounds_of_several_fragments_run_their_overlapped_events_in_one_order_on_every_cluster(
+    delay, want, slow_steps
+):
+    """Every cluster runs the same events in the same order whatever its steps a round (an elastic run's clusters
+    meet at each one): those of the full-speed clusters at their steps of a round of H, the slow one's on its 2 steps
+    in the order of their shares of the round; all end on one phi."""
+    flags = [f"--sync.sync_delay={delay}"] + (["--sync.alpha=0.5"] if delay == 0 else [])
+    results = run_ranks(_event_order, world_size=NUM_CLUSTERS, args=(flags,))
+    second = [(8 + step, k, what) for step, k, what in want]
+    if delay == 1:
+        second.insert(0, (11, 1, "land"))  # the last fragment's sync of the first round, 3 into the second
+    flush = [(16, 0, "end")]  # fragment 0's round from its last boundary, ended with the run (`DiLoCoSync.end_round`)
+    assert results[0]["events"] == results[1]["events"] == want + second + flush
+    orders = [[(k, what) for _, k, what in result["events"]] for result in results]
+    assert orders[2] == orders[0]
+    assert [step for step, _, _ in results[2]["events"]] == slow_steps  # share p at max(1, floor(p x 2 / 8))
+    assert all(torch.equal(result["phi"], results[0]["phi"]) for result in results)

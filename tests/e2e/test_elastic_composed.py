@@ -23,6 +23,10 @@ COMPOSED = [
     "--preset=dilocox", f"--train.steps={STEPS}", "--eval.interval=0",
     "--eval.final_max_batches=8", "--checkpoint.interval=0", "--metrics.log_interval=1",
 ]  # fmt: skip
+OVERLAPPED_TIME_FRAGMENTS = [
+    "--sync.round.mode=time", "--faults.slow_clusters=1:6.0", "--faults.slow_mode=virtual",
+    "--sync.overlap_steps=5", "--sync.fragments=2",
+]  # fmt: skip
 ELASTIC = ["--topology.elastic=true", "--network.heartbeat=0.5s", "--network.stall_timeout=5s", "--network.timeout=60s"]
 
 
@@ -58,8 +62,11 @@ ELASTIC = ["--topology.elastic=true", "--network.heartbeat=0.5s", "--network.sta
             "--faults.slow_mode=virtual",
             "--sync.overlap_steps=7",
         ],
+        # the same in 2 fragments with an overlap of 5: cluster 1 at 2 steps a round puts the last fragment's landing
+        # (5 of 12 into the round) and fragment 0's boundary (6 of 12) on one step, in that order as on cluster 0
+        OVERLAPPED_TIME_FRAGMENTS,
     ],
-    ids=["fragments", "time_rounds", "one_step_time_rounds", "overlapped_time_rounds"],
+    ids=["fragments", "time_rounds", "one_step_time_rounds", "overlapped_time_rounds", "overlapped_time_fragments"],
 )
 def test_the_preset_elastic_without_failures_is_bit_identical_to_the_static_run(tmp_path, start_run, flags):
     static = start_run("static", *COMPOSED, *flags, "--topology.num_clusters=2")
@@ -103,6 +110,21 @@ def test_a_killed_rank_restarts_its_cluster_which_heals_every_fragment_and_shard
     records = records_of(tmp_path / "killed")
     assert sorted(records) == [0, 1, 2] and all(r["step"] == STEPS for r in records.values())
     assert len({r["outer_params_sha256"] for r in records.values()}) == 1, records  # bit for bit
+    assert records[2]["healed_from_peer"] and not records[0]["healed_from_peer"]
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_cluster_heals_into_time_rounds_of_overlapped_fragments(tmp_path, start_run):
+    """3 elastic clusters under the preset in time rounds of 2 fragments with an overlap of 5, cluster 1 six times as
+    slow: cluster 2's last rank killed mid-round, its cluster restarts, heals from a live peer at one of the events its
+    peers meet at, runs the rest of that round's events with them, and all end on the same outer parameters."""
+    run = start_run("killed", *COMPOSED, *ELASTIC, "--topology.num_clusters=3", *OVERLAPPED_TIME_FRAGMENTS)
+    run.wait_for_step(16)
+    os.kill(run.ranks_of(2)[-1], signal.SIGKILL)
+    assert run.finish() == 0, "the killed run failed"
+    assert re.search(r"dilocox: elastic: cluster 2 rejoined at step \d+ .*healed from a live peer", run.output)
+    records = records_of(tmp_path / "killed")
+    assert sorted(records) == [0, 1, 2] and len({r["outer_params_sha256"] for r in records.values()}) == 1, records
     assert records[2]["healed_from_peer"] and not records[0]["healed_from_peer"]
 
 

@@ -91,8 +91,8 @@ def test_a_robust_aggregate_drains_no_residual_unless_asked(aggregate):
         (["--sync.overlap_steps=12"], "sync.overlap_steps = 12 must be below sync.inner_steps = 12"),
         (["--sync.alpha=0.5"], "sync.alpha = 0.5 does not work with sync.sync_delay = 1"),
         (
-            ["--sync.round.mode=time", "--sync.overlap_steps=3", "--sync.fragments=2", "--topology.elastic=true"],
-            "sync.overlap_steps = 3 with time rounds of 2 fragments does not work with topology.elastic = true",
+            ["--sync.overlap_steps=3", "--sync.round.fit_link=true"],
+            "sync.overlap_steps = 3 does not work with sync.round.fit_link = true",
         ),
         (["--compression.kind=none", "--sync.local_residual=true"], "sync.local_residual = true does not work with"),
     ],

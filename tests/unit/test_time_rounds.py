@@ -43,10 +43,6 @@ def test_slow_clusters_from_a_toml_table_and_from_the_flag_forms(tmp_path):
             ["--sync.round.mode=time", "--sync.sync_delay=1", "--sync.round.fit_link=true"],
             "does not work with sync.round.fit_link",
         ),
-        (
-            ["--sync.round.mode=time", "--sync.overlap_steps=2", "--sync.fragments=2", "--topology.elastic=true"],
-            "sync.overlap_steps = 2 with time rounds of 2 fragments does not work with topology.elastic = true",
-        ),
         (["--sync.round.seconds=2"], "set sync.round.mode = time"),
         # a budget below H steps of 1 ms cuts every round to one step (20 steps to 11 with H = 10)
         (["--sync.round.mode=time", "--sync.round.seconds=1e-9"], "use --sync.round.seconds=0.008 or more"),
