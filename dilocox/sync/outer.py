@@ -148,17 +148,8 @@ class OuterSync:
         channel = WanChannel(
             cluster_group, bandwidth=bytes_per_s, latency_s=latency_s, num_sharing=group_size(dp_group)
         )
-        self._setup(
-            params,
-            sync,
-            codec,
-            channel=channel,
-            owns_channel=True,
-            dp_group=dp_group,
-            seed=seed,
-            inner_optimizer=inner_optimizer,
-            outer_optimizer=factory,
-        )
+        diloco = DiLoCoSync(params, sync, codec, channel=channel, dp_group=dp_group, seed=seed, outer_optimizer=factory)
+        self._setup(diloco, owns_channel=True, inner_optimizer=inner_optimizer)
         self._start_check = _launch_start_check(self.diloco.outer_params, channel, dp_group)
         if group_size(dp_group) > 1:
             self._hook = inner_optimizer.register_step_pre_hook(self._before_inner_step)
@@ -211,18 +202,15 @@ class OuterSync:
             lanes=lanes,
             authenticated=channel.tag_bytes > 0,
         )
-        self = cls.__new__(cls)
-        self._setup(
+        diloco = DiLoCoSync(
             list(params),
             sync,
             compression,
             channel=channel,
-            owns_channel=False,
             dp_group=dp_group,
             pp_group=pp_group,
             seed=seed,
             total_steps=total_steps,
-            inner_optimizer=inner_optimizer,
             faults=faults,
             membership=membership,
             outer_optimizer=outer_optimizer,
@@ -233,56 +221,18 @@ class OuterSync:
             sharded=sharded,
             dp_reduced=dp_reduced,
         )
+        self = cls.__new__(cls)
+        self._setup(diloco, owns_channel=False, inner_optimizer=inner_optimizer)
         return self
 
-    def _setup(
-        self,
-        params: list[torch.Tensor],
-        sync: SyncConfig,
-        compression: CompressionConfig,
-        *,
-        channel: WanChannel,
-        owns_channel: bool,
-        dp_group: dist.ProcessGroup | None,
-        seed: int,
-        pp_group: dist.ProcessGroup | None = None,
-        total_steps: int | None = None,
-        inner_optimizer: torch.optim.Optimizer | None = None,
-        faults: FaultConfig | None = None,
-        membership: ElasticMembership | None = None,
-        outer_optimizer: OuterOptimizerFactory | None = None,
-        lanes: LaneLayout | None = None,
-        tokens_per_step: int = 1,
-        round_tokens: int | None = None,
-        weigh_tokens: bool = False,
-        sharded: bool = False,
-        dp_reduced: bool = False,
-    ) -> None:
-        self.diloco = DiLoCoSync(
-            params,
-            sync,
-            compression,
-            channel=channel,
-            dp_group=dp_group,
-            pp_group=pp_group,
-            seed=seed,
-            total_steps=total_steps,
-            faults=faults,
-            membership=membership,
-            outer_optimizer=outer_optimizer,
-            lanes=lanes,
-            tokens_per_step=tokens_per_step,
-            round_tokens=round_tokens,
-            weigh_tokens=weigh_tokens,
-            sharded=sharded,
-            dp_reduced=dp_reduced,
-        )
+    def _setup(self, diloco: DiLoCoSync, *, owns_channel: bool, inner_optimizer: torch.optim.Optimizer | None) -> None:
+        self.diloco = diloco
         """The implementation this facade drives (docs/design.md §3): the stage's fragments' rounds."""
         self.inner_optimizer = inner_optimizer
         """Its state is reset when the guard heals this cluster (None: the caller's own concern)."""
-        self.sync_config = sync
-        self.compression = compression
-        self.channel = channel
+        self.sync_config = diloco.cfg
+        self.compression = diloco.stage.compression
+        self.channel = diloco.channel
         """The slow link: cumulative bytes and busy, exposed and hidden time in `channel.stats()`."""
         self.dp_group = self.diloco.dp_group
         self.last_round: RoundStats | None = None
