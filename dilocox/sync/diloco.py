@@ -189,7 +189,7 @@ class DiLoCoSync:
                     self.stage,
                     index=k if len(bounds) > 1 else None,
                     first_round_end=first_end,
-                    short_first_round=not self.time_rounds and first_end < cfg.inner_steps,
+                    short_first_round=first_end < first_steps,  # time rounds: of the first clock round
                     total_steps=total_steps,
                     num_outer_updates=updates,
                     outer_optimizer=factory,

@@ -8,8 +8,9 @@ from dilocox.config import load_config
 from dilocox.net.channel import WanChannel
 from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.sync import build_sync
-from dilocox.sync.config import OuterConfig, SyncConfig
+from dilocox.sync.config import OuterConfig, RoundConfig, SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
+from dilocox.sync.faults import FaultConfig
 from dilocox.topology import Topology, build_process_groups
 from tests.clock import SimulatedClock
 from tests.distributed.test_outer_reference import INNER_LR, flat, inner_step, load, make_model
@@ -199,14 +200,17 @@ def test_a_cluster_that_diverges_heals_every_fragment_at_the_first_boundary():
     assert torch.equal(healthy["params"], diverged["params"])  # the flush leaves both at phi
 
 
-def _short_first_round(rank, world_size):
+def _short_first_round(rank, world_size, mode):
     """Fragment 0 of 2 (H = 4) has a first round of 2 steps: its small pseudo-gradient, then a 1000 x larger full
-    round; fragment 1's rounds are full from the start."""
+    round; fragment 1's rounds are full from the start. `mode`: rounds of steps, or of time (every cluster at full
+    speed on the virtual clock: 4 steps a round, the same boundaries)."""
     groups = build_process_groups(Topology(NUM_CLUSTERS), rank)
-    cfg = SyncConfig(kind="diloco", inner_steps=4, fragments=2, outer=OuterConfig(lr=1.0, momentum=0.0, nesterov=False))
+    outer = OuterConfig(lr=1.0, momentum=0.0, nesterov=False)
+    cfg = SyncConfig(kind="diloco", inner_steps=4, fragments=2, outer=outer, round=RoundConfig(mode=mode))
     channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
     first, second = torch.nn.Parameter(torch.zeros(8)), torch.nn.Parameter(torch.zeros(8))
-    sync = DiLoCoSync([first, second], cfg, channel=channel, dp_group=groups.dp_group, total_steps=8)
+    faults = FaultConfig(slow_mode="virtual") if mode == "time" else None
+    sync = DiLoCoSync([first, second], cfg, channel=channel, dp_group=groups.dp_group, total_steps=8, faults=faults)
     skipped = []
     for step in range(1, 7):
         with torch.no_grad():  # the inner steps: a short early round of fragment 0, then a full one
@@ -220,9 +224,11 @@ def _short_first_round(rank, world_size):
 
 
 @pytest.mark.dist
-def test_a_short_first_round_is_no_norm_reference_for_the_full_rounds():
+@pytest.mark.parametrize("mode", ["steps", "time"])
+def test_a_short_first_round_is_no_norm_reference_for_the_full_rounds(mode):
     """The guard judges the mean against recent rounds' norms: a short first round's norm (a fraction of H steps,
-    under warm-up) would make the first full round look 1000 x outsized and skip it."""
-    for skipped, param in run_ranks(_short_first_round, NUM_CLUSTERS):
+    under warm-up) would make the first full round look 1000 x outsized and skip it. Time rounds cut the fragments'
+    first rounds alike, at a fraction of the first clock round."""
+    for skipped, param in run_ranks(_short_first_round, NUM_CLUSTERS, args=(mode,)):
         assert skipped == [(0, False), (1, False), (0, False)]
         assert torch.allclose(param, torch.full((8,), -1.001))
