@@ -255,14 +255,14 @@ class DiLoCoSync:
         shares of the clock's round, which is the same on every cluster.
 
         Fragment k's boundary is (k + 1) H / N into the round, its streamed launch overlap_steps before it, its
-        delayed landing overlap_steps after it (the last fragment's in the next round); each share p of H is placed
+        delayed landing overlap_steps after it (in the next round where that passes H); each share p of H is placed
         at max(1, floor(p x steps / H)) of this cluster's steps of the round, as the boundaries are
         (`_fragment_end`). One rounding keeps the events in the order of their shares on a cluster of any speed
         (events that fall on one step run in that order), so an elastic run's clusters meet at them in one order;
         rounded from each fragment's own boundary, a landing could come before a boundary on one cluster and after
         it on another. A cluster healed between two meetings of a step skips what its peer's state says is done."""
         cfg, last = self.cfg, self.last_fragment
-        H, N, tau = cfg.inner_steps, len(self.fragments), cfg.overlap_steps  # tau < H / N (SyncConfig)
+        H, N, tau = cfg.inner_steps, len(self.fragments), cfg.overlap_steps  # streamed tau < H // N, delayed < H
         first, steps = last.last_boundary, last.inner_steps  # the clock's round in progress
         planned = []
         for k in range(N):
