@@ -254,13 +254,14 @@ class DiLoCoSync:
         """Time rounds of several fragments with an overlap: what the fragments do at `step`, in the order of their
         shares of the clock's round, which is the same on every cluster.
 
-        Fragment k's boundary is (k + 1) H / N into the round, its streamed launch overlap_steps before it, its
-        delayed landing overlap_steps after it (in the next round where that passes H); each share p of H is placed
-        at max(1, floor(p x steps / H)) of this cluster's steps of the round, as the boundaries are
-        (`_fragment_end`). One rounding keeps the events in the order of their shares on a cluster of any speed
-        (events that fall on one step run in that order), so an elastic run's clusters meet at them in one order;
-        rounded from each fragment's own boundary, a landing could come before a boundary on one cluster and after
-        it on another. A cluster healed between two meetings of a step skips what its peer's state says is done."""
+        Fragment k's boundary is (k + 1) H / N into the round (`_fragment_end` put it at max(1, floor((k + 1) steps /
+        N)) of this cluster's steps), its streamed launch overlap_steps before it, its delayed landing overlap_steps
+        after it (in the next round where that passes H); each of those shares p of H is placed at max(1, floor(p x
+        steps / H)) of this cluster's steps of the round, the boundaries' rounding. One rounding keeps the events in
+        the order of their shares on a cluster of any speed (events that fall on one step run in that order), so an
+        elastic run's clusters meet at them in one order; rounded from each fragment's own boundary, a landing could
+        come before a boundary on one cluster and after it on another. A cluster healed between two meetings of a
+        step skips what its peer's state says is done."""
         cfg, last = self.cfg, self.last_fragment
         H, N, tau = cfg.inner_steps, len(self.fragments), cfg.overlap_steps  # streamed tau < H // N, delayed < H
         first, steps = last.last_boundary, last.inner_steps  # the clock's round in progress
@@ -276,10 +277,10 @@ class DiLoCoSync:
         events: list[tuple[FragmentState, str]] = []
         for share, k, what in sorted(planned):
             fragment = self.fragments[k]
-            if first + max(1, math.floor(share * steps / H)) != step:
-                continue
             if what == "end":
-                due = fragment.last_boundary < step
+                due = self._ends_here(fragment, step)
+            elif first + max(1, math.floor(share * steps / H)) != step:
+                continue
             elif what == "launch":
                 due = fragment.pending is None
             else:  # the sync in flight: launched at this step's boundary, or held here or by the peers

@@ -264,6 +264,9 @@ class LaneReducer:
     def _lane_shapes(self, lane: int) -> list[torch.Size]:
         return [self.shapes[i] for i in self.lane_tensors[lane]]
 
+    def _lane_numel(self, lane: int) -> int:
+        return self.lane_bounds[lane][1] - self.lane_bounds[lane][0]
+
     def _lane_views(self, flat: torch.Tensor, lane: int) -> list[torch.Tensor]:
         return [flat[self.offsets[i] : self.offsets[i + 1]].view(self.shapes[i]) for i in self.lane_tensors[lane]]
 
@@ -463,8 +466,7 @@ class LaneReducer:
     def state_bytes(self) -> int:
         total = 0
         for lane in self.layout.lanes:
-            numel = self.lane_bounds[lane][1] - self.lane_bounds[lane][0]
-            total += self.feedbacks[lane].state_bytes(numel) + self.codecs[lane].state_bytes()
+            total += self.feedbacks[lane].state_bytes(self._lane_numel(lane)) + self.codecs[lane].state_bytes()
         return total
 
     def state_dict(self) -> dict[str, Any]:
@@ -524,9 +526,6 @@ class ScalableLaneReducer(LaneReducer):
         """Low-rank codecs: each lane's shared right factors (n, r) by tensor index, the averaged Q of its last sync."""
         for feedback in self.feedbacks.values():
             feedback.undoable = False  # no cluster's update is left out of a sum: nothing to undo
-
-    def _lane_numel(self, lane: int) -> int:
-        return self.lane_bounds[lane][1] - self.lane_bounds[lane][0]
 
     def _sent_sizes(self) -> list[int]:
         """Bytes of each lane's part of `sent`: its first chunks, after its input (fp32) with a low-rank codec."""
@@ -687,10 +686,10 @@ def build_lane_reducer(
     scaled: bool = True,
 ) -> LaneReducer:
     """The lane reducer of `compression` with the guard and the aggregate of `[sync]`: the gather of any codec, or
-    the scalable reduction of an elementwise one (`ScalableLaneReducer`). With the plain mean every cluster's payload
-    is weighted by its replicas (`LaneLayout.cluster_weight`; `scaled` False: token-weighted syncs, scaled by tokens
-    instead): the peer check compares the sizes per unit of weight. `shard_group`: the stage is sharded over it
-    (`shapes` whole, `dp_group` None)."""
+    the scalable reduction of the codecs it can sum (`ScalableLaneReducer`: elementwise and low-rank). With the plain
+    mean every cluster's payload is weighted by its replicas (`LaneLayout.cluster_weight`; `scaled` False:
+    token-weighted syncs, scaled by tokens instead): the peer check compares the sizes per unit of weight.
+    `shard_group`: the stage is sharded over it (`shapes` whole, `dp_group` None)."""
     common: dict[str, Any] = dict(
         layout=layout,
         channel=channel,
