@@ -58,6 +58,7 @@ from dilocox.parallel.pipeline import mean_token_cross_entropy
 from dilocox.reshape import reshaped_rank_state
 from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync
 from dilocox.sync.lanes import LaneLayout, lane_allreduce_bytes_per_step
+from dilocox.sync.replica import FollowerSync, StageMirror
 from dilocox.sync.robust import GuardError
 from dilocox.topology import Topology, build_process_groups, group_size, local_shard
 
@@ -258,8 +259,10 @@ class Trainer:
         """Each cluster is its own world; the slow link is torchft's group of the round (docs/design.md §10.1)."""
         timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
         self.groups = build_process_groups(
-            Topology(1, cfg.topology.dp_degree, cfg.topology.pp_degree) if self.elastic else self.topology,
-            rank % self.ranks_per_cluster if self.elastic else rank,
+            Topology(1, self.ranks_per_cluster // cfg.topology.pp_degree, cfg.topology.pp_degree)
+            if self.elastic
+            else self.topology,
+            self.checkpoint_rank,
             intra_backend=intra_cluster_backend(self.device),
             timeout=timeout,
         )
@@ -304,8 +307,13 @@ class Trainer:
         # stage's forward all-gathers its parameters over the dp ranks, so all of cluster 0's run it.
         self.in_eval_pipeline = self.coords.cluster == 0 and (self.coords.dp == 0 or self.sharded)
         self.inner_optimizer = build_inner_optimizer(cfg, self.model)
+        self.mirror = None
+        """Elastic runs of clusters of different dp: replica 0 of each stage syncs it for the others, which follow
+        (`dilocox.sync.replica`); over the stage's dp_group."""
+        if self.elastic and not self.topology.uniform and group_size(self.groups.dp_group) > 1:
+            self.mirror = StageMirror(self.model.parameters(), self.groups.dp_group)
         self.membership = None
-        if self.elastic:
+        if self.elastic and (self.mirror is None or self.mirror.leads):
             if cluster_store is None:
                 raise ValueError("an elastic run needs its cluster's store: start it with `dilocox train`")
             self.membership = self._join_membership(cluster_store)
@@ -313,28 +321,40 @@ class Trainer:
             None if self.elastic else self.groups.cluster_group,  # elastic: rebound to each round's group
             bandwidth=cfg.network.bandwidth_bytes_per_s,
             latency_s=cfg.network.latency_s,
-            num_sharing=self.ranks_per_cluster,  # the ranks of this cluster that sync at once share its uplink
+            # the ranks of this cluster that sync at once share its uplink (replica 0's alone, where the others follow)
+            num_sharing=self.num_stages if self.weighs_clusters else self.ranks_per_cluster,
             auth=cfg.network.payload_auth(),
             stop_if_cut_off=not self.elastic,  # elastic: only a cut-off cluster stops, and heals from a live peer
         )
-        self.lanes = None if self.topology.uniform else LaneLayout(self.topology, self.coords.cluster, self.coords.dp)
-        """Clusters of different data-parallel degree: this rank's lanes of its stage (docs/design.md §2.1)."""
-        cluster_dp = self.topology.dp_degrees[self.coords.cluster]
-        self.cluster_tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len * cluster_dp
+        self.lanes = None
+        """Clusters of different data-parallel degree: this rank's lanes of its stage (docs/design.md §2.1); an
+        elastic run's replica 0 of each stage syncs the whole stage instead (§10.1)."""
+        if not self.topology.uniform and not self.elastic:
+            self.lanes = LaneLayout(self.topology, self.coords.cluster, self.coords.dp)
+        replica_tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+        self.cluster_tokens_per_step = replica_tokens * self.topology.dp_degrees[self.coords.cluster]
         """Tokens this cluster trains on per inner step (all its data-parallel replicas)."""
-        self.sync = build_sync(
-            cfg,
-            self.model.parameters(),
-            channel=self.channel,
-            dp_group=self.groups.dp_group,
-            pp_group=self.groups.pp_group,
-            inner_optimizer=self.inner_optimizer,
-            membership=self.membership,
-            lanes=self.lanes,
-            tokens_per_step=self.cluster_tokens_per_step,
-            sharded=self.sharded,
-            dp_reduced=self.dp_reduced,
-        )
+        if self.mirror is not None and not self.mirror.leads:
+            self.sync = FollowerSync(self.mirror, name=cfg.sync.kind, inner_optimizer=self.inner_optimizer)
+        else:
+            self.sync = build_sync(
+                cfg,
+                self.model.parameters(),
+                channel=self.channel,
+                dp_group=None if self.mirror is not None else self.groups.dp_group,
+                pp_group=self.groups.pp_group,
+                inner_optimizer=self.inner_optimizer,
+                membership=self.membership,
+                lanes=self.lanes,
+                tokens_per_step=self.cluster_tokens_per_step,
+                # elastic clusters of different dp: each weighs its tokens against a round of one replica's, sum_c dp_c
+                # in all when every cluster trains its H steps
+                round_tokens=cfg.sync.inner_steps * replica_tokens if self.weighs_clusters else None,
+                first_weight_sum=float(self.topology.num_shards) if self.weighs_clusters else None,
+                sharded=self.sharded,
+                dp_reduced=self.dp_reduced,
+                mirror=self.mirror,
+            )
         self.time_rounds = cfg.sync.has_outer_loop and cfg.sync.round.mode == "time"
         """Every cluster trains for the same time budget per round; the run is ceil(train.steps / H) rounds."""
         self.sleep_factor = cfg.faults.slow_factor(self.coords.cluster) if cfg.faults.slow_mode == "sleep" else 1.0
@@ -391,8 +411,9 @@ class Trainer:
             store_addr=cluster_store[0],
             store_port=cluster_store[1],
             host=cfg.network.listen_host,  # this rank's machine: under torchrun, not always the store's
-            rank_in_cluster=self.rank % (t.dp_degree * t.pp_degree),  # the launcher numbers ranks cluster by cluster
-            ranks_per_cluster=t.dp_degree * t.pp_degree,
+            # clusters of different dp: replica 0's stages alone meet, and its stage p is the cluster's rank p
+            rank_in_cluster=self.checkpoint_rank,
+            ranks_per_cluster=self.num_stages if self.weighs_clusters else self.ranks_per_cluster,
             timeout=timeout,
             quorum_timeout=timeout,
             # half the Lighthouse's join timeout (elastic.lighthouse.lighthouse_timeouts)
@@ -400,7 +421,8 @@ class Trainer:
             heal_max_bytes=heal_state_bound(cfg.sync, sum(p.numel() for p in self.model.parameters())),
             config_fingerprint=settings_fingerprint(settings),
             shared_settings=settings,
-            cluster_group=dist.group.WORLD,  # each cluster is its own world: its stages x replicas
+            # each cluster is its own world: its stages x replicas, or replica 0's pipeline where the others follow
+            cluster_group=self.groups.pp_group if self.weighs_clusters else dist.group.WORLD,
             stall_timeout_s=cfg.network.stall_timeout_s,
             heartbeat_s=cfg.network.heartbeat_s,
         )
@@ -468,7 +490,12 @@ class Trainer:
     @property
     def checkpoint_rank(self) -> int:
         """This rank's file in a checkpoint: its global rank, or in an elastic run its rank inside its cluster."""
-        return self.rank % self.ranks_per_cluster if self.elastic else self.rank
+        return self.rank - self.topology.ranks_of_cluster(self.coords.cluster).start if self.elastic else self.rank
+
+    @property
+    def weighs_clusters(self) -> bool:
+        """An elastic run of clusters of different dp: each cluster's update is weighted by its tokens."""
+        return self.elastic and not self.topology.uniform
 
     def resume(self, path: Path) -> None:
         check_resume(self.cfg, path)
@@ -616,7 +643,7 @@ class Trainer:
     def train(self) -> RunSummary | None:
         """Train to `train.steps`; rank 0 logs, every rank checkpoints; returns the summary on rank 0."""
         cfg = self.cfg
-        joined = self._rejoin() if self.membership is not None else None
+        joined = self._rejoin() if self.elastic else None
         logger = None
         if self.rank == 0:
             truncate_metrics(self.run_dir, self.step)
@@ -695,7 +722,7 @@ class Trainer:
                     if logger is not None:
                         logger.print(f"checkpoint {'being written' if self.pending_save else 'saved'}: {path}")
             wall_s = self.elapsed_before + self._elapsed()
-            if self.membership is not None:
+            if self.elastic:
                 self._write_membership_record(joined)
             return self._summary(wall_s, logger)
         finally:
@@ -735,13 +762,15 @@ class Trainer:
 
         from dilocox.fileio import write_atomic
 
-        outer = saved_outer_params(self.sync.state_dict()).detach().cpu().contiguous()  # type: ignore[union-attr]
-        stage_sha256 = hashlib.sha256(outer.numpy().tobytes()).hexdigest()
+        outer = saved_outer_params(self.sync.state_dict())  # None on a replica that follows replica 0's sync
+        stage_sha256 = None
+        if outer is not None:
+            stage_sha256 = hashlib.sha256(outer.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
         if self.num_stages > 1 or self.sharded:  # the cluster's world is gloo whatever the fast groups' backend
             # every stage's digest, and of a sharded stage every dp rank's (its shard): in (stage, shard) order
             part = [self.coords.pp, self.coords.dp if self.sharded else 0]
             gathered = all_gather_json([part, stage_sha256], group=dist.group.WORLD, max_bytes=1024)
-            parts = {tuple(key): sha for key, sha in gathered}
+            parts = {tuple(key): sha for key, sha in gathered if sha is not None}
             stage_sha256 = hashlib.sha256(" ".join(parts[key] for key in sorted(parts)).encode()).hexdigest()
         if self.coords.dp != 0 or self.coords.pp != 0:  # one record per cluster
             return

@@ -215,7 +215,7 @@ class ElasticLauncher:
         state.processes = mp.start_processes(
             _elastic_rank_main,
             args=(*args, state.restarts > 0, resume, os.getpid(), dict(os.environ), os.getcwd()),
-            nprocs=self.topology.dp_degree * self.topology.pp_degree,
+            nprocs=len(self.topology.build().ranks_of_cluster(cluster)),
             join=False,
             start_method="forkserver",
         )
@@ -320,10 +320,8 @@ class ElasticLauncher:
     def _first_user_error(self, failed: _Cluster) -> str | None:
         """The line of the lowest rank, of the failed cluster or of one still running, that stopped on a user
         error."""
-        per_cluster = self.topology.dp_degree * self.topology.pp_degree
         for state in sorted([failed, *self.running.values()], key=lambda state: state.index):
-            ranks = range(state.index * per_cluster, (state.index + 1) * per_cluster)
-            error = first_user_error(state.store, ranks)
+            error = first_user_error(state.store, self.topology.build().ranks_of_cluster(state.index))
             if error is not None:
                 return error
         return None
@@ -378,8 +376,7 @@ def _elastic_rank_main(
     enter_forked_rank(launcher, env, cwd)
     cfg = from_dict(cfg_dict)
     cfg.network.lighthouse = lighthouse
-    t = cfg.topology
-    ranks_per_cluster = t.dp_degree * t.pp_degree
+    ranks_per_cluster = len(cfg.topology.build().ranks_of_cluster(cluster))
     timeout = datetime.timedelta(seconds=cfg.network.timeout_s)
     store = dist.TCPStore(advertise_host, port, ranks_per_cluster, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=local_rank, world_size=ranks_per_cluster, timeout=timeout)
@@ -412,7 +409,7 @@ def run_cluster_rank(
     from dilocox.elastic.membership import NoLivePeer
     from dilocox.trainer import Trainer
 
-    rank = cluster * cfg.topology.dp_degree * cfg.topology.pp_degree + local_rank
+    rank = cfg.topology.build().ranks_of_cluster(cluster).start + local_rank
     try:
         trainer = Trainer(cfg, rank=rank, run_dir=Path(cfg.run.out_dir), cluster_store=cluster_store)
         if resume:  # this cluster's own checkpoint: it presents that step, and clusters without one heal from it

@@ -94,11 +94,11 @@ def check_elastic_job(cfg: Config, world_size: int) -> None:
             f"topology.local_clusters = {t.local_clusters!r}: under torchrun an elastic run's job is one cluster; "
             f"name it, e.g. `{example}` with C in 0..{t.num_clusters - 1} (docs/guides/elastic.md)"
         )
-    ranks = t.dp_degree * t.pp_degree
+    ranks = len(t.build().ranks_of_cluster(clusters[0]))
     if world_size != ranks:
         raise ValueError(
-            f"torchrun started {world_size} ranks for cluster {clusters[0]}, which has topology.dp_degree x "
-            f"pp_degree = {t.dp_degree} x {t.pp_degree} = {ranks}; start {ranks} ranks in its job "
+            f"torchrun started {world_size} ranks for cluster {clusters[0]}, which has dp x pp = "
+            f"{ranks // t.pp_degree} x {t.pp_degree} = {ranks}; start {ranks} ranks in its job "
             "(--nnodes x --nproc-per-node)"
         )
 

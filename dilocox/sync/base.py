@@ -271,6 +271,18 @@ class StepRounds:
         return 0
 
 
+def clear_non_finite_state(optimizer: torch.optim.Optimizer | None) -> None:
+    """Clear `optimizer`'s state when any floating-point tensor of it is not finite (after the guard healed a cluster:
+    a diverged round's AdamW moments); finite state is kept."""
+    if optimizer is not None and not all(
+        bool(torch.isfinite(value).all())
+        for state in optimizer.state.values()
+        for value in state.values()
+        if torch.is_tensor(value) and value.is_floating_point()
+    ):
+        optimizer.state.clear()
+
+
 class FlatParams:
     """A fixed list of parameters seen as one flat fp32 vector (one collective per step instead of one per tensor).
     A sharded stage's parameter (`topology.dp_mode = shard`) counts as this rank's shard of it (`local_shard`).

@@ -88,6 +88,7 @@ class DiLoCoSync:
         tokens_per_step: int = 1,
         round_tokens: int | None = None,
         weigh_tokens: bool = False,
+        first_weight_sum: float | None = None,
         sharded: bool = False,
         dp_reduced: bool = False,
     ) -> None:
@@ -98,7 +99,8 @@ class DiLoCoSync:
         `lanes`: clusters of different data-parallel degree (docs/design.md §2.1). `tokens_per_step`: the tokens this
         cluster trains on per inner step; `round_tokens`: n_ref, the nominal tokens of one round, the same on every
         cluster (default H x one replica's tokens per step); `weigh_tokens`: weigh the clusters by their tokens
-        also with `sync.round.mode = "steps"`."""
+        also with `sync.round.mode = "steps"`; `first_weight_sum`: sum_c n_c / n_ref expected before any round
+        landed (default C)."""
         compression = compression or CompressionConfig()
         cfg = cfg.resolved(compression)  # its auto options, by their rules
         cfg.validate()
@@ -135,6 +137,7 @@ class DiLoCoSync:
             cluster_weight=1.0 if lanes is None or cfg.aggregate != "mean" else lanes.cluster_weight,
             weighted=weighted,
             round_tokens=round_tokens,
+            first_weight_sum=first_weight_sum,
             faults=faults if faults is not None and faults.enabled else None,
             elastic_run=membership is not None,
             cluster_id=(
@@ -146,6 +149,8 @@ class DiLoCoSync:
             ),
         )
         self.tokens_per_step = tokens_per_step
+        self.wrote_params = False
+        """The last `after_inner_step` wrote the parameters (an event ran, or a fault made the round diverge)."""
         self.clock: RoundClock | None = None
         """sync.round.mode = time: the steps of each round on this cluster."""
         first_steps = cfg.inner_steps
@@ -409,16 +414,19 @@ class DiLoCoSync:
         others in `also_landed`), or None."""
         self.step = step
         faults = self.stage.faults
+        self.wrote_params = False
         for fragment in self.fragments:
             if faults is not None and step == fragment.last_boundary + 1:
                 if faults.diverges(cluster=self.stage.cluster_id, round_index=fragment.outer_step + 1):
                     fragment.flat.scatter_data(torch.full((fragment.numel,), float("nan")))  # this round diverges
+                    self.wrote_params = True
         if self.clock is not None and self.cfg.overlap_steps and len(self.fragments) > 1:
             events = self._planned_events(step)
         else:
             events = [(fragment, what) for fragment in self.fragments for what in self._events(fragment, step)]
         if not events:
             return None
+        self.wrote_params = True
         # An elastic run's clusters meet once per step with events, and with time rounds once per event: a cluster
         # whose round has fewer steps than fragments ends several at one step, which its peers end at several.
         meetings = [[event] for event in events] if self.elastic is not None and self.time_rounds else [events]

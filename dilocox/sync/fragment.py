@@ -124,6 +124,8 @@ class StageParts:
     """The average weighs the clusters by their tokens of the round (time rounds): each sync carries a `RoundReport`."""
     round_tokens: int = 1
     """n_ref, the nominal tokens of one round, the same on every cluster (weighted syncs)."""
+    first_weight_sum: float | None = None
+    """sum_c n_c / n_ref expected of a round before any landed (weighted syncs; None: C, every cluster n_ref)."""
     faults: FaultConfig | None = None
     elastic_run: bool = False
     """Whether the run is elastic (its reducers average over each round's quorum)."""
@@ -276,8 +278,12 @@ class FragmentState:
     @property
     def divisor(self) -> float:
         """What this cluster's part of a weighted sum is divided by: the last landed sum of weights, or before any
-        landed C, the clusters of the round (elastic: of this round's quorum, not of the cluster's own world)."""
-        return self.weight_sum if self.weight_sum is not None else float(self.num_clusters)
+        landed the stage's expected sum, or C, the clusters of the round (elastic: of this round's quorum, not of the
+        cluster's own world)."""
+        if self.weight_sum is not None:
+            return self.weight_sum
+        first = self.stage.first_weight_sum
+        return first if first is not None else float(self.num_clusters)
 
     # ---------------------------------------------------------------------------------------------- the verbs
     def pseudo_grad(self) -> torch.Tensor:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from collections.abc import Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -33,12 +33,13 @@ from dilocox.elastic.rounds import ElasticRounds
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.net.link import parse_bandwidth, parse_duration
 from dilocox.sync.allreduce import allreduce_bytes_per_step
-from dilocox.sync.base import RoundStats, SyncStatus
+from dilocox.sync.base import RoundStats, SyncStatus, clear_non_finite_state
 from dilocox.sync.config import OUTER_LOOP_KINDS, SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
 from dilocox.sync.faults import FaultConfig
 from dilocox.sync.lanes import LaneLayout
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory
+from dilocox.sync.replica import StageMirror, Told
 from dilocox.topology import group_size
 
 RESUME_SETTINGS = {
@@ -174,8 +175,10 @@ class OuterSync:
         tokens_per_step: int = 1,
         round_tokens: int | None = None,
         weigh_tokens: bool = False,
+        first_weight_sum: float | None = None,
         sharded: bool = False,
         dp_reduced: bool = False,
+        mirror: StageMirror | None = None,
     ) -> OuterSync:
         """Around a `channel` the caller owns (and closes), with the config dataclasses: the trainer's path
         (`build_sync`), and the one to `sync.round.fit_link` or `sync.outer.state_device`. Nothing is hooked or
@@ -185,11 +188,12 @@ class OuterSync:
         with its own OuterSync) makes the stages agree on what the guard leaves out; `outer_optimizer` (a factory,
         as for the constructor) replaces the one `sync.outer.optimizer` names. `lanes`: clusters of different
         data-parallel degree (`channel` is then over the stage group, docs/design.md §2.1); each cluster's
-        pseudo-gradient is weighted by its tokens (`LaneLayout.cluster_weight`). `tokens_per_step`, `round_tokens`
-        and `weigh_tokens` set the token-weighted average of time rounds (`DiLoCoSync`): this cluster's tokens per
-        inner step, the nominal tokens of a round (the same on every cluster), and whether to weigh also with step
-        rounds. `sharded`: `params` are FSDP shards over `dp_group` (topology.dp_mode = shard, `DiLoCoSync`);
-        `dp_reduced`: the gradients arrive averaged over `dp_group` already (DDP)."""
+        pseudo-gradient is weighted by its tokens (`LaneLayout.cluster_weight`). `tokens_per_step`, `round_tokens`,
+        `weigh_tokens` and `first_weight_sum` set the token-weighted average of time rounds (`DiLoCoSync`): this
+        cluster's tokens per inner step, the nominal tokens of a round (the same on every cluster), whether to weigh
+        also with step rounds, and the clusters' weights expected before any round landed. `sharded`: `params` are FSDP shards over `dp_group` (topology.dp_mode = shard, `DiLoCoSync`);
+        `dp_reduced`: the gradients arrive averaged over `dp_group` already (DDP). `mirror`: this rank is replica 0
+        of its stage and syncs it for the other replicas, which follow it (`dilocox.sync.replica`)."""
         if sync.kind not in OUTER_LOOP_KINDS:
             raise ValueError(f"OuterSync needs sync.kind = diloco or dilocox, not {sync.kind!r}")
         compression = compression or CompressionConfig()
@@ -218,11 +222,13 @@ class OuterSync:
             tokens_per_step=tokens_per_step,
             round_tokens=round_tokens,
             weigh_tokens=weigh_tokens,
+            first_weight_sum=first_weight_sum,
             sharded=sharded,
             dp_reduced=dp_reduced,
         )
         self = cls.__new__(cls)
         self._setup(diloco, owns_channel=False, inner_optimizer=inner_optimizer)
+        self.mirror = mirror
         return self
 
     def _setup(self, diloco: DiLoCoSync, *, owns_channel: bool, inner_optimizer: torch.optim.Optimizer | None) -> None:
@@ -238,6 +244,8 @@ class OuterSync:
         self.last_round: RoundStats | None = None
         """What the last sync applied cost: bytes sent, link, exposed and hidden time, the codec's payload and rank."""
         self._owns_channel = owns_channel
+        self.mirror: StageMirror | None = None
+        """The stage's replicas that follow this one's sync (`dilocox.sync.replica`), or None."""
         self._start_check: PendingTransfer[list[torch.Tensor]] | None = None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._reduced = False  # reduce_gradients() ran since the last inner step
@@ -253,27 +261,47 @@ class OuterSync:
     def after_inner_step(self, step: int, *, step_s: float = 0.0) -> RoundStats | None:
         """`step()` with the caller's 1-based step count and the step's training time in seconds, which time rounds
         measure each cluster's step time from (the trainer's protocol, `SyncStrategy`)."""
-        self.diloco.add_step_time(step_s)
-        stats = self.diloco.after_inner_step(step)
-        self._reset_if_healed()
+        with self._telling() as told:
+            self.diloco.add_step_time(step_s)
+            stats = told.value = self.diloco.after_inner_step(step)
+            told.healed = self._reset_if_healed()
+            told.wrote = self.diloco.wrote_params
         if stats is not None:
             self.last_round = stats
         return stats
 
-    def _reset_if_healed(self) -> None:
+    def _reset_if_healed(self) -> bool:
         """The guard reset this cluster's parameters to the agreed ones: the inner optimizer's state starts afresh
         where it is non-finite (AdamW's moments after a diverged round). Finite state is kept: a fresh AdamW's first
         rounds move 3 to 4.5 x further than its warmed-up peers' (docs/design.md §4.5), which the peer check would
-        leave out again, and heal again, round after round."""
-        if self.diloco.take_healed():
-            if self.inner_optimizer is not None and not _finite_state(self.inner_optimizer):
-                self.inner_optimizer.state.clear()
+        leave out again, and heal again, round after round. Returns whether the guard healed."""
+        healed = self.diloco.take_healed()
+        if healed:
+            clear_non_finite_state(self.inner_optimizer)
+        return healed
+
+    @contextmanager
+    def _telling(self) -> Iterator[Told]:
+        """A call of the trainer's whose outcome (`Told`, filled in by the call) the stage's following replicas
+        take after it (`StageMirror`, docs/design.md §10.1): also its error."""
+        told = Told(value=None, status=None, wrote=True)
+        if self.mirror is None:
+            yield told
+            return
+        try:
+            yield told
+        except Exception as error:
+            self.mirror.tell(Told(value=None, status=None, wrote=False, error=error))
+            raise
+        told.status = self.status()
+        self.mirror.tell(told)
 
     # ---------------------------------------------------------------------------------------------- elastic runs
     def rejoin(self) -> tuple[int, str] | None:
         """Elastic runs: join the run (`ElasticRounds.rejoin`); a cluster that heals from a peer gets (step, phase)
         and its inner optimizer starts afresh."""
-        joined = self._elastic().rejoin()
+        with self._telling() as told:
+            joined = told.value = self._elastic().rejoin()
         if joined is not None:
             self.num_steps = joined[0]
             if self.inner_optimizer is not None:
@@ -296,10 +324,11 @@ class OuterSync:
         every cluster holds the same parameters, the outer params. Training may go on from there. Returns what the
         last sync waited for cost, or None if nothing was pending."""
         stats = None
-        if any(self.diloco.in_progress(fragment, self.num_steps) for fragment in self.diloco.fragments):
-            stats = self.diloco.end_round(self.num_steps)
-            self._reset_if_healed()
-        stats = self.diloco.flush() or stats
+        with self._telling() as told:
+            if any(self.diloco.in_progress(fragment, self.num_steps) for fragment in self.diloco.fragments):
+                stats = self.diloco.end_round(self.num_steps)
+                told.healed = self._reset_if_healed()
+            stats = told.value = self.diloco.flush() or stats
         if stats is not None:
             self.last_round = stats
         return stats
@@ -612,16 +641,6 @@ def _check_group(name: str, group: Any) -> None:
             f"{name} must be a torch.distributed ProcessGroup of {role}, e.g. dist.new_group(ranks), or None; got "
             f"{type(group).__name__}"
         )
-
-
-def _finite_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether every floating-point tensor of `optimizer`'s state is finite."""
-    return all(
-        bool(torch.isfinite(value).all())
-        for state in optimizer.state.values()
-        for value in state.values()
-        if torch.is_tensor(value) and value.is_floating_point()
-    )
 
 
 def _check_disjoint(cluster_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None) -> None:

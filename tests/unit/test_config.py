@@ -323,7 +323,7 @@ def test_the_shared_fingerprint_sees_what_clusters_must_share_and_ignores_what_m
     [
         ("", [], 1, "under torchrun an elastic run's job is one cluster; name it"),
         ("0,1", [], 1, "under torchrun an elastic run's job is one cluster; name it"),
-        ("2", ["--topology.dp_degree=2"], 4, "torchrun started 4 ranks for cluster 2, which has topology.dp_degree x"),
+        ("2", ["--topology.dp_degree=2"], 4, "torchrun started 4 ranks for cluster 2, which has dp x pp = 2 x 1 = 2"),
         ("2", ["--topology.dp_degree=2", "--topology.pp_degree=2"], 4, None),
     ],
 )
