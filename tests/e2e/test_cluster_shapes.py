@@ -76,7 +76,10 @@ def test_pipelined_clusters_of_dp_2_and_1_learn(tmp_path):
     [
         (["--topology.clusters=dp2,pp1x1"], "topology.clusters[1] = 'pp1x1' is not a cluster shape"),
         (["--topology.clusters=pp2xdp1,pp1xdp1"], "every cluster needs the same pipeline degree"),
-        (["--topology.clusters=dp2,dp1", "--topology.elastic=true"], "does not work with topology.elastic = true"),
+        (
+            ["--topology.clusters=dp2,dp1", "--topology.elastic=true", "--topology.dp_mode=shard"],
+            "in an elastic run does not work with topology.dp_mode = 'shard'",
+        ),
     ],
 )
 def test_a_bad_cluster_shape_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message):

@@ -83,6 +83,25 @@ def test_the_preset_elastic_without_failures_is_bit_identical_to_the_static_run(
 
 
 @pytest.mark.timeout(300)
+def test_elastic_clusters_of_different_dp_train_as_the_static_lanes_do(tmp_path, start_run):
+    """Clusters of dp 2 and 1 under the preset with an fp32 sync: elastic, replica 0 of each cluster syncs the whole
+    stage weighted by its cluster's tokens and the other replica follows it; static, every replica exchanges its
+    lanes. The two average the same values in another order: every step's loss and the final eval agree to float
+    rounding, and both clusters of the elastic run end on one digest."""
+    shape = ["--topology.clusters=dp2,dp1", "--compression.kind=none"]
+    static = start_run("static", *COMPOSED, *shape)
+    assert static.finish() == 0, "the static run failed"
+    elastic = start_run("elastic", *COMPOSED, *shape, *ELASTIC)
+    assert elastic.finish() == 0, "the elastic run failed"
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("static", "elastic")]
+    assert summaries[0]["final_eval_loss"] == pytest.approx(summaries[1]["final_eval_loss"], abs=1e-3)
+    losses = [[r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r] for name in ("static", "elastic")]
+    assert len(losses[0]) == STEPS and losses[0] == pytest.approx(losses[1], abs=1e-4)
+    records = records_of(tmp_path / "elastic")
+    assert sorted(records) == [0, 1] and records[0]["outer_params_sha256"] == records[1]["outer_params_sha256"]
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("shape", "kill_at"),
     [
@@ -91,8 +110,10 @@ def test_the_preset_elastic_without_failures_is_bit_identical_to_the_static_run(
         # the scalable reduction of shared low-rank factors: the survivors' shares cut again for a quorum of two,
         # the restart counted out of the mean while it abstains
         (["--compression.kind=lowrank_int4", "--compression.reduction=scalable"], 16),
+        # clusters of dp 1, 1 and 2: the rank killed is cluster 2's replica 1, which follows its replica 0's sync
+        (["--topology.clusters=dp1,dp1,dp2"], 16),
     ],
-    ids=["fragments", "sharded", "scalable"],
+    ids=["fragments", "sharded", "scalable", "mixed_dp"],
 )
 def test_a_killed_rank_restarts_its_cluster_which_heals_every_fragment_and_shard(tmp_path, start_run, shape, kill_at):
     """3 elastic clusters under the preset, the last rank of cluster 2 killed: its cluster restarts and heals from a

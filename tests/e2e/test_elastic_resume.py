@@ -98,19 +98,28 @@ def _kill_entirely(run: Run, *checkpoints: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_an_elastic_run_killed_entirely_resumes_from_disk_and_ends_as_the_uninterrupted_run(tmp_path, start_run):
-    clean = start_run("clean", *ON_DISK, "--checkpoint.keep=5")
+@pytest.mark.parametrize(
+    "shape",
+    [
+        [],
+        # clusters of dp 2 and 1: cluster 0's replica 1 follows replica 0's sync and checkpoints only its own part
+        ["--topology.clusters=dp2,dp1"],
+    ],
+    ids=["uniform", "mixed_dp"],
+)
+def test_an_elastic_run_killed_entirely_resumes_from_disk_and_ends_as_the_uninterrupted_run(tmp_path, start_run, shape):
+    clean = start_run("clean", *ON_DISK, *shape, "--checkpoint.keep=5")
     assert clean.finish() == 0, "the clean run failed"
     clean_records = records_of(tmp_path / "clean")
 
-    killed = start_run("killed", *ON_DISK, "--checkpoint.keep=5")
+    killed = start_run("killed", *ON_DISK, *shape, "--checkpoint.keep=5")
     first = _first_checkpoints(tmp_path / "killed")
     _kill_entirely(killed, *first)
     shutil.copytree(tmp_path / "killed", tmp_path / "lost")  # the same run, where cluster 1's disk is lost below
 
     # every cluster loads its own checkpoint of step 10 (inner optimizer, data position, residuals, the sync in
     # flight) and presents that step to torchft: the run ends bit for bit as the uninterrupted one
-    resumed = start_run("resumed", *ON_DISK, "--checkpoint.keep=5", f"--checkpoint.resume={first[0]}",
+    resumed = start_run("resumed", *ON_DISK, *shape, "--checkpoint.keep=5", f"--checkpoint.resume={first[0]}",
                         run_dir=tmp_path / "killed")  # fmt: skip
     assert resumed.finish() == 0, "the resumed run failed"
     records = records_of(tmp_path / "killed")
@@ -125,7 +134,7 @@ def test_an_elastic_run_killed_entirely_resumes_from_disk_and_ends_as_the_uninte
     lost = tmp_path / "lost" / "checkpoints"
     for path in [*lost.glob("cluster1/step_*"), *[p for p in lost.glob("cluster0/step_*") if p.name > "step_00000010"]]:
         shutil.rmtree(path)
-    healed = start_run("healed", *ON_DISK, "--checkpoint.keep=5", run_dir=tmp_path / "lost")
+    healed = start_run("healed", *ON_DISK, *shape, "--checkpoint.keep=5", run_dir=tmp_path / "lost")
     assert healed.finish() == 0, "the run resumed without cluster 1's checkpoint failed"
     assert f"dilocox: resuming from {lost / 'cluster0' / 'step_00000010'} (checkpoint.resume = auto" in healed.output
     assert "cluster 1 rejoined at step 10 (outer step 1), healed from its peers resumed from disk" in healed.output

@@ -72,7 +72,7 @@ def test_clusters_set_the_global_degrees_over_the_files_and_refuse_a_contradicti
     cases = {
         "--topology.num_clusters=3": "topology.num_clusters = 3 contradicts",
         "--topology.dp_degree=1": "topology.dp_degree = 1 contradicts",
-        "--topology.elastic=true": "degrees. does not work with topology.elastic = true",
+        "--topology.elastic=true --topology.dp_mode=shard": "in an elastic run does not work with topology.dp_mode",
     }
     for flags, message in cases.items():
         cfg = load_config("configs/debug.toml", ["--preset=diloco", "--topology.clusters=dp2,dp1", *flags.split()])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import dilocox.trainer
-from dilocox.sync import AllReduceSync, CocktailSync, ElasticSync, OuterSync, SyncStrategy
+from dilocox.sync import AllReduceSync, CocktailSync, ElasticSync, FollowerSync, OuterSync, SyncStrategy
 
 TRAINER = Path(inspect.getsourcefile(dilocox.trainer))
 
@@ -73,7 +73,7 @@ def assigned_on_self(cls: type) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("strategy", [AllReduceSync, CocktailSync, OuterSync])
+@pytest.mark.parametrize("strategy", [AllReduceSync, CocktailSync, OuterSync, FollowerSync])
 def test_every_strategy_implements_the_protocol(strategy):
     missing = protocol_members(SyncStrategy) - {name for name in dir(strategy)} - assigned_on_self(strategy)
     assert not missing, f"{strategy.__name__} lacks {missing}"
@@ -82,4 +82,4 @@ def test_every_strategy_implements_the_protocol(strategy):
 def test_the_outer_loop_implements_the_elastic_protocol():
     extra = protocol_members(ElasticSync) - protocol_members(SyncStrategy)
     assert extra == {"rejoin"}  # heals are served by the membership, events and clusters come with the status
-    assert all(hasattr(OuterSync, name) for name in extra)
+    assert all(hasattr(OuterSync, name) and hasattr(FollowerSync, name) for name in extra)

@@ -1,0 +1,135 @@
+"""Replicas that follow replica 0's outer sync (docs/design.md §10.1, `dilocox.sync.replica`) on real gloo ranks:
+clusters of dp 2, 1 and 1 where replica 0 of each cluster syncs the whole stage over the slow group of the three
+replicas 0, weighted by its cluster's tokens, and cluster 0's replica 1 takes what replica 0's sync did. The average
+equals the token-weighted reference, the follower ends every step on its leader's parameters and status, and an
+error of the leader's sync is raised on its follower too."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dilocox.config import load_config
+from dilocox.elastic.membership import ElasticError
+from dilocox.net.channel import WanChannel
+from dilocox.sync import build_sync
+from dilocox.sync.replica import FollowerSync, StageMirror
+from tests.distributed.test_lanes import DP_DEGREES, SHAPES, pseudo_grad
+from tests.multiproc import run_ranks
+
+CLUSTER_OF_RANK = (0, 0, 1, 2)
+REPLICA_TOKENS = 100  # every replica trains 100 tokens a step
+
+
+def _followed(rank, world_size, flags, fail_at):
+    """Rank 0 leads cluster 0's stage for rank 1; ranks 2 and 3 are clusters of dp 1. Each cluster moves its parameters
+    by its own pseudo-gradient over its round's steps (time rounds: cluster 2 is virtually twice as slow, 1 step to
+    the others' 2). Returns phi at the start, and after every step the parameters, stats and outer step."""
+    leaders = dist.new_group([0, 2, 3])
+    replicas = dist.new_group([0, 1])
+    cluster = CLUSTER_OF_RANK[rank]
+    cfg = load_config(None, ["--sync.kind=diloco", "--sync.inner_steps=2", "--sync.outer.lr=1",
+                             "--sync.outer.momentum=0", "--sync.guard.peers=false", "--compression.kind=none",
+                             "--train.steps=2", *flags])  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+    phi = torch.cat([p.detach().reshape(-1) for p in params])
+    mirror = StageMirror(params, replicas) if cluster == 0 else None
+    channel = WanChannel(leaders if rank != 1 else None, bandwidth=None, latency_s=0.0)
+    if rank == 1:
+        sync = FollowerSync(mirror, name="diloco", inner_optimizer=None)
+    else:
+        sync = build_sync(
+            cfg,
+            params,
+            channel=channel,
+            dp_group=None,
+            tokens_per_step=REPLICA_TOKENS * DP_DEGREES[cluster],
+            round_tokens=2 * REPLICA_TOKENS,
+            first_weight_sum=float(sum(DP_DEGREES)),
+            mirror=mirror,
+        )
+        if rank == 0 and fail_at:
+            run = sync.diloco.after_inner_step
+
+            def failing(step):
+                if step == fail_at:
+                    raise ElasticError(f"only 1 of 3 clusters are left at step {step}")
+                return run(step)
+
+            sync.diloco.after_inner_step = failing
+    steps = 1 if "--sync.round.mode=time" in flags and cluster == 2 else 2
+    numels = [p.numel() for p in params]
+    trace = []
+    try:
+        for step in range(1, steps + 1):
+            with torch.no_grad():  # theta_c = phi - its pseudo-gradient at the round's end (DDP: alike on replicas)
+                for p, d in zip(params, (pseudo_grad(cluster) / steps).split(numels), strict=True):
+                    p.sub_(d.view_as(p))
+            stats = sync.after_inner_step(step)
+            now = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+            trace.append((now, None if stats is None else stats.cluster_tokens, sync.status().outer_step))
+        stats = sync.flush()
+    except ElasticError as error:
+        return phi, trace, str(error)
+    finally:
+        channel.close()
+    now = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+    trace.append((now, None if stats is None else stats.cluster_tokens, sync.status().outer_step))
+    return phi, trace, None
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "flags, tokens",
+    [
+        # tokens of the round: dp_c x 2 steps x 100
+        (("--sync.sync_delay=0",), (400, 200, 200)),
+        # cluster 2 at half speed: 1 step
+        (
+            (
+                "--sync.sync_delay=0",
+                "--sync.round.mode=time",
+                "--faults.slow_clusters=2:2.0",
+                "--faults.slow_mode=virtual",
+            ),
+            (400, 200, 100),
+        ),  # fmt: skip
+        # the one-step delay: the average lands at the flush; meanwhile each cluster starts where the eager rule says
+        (("--sync.sync_delay=1", "--sync.merge=eager", "--sync.local_residual=false"), (400, 200, 200)),
+    ],
+    ids=["steps", "time_rounds", "delayed"],
+)
+def test_replica_0_syncs_the_cluster_weighted_by_its_tokens_and_its_follower_takes_its_parameters(flags, tokens):
+    results = run_ranks(_followed, 4, args=(flags, 0))
+    phi = results[0][0]
+    thetas = [phi - pseudo_grad(c) for c in range(3)]
+    want = sum(n * theta for n, theta in zip(tokens, thetas, strict=True)) / sum(tokens)
+    assert (want - sum(thetas) / 3).abs().max() > 0.1  # the premise: the weights change the average
+    leader, follower = results[0][1], results[1][1]
+    assert len(follower) == len(leader)
+    for (lead, lead_tokens, lead_outer), (mine, my_tokens, outer) in zip(leader, follower, strict=True):
+        assert torch.equal(mine, lead) and my_tokens == lead_tokens and outer == lead_outer
+    if "--sync.sync_delay=1" in flags:  # at the round's end: phi less this cluster's share dp_c / sum dp of it
+        torch.testing.assert_close(leader[1][0], phi - 2 / 4 * pseudo_grad(0), rtol=0, atol=1e-5)
+    for _phi, trace, error in results:
+        assert error is None
+        torch.testing.assert_close(trace[-1][0], want, rtol=0, atol=1e-5)  # every cluster ends on the mean
+    assert [t for _now, t, _outer in leader if t is not None] == [tokens]  # the one round's, as each reported it
+
+
+def _left_alone(rank, world_size):
+    if rank < 2:
+        return _followed(rank, world_size, ("--sync.sync_delay=0",), 2)
+    dist.new_group([0, 2, 3])  # every rank builds the groups the others build
+    dist.new_group([0, 1])
+    return None
+
+
+@pytest.mark.dist
+def test_an_error_of_the_leaders_sync_is_raised_on_its_follower():
+    """Replica 0's sync stops at step 2 with an ElasticError (fewer clusters than sync.min_clusters): its follower,
+    waiting for what that step did, raises the same error instead of waiting for ever."""
+    results = run_ranks(_left_alone, 4)
+    for rank in (0, 1):
+        _phi, trace, error = results[rank]
+        assert error == "only 1 of 3 clusters are left at step 2" and len(trace) == 1
