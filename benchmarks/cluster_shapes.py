@@ -4,12 +4,14 @@ Three settings of the debug model (configs/debug.toml, DiLoCoX's defaults: `--pr
 that only the loss and the exact byte counters are compared), each over the same seeds:
 
 - `mixed`: clusters of dp 2, 1, 1 (4 replicas), STEPS steps;
+- `elastic-mixed`: the same clusters in an elastic run (replica 0 of each cluster syncs for it, §10.1);
 - `equal-3x1`: 3 clusters of dp 1 with 4/3 the steps (the same tokens: 3 x 4/3 = 4 replicas' worth);
 - `equal-4x1`: 4 clusters of dp 1, STEPS steps (the same replicas, each its own cluster);
 - `equal-2x2`: 2 clusters of dp 2, STEPS steps (the same replicas and steps, in equal clusters).
 
 Every run scores the agreed model on the whole held-out split at the end. The gaps are paired seed by seed against
-`equal-3x1`. Bytes: rank 0's slow-link bytes (its own counter, exact) and the sum over all ranks (summary.json).
+`equal-3x1`. Bytes: rank 0's slow-link bytes (its own counter, exact) and the sum over all ranks (summary.json; an elastic
+run's: cluster 0's ranks).
 
     python benchmarks/cluster_shapes.py --seeds 3        # about 13 minutes on 2 idle cores
     python benchmarks/cluster_shapes.py --seeds 3 --only equal-2x2     # one setting again, the others kept
@@ -43,6 +45,17 @@ COMMON = [
 ]
 SETTINGS = {
     "mixed": ("clusters of dp 2, 1, 1", ["--topology.clusters=dp2,dp1,dp1", f"--train.steps={STEPS}"]),
+    "elastic-mixed": (
+        "clusters of dp 2, 1, 1, elastic",
+        [
+            "--topology.clusters=dp2,dp1,dp1",
+            f"--train.steps={STEPS}",
+            "--topology.elastic=true",
+            "--network.heartbeat=0.5s",
+            "--network.stall_timeout=5s",
+            "--network.timeout=60s",
+        ],
+    ),
     "equal-3x1": (
         "3 clusters of dp 1, 4/3 the steps",
         ["--topology.num_clusters=3", f"--train.steps={STEPS * 4 // 3}"],
