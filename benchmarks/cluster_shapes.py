@@ -137,7 +137,8 @@ def main() -> None:
         f"`python benchmarks/cluster_shapes.py {' '.join(sys.argv[1:])}`, {datetime.date.today()}: debug model "
         f"(configs/debug.toml), `--preset=dilocox` with H = 10, link off, {len(seeds)} seeds (run.seed 0..), eval "
         "loss of the agreed model on the whole held-out split: mean ± sample standard deviation; gaps paired seed by "
-        "seed. Bytes are the channel's exact counters of seed 0's run (they depend on the adaptive ranks chosen).",
+        "seed. Bytes are the channel's exact counters of seed 0's run (an elastic run's summary holds cluster 0's "
+        "ranks only).",
     ]
     (OUT / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
