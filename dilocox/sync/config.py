@@ -201,7 +201,7 @@ class SyncConfig:
     # overlap_steps = auto: 7/12 of H, rounded half up and below H, where a delayed sync of a sparse codec lands inside
     # a round (rounds of steps, without fit_link); 0 otherwise (`resolved`). With sync_delay 0 a value tau launches
     # each sync tau steps before its boundary and lands it there (Streaming DiLoCo), mixed by `alpha`. Under time
-    # rounds a value is the same share of each cluster's own round (`DiLoCoSync._overlap`).
+    # rounds a value is the same share of each cluster's own round (`DiLoCoSync._planned_events`).
     overlap_steps: int | Auto = "auto"
     """Steps a sync overlaps: delay 1, landed this far into the next round; delay 0, launched this far before (tau)"""
     alpha: float = 0.0

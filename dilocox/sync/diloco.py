@@ -236,19 +236,11 @@ class DiLoCoSync:
         return not self.time_rounds and step == self.total_steps and fragment.last_boundary < step
 
     def _events(self, fragment: FragmentState, step: int) -> list[str]:
-        """What `fragment` does at `step`, in order: "end" (its boundary), "launch" (a streamed sync, overlap_steps
-        before the boundary), "land" (a delayed sync, overlap_steps into the round). A time round of one step has no
-        step inside it: its streamed sync launches, or its delayed one lands, at that step just before the end, as
-        every other cluster's does some steps before its own."""
-        cfg = self.cfg
+        """Rounds of steps: what `fragment` does at `step`, in order: "end" (its boundary), "launch" (a streamed sync,
+        overlap_steps before the boundary), "land" (a delayed sync, overlap_steps into the round)."""
+        cfg, k = self.cfg, self.cfg.overlap_steps
         if self._ends_here(fragment, step):
-            if cfg.overlap_steps and self.clock is not None and fragment.inner_steps == 1:
-                if cfg.sync_delay == 0:
-                    return ["launch", "end"]
-                if fragment.outer_step > 0:
-                    return ["land", "end"]
             return ["end"]
-        k = self._overlap(fragment)
         if not k:
             return []
         if cfg.sync_delay == 0:
@@ -256,8 +248,9 @@ class DiLoCoSync:
         return ["land"] if fragment.outer_step > 0 and step == fragment.last_boundary + k else []
 
     def _planned_events(self, step: int) -> list[tuple[FragmentState, str]]:
-        """Time rounds of several fragments with an overlap: what the fragments do at `step`, in the order of their
-        shares of the clock's round, which is the same on every cluster.
+        """Time rounds with an overlap: what the fragments do at `step`, in the order of their shares of the clock's
+        round, which is the same on every cluster (every cluster lands, or launches, the same share of the round's
+        time in, as its steps of the round take the same time).
 
         Fragment k's boundary is (k + 1) H / N into the round (`_fragment_end` put it at max(1, floor((k + 1) steps /
         N)) of this cluster's steps), its streamed launch overlap_steps before it, its delayed landing overlap_steps
@@ -265,8 +258,9 @@ class DiLoCoSync:
         steps / H)) of this cluster's steps of the round, the boundaries' rounding. One rounding keeps the events in
         the order of their shares on a cluster of any speed (events that fall on one step run in that order), so an
         elastic run's clusters meet at them in one order; rounded from each fragment's own boundary, a landing could
-        come before a boundary on one cluster and after it on another. A cluster healed between two meetings of a
-        step skips what its peer's state says is done."""
+        come before a boundary on one cluster and after it on another. A time round of one step has no step inside
+        it: its events fall on that step, before its end. A cluster healed between two meetings of a step skips what
+        its peer's state says is done."""
         cfg, last = self.cfg, self.last_fragment
         H, N, tau = cfg.inner_steps, len(self.fragments), cfg.overlap_steps  # streamed tau < H // N, delayed < H
         first, steps = last.last_boundary, last.inner_steps  # the clock's round in progress
@@ -294,16 +288,6 @@ class DiLoCoSync:
             if due:
                 events.append((fragment, what))
         return events
-
-    def _overlap(self, fragment: FragmentState) -> int:
-        """`sync.overlap_steps`; with time rounds the same share of this cluster's round in progress, whose steps
-        the clock chose (k x its steps / H, at least 1 and short of the round): every cluster lands, or launches, the
-        same share of the round's time in, as its steps of the round take the same time."""
-        k = self.cfg.overlap_steps
-        if not k or self.clock is None:
-            return k
-        steps = fragment.inner_steps
-        return min(max(1, math.floor(k * steps / self.cfg.inner_steps + 0.5)), steps - 1)
 
     # ---------------------------------------------------------------------------------------------- protocol
     def reduce_gradients(self) -> None:
@@ -420,7 +404,7 @@ class DiLoCoSync:
                 if faults.diverges(cluster=self.stage.cluster_id, round_index=fragment.outer_step + 1):
                     fragment.flat.scatter_data(torch.full((fragment.numel,), float("nan")))  # this round diverges
                     self.wrote_params = True
-        if self.clock is not None and self.cfg.overlap_steps and len(self.fragments) > 1:
+        if self.clock is not None and self.cfg.overlap_steps:
             events = self._planned_events(step)
         else:
             events = [(fragment, what) for fragment in self.fragments for what in self._events(fragment, step)]

@@ -194,19 +194,22 @@ def _overlapped(rank, world_size, flags):
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    "delay, launched, landed",
+    "delay, overlap, launched, landed",
     [
-        (0, [[4, 4, 2]], [[8, 8, 4]]),  # streamed: launched 4 (cluster 2: 2) steps before the boundary, lands there
-        (1, [[8, 8, 4]], [[12, 12, 6]]),  # delayed: launched at the boundary, lands 4 (cluster 2: 2) steps in
+        (0, 4, [[4, 4, 2]], [[8, 8, 4]]),  # streamed: launched 4 (cluster 2: 2) steps before the boundary, lands there
+        (1, 4, [[8, 8, 4]], [[12, 12, 6]]),  # delayed: launched at the boundary, lands 4 (cluster 2: 2) steps in
+        # 3 of 8 is 1.5 of cluster 2's 4 steps: rounded down, as the fragments' boundaries are, to 1 step in
+        (1, 3, [[8, 8, 4]], [[11, 11, 5]]),
     ],
-    ids=["streamed", "delayed"],
+    ids=["streamed", "delayed", "delayed_rounded_down"],
 )
-def test_time_rounds_land_an_overlapped_sync_the_same_share_of_each_clusters_round_in(delay, launched, landed):
+def test_time_rounds_land_an_overlapped_sync_the_same_share_of_each_clusters_round_in(delay, overlap, launched, landed):
     """overlap_steps = 4 of H = 8 is half a round: 4 steps of the clusters that do 8 a round, 2 of the one that does 4
-    (`DiLoCoSync._overlap`). Plain averaging (lr 1, no momentum, alpha 0 / the eager merge): phi after the first
-    landing is the token-weighted mean of the clusters' parameters at their own launch steps, weighted by the steps
-    each trained before it."""
+    (`DiLoCoSync._planned_events`: the share of H placed at max(1, floor(share x steps / H)) of a cluster's round).
+    Plain averaging (lr 1, no momentum, alpha 0 / the eager merge): phi after the first landing is the token-weighted
+    mean of the clusters' parameters at their own launch steps, weighted by the steps each trained before it."""
     flags = [f"--sync.sync_delay={delay}", "--sync.alpha=0"] if delay == 0 else ["--sync.sync_delay=1"]
+    flags.append(f"--sync.overlap_steps={overlap}")
     results = run_ranks(_overlapped, world_size=NUM_CLUSTERS, args=(flags,))
     want = _weighted_mean(results, launched[0])
     for rank, result in enumerate(results):
