@@ -191,9 +191,10 @@ class OuterSync:
         pseudo-gradient is weighted by its tokens (`LaneLayout.cluster_weight`). `tokens_per_step`, `round_tokens`,
         `weigh_tokens` and `first_weight_sum` set the token-weighted average of time rounds (`DiLoCoSync`): this
         cluster's tokens per inner step, the nominal tokens of a round (the same on every cluster), whether to weigh
-        also with step rounds, and the clusters' weights expected before any round landed. `sharded`: `params` are FSDP shards over `dp_group` (topology.dp_mode = shard, `DiLoCoSync`);
-        `dp_reduced`: the gradients arrive averaged over `dp_group` already (DDP). `mirror`: this rank is replica 0
-        of its stage and syncs it for the other replicas, which follow it (`dilocox.sync.replica`)."""
+        also with step rounds, and the clusters' weights expected before any round landed. `sharded`: `params` are
+        FSDP shards over `dp_group` (topology.dp_mode = shard, `DiLoCoSync`); `dp_reduced`: the gradients arrive
+        averaged over `dp_group` already (DDP). `mirror`: this rank is replica 0 of its stage and syncs it for the
+        other replicas, which follow it (`dilocox.sync.replica`)."""
         if sync.kind not in OUTER_LOOP_KINDS:
             raise ValueError(f"OuterSync needs sync.kind = diloco or dilocox, not {sync.kind!r}")
         compression = compression or CompressionConfig()
