@@ -56,7 +56,7 @@ from dilocox.parallel.fsdp import (
 )
 from dilocox.parallel.pipeline import mean_token_cross_entropy
 from dilocox.reshape import reshaped_rank_state
-from dilocox.sync import RoundStats, allreduce_bytes_per_step, build_sync
+from dilocox.sync import RoundStats, TokenWeights, allreduce_bytes_per_step, build_sync
 from dilocox.sync.lanes import LaneLayout, lane_allreduce_bytes_per_step
 from dilocox.sync.replica import FollowerSync, StageMirror
 from dilocox.sync.robust import GuardError
@@ -346,11 +346,14 @@ class Trainer:
                 inner_optimizer=self.inner_optimizer,
                 membership=self.membership,
                 lanes=self.lanes,
-                tokens_per_step=self.cluster_tokens_per_step,
-                # elastic clusters of different dp: each weighs its tokens against a round of one replica's, sum_c dp_c
-                # in all when every cluster trains its H steps
-                round_tokens=cfg.sync.inner_steps * replica_tokens if self.weighs_clusters else None,
-                first_weight_sum=float(self.topology.num_shards) if self.weighs_clusters else None,
+                # elastic clusters of different dp: each weighs its tokens against a round of one replica's in every
+                # round, sum_c dp_c in all when every cluster trains its H steps
+                weights=TokenWeights(
+                    self.cluster_tokens_per_step,
+                    round_tokens=cfg.sync.inner_steps * replica_tokens if self.weighs_clusters else None,
+                    first_sum=float(self.topology.num_shards) if self.weighs_clusters else None,
+                    always=self.weighs_clusters,
+                ),
                 sharded=self.sharded,
                 dp_reduced=self.dp_reduced,
                 mirror=self.mirror,

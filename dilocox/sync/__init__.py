@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from dilocox.sync.base import SyncStrategy
     from dilocox.sync.lanes import LaneLayout
     from dilocox.sync.replica import StageMirror
+    from dilocox.sync.rounds import TokenWeights
 
 __getattr__, __dir__, _names = lazy_exports(
     __name__,
@@ -30,6 +31,7 @@ __getattr__, __dir__, _names = lazy_exports(
         "dilocox.sync.reducer_factory": ("build_reducer",),
         "dilocox.sync.reducers": ("DenseReducer", "GatherReducer", "PendingMean", "Reducer"),
         "dilocox.sync.replica": ("FollowerSync", "StageMirror"),
+        "dilocox.sync.rounds": ("TokenWeights",),
         "dilocox.sync.scalable": ("ScalableElementwiseReducer", "ScalableLowRankReducer"),
     },
 )
@@ -46,9 +48,7 @@ def build_sync(
     inner_optimizer: torch.optim.Optimizer | None = None,
     membership: ElasticMembership | None = None,
     lanes: LaneLayout | None = None,
-    tokens_per_step: int = 1,
-    round_tokens: int | None = None,
-    first_weight_sum: float | None = None,
+    weights: TokenWeights | None = None,
     sharded: bool = False,
     dp_reduced: bool = False,
     mirror: StageMirror | None = None,
@@ -57,13 +57,12 @@ def build_sync(
     `OuterSync` around `DiLoCoSync`, so `dilocox train` and a user's own loop (docs/api.md) run one object;
     `inner_optimizer` has its state reset when the guard heals this cluster; over `pp_group` (the cluster's pipeline)
     the stages agree on what the guard leaves out; `lanes`: clusters of different data-parallel degree (outer-loop
-    kinds only, docs/design.md §2.1); `tokens_per_step` (this cluster's, per inner step) weighs the clusters'
-    updates by their tokens under `sync.round.mode = time`, or always when `round_tokens` (n_ref, the nominal tokens
-    of a round on every cluster) is given, with `first_weight_sum` the sum of the clusters' weights expected before
-    any round landed; `sharded`: `params` are FSDP shards over `dp_group`
-    (`topology.dp_mode = shard`): each rank syncs its own shard; `dp_reduced`: the gradients of a replicated stage
-    arrive averaged over `dp_group` already (the trainer's DDP stage, `dilocox.parallel.fsdp.replicate_stage`);
-    `mirror`: this rank is replica 0 of its stage and syncs it for the replicas that follow (`dilocox.sync.replica`)."""
+    kinds only, docs/design.md §2.1); `weights`: how this cluster's tokens weigh its updates (`TokenWeights`: under
+    `sync.round.mode = time`, and always for elastic clusters of different dp); `sharded`: `params` are FSDP shards
+    over `dp_group` (`topology.dp_mode = shard`): each rank syncs its own shard; `dp_reduced`: the gradients of a
+    replicated stage arrive averaged over `dp_group` already (the trainer's DDP stage,
+    `dilocox.parallel.fsdp.replicate_stage`); `mirror`: this rank is replica 0 of its stage and syncs it for the
+    replicas that follow (`dilocox.sync.replica`)."""
     from dilocox.sync.allreduce import AllReduceSync
     from dilocox.sync.cocktail import CocktailSync
     from dilocox.sync.outer import OuterSync
@@ -88,10 +87,7 @@ def build_sync(
         faults=cfg.faults,
         membership=membership,
         lanes=lanes,
-        tokens_per_step=tokens_per_step,
-        round_tokens=round_tokens,
-        weigh_tokens=round_tokens is not None,
-        first_weight_sum=first_weight_sum,
+        weights=weights,
         sharded=sharded,
         dp_reduced=dp_reduced,
         mirror=mirror,

@@ -49,7 +49,7 @@ from dilocox.sync.fragment import (
 )
 from dilocox.sync.lanes import LaneLayout
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory, outer_optimizer_factory
-from dilocox.sync.rounds import RoundClock, RoundReport
+from dilocox.sync.rounds import RoundClock, RoundReport, TokenWeights
 
 STATE_KEYS: tuple[str, ...] = ("fragments",)
 """The keys of `DiLoCoSync.state_dict`."""
@@ -85,10 +85,7 @@ class DiLoCoSync:
         membership: ElasticMembership | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
         lanes: LaneLayout | None = None,
-        tokens_per_step: int = 1,
-        round_tokens: int | None = None,
-        weigh_tokens: bool = False,
-        first_weight_sum: float | None = None,
+        weights: TokenWeights | None = None,
         sharded: bool = False,
         dp_reduced: bool = False,
     ) -> None:
@@ -96,11 +93,8 @@ class DiLoCoSync:
         already averaged the gradients over it, and this rank's shard is all it sends over the slow link (a replicated
         stage's rank sends its slice of the stage and all-gathers the others'). `dp_reduced`: the replicated stage's
         gradients arrive averaged over `dp_group` already (the trainer's DDP stage): `reduce_gradients` does nothing.
-        `lanes`: clusters of different data-parallel degree (docs/design.md §2.1). `tokens_per_step`: the tokens this
-        cluster trains on per inner step; `round_tokens`: n_ref, the nominal tokens of one round, the same on every
-        cluster (default H x one replica's tokens per step); `weigh_tokens`: weigh the clusters by their tokens
-        also with `sync.round.mode = "steps"`; `first_weight_sum`: sum_c n_c / n_ref expected before any round
-        landed (default C)."""
+        `lanes`: clusters of different data-parallel degree (docs/design.md §2.1). `weights`: how this cluster's tokens
+        weigh its updates (`TokenWeights`)."""
         compression = compression or CompressionConfig()
         cfg = cfg.resolved(compression)  # its auto options, by their rules
         cfg.validate()
@@ -118,11 +112,13 @@ class DiLoCoSync:
         self.time_rounds = cfg.round.mode == "time"
         if self.time_rounds and not total_steps:
             raise ValueError("sync.round.mode = time makes the run ceil(total_steps / H) rounds: pass total_steps")
-        weighted = self.time_rounds or weigh_tokens
+        weights = weights or TokenWeights()
+        weighted = self.time_rounds or weights.always
         params_device = self.flat.params[0].device if self.flat.params else torch.device("cpu")
+        round_tokens = weights.round_tokens
         if round_tokens is None:  # n_ref: a round of H steps of one replica's tokens, the same on every cluster
             replicas = 1 if lanes is None else lanes.topology.dp_degrees[lanes.cluster]
-            round_tokens = cfg.inner_steps * tokens_per_step // replicas
+            round_tokens = cfg.inner_steps * weights.per_step // replicas
         self.stage = StageParts(
             cfg=cfg,
             compression=compression,
@@ -137,7 +133,7 @@ class DiLoCoSync:
             cluster_weight=1.0 if lanes is None or cfg.aggregate != "mean" else lanes.cluster_weight,
             weighted=weighted,
             round_tokens=round_tokens,
-            first_weight_sum=first_weight_sum,
+            first_weight_sum=weights.first_sum,
             faults=faults if faults is not None and faults.enabled else None,
             elastic_run=membership is not None,
             cluster_id=(
@@ -148,7 +144,7 @@ class DiLoCoSync:
                 else channel.group_rank
             ),
         )
-        self.tokens_per_step = tokens_per_step
+        self.tokens_per_step = weights.per_step
         self.wrote_params = False
         """The last `after_inner_step` wrote the parameters (an event ran, or a fault made the round diverge)."""
         self.clock: RoundClock | None = None

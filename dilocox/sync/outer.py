@@ -40,6 +40,7 @@ from dilocox.sync.faults import FaultConfig
 from dilocox.sync.lanes import LaneLayout
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory
 from dilocox.sync.replica import StageMirror, Told
+from dilocox.sync.rounds import TokenWeights
 from dilocox.topology import group_size
 
 RESUME_SETTINGS = {
@@ -172,10 +173,7 @@ class OuterSync:
         membership: ElasticMembership | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
         lanes: LaneLayout | None = None,
-        tokens_per_step: int = 1,
-        round_tokens: int | None = None,
-        weigh_tokens: bool = False,
-        first_weight_sum: float | None = None,
+        weights: TokenWeights | None = None,
         sharded: bool = False,
         dp_reduced: bool = False,
         mirror: StageMirror | None = None,
@@ -188,10 +186,8 @@ class OuterSync:
         with its own OuterSync) makes the stages agree on what the guard leaves out; `outer_optimizer` (a factory,
         as for the constructor) replaces the one `sync.outer.optimizer` names. `lanes`: clusters of different
         data-parallel degree (`channel` is then over the stage group, docs/design.md §2.1); each cluster's
-        pseudo-gradient is weighted by its tokens (`LaneLayout.cluster_weight`). `tokens_per_step`, `round_tokens`,
-        `weigh_tokens` and `first_weight_sum` set the token-weighted average of time rounds (`DiLoCoSync`): this
-        cluster's tokens per inner step, the nominal tokens of a round (the same on every cluster), whether to weigh
-        also with step rounds, and the clusters' weights expected before any round landed. `sharded`: `params` are
+        pseudo-gradient is weighted by its tokens (`LaneLayout.cluster_weight`). `weights`: how this cluster's tokens
+        weigh its updates (`TokenWeights`: time rounds, elastic clusters of different dp). `sharded`: `params` are
         FSDP shards over `dp_group` (topology.dp_mode = shard, `DiLoCoSync`); `dp_reduced`: the gradients arrive
         averaged over `dp_group` already (DDP). `mirror`: this rank is replica 0 of its stage and syncs it for the
         other replicas, which follow it (`dilocox.sync.replica`)."""
@@ -220,10 +216,7 @@ class OuterSync:
             membership=membership,
             outer_optimizer=outer_optimizer,
             lanes=lanes,
-            tokens_per_step=tokens_per_step,
-            round_tokens=round_tokens,
-            weigh_tokens=weigh_tokens,
-            first_weight_sum=first_weight_sum,
+            weights=weights,
             sharded=sharded,
             dp_reduced=dp_reduced,
         )

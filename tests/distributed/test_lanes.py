@@ -12,7 +12,7 @@ from dilocox.config import load_config
 from dilocox.net.auth import TAG_BYTES, PayloadAuth
 from dilocox.net.channel import WanChannel
 from dilocox.net.sealing import ChunkSealer
-from dilocox.sync import build_sync
+from dilocox.sync import TokenWeights, build_sync
 from dilocox.sync.config import FIT_HEADROOM
 from dilocox.sync.lanes import LaneLayout, LaneReducer, build_lane_reducer
 from dilocox.topology import Topology, build_process_groups
@@ -194,7 +194,7 @@ def _composed(rank, world_size, flags):
     layout = LaneLayout(topo, coords.cluster, coords.dp)
     tokens_per_step = 100 * DP_DEGREES[coords.cluster]  # every replica trains 100 tokens a step
     sync = build_sync(cfg, params, channel=channel, dp_group=groups.dp_group, lanes=layout,
-                      tokens_per_step=tokens_per_step)  # fmt: skip
+                      weights=TokenWeights(tokens_per_step))  # fmt: skip
     phi = sync.outer_params.clone()
     steps = 1 if cfg.sync.round.mode == "time" and coords.cluster == 2 else 2
     numels = [p.numel() for p in params]

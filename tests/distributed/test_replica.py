@@ -11,7 +11,7 @@ import torch.distributed as dist
 from dilocox.config import load_config
 from dilocox.elastic.membership import ElasticError
 from dilocox.net.channel import WanChannel
-from dilocox.sync import build_sync
+from dilocox.sync import TokenWeights, build_sync
 from dilocox.sync.replica import FollowerSync, StageMirror
 from tests.distributed.test_lanes import DP_DEGREES, SHAPES, pseudo_grad
 from tests.multiproc import run_ranks
@@ -43,9 +43,12 @@ def _followed(rank, world_size, flags, fail_at):
             params,
             channel=channel,
             dp_group=None,
-            tokens_per_step=REPLICA_TOKENS * DP_DEGREES[cluster],
-            round_tokens=2 * REPLICA_TOKENS,
-            first_weight_sum=float(sum(DP_DEGREES)),
+            weights=TokenWeights(
+                REPLICA_TOKENS * DP_DEGREES[cluster],
+                round_tokens=2 * REPLICA_TOKENS,
+                first_sum=float(sum(DP_DEGREES)),
+                always=True,
+            ),
             mirror=mirror,
         )
         if rank == 0 and fail_at:

@@ -12,7 +12,7 @@ import torch
 from dilocox.config import load_config
 from dilocox.net.channel import WanChannel
 from dilocox.net.link import ring_all_gather_bytes, ring_all_reduce_bytes
-from dilocox.sync import build_sync
+from dilocox.sync import TokenWeights, build_sync
 from dilocox.sync.rounds import REPORT_FIELDS
 from dilocox.topology import Topology, build_process_groups
 from tests.distributed.test_outer_reference import flat, inner_step, make_model
@@ -46,7 +46,7 @@ def _time_rounds(rank: int, world_size: int, flags: list[str]):
     model = make_model()
     channel = WanChannel(groups.cluster_group, bandwidth=None, latency_s=0.0)
     sync = build_sync(
-        cfg, model.parameters(), channel=channel, dp_group=groups.dp_group, tokens_per_step=TOKENS_PER_STEP
+        cfg, model.parameters(), channel=channel, dp_group=groups.dp_group, weights=TokenWeights(TOKENS_PER_STEP)
     )
     return model, channel, sync, torch.optim.SGD(model.parameters(), lr=0.1)
 
