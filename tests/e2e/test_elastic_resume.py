@@ -245,7 +245,12 @@ AS_DEFAULT = [
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("setting", [ELASTIC, AS_DEFAULT], ids=["lowrank", "default_fragments"])
+@pytest.mark.parametrize(
+    "setting",
+    # mixed_dp: cluster 2 of dp 2, whose replica 0 (the process stopped) syncs for it and replica 1 follows
+    [ELASTIC, AS_DEFAULT, [*ELASTIC, "--topology.clusters=dp1,dp1,dp2"]],
+    ids=["lowrank", "default_fragments", "mixed_dp"],
+)
 def test_a_stopped_cluster_is_named_left_out_and_the_run_finishes_with_the_change_recorded_and_plotted(
     tmp_path, start_run, setting
 ):
