@@ -17,6 +17,7 @@ at the leader's events they take its parameters; an error of the leader's call i
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -75,8 +76,6 @@ class StageMirror:
 
 def _bare(error: BaseException) -> BaseException:
     """`error` without its traceback, as it pickles; a RuntimeError of its line when it cannot be rebuilt."""
-    import pickle
-
     try:
         copy = pickle.loads(pickle.dumps(error))
     except Exception:
