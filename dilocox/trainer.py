@@ -310,7 +310,7 @@ class Trainer:
         self.mirror = None
         """Elastic runs of clusters of different dp: replica 0 of each stage syncs it for the others, which follow
         (`dilocox.sync.replica`); over the stage's dp_group."""
-        if self.elastic and not self.topology.uniform and group_size(self.groups.dp_group) > 1:
+        if self.weighs_clusters and group_size(self.groups.dp_group) > 1:
             self.mirror = StageMirror(self.model.parameters(), self.groups.dp_group)
         self.membership = None
         if self.elastic and (self.mirror is None or self.mirror.leads):
@@ -321,8 +321,7 @@ class Trainer:
             None if self.elastic else self.groups.cluster_group,  # elastic: rebound to each round's group
             bandwidth=cfg.network.bandwidth_bytes_per_s,
             latency_s=cfg.network.latency_s,
-            # the ranks of this cluster that sync at once share its uplink (replica 0's alone, where the others follow)
-            num_sharing=self.num_stages if self.weighs_clusters else self.ranks_per_cluster,
+            num_sharing=self.syncing_ranks,  # the ranks of this cluster that sync at once share its uplink
             auth=cfg.network.payload_auth(),
             stop_if_cut_off=not self.elastic,  # elastic: only a cut-off cluster stops, and heals from a live peer
         )
@@ -416,7 +415,7 @@ class Trainer:
             host=cfg.network.listen_host,  # this rank's machine: under torchrun, not always the store's
             # clusters of different dp: replica 0's stages alone meet, and its stage p is the cluster's rank p
             rank_in_cluster=self.checkpoint_rank,
-            ranks_per_cluster=self.num_stages if self.weighs_clusters else self.ranks_per_cluster,
+            ranks_per_cluster=self.syncing_ranks,
             timeout=timeout,
             quorum_timeout=timeout,
             # half the Lighthouse's join timeout (elastic.lighthouse.lighthouse_timeouts)
@@ -499,6 +498,12 @@ class Trainer:
     def weighs_clusters(self) -> bool:
         """An elastic run of clusters of different dp: each cluster's update is weighted by its tokens."""
         return self.elastic and not self.topology.uniform
+
+    @property
+    def syncing_ranks(self) -> int:
+        """The ranks of this cluster on the slow link: all of them, or replica 0's stages where the other replicas
+        follow it (`weighs_clusters`)."""
+        return self.num_stages if self.weighs_clusters else self.ranks_per_cluster
 
     def resume(self, path: Path) -> None:
         check_resume(self.cfg, path)
