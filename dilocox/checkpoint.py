@@ -752,7 +752,7 @@ def check_resume(cfg: Config, path: Path) -> None:
     degrees, _ = cfg.topology.shape()
     # clusters of one shape on both sides: the topology fields below name what differs
     mixed = saved_degrees is not None and (len(set(saved_degrees)) > 1 or len(set(degrees)) > 1)
-    if mixed and saved_degrees != degrees:  # the rank files, data shards and lanes differ
+    if mixed and saved_degrees != degrees:  # the rank files and data shards differ
         show = ", ".join(f'"dp{d}"' for d in saved_degrees)
         raise ValueError(
             f"cannot resume {path}: its clusters had data-parallel degrees {', '.join(map(str, saved_degrees))}, this "

@@ -85,16 +85,14 @@ class Row:
 def sums_in_transit(cfg: Config) -> bool:
     """The outer sync's reduction adds the clusters' values on the wire (the dense fp32 all-reduce of
     `compression.kind = none`, or `compression.reduction = scalable`), so no receiver sees one cluster's update: it
-    cannot check a sender's tag or aggregate robustly. The gather reduction of a codec delivers every update, and so
-    does the lane exchange of clusters of different data-parallel degrees with `compression.kind = none` (not an
-    elastic run's, whose replica 0 of each stage all-reduces the whole stage)."""
+    cannot check a sender's tag or aggregate robustly. The gather reduction of a codec delivers every update."""
     scalable = cfg.compression.kind != "none" and cfg.compression.reduction == "scalable"
-    lanes = mixed_dp(cfg) and not cfg.topology.elastic
-    return cfg.sync.has_outer_loop and (scalable or (cfg.compression.kind == "none" and not lanes))
+    return cfg.sync.has_outer_loop and (scalable or cfg.compression.kind == "none")
 
 
 def mixed_dp(cfg: Config) -> bool:
-    """Clusters of different data-parallel degrees (`topology.clusters`), averaged by lanes weighted by tokens."""
+    """Clusters of different data-parallel degrees (`topology.clusters`): replica 0 of each stage syncs it, weighted by
+    its cluster's tokens."""
     return bool(cfg.topology.clusters) and len(set(_dp_degrees(cfg))) > 1
 
 
@@ -153,9 +151,6 @@ STATIC = _flag("topology.elastic", lambda v: not v, "false")
 MIXED_DP = Feature("topology.clusters", "of different dp", mixed_dp,
                    lambda cfg: f"topology.clusters = {cfg.topology.clusters} (clusters of different data-parallel "
                    "degrees)")
-ELASTIC_MIXED_DP = Feature("topology.clusters", "of different dp, with topology.elastic = true",
-                           lambda cfg: mixed_dp(cfg) and cfg.topology.elastic,
-                           lambda cfg: f"topology.clusters = {cfg.topology.clusters} in an elastic run")
 SHARDED = _flag("topology.dp_mode", lambda v: v == "shard", "shard")
 SOME_CLUSTERS = Feature("sync.min_clusters", "< topology.num_clusters", lambda cfg: cfg.sync.min_clusters != "auto"
                         and cfg.sync.min_clusters < cfg.topology.num_clusters)  # OuterSync's stays auto
@@ -191,7 +186,7 @@ ROWS: tuple[Row, ...] = (
         "faults.kind = none; --preset dilocox", "--preset=allreduce --faults.kind=nan"),
     Row(ELASTIC, PER_STEP, "the quorum of an elastic run meets at outer-round boundaries",
         "topology.elastic = false; --preset dilocox", "--preset=allreduce --topology.elastic=true"),
-    Row(MIXED_DP, PER_STEP, "clusters of different shapes are averaged by lanes in the outer sync",
+    Row(MIXED_DP, PER_STEP, "replica 0 of each stage syncs it for clusters of different shapes in the outer sync",
         "topology.clusters = []; --preset dilocox", "--preset=allreduce --topology.clusters=dp2,dp1"),
     # the delay, and what lands inside a round
     Row(FIT_LINK, BLOCKING, "fit_link sizes H so that a sync travels during the next round, which only a delayed sync "
@@ -260,10 +255,10 @@ ROWS: tuple[Row, ...] = (
     Row(SOME_HERE, NO_ADVERTISE, "the other machines need the address they reach this one at",
         "network.advertise_host = 127.0.0.1; topology.local_clusters = \"\"",
         "--topology.elastic=true --topology.local_clusters=0 --network.lighthouse=http://127.0.0.1:29510"),
-    # clusters of different data-parallel degrees in an elastic run: replica 0 of each stage syncs for the others
-    Row(ELASTIC_MIXED_DP, SHARDED, "replica 0 of each stage syncs the whole stage for its cluster, and a sharded "
-        "stage's replica holds only its shard", "topology.dp_mode = replicate; topology.elastic = false",
-        "--topology.clusters=dp2,dp1 --topology.elastic=true --topology.dp_mode=shard"),
+    # clusters of different data-parallel degrees: replica 0 of each stage syncs for the others
+    Row(MIXED_DP, SHARDED, "replica 0 of each stage syncs the whole stage for its cluster, and a sharded stage's "
+        "replica holds only its shard", "topology.dp_mode = replicate; topology.clusters = []",
+        "--topology.clusters=dp2,dp1 --topology.dp_mode=shard"),
     # the run directory
     Row(RESUME_ONE, OVERWRITE, "resuming keeps the run directory that overwriting replaces",
         "run.overwrite = false; checkpoint.resume = auto", "--checkpoint.resume=latest --run.overwrite=true"),

@@ -30,7 +30,7 @@ start and the outer optimizer's state. What each replica holds of its own is red
 An elastic run's clusters each build their ranks' states from their own checkpoint (`checkpoints/cluster{c}/`,
 ranks numbered inside the cluster); a cluster without one heals from a peer at the new degree, as at any resume.
 Clusters of different dp, time rounds, cocktail and the reductions that keep state shared over replicas
-(`scalable`, lanes) resume at the degrees they were saved with, and `sync.fragments > 1` at its pp degree (its
+(`scalable`) resume at the degrees they were saved with, and `sync.fragments > 1` at its pp degree (its
 fragments' rounds are staggered per stage) (`checkpoint.reshape_refusal` says so in one line, before anything is
 written).
 """

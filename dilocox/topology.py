@@ -8,14 +8,14 @@ cluster `rank = first + dp * pp_degree + pp`; with equal clusters that is `(clus
 | `dp_group`      | same cluster, same pp (the replicas)  | fast |
 | `cluster_group` | same dp, same pp, one rank per cluster | slow |
 
-Clusters may differ in data-parallel degree (`topology.clusters`, docs/design.md §2.1): then the slow group of stage
-pp is the *stage group*, every replica of stage pp of every cluster, and the stage's parameters are cut into
-`num_lanes = lcm(dp_c)` lanes, of which replica j of a cluster of dp_c owns `num_lanes / dp_c` consecutive ones.
+Clusters may differ in data-parallel degree (`topology.clusters`, docs/design.md §2.1): then replica 0 of each stage
+syncs the whole stage for its cluster, and only replica 0's cluster groups exist (the other replicas follow it over
+the dp_group, `dilocox.sync.replica`).
 
     topo = Topology(num_clusters=2, dp_degree=2, pp_degree=1)
     coords = topo.coords(rank)                  # Coords(cluster=1, dp=0, pp=0)
     groups = build_process_groups(topo, rank)   # every rank must call this, in the same order
-    mixed = Topology.of_clusters((2, 1, 1), pp_degree=1)   # 4 ranks; replica 0 of cluster 0 owns lane 0 of 2
+    mixed = Topology.of_clusters((2, 1, 1), pp_degree=1)   # 4 ranks; ranks 0, 2 and 3 form the cluster group
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import bisect
 import datetime
 import functools
 import itertools
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -176,21 +175,6 @@ class Topology:
     def cluster_group_ranks(self, dp: int, pp: int) -> list[int]:
         return [self.rank_of(cluster, dp, pp) for cluster in range(self.num_clusters)]
 
-    def stage_group_ranks(self, pp: int) -> list[int]:
-        """Every replica of stage `pp` of every cluster, in rank order: the slow group of clusters of different
-        data-parallel degrees."""
-        return [self.rank_of(c, dp, pp) for c in range(self.num_clusters) for dp in range(self.dp_degrees[c])]
-
-    @property
-    def num_lanes(self) -> int:
-        """L = lcm of the clusters' dp degrees: where they differ, a stage's parameters are cut into L lanes."""
-        return math.lcm(*self.dp_degrees)
-
-    def lanes_of(self, cluster: int, dp: int) -> range:
-        """The lanes replica `dp` of `cluster` owns: L / dp_c consecutive ones."""
-        width = self.num_lanes // self.dp_degrees[cluster]
-        return range(dp * width, (dp + 1) * width)
-
     def describe(self) -> str:
         """`2 clusters x dp 2 x pp 1`, or `3 clusters of dp 2, 1, 1 x pp 1` where they differ."""
         if self.uniform:
@@ -198,19 +182,17 @@ class Topology:
         return f"{self.num_clusters} clusters of dp {', '.join(map(str, self.dp_degrees))} x pp {self.pp_degree}"
 
     def all_groups(self) -> dict[str, list[list[int]]]:
-        """Every group of each kind, in the fixed order in which all ranks create them: pp, dp and the slow groups
-        (cluster groups; stage groups where the clusters' dp degrees differ)."""
-        groups = {
+        """Every group of each kind, in the fixed order in which all ranks create them: pp, dp and the slow cluster
+        groups (where the clusters' dp degrees differ, replica 0's only: it syncs the stage for its cluster)."""
+        return {
             "pp": [self.pp_group_ranks(c, d) for c in range(self.num_clusters) for d in range(self.dp_degrees[c])],
             "dp": [self.dp_group_ranks(c, p) for c in range(self.num_clusters) for p in range(self.pp_degree)],
+            "cluster": [
+                self.cluster_group_ranks(d, p)
+                for d in range(self.dp_degree if self.uniform else 1)
+                for p in range(self.pp_degree)
+            ],
         }
-        if self.uniform:
-            groups["cluster"] = [
-                self.cluster_group_ranks(d, p) for d in range(self.dp_degree) for p in range(self.pp_degree)
-            ]
-        else:
-            groups["stage"] = [self.stage_group_ranks(p) for p in range(self.pp_degree)]
-        return groups
 
 
 @dataclass
@@ -219,9 +201,9 @@ class ProcessGroups:
 
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
-    cluster_group: dist.ProcessGroup
-    """The slow link: one rank per cluster, or where the clusters' dp degrees differ the stage group (every replica
-    of this rank's stage of every cluster)."""
+    cluster_group: dist.ProcessGroup | None
+    """The slow link: one rank per cluster; None on the replicas that follow their replica 0 (clusters of different
+    dp degrees)."""
 
 
 def build_process_groups(
@@ -242,9 +224,8 @@ def build_process_groups(
     mine: dict[str, dist.ProcessGroup] = {}
     for kind, groups in topo.all_groups().items():
         for ranks in groups:
-            backend = "gloo" if kind in ("cluster", "stage") else intra_backend
+            backend = "gloo" if kind == "cluster" else intra_backend
             group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
             if rank in ranks:
                 mine[kind] = group
-    slow = mine["cluster"] if topo.uniform else mine["stage"]
-    return ProcessGroups(pp_group=mine["pp"], dp_group=mine["dp"], cluster_group=slow)
+    return ProcessGroups(pp_group=mine["pp"], dp_group=mine["dp"], cluster_group=mine.get("cluster"))

@@ -57,7 +57,6 @@ from dilocox.parallel.fsdp import (
 from dilocox.parallel.pipeline import mean_token_cross_entropy
 from dilocox.reshape import reshaped_rank_state
 from dilocox.sync import RoundStats, TokenWeights, allreduce_bytes_per_step, build_sync
-from dilocox.sync.lanes import LaneLayout, lane_allreduce_bytes_per_step
 from dilocox.sync.replica import FollowerSync, StageMirror
 from dilocox.sync.robust import GuardError
 from dilocox.topology import Topology, build_process_groups, group_size, local_shard
@@ -308,7 +307,7 @@ class Trainer:
         self.in_eval_pipeline = self.coords.cluster == 0 and (self.coords.dp == 0 or self.sharded)
         self.inner_optimizer = build_inner_optimizer(cfg, self.model)
         self.mirror = None
-        """Elastic runs of clusters of different dp: replica 0 of each stage syncs it for the others, which follow
+        """Clusters of different dp: replica 0 of each stage syncs it for the others, which follow
         (`dilocox.sync.replica`); over the stage's dp_group."""
         if self.weighs_clusters and group_size(self.groups.dp_group) > 1:
             self.mirror = StageMirror(self.model.parameters(), self.groups.dp_group)
@@ -325,11 +324,6 @@ class Trainer:
             auth=cfg.network.payload_auth(),
             stop_if_cut_off=not self.elastic,  # elastic: only a cut-off cluster stops, and heals from a live peer
         )
-        self.lanes = None
-        """Clusters of different data-parallel degree: this rank's lanes of its stage (docs/design.md §2.1); an
-        elastic run's replica 0 of each stage syncs the whole stage instead (§10.1)."""
-        if not self.topology.uniform and not self.elastic:
-            self.lanes = LaneLayout(self.topology, self.coords.cluster, self.coords.dp)
         replica_tokens = cfg.train.micro_batch_size * cfg.train.seq_len
         self.cluster_tokens_per_step = replica_tokens * self.topology.dp_degrees[self.coords.cluster]
         """Tokens this cluster trains on per inner step (all its data-parallel replicas)."""
@@ -344,8 +338,7 @@ class Trainer:
                 pp_group=self.groups.pp_group,
                 inner_optimizer=self.inner_optimizer,
                 membership=self.membership,
-                lanes=self.lanes,
-                # elastic clusters of different dp: each weighs its tokens against a round of one replica's in every
+                # clusters of different dp: each weighs its tokens against a round of one replica's in every
                 # round, sum_c dp_c in all when every cluster trains its H steps
                 weights=TokenWeights(
                     self.cluster_tokens_per_step,
@@ -496,8 +489,8 @@ class Trainer:
 
     @property
     def weighs_clusters(self) -> bool:
-        """An elastic run of clusters of different dp: each cluster's update is weighted by its tokens."""
-        return self.elastic and not self.topology.uniform
+        """Clusters of different dp: replica 0 of each stage syncs it, each cluster's update weighted by its tokens."""
+        return not self.topology.uniform
 
     @property
     def syncing_ranks(self) -> int:
@@ -651,7 +644,7 @@ class Trainer:
     def train(self) -> RunSummary | None:
         """Train to `train.steps`; rank 0 logs, every rank checkpoints; returns the summary on rank 0."""
         cfg = self.cfg
-        joined = self._rejoin() if self.elastic else None
+        joined = self._rejoin() if self.elastic or self.mirror is not None else None
         logger = None
         if self.rank == 0:
             truncate_metrics(self.run_dir, self.step)
@@ -843,13 +836,9 @@ class Trainer:
     def _summary(self, wall_s: float, logger: MetricsLogger | None) -> RunSummary | None:
         """Gather every rank's link counters (a small control message, not counted as slow-link payload)."""
         stats = self.channel.stats()
-        if self.elastic:  # each cluster is its own world: the yardstick of this cluster's place among all of them
-            numel = self.sync.status().numel
+        if self.elastic or self.weighs_clusters:  # the yardstick of this cluster's place among all of them
+            numel = 0 if self.mirror is not None and not self.mirror.leads else self.sync.status().numel
             per_step = ring_all_reduce_bytes(numel, 4, self.topology.num_clusters, self.coords.cluster)[0]
-        elif self.lanes is not None:  # an fp32 all-reduce of this rank's lanes over the clusters
-            per_step = lane_allreduce_bytes_per_step(
-                self.lanes, [p.numel() for p in self.model.parameters() if p.requires_grad]
-            )
         else:
             per_step = allreduce_bytes_per_step(  # a sharded stage: this rank's shard is its part
                 self.sync.status().numel,

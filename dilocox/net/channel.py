@@ -309,7 +309,7 @@ class WanChannel:
         return self.communicator.submit("all_gather", run, account, device=tensor.device)
 
     def sign_next_with(self, signer: PayloadAuth) -> None:
-        """The next payload this rank seals (an all-gather's, or a sealed program's) is tagged under `signer` instead
+        """The next payload this rank seals (an all-gather's) is tagged under `signer` instead
         of the shared key: under a key no other cluster holds, it is a payload its receivers must reject. Needs
         `auth`."""
         if self.seal is None:
@@ -323,7 +323,6 @@ class WanChannel:
         kind: str = "program",
         account: bool = True,
         device: torch.device | None = None,
-        sealed: bool = False,
     ) -> PendingTransfer[ResultT]:
         """Start a multi-step collective: `program(wire)` runs on the communicator thread and returns the result.
 
@@ -333,18 +332,12 @@ class WanChannel:
         link is charged the program's `max(sent, recv)` bytes and one latency per step. `wait()` raises what the
         program raised. `device`: where the tensors the program reads and returns live; on a CUDA device the
         program runs on the channel's side stream, after the compute stream's work queued before this launch.
-        `sealed`: the program only moves each sender's own payloads, never sums (the lanes' exchange), so on an
-        authenticated channel every chunk of its payload steps carries a tag (`Wire.all_to_all`).
         """
-        if not sealed:
-            self._refuse_unauthenticated(kind)
+        self._refuse_unauthenticated(kind)
         if self.world_size == 1:
             assert self.group is None or dist.get_world_size(self.group) == 1
             return PendingTransfer.completed(kind, program(LocalWire()), self.clock.now())
-        signer = None
-        if sealed:
-            signer, self._next_signer = self._next_signer, None
-        run = functools.partial(self._run_program, program, sealed=sealed, signer=signer)
+        run = functools.partial(self._run_program, program)
         return self.communicator.submit(kind, run, account, device=device)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "avg") -> torch.Tensor:
@@ -436,11 +429,8 @@ class WanChannel:
     def _global_rank_note(self, peer: int) -> str:
         return f" (global rank {self._group_ranks[peer]})" if peer < len(self._group_ranks) else ""
 
-    def _run_program(
-        self, program: Callable[[Wire], Any], exchange: int, *, sealed: bool = False, signer: PayloadAuth | None = None
-    ) -> Outcome:
+    def _run_program(self, program: Callable[[Wire], Any], exchange: int) -> Outcome:
         assert self.group is not None
-        sealer = self.seal.chunks(exchange, signer=signer) if sealed and self.seal is not None else None
-        wire = Wire(self.group, self.world_size, self.group_rank, staging=self.staging, sealer=sealer)
+        wire = Wire(self.group, self.world_size, self.group_rank, staging=self.staging)
         result = program(wire)
         return Outcome(result, wire.nbytes_sent, wire.nbytes_recv, wire.control_bytes, phases=wire.phases)

@@ -12,18 +12,14 @@ run (`PayloadsRejected`).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from dilocox.net.accounting import LinkAccount
 from dilocox.net.auth import TAG_BYTES, PayloadAuth
-from dilocox.net.link import ring_all_gather_bytes
 from dilocox.net.staging import HostStaging
-
-NOTHING_ARRIVED = 2
-"""A member's verdict on a sender whose payload it did not get (a lane exchange sends each rank only its lanes)."""
 
 
 class PayloadsRejected(ValueError):
@@ -91,10 +87,6 @@ class PayloadSeal:
         left_out = self.judge(rejected_here, exchange, group=group)
         return [None if sender in left_out else payload for sender, payload in enumerate(opened)]
 
-    def chunks(self, exchange: int, *, signer: PayloadAuth | None = None) -> ChunkSealer:
-        """The tags of one program's payload steps (`Wire.all_to_all`), under `signer` (by default the shared key)."""
-        return ChunkSealer(self, exchange, signer or self.auth)
-
     def judge(self, rejected_here: torch.Tensor, exchange: int, *, group: dist.ProcessGroup) -> list[int]:
         """The senders every member of `group` leaves out of an authenticated exchange, from every member's
         rejections (`rejected_here[s]`: this rank rejected sender s's payload; one all-gathered byte per sender): the
@@ -103,7 +95,6 @@ class PayloadSeal:
         rows = [torch.empty(self.world, dtype=torch.uint8) for _ in range(self.world)]
         dist.all_gather(rows, rejected_here, group=group)
         rejected = [[v == 1 for v in row.tolist()] for row in rows]  # (receivers, senders)
-        received = [[v != NOTHING_ARRIVED for v in row.tolist()] for row in rows]
         cluster_of = self.clusters or range(self.world)
         mine = [sender for sender, flag in enumerate(rejected_here.tolist()) if flag == 1]
         if mine:
@@ -119,7 +110,7 @@ class PayloadSeal:
                 file=sys.stderr,
                 flush=True,
             )
-        left_out, cut_off = rejection_verdict(rejected, received)
+        left_out, cut_off = rejection_verdict(rejected)
         if self.stop_if_cut_off:
             stop = bool(cut_off) or len(left_out) == self.world
         else:
@@ -140,84 +131,14 @@ class PayloadSeal:
         return left_out
 
 
-class ChunkSealer:
-    """The tags of one authenticated program (`WanChannel.launch_program(..., sealed=True)`): a chunk from sender s
-    to receiver r is tagged under the program's exchange number, s, and the group with r appended (after a -1, which
-    no rank is), so it verifies only where it was sent, in this exchange."""
-
-    def __init__(self, seal: PayloadSeal, exchange: int, signer: PayloadAuth) -> None:
-        self.seal = seal
-        self.exchange = exchange
-        self.signer = signer
-
-    def _group(self, receiver: int) -> tuple[int, ...]:
-        return (*self.seal.identity, -1, receiver)
-
-    def seal_chunk(self, chunk: torch.Tensor, receiver: int) -> torch.Tensor:
-        """`chunk` (uint8, on the host) followed by its tag for `receiver`."""
-        data = self.seal.staging.to_host(chunk)
-        tag = self.signer.tag(data.numpy(), seq=self.exchange, sender=self.seal.rank, group=self._group(receiver))
-        return torch.cat([data, torch.frombuffer(bytearray(tag), dtype=torch.uint8).to(chunk.device)])
-
-    def open_chunk(self, part: torch.Tensor, sender: int) -> torch.Tensor | None:
-        """The bytes of a sealed chunk from `sender` if its tag verifies here, else None."""
-        nbytes = part.numel() - TAG_BYTES
-        host = self.seal.staging.to_host(part)
-        group = self._group(self.seal.rank)
-        ok = nbytes >= 0 and self.seal.auth.verify(
-            host[:nbytes].numpy(), host[nbytes:].numpy(), seq=self.exchange, sender=sender, group=group
-        )
-        return part[:nbytes] if ok else None
-
-    def all_to_all(
-        self,
-        send: Callable[[list[torch.Tensor], list[int]], list[torch.Tensor]],
-        chunks: list[torch.Tensor],
-        recv_sizes: list[int],
-        *,
-        group: dist.ProcessGroup,
-    ) -> tuple[list[torch.Tensor], list[int], int]:
-        """A payload step of `Wire.all_to_all` on an authenticated channel, `send` being the plain step: every
-        non-empty chunk travels with its tag (counted as payload bytes); a chunk whose tag does not verify on its
-        receiver, or whose sender any member rejected, arrives empty on every member (`PayloadSeal.judge`), so each
-        leaves the same senders out. Returns what arrived, the senders left out and the verdicts' control bytes."""
-        rank, world = self.seal.rank, self.seal.world
-        sealed = [chunk if peer == rank or not chunk.numel() else self.seal_chunk(chunk, peer)
-                  for peer, chunk in enumerate(chunks)]  # fmt: skip
-        sizes = [n + (TAG_BYTES if n and peer != rank else 0) for peer, n in enumerate(recv_sizes)]
-        parts = send(sealed, sizes)
-        rejected_here = torch.full((world,), NOTHING_ARRIVED, dtype=torch.uint8)  # (senders,) 1: rejected, 0: kept
-        opened = []
-        for peer, part in enumerate(parts):
-            if peer == rank or not part.numel():
-                opened.append(part)
-                continue
-            data = self.open_chunk(part, peer)
-            rejected_here[peer] = data is None
-            opened.append(part[:0] if data is None else data)
-        left_out = self.seal.judge(rejected_here, self.exchange, group=group)
-        control_bytes = ring_all_gather_bytes([world] * world, rank)[0]
-        return [part[:0] if peer in left_out else part for peer, part in enumerate(opened)], left_out, control_bytes
-
-
-def rejection_verdict(
-    rejected: Sequence[Sequence[bool]], received: Sequence[Sequence[bool]] | None = None
-) -> tuple[list[int], list[int]]:
+def rejection_verdict(rejected: Sequence[Sequence[bool]]) -> tuple[list[int], list[int]]:
     """What the members of a group do with the payloads of one authenticated exchange, from every member's verdicts
-    (`rejected[r][s]`: member r rejected sender s's payload; `received[r][s]`: r got a payload from s at all, by
-    default every member from every other, as in an all-gather). Returns (left_out, cut_off): cut_off, the senders
-    that every other member that got their payload rejected; left_out, the cut-off senders and those that any other
-    member rejected, which every member leaves out alike, so that they all average the same payloads. A cut-off
-    member's own verdicts do not count: it is the odd one out (another key), and the others can go on without it."""
+    (`rejected[r][s]`: member r rejected sender s's payload). Returns (left_out, cut_off): cut_off, the senders that
+    every other member rejected; left_out, the cut-off senders and those that any other member rejected, which every
+    member leaves out alike, so that they all average the same payloads. A cut-off member's own verdicts do not
+    count: it is the odd one out (another key), and the others can go on without it."""
     members = range(len(rejected))
-    if received is None:
-        received = [[True] * len(rejected) for _ in members]
-    cut_off = [
-        s
-        for s in members
-        if any(received[r][s] for r in members if r != s)
-        and all(rejected[r][s] for r in members if r != s and received[r][s])
-    ]
+    cut_off = [s for s in members if len(rejected) > 1 and all(rejected[r][s] for r in members if r != s)]
     judges = [r for r in members if r not in cut_off]
     left_out = [s for s in members if s in cut_off or any(rejected[r][s] for r in judges if r != s)]
     return left_out, cut_off

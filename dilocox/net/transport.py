@@ -6,14 +6,12 @@ real blocking gloo collective, and hands its result to the trainer's `PendingTra
     result = transfer.wait()                            # the blocked time is counted by the account
 
 A multi-step collective is a program of `Wire` steps (`WanChannel.launch_program`), each counted exactly; what a
-collective carried and how long the link took is the `LinkAccount`'s (`dilocox.net.accounting`), and the tags of
-an authenticated program's steps are the `ChunkSealer`'s (`dilocox.net.sealing`).
+collective carried and how long the link took is the `LinkAccount`'s (`dilocox.net.accounting`).
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
 import math
 import queue
 import threading
@@ -27,7 +25,7 @@ import torch.distributed as dist
 
 from dilocox.net.accounting import LinkAccount
 from dilocox.net.link import ring_all_gather_bytes
-from dilocox.net.sealing import ChunkSealer, PayloadsRejected
+from dilocox.net.sealing import PayloadsRejected
 from dilocox.net.staging import HostStaging, StagingTicket
 
 ResultT = TypeVar("ResultT")
@@ -417,38 +415,23 @@ class Wire:
     """
 
     def __init__(
-        self,
-        group: dist.ProcessGroup,
-        world_size: int,
-        rank: int,
-        *,
-        staging: HostStaging | None = None,
-        sealer: ChunkSealer | None = None,
+        self, group: dist.ProcessGroup, world_size: int, rank: int, *, staging: HostStaging | None = None
     ) -> None:
         self.group = group
         self.world_size = world_size
         self.rank = rank
         self.staging = staging if staging is not None else HostStaging()
-        self.sealer = sealer
-        """An authenticated channel's tags: every chunk of a payload step carries one (`all_to_all`)."""
-        self.left_out: set[int] = set()
-        """The senders (group ranks) whose chunks a sealed step left out on every member, this rank included."""
         self.nbytes_sent = 0
         self.nbytes_recv = 0
         self.control_bytes = 0
         self.phases = 0
 
-    def all_to_all(
-        self, chunks: list[torch.Tensor], recv_sizes: list[int], *, header: bool = False, skip_empty: bool = True
-    ) -> list[torch.Tensor]:
+    def all_to_all(self, chunks: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:
         """Send 1-D uint8 `chunks[j]` to rank j; return the chunk every rank i sent here, of `recv_sizes[i]` bytes.
 
         A direct exchange (each chunk crosses the link once): this rank sends `sum(chunks) - chunks[rank]` and
-        receives `sum(recv_sizes) - recv_sizes[rank]` bytes; its own chunk stays local. `header=True`: the lengths of
-        the payloads the next step carries, counted in `control_bytes` (what this rank sends) and riding with that
-        step, so without a latency of their own (as the length exchange of `WanChannel.launch_all_gather`).
-        `skip_empty`: a rank with nothing to send or receive skips the collective, right where the sizes follow the
-        shapes (then every rank has nothing); pass False where one rank may have nothing while others exchange.
+        receives `sum(recv_sizes) - recv_sizes[rank]` bytes; its own chunk stays local. Every rank calls it with
+        sizes that follow the shapes, so where this rank has nothing to send or receive, neither has any other.
         """
         world, rank = self.world_size, self.rank
         if len(chunks) != world or len(recv_sizes) != world:
@@ -457,33 +440,17 @@ class Wire:
             raise ValueError("all_to_all takes 1-D uint8 chunks (encoded payloads)")
         if recv_sizes[rank] != chunks[rank].numel():
             raise ValueError(f"rank {rank} keeps its own chunk of {chunks[rank].numel()} bytes, not {recv_sizes[rank]}")
-        if self.sealer is not None and not header:
-            send = functools.partial(self._all_to_all, skip_empty=skip_empty)
-            parts, left_out, verdict_bytes = self.sealer.all_to_all(send, chunks, recv_sizes, group=self.group)
-            self.left_out.update(left_out)
-            self.control_bytes += verdict_bytes
-            return parts
-        return self._all_to_all(chunks, recv_sizes, header=header, skip_empty=skip_empty)
-
-    def _all_to_all(
-        self, chunks: list[torch.Tensor], recv_sizes: list[int], *, header: bool = False, skip_empty: bool = True
-    ) -> list[torch.Tensor]:
-        """`all_to_all` without tags."""
-        rank = self.rank
         send_sizes = [chunk.numel() for chunk in chunks]
-        self.phases += not header
-        if skip_empty and not any(send_sizes) and not any(recv_sizes):  # then every rank has nothing
+        self.phases += 1
+        if not any(send_sizes) and not any(recv_sizes):  # then every rank has nothing
             return list(chunks)
         received = self.staging.host_buffer(sum(recv_sizes), torch.uint8)
         sending = self.staging.to_host(torch.cat(chunks))
         dist.all_to_all_single(
             received, sending, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=self.group
         )
-        if header:
-            self.control_bytes += sum(send_sizes) - send_sizes[rank]
-        else:
-            self.nbytes_sent += sum(send_sizes) - send_sizes[rank]
-            self.nbytes_recv += sum(recv_sizes) - recv_sizes[rank]
+        self.nbytes_sent += sum(send_sizes) - send_sizes[rank]
+        self.nbytes_recv += sum(recv_sizes) - recv_sizes[rank]
         parts = list(torch.split(self.staging.to_device(received, chunks[rank].device), recv_sizes))
         parts[rank] = chunks[rank]
         return parts
@@ -507,9 +474,7 @@ class LocalWire(Wire):
     def __init__(self) -> None:
         super().__init__(group=None, world_size=1, rank=0)  # type: ignore[arg-type]
 
-    def all_to_all(
-        self, chunks: list[torch.Tensor], recv_sizes: list[int], *, header: bool = False, skip_empty: bool = True
-    ) -> list[torch.Tensor]:
+    def all_to_all(self, chunks: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:
         return list(chunks)
 
     def all_gather(self, tensor: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

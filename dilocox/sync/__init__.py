@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from dilocox.elastic.membership import ElasticMembership
     from dilocox.net.channel import WanChannel
     from dilocox.sync.base import SyncStrategy
-    from dilocox.sync.lanes import LaneLayout
     from dilocox.sync.replica import StageMirror
     from dilocox.sync.rounds import TokenWeights
 
@@ -26,7 +25,6 @@ __getattr__, __dir__, _names = lazy_exports(
         "dilocox.sync.cocktail": ("CocktailSync",),
         "dilocox.sync.config": ("GuardConfig", "OuterConfig", "RoundConfig", "SyncConfig"),
         "dilocox.sync.diloco": ("DiLoCoSync",),
-        "dilocox.sync.lanes": ("LaneLayout", "LaneReducer"),
         "dilocox.sync.outer": ("OuterSync",),
         "dilocox.sync.reducer_factory": ("build_reducer",),
         "dilocox.sync.reducers": ("DenseReducer", "GatherReducer", "PendingMean", "Reducer"),
@@ -47,7 +45,6 @@ def build_sync(
     pp_group: dist.ProcessGroup | None = None,
     inner_optimizer: torch.optim.Optimizer | None = None,
     membership: ElasticMembership | None = None,
-    lanes: LaneLayout | None = None,
     weights: TokenWeights | None = None,
     sharded: bool = False,
     dp_reduced: bool = False,
@@ -56,11 +53,10 @@ def build_sync(
     """The strategy named by `sync.kind`, over this rank's parameters. The outer-loop kinds get the public
     `OuterSync` around `DiLoCoSync`, so `dilocox train` and a user's own loop (docs/api.md) run one object;
     `inner_optimizer` has its state reset when the guard heals this cluster; over `pp_group` (the cluster's pipeline)
-    the stages agree on what the guard leaves out; `lanes`: clusters of different data-parallel degree (outer-loop
-    kinds only, docs/design.md §2.1); `weights`: how this cluster's tokens weigh its updates (`TokenWeights`: under
-    `sync.round.mode = time`, and always for elastic clusters of different dp); `sharded`: `params` are FSDP shards
-    over `dp_group` (`topology.dp_mode = shard`): each rank syncs its own shard; `dp_reduced`: the gradients of a
-    replicated stage arrive averaged over `dp_group` already (the trainer's DDP stage,
+    the stages agree on what the guard leaves out; `weights`: how this cluster's tokens weigh its updates
+    (`TokenWeights`: under `sync.round.mode = time`, and always for clusters of different dp); `sharded`: `params`
+    are FSDP shards over `dp_group` (`topology.dp_mode = shard`): each rank syncs its own shard; `dp_reduced`: the
+    gradients of a replicated stage arrive averaged over `dp_group` already (the trainer's DDP stage,
     `dilocox.parallel.fsdp.replicate_stage`); `mirror`: this rank is replica 0 of its stage and syncs it for the
     replicas that follow (`dilocox.sync.replica`)."""
     from dilocox.sync.allreduce import AllReduceSync
@@ -86,7 +82,6 @@ def build_sync(
         inner_optimizer=inner_optimizer,
         faults=cfg.faults,
         membership=membership,
-        lanes=lanes,
         weights=weights,
         sharded=sharded,
         dp_reduced=dp_reduced,

@@ -47,7 +47,6 @@ from dilocox.sync.fragment import (
     fragment_offset,
     num_outer_updates,
 )
-from dilocox.sync.lanes import LaneLayout
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory, outer_optimizer_factory
 from dilocox.sync.rounds import RoundClock, RoundReport, TokenWeights
 
@@ -63,8 +62,8 @@ class DiLoCoSync:
     `sync.outer.optimizer`'s), one per fragment, with the learning rate of each update set by `sync.outer.lr_schedule`.
     The average is its reducer's (`compression.kind` and `compression.reduction`, docs/design.md §4.4); with `faults`
     a lying cluster's reducers are wrapped (`FaultyReducer`). With a `membership` (elastic runs, docs/design.md §10.1)
-    each step with a boundary meets that boundary's torchft quorum. `lanes` and the tokens: clusters of different
-    data-parallel degree (docs/design.md §2.1) and time rounds (§3.1) weigh each cluster by its tokens.
+    each step with a boundary meets that boundary's torchft quorum. `weights`: clusters of different data-parallel
+    degree (docs/design.md §2.1) and time rounds (§3.1) weigh each cluster by its tokens.
     """
 
     state_keys = STATE_KEYS
@@ -84,7 +83,6 @@ class DiLoCoSync:
         faults: FaultConfig | None = None,
         membership: ElasticMembership | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
-        lanes: LaneLayout | None = None,
         weights: TokenWeights | None = None,
         sharded: bool = False,
         dp_reduced: bool = False,
@@ -93,13 +91,10 @@ class DiLoCoSync:
         already averaged the gradients over it, and this rank's shard is all it sends over the slow link (a replicated
         stage's rank sends its slice of the stage and all-gathers the others'). `dp_reduced`: the replicated stage's
         gradients arrive averaged over `dp_group` already (the trainer's DDP stage): `reduce_gradients` does nothing.
-        `lanes`: clusters of different data-parallel degree (docs/design.md §2.1). `weights`: how this cluster's tokens
-        weigh its updates (`TokenWeights`)."""
+        `weights`: how this cluster's tokens weigh its updates (`TokenWeights`)."""
         compression = compression or CompressionConfig()
         cfg = cfg.resolved(compression)  # its auto options, by their rules
         cfg.validate()
-        if lanes is not None and not (0 < lanes.cluster_weight < math.inf):
-            raise ValueError(f"cluster_weight = {lanes.cluster_weight!r} must be a finite number > 0")
         self.cfg = cfg
         self.name = cfg.kind  # diloco or dilocox: the same code, other defaults
         self.flat = FlatParams(params)
@@ -116,9 +111,8 @@ class DiLoCoSync:
         weighted = self.time_rounds or weights.always
         params_device = self.flat.params[0].device if self.flat.params else torch.device("cpu")
         round_tokens = weights.round_tokens
-        if round_tokens is None:  # n_ref: a round of H steps of one replica's tokens, the same on every cluster
-            replicas = 1 if lanes is None else lanes.topology.dp_degrees[lanes.cluster]
-            round_tokens = cfg.inner_steps * weights.per_step // replicas
+        if round_tokens is None:  # n_ref: a round of H steps of the cluster's tokens, the same on every cluster
+            round_tokens = cfg.inner_steps * weights.per_step
         self.stage = StageParts(
             cfg=cfg,
             compression=compression,
@@ -128,21 +122,12 @@ class DiLoCoSync:
             shard_group=dp_group if sharded else None,
             seed=seed,
             state_device=params_device if cfg.outer.state_device == "device" else torch.device("cpu"),
-            lanes=lanes,
-            # a robust aggregate gives every cluster one vote: its payload is not weighted by its replicas
-            cluster_weight=1.0 if lanes is None or cfg.aggregate != "mean" else lanes.cluster_weight,
             weighted=weighted,
             round_tokens=round_tokens,
             first_weight_sum=weights.first_sum,
             faults=faults if faults is not None and faults.enabled else None,
             elastic_run=membership is not None,
-            cluster_id=(
-                lanes.cluster
-                if lanes is not None
-                else membership.cluster
-                if membership is not None
-                else channel.group_rank
-            ),
+            cluster_id=membership.cluster if membership is not None else channel.group_rank,
         )
         self.tokens_per_step = weights.per_step
         self.wrote_params = False

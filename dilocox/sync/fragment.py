@@ -39,7 +39,6 @@ from dilocox.net.channel import WanChannel
 from dilocox.sync.base import FlatParams, RoundStats
 from dilocox.sync.config import SyncConfig
 from dilocox.sync.faults import FaultConfig, FaultyReducer
-from dilocox.sync.lanes import LaneLayout, build_lane_reducer
 from dilocox.sync.link_fit import fit_inner_steps, fit_link_warning, slow_link_advice
 from dilocox.sync.merge import InFlight, build_merge_rule
 from dilocox.sync.outer_optimizer import OuterOptimizer, OuterOptimizerFactory, outer_lr_schedule
@@ -115,13 +114,9 @@ class StageParts:
     """Where the outer state, the pseudo-gradient and its reduction live (sync.outer.state_device)."""
     shard_group: dist.ProcessGroup | None = None
     """A sharded stage's dp ranks (topology.dp_mode = shard; `dp_group` is then None): they agree on it too."""
-    lanes: LaneLayout | None = None
-    """Clusters of different data-parallel degree (topology.clusters): this rank's lanes (docs/design.md §2.1)."""
-    cluster_weight: float = 1.0
-    """The factor of this cluster's payload: C x dp_c / sum(dp) for clusters of different data-parallel degree (their
-    weights sum to C, so the reducer's plain mean is the token-weighted one); 1.0 otherwise."""
     weighted: bool = False
-    """The average weighs the clusters by their tokens of the round (time rounds): each sync carries a `RoundReport`."""
+    """The average weighs the clusters by their tokens of the round (time rounds, clusters of different dp): each sync
+    carries a `RoundReport`."""
     round_tokens: int = 1
     """n_ref, the nominal tokens of one round, the same on every cluster (weighted syncs)."""
     first_weight_sum: float | None = None
@@ -141,18 +136,12 @@ class StageParts:
     @property
     def num_clusters(self) -> int:
         """C: the clusters the average is over (elastic: the live ones of the round)."""
-        return self.lanes.num_clusters if self.lanes is not None else self.channel.world_size
+        return self.channel.world_size
 
     @property
     def cluster(self) -> int:
         """This cluster's index among them (its `RoundStats.excluded` key)."""
-        return self.lanes.cluster if self.lanes is not None else self.channel.group_rank
-
-    @property
-    def scales_payload(self) -> bool:
-        """Whether a payload is the pseudo-gradient times a weight (token-weighted syncs, or clusters of different
-        dp): the merge rules then take its share in the average as weight x pseudo_grad / sum of weights."""
-        return self.weighted or self.cluster_weight != 1.0
+        return self.channel.group_rank
 
     def build_reducer(self, compression: CompressionConfig, flat: FlatParams) -> Reducer:
         """A reducer of `compression` over the tensors of `flat`, on the stage's channel, with the guard and the
@@ -164,14 +153,9 @@ class StageParts:
             seed=self.seed,
             guard_max_ratio=self.cfg.guard.max_ratio if self.cfg.guard.enabled else None,
             peer_max_ratio=self.cfg.guard.peer_ratio if self.cfg.guard.peers else None,
-            peer_sizes=not self.weighted,  # token weights: known only once the payloads land (`PeerCheck.sizes`)
+            peer_sizes=self.cfg.round.mode != "time",  # a time budget: clusters take different steps (`PeerCheck`)
         )
         common.update(aggregate=self.cfg.aggregate, trim_fraction=self.cfg.trim_fraction)
-        if self.lanes is not None:
-            shapes = flat.shapes if self.shard_group is None else flat.full_shapes  # a sharded stage: its whole tensors
-            return build_lane_reducer(
-                compression, shapes, layout=self.lanes, **common, shard_group=self.shard_group, scaled=not self.weighted
-            )
         return build_reducer(compression, flat.shapes, **common, shard_group=self.shard_group, elastic=self.elastic_run)
 
 
@@ -459,9 +443,6 @@ class FragmentState:
             report_transfer = stage.channel.launch_all_gather(sent_report)  # FIFO: lands before the payload
             self._own_weight = report.tokens / stage.round_tokens
             pseudo_grad = pseudo_grad * self._own_weight  # a new tensor: the caller's stays as it was
-        elif stage.cluster_weight != 1.0:  # clusters of different dp: the plain mean becomes the weighted one
-            self._own_weight = stage.cluster_weight
-            pseudo_grad = pseudo_grad * stage.cluster_weight
         if abstain:
             self.pending = self.reducer.abstain(pseudo_grad)
             self.pending.abstained = True
@@ -533,8 +514,7 @@ class FragmentState:
         reports = None
         if pending.report is not None:
             reports = [None if r is None else RoundReport.from_tensor(r) for r in pending.report.wait()]
-            if stage.lanes is not None:  # gathered from every replica of every cluster: one per cluster
-                reports = stage.lanes.per_cluster(reports)
+            pending.weights[:] = [1.0 if r is None or not r.tokens else r.tokens / stage.round_tokens for r in reports]
         avg = pending.wait()
         if reports is not None:  # the token-weighted mean of the pre-scaled pseudo-gradients
             factor, weight_sum = token_weighted_factor(
@@ -598,8 +578,8 @@ class FragmentState:
             held_before=held_before,
             read_held_after=functools.partial(self.reducer.held_back, stage.state_device),
             feedback_decay=stage.compression.feedback_decay,
-            weight=self._own_weight if stage.scales_payload else None,
-            weight_sum=self.divisor if stage.scales_payload else None,
+            weight=self._own_weight if stage.weighted else None,
+            weight_sum=self.divisor if stage.weighted else None,
         )
         start = self.merge.start(flight)
         if self.cfg.local_residual:

@@ -29,7 +29,6 @@ import torch.distributed as dist
 from dilocox.compress import CompressionConfig
 from dilocox.compress.config import CODEC_KINDS
 from dilocox.elastic.membership import ElasticMembership
-from dilocox.elastic.rounds import ElasticRounds
 from dilocox.net.channel import PendingTransfer, WanChannel
 from dilocox.net.link import parse_bandwidth, parse_duration
 from dilocox.sync.allreduce import allreduce_bytes_per_step
@@ -37,7 +36,6 @@ from dilocox.sync.base import RoundStats, SyncStatus, clear_non_finite_state
 from dilocox.sync.config import OUTER_LOOP_KINDS, SyncConfig
 from dilocox.sync.diloco import DiLoCoSync
 from dilocox.sync.faults import FaultConfig
-from dilocox.sync.lanes import LaneLayout
 from dilocox.sync.outer_optimizer import OuterOptimizerFactory
 from dilocox.sync.replica import StageMirror, Told
 from dilocox.sync.rounds import TokenWeights
@@ -172,7 +170,6 @@ class OuterSync:
         faults: FaultConfig | None = None,
         membership: ElasticMembership | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
-        lanes: LaneLayout | None = None,
         weights: TokenWeights | None = None,
         sharded: bool = False,
         dp_reduced: bool = False,
@@ -184,10 +181,8 @@ class OuterSync:
         the rounds also end at `total_steps`. `inner_optimizer` (optional here) gets its state reset when the
         guard heals this cluster; `faults` injects the faults of `[faults]`; `pp_group` (a pipeline's stages, each
         with its own OuterSync) makes the stages agree on what the guard leaves out; `outer_optimizer` (a factory,
-        as for the constructor) replaces the one `sync.outer.optimizer` names. `lanes`: clusters of different
-        data-parallel degree (`channel` is then over the stage group, docs/design.md §2.1); each cluster's
-        pseudo-gradient is weighted by its tokens (`LaneLayout.cluster_weight`). `weights`: how this cluster's tokens
-        weigh its updates (`TokenWeights`: time rounds, elastic clusters of different dp). `sharded`: `params` are
+        as for the constructor) replaces the one `sync.outer.optimizer` names. `weights`: how this cluster's tokens
+        weigh its updates (`TokenWeights`: time rounds, clusters of different dp). `sharded`: `params` are
         FSDP shards over `dp_group` (topology.dp_mode = shard, `DiLoCoSync`); `dp_reduced`: the gradients arrive
         averaged over `dp_group` already (DDP). `mirror`: this rank is replica 0 of its stage and syncs it for the
         other replicas, which follow it (`dilocox.sync.replica`)."""
@@ -200,7 +195,6 @@ class OuterSync:
             compression,
             faults=faults,
             elastic=membership is not None,
-            lanes=lanes,
             authenticated=channel.tag_bytes > 0,
         )
         diloco = DiLoCoSync(
@@ -215,7 +209,6 @@ class OuterSync:
             faults=faults,
             membership=membership,
             outer_optimizer=outer_optimizer,
-            lanes=lanes,
             weights=weights,
             sharded=sharded,
             dp_reduced=dp_reduced,
@@ -292,20 +285,17 @@ class OuterSync:
 
     # ---------------------------------------------------------------------------------------------- elastic runs
     def rejoin(self) -> tuple[int, str] | None:
-        """Elastic runs: join the run (`ElasticRounds.rejoin`); a cluster that heals from a peer gets (step, phase)
-        and its inner optimizer starts afresh."""
+        """Join the run before the first step: in an elastic run its quorum (`ElasticRounds.rejoin`), where a cluster
+        that heals from a peer gets (step, phase) and its inner optimizer starts afresh; a static run has nothing to
+        join (None). Either way the following replicas learn where the stage stands."""
         with self._telling() as told:
-            joined = told.value = self._elastic().rejoin()
+            elastic = self.diloco.elastic
+            joined = told.value = None if elastic is None else elastic.rejoin()
         if joined is not None:
             self.num_steps = joined[0]
             if self.inner_optimizer is not None:
                 self.inner_optimizer.state.clear()
         return joined
-
-    def _elastic(self) -> ElasticRounds:
-        if self.diloco.elastic is None:
-            raise ValueError("this is for elastic runs: build the sync with a membership (topology.elastic)")
-        return self.diloco.elastic
 
     def reduce_gradients(self) -> None:
         """Average this step's gradients over `dp_group` (a copy for a group of one): call it after backward and
@@ -534,7 +524,6 @@ def check_outer(
     *,
     faults: FaultConfig | None = None,
     elastic: bool = False,
-    lanes: LaneLayout | None = None,
     authenticated: bool = False,
 ) -> None:
     """`sync` and `compression` (resolved) with what the caller runs them in (`authenticated`: a channel that tags
@@ -546,10 +535,6 @@ def check_outer(
     sync.validate()
     compression.validate()
     topology = TopologyConfig(elastic=elastic)
-    if lanes is not None:
-        t = lanes.topology
-        topology.num_clusters, topology.dp_degree, topology.pp_degree = t.num_clusters, max(t.dp_degrees), t.pp_degree
-        topology.clusters = [f"pp{t.pp_degree}xdp{dp}" for dp in t.dp_degrees]
     sync = dataclasses.replace(sync, min_clusters="auto")  # the trainer's membership reads it, not this object
     network = NetworkConfig(auth_key_file="(the channel's key)" if authenticated else "")
     compat.check(

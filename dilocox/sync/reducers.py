@@ -71,6 +71,9 @@ class PendingMean:
     """Token-weighted syncs: the all-gather of every cluster's `RoundReport`, launched just before the payload."""
     report_sent: torch.Tensor | None = None
     """What this rank put in that all-gather (a checkpoint saves it beside `sent`)."""
+    weights: list[float] = field(default_factory=list)
+    """Token-weighted syncs: each sender's weight n_c / n_ref, from the reports, set before `wait()` (the peer check
+    compares the updates' sizes per unit of weight); empty: every weight 1."""
 
     def wait(self) -> torch.Tensor:
         """Block until the slow-link part is done, then all-gather the slices over the fast dp_group."""
@@ -449,6 +452,7 @@ class GatherReducer(CodecReducer):
         # PendingMean that holds it would be a reference cycle, which keeps the round's tensors alive until the
         # cyclic garbage collector runs, and their memory fragments the heap meanwhile.
         excluded: dict[int, str] = {}
+        weights: list[float] = []
 
         def finish() -> torch.Tensor:
             # None in place of a payload whose tag did not verify on some cluster (network.auth_key_file), this
@@ -471,7 +475,7 @@ class GatherReducer(CodecReducer):
                         malformed[index] = f"malformed payload: {error}"
                 updates.append(self._flat(decoded, flat.device))
             excluded.clear()
-            excluded.update(self._judge(updates, flat.device, senders))
+            excluded.update(self._judge(updates, flat.device, senders, weights))
             excluded.update(malformed)  # the precise reason where the guard only saw nothing usable
             accepted = [u for index, u in enumerate(updates) if u is not None and index not in excluded]
             if self.guard is not None:
@@ -482,7 +486,15 @@ class GatherReducer(CodecReducer):
             return aggregate(accepted, self.how, trim_fraction=self.trim_fraction)
 
         return PendingMean(
-            flat, self.slice.bounds, finish, transfer, self.dp_group, sent=payload.data, cost=cost, excluded=excluded
+            flat,
+            self.slice.bounds,
+            finish,
+            transfer,
+            self.dp_group,
+            sent=payload.data,
+            cost=cost,
+            excluded=excluded,
+            weights=weights,
         )
 
     def _flat(self, decoded: list[torch.Tensor] | None, device: torch.device) -> torch.Tensor | None:
@@ -493,7 +505,7 @@ class GatherReducer(CodecReducer):
         return torch.cat([d.reshape(-1) for d in decoded]).to(device)
 
     def _judge(
-        self, updates: list[torch.Tensor | None], device: torch.device, clusters: Sequence[int]
+        self, updates: list[torch.Tensor | None], device: torch.device, clusters: Sequence[int], weights: list[float]
     ) -> dict[int, str]:
         return judge_updates(
             updates,
@@ -503,6 +515,7 @@ class GatherReducer(CodecReducer):
             dp_group=self.dp_group if self.shard_group is None else self.shard_group,
             pp_group=self.pp_group,
             clusters=clusters,
+            weights=weights or None,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -522,12 +535,14 @@ def judge_updates(
     dp_group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None,
     clusters: Sequence[int] | None = None,
+    weights: Sequence[float] | None = None,
 ) -> dict[int, str]:
     """The clusters left out of a gathered mean and why, from this rank's slice of every cluster's update (None:
     nothing usable arrived): missing updates always; with a `guard` also non-finite and outsized ones, and with `peers`
     those that stand out among the rest. What is left out is the same on every rank of the cluster
     (`agree_in_cluster`): a cluster one rank's slice finds bad is left out of every slice of every stage, and the peer
-    check judges the whole updates. `clusters`: the cluster of each update (`PeerCheck.judge`)."""
+    check judges the whole updates. `clusters` and `weights`: the cluster of each update and the weight its payload
+    was multiplied by (`PeerCheck.judge`)."""
     if guard is None:
         return {index: "no usable update arrived" for index, u in enumerate(updates) if u is None}
     verdicts = guard.judge(updates)
@@ -542,7 +557,7 @@ def judge_updates(
     excluded = {index: v for index, v in enumerate(verdicts) if v is not None}
     if peers is not None:
         candidates = [i for i in range(len(updates)) if i not in excluded]
-        excluded.update(peers.judge(stats, candidates, clusters=clusters or range(len(updates))))
+        excluded.update(peers.judge(stats, candidates, clusters=clusters or range(len(updates)), weights=weights))
     return excluded
 
 

@@ -157,22 +157,19 @@ class PeerCheck:
     not), and the drain sends that residual whole, at a size close to its peers' (a x9 liar's 1.4 x the median norm,
     1.7 x the median |value|): a cluster caught once is not trusted with what it held back (docs/design.md §4.5).
 
-    Weighted payloads: where every cluster's payload is its update times a weight all clusters know (clusters of
-    different dp averaged by lanes: C dp_c / sum(dp)), `scales` holds those weights and the sizes are compared divided
-    by them; where the weights are not known before the payloads land (token-weighted time rounds: each cluster's
-    tokens), `sizes = False` leaves the size tests out (a cluster that trained twice the tokens sends twice the
-    values) and only the direction is judged.
+    Weighted payloads: where every cluster's payload is its update times its weight n_c / n_ref (clusters of different
+    dp, each cluster's tokens of a round of H steps), `judge`'s `weights` holds them and the sizes are compared divided
+    by them; where the clusters train for a time budget (time rounds), a cluster that trained twice the steps moves
+    further, so `sizes = False` leaves the size tests out and only the direction is judged.
 
         peers = PeerCheck(max_ratio=2.0)
         excluded = peers.judge(peer_statistics(updates), candidates=[0, 1, 2])   # {cluster: reason}
     """
 
-    def __init__(self, max_ratio: float, *, scales: Sequence[float] | None = None, sizes: bool = True) -> None:
+    def __init__(self, max_ratio: float, *, sizes: bool = True) -> None:
         if not (math.isfinite(max_ratio) and max_ratio > 1.0):
             raise ValueError(f"sync.guard.peer_ratio = {max_ratio} must be a finite number > 1")
         self.max_ratio = max_ratio
-        self.scales = None if scales is None else list(scales)
-        """The weight each cluster's payload was multiplied by (None: 1 for every cluster)."""
         self.sizes = sizes
         """Whether the size tests run (False: weights unknown to the receivers)."""
         self.fresh: dict[int, int] = {}
@@ -183,17 +180,23 @@ class PeerCheck:
         """Clusters left out whatever they send (the drain's check: the rounds' `left_out`)."""
 
     def judge(
-        self, stats: torch.Tensor | None, candidates: Sequence[int], *, clusters: Sequence[int] | None = None
+        self,
+        stats: torch.Tensor | None,
+        candidates: Sequence[int],
+        *,
+        clusters: Sequence[int] | None = None,
+        weights: Sequence[float] | None = None,
     ) -> dict[int, str]:
         """The `candidates` (rows of the (C, 2C + MAGNITUDE_BINS) float64 `peer_statistics`, all of finite updates) to
         leave out, and why. `clusters`: the cluster of each row (default: row r is cluster r); `stats` None: fewer
-        than 3 updates, nothing to judge, and `clusters` given (the round still counts for `fresh`)."""
+        than 3 updates, nothing to judge, and `clusters` given (the round still counts for `fresh`); `weights`: the
+        weight each row's payload was multiplied by (None: 1 for every row)."""
         if clusters is None:
             clusters = range(len(stats))
         excluded = {row: DISTRUSTED for row in candidates if clusters[row] in self.distrusts}
         trusted = [row for row in candidates if row not in excluded]
         if stats is not None:
-            excluded |= self._judge(stats, trusted, clusters)
+            excluded |= self._judge(stats, trusted, clusters, weights or [1.0] * len(stats))
         self.left_out.update(clusters[row] for row in excluded)
         for row, cluster in enumerate(clusters):
             if row not in candidates:
@@ -214,12 +217,13 @@ class PeerCheck:
         self.fresh = {int(cluster): int(rounds) for cluster, rounds in state.get("fresh", {}).items()}
         self.left_out = {int(cluster) for cluster in state.get("left_out", ())}
 
-    def _judge(self, stats: torch.Tensor, candidates: Sequence[int], clusters: Sequence[int]) -> dict[int, str]:
+    def _judge(
+        self, stats: torch.Tensor, candidates: Sequence[int], clusters: Sequence[int], scales: Sequence[float]
+    ) -> dict[int, str]:
         if len(candidates) < PEER_MIN_UPDATES:
             return {}
         count = stats.shape[0]
         gram, shared = stats[:, :count].tolist(), stats[:, count : 2 * count].tolist()  # Python floats: exact compares
-        scales = self.scales or [1.0] * count
         norms = {i: math.sqrt(max(gram[i][i], 0.0)) / scales[i] for i in candidates}
         magnitudes = {i: median_magnitude(stats[i, 2 * count :].tolist()) / scales[i] for i in candidates}
         excluded: dict[int, str] = {}

@@ -167,7 +167,7 @@ def _mean_chunk(
 @dataclass
 class LowRankPlan:
     """How a vector of tensors is split for the low-rank path: which tensors go low-rank, dense, or small; and the
-    steps of PowerSGD's shared factors over it (module docstring), which the scalable lanes take lane by lane."""
+    steps of PowerSGD's shared factors over it (module docstring)."""
 
     shapes: list[torch.Size]
     lowrank: list[int]  # tensor indices sent as factors

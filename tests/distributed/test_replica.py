@@ -13,11 +13,17 @@ from dilocox.elastic.membership import ElasticError
 from dilocox.net.channel import WanChannel
 from dilocox.sync import TokenWeights, build_sync
 from dilocox.sync.replica import FollowerSync, StageMirror
-from tests.distributed.test_lanes import DP_DEGREES, SHAPES, pseudo_grad
 from tests.multiproc import run_ranks
 
+DP_DEGREES = (2, 1, 1)  # ranks 0, 1: cluster 0; rank 2: cluster 1; rank 3: cluster 2
 CLUSTER_OF_RANK = (0, 0, 1, 2)
+SHAPES = [(8, 16), (16,), (12, 8), (8,)]  # 248 values
 REPLICA_TOKENS = 100  # every replica trains 100 tokens a step
+
+
+def pseudo_grad(cluster: int, round_index: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(10 * cluster + round_index)
+    return torch.randn(248, generator=generator)
 
 
 def _followed(rank, world_size, flags, fail_at):

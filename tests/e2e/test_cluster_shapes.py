@@ -51,7 +51,7 @@ def test_clusters_of_dp_2_1_1_resume_exactly_with_the_delayed_sync_in_flight(mix
     result = dilocox("eval", mixed_run, "--json", "--max-batches", "16")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["loss"] == pytest.approx(want[20]["eval_loss"], abs=1e-6)
-    # another shape cannot resume it: its rank files, data shards and lanes are laid out for dp 2, 1, 1
+    # another shape cannot resume it: its rank files and data shards are laid out for dp 2, 1, 1
     other = tmp_path / "other"
     shape = ["--topology.clusters=dp1,dp1,dp2", f"--checkpoint.resume={checkpoint}", f"--run.out_dir={other}"]
     result = dilocox("train", *MIXED, *shape, timeout=60)
@@ -77,8 +77,8 @@ def test_pipelined_clusters_of_dp_2_and_1_learn(tmp_path):
         (["--topology.clusters=dp2,pp1x1"], "topology.clusters[1] = 'pp1x1' is not a cluster shape"),
         (["--topology.clusters=pp2xdp1,pp1xdp1"], "every cluster needs the same pipeline degree"),
         (
-            ["--topology.clusters=dp2,dp1", "--topology.elastic=true", "--topology.dp_mode=shard"],
-            "in an elastic run does not work with topology.dp_mode = 'shard'",
+            ["--topology.clusters=dp2,dp1", "--topology.dp_mode=shard"],
+            "(clusters of different data-parallel degrees) does not work with topology.dp_mode = 'shard'",
         ),
     ],
 )

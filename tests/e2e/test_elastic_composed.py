@@ -83,11 +83,11 @@ def test_the_preset_elastic_without_failures_is_bit_identical_to_the_static_run(
 
 
 @pytest.mark.timeout(300)
-def test_elastic_clusters_of_different_dp_train_as_the_static_lanes_do(tmp_path, start_run):
-    """Clusters of dp 2 and 1 under the preset with an fp32 sync: elastic, replica 0 of each cluster syncs the whole
-    stage weighted by its cluster's tokens and the other replica follows it; static, every replica exchanges its
-    lanes. The two average the same values in another order: every step's loss and the final eval agree to float
-    rounding, and both clusters of the elastic run end on one digest."""
+def test_elastic_clusters_of_different_dp_train_as_the_static_ones_do(tmp_path, start_run):
+    """Clusters of dp 2 and 1 under the preset with an fp32 sync: replica 0 of each cluster syncs the whole stage
+    weighted by its cluster's tokens and the other replica follows it, over torchft's quorum (elastic) or the static
+    cluster group. The two average the same values in another order: every step's loss and the final eval agree to
+    float rounding, and both clusters of the elastic run end on one digest."""
     shape = ["--topology.clusters=dp2,dp1", "--compression.kind=none"]
     static = start_run("static", *COMPOSED, *shape)
     assert static.finish() == 0, "the static run failed"

@@ -1,5 +1,5 @@
 """Clusters of different data-parallel degree (`topology.clusters`, docs/design.md §2.1): ranks, coordinates, data
-shards, lanes and groups, checked against tables written out by hand; the uniform topology as it always was."""
+shards and groups, checked against tables written out by hand; the uniform topology as it always was."""
 
 import pytest
 
@@ -22,21 +22,19 @@ def test_uniform_topology_keeps_its_rank_order_shards_and_groups():
     }
 
 
-def test_clusters_of_dp_2_1_1_number_ranks_cluster_major_with_stage_groups_and_lanes():
+def test_clusters_of_dp_2_1_1_number_ranks_cluster_major_with_replica_0s_cluster_groups():
     topo = Topology.of_clusters((2, 1, 1), pp_degree=1)
     assert not topo.uniform and topo.world_size == 4 and topo.num_clusters == 3 and topo.dp_degree == 2
     assert [topo.coords(r) for r in range(4)] == [Coords(0, 0, 0), Coords(0, 1, 0), Coords(1, 0, 0), Coords(2, 0, 0)]
     assert [topo.rank_of(c, 0, 0) for c in range(3)] == [0, 2, 3]
     assert [topo.shard_index(r) for r in range(4)] == [0, 1, 2, 3] and topo.num_shards == 4
-    assert topo.all_groups() == {"pp": [[0], [1], [2], [3]], "dp": [[0, 1], [2], [3]], "stage": [[0, 1, 2, 3]]}
-    assert topo.num_lanes == 2
-    assert [list(topo.lanes_of(c.cluster, c.dp)) for c in map(topo.coords, range(4))] == [[0], [1], [0, 1], [0, 1]]
+    assert topo.all_groups() == {"pp": [[0], [1], [2], [3]], "dp": [[0, 1], [2], [3]], "cluster": [[0, 2, 3]]}
     assert [list(topo.ranks_of_cluster(c)) for c in range(3)] == [[0, 1], [2], [3]]
     with pytest.raises(ValueError, match="outside a world of 4"):
         topo.coords(4)
 
 
-def test_pipelined_clusters_of_dp_2_and_3_share_stage_groups_and_six_lanes():
+def test_pipelined_clusters_of_dp_2_and_3_sync_each_stage_over_replica_0():
     topo = Topology.of_clusters((2, 3), pp_degree=2)  # ranks 0-3 cluster 0, 4-9 cluster 1
     assert topo.world_size == 10 and topo.num_shards == 5
     assert topo.coords(7) == Coords(cluster=1, dp=1, pp=1)
@@ -44,10 +42,7 @@ def test_pipelined_clusters_of_dp_2_and_3_share_stage_groups_and_six_lanes():
     groups = topo.all_groups()
     assert groups["pp"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
     assert groups["dp"] == [[0, 2], [1, 3], [4, 6, 8], [5, 7, 9]]
-    assert groups["stage"] == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
-    assert topo.num_lanes == 6
-    assert [list(topo.lanes_of(0, d)) for d in range(2)] == [[0, 1, 2], [3, 4, 5]]
-    assert [list(topo.lanes_of(1, d)) for d in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert groups["cluster"] == [[0, 4], [1, 5]]
 
 
 def test_cluster_shapes_parse_in_every_spelling_and_refuse_mixed_pipelines():
@@ -72,13 +67,13 @@ def test_clusters_set_the_global_degrees_over_the_files_and_refuse_a_contradicti
     cases = {
         "--topology.num_clusters=3": "topology.num_clusters = 3 contradicts",
         "--topology.dp_degree=1": "topology.dp_degree = 1 contradicts",
-        "--topology.elastic=true --topology.dp_mode=shard": "in an elastic run does not work with topology.dp_mode",
+        "--topology.dp_mode=shard": r"\(clusters of different data-parallel degrees\) does not work with topology.dp",
     }
     for flags, message in cases.items():
         cfg = load_config("configs/debug.toml", ["--preset=diloco", "--topology.clusters=dp2,dp1", *flags.split()])
         with pytest.raises(ValueError, match=message):
             cfg.validate()
-    # the scalable reduction of every codec it can sum averages lanes, the low-rank ones too
+    # the scalable reduction of every codec it can sum averages replica 0's stages, the low-rank ones too
     for kind in ("int4", "lowrank_int4"):
         flags = ["--topology.clusters=dp2,dp1", f"--compression.kind={kind}", "--compression.reduction=scalable"]
         load_config("configs/debug.toml", ["--preset=diloco", *flags]).validate(world_size=3)

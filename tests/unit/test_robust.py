@@ -263,14 +263,14 @@ def test_peer_check_leaves_clusters_that_just_healed_out_of_the_size_median_but_
 
 def test_peer_check_compares_weighted_payloads_per_unit_of_weight_and_without_sizes_where_weights_are_unknown():
     u = honest_updates(3, seed=7)
-    weights = [1.5, 0.75, 0.75]  # clusters of dp 2, 1, 1 averaged by lanes: C dp_c / sum(dp)
+    weights = [2.0, 1.0, 1.0]  # clusters of dp 2, 1, 1: n_c / n_ref of a round of H steps
     sent = [w * x for w, x in zip(weights, u, strict=True)]
     stats = peer_statistics(sent)
     assert list(PeerCheck(max_ratio=1.9).judge(stats, [0, 1, 2])) == [0]  # unweighted, the dp-2 cluster reads as x2
-    assert PeerCheck(max_ratio=1.9, scales=weights).judge(stats, [0, 1, 2]) == {}  # the weight is no lie
+    assert PeerCheck(max_ratio=1.9).judge(stats, [0, 1, 2], weights=weights) == {}  # the weight is no lie
     liar = peer_statistics([sent[0], sent[1], 4 * sent[2]])
-    assert list(PeerCheck(max_ratio=1.9, scales=weights).judge(liar, [0, 1, 2])) == [2]
-    # token weights are not known before the payloads land: only the direction is judged
+    assert list(PeerCheck(max_ratio=1.9).judge(liar, [0, 1, 2], weights=weights)) == [2]
+    # time rounds: the clusters train different steps, so only the direction is judged
     unknown = PeerCheck(max_ratio=1.9, sizes=False)
     assert unknown.judge(liar, [0, 1, 2]) == {}
     flipped = unknown.judge(peer_statistics([sent[0], sent[1], -sent[2]]), [0, 1, 2])
