@@ -114,8 +114,10 @@ def _followed(rank, world_size, flags, fail_at):
         (("--sync.sync_delay=0", "--sync.guard.enabled=false", *LIE), (400, 200, 200)),
         # cluster 0 sends a non-finite update (fp16 payloads, gathered): the others leave it out and average
         # theirs over their own weights; cluster 0 heals, its follower with it
-        (("--sync.sync_delay=0", *FP16, "--faults.kind=nan", "--faults.cluster=0", "--faults.rounds=1"),
-         (400, 200, 200)),  # fmt: skip
+        (
+            ("--sync.sync_delay=0", *FP16, "--faults.kind=nan", "--faults.cluster=0", "--faults.rounds=1"),
+            (400, 200, 200),
+        ),  # fmt: skip
         # the peer check compares each payload per unit of its weight: cluster 0's, twice its update, is no lie
         (("--sync.sync_delay=0", *FP16, "--sync.guard.peers=true", "--sync.guard.peer_ratio=1.5"), (400, 200, 200)),
         # a robust aggregate of the weighted payloads (as time rounds take it): the median of n_c / n_ref x Delta_c
