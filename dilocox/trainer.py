@@ -43,7 +43,6 @@ from dilocox.metrics import MetricsLogger, RunSummary, format_summary, truncate_
 from dilocox.models import Decoder, ModelArgs, count_parameters, model_args
 from dilocox.net.channel import WanChannel
 from dilocox.net.json_gather import all_gather_json
-from dilocox.net.link import ring_all_reduce_bytes
 from dilocox.net.watchdog import JobStore, Watchdog
 from dilocox.optim import MuonAdamW, build_inner_optimizer, inner_state_bytes
 from dilocox.parallel import PipelineRunner, broadcast_from_last_stage, build_stage, clip_grad_norm_, format_split
@@ -836,15 +835,13 @@ class Trainer:
     def _summary(self, wall_s: float, logger: MetricsLogger | None) -> RunSummary | None:
         """Gather every rank's link counters (a small control message, not counted as slow-link payload)."""
         stats = self.channel.stats()
-        if self.elastic or self.weighs_clusters:  # the yardstick of this cluster's place among all of them
-            numel = 0 if self.mirror is not None and not self.mirror.leads else self.sync.status().numel
-            per_step = ring_all_reduce_bytes(numel, 4, self.topology.num_clusters, self.coords.cluster)[0]
-        else:
-            per_step = allreduce_bytes_per_step(  # a sharded stage: this rank's shard is its part
-                self.sync.status().numel,
-                dp_group=None if self.sharded else self.groups.dp_group,
-                cluster_group=self.groups.cluster_group,
-            )
+        # a sharded stage: this rank's shard is its part; replica 0 syncing for its followers: the whole stage
+        per_step = allreduce_bytes_per_step(
+            0 if self.mirror is not None and not self.mirror.leads else self.sync.status().numel,
+            dp_group=None if self.sharded or self.mirror is not None else self.groups.dp_group,
+            clusters=self.topology.num_clusters,
+            position=self.coords.cluster,
+        )
         mine = {
             "bytes_sent": stats["bytes_sent"],
             "allreduce_equiv": per_step * self.step,

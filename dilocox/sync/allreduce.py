@@ -58,14 +58,14 @@ class AllReduceSync(StepRounds):
 
 
 def allreduce_bytes_per_step(
-    numel: int, *, dp_group: dist.ProcessGroup | None, cluster_group: dist.ProcessGroup | None, elem_size: int = 4
+    numel: int, *, dp_group: dist.ProcessGroup | None, clusters: int, position: int, elem_size: int = 4
 ) -> int:
-    """Bytes this rank sends on the slow link for one AllReduce step of `numel` fp32 gradients (exact, per the
-    channel's ring convention): the yardstick `allreduce_equiv_bytes` of every strategy's summary."""
-    clusters = group_size(cluster_group)
+    """Bytes this rank sends on the slow link for one AllReduce step of `numel` fp32 gradients, sliced over the
+    replicas of `dp_group`, among `clusters` at ring `position` (exact, per the channel's ring convention): the
+    yardstick `allreduce_equiv_bytes` of every strategy's summary."""
     if clusters == 1:
         return 0
     dp_size = group_size(dp_group)
     start, end = shard_bounds(numel, dp_size, dist.get_rank(dp_group) if dp_size > 1 else 0)
-    sent, _ = ring_all_reduce_bytes(end - start, elem_size, clusters, dist.get_rank(cluster_group))
+    sent, _ = ring_all_reduce_bytes(end - start, elem_size, clusters, position)
     return sent

@@ -237,11 +237,12 @@ class SyncStrategy(Protocol):
 
 
 class ElasticSync(SyncStrategy, Protocol):
-    """An outer loop whose clusters may fail and rejoin (`topology.elastic`, docs/design.md §10.1): what the trainer
-    uses besides `SyncStrategy`."""
+    """An outer loop whose clusters may fail and rejoin (`topology.elastic`, docs/design.md §10.1), or whose stage
+    replicas follow replica 0 (clusters of different dp, §2.1): what the trainer uses besides `SyncStrategy`."""
 
     def rejoin(self) -> tuple[int, str] | None:
-        """Meet the other clusters; one that joins a run in progress heals from a live peer and gets (step, phase)."""
+        """Meet the other clusters before the first step; one that joins an elastic run in progress heals from a live
+        peer and gets (step, phase). A following replica learns where its stage stands."""
 
 
 class StepRounds:

@@ -357,7 +357,10 @@ class OuterSync:
         """Bytes an AllReduce of the same inner steps (an fp32 gradient all-reduce over `cluster_group` every step,
         sharded over `dp_group` as this sync is) would have put on the slow link from this rank: the yardstick of
         `dilocox train`'s summary ("AllReduce would send"); what this sync sent is `channel.bytes_sent`."""
-        per_step = allreduce_bytes_per_step(self.diloco.numel, dp_group=self.dp_group, cluster_group=self.channel.group)
+        channel = self.channel
+        per_step = allreduce_bytes_per_step(
+            self.diloco.numel, dp_group=self.dp_group, clusters=channel.world_size, position=channel.group_rank
+        )
         return self.num_steps * per_step
 
     @property

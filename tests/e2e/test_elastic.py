@@ -207,6 +207,8 @@ def test_clusters_of_several_ranks_without_faults_are_bit_identical_to_the_stati
     assert elastic.finish() == 0, "the elastic run failed"
     summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("static", "elastic")]
     assert summaries[0]["final_eval_loss"] == summaries[1]["final_eval_loss"]
+    # the AllReduce yardstick: the elastic summary holds cluster 0's ranks, the static one both clusters' alike
+    assert summaries[0]["allreduce_equiv_bytes"] == 2 * summaries[1]["allreduce_equiv_bytes"] > 0
     losses = [[r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r] for name in ("static", "elastic")]
     assert len(losses[0]) == 20 and losses[0] == losses[1]
     records = records_of(tmp_path / "elastic")
