@@ -143,9 +143,10 @@ class StageParts:
         """This cluster's index among them (its `RoundStats.excluded` key)."""
         return self.channel.group_rank
 
-    def build_reducer(self, compression: CompressionConfig, flat: FlatParams) -> Reducer:
+    def build_reducer(self, compression: CompressionConfig, flat: FlatParams, *, sizes: bool = True) -> Reducer:
         """A reducer of `compression` over the tensors of `flat`, on the stage's channel, with the guard and the
-        aggregate of `[sync]`: a fragment's rounds' and its drain's."""
+        aggregate of `[sync]`: a fragment's rounds' and its drain's (`sizes`: whether the peer check may compare the
+        updates' sizes, `PeerCheck.sizes`; never under time rounds, where clusters take different steps)."""
         common: dict[str, Any] = dict(
             channel=self.channel,
             dp_group=self.dp_group,
@@ -153,7 +154,7 @@ class StageParts:
             seed=self.seed,
             guard_max_ratio=self.cfg.guard.max_ratio if self.cfg.guard.enabled else None,
             peer_max_ratio=self.cfg.guard.peer_ratio if self.cfg.guard.peers else None,
-            peer_sizes=self.cfg.round.mode != "time",  # a time budget: clusters take different steps (`PeerCheck`)
+            peer_sizes=sizes and self.cfg.round.mode != "time",
         )
         common.update(aggregate=self.cfg.aggregate, trim_fraction=self.cfg.trim_fraction)
         return build_reducer(compression, flat.shapes, **common, shard_group=self.shard_group, elastic=self.elastic_run)
@@ -620,18 +621,23 @@ class FragmentState:
         stage = self.stage
         held_back = self.reducer.held_back(stage.state_device)
         elastic = stage.elastic
-        if held_back is None and (elastic is None or self.outer_step == 0):  # no round has ended yet
+        if held_back is None and self.outer_step == 0:  # no round has ended yet
             return None
-        if held_back is None:  # elastic: healed at a boundary, nothing of its own held back; every member sends
+        if held_back is None:  # healed (left out of the first round, or at an elastic boundary): every member sends
             held_back = torch.zeros(self.numel, device=stage.state_device)
         width = drain_config(stage.compression)
-        drain = stage.build_reducer(width, self.flat)
+        # weighted residuals are compared per unit of the last landed round's weights; an elastic drain's quorum may
+        # not be that round's, so there only their direction is judged
+        weights = [1.0 if r is None or not r.tokens else r.tokens / stage.round_tokens for r in self.reports or ()]
+        drain = stage.build_reducer(width, self.flat, sizes=not stage.weighted or (elastic is None and bool(weights)))
         if self._peer_check is not None:  # a cluster caught in a round sends its residual, and nobody takes it
             drain.peers.distrusts = frozenset(self._peer_check.left_out)
         if elastic is not None:
             elastic.before_launch(self)
         with stage.channel.off_peak():  # a one-off transfer at the end: the peak in flight is the rounds'
             pending = drain.launch(held_back)
+        if stage.weighted and elastic is None:
+            pending.weights[:] = weights
         if elastic is not None:  # settled among the live clusters like a round's sync, sent again if they changed
             arrived = elastic.settle(
                 self, pending, round_steps=None, round_index=self.outer_step, judge_link=False, reducer=drain
