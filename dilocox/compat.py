@@ -161,7 +161,6 @@ NO_ADVERTISE = _flag("network.advertise_host", lambda v: not v, '""')
 LOCAL_CLUSTERS = _flag("topology.local_clusters", lambda v: bool(v.strip()), "a list")
 SOME_HERE = Feature("topology.local_clusters", "some of the clusters", lambda cfg: cfg.topology.elastic
                     and len(cfg.topology.launched_clusters()) < cfg.topology.num_clusters)
-MUON = _flag("train.optimizer", lambda v: v == "muon", "muon")
 RESUME_ONE = _flag("checkpoint.resume", lambda v: v not in ("", "auto"), "latest, or a checkpoint")
 OVERWRITE = _flag("run.overwrite", bool, "true")
 

@@ -19,7 +19,6 @@ import ast
 import dataclasses
 import difflib
 import functools
-import hashlib
 import importlib.resources
 import inspect
 import json
@@ -52,7 +51,6 @@ Device = Literal["auto", "cpu", "cuda"]
 DEVICES: tuple[str, ...] = get_args(Device)
 DpMode = Literal["replicate", "shard"]
 """`topology.dp_mode`: how a cluster's dp ranks hold a stage (`dilocox.parallel.fsdp`)."""
-DP_MODES: tuple[str, ...] = get_args(DpMode)
 ShardMode = Literal["mixed", "contiguous"]
 """`data.shard`: how the training windows are dealt to the data shards (`dilocox.data.dataset`)."""
 SHARD_MODES: tuple[str, ...] = get_args(ShardMode)
@@ -61,13 +59,10 @@ PipelineSchedule = Literal["gpipe", "1f1b"]
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 Optimizer = Literal["adamw", "sgd", "muon"]
 """`train.optimizer`: the inner optimizer."""
-OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 Dtype = Literal["fp32", "bf16"]
 """`train.dtype`: the autocast dtype of the forward pass (fp32: no autocast)."""
-DTYPES: tuple[str, ...] = get_args(Dtype)
 WandbMode = Literal["off", "offline", "online"]
 """`metrics.wandb`: no W&B run, a local run written without network, or a run streamed to the W&B server."""
-WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
 PresetName = Literal["dilocox", "dilocox-lowrank", "paper", "diloco", "allreduce", "cocktail"]
 """The presets shipped in `dilocox/presets/NAME.toml`, in the order `dilocox train --help` lists them."""
 PRESETS: tuple[str, ...] = get_args(PresetName)
@@ -454,11 +449,6 @@ class Config:
             if name.split(".")[0] in SHARED_SECTIONS and name not in MACHINE_LOCAL_SETTINGS:
                 shared[name] = value
         return shared
-
-    def shared_fingerprint(self) -> int:
-        """A fingerprint (63 bits) of `shared_settings`."""
-        digest = hashlib.sha256(json.dumps(self.shared_settings(), sort_keys=True).encode()).digest()
-        return int.from_bytes(digest[:8], "big") >> 1
 
     def _validate_membership(self) -> None:
         """`topology.elastic`'s own options (docs/design.md §10.1); what they do not work with: `dilocox.compat`."""

@@ -30,8 +30,6 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 TENSORBOARD_DIR = "tensorboard"
 """TensorBoard event files of a run, under its run directory (`tensorboard --logdir RUN_DIR/tensorboard`)."""
-WANDB_DIR = "wandb"
-"""Where W&B writes a run's files, under its run directory (offline runs: `wandb sync RUN_DIR/wandb/offline-run-*`)."""
 
 
 def _clean(value: Any) -> Any:

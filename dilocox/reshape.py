@@ -314,8 +314,7 @@ def _reshaped_fragment(
 
 
 def _codec_of(fragment: Any) -> Any:
-    reducer = fragment.reducer
-    return getattr(reducer, "reducer", reducer).codec  # under a FaultyReducer: the one it wraps
+    return fragment.reducer.codec  # under a FaultyReducer, the one it wraps
 
 
 def _residual_pieces(feedback: dict[str, Any], saved: _SavedFragment, layout: _Layout, index: int):

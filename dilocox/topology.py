@@ -127,7 +127,8 @@ class Topology:
 
     @property
     def uniform(self) -> bool:
-        """Every cluster has the same data-parallel degree (the slow groups are the cluster groups)."""
+        """Every cluster has the same data-parallel degree (every replica syncs its slice of the stage; else replica 0
+        syncs the whole stage)."""
         return len(set(self.dp_degrees)) == 1
 
     @functools.cached_property

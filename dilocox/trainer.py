@@ -343,7 +343,6 @@ class Trainer:
                     self.cluster_tokens_per_step,
                     round_tokens=cfg.sync.inner_steps * replica_tokens if self.weighs_clusters else None,
                     first_sum=float(self.topology.num_shards) if self.weighs_clusters else None,
-                    always=self.weighs_clusters,
                 ),
                 sharded=self.sharded,
                 dp_reduced=self.dp_reduced,

@@ -57,7 +57,6 @@ together from the pooled energy at the fewest values sent), or one for all."""
 RANK_RULES: tuple[str, ...] = get_args(RankRule)
 SpectrumSource = Literal["pseudo_grad", "codec_input"]
 """Whose spectrum the adaptive rank measures: the raw pseudo-gradient, or it plus the error-feedback residual."""
-SPECTRUM_SOURCES: tuple[str, ...] = get_args(SpectrumSource)
 Reduction = Literal["gather", "scalable"]
 """Averaging of payloads over clusters: gather ((C-1) x payload per rank, any codec) or scalable (~2 x payload)."""
 REDUCTIONS: tuple[str, ...] = get_args(Reduction)

@@ -433,4 +433,4 @@ class WanChannel:
         assert self.group is not None
         wire = Wire(self.group, self.world_size, self.group_rank, staging=self.staging)
         result = program(wire)
-        return Outcome(result, wire.nbytes_sent, wire.nbytes_recv, wire.control_bytes, phases=wire.phases)
+        return Outcome(result, wire.nbytes_sent, wire.nbytes_recv, phases=wire.phases)

@@ -423,7 +423,6 @@ class Wire:
         self.staging = staging if staging is not None else HostStaging()
         self.nbytes_sent = 0
         self.nbytes_recv = 0
-        self.control_bytes = 0
         self.phases = 0
 
     def all_to_all(self, chunks: list[torch.Tensor], recv_sizes: list[int]) -> list[torch.Tensor]:

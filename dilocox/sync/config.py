@@ -38,7 +38,6 @@ MergeChoice = Literal["auto", "reset", "keep_local", "eager", "lookahead", "own_
 """`sync.merge`: a merge rule, or auto (its rule in the field's docstring)."""
 OuterOptimizerName = Literal["sgd", "adamw"]
 """Every `sync.outer.optimizer` (`dilocox.sync.outer_optimizer`)."""
-OUTER_OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizerName)
 OUTER_LR = {"sgd": 0.7, "adamw": 1e-2}
 """`sync.outer.lr = auto` by outer optimizer: OpenDiLoCo's SGD 0.7; AdamW 1e-2, the best of 3e-3 / 1e-2 / 3e-2 on the
 gap protocol (docs/results.md, "The outer optimizer")."""
@@ -59,7 +58,6 @@ AGGREGATES: tuple[str, ...] = get_args(Aggregate)
 RoundMode = Literal["steps", "time"]
 """What makes a round (`sync.round.mode`): H inner steps on every cluster, or one time budget
 (`dilocox.sync.rounds`)."""
-ROUND_MODES: tuple[str, ...] = get_args(RoundMode)
 MIN_STEP_SECONDS = 1e-3
 """The least time one inner step can take (a forward, a backward and an optimizer step of the smallest model): a
 `sync.round.seconds` under H of them cuts every round to the one step a time round keeps at least."""
@@ -67,8 +65,6 @@ FIT_HEADROOM = 1.1
 """`sync.round.fit_link` sizes a round so that its compute is at least this multiple of the last sync's link time."""
 
 
-HELD_BACK_OPTIONS = ("local_residual", "drain_residual")
-"""The `[sync]` options that work on what a codec's error feedback holds back (`holds_back`)."""
 FIT_LINK_RANGE = 8
 """`sync.round.fit_link_max_steps = auto`: this many times sync.inner_steps."""
 

@@ -108,7 +108,7 @@ class DiLoCoSync:
         if self.time_rounds and not total_steps:
             raise ValueError("sync.round.mode = time makes the run ceil(total_steps / H) rounds: pass total_steps")
         weights = weights or TokenWeights()
-        weighted = self.time_rounds or weights.always
+        weighted = self.time_rounds or weights.round_tokens is not None
         params_device = self.flat.params[0].device if self.flat.params else torch.device("cpu")
         round_tokens = weights.round_tokens
         if round_tokens is None:  # n_ref: a round of H steps of the cluster's tokens, the same on every cluster
@@ -457,7 +457,7 @@ class DiLoCoSync:
             fragment.outer_step + 1,
             last_step_s=getattr(self, "_closed_step_s", 0.0),
             reports=fragment.reports,
-            own_index=self.stage.cluster,
+            own_index=self.stage.channel.group_rank,
         )
         self.clock_round = (step, steps)
         for k, each in enumerate(self.fragments):

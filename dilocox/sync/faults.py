@@ -52,7 +52,6 @@ FaultKind = Literal["none", "diverge", "nan", "scale", "random", "sign", "forge"
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 SlowMode = Literal["sleep", "virtual"]
 """How a slow cluster is slow (`faults.slow_mode`): it sleeps for real, or only the time-round clock counts it slow."""
-SLOW_MODES: tuple[str, ...] = get_args(SlowMode)
 FORGER = PayloadAuth(b"dilocox/faults/a-key-no-cluster-holds".ljust(MIN_KEY_BYTES))
 """faults.kind = forge: what a forger without the shared key tags its payloads with, a key no cluster holds."""
 
@@ -183,10 +182,9 @@ class FaultyReducer:
         self.faults = faults
         self.channel = channel
         self.cluster = cluster
-        """This cluster's index in the run (not its rank in a quorum or stage group)."""
+        """This cluster's index in the run (not its rank in a quorum)."""
         self.round_index = round_index
         """The round (1-based) a launch belongs to."""
-        self.name = reducer.name
 
     def launch(self, pseudo_grad: torch.Tensor) -> PendingMean:
         round_index = self.round_index()
@@ -199,32 +197,6 @@ class FaultyReducer:
                 pseudo_grad = self.faults.corrupt(pseudo_grad, round_index=round_index)
         return self.reducer.launch(pseudo_grad)
 
-    def abstain(self, pseudo_grad: torch.Tensor) -> PendingMean:
-        return self.reducer.abstain(pseudo_grad)
-
-    def relaunch(self, sent: torch.Tensor, *, account: bool) -> PendingMean:
-        return self.reducer.relaunch(sent, account=account)
-
-    def heal(self) -> None:
-        self.reducer.heal()
-
-    def forget_last(self) -> None:
-        self.reducer.forget_last()
-
-    def current_rank(self) -> int | None:
-        return self.reducer.current_rank()
-
-    def current_matrix_ranks(self) -> tuple[int, ...] | None:
-        return self.reducer.current_matrix_ranks()
-
-    def held_back(self, device: torch.device) -> torch.Tensor | None:
-        return self.reducer.held_back(device)
-
-    def state_bytes(self) -> int:
-        return self.reducer.state_bytes()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.reducer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.reducer.load_state_dict(state)
+    def __getattr__(self, name: str) -> Any:
+        """Every other member of the `Reducer` protocol is the wrapped reducer's."""
+        return getattr(self.__dict__["reducer"], name)

@@ -133,16 +133,6 @@ class StageParts:
     warned: bool = False
     """Whether the slow-link advice was given (once per run)."""
 
-    @property
-    def num_clusters(self) -> int:
-        """C: the clusters the average is over (elastic: the live ones of the round)."""
-        return self.channel.world_size
-
-    @property
-    def cluster(self) -> int:
-        """This cluster's index among them (its `RoundStats.excluded` key)."""
-        return self.channel.group_rank
-
     def build_reducer(self, compression: CompressionConfig, flat: FlatParams, *, sizes: bool = True) -> Reducer:
         """A reducer of `compression` over the tensors of `flat`, on the stage's channel, with the guard and the
         aggregate of `[sync]`: a fragment's rounds' and its drain's (`sizes`: whether the peer check may compare the
@@ -254,11 +244,13 @@ class FragmentState:
 
     @property
     def num_clusters(self) -> int:
-        return self.stage.num_clusters
+        """C: the clusters the average is over (elastic: the live ones of the round)."""
+        return self.stage.channel.world_size
 
     @property
     def cluster(self) -> int:
-        return self.stage.cluster
+        """This cluster's index among them (its `RoundStats.excluded` key)."""
+        return self.stage.channel.group_rank
 
     @property
     def divisor(self) -> float:
@@ -671,15 +663,10 @@ class FragmentState:
         but saved as what this rank sent, which a resumed run sends again (`load_state_dict`), so it arrives and is
         applied at the same step as in an uninterrupted run."""
         state = {
-            "outer_params": self.outer_params.detach().clone(),
-            "outer_optimizer": self.outer.state_dict(),
+            **self.agreed_state(),
             "round_start": self.round_start.clone(),
             "pending_sent": None if self.pending is None else self.pending.sent.clone(),
             "pending_seq": -1 if self.pending is None else self.pending.transfer.seq,
-            "outer_step": self.outer_step,
-            "inner_steps": self.inner_steps,
-            "round_end": self.round_end,
-            "last_boundary": self.last_boundary,
             "reduction": self.reducer.name,
             "reducer": self.reducer.state_dict(),
             "guard": self.guard.state_dict(),
@@ -690,9 +677,6 @@ class FragmentState:
         if self.stage.weighted:
             pending_report = None if self.pending is None else self.pending.report_sent
             state.update(
-                reports=None if self.reports is None else [None if r is None else r.to_tensor() for r in self.reports],
-                weight_sum=self.weight_sum,
-                landed_tokens=self.landed_tokens,
                 pending_report=None if pending_report is None else pending_report.clone(),
                 pending_report_seq=-1 if pending_report is None else self.pending.report.seq,  # type: ignore[union-attr]
             )
@@ -723,27 +707,16 @@ class FragmentState:
                 f"this checkpoint averaged with the {state['reduction']!r} reducer but this run uses "
                 f"{self.reducer.name!r}; resume with the compression.kind and compression.reduction it was written with"
             )
-        with torch.no_grad():
-            self.outer_params.copy_(state["outer_params"])
-        self.outer.load_state_dict(state["outer_optimizer"])
+        self._take_agreed(state)
         self.round_start = state["round_start"].to(self.outer_params.device, copy=True)
-        self.outer_step = int(state["outer_step"])
-        self.inner_steps = int(state["inner_steps"])
-        self.round_end = int(state["round_end"])
-        self.last_boundary = int(state["last_boundary"])
         self._launched_at = int(state.get("launched_at", self.last_boundary))
         self._launch_flags = tuple(state.get("launch_flags", (False, False)))
         self.reducer.load_state_dict(state["reducer"])
         self.guard.load_state_dict(state["guard"])
         self._report_flight = None
-        if self.stage.weighted:
-            saved = state["reports"]
-            self.reports = None if saved is None else [None if r is None else RoundReport.from_tensor(r) for r in saved]
-            self.weight_sum = None if state["weight_sum"] is None else float(state["weight_sum"])
-            self.landed_tokens = int(state["landed_tokens"])
-            if state["pending_report"] is not None:
-                counted = state["pending_report_seq"] < self.stage.channel.num_transfers
-                self._report_flight = state["pending_report"], not counted
+        if self.stage.weighted and state["pending_report"] is not None:
+            counted = state["pending_report_seq"] < self.stage.channel.num_transfers
+            self._report_flight = state["pending_report"], not counted
         # Every rank resumes from the same step and loads in the same order, so the re-sends pair up across
         # clusters. The link counters (restored first) hold the transfer exactly when it had arrived on this rank.
         self.pending = None
@@ -807,6 +780,14 @@ class FragmentState:
     def load_agreed_state(self, state: dict[str, Any]) -> None:
         """Take a peer's `agreed_state`: this cluster's parameters and round start become phi, its error-feedback
         residuals (which belong to rounds its peers have moved past) are dropped and nothing is in flight."""
+        self._take_agreed(state)
+        self.reducer.heal()
+        self.pending = None
+        self.flat.scatter_data(self.outer_params)
+        self.round_start = self.outer_params.clone()
+
+    def _take_agreed(self, state: dict[str, Any]) -> None:
+        """The part of `state` that `agreed_state` wrote."""
         with torch.no_grad():
             self.outer_params.copy_(state["outer_params"].to(self.outer_params.device))
         self.outer.load_state_dict(state["outer_optimizer"])
@@ -819,10 +800,6 @@ class FragmentState:
             self.reports = None if saved is None else [None if r is None else RoundReport.from_tensor(r) for r in saved]
             self.weight_sum = None if state["weight_sum"] is None else float(state["weight_sum"])
             self.landed_tokens = int(state["landed_tokens"])
-        self.reducer.heal()
-        self.pending = None
-        self.flat.scatter_data(self.outer_params)
-        self.round_start = self.outer_params.clone()
 
     def guard_snapshot(self) -> dict[str, Any]:
         """The guard's history: this rank's `RoundGuard` and the gather reduction's judges' (what an elastic redo of a

@@ -408,10 +408,10 @@ class GatherReducer(CodecReducer):
         self.guard = guard
         self.peers = peers
         self.pp_group = pp_group
+        """The cluster's pipeline: the stages agree on what the guard leaves out of every stage's mean."""
         self.shard_group = shard_group
         """A sharded stage's dp ranks (topology.dp_mode = shard), each judging its own shard: they agree as a replicated
         stage's replicas agree over dp_group."""
-        """The cluster's pipeline: the stages agree on what the guard leaves out of every stage's mean."""
         self.how = how
         self.trim_fraction = trim_fraction
 
@@ -507,16 +507,30 @@ class GatherReducer(CodecReducer):
     def _judge(
         self, updates: list[torch.Tensor | None], device: torch.device, clusters: Sequence[int], weights: list[float]
     ) -> dict[int, str]:
-        return judge_updates(
-            updates,
-            device,
-            guard=self.guard,
-            peers=self.peers,
-            dp_group=self.dp_group if self.shard_group is None else self.shard_group,
-            pp_group=self.pp_group,
-            clusters=clusters,
-            weights=weights or None,
-        )
+        """The clusters left out of the mean and why, from this rank's slice of every cluster's update (None: nothing
+        usable arrived): missing updates always; with the guard also non-finite and outsized ones, and with the peer
+        check those that stand out among the rest. What is left out is the same on every rank of the cluster
+        (`agree_in_cluster`): a cluster one rank's slice finds bad is left out of every slice of every stage, and the
+        peer check judges the whole updates. `clusters` and `weights`: the cluster of each update and the weight its
+        payload was multiplied by (`PeerCheck.judge`; empty: 1 each)."""
+        guard, peers = self.guard, self.peers
+        groups = (self.dp_group if self.shard_group is None else self.shard_group, self.pp_group)
+        if guard is None:
+            return {index: "no usable update arrived" for index, u in enumerate(updates) if u is None}
+        verdicts = guard.judge(updates)
+        stats = None
+        if peers is not None and len(updates) >= PEER_MIN_UPDATES:  # this rank's part of the whole updates' statistics
+            stats = peer_statistics([u if v is None else None for u, v in zip(updates, verdicts, strict=True)])
+        flags, stats = agree_in_cluster([v is not None for v in verdicts], stats, device, groups=groups)
+        verdicts = [
+            v if v is not None or not flag else "left out by the guard of another rank of this cluster (its slice)"
+            for v, flag in zip(verdicts, flags, strict=True)
+        ]
+        excluded = {index: v for index, v in enumerate(verdicts) if v is not None}
+        if peers is not None:
+            candidates = [i for i in range(len(updates)) if i not in excluded]
+            excluded.update(peers.judge(stats, candidates, clusters=clusters, weights=weights or None))
+        return excluded
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), **judges_state(self.guard, self.peers)}
@@ -524,41 +538,6 @@ class GatherReducer(CodecReducer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         load_judges_state(self.guard, self.peers, state)
-
-
-def judge_updates(
-    updates: list[torch.Tensor | None],
-    device: torch.device,
-    *,
-    guard: UpdateGuard | None,
-    peers: PeerCheck | None,
-    dp_group: dist.ProcessGroup | None,
-    pp_group: dist.ProcessGroup | None,
-    clusters: Sequence[int] | None = None,
-    weights: Sequence[float] | None = None,
-) -> dict[int, str]:
-    """The clusters left out of a gathered mean and why, from this rank's slice of every cluster's update (None:
-    nothing usable arrived): missing updates always; with a `guard` also non-finite and outsized ones, and with `peers`
-    those that stand out among the rest. What is left out is the same on every rank of the cluster
-    (`agree_in_cluster`): a cluster one rank's slice finds bad is left out of every slice of every stage, and the peer
-    check judges the whole updates. `clusters` and `weights`: the cluster of each update and the weight its payload
-    was multiplied by (`PeerCheck.judge`)."""
-    if guard is None:
-        return {index: "no usable update arrived" for index, u in enumerate(updates) if u is None}
-    verdicts = guard.judge(updates)
-    stats = None
-    if peers is not None and len(updates) >= PEER_MIN_UPDATES:  # this rank's part of the whole updates' statistics
-        stats = peer_statistics([u if v is None else None for u, v in zip(updates, verdicts, strict=True)])
-    flags, stats = agree_in_cluster([v is not None for v in verdicts], stats, device, groups=(dp_group, pp_group))
-    verdicts = [
-        v if v is not None or not flag else "left out by the guard of another rank of this cluster (its slice)"
-        for v, flag in zip(verdicts, flags, strict=True)
-    ]
-    excluded = {index: v for index, v in enumerate(verdicts) if v is not None}
-    if peers is not None:
-        candidates = [i for i in range(len(updates)) if i not in excluded]
-        excluded.update(peers.judge(stats, candidates, clusters=clusters or range(len(updates)), weights=weights))
-    return excluded
 
 
 def agree_in_cluster(

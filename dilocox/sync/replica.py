@@ -1,13 +1,13 @@
-"""The replicas of a stage that follow replica 0's outer sync: elastic runs of clusters of different data-parallel
-degree (docs/design.md §10.1).
+"""The replicas of a stage that follow replica 0's outer sync: clusters of different data-parallel degree
+(docs/design.md §2.1, §10.1).
 
-torchft pairs each rank of a cluster with the rank at the same place in every other cluster, and clusters of
-different dp have no such pairs past replica 0. In an elastic run of them, replica 0 of each stage (the leader) is
-the stage's only rank in torchft's quorums: its sync (`OuterSync`) averages the whole stage with the other clusters'
-leaders, each cluster's pseudo-gradient weighted by its tokens, and after every call the trainer makes of it, it
-tells the stage's other replicas over the fast dp_group what the call returned and, when the call wrote the
-parameters, sends them. Those replicas run `FollowerSync`: inside a round DDP keeps them equal to the leader, and
-at the leader's events they take its parameters; an error of the leader's call is raised on them too.
+Clusters of different dp have no replicas to pair up past replica 0 (neither the static cluster groups nor torchft's
+quorums can pair them), so replica 0 of each stage (the leader) is the stage's only rank on the slow link: its sync
+(`OuterSync`) averages the whole stage with the other clusters' leaders, each cluster's pseudo-gradient weighted by
+its tokens, and after every call the trainer makes of it, it tells the stage's other replicas over the fast dp_group
+what the call returned and, when the call wrote the parameters, sends them. Those replicas run `FollowerSync`:
+inside a round DDP keeps them equal to the leader, and at the leader's events they take its parameters; an error of
+the leader's call is raised on them too.
 
     mirror = StageMirror(model.parameters(), dp_group)       # on every replica of the stage
     leader:   OuterSync.from_configs(..., mirror=mirror)     # tells the followers after each call

@@ -42,17 +42,16 @@ _FLOOR_SLACK = 1e-9
 
 @dataclass(frozen=True)
 class TokenWeights:
-    """How this cluster's tokens weigh its updates (docs/design.md §3.1, §10.1): under time rounds always, with rounds
-    of steps when `always` (elastic clusters of different dp)."""
+    """How this cluster's tokens weigh its updates (docs/design.md §2.1, §3.1): under time rounds always, with rounds
+    of steps when `round_tokens` is given (clusters of different dp)."""
 
     per_step: int = 1
     """The tokens this cluster trains on per inner step (all its data-parallel replicas)."""
     round_tokens: int | None = None
-    """n_ref, the nominal tokens of one round, the same on every cluster (None: H x one replica's tokens a step)."""
+    """n_ref, the nominal tokens of one round, the same on every cluster (None: H x this cluster's tokens a step, and
+    rounds of steps are not weighted)."""
     first_sum: float | None = None
     """sum_c n_c / n_ref expected before any round landed (None: C, every cluster n_ref)."""
-    always: bool = False
-    """Weigh also with `sync.round.mode = "steps"`."""
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,6 @@ def _followed(rank, world_size, flags, fail_at):
                 REPLICA_TOKENS * DP_DEGREES[cluster],
                 round_tokens=2 * REPLICA_TOKENS,
                 first_sum=float(sum(DP_DEGREES)),
-                always=True,
             ),
             mirror=mirror,
         )

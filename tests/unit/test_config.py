@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from dilocox.agreement import settings_fingerprint
 from dilocox.config import Config, field_docs, from_dict, load_config, options, to_dict, to_toml
 from dilocox.sync import SyncConfig
 from dilocox.sync.config import OuterConfig
@@ -304,6 +305,10 @@ def test_every_cluster_on_this_machine_needs_neither_a_lighthouse_nor_an_address
     assert cfg.topology.launched_clusters() == (0, 1, 2, 3)
 
 
+def fingerprint(cfg: Config) -> int:
+    return settings_fingerprint(cfg.shared_settings())
+
+
 def test_the_shared_fingerprint_sees_what_clusters_must_share_and_ignores_what_machines_may_differ_in():
     base = load_config(None, ELASTIC)
     same = [
@@ -311,11 +316,11 @@ def test_the_shared_fingerprint_sees_what_clusters_must_share_and_ignores_what_m
         "--topology.max_cluster_restarts=9", "--network.advertise_host=10.0.0.9", "--metrics.progress=false",
         "--checkpoint.interval=7", "--eval.interval=3", "--run.num_threads=2",
     ]  # fmt: skip
-    assert load_config(None, [*ELASTIC, *same]).shared_fingerprint() == base.shared_fingerprint()
+    assert fingerprint(load_config(None, [*ELASTIC, *same])) == fingerprint(base)
     for differs in ["--train.lr=1e-3", "--run.seed=1", "--sync.inner_steps=10", "--compression.energy=0.9",
                     "--model.flavor=small", "--data.val_fraction=0.1", "--topology.num_clusters=3"]:  # fmt: skip
-        assert load_config(None, [*ELASTIC, differs]).shared_fingerprint() != base.shared_fingerprint(), differs
-    assert 0 <= base.shared_fingerprint() < 2**63  # it travels in an int64 tensor
+        assert fingerprint(load_config(None, [*ELASTIC, differs])) != fingerprint(base), differs
+    assert 0 <= fingerprint(base) < 2**63  # it travels in an int64 tensor
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ def relative_diff_pct(measured_s: float, model_s: float) -> float:
 def emulated_seconds(nbytes_sent: int, nbytes_recv: int, control_bytes: int, bytes_per_s: float) -> float:
     """What the emulated channel charges one collective at latency 0: `(max(sent, recv) + control) / bandwidth`.
 
-    This is the charge of `WanChannel._execute` in emulation mode, rebuilt from the public pieces
+    This is the charge of the channel's communicator (`Communicator._execute`) in emulation mode, rebuilt from the public pieces
     (`link_charge_bytes`, `LinkModel`), with the latency left out because the shaped link has none to compare.
     """
     charged = link_charge_bytes(nbytes_sent, nbytes_recv) + control_bytes
