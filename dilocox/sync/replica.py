@@ -141,8 +141,9 @@ class FollowerSync:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "follows" not in state:
             raise ValueError(
-                "this checkpoint's outer-sync state is not a following replica's: resume it with the topology it was "
-                "saved with"
+                "this checkpoint's outer-sync state is not a following replica's (another topology, or clusters of "
+                "different dp saved before replica 0 synced for its cluster): resume it with the topology and version "
+                "it was saved with, or start a new run"
             )
         self.step = int(state["num_steps"])
         if state["follows"]:
