@@ -121,6 +121,11 @@ def _followed(rank, world_size, flags, fail_at):
             ("--sync.sync_delay=0", *FP16, "--faults.kind=nan", "--faults.cluster=0", "--faults.rounds=1"),
             (400, 200, 200),
         ),  # fmt: skip
+        # the same with int4 payloads and the drain: cluster 0, left out of its only round, drains zeros with the others
+        (
+            ("--sync.sync_delay=0", *INT4_DRAINED, "--faults.kind=nan", "--faults.cluster=0", "--faults.rounds=1"),
+            (400, 200, 200),
+        ),  # fmt: skip
         # the peer check compares each payload per unit of its weight: cluster 0's, twice its update, is no lie, nor
         # its drained residual (int4 payloads, then the residual in int4)
         (
@@ -131,7 +136,17 @@ def _followed(rank, world_size, flags, fail_at):
         # over the median weight, value by value
         (("--sync.sync_delay=0", *FP16, "--sync.aggregate=median", "--sync.guard.enabled=false"), (400, 200, 200)),
     ],
-    ids=["steps", "time_rounds", "delayed", "fragments", "lying_cluster", "non_finite_cluster", "peers", "median"],
+    ids=[
+        "steps",
+        "time_rounds",
+        "delayed",
+        "fragments",
+        "lying_cluster",
+        "non_finite_cluster",
+        "non_finite_drained",
+        "peers",
+        "median",
+    ],
 )
 def test_replica_0_syncs_the_cluster_weighted_by_its_tokens_and_its_follower_takes_its_parameters(flags, tokens):
     results = run_ranks(_followed, 4, args=(flags, 0))
