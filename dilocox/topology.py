@@ -184,8 +184,9 @@ class Topology:
 
     def all_groups(self) -> dict[str, list[list[int]]]:
         """Every group of each kind, in the fixed order in which all ranks create them: pp, dp and the slow cluster
-        groups (where the clusters' dp degrees differ, replica 0's only: it syncs the stage for its cluster)."""
-        return {
+        groups; where the clusters' dp degrees differ, replica 0's only (it syncs the stage for its cluster), and the
+        group of every replica 0, the ranks that sync."""
+        groups = {
             "pp": [self.pp_group_ranks(c, d) for c in range(self.num_clusters) for d in range(self.dp_degrees[c])],
             "dp": [self.dp_group_ranks(c, p) for c in range(self.num_clusters) for p in range(self.pp_degree)],
             "cluster": [
@@ -194,6 +195,9 @@ class Topology:
                 for p in range(self.pp_degree)
             ],
         }
+        if not self.uniform:
+            groups["sync"] = [[self.rank_of(c, 0, p) for c in range(self.num_clusters) for p in range(self.pp_degree)]]
+        return groups
 
 
 @dataclass
@@ -205,6 +209,9 @@ class ProcessGroups:
     cluster_group: dist.ProcessGroup | None
     """The slow link: one rank per cluster; None on the replicas that follow their replica 0 (clusters of different
     dp degrees)."""
+    sync_group: dist.ProcessGroup | None = None
+    """Clusters of different dp degrees: every replica 0 of every stage, the ranks that sync (they agree on
+    `sync.round.fit_link`'s H); None where every rank syncs, or on a following replica."""
 
 
 def build_process_groups(
@@ -225,8 +232,8 @@ def build_process_groups(
     mine: dict[str, dist.ProcessGroup] = {}
     for kind, groups in topo.all_groups().items():
         for ranks in groups:
-            backend = "gloo" if kind == "cluster" else intra_backend
+            backend = "gloo" if kind in ("cluster", "sync") else intra_backend
             group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
             if rank in ranks:
                 mine[kind] = group
-    return ProcessGroups(pp_group=mine["pp"], dp_group=mine["dp"], cluster_group=mine.get("cluster"))
+    return ProcessGroups(mine["pp"], mine["dp"], mine.get("cluster"), mine.get("sync"))

@@ -335,6 +335,7 @@ class Trainer:
                 channel=self.channel,
                 dp_group=None if self.mirror is not None else self.groups.dp_group,
                 pp_group=self.groups.pp_group,
+                agree_group=self.groups.sync_group,
                 inner_optimizer=self.inner_optimizer,
                 membership=self.membership,
                 # clusters of different dp: each weighs its tokens against a round of one replica's in every

@@ -43,6 +43,7 @@ def build_sync(
     channel: WanChannel,
     dp_group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None = None,
+    agree_group: dist.ProcessGroup | None = None,
     inner_optimizer: torch.optim.Optimizer | None = None,
     membership: ElasticMembership | None = None,
     weights: TokenWeights | None = None,
@@ -58,7 +59,8 @@ def build_sync(
     are FSDP shards over `dp_group` (`topology.dp_mode = shard`): each rank syncs its own shard; `dp_reduced`: the
     gradients of a replicated stage arrive averaged over `dp_group` already (the trainer's DDP stage,
     `dilocox.parallel.fsdp.replicate_stage`); `mirror`: this rank is replica 0 of its stage and syncs it for the
-    replicas that follow (`dilocox.sync.replica`)."""
+    replicas that follow (`dilocox.sync.replica`); `agree_group`: the ranks that sync, which agree on fit_link's H
+    (None: every rank)."""
     from dilocox.sync.allreduce import AllReduceSync
     from dilocox.sync.cocktail import CocktailSync
     from dilocox.sync.outer import OuterSync
@@ -77,6 +79,7 @@ def build_sync(
         channel=channel,
         dp_group=dp_group,
         pp_group=pp_group,
+        agree_group=agree_group,
         seed=cfg.run.seed,
         total_steps=cfg.train.steps,
         inner_optimizer=inner_optimizer,

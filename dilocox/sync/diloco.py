@@ -78,6 +78,7 @@ class DiLoCoSync:
         channel: WanChannel,
         dp_group: dist.ProcessGroup | None,
         pp_group: dist.ProcessGroup | None = None,
+        agree_group: dist.ProcessGroup | None = None,
         seed: int = 0,
         total_steps: int | None = None,
         faults: FaultConfig | None = None,
@@ -91,7 +92,8 @@ class DiLoCoSync:
         already averaged the gradients over it, and this rank's shard is all it sends over the slow link (a replicated
         stage's rank sends its slice of the stage and all-gathers the others'). `dp_reduced`: the replicated stage's
         gradients arrive averaged over `dp_group` already (the trainer's DDP stage): `reduce_gradients` does nothing.
-        `weights`: how this cluster's tokens weigh its updates (`TokenWeights`)."""
+        `weights`: how this cluster's tokens weigh its updates (`TokenWeights`). `agree_group`: the ranks that sync, which
+        agree on fit_link's H (None: every rank)."""
         compression = compression or CompressionConfig()
         cfg = cfg.resolved(compression)  # its auto options, by their rules
         cfg.validate()
@@ -120,6 +122,7 @@ class DiLoCoSync:
             dp_group=self.dp_group,
             pp_group=pp_group,
             shard_group=dp_group if sharded else None,
+            agree_group=agree_group,
             seed=seed,
             state_device=params_device if cfg.outer.state_device == "device" else torch.device("cpu"),
             weighted=weighted,

@@ -114,6 +114,8 @@ class StageParts:
     """Where the outer state, the pseudo-gradient and its reduction live (sync.outer.state_device)."""
     shard_group: dist.ProcessGroup | None = None
     """A sharded stage's dp ranks (topology.dp_mode = shard; `dp_group` is then None): they agree on it too."""
+    agree_group: dist.ProcessGroup | None = None
+    """The ranks that sync, which agree on fit_link's H (None: every rank of the run)."""
     weighted: bool = False
     """The average weighs the clusters by their tokens of the round (time rounds, clusters of different dp): each sync
     carries a `RoundReport`."""
@@ -595,7 +597,7 @@ class FragmentState:
     def _fit_inner_steps(self, stats: RoundStats, round_steps: int) -> None:
         """sync.round.fit_link: the next round's H, sized to the link by the sync just waited for (`link_fit`)."""
         self.inner_steps, needed = fit_inner_steps(
-            stats, round_steps=round_steps, cfg=self.cfg, current=self.inner_steps
+            stats, round_steps=round_steps, cfg=self.cfg, current=self.inner_steps, group=self.stage.agree_group
         )
         if needed > self.cfg.round.fit_link_max_steps and not self.stage.warned:
             self.stage.warned = True

@@ -20,21 +20,23 @@ from dilocox.sync.base import RoundStats
 from dilocox.sync.config import FIT_HEADROOM, SyncConfig
 
 
-def fit_inner_steps(stats: RoundStats, *, round_steps: int, cfg: SyncConfig, current: int) -> tuple[int, int]:
+def fit_inner_steps(
+    stats: RoundStats, *, round_steps: int, cfg: SyncConfig, current: int, group: dist.ProcessGroup | None = None
+) -> tuple[int, int]:
     """The next round's H and the H the link wanted: large enough that the sync launched now, which travels during
     that round, fits in its compute with `FIT_HEADROOM`, judged by the sync just waited for (`stats`: same size, same
     link, `round_steps` steps of compute; `current` H when that compute is unknown).
 
     Never below the configured H (the user's choice when the link is fast) nor above `fit_link_max_steps`. Every rank
     measures its own link and step time, so they agree on the largest wish with one 8-byte all-reduce over every rank
-    (a control message, not counted as slow-link payload): all clusters and stages must end their rounds at the same
-    steps."""
+    that syncs (`group`; None: every rank of the run; a control message, not counted as slow-link payload): all
+    clusters and stages must end their rounds at the same steps."""
     link_s, compute_s = stats.link_s, stats.compute_s or 0.0
     step_s = compute_s / max(1, round_steps)
     needed = math.ceil(FIT_HEADROOM * link_s / step_s) if step_s > 0 else current
     wish = torch.tensor([min(max(needed, cfg.inner_steps), cfg.round.fit_link_max_steps)], dtype=torch.int64)
     if dist.is_initialized():
-        dist.all_reduce(wish, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+        dist.all_reduce(wish, op=dist.ReduceOp.MAX, group=dist.group.WORLD if group is None else group)
     return int(wish.item()), needed
 
 

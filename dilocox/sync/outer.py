@@ -164,6 +164,7 @@ class OuterSync:
         channel: WanChannel,
         dp_group: dist.ProcessGroup | None = None,
         pp_group: dist.ProcessGroup | None = None,
+        agree_group: dist.ProcessGroup | None = None,
         seed: int = 0,
         total_steps: int | None = None,
         inner_optimizer: torch.optim.Optimizer | None = None,
@@ -185,7 +186,8 @@ class OuterSync:
         weigh its updates (`TokenWeights`: time rounds, clusters of different dp). `sharded`: `params` are
         FSDP shards over `dp_group` (topology.dp_mode = shard, `DiLoCoSync`); `dp_reduced`: the gradients arrive
         averaged over `dp_group` already (DDP). `mirror`: this rank is replica 0 of its stage and syncs it for the
-        other replicas, which follow it (`dilocox.sync.replica`)."""
+        other replicas, which follow it (`dilocox.sync.replica`); `agree_group`: the ranks that sync, which agree on
+        fit_link's H (None: every rank)."""
         if sync.kind not in OUTER_LOOP_KINDS:
             raise ValueError(f"OuterSync needs sync.kind = diloco or dilocox, not {sync.kind!r}")
         compression = compression or CompressionConfig()
@@ -204,6 +206,7 @@ class OuterSync:
             channel=channel,
             dp_group=dp_group,
             pp_group=pp_group,
+            agree_group=agree_group,
             seed=seed,
             total_steps=total_steps,
             faults=faults,

@@ -14,6 +14,8 @@ from dilocox.elastic.membership import ElasticError
 from dilocox.net.channel import WanChannel
 from dilocox.sync import TokenWeights, build_sync
 from dilocox.sync.replica import FollowerSync, StageMirror
+from dilocox.topology import Topology, build_process_groups
+from tests.distributed.resume import simulated
 from tests.multiproc import run_ranks
 
 DP_DEGREES = (2, 1, 1)  # ranks 0, 1: cluster 0; rank 2: cluster 1; rank 3: cluster 2
@@ -190,3 +192,49 @@ def test_an_error_of_the_leaders_sync_is_raised_on_its_follower():
     for rank in (0, 1):
         _phi, trace, error = results[rank]
         assert error == "only 1 of 3 clusters are left at step 2" and len(trace) == 1
+
+
+def _fit_link(rank, world_size):
+    """Clusters of dp 2, 1 and 1 under the delay on an emulated link (virtual seconds, `simulated`) with
+    sync.round.fit_link: each replica 0 sends the whole stage at 8,000 bytes a second, each step takes 1/16 s; the
+    ranks that sync agree on H over their own group (`ProcessGroups.sync_group`) while the follower waits for its
+    leader. Returns the rounds (step, H) and the H the run ended with, as each rank saw them."""
+    topo = Topology.of_clusters(DP_DEGREES)
+    groups = build_process_groups(topo, rank)
+    cluster = CLUSTER_OF_RANK[rank]
+    cfg = load_config(None, ["--sync.kind=diloco", "--sync.inner_steps=2", "--sync.sync_delay=1",
+                             "--sync.round.fit_link=true", "--sync.outer.lr=1", "--sync.outer.momentum=0",
+                             "--sync.guard.peers=false", "--compression.kind=none", "--train.steps=40",
+                             "--topology.clusters=dp2,dp1,dp1"])  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+    mirror = StageMirror(params, groups.dp_group) if cluster == 0 else None
+    channel = simulated(lambda clock: WanChannel(groups.cluster_group, bandwidth=8000, latency_s=0.0, clock=clock))
+    if rank == 1:
+        sync = FollowerSync(mirror, name="diloco", inner_optimizer=None)
+    else:
+        weights = TokenWeights(100 * DP_DEGREES[cluster], round_tokens=200, first_sum=float(sum(DP_DEGREES)))
+        sync = build_sync(cfg, params, channel=channel, dp_group=None, agree_group=groups.sync_group,
+                          weights=weights, mirror=mirror)  # fmt: skip
+    sync.rejoin()
+    rounds = []
+    for step in range(1, 41):
+        channel.clock.sleep(0.0625)
+        with torch.no_grad():
+            params[0].add_(0.01 * (cluster + 1))  # each cluster moves its own way
+        stats = sync.after_inner_step(step)
+        if stats is not None:
+            rounds.append((step, stats.inner_steps))
+    sync.flush()
+    channel.close()
+    return rounds, sync.status().inner_steps
+
+
+@pytest.mark.dist
+def test_the_ranks_that_sync_fit_h_to_the_link_together_and_the_follower_takes_it():
+    """Without their own group the leaders' agreement would wait for the follower, which is waiting for its leader."""
+    results = run_ranks(_fit_link, 4, timeout=120)
+    rounds, final_h = results[0]
+    assert final_h > 2 and any(h > 2 for _, h in rounds)  # the link wanted a longer round than H = 2
+    for other_rounds, other_h in results[1:]:  # every rank ends its rounds at the same steps with the same H
+        assert other_rounds == rounds and other_h == final_h

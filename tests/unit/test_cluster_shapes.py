@@ -28,7 +28,12 @@ def test_clusters_of_dp_2_1_1_number_ranks_cluster_major_with_replica_0s_cluster
     assert [topo.coords(r) for r in range(4)] == [Coords(0, 0, 0), Coords(0, 1, 0), Coords(1, 0, 0), Coords(2, 0, 0)]
     assert [topo.rank_of(c, 0, 0) for c in range(3)] == [0, 2, 3]
     assert [topo.shard_index(r) for r in range(4)] == [0, 1, 2, 3] and topo.num_shards == 4
-    assert topo.all_groups() == {"pp": [[0], [1], [2], [3]], "dp": [[0, 1], [2], [3]], "cluster": [[0, 2, 3]]}
+    assert topo.all_groups() == {
+        "pp": [[0], [1], [2], [3]],
+        "dp": [[0, 1], [2], [3]],
+        "cluster": [[0, 2, 3]],
+        "sync": [[0, 2, 3]],  # the ranks that sync: they agree on fit_link's H
+    }
     assert [list(topo.ranks_of_cluster(c)) for c in range(3)] == [[0, 1], [2], [3]]
     with pytest.raises(ValueError, match="outside a world of 4"):
         topo.coords(4)
@@ -43,6 +48,7 @@ def test_pipelined_clusters_of_dp_2_and_3_sync_each_stage_over_replica_0():
     assert groups["pp"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
     assert groups["dp"] == [[0, 2], [1, 3], [4, 6, 8], [5, 7, 9]]
     assert groups["cluster"] == [[0, 4], [1, 5]]
+    assert groups["sync"] == [[0, 1, 4, 5]]
 
 
 def test_cluster_shapes_parse_in_every_spelling_and_refuse_mixed_pipelines():
