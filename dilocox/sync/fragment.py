@@ -45,7 +45,7 @@ from dilocox.sync.outer_optimizer import OuterOptimizer, OuterOptimizerFactory, 
 from dilocox.sync.reducer_factory import build_reducer
 from dilocox.sync.reducers import PendingMean, Reducer
 from dilocox.sync.robust import RoundGuard, judges_state, load_judges_state
-from dilocox.sync.rounds import RoundReport, token_weighted_factor
+from dilocox.sync.rounds import RoundReport, report_weights, token_weighted_factor
 
 if TYPE_CHECKING:
     from dilocox.elastic.rounds import ElasticRounds
@@ -509,7 +509,7 @@ class FragmentState:
         reports = None
         if pending.report is not None:
             reports = [None if r is None else RoundReport.from_tensor(r) for r in pending.report.wait()]
-            pending.weights[:] = [1.0 if r is None or not r.tokens else r.tokens / stage.round_tokens for r in reports]
+            pending.weights[:] = report_weights(reports, stage.round_tokens)
         avg = pending.wait()
         if reports is not None:  # the token-weighted mean of the pre-scaled pseudo-gradients
             factor, weight_sum = token_weighted_factor(
@@ -622,7 +622,7 @@ class FragmentState:
         width = drain_config(stage.compression)
         # weighted residuals are compared per unit of the last landed round's weights; an elastic drain's quorum may
         # not be that round's, so there only their direction is judged
-        weights = [1.0 if r is None or not r.tokens else r.tokens / stage.round_tokens for r in self.reports or ()]
+        weights = report_weights(self.reports or [], stage.round_tokens)
         drain = stage.build_reducer(width, self.flat, sizes=not stage.weighted or (elastic is None and bool(weights)))
         if self._peer_check is not None:  # a cluster caught in a round sends its residual, and nobody takes it
             drain.peers.distrusts = frozenset(self._peer_check.left_out)

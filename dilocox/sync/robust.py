@@ -224,6 +224,8 @@ class PeerCheck:
             return {}
         count = stats.shape[0]
         gram, shared = stats[:, :count].tolist(), stats[:, count : 2 * count].tolist()  # Python floats: exact compares
+        # a weight of 0 (a cluster that reported no tokens, yet sent an update) leaves its sizes as they were sent
+        scales = [scale or 1.0 for scale in scales]
         norms = {i: math.sqrt(max(gram[i][i], 0.0)) / scales[i] for i in candidates}
         magnitudes = {i: median_magnitude(stats[i, 2 * count :].tolist()) / scales[i] for i in candidates}
         excluded: dict[int, str] = {}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,6 +180,12 @@ class RoundClock:
         self.carry = float(state.get("carry", 0.0))  # a state saved before the carry existed: none
 
 
+def report_weights(reports: Sequence[RoundReport | None], round_tokens: int) -> list[float]:
+    """n_c / n_ref of every cluster's report; one whose report did not arrive (its tag did not verify) counts one
+    nominal round."""
+    return [1.0 if report is None else report.tokens / round_tokens for report in reports]
+
+
 def token_weighted_factor(
     reports: list[RoundReport | None], *, excluded: dict[int, str], round_tokens: int, robust: bool = False
 ) -> tuple[float, float]:
@@ -194,9 +201,6 @@ def token_weighted_factor(
     that reports far more tokens than it trained on scales only its own update, which the statistic leaves out,
     where in a sum it would shrink every other cluster's share."""
     kept = [index for index in range(len(reports)) if index not in excluded]
-    weights = [
-        1.0 if reports[index] is None else reports[index].tokens / round_tokens  # type: ignore[union-attr]
-        for index in kept
-    ]
+    weights = [weight for index, weight in enumerate(report_weights(reports, round_tokens)) if index not in excluded]
     total = len(weights) * statistics.median(weights) if robust and weights else sum(weights)
     return (len(kept) / total if total > 0 else 0.0), total
